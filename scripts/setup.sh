@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with torch==2.13.0 (the CPU
+# build this machine carries; any other torch spec pulls several GB of CUDA
+# wheels), then ddpkit itself in editable mode with its test extras.
+# A second run only checks that everything imports and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, ddpkit, pytest, tqdm, safetensors, sklearn" >/dev/null 2>&1; then
+    .venv/bin/python -m pip install --quiet torch==2.13.0
+    .venv/bin/python -m pip install --quiet -e ".[test]"
+fi

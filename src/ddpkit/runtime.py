@@ -1,0 +1,330 @@
+"""The distributed runtime: one process group per process, and helpers around it.
+
+:func:`init` reads this process's place from the environment (see
+:mod:`ddpkit.discovery` for the schemes: ddpkit/torchrun, OpenMPI, PMI, SLURM,
+or nothing at all for a world of one), meets the other ranks at the
+rendezvous store, checks that they agree on the world, and creates the
+``torch.distributed`` process group.
+
+Rendezvous checks (each fails with an error naming the value and the fix,
+bounded by the rendezvous timeout, never a silent hang):
+
+* ``MASTER_ADDR`` does not resolve, or nothing answers there in time;
+* rank 0 cannot listen on ``MASTER_PORT`` (the port is busy);
+* two processes claim the same rank;
+* ranks disagree on ``WORLD_SIZE``, or fewer processes than ``WORLD_SIZE``
+  join in time.
+
+Timeouts: ``timeout`` (argument, else ``DDPKIT_TIMEOUT`` in seconds) bounds both
+the rendezvous and every collective. When neither is given the rendezvous
+waits :data:`DEFAULT_JOIN_TIMEOUT_S` and collectives :data:`DEFAULT_TIMEOUT_S`.
+
+Backend: ``nccl`` when CUDA is available, else ``gloo``; override with the
+``backend`` argument or ``DDPKIT_BACKEND``. Device: ``cuda:LOCAL_RANK`` with
+CUDA, else ``cpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.discovery import Placement, discover
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""Collective timeout when none is configured (torch's own default)."""
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+"""How long ranks wait for each other at the rendezvous when no timeout is configured."""
+
+_POLL_S = 0.01
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet: unreachable store, busy port, or a world that disagrees."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    """What :func:`init` found and created; the same object on every call."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    backend: str
+    """The process group's backend: ``gloo``, ``nccl`` or ``mpi``."""
+    scheme: str
+    """How the placement was discovered: env, openmpi, pmi, slurm or single."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_ctx: DistContext | None = None
+
+
+def _timeouts(timeout: float | None) -> tuple[float, float]:
+    """Return (rendezvous, collective) timeouts in seconds."""
+    if timeout is None and os.environ.get("DDPKIT_TIMEOUT"):
+        raw = os.environ["DDPKIT_TIMEOUT"]
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"DDPKIT_TIMEOUT={raw!r} is not a number of seconds") from None
+    if timeout is None:
+        return DEFAULT_JOIN_TIMEOUT_S, DEFAULT_TIMEOUT_S
+    if timeout <= 0:
+        raise ValueError(f"timeout {timeout} must be a positive number of seconds")
+    return timeout, timeout
+
+
+def _choose_backend(backend: str | None) -> str:
+    backend = backend or os.environ.get("DDPKIT_BACKEND") or None
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl", "mpi"):
+        raise ValueError(f"backend {backend!r} is not one of gloo, nccl, mpi")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which is not available here: use backend='gloo'")
+    return backend
+
+
+def _choose_device(place: Placement) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if place.local_rank >= count:
+        raise ValueError(
+            f"local rank {place.local_rank} has no GPU: only {count} visible on this node; "
+            f"start at most {count} processes per node (--nproc-per-node {count})"
+        )
+    device = torch.device("cuda", place.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _open_store(place: Placement, join_timeout: float) -> dist.Store:
+    try:
+        socket.getaddrinfo(place.master_addr, place.master_port)
+    except socket.gaierror as e:
+        raise RendezvousError(
+            f"MASTER_ADDR={place.master_addr!r} does not resolve ({e.strerror}): "
+            "set it (--master-addr) to a host name or IP address of rank 0's node"
+        ) from None
+    # Under torchrun the launcher already serves the store on MASTER_PORT and
+    # every worker connects to it as a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    is_server = place.rank == 0 and not agent_store
+    try:
+        return dist.TCPStore(
+            place.master_addr, place.master_port, place.world_size, is_server,
+            timeout=timedelta(seconds=join_timeout), wait_for_workers=False,
+        )
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        where = f"{place.master_addr}:{place.master_port}"
+        if is_server:
+            raise RendezvousError(
+                f"rank 0 could not listen on {where} ({e}): the port is probably busy; "
+                "choose a free one with --master-port / MASTER_PORT"
+            ) from None
+        raise RendezvousError(
+            f"rank {place.rank} could not reach the rendezvous at {where} within "
+            f"{join_timeout:g} s ({e}): check that rank 0 is running, that MASTER_ADDR/"
+            "MASTER_PORT are the same on every node, and that the port is open"
+        ) from None
+
+
+def _census(store: dist.Store, place: Placement, join_timeout: float) -> None:
+    """Check that exactly ``world_size`` distinct ranks agreeing on it have joined."""
+
+    def fail(message: str) -> None:
+        store.set("error", message)
+        raise RendezvousError(message)
+
+    if store.add(f"claim/{place.rank}", 1) > 1:
+        fail(f"rank {place.rank} is claimed by more than one process: each process needs its "
+             "own RANK in 0..WORLD_SIZE-1 (are two jobs sharing MASTER_PORT?)")
+    if place.rank == 0:
+        store.set("world_size", str(place.world_size))
+    else:
+        theirs = int(store.get("world_size"))
+        if theirs != place.world_size:
+            fail(f"rank {place.rank} has WORLD_SIZE={place.world_size} but rank 0 has "
+                 f"WORLD_SIZE={theirs}: every process must be started with the same world size")
+    store.add("joined", 1)
+    deadline = time.monotonic() + join_timeout
+    while (joined := store.add("joined", 0)) < place.world_size:
+        if store.check(["error"]):
+            raise RendezvousError(store.get("error").decode())
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"only {joined} of WORLD_SIZE={place.world_size} processes joined the rendezvous "
+                f"at {place.master_addr}:{place.master_port} within {join_timeout:g} s: check that "
+                "WORLD_SIZE matches the number of processes started on all nodes"
+            )
+        time.sleep(_POLL_S)
+
+
+def init(backend: str | None = None, timeout: float | None = None) -> DistContext:
+    """Join the job described by the environment and create the process group.
+
+    Calling it again returns the same context. With no launcher variables in
+    the environment it creates a world of one process, in which every ddpkit
+    feature (collectives included) still works.
+
+    Args:
+        backend: ``gloo``, ``nccl`` or ``mpi``. Default: ``DDPKIT_BACKEND``,
+            else ``nccl`` with CUDA and ``gloo`` without.
+        timeout: seconds for the rendezvous and each collective. Default:
+            ``DDPKIT_TIMEOUT``, else 300 s to meet and 1800 s per collective.
+
+    Returns:
+        The :class:`DistContext` of this process.
+
+    Raises:
+        ValueError: inconsistent environment (``RANK`` without ``WORLD_SIZE``,
+            a rank outside the world, an unknown backend).
+        RendezvousError: the ranks could not meet or disagree on the world.
+
+    Example::
+
+        ctx = ddpkit.init()
+        model = ddpkit.DDP(model.to(ctx.device))
+    """
+    global _ctx
+    if _ctx is not None and dist.is_initialized():
+        return _ctx
+    place = discover(os.environ)
+    join_timeout, collective_timeout = _timeouts(timeout)
+    if dist.is_initialized():
+        # Someone (the user, a test harness) created the group already: adopt it.
+        backend = str(dist.get_backend())
+    else:
+        backend = _choose_backend(backend)
+    device = _choose_device(place)
+    if not dist.is_initialized():
+        if place.world_size == 1:
+            store: dist.Store = dist.HashStore()
+        else:
+            store = _open_store(place, join_timeout)
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            # Keys live under a per-restart prefix: a store that outlives one
+            # attempt (torchrun's agent store) must not see the last one's census.
+            store = dist.PrefixStore(f"ddpkit/{restart}/", store)
+            _census(store, place, join_timeout)
+        dist.init_process_group(
+            backend, store=store, rank=place.rank, world_size=place.world_size,
+            timeout=timedelta(seconds=collective_timeout),
+        )
+    _ctx = DistContext(
+        rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,
+        local_world_size=place.local_world_size, node_rank=place.node_rank,
+        device=device, backend=backend, scheme=place.scheme,
+    )
+    return _ctx
+
+
+def shutdown() -> None:
+    """Destroy the process group. Harmless when :func:`init` was never called."""
+    global _ctx
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _ctx = None
+
+
+def context() -> DistContext | None:
+    """The current context, or ``None`` before :func:`init`."""
+    return _ctx if dist.is_initialized() else None
+
+
+def _placement() -> DistContext | Placement:
+    # Before init() the environment still answers "who am I", so scripts may
+    # ask is_main() early (e.g. to set up logging) without a process group.
+    return context() or discover(os.environ)
+
+
+def rank() -> int:
+    """Global rank of this process (0 without a launcher)."""
+    return _placement().rank
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 without a launcher)."""
+    return _placement().world_size
+
+
+def local_rank() -> int:
+    """Rank of this process on its node (0 without a launcher)."""
+    return _placement().local_rank
+
+
+def is_main() -> bool:
+    """True on global rank 0."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Block until every rank reaches this call. A no-op in a world of one.
+
+    Raises:
+        RuntimeError: called before :func:`init` in a multi-process job.
+    """
+    ctx = context()
+    if ctx is None:
+        if world_size() == 1:
+            return
+        raise RuntimeError("ddpkit.barrier() needs the process group: call ddpkit.init() first")
+    if ctx.world_size == 1:
+        return
+    if ctx.backend == "nccl":
+        dist.barrier(device_ids=[ctx.device.index])
+    else:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def zero_first(local: bool = True) -> Iterator[None]:
+    """Run the block on rank 0 first, then on all other ranks.
+
+    The usual use is a download or a cache build that rank 0 does while the
+    others wait, after which they read the result. Every rank must enter the
+    block (it holds one barrier per rank).
+
+    Args:
+        local: True (default): rank 0 of each node goes first, so each node
+            fills its own cache. False: only global rank 0 goes first.
+
+    Example::
+
+        with ddpkit.zero_first():
+            dataset = load_or_download(root)
+    """
+    first = (local_rank() if local else rank()) == 0
+    if not first:
+        barrier()
+    try:
+        yield
+    finally:
+        # The first ranks release the others even when the block raised, so an
+        # error surfaces as that rank's traceback instead of a hang elsewhere.
+        if first:
+            barrier()
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """``print`` on global rank 0 only (flushed, so it shows through a pipe at once)."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)  # type: ignore[call-overload]

@@ -1,0 +1,172 @@
+"""``ddpkit.spawn``: run a function on N local processes, like ``torch.multiprocessing.spawn``.
+
+The parent picks a free loopback port and gives each child the launcher
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), so
+the function only has to call :func:`ddpkit.init`. The parent then watches
+every child: the first one to raise (or die) has its traceback sent home, the
+others are terminated at once (they would otherwise wait in a collective
+until the timeout), and :class:`WorkerError` is raised in the parent with that
+rank and traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+_GRACE_S = 3.0
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; carries its rank, exit code and traceback text.
+
+    When the worker's exception could be pickled it is chained as
+    ``__cause__``, so ``except`` clauses can still inspect the original.
+    """
+
+    def __init__(self, rank: int, message: str, traceback_text: str = "", exitcode: int | None = None):
+        self.rank = rank
+        self.traceback = traceback_text
+        self.exitcode = exitcode
+        detail = f"\n\n--- traceback of rank {rank} ---\n{traceback_text}" if traceback_text else ""
+        super().__init__(f"rank {rank} failed: {message}{detail}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host`` (the OS picks it; free at the time of the call)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(rank: int, world_size: int, port: int, backend: str | None) -> dict[str, str]:
+    """The launcher variables of one single-node worker."""
+    env = {
+        "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    }
+    if backend:
+        env["DDPKIT_BACKEND"] = backend
+    return env
+
+
+def _encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
+    try:
+        payload: bytes | None = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+        payload = None
+    # The time lets the parent tell the root cause from the ranks that failed
+    # only because it did (their collectives broke a moment later).
+    return time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc(), payload
+
+
+def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str, str], conn: Connection) -> None:
+    # Own process group, so the parent can take down grandchildren too (a
+    # DataLoader worker is one) with a single killpg.
+    os.setpgid(0, 0)
+    os.environ.update(env)
+    try:
+        fn(rank, *args)
+    except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
+        conn.send(_encode_failure(exc))
+        conn.close()
+        os._exit(1)
+    conn.close()
+
+
+def terminate(processes: Sequence[mp.process.BaseProcess], grace_s: float = _GRACE_S) -> None:
+    """SIGTERM each process's group, then SIGKILL whatever outlives ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in processes if p.is_alive() and p.pid is not None]
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in alive:
+            proc.join(grace_s if sig == signal.SIGTERM else None)
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str | None = None) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes and wait for all of them.
+
+    Args:
+        fn: a picklable (module-level) function; each process calls
+            ``fn(rank, *args)`` with the launcher environment already set, so
+            ``ddpkit.init()`` inside it joins the group.
+        nprocs: number of processes (the world size).
+        args: extra positional arguments for ``fn``.
+        backend: sets ``DDPKIT_BACKEND`` for the children (default: ddpkit's choice).
+
+    Raises:
+        ValueError: ``nprocs`` is smaller than 1.
+        WorkerError: a child raised or died; the first failure, with its rank
+            and traceback. The other children are terminated.
+
+    Example::
+
+        def worker(rank, steps):
+            ctx = ddpkit.init()
+            ...
+
+        ddpkit.spawn(worker, nprocs=2, args=(100,))
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, conns = [], {}
+    for rank in range(nprocs):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_child, args=(fn, rank, tuple(args), worker_env(rank, nprocs, port, backend), child_conn),
+            name=f"ddpkit-rank{rank}",
+        )
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns[proc.sentinel] = (rank, parent_conn)
+    try:
+        _watch(procs, conns)
+    finally:
+        terminate(procs)
+
+
+def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Connection]]) -> None:
+    pending = {p.sentinel: p for p in procs}
+    while pending:
+        failures = []
+        for sentinel in wait(list(pending)):
+            proc = pending.pop(sentinel)  # type: ignore[call-overload]
+            proc.join()
+            if proc.exitcode != 0:
+                rank, conn = conns[sentinel]
+                failures.append(_failure(rank, proc.exitcode, conn))
+        if failures:
+            _, error = min(failures, key=lambda f: f[0])
+            raise error
+
+
+def _failure(rank: int, exitcode: int | None, conn: Connection) -> tuple[float, WorkerError]:
+    report = conn.recv() if conn.poll() else None
+    if report is None:
+        how = (f"killed by signal {signal.Signals(-exitcode).name}"
+               if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")
+        return time.time(), WorkerError(rank, f"process {how} without a Python exception", exitcode=exitcode)
+    when, message, text, payload = report
+    error = WorkerError(rank, message, text, exitcode=exitcode)
+    if payload is not None:
+        try:
+            error.__cause__ = pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - the text is enough
+            pass
+    return when, error

@@ -1,0 +1,119 @@
+"""Multi-process test harness: a pool of persistent gloo ranks on localhost.
+
+``import torch`` costs about a second here, so the workers are started once
+per world size and reused by every test: the test sends a module-level
+function, every rank runs it, and the parent gets the per-rank results. The
+first failure (an exception or a dead worker) is re-raised in the test with
+the rank and its traceback, the other ranks are killed (they would be stuck
+in a collective), and the next ``run`` starts a fresh pool. ``run`` enforces
+a timeout, so a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+from ddpkit.spawn import WorkerError, free_port, terminate, worker_env
+
+
+def _serve(rank: int, world_size: int, port: int, conn) -> None:
+    os.setpgid(0, 0)
+    os.environ.update(worker_env(rank, world_size, port, "gloo"))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    import ddpkit
+
+    torch.set_num_threads(1)
+    ddpkit.init(backend="gloo", timeout=90)
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        fn, args, kwargs = job
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+class RankPool:
+    """``world_size`` worker processes with an initialised gloo process group."""
+
+    def __init__(self, world_size: int, start_timeout: float = 120.0):
+        self.world_size = world_size
+        self._start_timeout = start_timeout
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, self.world_size, port, child), daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect(self._start_timeout, "start-up")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank.
+
+        Raises:
+            WorkerError: a rank raised or died (the pool is restarted next time).
+            TimeoutError: not every rank answered within ``timeout`` seconds.
+        """
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout, getattr(fn, "__name__", repr(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        by_conn = {id(c): r for r, c in enumerate(self._conns)}
+        try:
+            while len(results) < self.world_size:
+                waiting = [c for r, c in enumerate(self._conns) if r not in results]
+                left = deadline - time.monotonic()
+                ready = wait(waiting, timeout=max(left, 0))
+                if not ready:
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    raise TimeoutError(f"{what}: ranks {missing} did not answer within {timeout:g} s")
+                for conn in ready:
+                    rank = by_conn[id(conn)]
+                    try:
+                        reply = conn.recv()
+                    except EOFError:
+                        code = self._procs[rank].exitcode
+                        raise WorkerError(rank, f"{what}: worker died (exit code {code})", exitcode=code) from None
+                    if reply[0] == "error":
+                        raise WorkerError(rank, f"{what}: {reply[1]}", reply[2])
+                    results[rank] = reply[1]
+        except BaseException:
+            self.close()
+            raise
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the workers (they are restarted by the next ``run``)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        terminate(self._procs, grace_s=2.0)
+        self._procs, self._conns = [], []
