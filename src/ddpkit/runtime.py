@@ -164,17 +164,28 @@ def _census(store: dist.Store, place: Placement, join_timeout: float) -> None:
             fail(f"rank {place.rank} has WORLD_SIZE={place.world_size} but rank 0 has "
                  f"WORLD_SIZE={theirs}: every process must be started with the same world size")
     store.add("joined", 1)
+    where = f"{place.master_addr}:{place.master_port}"
+    advice = "check that WORLD_SIZE matches the number of processes started on all nodes"
     deadline = time.monotonic() + join_timeout
-    while (joined := store.add("joined", 0)) < place.world_size:
-        if store.check(["error"]):
-            raise RendezvousError(store.get("error").decode())
-        if time.monotonic() > deadline:
-            raise RendezvousError(
-                f"only {joined} of WORLD_SIZE={place.world_size} processes joined the rendezvous "
-                f"at {place.master_addr}:{place.master_port} within {join_timeout:g} s: check that "
-                "WORLD_SIZE matches the number of processes started on all nodes"
-            )
-        time.sleep(_POLL_S)
+    joined = 0
+    try:
+        while (joined := store.add("joined", 0)) < place.world_size:
+            if store.check(["error"]):
+                raise RendezvousError(store.get("error").decode())
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"only {joined} of WORLD_SIZE={place.world_size} processes joined the rendezvous "
+                    f"at {where} within {join_timeout:g} s: {advice}"
+                )
+            time.sleep(_POLL_S)
+    except RendezvousError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's network errors vary by version
+        raise RendezvousError(
+            f"rank {place.rank} lost the rendezvous at {where} while {joined} of "
+            f"WORLD_SIZE={place.world_size} processes had joined (rank 0 gave up or died: see its "
+            f"error) ({type(e).__name__}): {advice}"
+        ) from None
 
 
 def init(backend: str | None = None, timeout: float | None = None) -> DistContext:

@@ -1,0 +1,30 @@
+"""``ddpkit launch``: start one node's share of a data-parallel job, torchrun-compatible.
+
+Definitions:
+    node: one machine, running one launcher. nnodes: how many.
+    nproc_per_node: workers this launcher starts (``auto``: one per GPU, else 1).
+    rank: a worker's global index, ``node_rank * nproc_per_node + local_rank``.
+    world size: ``nnodes * nproc_per_node``.
+
+Worker environment (the torchrun contract, so scripts written for torchrun
+run unchanged, and ddpkit scripts run under torchrun):
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK`` (node rank), ``GROUP_WORLD_SIZE``, ``ROLE_RANK``,
+    ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, and
+    ``OMP_NUM_THREADS=1`` when unset and more than one worker runs here.
+
+Rendezvous: rank 0 (on node 0) serves a TCP store on ``MASTER_ADDR:MASTER_PORT``
+(default port 29500; ``--standalone`` picks a free one on loopback). The other
+nodes' launchers are started with the same address, port and ``--nnodes``.
+
+Failure modes: see :mod:`ddpkit.launcher.supervise`. Bad arguments (zero
+processes, a node rank outside ``--nnodes``, a missing script, a busy port on
+node 0, an address that does not resolve) are reported before any worker starts.
+"""
+
+from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.plan import WorkerSpec, plan_workers
+from ddpkit.launcher.supervise import run
+
+__all__ = ["LaunchConfig", "WorkerSpec", "plan_workers", "run"]

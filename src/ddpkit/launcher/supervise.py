@@ -1,0 +1,271 @@
+"""Supervision: start one node's workers, stream their output, tear down on failure.
+
+Failure handling, in order:
+
+1. The first worker to exit non-zero (or die of a signal) is the root cause.
+2. Every other worker *and its children* (each worker leads its own process
+   group, so a DataLoader worker goes too) gets SIGTERM, then SIGKILL after
+   the grace period.
+3. The root cause is printed: rank, exit code or signal, and the Python
+   traceback taken from that rank's stderr, with no decorator needed in the
+   user's script.
+4. With restarts left, the whole group starts again with
+   ``TORCHELASTIC_RESTART_COUNT`` incremented; otherwise the launcher exits 1.
+
+SIGINT/SIGTERM to the launcher is forwarded to every worker group, then the
+launcher exits ``128 + signal``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.plan import WorkerSpec, plan_workers
+from ddpkit.spawn import free_port
+
+_POLL_S = 0.05
+_TAIL_LINES = 400
+_SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
+# torch itself prefixes an uncaught exception's lines with "[rankN]: " once
+# the process group exists; we neither double it nor let it hide a traceback.
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+_write_lock = threading.Lock()
+
+
+def say(message: str) -> None:
+    """The launcher's own voice, on stderr, so it never mixes into a worker's stdout."""
+    with _write_lock:
+        sys.stderr.write(f"ddpkit launch: {message}\n")
+        sys.stderr.flush()
+
+
+class _Pump(threading.Thread):
+    """Copy one worker stream to ours, whole segments at a time, with a rank prefix.
+
+    ``\\r`` ends a segment too, so progress bars redraw in place with their prefix.
+    """
+
+    def __init__(self, src: BinaryIO, dst: BinaryIO, prefix: bytes, log: BinaryIO | None, tail: collections.deque | None):
+        super().__init__(daemon=True)
+        self.src, self.dst, self.prefix, self.log, self.tail = src, dst, prefix, log, tail
+
+    def run(self) -> None:
+        pending = b""
+        while chunk := self.src.read1(65536):
+            pending += chunk
+            end = 0
+            for match in _SEGMENT.finditer(pending):
+                self._emit(match.group())
+                end = match.end()
+            pending = pending[end:]
+        if pending:
+            self._emit(pending + b"\n")
+
+    def _emit(self, segment: bytes) -> None:
+        prefix = b"" if segment.startswith(self.prefix) else self.prefix
+        with _write_lock:
+            self.dst.write(prefix + segment)
+            self.dst.flush()
+        if self.log is not None:
+            self.log.write(segment)
+            self.log.flush()
+        if self.tail is not None:
+            self.tail.append(segment.decode("utf-8", "replace").rstrip("\r\n"))
+
+
+def extract_traceback(lines: list[str]) -> str:
+    """The last Python traceback (with the exceptions chained to it) in ``lines``."""
+    lines = [_TORCH_PREFIX.sub("", line) for line in lines]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return ""
+    chain_markers = ("During handling of the above exception", "The above exception was the direct cause")
+    first = starts[-1]
+    for start in reversed(starts[:-1]):
+        between = "\n".join(lines[start:first])
+        if not any(marker in between for marker in chain_markers):
+            break
+        first = start
+    return "\n".join(lines[first:]).rstrip()
+
+
+@dataclass
+class Failure:
+    """The root cause of a failed attempt."""
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    traceback: str
+
+    def describe(self) -> str:
+        how = (f"killed by signal {signal.Signals(-self.exitcode).name}"
+               if self.exitcode < 0 else f"exit code {self.exitcode}")
+        return f"rank {self.rank} (local rank {self.local_rank}) failed first: {how}"
+
+
+class WorkerGroup:
+    """The running workers of one attempt."""
+
+    def __init__(self, specs: list[WorkerSpec], cfg: LaunchConfig, attempt: int):
+        self.specs = specs
+        self.cfg = cfg
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[_Pump] = []
+        self.tails = {s.rank: collections.deque(maxlen=_TAIL_LINES) for s in specs}
+        self.logs = []
+        log_dir = cfg.log_dir / f"attempt_{attempt}" if cfg.log_dir else None
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        for spec in specs:
+            log = open(log_dir / f"rank{spec.rank}.log", "ab") if log_dir else None  # noqa: SIM115
+            self.logs.append(log)
+            # start_new_session: the worker leads a process group holding all
+            # its descendants, which killpg can then take down together.
+            proc = subprocess.Popen(
+                spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            self.procs.append(proc)
+            prefix = f"[rank{spec.rank}]: ".encode() if cfg.prefix_output else b""
+            for src, dst, tail in ((proc.stdout, sys.stdout.buffer, None),
+                                   (proc.stderr, sys.stderr.buffer, self.tails[spec.rank])):
+                pump = _Pump(src, dst, prefix, log, tail)
+                pump.start()
+                self.pumps.append(pump)
+
+    def wait(self) -> Failure | None:
+        """Block until every worker succeeded (None) or the first one failed."""
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            for spec, code in zip(self.specs, codes):
+                if code not in (None, 0):
+                    return self._failure(spec, code)
+            if all(code == 0 for code in codes):
+                return None
+            time.sleep(_POLL_S)
+
+    def _failure(self, spec: WorkerSpec, code: int) -> Failure:
+        self.stop()
+        return Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
+                       traceback=extract_traceback(list(self.tails[spec.rank])))
+
+    def signal_all(self, sig: int) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self, first_signal: int = signal.SIGTERM) -> None:
+        """Signal every worker's process group, then SIGKILL what outlives the grace period."""
+        self.signal_all(first_signal)
+        deadline = time.monotonic() + self.cfg.grace_period_s
+        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        # Also reaps orphaned grandchildren of workers that exited on their own.
+        self.signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        for pump in self.pumps:
+            pump.join(timeout=2.0)
+        for log in self.logs:
+            if log:
+                log.close()
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
+    """Fail fast on a master address that does not resolve or a busy port on node 0.
+
+    Raises:
+        ValueError: with the offending value and the fix.
+    """
+    try:
+        socket.getaddrinfo(cfg.master_addr, port)
+    except socket.gaierror as e:
+        raise ValueError(
+            f"--master-addr {cfg.master_addr!r} does not resolve ({e.strerror}): "
+            "use a host name or IP address of node 0"
+        ) from None
+    if not cfg.hosts_rendezvous:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR as the store itself uses: a port in TIME_WAIT is fine,
+        # only a live listener makes the bind fail.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            raise ValueError(
+                f"--master-port {port} is busy on this node ({e.strerror}): choose a free port, "
+                "or use --standalone to pick one"
+            ) from None
+
+
+def report(failure: Failure) -> None:
+    """Print the root cause of a failed attempt."""
+    rule = "-" * 72
+    body = failure.traceback or "(no Python traceback on its stderr)"
+    say(f"{failure.describe()}\n{rule}\nRoot cause: rank {failure.rank}\n{body}\n{rule}")
+
+
+def run(cfg: LaunchConfig) -> int:
+    """Start, supervise and (re)start this node's workers; return the exit code.
+
+    Raises:
+        ValueError: the rendezvous cannot work (unresolvable address, busy port).
+    """
+    if cfg.standalone:
+        port = free_port()
+    else:
+        port = cfg.port()
+        check_rendezvous(cfg, port)
+    if int(cfg.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        say(f"setting OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers so they do not "
+            "oversubscribe the CPU; set it yourself to tune")
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    group: WorkerGroup | None = None
+    try:
+        for attempt in range(cfg.max_restarts + 1):
+            if attempt and cfg.standalone:
+                port = free_port()
+            specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ)
+            group = WorkerGroup(specs, cfg, attempt)
+            failure = group.wait()
+            group.stop()
+            if failure is None:
+                return 0
+            report(failure)
+            if attempt < cfg.max_restarts:
+                say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})")
+        return 1
+    except _Interrupted as e:
+        name = signal.Signals(e.signum).name
+        say(f"received {name}: stopping all workers")
+        if group is not None:
+            group.stop(first_signal=e.signum)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,63 @@
+"""Helpers for tests that start real processes: ranks by hand, or ddpkit launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def reports(self) -> list[dict]:
+        """The JSON lines printed by scripts/report_env.py, sorted by rank."""
+        found = [json.loads(line.split("REPORT ", 1)[1]) for line in self.stdout.splitlines() if "REPORT " in line]
+        return sorted(found, key=lambda r: r["rank"])
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """This environment minus any launcher variables the test runner might carry."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                         "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_ranks(envs: list[dict[str, str]], script: str = "report_env.py", timeout: float = 60) -> list[Done]:
+    """Start one process per env concurrently (a hand-made launcher) and wait for all."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / script)], env={**base_env(), **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for env in envs]
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(Done(proc.returncode, out, err))
+    return done
+
+
+def launch(*args: str, timeout: float = 60, env: dict[str, str] | None = None, cwd: Path | None = None) -> Done:
+    """Run ``python -m ddpkit launch ARGS`` to completion."""
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "launch", *args], env=env or base_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT)
+    return Done(proc.returncode, proc.stdout, proc.stderr)
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)

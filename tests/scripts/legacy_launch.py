@@ -1,0 +1,11 @@
+"""A script written for torch.distributed.launch: it takes --local_rank as an argument."""
+
+import argparse
+import os
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, required=True)
+parser.add_argument("--tag", default="")
+args = parser.parse_args()
+assert args.local_rank == int(os.environ["LOCAL_RANK"])
+print(f"LEGACY local_rank={args.local_rank} tag={args.tag}", flush=True)

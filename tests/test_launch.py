@@ -1,0 +1,176 @@
+"""ddpkit launch with real processes: env contract, compatibility, supervision, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import SCRIPTS, base_env, launch, script
+
+from ddpkit.spawn import free_port
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_ddpkit_script_gets_the_torchrun_env_contract():
+    done = launch("--nproc-per-node", "2", "--standalone", "--max-restarts", "3", script("report_env.py"), "a", "b")
+    assert done.returncode == 0, done.stderr
+    reports = done.reports()
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["scheme"] == "env" and r["world_size"] == 2 and r["sum"] == 1.0 and r["argv"] == ["a", "b"]
+        env = r["env"]
+        assert env["LOCAL_RANK"] == str(r["rank"]) and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert "[rank0]: REPORT" in done.stdout and "[rank1]: REPORT" in done.stdout
+
+
+def test_omp_threads_is_set_and_announced_once_when_unset():
+    env = base_env()
+    del env["OMP_NUM_THREADS"]
+    done = launch("--nproc_per_node=2", "--standalone", script("report_env.py"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert [r["env"]["OMP_NUM_THREADS"] for r in done.reports()] == ["1", "1"]
+    assert done.stderr.count("setting OMP_NUM_THREADS=1") == 1
+
+
+def test_torchrun_script_runs_unchanged_under_ddpkit_launch():
+    done = launch("--nproc-per-node", "2", "--standalone", script("torchrun_style.py"))
+    assert done.returncode == 0, done.stderr
+    assert "TORCHRUN-STYLE rank=1 local_rank=1 world=2 sum=1" in done.stdout
+
+
+def test_ddpkit_script_runs_unchanged_under_torchrun():
+    pytest.importorskip("torch.distributed.run")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           script("report_env.py")], env=base_env(), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("REPORT ") == 2 and '"sum": 1.0' in proc.stdout
+
+
+def test_console_script_and_local_rank_arg():
+    ddpkit_bin = Path(sys.executable).parent / "ddpkit"
+    if not ddpkit_bin.exists():
+        pytest.skip("console script not installed next to this interpreter")
+    proc = subprocess.run([str(ddpkit_bin), "launch", "--nproc-per-node", "2", "--local-rank-arg",
+                           script("legacy_launch.py"), "--tag", "t1"],
+                          env=base_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank0]: LEGACY local_rank=0 tag=t1" in proc.stdout
+    assert "[rank1]: LEGACY local_rank=1 tag=t1" in proc.stdout
+
+
+def test_module_no_prefix_and_log_dir(tmp_path):
+    done = launch("--nproc-per-node", "2", "--standalone", "--no-prefix", "--log-dir", str(tmp_path),
+                  "-m", "report_env", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stderr
+    assert "[rank" not in done.stdout and done.stdout.count("REPORT ") == 2
+    logs = sorted(p.name for p in (tmp_path / "attempt_0").iterdir())
+    assert logs == ["rank0.log", "rank1.log"]
+    assert '"rank": 1' in (tmp_path / "attempt_0" / "rank1.log").read_text()
+
+
+def test_crash_reports_the_root_cause_and_leaves_nothing_behind(tmp_path):
+    start = time.monotonic()
+    done = launch("--nproc-per-node", "2", "--standalone", script("crash.py"), str(tmp_path))
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1
+    assert elapsed < 30  # the surviving rank sleeps 120 s; it must be torn down at once
+    report = done.stderr.split("Root cause: rank 1", 1)[1]
+    assert "rank 1 (local rank 1) failed first: exit code 1" in done.stderr
+    assert "Traceback (most recent call last):" in report
+    assert "in load_shard" in report and "ValueError: shard 1 is corrupt" in report
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a worker's child outlived the launcher"
+
+
+def test_max_restarts_restarts_the_group_with_an_incremented_count():
+    done = launch("--nproc-per-node", "2", "--standalone", "--max-restarts", "2", script("flaky.py"))
+    assert done.returncode == 0, done.stderr
+    assert "restarting the worker group (restart 1 of 2)" in done.stderr
+    assert "RuntimeError: first attempt fails on purpose" in done.stderr
+    assert "FLAKY ok rank=0 restart=1 max=2 sum=2" in done.stdout
+    assert "FLAKY ok rank=1 restart=1" in done.stdout
+
+
+def test_without_restarts_a_failure_is_final():
+    done = launch("--nproc-per-node", "2", "--standalone", script("flaky.py"))
+    assert done.returncode == 1
+    assert "Root cause: rank 0" in done.stderr and "restarting" not in done.stderr
+
+
+def test_sigterm_to_the_launcher_tears_the_group_down():
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--standalone",
+                             script("sleeper.py")], env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert "received SIGTERM: stopping all workers" in proc.stderr.read()
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_two_nodes_on_one_machine_get_global_ranks():
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", *common, "--node-rank", str(n),
+                               script("report_env.py")], env=base_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    outs = [n.communicate(timeout=60) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    reports = [line for out, _ in outs for line in out.splitlines() if "REPORT" in line]
+    assert '"rank": 0' in reports[0] and '"node_rank": 0' in reports[0]
+    assert '"rank": 1' in reports[1] and '"node_rank": 1' in reports[1] and '"world_size": 2' in reports[1]
+
+
+def test_busy_master_port_is_reported_before_starting():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = launch("--nproc-per-node", "2", "--master-port", str(port), script("report_env.py"))
+    assert done.returncode == 2
+    assert f"--master-port {port} is busy on this node" in done.stderr
+
+
+def test_unreachable_master_fails_within_the_timeout():
+    port = str(free_port())
+    start = time.monotonic()
+    done = launch("--nnodes", "2", "--node-rank", "1", "--master-port", port, script("report_env.py"),
+                  env=base_env(DDPKIT_TIMEOUT="2"))
+    assert time.monotonic() - start < 30
+    assert done.returncode == 1
+    assert f"could not reach the rendezvous at 127.0.0.1:{port}" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "0", "x.py"], "--nproc-per-node 0 must be at least 1"),
+    (["--nnodes", "2", "--node-rank", "5", "x.py"], "--node-rank 5 is out of range for --nnodes 2"),
+    (["does_not_exist.py"], "script 'does_not_exist.py' does not exist"),
+    (["--master-addr", "no-such-host.invalid", "--nnodes", "2", "--node-rank", "1", script("report_env.py")],
+     "--master-addr 'no-such-host.invalid' does not resolve"),
+])
+def test_bad_arguments_fail_fast_with_the_value(args, message):
+    done = launch(*args, timeout=30)
+    assert done.returncode == 2
+    assert message in done.stderr

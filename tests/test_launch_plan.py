@@ -1,0 +1,66 @@
+"""Launch planning and configuration, pure: no process is started."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit.launcher import LaunchConfig, plan_workers
+
+SCRIPT = __file__
+
+
+def test_multi_node_ranks_and_env_contract():
+    cfg = LaunchConfig(program=SCRIPT, args=["--lr", "0.1"], nproc_per_node=4, nnodes=3, node_rank=2,
+                       master_addr="node0", master_port=1234, max_restarts=2)
+    workers = plan_workers(cfg, master_port=1234, restart_count=1, base_env={"PATH": "/bin"})
+    assert [w.rank for w in workers] == [8, 9, 10, 11]
+    env = workers[1].env
+    assert env["RANK"] == "9" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "12"
+    assert env["LOCAL_WORLD_SIZE"] == "4" and env["GROUP_RANK"] == "2" and env["GROUP_WORLD_SIZE"] == "3"
+    assert env["MASTER_ADDR"] == "node0" and env["MASTER_PORT"] == "1234"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "1" and env["TORCHELASTIC_MAX_RESTARTS"] == "2"
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
+    assert workers[1].argv[-3:] == [SCRIPT, "--lr", "0.1"]
+
+
+def test_user_thread_setting_is_kept_and_single_worker_untouched():
+    cfg = LaunchConfig(program=SCRIPT, nproc_per_node=2)
+    assert plan_workers(cfg, master_port=1, restart_count=0, base_env={"OMP_NUM_THREADS": "4"})[0].env[
+        "OMP_NUM_THREADS"] == "4"
+    one = LaunchConfig(program=SCRIPT, nproc_per_node=1)
+    assert "OMP_NUM_THREADS" not in plan_workers(one, master_port=1, restart_count=0, base_env={})[0].env
+
+
+def test_local_rank_arg_and_module_argv():
+    cfg = LaunchConfig(program=SCRIPT, args=["x"], nproc_per_node=2, local_rank_arg=True)
+    argv = plan_workers(cfg, master_port=1, restart_count=0, base_env={})[1].argv
+    assert argv[-3:] == [SCRIPT, "--local_rank=1", "x"]
+    mod = LaunchConfig(program="json.tool", module=True)
+    assert plan_workers(mod, master_port=1, restart_count=0, base_env={})[0].argv[-2:] == ["-m", "json.tool"]
+
+
+def test_auto_nproc_is_one_per_gpu_else_one():
+    import torch
+
+    expected = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert LaunchConfig(program=SCRIPT, nproc_per_node="auto").nproc_per_node == expected
+
+
+def test_standalone_binds_loopback():
+    assert LaunchConfig(program=SCRIPT, standalone=True, master_addr="10.0.0.1").master_addr == "127.0.0.1"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc_per_node": 0}, "--nproc-per-node 0 must be at least 1"),
+    ({"nproc_per_node": "many"}, "--nproc-per-node 'many' is not a number"),
+    ({"nnodes": 2, "node_rank": 2}, "--node-rank 2 is out of range for --nnodes 2: use 0..1"),
+    ({"nnodes": 0}, "--nnodes 0"),
+    ({"max_restarts": -1}, "--max-restarts -1"),
+    ({"master_port": 0}, "--master-port 0"),
+    ({"standalone": True, "nnodes": 2}, "--standalone runs a single node"),
+    ({"program": "no/such/script.py"}, "script 'no/such/script.py' does not exist"),
+    ({"program": "no_such_module_xyz", "module": True}, "module 'no_such_module_xyz' cannot be found"),
+])
+def test_bad_configuration_names_the_value_and_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(**{"program": SCRIPT, **kwargs})

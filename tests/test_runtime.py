@@ -1,0 +1,161 @@
+"""The runtime with real processes: every discovery scheme, zero_first, and rendezvous errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from procs import base_env, run_ranks, script
+
+import ddpkit
+from ddpkit.spawn import free_port
+
+
+def _check_pair(done, scheme):
+    for d in done:
+        assert d.returncode == 0, d.stderr
+    reports = [r for d in done for r in d.reports()]
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["world_size"] == 2 and r["sum"] == 1.0 and r["scheme"] == scheme for r in reports)
+    assert [r["local_rank"] for r in reports] == [0, 1]
+    assert all(r["backend"] == "gloo" and r["device"] == "cpu" for r in reports)
+
+
+def test_openmpi_environment_joins_with_real_processes():
+    port = str(free_port())
+    envs = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
+             "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": port} for r in range(2)]
+    _check_pair(run_ranks(envs), "openmpi")
+
+
+def test_pmi_environment_joins_with_real_processes():
+    port = str(free_port())
+    envs = [{"PMI_RANK": str(r), "PMI_SIZE": "2", "MASTER_PORT": port} for r in range(2)]
+    _check_pair(run_ranks(envs), "pmi")
+
+
+def test_slurm_environment_joins_with_real_processes():
+    port = str(free_port())
+    envs = [{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
+             "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0",
+             "MASTER_PORT": port} for r in range(2)]
+    _check_pair(run_ranks(envs), "slurm")
+
+
+def test_no_environment_is_a_working_world_of_one():
+    ddpkit.shutdown()  # harmless without init
+    ctx = ddpkit.init()
+    assert ddpkit.init() is ctx  # a second init is harmless and returns the same context
+    assert (ctx.rank, ctx.world_size, ctx.scheme, ctx.backend) == (0, 1, "single", "gloo")
+    assert ddpkit.is_main() and ddpkit.world_size() == 1 and ddpkit.local_rank() == 0
+    t = torch.tensor([3.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    ddpkit.barrier()
+    with ddpkit.zero_first():
+        pass
+    ddpkit.shutdown()
+    ddpkit.shutdown()
+    assert not dist.is_initialized()
+
+
+def test_print0_prints_on_rank_zero_only(capsys, monkeypatch):
+    ddpkit.print0("hello")
+    assert capsys.readouterr().out == "hello\n"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    ddpkit.print0("hidden")
+    assert capsys.readouterr().out == ""
+
+
+def test_bad_timeout_is_rejected(monkeypatch):
+    monkeypatch.setenv("DDPKIT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="DDPKIT_TIMEOUT='soon'"):
+        ddpkit.init()
+    with pytest.raises(ValueError, match="timeout -1"):
+        ddpkit.init(timeout=-1)
+
+
+def test_rank_without_world_size_is_rejected(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE is not"):
+        ddpkit.init()
+
+
+def _zero_first_trace(local):
+    enter = time.time()
+    with ddpkit.zero_first(local=local):
+        inside = time.time()
+        if ddpkit.rank() == 0:
+            time.sleep(0.3)
+        leave = time.time()
+    return enter, inside, leave
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_zero_first_runs_rank_zero_before_the_others(dist3, local):
+    traces = dist3.run(_zero_first_trace, local)
+    rank0_leave = traces[0][2]
+    for _, inside, _ in traces[1:]:
+        assert inside >= rank0_leave
+
+
+def test_world_size_larger_than_the_processes_started_fails_fast():
+    port = str(free_port())
+    envs = [{"RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "DDPKIT_TIMEOUT": "3"} for r in range(2)]
+    start = time.monotonic()
+    done = run_ranks(envs)
+    assert time.monotonic() - start < 20
+    assert all(d.returncode != 0 for d in done)
+    assert "only 2 of WORLD_SIZE=3 processes joined" in done[0].stderr
+    # Rank 1 either times out itself or sees rank 0 give up first.
+    assert "WORLD_SIZE=3 processes" in done[1].stderr and "check that WORLD_SIZE matches" in done[1].stderr
+
+
+def test_ranks_that_disagree_on_world_size_fail_with_both_values():
+    port = str(free_port())
+    envs = [{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DDPKIT_TIMEOUT": "10"},
+            {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DDPKIT_TIMEOUT": "10"}]
+    done = run_ranks(envs)
+    for d in done:
+        assert d.returncode != 0
+        assert "rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2" in d.stderr
+
+
+def test_two_processes_claiming_one_rank_fail():
+    port = str(free_port())
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DDPKIT_TIMEOUT": "10"}
+    pair = [subprocess.Popen([sys.executable, script("sleeper.py")], env=base_env(RANK=r, **env),
+                             stdout=subprocess.PIPE, text=True) for r in ("0", "1")]
+    try:
+        for proc in pair:
+            assert proc.stdout.readline().startswith("SLEEPING")
+        (intruder,) = run_ranks([{**env, "RANK": "1"}])
+        assert intruder.returncode != 0
+        assert "rank 1 is claimed by more than one process" in intruder.stderr
+    finally:
+        for proc in pair:
+            proc.kill()
+            proc.wait()
+
+
+def test_unreachable_master_fails_within_the_timeout():
+    port = str(free_port())  # nothing listens there
+    envs = [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DDPKIT_TIMEOUT": "2"}]
+    start = time.monotonic()
+    (done,) = run_ranks(envs)
+    assert time.monotonic() - start < 20
+    assert done.returncode != 0
+    assert f"could not reach the rendezvous at 127.0.0.1:{port}" in done.stderr
+
+
+def test_unresolvable_master_names_the_address():
+    envs = [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29999"}]
+    (done,) = run_ranks(envs)
+    assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in done.stderr

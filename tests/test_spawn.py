@@ -1,0 +1,51 @@
+"""ddpkit.spawn with real processes: success, the first failure's traceback, no stragglers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+
+
+def _sum_ranks(rank: int, out: str) -> None:
+    ctx = ddpkit.init()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    Path(out, f"{rank}.txt").write_text(f"{ctx.rank} {ctx.world_size} {t.item():g}")
+    ddpkit.shutdown()
+
+
+def _fail_on_rank_one(rank: int) -> None:
+    ddpkit.init()
+    if rank == 1:
+        raise KeyError("missing shard")
+    time.sleep(60)  # rank 0 would wait here; spawn must not wait for it
+
+
+def test_spawn_runs_every_rank_with_the_launcher_env(tmp_path):
+    ddpkit.spawn(_sum_ranks, 3, args=(str(tmp_path),))
+    got = sorted(p.read_text() for p in tmp_path.iterdir())
+    assert got == ["0 3 3", "1 3 3", "2 3 3"]
+
+
+def test_spawn_reraises_the_failing_rank_with_its_traceback_and_stops_the_rest():
+    start = time.monotonic()
+    with pytest.raises(ddpkit.WorkerError) as info:
+        ddpkit.spawn(_fail_on_rank_one, 2)
+    assert time.monotonic() - start < 30  # not the 60 s rank 0 sleeps
+    err = info.value
+    assert err.rank == 1 and err.exitcode == 1
+    assert "rank 1 failed: KeyError" in str(err)
+    assert 'raise KeyError("missing shard")' in err.traceback
+    assert isinstance(err.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, 1.5])
+def test_spawn_rejects_a_bad_process_count(nprocs):
+    with pytest.raises(ValueError, match="nprocs"):
+        ddpkit.spawn(_sum_ranks, nprocs)
