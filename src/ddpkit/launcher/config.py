@@ -8,13 +8,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ddpkit.discovery import DEFAULT_PORT, LOOPBACK
 
 
 def auto_nproc() -> int:
     """``--nproc-per-node auto``: one process per visible GPU, else one."""
+    import torch  # only here: the launcher itself needs no torch otherwise
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
