@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -49,3 +51,15 @@ def test_spawn_reraises_the_failing_rank_with_its_traceback_and_stops_the_rest()
 def test_spawn_rejects_a_bad_process_count(nprocs):
     with pytest.raises(ValueError, match="nprocs"):
         ddpkit.spawn(_sum_ranks, nprocs)
+
+
+def _segfault_on_rank_zero(rank: int) -> None:
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)
+
+
+def test_a_worker_killed_by_a_signal_is_reported_with_the_signal():
+    with pytest.raises(ddpkit.WorkerError, match="rank 0 failed: process killed by signal SIGSEGV") as info:
+        ddpkit.spawn(_segfault_on_rank_zero, 2)
+    assert info.value.exitcode == -signal.SIGSEGV

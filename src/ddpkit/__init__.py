@@ -23,8 +23,6 @@ _EXPORTS = {
     "shutdown": "ddpkit.runtime",
     "world_size": "ddpkit.runtime",
     "zero_first": "ddpkit.runtime",
-    "WorkerError": "ddpkit.spawn",
-    "spawn": "ddpkit.spawn",
     "DDP": "ddpkit.ddp",
     "DistributedDataParallel": "ddpkit.ddp",
     "unwrap": "ddpkit.ddp",
@@ -34,7 +32,11 @@ _EXPORTS = {
 }
 _SUBMODULES = {"hooks"}
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+# spawn is torch-free and imported eagerly: the function must shadow the
+# submodule of the same name, which a lazy lookup would never get to do.
+from ddpkit.spawn import WorkerError, spawn  # noqa: E402
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "WorkerError", "spawn"])
 
 
 def __getattr__(name: str) -> Any:
@@ -60,4 +62,3 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
         DistContext, barrier, init, is_main, local_rank, print0, rank, shutdown, world_size, zero_first,
     )
     from ddpkit.sampler import DistributedSampler
-    from ddpkit.spawn import WorkerError, spawn

@@ -58,7 +58,8 @@ def _add_launch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ddpkit.train import TrainConfig, train
+    from ddpkit.train import train
+    from ddpkit.train_config import TrainConfig
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     train(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
@@ -66,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
-    from ddpkit.train import TrainConfig
+    from ddpkit.train_config import TrainConfig
 
     p = subparsers.add_parser(
         "train", help="train a model data-parallel (default: the MNIST ConvNet on digits, 2 processes)",
@@ -117,7 +118,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
                    help="among convnet, mlp. Default: both")
     p.add_argument("--steps", type=int, default=40, help="timed steps per engine and workload. Default 40")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per engine first. Default 5")
-    p.add_argument("--block", type=int, default=5, help="steps before switching engine. Default 5")
+    p.add_argument("--block", type=int, default=1, help="steps before switching engine. Default 1")
     p.add_argument("--world-size", type=int, default=2, help="ranks. Default 2")
     p.add_argument("--samples-per-rank", type=int, default=100, help="ConvNet batch per rank. Default 100")
     p.add_argument("--mlp-hidden", type=int, default=4640, help="MLP width (4640: ~25 M params). Default 4640")

@@ -11,11 +11,13 @@ rank and traceback.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -78,9 +80,17 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
         fn(rank, *args)
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
         conn.send(_encode_failure(exc))
-        conn.close()
-        os._exit(1)
-    conn.close()
+        _exit_now(1)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    # Interpreter teardown with torch and gloo loaded takes 1-2 s per child and
+    # does nothing useful here: flush what the user printed and logged, then go.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def terminate(processes: Sequence[mp.process.BaseProcess], grace_s: float = _GRACE_S) -> None:
@@ -157,7 +167,10 @@ def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Conn
 
 
 def _failure(rank: int, exitcode: int | None, conn: Connection) -> tuple[float, WorkerError]:
-    report = conn.recv() if conn.poll() else None
+    try:
+        report = conn.recv() if conn.poll() else None
+    except EOFError:  # died (a signal, os._exit) before reporting anything
+        report = None
     if report is None:
         how = (f"killed by signal {signal.Signals(-exitcode).name}"
                if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")

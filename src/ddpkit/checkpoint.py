@@ -1,0 +1,294 @@
+"""Checkpoints: atomic save on rank 0, safe load, state dicts with or without ``module.``.
+
+File format: one `safetensors <https://github.com/huggingface/safetensors>`_
+file. Every tensor of the (nested) state is a safetensors entry; everything
+else (dicts, lists, tuples, ints, floats, bools, strings, None) is a JSON
+skeleton stored in the file's metadata under ``"ddpkit"``, where each tensor
+appears as ``{"__tensor__": name}``. Loading therefore never unpickles
+anything: a checkpoint cannot execute code. Files written by ``torch.save``
+are read with ``torch.load(weights_only=True)``, which refuses arbitrary objects.
+
+Saving (:func:`save_checkpoint`) is collective when a process group exists:
+every rank calls it, rank 0 writes the file to a temporary name beside the
+target, fsyncs it, renames it over the target and fsyncs the folder, and then
+all ranks meet (one all-reduce that also carries rank 0's success), so every
+rank returns only once the file is on disk, and a failed write raises on
+every rank instead of leaving the others waiting. A crash at any point leaves
+either the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+__all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "load_model_state",
+    "save_checkpoint",
+    "save_weights",
+    "strip_prefix",
+]
+
+_META_KEY = "ddpkit"
+_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read (corrupt, truncated, not a checkpoint) or written."""
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        name = f"{len(tensors)}:{path}"
+        # clone(): safetensors refuses tensors that share storage (tied weights, views).
+        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": name}
+    if isinstance(obj, np.ndarray):
+        name = f"{len(tensors)}:{path}"
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": name}
+    if isinstance(obj, Mapping):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(f"checkpoint dict key {k!r} at {path or '<root>'} must be str or int")
+            items.append([k, _encode(v, tensors, f"{path}/{k}")])
+        return {"__dict__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise TypeError(
+        f"cannot checkpoint {type(obj).__name__} at {path or '<root>'}: a checkpoint holds "
+        "tensors, arrays and plain data (dict, list, tuple, str, int, float, bool, None)"
+    )
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy()
+        if "__dict__" in obj:
+            return {k: _decode(v, tensors) for k, v in obj["__dict__"]}
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        if "__dtype__" in obj:
+            dtype = getattr(torch, obj["__dtype__"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"unknown dtype {obj['__dtype__']!r} in checkpoint")
+            return dtype
+        raise CheckpointError(f"unexpected object {sorted(obj)} in checkpoint skeleton")
+    return obj
+
+
+def _to_bytes(state: Any) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(state, tensors, "")
+    meta = json.dumps({"format": _FORMAT, "state": skeleton}, allow_nan=True)
+    return _st_save(tensors, metadata={_META_KEY: meta})
+
+
+# ---------------------------------------------------------------- atomic write
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    # The rename is durable only once the folder's entry is on disk too.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _collective_write(path: str | os.PathLike, make_bytes) -> None:
+    path = Path(path)
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    is_writer = not group or dist.get_rank() == 0
+    error: BaseException | None = None
+    if is_writer:
+        try:
+            _write_atomic(path, make_bytes())
+        except BaseException as e:  # noqa: BLE001 - reported to every rank below
+            error = e
+    if group:
+        # Reached by every rank whatever happened on rank 0: it is the barrier
+        # that says "on disk", and it carries rank 0's success so that a failed
+        # write raises everywhere instead of hanging the other ranks.
+        device = torch.device("cuda", torch.cuda.current_device()) if (
+            dist.get_backend() == "nccl"
+        ) else torch.device("cpu")
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if error is None and ok.item() == 0:
+            raise CheckpointError(
+                f"rank 0 failed to write checkpoint {path}: see rank 0's error for the cause"
+            )
+    if error is not None:
+        raise CheckpointError(f"could not write checkpoint {path}: {error}") from error
+
+
+def save_checkpoint(path: str | os.PathLike, state: Any) -> None:
+    """Write ``state`` to ``path`` atomically from rank 0; every rank returns once it is on disk.
+
+    Every rank must call it (it holds one collective); only rank 0's ``state``
+    is written, so the others may pass the same object or anything else.
+
+    Args:
+        path: Target file; its folder is created if needed.
+        state: Nested dicts/lists/tuples of tensors, numpy arrays and plain data.
+
+    Raises:
+        TypeError: ``state`` holds an object that is not plain data (on rank 0).
+        CheckpointError: the write failed (on every rank).
+
+    Example::
+
+        ddpkit.save_checkpoint("run/ckpt.safetensors",
+                               {"model": ddpkit.unwrap(model).state_dict(),
+                                "optimizer": optimizer.state_dict(), "epoch": epoch})
+    """
+    _collective_write(path, lambda: _to_bytes(state))
+
+
+def save_weights(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Write a flat ``name -> tensor`` state dict as plain safetensors (rank 0, atomic, collective).
+
+    The file loads with ``safetensors.torch.load_file`` anywhere; ``module.``
+    prefixes are stripped so names are the plain module's.
+    """
+
+    def make() -> bytes:
+        flat = {
+            k: v.detach().to("cpu", copy=True).contiguous()
+            for k, v in strip_prefix(state_dict).items()
+        }
+        return _st_save(flat)
+
+    _collective_write(path, make)
+
+
+# ---------------------------------------------------------------- load
+
+
+def _safetensors_metadata(data: bytes, path: Path) -> dict[str, str]:
+    if len(data) < 8:
+        raise CheckpointError(f"checkpoint {path} is truncated ({len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or not a safetensors file "
+            f"(header of {n} bytes, file of {len(data)})"
+        )
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint {path} is corrupt: header is not a JSON object")
+    return header.get("__metadata__") or {}
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """Read a checkpoint written by :func:`save_checkpoint` (or a ``torch.save`` of tensors).
+
+    Never unpickles arbitrary objects: safetensors plus a JSON skeleton, or
+    ``torch.load(weights_only=True)`` for ``torch.save`` files. A plain
+    safetensors file (e.g. ``model.safetensors``) loads as a flat dict.
+
+    Args:
+        path: The file.
+        map_location: Device for the tensors (default ``"cpu"``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file is truncated, corrupt or not a checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    data = path.read_bytes()
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint {path} is a torch.save file that cannot be loaded safely "
+                f"(weights_only=True): {e}"
+            ) from e
+    meta = _safetensors_metadata(data, path)
+    try:
+        tensors = _st_load(data)
+    except SafetensorError as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {e}") from e
+    if map_location is not None and str(map_location) != "cpu":
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    if _META_KEY not in meta:
+        return tensors
+    try:
+        skeleton = json.loads(meta[_META_KEY])
+        return _decode(skeleton["state"], tensors)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
+
+
+# ---------------------------------------------------------------- module. prefixes
+
+
+def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> dict[str, Any]:
+    """Return ``state_dict`` with ``prefix`` removed from every key that starts with it."""
+    return {k.removeprefix(prefix): v for k, v in state_dict.items()}
+
+
+def load_model_state(
+    model: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+) -> Any:
+    """``model.load_state_dict`` that accepts keys with or without a ``module.`` prefix.
+
+    Works whether ``model`` is a plain module or a DDP/DataParallel wrapper
+    (whose own keys carry ``module.``) and whichever way ``state_dict`` was saved.
+
+    Returns:
+        What ``load_state_dict`` returns (missing and unexpected keys).
+    """
+    plain = strip_prefix(state_dict)
+    wants_prefix = any(k.startswith("module.") for k in model.state_dict())
+    if wants_prefix:
+        plain = {f"module.{k}": v for k, v in plain.items()}
+    return model.load_state_dict(plain, strict=strict)

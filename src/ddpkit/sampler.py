@@ -1,0 +1,242 @@
+"""``DistributedSampler``: each rank's disjoint shard of a dataset, resumable mid-epoch.
+
+For the same arguments it yields exactly the indices of
+``torch.utils.data.distributed.DistributedSampler`` (the test suite checks every
+combination of length, world size, rank, shuffle, seed, drop_last and epoch),
+and adds three things:
+
+* ``state_dict()`` / ``load_state_dict()``: the epoch and how far into it this
+  rank has got, so a job restarted mid-epoch continues with the next sample
+  instead of repeating or skipping any.
+* ``pad=False``, the evaluation mode: no sample is repeated to even out the
+  shards, so summing per-rank counts over all ranks counts every sample exactly
+  once. Shards then differ in length by at most one.
+* A one-time ``UserWarning`` when a shuffling sampler starts a second pass over
+  the same epoch, the classic forgotten ``set_epoch`` that makes every epoch
+  see the same order.
+
+How the shards are formed (torch's rule): the epoch's order is
+``randperm(len(dataset))`` seeded with ``seed + epoch`` (or ``0..n-1`` without
+shuffle). With ``drop_last=False`` the order is padded by repeating its head
+until it divides evenly by ``num_replicas``; with ``drop_last=True`` the tail
+is cut instead. Rank ``r`` takes positions ``r, r + R, r + 2R, ...``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from ddpkit import runtime
+
+__all__ = ["DistributedSampler"]
+
+_STATE_VERSION = 1
+
+
+class DistributedSampler(Sampler[int]):
+    """Yield this rank's share of the dataset's indices, as torch's sampler does.
+
+    Args:
+        dataset: Anything with ``len()``.
+        num_replicas: Number of ranks sharing the data. Default: the world size
+            of the initialised process group, else of the launcher environment.
+        rank: This rank, ``0 <= rank < num_replicas``. Default: the process's rank.
+        shuffle: Shuffle with a generator seeded by ``seed + epoch`` (default True).
+        seed: Same on every rank (default 0).
+        drop_last: Cut the tail so shards are even instead of padding (default False).
+        pad: Keyword only. True (default, training): pad the shards to equal
+            length by repeating samples, as torch does. False (evaluation): no
+            padding, every sample belongs to exactly one rank; shard lengths
+            differ by at most one, so do not run a collective per batch.
+
+    Raises:
+        ValueError: ``rank`` outside ``0..num_replicas-1``, ``num_replicas < 1``,
+            or ``pad=False`` with ``drop_last=True`` (which would drop samples
+            the evaluation mode promises to count).
+
+    Warning:
+        Call :meth:`set_epoch` before each epoch when shuffling; otherwise
+        every epoch sees the same order (warned once).
+
+    Example::
+
+        sampler = ddpkit.DistributedSampler(train_set, shuffle=True, seed=0)
+        loader = DataLoader(train_set, batch_size=64, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader: ...
+        eval_sampler = ddpkit.DistributedSampler(test_set, shuffle=False, pad=False)
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        pad: bool = True,
+    ) -> None:
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if dist.is_initialized() else runtime.world_size()
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else runtime.rank()
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas} must be at least 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank={rank} is out of range for num_replicas={num_replicas}: "
+                f"use 0..{num_replicas - 1}"
+            )
+        if drop_last and not pad:
+            raise ValueError(
+                "drop_last=True with pad=False: the evaluation mode counts every sample "
+                "once, so it cannot drop any; use drop_last=False"
+            )
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad = pad
+        self.epoch = 0
+        n = len(dataset)
+        if drop_last and n % num_replicas != 0:
+            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        if not pad:
+            self.num_samples = len(range(rank, n, num_replicas))
+        # Progress through the current pass, and where the next pass starts
+        # (non-zero only after load_state_dict restored a mid-epoch state).
+        self._consumed = 0
+        self._start = 0
+        self._passes_at_epoch: int | None = None
+        self._warned = False
+
+    def _epoch_indices(self) -> list[int]:
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if not self.pad:
+            return indices[self.rank : n : self.num_replicas]
+        if self.drop_last:
+            indices = indices[: self.total_size]
+        else:
+            padding = self.total_size - n
+            if padding > 0:
+                indices += (indices * math.ceil(padding / n))[:padding]
+        return indices[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle and self._start == 0:
+            if self._passes_at_epoch == self.epoch and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"DistributedSampler(shuffle=True) is starting a second pass over epoch "
+                    f"{self.epoch} in the same order: call sampler.set_epoch(epoch) before "
+                    "each epoch, or every epoch sees the same shuffle",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            self._passes_at_epoch = self.epoch
+        indices = self._epoch_indices()[self._start :]
+        self._consumed = self._start
+        self._start = 0
+        return self._count(indices)
+
+    def _count(self, indices: list[int]) -> Iterator[int]:
+        for i in indices:
+            # Counted before the yield: once the consumer holds index i, the
+            # state must say i is consumed, or a resume would repeat it.
+            self._consumed += 1
+            yield i
+
+    def __len__(self) -> int:
+        return self.num_samples - self._start
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch: it seeds the shuffle and resets the mid-epoch position."""
+        self.epoch = epoch
+        self._consumed = 0
+        self._start = 0
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The sampler's position: epoch and samples of this epoch already used by this rank.
+
+        Args:
+            consumed: Samples of the current epoch this rank has processed.
+                Default: the number of indices the current iterator handed
+                out. Pass it explicitly when a ``DataLoader`` with worker
+                processes prefetches ahead of the training loop (e.g.
+                ``batches_done * batch_size``).
+
+        Returns:
+            Plain data (ints, bools), safe for :func:`ddpkit.save_checkpoint`.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "consumed": self._consumed if consumed is None else int(consumed),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "pad": self.pad,
+            "num_replicas": self.num_replicas,
+            "dataset_len": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict`: the next pass starts where it left off.
+
+        The state is resumed into a sampler over the same dataset and
+        shuffle settings. ``num_replicas`` may differ only at an epoch boundary
+        (``consumed == 0``): mid-epoch the shards of different world sizes do
+        not line up.
+
+        Raises:
+            ValueError: the state does not match this sampler's dataset or settings.
+        """
+        for key in ("seed", "shuffle", "drop_last", "pad"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has "
+                    f"{key}={getattr(self, key)!r}: build the sampler with the saved settings"
+                )
+        if state["dataset_len"] != len(self.dataset):
+            raise ValueError(
+                f"sampler state is for a dataset of {state['dataset_len']} samples, this one "
+                f"has {len(self.dataset)}: resume with the same dataset"
+            )
+        consumed = int(state["consumed"])
+        if consumed and state["num_replicas"] != self.num_replicas:
+            raise ValueError(
+                f"sampler state was saved mid-epoch with num_replicas={state['num_replicas']}, "
+                f"this sampler has num_replicas={self.num_replicas}: resume mid-epoch with the "
+                "same world size, or from a checkpoint taken at an epoch boundary"
+            )
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(
+                f"sampler state has consumed={consumed}, outside 0..{self.num_samples} "
+                "for this rank's shard"
+            )
+        self.epoch = int(state["epoch"])
+        self._start = consumed
+        self._consumed = consumed
+        # A resumed epoch is the continuation of a pass, not a second one.
+        self._passes_at_epoch = None

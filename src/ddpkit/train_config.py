@@ -1,0 +1,90 @@
+"""``TrainConfig``: the settings of ``ddpkit train``, in a module of its own.
+
+Kept free of torch so that building the ``ddpkit`` argument parser (which
+reads these fields) costs nothing: ``ddpkit launch`` starts its workers
+without importing torch in the launcher process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODELS = ("convnet", "mlp", "resnet")
+"""Names of :data:`ddpkit.models.MODELS` (a test keeps the two in step)."""
+DATASETS = ("digits", "mnist", "synthetic")
+"""Names of :data:`ddpkit.data.DATASETS` (a test keeps the two in step)."""
+ENGINES = ("ddpkit", "torch", "single")
+OPTIMIZERS = ("sgd", "adamw")
+AMP_MODES = ("off", "bf16", "fp16")
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A config field; ``help`` and ``cli`` (choices, negate) are what ``ddpkit train --help`` shows."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``ddpkit train`` needs; the CLI builds exactly this."""
+
+    model: str = _opt("convnet", "the model", choices=tuple(MODELS))
+    dataset: str = _opt("digits", "the dataset", choices=DATASETS)
+    data_dir: Path | None = _opt(None, "folder of the MNIST IDX files (--dataset mnist)")
+    download: bool = _opt(False, "download missing MNIST files into --data-dir (needs network)")
+    synthetic_samples: int = _opt(2048, "training samples of --dataset synthetic")
+    epochs: int = _opt(8, "epochs to train (in total, when resuming)")
+    batch_size: int = _opt(32, "batch size per process")
+    lr: float = _opt(0.02, "learning rate for one process; multiplied by the world size")
+    optimizer: str = _opt("sgd", "sgd (with momentum) or adamw", choices=OPTIMIZERS)
+    momentum: float = _opt(0.9, "SGD momentum")
+    weight_decay: float = _opt(0.0, "weight decay")
+    seed: int = _opt(0, "seed of the model's initialisation and of the data order")
+    amp: str = _opt("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
+    grad_accum: int = _opt(1, "micro-batches per optimizer step (no_sync on all but the last)")
+    engine: str = _opt("ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process)", choices=ENGINES)
+    nproc_per_node: int | None = _opt(
+        None, "workers to start (default: one per GPU, else 2); ignored under a launcher"
+    )
+    backend: str | None = _opt(None, "process group backend (default: nccl with CUDA, else gloo)")
+    output_dir: Path | None = _opt(None, "run directory (default: a new runs/<dataset>-<model>[-N])")
+    resume: bool = _opt(False, "continue the run in --output-dir from its newest checkpoint")
+    progress: bool = _opt(True, "show a progress bar on rank 0", negate="--no-progress")
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {getattr(self, name)!r} {rule}")
+
+        need(self.model in MODELS, "model", f"is not a model: choose one of {', '.join(MODELS)}")
+        need(self.dataset in DATASETS, "dataset", f"is not a dataset: choose one of {', '.join(DATASETS)}")
+        need(self.engine in ENGINES, "engine", f"is not an engine: choose one of {', '.join(ENGINES)}")
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"is not an optimizer: choose {' or '.join(OPTIMIZERS)}")
+        need(self.amp in AMP_MODES, "amp", f"is not an autocast mode: choose one of {', '.join(AMP_MODES)}")
+        need(self.epochs >= 1, "epochs", "must be at least 1")
+        need(self.batch_size >= 1, "batch_size", "must be at least 1 (it is per process)")
+        need(self.grad_accum >= 1, "grad_accum", "must be at least 1")
+        need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
+        need(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
+        need(self.weight_decay >= 0, "weight_decay", "must be non-negative")
+        need(self.synthetic_samples >= 1, "synthetic_samples", "must be at least 1")
+        need(self.nproc_per_node is None or self.nproc_per_node >= 1, "nproc_per_node", "must be at least 1")
+        need(
+            self.engine != "single" or self.nproc_per_node in (None, 1),
+            "nproc_per_node", "does not fit --engine single, which trains in one process: drop one of them",
+        )
+        need(
+            self.dataset != "mnist" or self.data_dir is not None,
+            "data_dir", "is needed with --dataset mnist: point it at the MNIST IDX files",
+        )
+        if self.data_dir is not None:
+            self.data_dir = Path(self.data_dir)
+        if self.output_dir is not None:
+            self.output_dir = Path(self.output_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (paths as strings), as saved in ``config.json`` and checkpoints."""
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}

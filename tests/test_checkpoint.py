@@ -1,0 +1,154 @@
+"""ddpkit.save_checkpoint / load_checkpoint: round trip, safety, atomicity, prefixes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ddpkit
+from ddpkit.checkpoint import CheckpointError, load_model_state, save_weights
+from ddpkit.models import build_model
+
+
+def _state() -> dict:
+    model = build_model("convnet")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 1, 28, 28)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),  # int keys, tuples (betas), floats
+        "epoch": 3,
+        "rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
+        "np_rng": np.random.get_state(),
+        "half": torch.randn(3, dtype=torch.bfloat16),
+        "misc": [None, True, 1.5, float("inf"), "x", (1, 2)],
+    }
+
+
+def _assert_same(a, b) -> None:
+    # OrderedDict comes back as dict (same items, same order); everything else keeps its type.
+    assert type(a) is type(b) or isinstance(a, dict), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_round_trip_is_exact(tmp_path: Path) -> None:
+    state = _state()
+    ddpkit.save_checkpoint(tmp_path / "c.safetensors", state)
+    loaded = ddpkit.load_checkpoint(tmp_path / "c.safetensors")
+    _assert_same(state, loaded)
+    # The restored states are usable as such.
+    random.setstate(loaded["py_rng"])
+    np.random.set_state(loaded["np_rng"])
+    torch.set_rng_state(loaded["rng"])
+    opt = torch.optim.AdamW(build_model("convnet").parameters())
+    opt.load_state_dict(loaded["optimizer"])
+    assert not list(tmp_path.glob(".*tmp*")), "temporary file left behind"
+
+
+def test_rejects_objects_that_are_not_plain_data(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="cannot checkpoint object"):
+        ddpkit.save_checkpoint(tmp_path / "c", {"x": object()})
+    assert not (tmp_path / "c").exists()
+
+
+def test_truncated_and_corrupt_files_give_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.safetensors"
+    ddpkit.save_checkpoint(path, _state())
+    data = path.read_bytes()
+    for cut in (4, 100, len(data) // 2, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated|corrupt"):
+            ddpkit.load_checkpoint(path)
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"not json at all!" + data[24:])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        ddpkit.load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ddpkit.load_checkpoint(tmp_path / "missing")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_torch_save_files_load_weights_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    sd = build_model("mlp").state_dict()
+    torch.save(sd, tmp_path / "plain.pt")
+    _assert_same(sd, ddpkit.load_checkpoint(tmp_path / "plain.pt"))
+    torch.save({"x": _Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="weights_only"):
+        ddpkit.load_checkpoint(tmp_path / "evil.pt")
+    (tmp_path / "evil.pkl").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError):
+        ddpkit.load_checkpoint(tmp_path / "evil.pkl")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_module_prefix_either_way(tmp_path: Path) -> None:
+    src = build_model("convnet")
+    prefixed = {f"module.{k}": v for k, v in src.state_dict().items()}
+    plain_model = build_model("convnet")
+    load_model_state(plain_model, prefixed)
+    _assert_same(src.state_dict(), plain_model.state_dict())
+
+    class Wrapper(torch.nn.Module):  # stands for DDP: its keys carry "module."
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+    wrapped = Wrapper(build_model("convnet"))
+    load_model_state(wrapped, src.state_dict())
+    _assert_same(src.state_dict(), wrapped.module.state_dict())
+    save_weights(tmp_path / "w.safetensors", prefixed)
+    flat = load_file(tmp_path / "w.safetensors")
+    assert sorted(flat) == sorted(src.state_dict())
+    _assert_same(dict(sorted(flat.items())), dict(sorted(ddpkit.load_checkpoint(tmp_path / "w.safetensors").items())))
+
+
+def _save_then_read(path: str) -> list:
+    # Rank 1 passes a different state: only rank 0's is written.
+    state = {"rank": ddpkit.rank(), "w": torch.full((3,), float(ddpkit.rank()))}
+    ddpkit.save_checkpoint(path, state)
+    # Every rank may read at once: save returned only after the file was on disk.
+    loaded = ddpkit.load_checkpoint(path)
+    return [loaded["rank"], loaded["w"].tolist()]
+
+
+def _save_to_a_folder(path: str) -> str:
+    os.makedirs(path, exist_ok=True)  # a folder where the file should go: rank 0 fails
+    try:
+        ddpkit.save_checkpoint(path, {"x": 1})
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_collective_save(dist2, tmp_path: Path) -> None:
+    assert dist2.run(_save_then_read, str(tmp_path / "c.safetensors")) == [[0, [0.0] * 3]] * 2
+    errors = dist2.run(_save_to_a_folder, str(tmp_path / "dir"))
+    assert "could not write checkpoint" in errors[0]
+    assert "rank 0 failed to write checkpoint" in errors[1]

@@ -1,0 +1,145 @@
+"""ddpkit train: the loop on a rank pool, resume bit-identity, output safety, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddpkit.cli import main
+from ddpkit.train import TrainConfig, _worker
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny and fast: 192 synthetic images, 6 steps per epoch and rank.
+SMALL = dict(dataset="synthetic", synthetic_samples=192, batch_size=16, progress=False)
+
+
+def _run(cfg: TrainConfig) -> dict:
+    # out=None: rank 0 claims the directory and tells the others, the path
+    # taken under a launcher.
+    return _worker(0, cfg, None)
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+def test_resume_is_bit_identical(dist2, tmp_path: Path) -> None:
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    dist2.run(_run, TrainConfig(**SMALL, epochs=4, output_dir=whole))
+    dist2.run(_run, TrainConfig(**SMALL, epochs=2, output_dir=part))
+    summary = dist2.run(_run, TrainConfig(**SMALL, epochs=4, output_dir=part, resume=True))[0]
+    assert summary["resumed_from_epoch"] == 2 and summary["epochs"] == 4
+    a, b = _weights(whole), _weights(part)
+    assert sorted(a) == sorted(b) and not any(k.startswith("module.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    lines = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == [1, 2, 3, 4]
+    def untimed(path: Path) -> list[dict]:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k} for r in rows]
+
+    assert untimed(part / "metrics.jsonl") == untimed(whole / "metrics.jsonl")
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [
+        f"epoch-000{i}.safetensors" for i in range(1, 5)
+    ]
+
+
+def test_engines_grad_accum_and_bf16_agree(dist2, tmp_path: Path) -> None:
+    runs = {}
+    for name, extra in {
+        "ddpkit": {},
+        "torch": {"engine": "torch"},
+        # Same global batch per step. An MLP: BatchNorm would see different
+        # batches in micro-batches, which is a different model, not a bug.
+        "mlp": {"model": "mlp"},
+        "accum": {"model": "mlp", "grad_accum": 2, "batch_size": 8},
+    }.items():
+        cfg = TrainConfig(**{**SMALL, **extra}, epochs=1, output_dir=tmp_path / name)
+        runs[name] = dist2.run(_run, cfg)[0]
+    for ref, name in (("ddpkit", "torch"), ("mlp", "accum")):
+        a, b = _weights(tmp_path / ref), _weights(tmp_path / name)
+        for k in a:
+            # Same data, same steps: only the order of float additions differs
+            # (per-rank pre-division, micro-batch sums), a few ulps per step.
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
+    s = runs["accum"]
+    assert s["global_batch_size"] == 32 and s["world_size"] == 2 and s["lr"] == pytest.approx(0.04)
+    bf16 = dist2.run(_run, TrainConfig(**SMALL, epochs=1, amp="bf16", output_dir=tmp_path / "bf16"))[0]
+    assert bf16["amp"] == "bf16" and 0 <= bf16["test_accuracy"] <= 1
+    # Evaluation counts each of the 48 test images once, whatever the split.
+    assert bf16["test_samples"] == 48
+
+
+def test_bad_input_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    cases = [
+        (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+        (["--dataset", "mnist"], "--data-dir None is needed with --dataset mnist"),
+        (["--dataset", "mnist", "--data-dir", str(tmp_path / "none")], "does not exist"),
+        (["--dataset", "mnist", "--data-dir", str(tmp_path)], "is empty"),
+        (["--engine", "single", "--nproc-per-node", "2"], "does not fit --engine single"),
+        (["--output-dir", str(tmp_path), "--resume"], "no checkpoint in checkpoints/"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--amp", "fp16"], "--amp fp16 needs CUDA"))
+    for argv, message in cases:
+        assert main(["train", *argv]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--model", "vgg"])
+    assert "invalid choice: 'vgg'" in capsys.readouterr().err
+
+
+def test_output_dir_holding_a_run_is_refused(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    assert main(["train", "--output-dir", str(out)]) == 2
+    assert "holds another run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_checks_checkpoint_settings_and_world(dist2, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    dist2.run(_run, TrainConfig(**SMALL, epochs=1, output_dir=out))
+    base = ["train", "--dataset", "synthetic", "--synthetic-samples", "192", "--batch-size", "16",
+            "--output-dir", str(out), "--resume", "--epochs", "2"]
+    assert main([*base, "--nproc-per-node", "3"]) == 2
+    assert "written by 2 processes, this run has 3" in capsys.readouterr().err
+    assert main([*base[:-2], "--epochs", "1"]) == 2
+    assert "already finished 1 epochs" in capsys.readouterr().err
+    assert main([*base, "--lr", "0.5"]) == 2
+    assert "lr: 0.02 -> 0.5" in capsys.readouterr().err
+    ckpt = out / "checkpoints" / "epoch-0001.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "epoch-0001.safetensors" in err and "truncated" in err
+
+
+def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", "--epochs", "1", "--no-progress",
+         "--output-dir", str(out)],
+        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "test accuracy:" in proc.stdout and "lr 0.02 x 2 = 0.04" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("test_accuracy", "test_loss", "epochs", "world_size", "global_batch_size", "lr",
+                "wall_time_s", "samples_per_s", "engine"):
+        assert key in summary
+    assert summary["world_size"] == 2 and summary["test_samples"] == 359
+    assert summary["test_accuracy"] > 0.8
+    assert (out / "checkpoints" / "epoch-0001.safetensors").is_file()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

@@ -1,0 +1,30 @@
+"""TrainConfig stays torch-free and in step with the model and dataset registries."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit import data, models
+from ddpkit.train_config import DATASETS, MODELS, TrainConfig
+
+
+def test_names_match_the_registries():
+    assert set(MODELS) == set(models.MODELS)
+    assert set(DATASETS) == set(data.DATASETS)
+
+
+def test_building_the_cli_does_not_import_torch():
+    code = "import sys; from ddpkit.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": "vgg"}, "--model 'vgg' is not a model"),
+    ({"dataset": "cifar"}, "--dataset 'cifar' is not a dataset"),
+    ({"batch_size": 0}, "--batch-size 0 must be at least 1"),
+])
+def test_bad_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
