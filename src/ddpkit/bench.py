@@ -1,0 +1,242 @@
+"""``ddpkit bench``: ddpkit's DistributedDataParallel side by side with torch's.
+
+For each workload, every rank runs the same SGD training steps (zero_grad,
+forward, loss, backward, step) on two copies of one model, one wrapped in
+ddpkit's DDP and one in torch's, alternating blocks of steps between the two
+engines (the first engine of a block alternates too) so that drift in the
+machine's speed hits both alike. Each step is timed on rank 0; the report is
+the median step time of each engine and the ratio ddpkit / torch.
+
+Overlap: how much of the gradient all-reduce is hidden behind backward.
+
+* ``compute``: median step of the plain module, no communication at all;
+* ``comm``: median time to all-reduce the gradients alone (ddpkit's buckets,
+  launched back to back, then waited for);
+* ``hidden`` = ``(compute + comm - step) / comm``, clipped to [0, 1]: the part
+  of the communication that did not add to the step time;
+* ``exposed`` (ddpkit only, measured directly): how long the end of
+  backward stayed blocked on communication (``Reducer.last_wait_s``). A rank
+  that finishes backward early also waits for the slower one, so each step
+  counts the wait of the rank that arrived last (the minimum over ranks),
+  which is communication alone; then the median over steps. ``direct`` =
+  ``1 - exposed / comm``. On a shared machine the estimate above is the
+  noisier of the two: it subtracts medians taken at different moments and
+  charges rank skew to communication.
+
+Workloads:
+
+* ``convnet``: the tutorial's MNIST ConvNet (:class:`ddpkit.models.ConvNet`),
+  ``samples_per_rank`` 28x28 images per rank and step; compute-bound;
+* ``mlp``: :class:`ddpkit.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
+  parameters, 100 MB of float32 gradients) on ``mlp_batch`` images per rank;
+  communication-bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WORKLOADS = ("convnet", "mlp")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``ddpkit bench`` runs."""
+
+    workloads: tuple[str, ...] = WORKLOADS
+    """Which workloads, among ``convnet`` and ``mlp``."""
+    steps: int = 40
+    """Timed steps per engine and workload."""
+    warmup: int = 5
+    """Untimed steps per engine first (bucket rebuild, allocator, caches)."""
+    block: int = 1
+    """Steps an engine runs before the other takes over."""
+    world_size: int = 2
+    """Ranks (processes, gloo, one thread each)."""
+    samples_per_rank: int = 100
+    """ConvNet batch per rank."""
+    mlp_hidden: int = 4640
+    """MLP hidden width; 4640 gives about 25 M parameters."""
+    mlp_batch: int = 32
+    """MLP batch per rank."""
+    bucket_cap_mb: float = 25.0
+    """Bucket cap for both engines."""
+    json_path: Path | None = None
+    """Also write the results here as JSON."""
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in self.workloads if w not in WORKLOADS]
+        if unknown or not self.workloads:
+            raise ValueError(f"workloads={list(self.workloads)}: choose among {', '.join(WORKLOADS)}")
+        for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch"):
+            value = getattr(self, name)
+            if value < (0 if name == "warmup" else 1):
+                raise ValueError(f"{name}={value} must be {'>= 0' if name == 'warmup' else 'positive'}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive")
+
+
+@dataclass(kw_only=True)
+class WorkloadResult:
+    """The figures of one workload (times in milliseconds, medians over steps)."""
+
+    workload: str
+    params: int
+    ddpkit_ms: float
+    torch_ms: float
+    ratio: float
+    compute_ms: float
+    comm_ms: float
+    hidden_ddpkit: float
+    hidden_torch: float
+    exposed_ddpkit_ms: float
+    hidden_ddpkit_direct: float
+    buckets: int
+
+
+def _workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    from ddpkit.models import MLP, ConvNet
+
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    batch = cfg.samples_per_rank if name == "convnet" else cfg.mlp_batch
+    x = torch.randn(batch, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    torch.manual_seed(0)
+    model = ConvNet() if name == "convnet" else MLP(hidden=cfg.mlp_hidden)
+    return model, x, y
+
+
+def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> float:
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def _comm_only(buffers: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    works = [dist.all_reduce(b, async_op=True) for b in buffers]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - start
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1000.0 * statistics.median(xs)
+
+
+def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
+    from ddpkit._reference import torch_ddp
+    from ddpkit.ddp import DistributedDataParallel
+
+    base, x, y = _workload(name, cfg)
+    ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
+    theirs = torch_ddp(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
+    plain = copy.deepcopy(base)
+    steps = {"ddpkit": _stepper(ours, x, y), "torch": _stepper(theirs, x, y), "compute": _stepper(plain, x, y)}
+    for _ in range(cfg.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    exposed: list[float] = []
+    buffers = [torch.zeros_like(b.flat) for b in ours.reducer.buckets]
+    comm: list[float] = []
+    rounds = -(-cfg.steps // cfg.block)
+    for r in range(rounds):
+        order = ["ddpkit", "torch"] if r % 2 == 0 else ["torch", "ddpkit"]
+        for engine in order + ["compute"]:
+            dist.barrier()
+            for _ in range(cfg.block):
+                times[engine].append(steps[engine]())
+                if engine == "ddpkit":
+                    exposed.append(ours.reducer.last_wait_s)
+        dist.barrier()
+        for _ in range(cfg.block):
+            comm.append(_comm_only(buffers))
+    waits = [torch.zeros(len(exposed), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(waits, torch.tensor(exposed, dtype=torch.float64))
+    exposed = torch.stack(waits).min(dim=0).values.tolist()
+    compute, comm_ms = _median_ms(times["compute"]), _median_ms(comm)
+    ddpkit_ms, torch_ms = _median_ms(times["ddpkit"]), _median_ms(times["torch"])
+
+    def hidden(step_ms: float) -> float:
+        return min(1.0, max(0.0, (compute + comm_ms - step_ms) / comm_ms))
+
+    return WorkloadResult(
+        workload=name, params=sum(p.numel() for p in base.parameters()),
+        ddpkit_ms=ddpkit_ms, torch_ms=torch_ms, ratio=ddpkit_ms / torch_ms,
+        compute_ms=compute, comm_ms=comm_ms, hidden_ddpkit=hidden(ddpkit_ms), hidden_torch=hidden(torch_ms),
+        exposed_ddpkit_ms=_median_ms(exposed),
+        hidden_ddpkit_direct=min(1.0, max(0.0, 1.0 - _median_ms(exposed) / comm_ms)), buckets=len(ours.reducer.buckets),
+    )
+
+
+def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
+    from ddpkit.runtime import init, shutdown
+
+    torch.set_num_threads(1)
+    init(backend="gloo")
+    results = [_bench_workload(name, cfg) for name in cfg.workloads]
+    if rank == 0:
+        Path(out).write_text(json.dumps([asdict(r) for r in results]))
+    shutdown()
+
+
+def format_results(results: list[WorkloadResult], world_size: int) -> str:
+    """A plain-text table of the results."""
+    lines = [
+        f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank; median step times in ms",
+        f"{'workload':<9} {'params':>10} {'ddpkit':>9} {'torch':>9} {'ratio':>6}   "
+        f"{'compute':>8} {'comm':>8} {'hidden ddpkit/torch':>20} {'exposed':>8} {'direct':>7}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.workload:<9} {r.params:>10,} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f}   "
+            f"{r.compute_ms:>8.2f} {r.comm_ms:>8.2f} {r.hidden_ddpkit:>10.0%} /{r.hidden_torch:>7.0%} "
+            f"{r.exposed_ddpkit_ms:>8.2f} {r.hidden_ddpkit_direct:>7.0%}"
+        )
+    lines.append(
+        "ratio = ddpkit / torch (lower is better); compute = step without communication; comm = "
+        "all-reduce of the gradients alone; hidden = (compute + comm - step) / comm; exposed = "
+        "ddpkit's median wait for communication at the end of backward; direct = 1 - exposed / comm"
+    )
+    return "\n".join(lines)
+
+
+def run(cfg: BenchConfig) -> list[WorkloadResult]:
+    """Run the benchmarks in ``cfg.world_size`` fresh processes and print the table.
+
+    Returns:
+        One :class:`WorkloadResult` per workload (rank 0's timings).
+
+    Raises:
+        ddpkit.WorkerError: a rank failed.
+    """
+    from ddpkit.spawn import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        spawn(_worker, cfg.world_size, args=(cfg, out), backend="gloo")
+        results = [WorkloadResult(**r) for r in json.loads(Path(out).read_text())]
+    print(format_results(results, cfg.world_size), flush=True)
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    return results

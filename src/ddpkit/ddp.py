@@ -1,0 +1,285 @@
+"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.reducer.Reducer`.
+
+Construction checks that every rank holds the same parameters, broadcasts
+parameters and buffers from rank 0 (coalesced), and hands the parameters that
+require grad to a reducer. Each forward that will be followed by a
+synchronised backward broadcasts buffers (``broadcast_buffers=True``) and arms
+the reducer; the backward then all-reduces gradients bucket by bucket while
+autograd is still running, and leaves the average in ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.reducer import CommHook, Reducer
+
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+"""Largest message of a coalesced broadcast."""
+
+
+class _PackedBroadcast:
+    """Broadcast rank 0's values of a fixed list of tensors, one message per device.
+
+    Tensors of every dtype travel together as raw bytes at aligned offsets of
+    a persistent buffer, so BatchNorm's float statistics and integer counters
+    cost one collective, and a repeated broadcast (buffers, every forward)
+    allocates nothing: rank 0 only packs, the others only unpack.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.src = dist.get_global_rank(group, 0)
+        self.is_src = dist.get_rank(group) == 0
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        self.packs: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        for device, members in by_device.items():
+            offsets, size = [], 0
+            for t in members:
+                offsets.append(size)
+                size += -(-_nbytes(t) // _ALIGN) * _ALIGN
+            packed = torch.empty(size, dtype=torch.uint8, device=device)
+            pairs = [(t, packed[o : o + _nbytes(t)].view(t.dtype).view(t.shape)) for t, o in zip(members, offsets)]
+            self.packs.append((packed, pairs))
+
+    def __call__(self) -> None:
+        # Same devices, tensors and sizes in the same order on every rank (the
+        # parameters were verified identical), so the broadcasts match up.
+        with torch.no_grad():
+            for packed, pairs in self.packs:
+                if self.is_src:
+                    for t, view in pairs:
+                        view.copy_(t)
+                dist.broadcast(packed, src=self.src, group=self.group)
+                if not self.is_src:
+                    for t, view in pairs:
+                        t.copy_(view)
+
+
+_ALIGN = 16
+"""Byte alignment of each tensor in a packed broadcast (any dtype can be viewed there)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` with rank 0's values in messages of at most 250 MB."""
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for t in list(tensors) + [None]:  # type: ignore[list-item]
+        if t is not None and (not chunk or size + _nbytes(t) <= _BROADCAST_CHUNK_BYTES):
+            chunk.append(t)
+            size += _nbytes(t)
+            continue
+        if chunk:
+            _PackedBroadcast(chunk, group)()
+        if t is not None:
+            chunk, size = [t], _nbytes(t)
+
+
+def _verify_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """Raise on every rank if the ranks' parameters differ, naming the first difference."""
+    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in named]
+    world = dist.get_world_size(group)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    longest = max(len(e) for e in everyone)
+    for k in range(longest):
+        entries = [e[k] if k < len(e) else None for e in everyone]
+        if any(x != entries[0] for x in entries):
+            name = next(x[0] for x in entries if x is not None)
+
+            def describe(x: Any) -> str:
+                if x is None:
+                    return "no such parameter"
+                return f"{x[0]!r} shape {list(x[1])} {x[2]}" + ("" if x[3] else " (frozen)")
+
+            what = "; ".join(f"rank {r} has {describe(x)}" for r, x in enumerate(entries))
+            counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
+            raise ValueError(
+                f"DistributedDataParallel: the ranks hold different parameters (counts {counts}); "
+                f"first difference at parameter #{k} {name!r}: {what}. Build the same model with "
+                "the same arguments and the same requires_grad flags on every rank before wrapping it"
+            )
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism: same model on every rank, gradients averaged during backward.
+
+    Args:
+        module: the model, already on its device, identical on every rank.
+        device_ids: for a single-device CUDA module, ``[device]``; inputs are
+            moved there before forward. ``None`` (default) leaves them alone.
+        output_device: accepted for torch compatibility; outputs stay where the
+            module puts them.
+        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
+            before each forward while gradient sync is on. Default True.
+        bucket_cap_mb: bucket size cap in MiB (the first bucket is 1 MiB).
+            Default 25.
+        find_unused_parameters: allow parameters that get no gradient in some
+            iterations (reduced as zeros; untouched when unused on every rank).
+            Default False: an unused parameter raises at the end of backward.
+        gradient_as_bucket_view: make ``.grad`` a view into bucket memory,
+            saving a copy and a gradient-sized buffer. Default False.
+        process_group: the group to average over; default the world.
+
+    Raises:
+        ValueError: ranks hold different parameters; nothing requires grad;
+            ``bucket_cap_mb`` is not positive.
+        ddpkit.reducer.UnusedParametersError: from ``backward``, see
+            ``find_unused_parameters``.
+
+    Warning:
+        Every rank must run the same sequence of synchronised forwards and
+        backwards: each one issues collectives.
+
+    Example::
+
+        ctx = ddpkit.init()
+        model = ddpkit.DDP(Net().to(ctx.device))
+        loss_fn(model(x), y).backward()   # .grad now holds the average over ranks
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive: the default is 25")
+        if device_ids is not None and len(device_ids) != 1:
+            raise ValueError(
+                f"device_ids={list(device_ids)}: ddpkit drives one device per process; "
+                "pass device_ids=[local_rank] or None"
+            )
+        self.module = module
+        self.device_ids = list(device_ids) if device_ids is not None else None
+        self.output_device = output_device
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.require_backward_grad_sync = True
+
+        named = list(module.named_parameters())
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "DistributedDataParallel: the module has no parameter that requires grad, so "
+                "there is nothing to synchronise; wrap a trainable module"
+            )
+        buffers = list(module.buffers())
+        self._buffer_broadcast = None
+        if self.world_size > 1:
+            _verify_same_parameters(named, process_group)
+            _broadcast_once([p.detach() for _, p in named] + buffers, process_group)
+            if buffers:
+                self._buffer_broadcast = _PackedBroadcast(buffers, process_group)
+        self.reducer = Reducer(
+            trainable,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sync = self.require_backward_grad_sync
+        if sync and self.broadcast_buffers and self._buffer_broadcast is not None:
+            self._buffer_broadcast()
+        if sync and torch.is_grad_enabled():
+            self.reducer.prepare_for_backward()
+        elif torch.is_grad_enabled():
+            self.reducer.disarm()
+        if self.device_ids is not None:
+            device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else torch.device(self.device_ids[0])
+            args, kwargs = _to_device(args, device), _to_device(kwargs, device)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward/backward inside accumulate gradients locally and communicate nothing.
+
+        The first synchronised backward after it reduces the accumulated sum,
+        so K micro-batches under ``no_sync`` (all but the last) equal one step
+        over their union.
+
+        Example::
+
+            with model.no_sync():
+                for x in micro_batches[:-1]:
+                    loss_fn(model(x)).backward()
+            loss_fn(model(micro_batches[-1])).backward()
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]``.
+
+        The future's value is the bucket's reduced (averaged) flat tensor.
+        ``ddpkit.hooks`` has ready-made hooks; torch's
+        ``ddp_comm_hooks.default_hooks`` work too. Call once, before training.
+        """
+        self.reducer.register_comm_hook(state, hook)
+
+
+DDP = DistributedDataParallel
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Return the plain module inside DDP / DataParallel / ``torch.compile`` wrappers.
+
+    Works for ddpkit's and torch's wrappers, nested in any order; a plain
+    module is returned as is.
+
+    Example::
+
+        torch.save(ddpkit.unwrap(model).state_dict(), "model.pt")
+    """
+    while True:
+        if isinstance(model, nn.Module) and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+            getattr(model, "module", None), nn.Module
+        ):
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,241 @@
+"""ddpkit.DistributedDataParallel against torch's DDP and a single process, on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from ddp_models import batch, make, pair, state, train
+
+import ddpkit
+from ddpkit.reducer import UnusedParametersError
+
+# Tolerance for ddpkit vs torch DDP at world size 2: both pre-scale every
+# gradient by 1/2 (exact in binary) and gloo sums two values (commutative, one
+# rounding), so the numbers are bitwise identical: exact comparison.
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def _parity(name: str, momentum: float, steps: int, kwargs: dict, micro: int = 1) -> list[dict]:
+    ours, theirs = pair(name, **kwargs)
+    fkw = (lambda step: {"branch": step % 2 == 0 or dist.get_rank() == 0}) if name == "branchy" else None
+    train(ours, name, steps, momentum, fkw, micro=micro)
+    train(theirs, name, steps, momentum, fkw, micro=micro)
+    return [state(ours), state(theirs)]
+
+
+def _assert_same(results: list, skip_rank1_stats: bool = False, **tol) -> None:
+    for rank, (ours, theirs) in enumerate(results):
+        assert ours.keys() == theirs.keys(), f"rank {rank}"
+        for k in ours:
+            if skip_rank1_stats and rank > 0 and "running_" in k:
+                continue
+            torch.testing.assert_close(ours[k], theirs[k], **(tol or EXACT), msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("name", ["convbn", "embed"])
+def test_matches_torch_ddp(dist2, name, momentum):
+    _assert_same(dist2.run(_parity, name, momentum, 3, {}))
+
+
+def test_matches_torch_ddp_one_parameter_buckets(dist2):
+    # Tiny cap: every bucket holds one parameter and is reduced in place in .grad.
+    _assert_same(dist2.run(_parity, "convbn", 0.9, 3, {"bucket_cap_mb": 1e-6}))
+    _assert_same(dist2.run(_parity, "branchy", 0.0, 3, {"bucket_cap_mb": 1e-6, "find_unused_parameters": True}))
+
+
+def test_matches_torch_ddp_unused_with_flag(dist2):
+    # "never" is unused everywhere; "sometimes" is unused on rank 1 every other step.
+    results = dist2.run(_parity, "branchy", 0.9, 4, {"find_unused_parameters": True})
+    _assert_same(results)
+    assert "never.weight.grad" not in results[0][0]
+
+
+def test_matches_torch_ddp_three_ranks(dist3):
+    # Three addends: gloo's summation order may differ from a different
+    # bucket layout, so allow a few float32 ulps (1e-6 relative).
+    _assert_same(dist3.run(_parity, "convbn", 0.9, 3, {}), rtol=1e-6, atol=1e-7)
+
+
+def test_no_sync_matches_torch(dist2):
+    # Buffers: ddpkit broadcasts before every forward with sync on; torch
+    # decides by whether the *previous* forward synced. Rank 0's statistics
+    # (the source) and every parameter and gradient must still match exactly.
+    _assert_same(dist2.run(_parity, "convbn", 0.9, 2, {}, 3), skip_rank1_stats=True)
+
+
+def test_gradient_as_bucket_view_matches_torch(dist2):
+    _assert_same(dist2.run(_parity, "embed", 0.9, 3, {"gradient_as_bucket_view": True}))
+    _assert_same(dist2.run(_parity, "convbn", 0.0, 2, {"gradient_as_bucket_view": True}, 2), skip_rank1_stats=True)
+
+
+def _grads_are_bucket_views() -> bool:
+    model = ddpkit.DDP(make("plain"), gradient_as_bucket_view=True)
+    x, y = batch("plain", dist.get_rank())
+    for _ in range(2):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+    storages = {b.flat.untyped_storage().data_ptr() for b in model.reducer.buckets}
+    return all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
+
+
+def test_gradient_as_bucket_view_shares_memory(dist2):
+    assert dist2.run(_grads_are_bucket_views) == [True, True]
+
+
+def _global_batch(steps: int) -> tuple[dict, dict]:
+    world = dist.get_world_size()
+    ours = train(ddpkit.DDP(make("plain")), "plain", steps, 0.9)
+    ref = make("plain")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        shards = [batch("plain", 1000 + 100 * step + 10 * r) for r in range(world)]
+        x, y = torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    return state(ours), state(ref)
+
+
+def test_matches_single_process_global_batch(dist2):
+    # The global-batch mean sums the per-sample gradients in a different order
+    # than two half-batch means averaged across ranks: float32 rounding
+    # differences of a few ulps, grown by 3 momentum steps; 1e-5 is ~100 ulps.
+    _assert_same(dist2.run(_global_batch, 3), rtol=1e-5, atol=1e-6)
+
+
+def _construction_broadcast() -> list[torch.Tensor]:
+    torch.manual_seed(dist.get_rank())  # different initial weights on each rank
+    net = make("convbn", seed=dist.get_rank())
+    net.bn.running_mean.fill_(float(dist.get_rank()))
+    model = ddpkit.DDP(net)
+    after_init = [t.clone() for t in net.state_dict().values()]
+    net.bn.running_var.fill_(float(dist.get_rank() + 2))
+    model.eval()
+    with torch.no_grad():
+        model(batch("convbn", 0)[0])  # broadcasts buffers first
+    quiet = ddpkit.DDP(make("convbn"), broadcast_buffers=False)
+    quiet.module.bn.running_var.fill_(float(dist.get_rank() + 2))
+    quiet.eval()
+    with torch.no_grad():
+        quiet(batch("convbn", 0)[0])
+    return after_init + [net.bn.running_var.clone(), quiet.module.bn.running_var.clone()]
+
+
+def test_parameters_and_buffers_broadcast_from_rank0(dist2):
+    r0, r1 = dist2.run(_construction_broadcast)
+    for a, b in zip(r0[:-1], r1[:-1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert r0[-2].eq(2).all() and r1[-2].eq(2).all()  # forward broadcast rank 0's running_var
+    assert r1[-1].eq(3).all()  # broadcast_buffers=False leaves rank 1's alone
+
+
+def _mismatch() -> str:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2 + dist.get_rank()))
+    try:
+        ddpkit.DDP(net)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_parameter_mismatch_raises_on_every_rank(dist2):
+    for msg in dist2.run(_mismatch):
+        assert "'1.weight'" in msg and "rank 0 has '1.weight' shape [2, 4]" in msg
+        assert "rank 1 has '1.weight' shape [3, 4]" in msg
+
+
+def _unused_without_flag(everywhere: bool) -> str:
+    model = ddpkit.DDP(make("branchy"))
+    x, y = batch("branchy", dist.get_rank())
+    branch = not everywhere and dist.get_rank() == 0
+    try:
+        nn.functional.cross_entropy(model(x, branch=branch), y).backward()
+    except UnusedParametersError as e:
+        return str(e)
+    return "ok"
+
+
+def test_unused_parameter_without_flag_raises_naming_it(dist2):
+    for msg in dist2.run(_unused_without_flag, True):
+        assert "'sometimes.weight'" in msg and "'never.bias'" in msg and "find_unused_parameters=True" in msg
+    # Unused on rank 1 only: rank 1 raises, rank 0 completes; nobody hangs.
+    r0, r1 = dist2.run(_unused_without_flag, False, timeout=60)
+    assert "'never.weight'" in r0 and "'sometimes.weight'" not in r0
+    assert "'sometimes.weight'" in r1
+
+
+def _unused_everywhere_keeps_grad() -> list:
+    model = ddpkit.DDP(make("branchy"), find_unused_parameters=True)
+    marker = torch.full_like(model.module.never.weight, 7.0)
+    model.module.never.weight.grad = marker.clone()
+    x, y = batch("branchy", dist.get_rank())
+    nn.functional.cross_entropy(model(x, branch=dist.get_rank() == 0), y).backward()
+    return [model.module.never.weight.grad, model.module.never.bias.grad, model.module.sometimes.weight.grad]
+
+
+def test_unused_everywhere_keeps_grad_untouched(dist2):
+    (w0, b0, s0), (w1, b1, s1) = dist2.run(_unused_everywhere_keeps_grad)
+    assert w0.eq(7).all() and w1.eq(7).all() and b0 is None and b1 is None
+    torch.testing.assert_close(s0, s1, rtol=0, atol=0)  # rank 1 contributed zeros, got the average
+
+
+class _Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, *, scale=1.0, as_dict=False):
+        y = self.lin(x) * scale
+        return {"y": y, "pair": (y.sum(), [y])} if as_dict else (y, y.sum())
+
+
+def _structures() -> list:
+    inner = _Structured()
+    model = ddpkit.DDP(inner)
+    x = torch.ones(2, 3)
+    out = model(x, scale=2.0, as_dict=True)
+    out["pair"][0].backward()
+    y, s = model(x)
+    s.backward()
+    return [model.module is inner, ddpkit.unwrap(model) is inner, sorted(out), type(out["pair"][1]).__name__]
+
+
+def test_forward_passes_arguments_and_structures(dist2):
+    assert dist2.run(_structures)[0] == [True, True, ["pair", "y"], "list"]
+
+
+def test_world_size_one_without_process_group():
+    net = make("plain")
+    ref = make("plain")
+    model = ddpkit.DDP(net)
+    assert model.world_size == 1
+    train(model, "plain", 2, 0.9)
+    train(ref, "plain", 2, 0.9)
+    for k, v in state(ref).items():
+        torch.testing.assert_close(state(model)[k], v, rtol=0, atol=0)
+
+
+def test_unwrap():
+    net = nn.Linear(2, 2)
+    assert ddpkit.unwrap(net) is net
+    assert ddpkit.unwrap(ddpkit.DDP(net)) is net
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        ddpkit.DDP(nn.Linear(2, 2).requires_grad_(False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_world_size_one_with_nccl():
+    ctx = ddpkit.init(backend="nccl")
+    net = make("convbn").to(ctx.device)
+    model = ddpkit.DDP(net, device_ids=[ctx.device.index])
+    x, y = batch("convbn", 0)
+    nn.functional.cross_entropy(model(x), y.to(ctx.device)).backward()
+    assert all(p.grad is not None and p.grad.is_cuda for p in net.parameters())
