@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -88,6 +89,9 @@ def _exit_now(code: int) -> None:
     # Interpreter teardown with torch and gloo loaded takes 1-2 s per child and
     # does nothing useful here: flush what the user printed and logged, then go.
     logging.shutdown()
+    # multiprocessing's own exit step: finalizers unlink the semaphores that
+    # locks made in this child (tqdm has one), which os._exit would leak.
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
