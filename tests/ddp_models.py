@@ -48,7 +48,7 @@ class EmbedTied(nn.Module):
 
 
 class Branchy(nn.Module):
-    """``used`` always takes part; ``sometimes`` only when asked; ``never`` never does."""
+    """``used`` always takes part; ``sometimes`` and ``never`` only when asked."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,8 +56,8 @@ class Branchy(nn.Module):
         self.sometimes = nn.Linear(5, 3)
         self.never = nn.Linear(5, 3)
 
-    def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
-        out = self.used(x)
+    def forward(self, x: torch.Tensor, branch: bool = False, never: bool = False) -> torch.Tensor:
+        out = self.used(x) + self.never(x) if never else self.used(x)
         return out + self.sometimes(x) if branch else out
 
 

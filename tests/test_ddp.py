@@ -17,9 +17,12 @@ from ddpkit.reducer import UnusedParametersError
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
 
-def _parity(name: str, momentum: float, steps: int, kwargs: dict, micro: int = 1) -> list[dict]:
+def _parity(name: str, momentum: float, steps: int, kwargs: dict, micro: int = 1, never: bool = False) -> list[dict]:
     ours, theirs = pair(name, **kwargs)
-    fkw = (lambda step: {"branch": step % 2 == 0 or dist.get_rank() == 0}) if name == "branchy" else None
+    fkw = None
+    if name == "branchy":
+        def fkw(step: int) -> dict:
+            return {"branch": step % 2 == 0 or dist.get_rank() == 0, "never": never}
     train(ours, name, steps, momentum, fkw, micro=micro)
     train(theirs, name, steps, momentum, fkw, micro=micro)
     return [state(ours), state(theirs)]
@@ -51,6 +54,8 @@ def test_matches_torch_ddp_unused_with_flag(dist2):
     results = dist2.run(_parity, "branchy", 0.9, 4, {"find_unused_parameters": True})
     _assert_same(results)
     assert "never.weight.grad" not in results[0][0]
+    # Every parameter used on rank 0; rank 1 alone misses "sometimes" every other step.
+    _assert_same(dist2.run(_parity, "branchy", 0.9, 4, {"find_unused_parameters": True}, 1, True))
 
 
 def test_matches_torch_ddp_three_ranks(dist3):

@@ -1,5 +1,7 @@
 """Comm hooks: ddpkit's and torch's own hooks on ddpkit's DDP, against torch's DDP with the same hook."""
 
+# No `from __future__ import annotations` here: torch's DDP checks a hook's
+# return annotation at run time, and a string would fail that check.
 
 import pytest
 import torch

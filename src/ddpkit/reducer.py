@@ -377,9 +377,9 @@ class Reducer:
             self._launch_ready()
         assert self._next_launch == len(self.buckets), "every bucket must be launched by now"
         used = None
-        if missing and self.find_unused and self.group is not None and self.world_size > 1:
-            # Issued after every bucket on every rank, so the order of
-            # collectives is the same everywhere.
+        if self.find_unused and self.group is not None and self.world_size > 1:
+            # Every rank issues it, whether or not it missed a gradient itself,
+            # and after all of its buckets: the collectives line up everywhere.
             flags = torch.tensor(self._ready, dtype=torch.int32, device=self.buckets[0].flat.device)
             dist.all_reduce(flags, group=self.group)
             used = flags.bool().tolist()
