@@ -1,7 +1,7 @@
 """``DistributedSampler``: each rank's disjoint shard of a dataset, resumable mid-epoch.
 
 For the same arguments it yields exactly the indices of
-``torch.utils.data.distributed.DistributedSampler`` (the test suite checks every
+torch's own ``DistributedSampler`` (the test suite checks every
 combination of length, world size, rank, shuffle, seed, drop_last and epoch),
 and adds three things:
 
