@@ -9,7 +9,13 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
+# The CPU wheel of torch 2.13.0 lies in /opt/wheels on these machines; name it
+# explicitly rather than trust PIP_FIND_LINKS to be in the environment.
+find_links=()
+if [ -d /opt/wheels ]; then
+    find_links=(--find-links /opt/wheels)
+fi
 if ! .venv/bin/python -c "import torch, ddpkit, pytest, tqdm, safetensors, sklearn" >/dev/null 2>&1; then
-    .venv/bin/python -m pip install --quiet torch==2.13.0
-    .venv/bin/python -m pip install --quiet -e ".[test]"
+    .venv/bin/python -m pip install --quiet "${find_links[@]}" torch==2.13.0
+    .venv/bin/python -m pip install --quiet "${find_links[@]}" -e ".[test]"
 fi

@@ -143,3 +143,20 @@ def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
     assert summary["test_accuracy"] > 0.8
     assert (out / "checkpoints" / "epoch-0001.safetensors").is_file()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_train_under_ddpkit_launch_uses_the_given_ranks(tmp_path: Path) -> None:
+    # Inside a launcher `ddpkit train` starts no workers of its own: the two
+    # launched processes are the world, whatever --nproc-per-node says.
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "launch", "--standalone", "--nproc-per-node", "2", "-m", "ddpkit",
+         "train", "--dataset", "synthetic", "--synthetic-samples", "192", "--batch-size", "16",
+         "--epochs", "1", "--no-progress", "--output-dir", str(out)],
+        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["engine"] == "ddpkit"
+    assert "[rank0]: " in proc.stdout
