@@ -117,7 +117,8 @@ def _to_bytes(state: Any) -> bytes:
 # ---------------------------------------------------------------- atomic write
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably: temporary file, fsync, rename, fsync of the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -144,7 +145,7 @@ def _collective_write(path: str | os.PathLike, make_bytes) -> None:
     error: BaseException | None = None
     if is_writer:
         try:
-            _write_atomic(path, make_bytes())
+            write_atomic(path, make_bytes())
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             error = e
     if group:

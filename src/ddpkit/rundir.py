@@ -23,12 +23,11 @@ Rules that keep data safe:
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint import CheckpointError, load_checkpoint
+from ddpkit.checkpoint import CheckpointError, load_checkpoint, write_atomic
 
 __all__ = ["claim", "latest_checkpoint", "write_json_atomic", "CHECKPOINT_DIR"]
 
@@ -40,10 +39,8 @@ _RESUMABLE_CHANGES = {"epochs", "resume", "output_dir", "progress", "nproc_per_n
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write JSON to ``path`` as checkpoints are written (temporary file, fsync, rename)."""
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
