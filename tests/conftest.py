@@ -45,6 +45,6 @@ def _clean_state() -> Iterator[None]:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        import ddpkit.runtime
+        import ddpkit.runtime.group
 
         ddpkit.runtime._ctx = None

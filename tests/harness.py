@@ -19,7 +19,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from ddpkit.spawn import WorkerError, free_port, terminate, worker_env
+from ddpkit.runtime.spawn import WorkerError, free_port, terminate, worker_env
 
 
 def _serve(rank: int, world_size: int, port: int, conn) -> None:

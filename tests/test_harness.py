@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from harness import RankPool
 
 import ddpkit
-from harness import RankPool
-from ddpkit.spawn import WorkerError
+from ddpkit.runtime.spawn import WorkerError
 
 
 def _rank_and_sum():

@@ -13,30 +13,33 @@ from typing import TYPE_CHECKING, Any
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "DistContext": "ddpkit.runtime",
-    "barrier": "ddpkit.runtime",
-    "init": "ddpkit.runtime",
-    "is_main": "ddpkit.runtime",
-    "local_rank": "ddpkit.runtime",
-    "print0": "ddpkit.runtime",
-    "rank": "ddpkit.runtime",
-    "shutdown": "ddpkit.runtime",
-    "world_size": "ddpkit.runtime",
-    "zero_first": "ddpkit.runtime",
-    "DDP": "ddpkit.ddp",
-    "DistributedDataParallel": "ddpkit.ddp",
-    "unwrap": "ddpkit.ddp",
-    "DistributedSampler": "ddpkit.sampler",
-    "load_checkpoint": "ddpkit.checkpoint",
-    "save_checkpoint": "ddpkit.checkpoint",
+    "DistContext": "ddpkit.runtime.group",
+    "RendezvousError": "ddpkit.runtime.group",
+    "barrier": "ddpkit.runtime.group",
+    "init": "ddpkit.runtime.group",
+    "is_main": "ddpkit.runtime.group",
+    "local_rank": "ddpkit.runtime.group",
+    "print0": "ddpkit.runtime.group",
+    "rank": "ddpkit.runtime.group",
+    "shutdown": "ddpkit.runtime.group",
+    "world_size": "ddpkit.runtime.group",
+    "zero_first": "ddpkit.runtime.group",
+    "WorkerError": "ddpkit.runtime.spawn",
+    "spawn": "ddpkit.runtime.spawn",
+    "DDP": "ddpkit.parallel.ddp",
+    "DistributedDataParallel": "ddpkit.parallel.ddp",
+    "unwrap": "ddpkit.parallel.ddp",
+    "UnusedParametersError": "ddpkit.parallel.reducer",
+    "DistributedSampler": "ddpkit.data.sampler",
+    "DatasetError": "ddpkit.data.datasets",
+    "CheckpointError": "ddpkit.train.checkpoint",
+    "load_checkpoint": "ddpkit.train.checkpoint",
+    "save_checkpoint": "ddpkit.train.checkpoint",
 }
+# Public submodules reached as attributes (``ddpkit.hooks.allreduce_hook``).
 _SUBMODULES = {"hooks"}
 
-# spawn is torch-free and imported eagerly: the function must shadow the
-# submodule of the same name, which a lazy lookup would never get to do.
-from ddpkit.spawn import WorkerError, spawn  # noqa: E402
-
-__all__ = sorted([*_EXPORTS, *_SUBMODULES, "WorkerError", "spawn"])
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
@@ -56,9 +59,22 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit import hooks
-    from ddpkit.checkpoint import load_checkpoint, save_checkpoint
-    from ddpkit.ddp import DDP, DistributedDataParallel, unwrap
-    from ddpkit.runtime import (
-        DistContext, barrier, init, is_main, local_rank, print0, rank, shutdown, world_size, zero_first,
+    from ddpkit.data.datasets import DatasetError
+    from ddpkit.data.sampler import DistributedSampler
+    from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap
+    from ddpkit.parallel.reducer import UnusedParametersError
+    from ddpkit.runtime.group import (
+        DistContext,
+        RendezvousError,
+        barrier,
+        init,
+        is_main,
+        local_rank,
+        print0,
+        rank,
+        shutdown,
+        world_size,
+        zero_first,
     )
-    from ddpkit.sampler import DistributedSampler
+    from ddpkit.runtime.spawn import WorkerError, spawn
+    from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

@@ -58,8 +58,8 @@ def _add_launch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ddpkit.train import train
-    from ddpkit.train_config import TrainConfig
+    from ddpkit.train.config import TrainConfig
+    from ddpkit.train.loop import train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     train(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
-    from ddpkit.train_config import TrainConfig
+    from ddpkit.train.config import TrainConfig
 
     p = subparsers.add_parser(
         "train", help="train a model data-parallel (default: the MNIST ConvNet on digits, 2 processes)",
@@ -96,7 +96,7 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddpkit.bench import BenchConfig, run
+    from ddpkit.bench.engines import BenchConfig, run
 
     cfg = BenchConfig(
         workloads=tuple(args.workloads), steps=args.steps, warmup=args.warmup, block=args.block,

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit.discovery import DEFAULT_PORT, LOOPBACK
+from ddpkit.runtime.discovery import DEFAULT_PORT, LOOPBACK
 
 
 def auto_nproc() -> int:

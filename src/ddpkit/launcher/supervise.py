@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
-from ddpkit.spawn import free_port
+from ddpkit.runtime.spawn import free_port
 
 _POLL_S = 0.05
 _TAIL_LINES = 400

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from ddp_models import batch, make, pair, state, train
+from torch import nn
 
 import ddpkit
-from ddpkit.reducer import UnusedParametersError
+from ddpkit.parallel.reducer import UnusedParametersError
 
 # Tolerance for ddpkit vs torch DDP at world size 2: both pre-scale every
 # gradient by 1/2 (exact in binary) and gloo sums two values (commutative, one

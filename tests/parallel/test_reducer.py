@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.reducer import assign_buckets
+from ddpkit.parallel.reducer import assign_buckets
 
 MIB = 1024 * 1024
 

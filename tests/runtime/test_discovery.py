@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddpkit.discovery import DEFAULT_PORT, discover, expand_nodelist
+from ddpkit.runtime.discovery import DEFAULT_PORT, discover, expand_nodelist
 
 
 def test_no_environment_is_a_world_of_one():

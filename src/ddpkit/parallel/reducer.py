@@ -48,12 +48,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ddpkit.comm.bucket import CommHook, GradBucket
+
 FIRST_BUCKET_MB = 1.0
 """Cap of the first bucket (per dtype and device) in MiB."""
 _MIB = 1024 * 1024
-
-CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
-
 
 class UnusedParametersError(RuntimeError):
     """Parameters got no gradient in a synchronised backward without ``find_unused_parameters``."""
@@ -107,63 +106,6 @@ def assign_buckets(
     position = {i: k for k, i in enumerate(order)}
     done.sort(key=lambda b: position[b[0]])
     return done
-
-
-class GradBucket:
-    """One bucket as a comm hook sees it.
-
-    Offers the methods of ``torch.distributed.GradBucket`` that hooks use, so
-    torch's built-in hooks (``allreduce_hook``, ``fp16_compress_hook``,
-    ``bf16_compress_hook``, the compress wrappers) run on ddpkit unchanged.
-    """
-
-    def __init__(self, index: int, params: list[torch.Tensor], indices: list[int]) -> None:
-        self._index = index
-        self._params = params
-        self.indices = indices
-        """Indices of the bucket's parameters in the reducer's parameter list."""
-        numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        """The bucket's own memory; reduced results always end up here."""
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self._buffer = self.flat
-        self.target = self.flat
-        """Where the reduced result must end up: ``flat``, or the gradient itself
-        for a one-parameter bucket reduced in place."""
-        self._is_last = False
-        self.pending = len(params)
-        self.work: Any = None
-        self.future: torch.futures.Future | None = None
-
-    def index(self) -> int:
-        """The bucket's index; bucket 0 is launched first."""
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        """The flat 1-D tensor to reduce (the gradients, concatenated)."""
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the tensor :meth:`buffer` returns (compression wrappers do this)."""
-        self._buffer = tensor
-
-    def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient, as a view into the bucket's memory."""
-        if self.target is not self.flat:
-            return [self.target.view(self.views[0].shape)]
-        return list(self.views)
-
-    def parameters(self) -> list[torch.Tensor]:
-        """The bucket's parameters, in bucket order."""
-        return list(self._params)
-
-    def is_last(self) -> bool:
-        """Whether this is the last bucket launched in an iteration."""
-        return self._is_last
 
 
 class Reducer:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddpkit.bench import BenchConfig, format_results
+from ddpkit.bench.engines import BenchConfig, format_results
 from ddpkit.cli import main
 
 

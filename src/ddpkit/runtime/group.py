@@ -1,7 +1,7 @@
 """The distributed runtime: one process group per process, and helpers around it.
 
 :func:`init` reads this process's place from the environment (see
-:mod:`ddpkit.discovery` for the schemes: ddpkit/torchrun, OpenMPI, PMI, SLURM,
+:mod:`ddpkit.runtime.discovery` for the schemes: ddpkit/torchrun, OpenMPI, PMI, SLURM,
 or nothing at all for a world of one), meets the other ranks at the
 rendezvous store, checks that they agree on the world, and creates the
 ``torch.distributed`` process group.
@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.discovery import Placement, discover
+from ddpkit.runtime.discovery import Placement, discover
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Collective timeout when none is configured (torch's own default)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 MODELS = ("convnet", "mlp", "resnet")
-"""Names of :data:`ddpkit.models.MODELS` (a test keeps the two in step)."""
+"""Names of :data:`ddpkit.train.models.MODELS` (a test keeps the two in step)."""
 DATASETS = ("digits", "mnist", "synthetic")
 """Names of :data:`ddpkit.data.DATASETS` (a test keeps the two in step)."""
 ENGINES = ("ddpkit", "torch", "single")

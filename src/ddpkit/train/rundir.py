@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint import CheckpointError, load_checkpoint, write_atomic
+from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, write_atomic
 
 __all__ = ["claim", "latest_checkpoint", "write_json_atomic", "CHECKPOINT_DIR"]
 

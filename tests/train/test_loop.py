@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from ddpkit.cli import main
-from ddpkit.train import TrainConfig, _worker
+from ddpkit.train.loop import TrainConfig, _worker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Tiny and fast: 192 synthetic images, 6 steps per epoch and rank.
 SMALL = dict(dataset="synthetic", synthetic_samples=192, batch_size=16, progress=False)
 

@@ -1,4 +1,4 @@
-"""ddpkit.data: digits, the MNIST IDX reader and its errors, synthetic data."""
+"""ddpkit.data.datasets: digits, the MNIST IDX reader and its errors, synthetic data."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.data import DatasetError, load_dataset, read_idx
+from ddpkit.data.datasets import DatasetError, load_dataset, read_idx
 
-MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+MNIST_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 
 
 def _idx(magic: int, dims: tuple[int, ...], payload: bytes | None = None) -> bytes:

@@ -27,9 +27,9 @@ Overlap: how much of the gradient all-reduce is hidden behind backward.
 
 Workloads:
 
-* ``convnet``: the tutorial's MNIST ConvNet (:class:`ddpkit.models.ConvNet`),
+* ``convnet``: the tutorial's MNIST ConvNet (:class:`ddpkit.train.models.ConvNet`),
   ``samples_per_rank`` 28x28 images per rank and step; compute-bound;
-* ``mlp``: :class:`ddpkit.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
+* ``mlp``: :class:`ddpkit.train.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
   parameters, 100 MB of float32 gradients) on ``mlp_batch`` images per rank;
   communication-bound.
 """
@@ -109,7 +109,7 @@ class WorkloadResult:
 
 
 def _workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    from ddpkit.models import MLP, ConvNet
+    from ddpkit.train.models import MLP, ConvNet
 
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     batch = cfg.samples_per_rank if name == "convnet" else cfg.mlp_batch
@@ -147,7 +147,7 @@ def _median_ms(xs: list[float]) -> float:
 
 def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     from ddpkit._reference import torch_ddp
-    from ddpkit.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp import DistributedDataParallel
 
     base, x, y = _workload(name, cfg)
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
@@ -193,7 +193,7 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
 
 
 def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
-    from ddpkit.runtime import init, shutdown
+    from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
     init(backend="gloo")
@@ -233,7 +233,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     Raises:
         ddpkit.WorkerError: a rank failed.
     """
-    from ddpkit.spawn import spawn
+    from ddpkit.runtime.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")

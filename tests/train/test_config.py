@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from ddpkit import data, models
-from ddpkit.train_config import DATASETS, MODELS, TrainConfig
+from ddpkit.data import datasets as data
+from ddpkit.train import models
+from ddpkit.train.config import DATASETS, MODELS, TrainConfig
 
 
 def test_names_match_the_registries():

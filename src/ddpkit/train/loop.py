@@ -40,13 +40,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddpkit import rundir
-from ddpkit.checkpoint import load_checkpoint, load_model_state, save_checkpoint, save_weights
-from ddpkit.data import TensorDataset, load_dataset
-from ddpkit.discovery import discover
-from ddpkit.models import build_model
-from ddpkit.sampler import DistributedSampler
-from ddpkit.train_config import TrainConfig
+from ddpkit.data.datasets import TensorDataset, load_dataset
+from ddpkit.data.sampler import DistributedSampler
+from ddpkit.runtime.discovery import discover
+from ddpkit.runtime.group import barrier, init, print0, shutdown, zero_first
+from ddpkit.runtime.spawn import spawn
+from ddpkit.train import rundir
+from ddpkit.train.checkpoint import load_checkpoint, load_model_state, save_checkpoint, save_weights
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.models import build_model
 
 __all__ = ["TrainConfig", "train"]
 
@@ -81,16 +83,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
     out, state = rundir.claim(config.to_dict(), nproc)
     del state  # the workers read the checkpoint themselves
     if nproc == 1:
-        import ddpkit
-
         try:
             _worker(0, config, str(out))
         finally:
-            ddpkit.shutdown()
+            shutdown()
     else:
-        import ddpkit
-
-        ddpkit.spawn(_worker, nproc, args=(config, str(out)), backend=config.backend)
+        spawn(_worker, nproc, args=(config, str(out)), backend=config.backend)
     return json.loads((out / "summary.json").read_text())
 
 
@@ -126,7 +124,7 @@ def _agree_on_output_dir(config: TrainConfig, out: str | None, world: int) -> st
 def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
     ids = [device.index] if device.type == "cuda" else None
     if config.engine == "ddpkit":
-        from ddpkit.ddp import DistributedDataParallel
+        from ddpkit.parallel.ddp import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=ids)
     if config.engine == "torch":
@@ -180,10 +178,8 @@ def _evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
 def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
     from tqdm import tqdm
 
-    import ddpkit
-
     del rank
-    ctx = ddpkit.init(backend=config.backend)
+    ctx = init(backend=config.backend)
     world = ctx.world_size
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks that share a node's cores must not each spin up a thread per
@@ -192,7 +188,7 @@ def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
     out_dir = Path(_agree_on_output_dir(config, out, world))
     device = ctx.device
 
-    with ddpkit.zero_first():  # a --download happens once per node
+    with zero_first():  # a --download happens once per node
         data = _load_data(config)
     train_set = data.train
     train_x, train_y = train_set.images.to(device), train_set.labels.to(device)
@@ -236,7 +232,7 @@ def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
         total=steps_per_epoch * (config.epochs - first_epoch), disable=ctx.rank != 0 or not config.progress,
         unit="step", dynamic_ncols=True, leave=False,
     )
-    ddpkit.print0(
+    print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(train_set)} train / {len(data.test)} test), "
         f"engine {config.engine}, {world} process(es), global batch "
         f"{config.batch_size * world * config.grad_accum}, lr {config.lr:g} x {world} = {lr:g}, "
@@ -321,7 +317,7 @@ def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
             f"on {world} process(es); weights in {out_dir / 'model.safetensors'}",
             flush=True,
         )
-    ddpkit.barrier()
+    barrier()
     return summary
 
 

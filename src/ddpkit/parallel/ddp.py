@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.reducer.Reducer`.
+"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.parallel.reducer.Reducer`.
 
 Construction checks that every rank holds the same parameters, broadcasts
 parameters and buffers from rank 0 (coalesced), and hands the parameters that
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.reducer import CommHook, Reducer
+from ddpkit.comm.bucket import CommHook
+from ddpkit.parallel.reducer import Reducer
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 """Largest message of a coalesced broadcast."""
@@ -148,7 +149,7 @@ class DistributedDataParallel(nn.Module):
     Raises:
         ValueError: ranks hold different parameters; nothing requires grad;
             ``bucket_cap_mb`` is not positive.
-        ddpkit.reducer.UnusedParametersError: from ``backward``, see
+        ddpkit.parallel.reducer.UnusedParametersError: from ``backward``, see
             ``find_unused_parameters``.
 
     Warning:

@@ -1,0 +1,1 @@
+"""``ddpkit bench``: ddpkit's engines timed side by side with torch's."""

@@ -1,0 +1,76 @@
+"""``GradBucket``: one bucket of gradients as a comm hook sees it.
+
+The reducer (:mod:`ddpkit.parallel.reducer`) fills buckets during backward and
+hands each to the registered hook; hooks (:mod:`ddpkit.comm.hooks`, or torch's
+own) only read and write through the methods below. It lives in ``comm`` so
+that hooks, which sit below the engine, never import the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["CommHook", "GradBucket"]
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+"""``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""
+
+
+class GradBucket:
+    """One bucket as a comm hook sees it.
+
+    Offers the methods of ``torch.distributed.GradBucket`` that hooks use, so
+    torch's built-in hooks (``allreduce_hook``, ``fp16_compress_hook``,
+    ``bf16_compress_hook``, the compress wrappers) run on ddpkit unchanged.
+    """
+
+    def __init__(self, index: int, params: list[torch.Tensor], indices: list[int]) -> None:
+        self._index = index
+        self._params = params
+        self.indices = indices
+        """Indices of the bucket's parameters in the reducer's parameter list."""
+        numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        """The bucket's own memory; reduced results always end up here."""
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self._buffer = self.flat
+        self.target = self.flat
+        """Where the reduced result must end up: ``flat``, or the gradient itself
+        for a one-parameter bucket reduced in place."""
+        self._is_last = False
+        self.pending = len(params)
+        self.work: Any = None
+        self.future: torch.futures.Future | None = None
+
+    def index(self) -> int:
+        """The bucket's index; bucket 0 is launched first."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D tensor to reduce (the gradients, concatenated)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the tensor :meth:`buffer` returns (compression wrappers do this)."""
+        self._buffer = tensor
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient, as a view into the bucket's memory."""
+        if self.target is not self.flat:
+            return [self.target.view(self.views[0].shape)]
+        return list(self.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in bucket order."""
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket launched in an iteration."""
+        return self._is_last

@@ -1,0 +1,71 @@
+"""Comm hooks: what the reduction of one gradient bucket does.
+
+A hook is ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``. It is
+called once per bucket and iteration, in bucket order, as soon as the bucket's
+gradients are ready; the future's value is the bucket's averaged flat tensor.
+``state`` is whatever was passed to ``register_comm_hook``; for the hooks here
+it is the process group to reduce over, or ``None`` for the world.
+
+``bucket`` offers ``buffer()``, ``set_buffer()``, ``gradients()``,
+``parameters()``, ``index()`` and ``is_last()`` (see
+:class:`ddpkit.comm.bucket.GradBucket`), the same as torch's ``GradBucket``, so
+hooks written for torch's DDP run here unchanged.
+
+Example::
+
+    model = ddpkit.DDP(net)
+    model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm.bucket import GradBucket
+
+__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+
+
+def _group(state: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return state if state is not None else dist.group.WORLD
+
+
+def allreduce_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average the bucket over the group: the same numbers as no hook at all.
+
+    Divides before summing so low-precision buckets do not overflow.
+    """
+    group = _group(state)
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _compress_hook(dtype: torch.dtype, state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    group = _group(state)
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(f: torch.futures.Future) -> torch.Tensor:
+        # Back into the bucket's own memory: no second full-precision buffer.
+        buffer.copy_(f.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
+def fp16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average in float16: half the bytes on the wire, ~3 decimal digits kept.
+
+    Warning:
+        Gradients beyond float16's range (about 6.5e4) become inf.
+    """
+    return _compress_hook(torch.float16, state, bucket)
+
+
+def bf16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average in bfloat16: half the bytes, float32's range, ~2 decimal digits kept."""
+    return _compress_hook(torch.bfloat16, state, bucket)

@@ -1,0 +1,1 @@
+"""Data: the distributed sampler and the data sets ``ddpkit train`` reads."""

@@ -1,0 +1,1 @@
+"""The parallel wrappers and their engine: the reducer and DistributedDataParallel."""
