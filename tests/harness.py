@@ -19,12 +19,15 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from ddpkit.runtime.spawn import WorkerError, free_port, terminate, worker_env
+from ddpkit.runtime.process import free_port, terminate, worker_env
+from ddpkit.runtime.spawn import WorkerError
 
 
 def _serve(rank: int, world_size: int, port: int, conn) -> None:
     os.setpgid(0, 0)
-    os.environ.update(worker_env(rank, world_size, port, "gloo"))
+    os.environ.update(worker_env(rank=rank, local_rank=rank, world_size=world_size,
+                                 local_world_size=world_size, master_port=port))
+    os.environ["DDPKIT_BACKEND"] = "gloo"
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 

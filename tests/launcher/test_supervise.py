@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from procs import SCRIPTS, base_env, launch, script
 
-from ddpkit.runtime.spawn import free_port
+from ddpkit.runtime.process import free_port
 
 
 def _alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from procs import base_env, run_ranks, script
 
 import ddpkit
-from ddpkit.runtime.spawn import free_port
+from ddpkit.runtime.process import free_port
 
 
 def _check_pair(done, scheme):

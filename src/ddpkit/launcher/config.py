@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.runtime.discovery import DEFAULT_PORT, LOOPBACK
+from ddpkit.runtime.process import GRACE_S
 
 
 def auto_nproc() -> int:
@@ -48,7 +49,7 @@ class LaunchConfig:
     """Prefix each worker output line with ``[rankN]: ``."""
     log_dir: Path | None = None
     """Also save each rank's output to ``log_dir/attempt_K/rankN.log``."""
-    grace_period_s: float = 5.0
+    grace_period_s: float = GRACE_S
     """Seconds between SIGTERM and SIGKILL when tearing the group down."""
     python: str = sys.executable
     """Interpreter that runs the workers."""

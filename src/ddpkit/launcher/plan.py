@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ddpkit.launcher.config import LaunchConfig
+from ddpkit.runtime.process import worker_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,26 +47,10 @@ def plan_workers(
     workers = []
     for local_rank in range(nproc):
         rank = cfg.node_rank * nproc + local_rank
-        env = dict(base_env)
-        env.update({
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(cfg.world_size),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": str(cfg.node_rank),
-            "GROUP_WORLD_SIZE": str(cfg.nnodes),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(cfg.world_size),
-            "ROLE_NAME": "default",
-            "MASTER_ADDR": cfg.master_addr,
-            "MASTER_PORT": str(master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-        })
-        # Our workers serve their own store; an inherited torchrun flag would
-        # send them looking for an agent store that is not there.
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        if nproc > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
+        env = worker_env(
+            rank=rank, local_rank=local_rank, world_size=cfg.world_size, local_world_size=nproc,
+            master_addr=cfg.master_addr, master_port=master_port, node_rank=cfg.node_rank,
+            nnodes=cfg.nnodes, restart_count=restart_count, max_restarts=cfg.max_restarts, base=base_env,
+        )
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(cfg, local_rank), env=env))
     return workers

@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import collections
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
-from ddpkit.runtime.spawn import free_port
+from ddpkit.runtime.process import describe_exit, free_port, terminate
 
 _POLL_S = 0.05
 _TAIL_LINES = 400
@@ -111,79 +110,7 @@ class Failure:
     traceback: str
 
     def describe(self) -> str:
-        how = (f"killed by signal {signal.Signals(-self.exitcode).name}"
-               if self.exitcode < 0 else f"exit code {self.exitcode}")
-        return f"rank {self.rank} (local rank {self.local_rank}) failed first: {how}"
-
-
-class WorkerGroup:
-    """The running workers of one attempt."""
-
-    def __init__(self, specs: list[WorkerSpec], cfg: LaunchConfig, attempt: int):
-        self.specs = specs
-        self.cfg = cfg
-        self.procs: list[subprocess.Popen] = []
-        self.pumps: list[_Pump] = []
-        self.tails = {s.rank: collections.deque(maxlen=_TAIL_LINES) for s in specs}
-        self.logs = []
-        log_dir = cfg.log_dir / f"attempt_{attempt}" if cfg.log_dir else None
-        if log_dir:
-            log_dir.mkdir(parents=True, exist_ok=True)
-        for spec in specs:
-            log = open(log_dir / f"rank{spec.rank}.log", "ab") if log_dir else None  # noqa: SIM115
-            self.logs.append(log)
-            # start_new_session: the worker leads a process group holding all
-            # its descendants, which killpg can then take down together.
-            proc = subprocess.Popen(
-                spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-            self.procs.append(proc)
-            prefix = f"[rank{spec.rank}]: ".encode() if cfg.prefix_output else b""
-            for src, dst, tail in ((proc.stdout, sys.stdout.buffer, None),
-                                   (proc.stderr, sys.stderr.buffer, self.tails[spec.rank])):
-                pump = _Pump(src, dst, prefix, log, tail)
-                pump.start()
-                self.pumps.append(pump)
-
-    def wait(self) -> Failure | None:
-        """Block until every worker succeeded (None) or the first one failed."""
-        while True:
-            codes = [proc.poll() for proc in self.procs]
-            for spec, code in zip(self.specs, codes):
-                if code not in (None, 0):
-                    return self._failure(spec, code)
-            if all(code == 0 for code in codes):
-                return None
-            time.sleep(_POLL_S)
-
-    def _failure(self, spec: WorkerSpec, code: int) -> Failure:
-        self.stop()
-        return Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
-                       traceback=extract_traceback(list(self.tails[spec.rank])))
-
-    def signal_all(self, sig: int) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def stop(self, first_signal: int = signal.SIGTERM) -> None:
-        """Signal every worker's process group, then SIGKILL what outlives the grace period."""
-        self.signal_all(first_signal)
-        deadline = time.monotonic() + self.cfg.grace_period_s
-        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        # Also reaps orphaned grandchildren of workers that exited on their own.
-        self.signal_all(signal.SIGKILL)
-        for proc in self.procs:
-            proc.wait()
-        for pump in self.pumps:
-            pump.join(timeout=2.0)
-        for log in self.logs:
-            if log:
-                log.close()
+        return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
 
 
 class _Interrupted(Exception):
@@ -191,8 +118,107 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise _Interrupted(signum)
+class _Signals:
+    """SIGINT/SIGTERM to the launcher, held back while a worker is being started.
+
+    A signal that lands between ``fork`` and the bookkeeping of a new worker
+    would otherwise leave that worker out of the teardown; instead it is
+    noted and raised once every started worker is on the books.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.deferring = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = signum
+        if not self.deferring:
+            raise _Interrupted(signum)
+
+    def raise_pending(self) -> None:
+        if self.received is not None:
+            raise _Interrupted(self.received)
+
+
+class WorkerGroup:
+    """The running workers of one attempt.
+
+    A thread per worker waits for its exit and queues ``(exit status, worker)``
+    the moment it happens, so the root cause is the failure that came first
+    in time, not the first in rank order.
+    """
+
+    def __init__(self, cfg: LaunchConfig, attempt: int):
+        self.cfg = cfg
+        self.specs: list[WorkerSpec] = []
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[_Pump] = []
+        self.tails: dict[int, collections.deque] = {}
+        self.logs: list[BinaryIO | None] = []
+        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.log_dir = cfg.log_dir / f"attempt_{attempt}" if cfg.log_dir else None
+
+    def start(self, specs: list[WorkerSpec], signals: _Signals) -> None:
+        """Start ``specs``; a launcher signal meanwhile stops the loop, then is raised."""
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        signals.deferring = True
+        try:
+            for spec in specs:
+                if signals.received is not None:
+                    break
+                self._start_one(spec)
+        finally:
+            signals.deferring = False
+        signals.raise_pending()
+
+    def _start_one(self, spec: WorkerSpec) -> None:
+        log = open(self.log_dir / f"rank{spec.rank}.log", "ab") if self.log_dir else None  # noqa: SIM115
+        # start_new_session: the worker leads a process group holding all
+        # its descendants, which killpg can then take down together.
+        proc = subprocess.Popen(
+            spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        index = len(self.procs)
+        self.specs.append(spec)
+        self.procs.append(proc)
+        self.logs.append(log)
+        self.tails[spec.rank] = collections.deque(maxlen=_TAIL_LINES)
+        prefix = f"[rank{spec.rank}]: ".encode() if self.cfg.prefix_output else b""
+        for src, dst, tail in ((proc.stdout, sys.stdout.buffer, None),
+                               (proc.stderr, sys.stderr.buffer, self.tails[spec.rank])):
+            pump = _Pump(src, dst, prefix, log, tail)
+            pump.start()
+            self.pumps.append(pump)
+        threading.Thread(target=lambda: self.exits.put((proc.wait(), index)), daemon=True).start()
+
+    def wait(self) -> Failure | None:
+        """Block until every worker succeeded (None) or one failed (the first in time)."""
+        done = 0
+        while done < len(self.procs):
+            try:
+                # A timeout, so the main thread still runs signal handlers.
+                code, index = self.exits.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            done += 1
+            if code != 0:
+                spec = self.specs[index]
+                self.stop()
+                return Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
+                               traceback=extract_traceback(list(self.tails[spec.rank])))
+        return None
+
+    def stop(self, first_signal: int = signal.SIGTERM) -> None:
+        """Stop every worker and its children (see :func:`ddpkit.runtime.process.terminate`)."""
+        terminate(self.procs, self.cfg.grace_period_s, first_signal)
+        for pump in self.pumps:
+            pump.join(timeout=2.0)
+        for log in self.logs:
+            if log:
+                log.close()
+        self.logs = []
 
 
 def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
@@ -244,14 +270,16 @@ def run(cfg: LaunchConfig) -> int:
     if int(cfg.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
         say(f"setting OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers so they do not "
             "oversubscribe the CPU; set it yourself to tune")
-    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = _Signals()
+    previous = {s: signal.signal(s, signals) for s in (signal.SIGINT, signal.SIGTERM)}
     group: WorkerGroup | None = None
     try:
         for attempt in range(cfg.max_restarts + 1):
             if attempt and cfg.standalone:
                 port = free_port()
             specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ)
-            group = WorkerGroup(specs, cfg, attempt)
+            group = WorkerGroup(cfg, attempt)
+            group.start(specs, signals)
             failure = group.wait()
             group.stop()
             if failure is None:

@@ -16,8 +16,6 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
-import signal
-import socket
 import sys
 import time
 import traceback
@@ -25,7 +23,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-_GRACE_S = 3.0
+from ddpkit.runtime.process import GRACE_S, describe_exit, free_port, terminate, worker_env
 
 
 class WorkerError(RuntimeError):
@@ -43,25 +41,6 @@ class WorkerError(RuntimeError):
         super().__init__(f"rank {rank} failed: {message}{detail}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on ``host`` (the OS picks it; free at the time of the call)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def worker_env(rank: int, world_size: int, port: int, backend: str | None) -> dict[str, str]:
-    """The launcher variables of one single-node worker."""
-    env = {
-        "RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    }
-    if backend:
-        env["DDPKIT_BACKEND"] = backend
-    return env
-
-
 def _encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
     try:
         payload: bytes | None = pickle.dumps(exc)
@@ -76,6 +55,7 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     # Own process group, so the parent can take down grandchildren too (a
     # DataLoader worker is one) with a single killpg.
     os.setpgid(0, 0)
+    os.environ.clear()
     os.environ.update(env)
     try:
         fn(rank, *args)
@@ -95,19 +75,6 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def terminate(processes: Sequence[mp.process.BaseProcess], grace_s: float = _GRACE_S) -> None:
-    """SIGTERM each process's group, then SIGKILL whatever outlives ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in processes if p.is_alive() and p.pid is not None]
-        for proc in alive:
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in alive:
-            proc.join(grace_s if sig == signal.SIGTERM else None)
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str | None = None) -> None:
@@ -142,7 +109,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     for rank in range(nprocs):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=_child, args=(fn, rank, tuple(args), worker_env(rank, nprocs, port, backend), child_conn),
+            target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend), child_conn),
             name=f"ddpkit-rank{rank}",
         )
         proc.start()
@@ -152,7 +119,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     try:
         _watch(procs, conns)
     finally:
-        terminate(procs)
+        terminate(procs, GRACE_S)
+
+
+def _env(rank: int, nprocs: int, port: int, backend: str | None) -> dict[str, str]:
+    env = worker_env(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
+    if backend:
+        env["DDPKIT_BACKEND"] = backend
+    return env
 
 
 def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Connection]]) -> None:
@@ -176,8 +150,8 @@ def _failure(rank: int, exitcode: int | None, conn: Connection) -> tuple[float, 
     except EOFError:  # died (a signal, os._exit) before reporting anything
         report = None
     if report is None:
-        how = (f"killed by signal {signal.Signals(-exitcode).name}"
-               if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")
+        how = describe_exit(exitcode)
+        how = how if how.startswith("killed") else f"ended with {how}"
         return time.time(), WorkerError(rank, f"process {how} without a Python exception", exitcode=exitcode)
     when, message, text, payload = report
     error = WorkerError(rank, message, text, exitcode=exitcode)

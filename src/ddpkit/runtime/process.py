@@ -1,0 +1,133 @@
+"""Process control shared by :func:`ddpkit.spawn` and ``ddpkit launch`` (torch-free).
+
+* :func:`worker_env`: the one builder of a worker's environment, torchrun's
+  contract (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+  ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_*``, ``MASTER_ADDR``,
+  ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``).
+* :func:`terminate`: SIGTERM to each worker's process group, SIGKILL to what
+  outlives one grace period. Every worker leads its own process group, so its
+  children (DataLoader workers, a shell's children) go with it.
+* :func:`describe_exit`: an exit status in words.
+* :func:`free_port`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ddpkit.runtime.discovery import LOOPBACK
+
+GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL when a group of workers is torn down."""
+
+_POLL_S = 0.02
+# Inherited from a torchrun parent, this would send our workers looking for
+# torchrun's agent store instead of the one their rank 0 serves.
+_NOT_INHERITED = ("TORCHELASTIC_USE_AGENT_STORE",)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """An unused TCP port on ``host`` (the OS picks it; free at the time of the call)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    master_port: int,
+    master_addr: str = LOOPBACK,
+    node_rank: int = 0,
+    nnodes: int = 1,
+    restart_count: int = 0,
+    max_restarts: int = 0,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The complete environment of one worker: ``base`` plus the launcher contract.
+
+    Args:
+        base: the environment to extend (default: this process's).
+
+    Returns:
+        A new dict; ``OMP_NUM_THREADS=1`` is added when several workers share
+        the node and ``base`` does not set it, as torchrun does.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _NOT_INHERITED}
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+    })
+    if local_world_size > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit code 3`` or ``killed by signal SIGKILL`` (a negative code is a signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _alive(proc: Any) -> bool:
+    # subprocess.Popen and multiprocessing.Process, both.
+    return proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
+
+
+def _reap(proc: Any) -> None:
+    if hasattr(proc, "poll"):
+        proc.wait()
+    else:
+        proc.join()
+
+
+def signal_groups(processes: Sequence[Any], sig: int) -> None:
+    """Send ``sig`` to the process group each process leads (gone ones are skipped)."""
+    for proc in processes:
+        if proc.pid is None:
+            continue
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def terminate(processes: Sequence[Any], grace_s: float = GRACE_S, first_signal: int = signal.SIGTERM) -> None:
+    """Stop every process and its children: ``first_signal``, then SIGKILL after ``grace_s``.
+
+    Each process must lead its own process group (``start_new_session=True``
+    or ``os.setpgid(0, 0)`` in the child). The SIGKILL goes to every group,
+    exited leaders included, which also reaps orphaned grandchildren.
+    """
+    signal_groups([p for p in processes if _alive(p)], first_signal)
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    signal_groups(processes, signal.SIGKILL)
+    for proc in processes:
+        _reap(proc)
