@@ -1,8 +1,13 @@
 """The ``ddpkit`` command line: argument parsing only.
 
-Each subcommand parses its flags into the library's config dataclass and
-calls the library; configuration errors (``ValueError`` from a config's
-validation) are shown as ``ddpkit <cmd>: error: ...`` with exit code 2.
+Every subcommand's flags are generated from the fields of its config
+dataclass (made with :func:`ddpkit.runtime.options.option`), so defaults and
+validation live in one place. The parsed flags build the dataclass, which
+the library runs. A :class:`~ddpkit.runtime.options.ConfigError` (a bad
+setting, found before any work starts) is shown as
+``ddpkit <cmd>: error: ...`` with exit code 2; every other exception keeps
+its traceback, so a failure inside training is never mistaken for a usage
+error.
 """
 
 from __future__ import annotations
@@ -12,120 +17,109 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+from ddpkit.runtime.options import ConfigError
+
+_KINDS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float, "Path": Path}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
+    """One flag (or positional) per field of ``config`` that has command-line help.
+
+    An unset flag is left out of the namespace, so the field keeps its
+    dataclass default.
+    """
+    for f in dataclasses.fields(config):
+        meta = f.metadata
+        if "help" not in meta or meta.get("cli", True) is False:
+            continue
+        help_text = meta["help"]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if meta.get("positional"):
+            parser.add_argument(f.name, nargs=meta.get("nargs"), metavar=meta.get("metavar", f.name),
+                                help=help_text, **({} if f.default is dataclasses.MISSING else {"default": default}))
+            continue
+        flags = meta.get("flags") or ["--" + f.name.replace("_", "-")] + (["--" + f.name] if "_" in f.name else [])
+        kind = str(f.type)
+        if kind == "bool":
+            if not meta.get("negate_only"):
+                parser.add_argument(*flags, dest=f.name, action="store_true", default=argparse.SUPPRESS,
+                                    help=help_text)
+            if "negate" in meta:
+                parser.add_argument(meta["negate"], dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                                    help=f"turn off: {help_text}")
+            continue
+        if default is not None and "default" not in help_text:
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            help_text += f" (default: {shown})"
+        many = kind.startswith(("tuple[", "list["))
+        # "int | None" parses as int; "int | str" (e.g. a count or 'auto') stays a
+        # string for the dataclass to interpret.
+        alternatives = [a for a in kind.removeprefix("tuple[").removeprefix("list[").split(" | ") if a != "None"]
+        convert = _KINDS.get(alternatives[0].split(",")[0], str) if len(alternatives) == 1 else str
+        parser.add_argument(*flags, dest=f.name, type=convert, choices=meta.get("choices"),
+                            nargs=meta.get("nargs", "+" if many else None), metavar=meta.get("metavar"),
+                            default=argparse.SUPPRESS, help=help_text)
+
+
+def _build(config: type, args: argparse.Namespace) -> Any:
+    names = {f.name for f in dataclasses.fields(config)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    for f in dataclasses.fields(config):
+        if f.name in values and str(f.type).startswith("tuple[") and values[f.name] is not None:
+            values[f.name] = tuple(values[f.name])
+    return config(**values)
 
 
 def _launch(args: argparse.Namespace) -> int:
     from ddpkit.launcher import LaunchConfig, run
 
-    cfg = LaunchConfig(
-        program=args.program, args=args.program_args, module=args.module,
-        nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, standalone=args.standalone,
-        max_restarts=args.max_restarts, local_rank_arg=args.local_rank_arg,
-        prefix_output=not args.no_prefix, log_dir=args.log_dir,
-    )
-    return run(cfg)
-
-
-def _add_launch(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "launch", help="start a training script on N processes (torchrun-compatible)",
-        description="Start one node's workers of a data-parallel job; torchrun's flags and env contract.",
-        allow_abbrev=False,
-    )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
-                   help="workers on this node: an integer, or 'auto' (one per GPU, else 1). Default 1")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes. Default 1")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
-                   help="this node's index in 0..nnodes-1. Default 0")
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
-                   help="node 0's address. Default 127.0.0.1")
-    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
-                   help="rendezvous port on node 0. Default 29500")
-    p.add_argument("--standalone", action="store_true",
-                   help="single node: pick a free port, rendezvous on loopback")
-    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-                   help="restart the whole group up to this many times after a failure. Default 0")
-    p.add_argument("--local-rank-arg", "--local_rank_arg", dest="local_rank_arg", action="store_true",
-                   help="also pass --local_rank=N to the script (torch.distributed.launch style)")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix worker output with [rankN]:")
-    p.add_argument("--log-dir", "--log_dir", dest="log_dir", type=Path, default=None,
-                   help="also save each rank's output under this directory")
-    p.add_argument("-m", "--module", action="store_true", help="run PROGRAM as a module, like python -m")
-    p.add_argument("program", help="the training script (or module name with -m)")
-    p.add_argument("program_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(handler=_launch)
+    return run(_build(LaunchConfig, args))
 
 
 def _train(args: argparse.Namespace) -> int:
     from ddpkit.train.config import TrainConfig
     from ddpkit.train.loop import train
 
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    train(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    train(_build(TrainConfig, args))
     return 0
-
-
-def _add_train(subparsers: argparse._SubParsersAction) -> None:
-    from ddpkit.train.config import TrainConfig
-
-    p = subparsers.add_parser(
-        "train", help="train a model data-parallel (default: the MNIST ConvNet on digits, 2 processes)",
-        description="Train a model data-parallel on N processes, with evaluation, checkpoints and resume.",
-        allow_abbrev=False,
-    )
-    # One flag per TrainConfig field, from the dataclass itself: defaults and
-    # validation live there only (an unset flag keeps the field's default).
-    kinds = {"str": str, "int": int, "float": float, "Path": Path}
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        spellings = [flag] + (["--" + f.name] if "_" in f.name else [])
-        helptext = f.metadata.get("help", "")
-        if "default" not in helptext:
-            helptext += f" (default: {f.default})"
-        if f.type == "bool":
-            p.add_argument(*spellings, dest=f.name, action="store_true", default=argparse.SUPPRESS, help=helptext)
-            if "negate" in f.metadata:
-                p.add_argument(f.metadata["negate"], dest=f.name, action="store_false",
-                               default=argparse.SUPPRESS, help=f"turn off {flag}")
-            continue
-        kind = kinds[str(f.type).split(" | ")[0]]
-        p.add_argument(*spellings, dest=f.name, type=kind, choices=f.metadata.get("choices"),
-                       default=argparse.SUPPRESS, help=helptext)
-    p.set_defaults(handler=_train)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from ddpkit.bench.engines import BenchConfig, run
 
-    cfg = BenchConfig(
-        workloads=tuple(args.workloads), steps=args.steps, warmup=args.warmup, block=args.block,
-        world_size=args.world_size, samples_per_rank=args.samples_per_rank, mlp_hidden=args.mlp_hidden,
-        mlp_batch=args.mlp_batch, bucket_cap_mb=args.bucket_cap_mb, json_path=args.json,
-    )
-    run(cfg)
+    run(_build(BenchConfig, args))
     return 0
 
 
-def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench", help="time ddpkit's DDP against torch's, side by side",
-        description="Median step times of ddpkit's and torch's DDP on the same steps (gloo, one thread "
-                    "per rank, alternating engines), their ratio, and how much all-reduce hides behind backward.",
-        allow_abbrev=False,
-    )
-    p.add_argument("--workloads", nargs="+", default=["convnet", "mlp"], metavar="NAME",
-                   help="among convnet, mlp. Default: both")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per engine and workload. Default 40")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per engine first. Default 5")
-    p.add_argument("--block", type=int, default=1, help="steps before switching engine. Default 1")
-    p.add_argument("--world-size", type=int, default=2, help="ranks. Default 2")
-    p.add_argument("--samples-per-rank", type=int, default=100, help="ConvNet batch per rank. Default 100")
-    p.add_argument("--mlp-hidden", type=int, default=4640, help="MLP width (4640: ~25 M params). Default 4640")
-    p.add_argument("--mlp-batch", type=int, default=32, help="MLP batch per rank. Default 32")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of both engines. Default 25")
-    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
-    p.set_defaults(handler=_bench)
+def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:
+    # Config classes are imported when the parser is built: all three modules
+    # are torch-free at import, so `ddpkit launch` still starts without torch.
+    def launch_config() -> type:
+        from ddpkit.launcher.config import LaunchConfig
+        return LaunchConfig
+
+    def train_config() -> type:
+        from ddpkit.train.config import TrainConfig
+        return TrainConfig
+
+    def bench_config() -> type:
+        from ddpkit.bench.config import BenchConfig
+        return BenchConfig
+
+    return [
+        ("launch", "start a training script on N processes (torchrun-compatible)",
+         "Start one node's workers of a data-parallel job; torchrun's flags and env contract.",
+         launch_config, _launch),
+        ("train", "train a model data-parallel (default: the MNIST ConvNet on digits, 2 processes)",
+         "Train a model data-parallel on N processes, with evaluation, checkpoints and resume.",
+         train_config, _train),
+        ("bench", "time ddpkit's DDP against torch's, side by side",
+         "Median step times of ddpkit's and torch's DDP on the same steps (gloo, one thread per rank, "
+         "alternating engines), their ratio, and how much all-reduce hides behind backward.",
+         bench_config, _bench),
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddpkit", description="Data-parallel training for PyTorch.", allow_abbrev=False
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    adders: list[Callable[[argparse._SubParsersAction], None]] = [_add_launch, _add_train, _add_bench]
-    for add in adders:
-        add(subparsers)
+    for name, short, description, config, handler in _subcommands():
+        p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)
+        _add_config_flags(p, config())
+        p.set_defaults(handler=handler)
     return parser
 
 
@@ -145,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except ValueError as e:
+    except ConfigError as e:
         print(f"ddpkit {args.command}: error: {e}", file=sys.stderr)
         return 2
 

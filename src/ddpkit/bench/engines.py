@@ -50,44 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-WORKLOADS = ("convnet", "mlp")
-
-
-@dataclass(kw_only=True)
-class BenchConfig:
-    """What ``ddpkit bench`` runs."""
-
-    workloads: tuple[str, ...] = WORKLOADS
-    """Which workloads, among ``convnet`` and ``mlp``."""
-    steps: int = 40
-    """Timed steps per engine and workload."""
-    warmup: int = 5
-    """Untimed steps per engine first (bucket rebuild, allocator, caches)."""
-    block: int = 1
-    """Steps an engine runs before the other takes over."""
-    world_size: int = 2
-    """Ranks (processes, gloo, one thread each)."""
-    samples_per_rank: int = 100
-    """ConvNet batch per rank."""
-    mlp_hidden: int = 4640
-    """MLP hidden width; 4640 gives about 25 M parameters."""
-    mlp_batch: int = 32
-    """MLP batch per rank."""
-    bucket_cap_mb: float = 25.0
-    """Bucket cap for both engines."""
-    json_path: Path | None = None
-    """Also write the results here as JSON."""
-
-    def __post_init__(self) -> None:
-        unknown = [w for w in self.workloads if w not in WORKLOADS]
-        if unknown or not self.workloads:
-            raise ValueError(f"workloads={list(self.workloads)}: choose among {', '.join(WORKLOADS)}")
-        for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch"):
-            value = getattr(self, name)
-            if value < (0 if name == "warmup" else 1):
-                raise ValueError(f"{name}={value} must be {'>= 0' if name == 'warmup' else 'positive'}")
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive")
+from ddpkit.bench.config import BenchConfig
 
 
 @dataclass(kw_only=True)

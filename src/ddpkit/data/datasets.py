@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ddpkit.runtime.options import ConfigError
+
 __all__ = [
     "DATASETS",
     "DatasetError",
@@ -55,7 +57,7 @@ _IMAGES_MAGIC, _LABELS_MAGIC = 2051, 2049
 _T10K_TRAIN = 8000
 
 
-class DatasetError(ValueError):
+class DatasetError(ConfigError):
     """A dataset cannot be found or read: the message names the path and the fix."""
 
 

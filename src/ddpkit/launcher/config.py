@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.runtime.discovery import DEFAULT_PORT, LOOPBACK
+from ddpkit.runtime.options import ConfigError, option
 from ddpkit.runtime.process import GRACE_S
 
 
@@ -23,36 +24,29 @@ def auto_nproc() -> int:
 class LaunchConfig:
     """Everything ``ddpkit launch`` needs to start and supervise one node's workers."""
 
-    program: str
-    """The script path, or the module name when ``module`` is set."""
-    args: list[str] = field(default_factory=list)
-    """Arguments passed on to every worker's program."""
-    module: bool = False
-    """Run ``program`` as a module (``python -m program``)."""
-    nproc_per_node: int | str = 1
-    """Workers on this node; ``"auto"`` means one per GPU, else one."""
-    nnodes: int = 1
-    """Number of nodes (one launcher per node)."""
-    node_rank: int = 0
-    """This node's index, ``0 <= node_rank < nnodes``; node 0 hosts the rendezvous."""
-    master_addr: str = LOOPBACK
-    """Host of node 0, where rank 0 serves the rendezvous store."""
-    master_port: int | None = None
-    """Rendezvous port; default 29500, or a free one with ``standalone``."""
-    standalone: bool = False
-    """Single node: pick a free port and bind the rendezvous to loopback."""
-    max_restarts: int = 0
-    """Restart the whole worker group up to this many times after a failure."""
-    local_rank_arg: bool = False
-    """Also pass ``--local_rank=N`` (scripts written for torch.distributed.launch)."""
-    prefix_output: bool = True
-    """Prefix each worker output line with ``[rankN]: ``."""
-    log_dir: Path | None = None
-    """Also save each rank's output to ``log_dir/attempt_K/rankN.log``."""
-    grace_period_s: float = GRACE_S
-    """Seconds between SIGTERM and SIGKILL when tearing the group down."""
-    python: str = sys.executable
-    """Interpreter that runs the workers."""
+    program: str = option(help="the training script (or module name with -m)", positional=True)
+    args: list[str] = option(
+        help="arguments for the script", factory=list, positional=True, nargs="...", metavar="args"
+    )
+    module: bool = option(False, "run PROGRAM as a module, like python -m", flags=["-m", "--module"])
+    nproc_per_node: int | str = option(
+        1, "workers on this node: an integer, or 'auto' (one per GPU, else 1)", metavar="N|auto"
+    )
+    nnodes: int = option(1, "number of nodes (one launcher per node)")
+    node_rank: int = option(0, "this node's index in 0..nnodes-1; node 0 hosts the rendezvous")
+    master_addr: str = option(LOOPBACK, "node 0's address, where rank 0 serves the rendezvous store")
+    master_port: int | None = option(None, f"rendezvous port on node 0 (default: {DEFAULT_PORT})")
+    standalone: bool = option(False, "single node: pick a free port, rendezvous on loopback")
+    max_restarts: int = option(0, "restart the whole group up to this many times after a failure")
+    local_rank_arg: bool = option(
+        False, "also pass --local_rank=N to the script (torch.distributed.launch style)"
+    )
+    prefix_output: bool = option(
+        True, "prefix each worker output line with [rankN]: ", negate="--no-prefix", negate_only=True
+    )
+    log_dir: Path | None = option(None, "also save each rank's output to LOG_DIR/attempt_K/rankN.log")
+    grace_period_s: float = option(GRACE_S, "seconds between SIGTERM and SIGKILL at teardown", cli=False)
+    python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node == "auto":
@@ -60,28 +54,28 @@ class LaunchConfig:
         try:
             self.nproc_per_node = int(self.nproc_per_node)
         except (TypeError, ValueError):
-            raise ValueError(
+            raise ConfigError(
                 f"--nproc-per-node {self.nproc_per_node!r} is not a number: use a positive integer or 'auto'"
             ) from None
         if self.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node {self.nproc_per_node} must be at least 1 (or 'auto')")
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be at least 1 (or 'auto')")
         if self.nnodes < 1:
-            raise ValueError(f"--nnodes {self.nnodes} must be at least 1")
+            raise ConfigError(f"--nnodes {self.nnodes} must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(
+            raise ConfigError(
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
                 f"use 0..{self.nnodes - 1}"
             )
         if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts {self.max_restarts} must be 0 or more")
+            raise ConfigError(f"--max-restarts {self.max_restarts} must be 0 or more")
         if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"--master-port {self.master_port} is not a TCP port: use 1..65535")
+            raise ConfigError(f"--master-port {self.master_port} is not a TCP port: use 1..65535")
         if self.standalone:
             if self.nnodes != 1:
-                raise ValueError(f"--standalone runs a single node, but --nnodes is {self.nnodes}: drop one of them")
+                raise ConfigError(f"--standalone runs a single node, but --nnodes is {self.nnodes}: drop one of them")
             self.master_addr = LOOPBACK
         if self.grace_period_s < 0:
-            raise ValueError(f"grace period {self.grace_period_s} must be 0 or more seconds")
+            raise ConfigError(f"grace period {self.grace_period_s} must be 0 or more seconds")
         if self.log_dir is not None:
             self.log_dir = Path(self.log_dir)
         self._check_program()
@@ -97,9 +91,9 @@ class LaunchConfig:
             finally:
                 sys.path.pop(0)
             if not found:
-                raise ValueError(f"module {self.program!r} cannot be found: check the name and PYTHONPATH")
+                raise ConfigError(f"module {self.program!r} cannot be found: check the name and PYTHONPATH")
         elif not Path(self.program).is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"script {self.program!r} does not exist (looked in {os.getcwd()}): check the path, "
                 "or pass -m to run a module"
             )

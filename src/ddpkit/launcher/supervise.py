@@ -32,6 +32,7 @@ from typing import BinaryIO
 
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
+from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import describe_exit, free_port, terminate
 
 _POLL_S = 0.05
@@ -225,12 +226,12 @@ def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
     """Fail fast on a master address that does not resolve or a busy port on node 0.
 
     Raises:
-        ValueError: with the offending value and the fix.
+        ConfigError: with the offending value and the fix.
     """
     try:
         socket.getaddrinfo(cfg.master_addr, port)
     except socket.gaierror as e:
-        raise ValueError(
+        raise ConfigError(
             f"--master-addr {cfg.master_addr!r} does not resolve ({e.strerror}): "
             "use a host name or IP address of node 0"
         ) from None
@@ -243,7 +244,7 @@ def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
         try:
             sock.bind(("", port))
         except OSError as e:
-            raise ValueError(
+            raise ConfigError(
                 f"--master-port {port} is busy on this node ({e.strerror}): choose a free port, "
                 "or use --standalone to pick one"
             ) from None
@@ -260,7 +261,7 @@ def run(cfg: LaunchConfig) -> int:
     """Start, supervise and (re)start this node's workers; return the exit code.
 
     Raises:
-        ValueError: the rendezvous cannot work (unresolvable address, busy port).
+        ConfigError: the rendezvous cannot work (unresolvable address, busy port).
     """
     if cfg.standalone:
         port = free_port()

@@ -8,9 +8,11 @@ without importing torch in the launcher process.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from ddpkit.runtime.options import ConfigError, option
 
 MODELS = ("convnet", "mlp", "resnet")
 """Names of :data:`ddpkit.train.models.MODELS` (a test keeps the two in step)."""
@@ -21,43 +23,38 @@ OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
 
 
-def _opt(default: Any, help: str, **cli: Any) -> Any:
-    """A config field; ``help`` and ``cli`` (choices, negate) are what ``ddpkit train --help`` shows."""
-    return field(default=default, metadata={"help": help, **cli})
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything ``ddpkit train`` needs; the CLI builds exactly this."""
 
-    model: str = _opt("convnet", "the model", choices=tuple(MODELS))
-    dataset: str = _opt("digits", "the dataset", choices=DATASETS)
-    data_dir: Path | None = _opt(None, "folder of the MNIST IDX files (--dataset mnist)")
-    download: bool = _opt(False, "download missing MNIST files into --data-dir (needs network)")
-    synthetic_samples: int = _opt(2048, "training samples of --dataset synthetic")
-    epochs: int = _opt(8, "epochs to train (in total, when resuming)")
-    batch_size: int = _opt(32, "batch size per process")
-    lr: float = _opt(0.02, "learning rate for one process; multiplied by the world size")
-    optimizer: str = _opt("sgd", "sgd (with momentum) or adamw", choices=OPTIMIZERS)
-    momentum: float = _opt(0.9, "SGD momentum")
-    weight_decay: float = _opt(0.0, "weight decay")
-    seed: int = _opt(0, "seed of the model's initialisation and of the data order")
-    amp: str = _opt("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
-    grad_accum: int = _opt(1, "micro-batches per optimizer step (no_sync on all but the last)")
-    engine: str = _opt("ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process)", choices=ENGINES)
-    nproc_per_node: int | None = _opt(
+    model: str = option("convnet", "the model", choices=tuple(MODELS))
+    dataset: str = option("digits", "the dataset", choices=DATASETS)
+    data_dir: Path | None = option(None, "folder of the MNIST IDX files (--dataset mnist)")
+    download: bool = option(False, "download missing MNIST files into --data-dir (needs network)")
+    synthetic_samples: int = option(2048, "training samples of --dataset synthetic")
+    epochs: int = option(8, "epochs to train (in total, when resuming)")
+    batch_size: int = option(32, "batch size per process")
+    lr: float = option(0.02, "learning rate for one process; multiplied by the world size")
+    optimizer: str = option("sgd", "sgd (with momentum) or adamw", choices=OPTIMIZERS)
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "weight decay")
+    seed: int = option(0, "seed of the model's initialisation and of the data order")
+    amp: str = option("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
+    grad_accum: int = option(1, "micro-batches per optimizer step (no_sync on all but the last)")
+    engine: str = option("ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process)", choices=ENGINES)
+    nproc_per_node: int | None = option(
         None, "workers to start (default: one per GPU, else 2); ignored under a launcher"
     )
-    backend: str | None = _opt(None, "process group backend (default: nccl with CUDA, else gloo)")
-    output_dir: Path | None = _opt(None, "run directory (default: a new runs/<dataset>-<model>[-N])")
-    resume: bool = _opt(False, "continue the run in --output-dir from its newest checkpoint")
-    progress: bool = _opt(True, "show a progress bar on rank 0", negate="--no-progress")
+    backend: str | None = option(None, "process group backend (default: nccl with CUDA, else gloo)")
+    output_dir: Path | None = option(None, "run directory (default: a new runs/<dataset>-<model>[-N])")
+    resume: bool = option(False, "continue the run in --output-dir from its newest checkpoint")
+    progress: bool = option(True, "show a progress bar on rank 0", negate="--no-progress", negate_only=False)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} {getattr(self, name)!r} {rule}")
+                raise ConfigError(f"{flag} {getattr(self, name)!r} {rule}")
 
         need(self.model in MODELS, "model", f"is not a model: choose one of {', '.join(MODELS)}")
         need(self.dataset in DATASETS, "dataset", f"is not a dataset: choose one of {', '.join(DATASETS)}")

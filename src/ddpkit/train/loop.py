@@ -44,6 +44,7 @@ from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import barrier, init, print0, shutdown, zero_first
+from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.spawn import spawn
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import load_checkpoint, load_model_state, save_checkpoint, save_weights
@@ -59,17 +60,17 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Train as ``config`` says and return the summary (also in ``summary.json``).
 
     Raises:
-        ValueError: bad settings, data or output directory (checked before any
+        ConfigError: bad settings, data or output directory (checked before any
             worker starts, so nothing is left half-done).
         ddpkit.WorkerError: a worker failed during training (its rank and traceback).
     """
     if config.amp == "fp16" and not torch.cuda.is_available():
-        raise ValueError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
+        raise ConfigError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
     place = discover(os.environ)
     if place.scheme != "single":
         # Inside a launcher: this process is one rank of the job.
         if config.engine == "single" and place.world_size > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"--engine single trains in one process, but the launcher started "
                 f"{place.world_size}: run it without a launcher"
             )
@@ -111,13 +112,13 @@ def _agree_on_output_dir(config: TrainConfig, out: str | None, world: int) -> st
         try:
             path, _ = rundir.claim(config.to_dict(), world)
             msg = [str(path), None]
-        except ValueError as e:
+        except ConfigError as e:
             msg = [None, str(e)]
     # Every rank reaches this broadcast, rank 0 even after a failed claim,
     # so an error is raised everywhere instead of leaving ranks waiting.
     dist.broadcast_object_list(msg, src=0)
     if msg[1] is not None:
-        raise ValueError(msg[1])
+        raise ConfigError(msg[1])
     return msg[0]
 
 

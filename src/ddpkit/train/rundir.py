@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, write_atomic
 
 __all__ = ["claim", "latest_checkpoint", "write_json_atomic", "CHECKPOINT_DIR"]
@@ -75,7 +76,7 @@ def _fresh_default(base: Path) -> Path:
         except FileExistsError:
             if not _holds_a_run(candidate):
                 return candidate
-    raise ValueError(f"no free output directory next to {base}: pass --output-dir")
+    raise ConfigError(f"no free output directory next to {base}: pass --output-dir")
 
 
 def claim(config: dict[str, Any], world_size: int) -> tuple[Path, dict[str, Any] | None]:
@@ -93,22 +94,22 @@ def claim(config: dict[str, Any], world_size: int) -> tuple[Path, dict[str, Any]
         checkpoint state to resume from, or None for a fresh run.
 
     Raises:
-        ValueError: the directory holds another run; nothing to resume; the
+        ConfigError: the directory holds another run; nothing to resume; the
             checkpoint is corrupt, from a different world size or settings.
     """
     given = config["output_dir"]
     if given is None:
         if config["resume"]:
-            raise ValueError("--resume needs --output-dir: the directory of the run to continue")
+            raise ConfigError("--resume needs --output-dir: the directory of the run to continue")
         out = _fresh_default(Path("runs") / f"{config['dataset']}-{config['model']}")
         write_json_atomic(out / "config.json", config)
         return out, None
     out = Path(given)
     if not config["resume"]:
         if out.exists() and not out.is_dir():
-            raise ValueError(f"--output-dir {str(out)!r} is a file: choose a directory")
+            raise ConfigError(f"--output-dir {str(out)!r} is a file: choose a directory")
         if out.is_dir() and _holds_a_run(out):
-            raise ValueError(
+            raise ConfigError(
                 f"--output-dir {str(out)!r} holds another run (metrics, checkpoints or weights): "
                 "choose a new --output-dir, or add --resume to continue that run"
             )
@@ -121,7 +122,7 @@ def claim(config: dict[str, Any], world_size: int) -> tuple[Path, dict[str, Any]
 def _load_resume_state(out: Path, config: dict[str, Any], world_size: int) -> dict[str, Any]:
     latest = latest_checkpoint(out) if out.is_dir() else None
     if latest is None:
-        raise ValueError(
+        raise ConfigError(
             f"--resume: {str(out)!r} has no checkpoint in {CHECKPOINT_DIR}/ to continue from: "
             "check --output-dir, or drop --resume to start a new run"
         )
@@ -129,7 +130,7 @@ def _load_resume_state(out: Path, config: dict[str, Any], world_size: int) -> di
     try:
         state = load_checkpoint(path)
     except CheckpointError as e:
-        raise ValueError(
+        raise ConfigError(
             f"--resume: {e}. Move that file aside to resume from the checkpoint before it"
         ) from e
     saved = state.get("config", {})
@@ -139,18 +140,18 @@ def _load_resume_state(out: Path, config: dict[str, Any], world_size: int) -> di
     )
     if differs:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in differs)
-        raise ValueError(
+        raise ConfigError(
             f"--resume: the run in {str(out)!r} was started with different settings ({detail}): "
             "resume with the original settings (only --epochs may change)"
         )
     if state["world_size"] != world_size:
-        raise ValueError(
+        raise ConfigError(
             f"--resume: {path.name} was written by {state['world_size']} processes, this run has "
             f"{world_size}: resume with --nproc-per-node {state['world_size']} (the data order, "
             "learning rate and per-rank RNG states depend on the world size)"
         )
     if epoch >= config["epochs"]:
-        raise ValueError(
+        raise ConfigError(
             f"--resume: the run in {str(out)!r} has already finished {epoch} epochs: "
             f"pass --epochs greater than {epoch} to train further"
         )

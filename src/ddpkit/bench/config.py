@@ -1,0 +1,41 @@
+"""``BenchConfig``: the settings of ``ddpkit bench`` (torch-free, so the CLI builds fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpkit.runtime.options import ConfigError, option
+
+WORKLOADS = ("convnet", "mlp")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``ddpkit bench`` runs."""
+
+    workloads: tuple[str, ...] = option(WORKLOADS, f"workloads, among {', '.join(WORKLOADS)}", metavar="NAME")
+    steps: int = option(40, "timed steps per engine and workload")
+    warmup: int = option(5, "untimed steps per engine first (bucket rebuild, allocator, caches)")
+    block: int = option(1, "steps an engine runs before the other takes over")
+    world_size: int = option(2, "ranks (processes, gloo, one thread each)")
+    samples_per_rank: int = option(100, "ConvNet batch per rank")
+    mlp_hidden: int = option(4640, "MLP hidden width (4640: about 25 M parameters)")
+    mlp_batch: int = option(32, "MLP batch per rank")
+    bucket_cap_mb: float = option(25.0, "bucket cap of both engines, in MiB")
+    json_path: Path | None = option(None, "also write the results to this JSON file", flags=["--json"])
+
+    def __post_init__(self) -> None:
+        self.workloads = tuple(self.workloads)
+        unknown = [w for w in self.workloads if w not in WORKLOADS]
+        if unknown or not self.workloads:
+            raise ConfigError(f"--workloads {' '.join(self.workloads)}: choose among {', '.join(WORKLOADS)}")
+        for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch"):
+            value = getattr(self, name)
+            if value < (0 if name == "warmup" else 1):
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {value} must be {'0 or more' if name == 'warmup' else 'at least 1'}")
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"--bucket-cap-mb {self.bucket_cap_mb} must be positive")
+        if self.json_path is not None:
+            self.json_path = Path(self.json_path)

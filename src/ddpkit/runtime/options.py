@@ -1,0 +1,42 @@
+"""Config fields and the configuration error shared by every config dataclass (torch-free).
+
+Each command's settings are one ``@dataclass(kw_only=True)`` (``TrainConfig``,
+``LaunchConfig``, ``BenchConfig``, ...). A field made with :func:`option`
+carries its command-line help, and ``ddpkit.cli`` generates the flag from it,
+so the defaults and the validation live in the dataclass only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, field
+from typing import Any
+
+__all__ = ["ConfigError", "option"]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the flag, the value and the fix.
+
+    The command line shows it as a usage error (exit code 2) without a
+    traceback; any other exception keeps its traceback.
+    """
+
+
+def option(default: Any = MISSING, help: str = "", *, factory: Any = None, **cli: Any) -> Any:
+    """A config field with its command-line description.
+
+    Args:
+        default: the field's default (none: a required field).
+        help: what ``--help`` shows for the flag.
+        factory: a default factory instead of ``default`` (lists).
+        **cli: how the flag is built: ``choices``; ``negate`` (the flag that
+            sets a bool to False, e.g. ``"--no-progress"``; with
+            ``negate_only=True`` only that flag exists); ``flags`` (the
+            spellings, default ``--field-name`` and ``--field_name``);
+            ``positional=True``; ``nargs``; ``metavar``; ``cli=False`` for a
+            field with no flag.
+    """
+    metadata = {"help": help, **cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
