@@ -176,8 +176,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any) -> None:
         state: Nested dicts/lists/tuples of tensors, numpy arrays and plain data.
 
     Raises:
-        TypeError: ``state`` holds an object that is not plain data (on rank 0).
-        CheckpointError: the write failed (on every rank).
+        CheckpointError: on every rank, when rank 0 could not write the file:
+            ``state`` holds an object that is not plain data (the original
+            ``TypeError`` is chained on rank 0), or the disk refused the write.
 
     Example::
 
@@ -264,8 +265,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         return tensors
     try:
         skeleton = json.loads(meta[_META_KEY])
-        return _decode(skeleton["state"], tensors)
+        version = skeleton["format"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
+    if not isinstance(version, int) or version > _FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {version!r}, newer than this ddpkit reads ({_FORMAT}): "
+            "load it with the ddpkit version that wrote it"
+        )
+    try:
+        return _decode(skeleton["state"], tensors)
+    except (KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
 
 

@@ -33,12 +33,14 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
@@ -47,9 +49,10 @@ from ddpkit.runtime.group import barrier, init, print0, shutdown, zero_first
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.spawn import spawn
 from ddpkit.train import rundir
-from ddpkit.train.checkpoint import load_checkpoint, load_model_state, save_checkpoint, save_weights
+from ddpkit.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.models import build_model
+from ddpkit.train.state import TrainState
 
 __all__ = ["TrainConfig", "train"]
 
@@ -135,29 +138,73 @@ def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> 
     return model
 
 
-def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    """Every rank's RNG states, stacked by rank (a collective)."""
-    states = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    out = {}
-    for name, s in states.items():
-        parts = [torch.empty_like(s) for _ in range(dist.get_world_size())]
-        if dist.get_backend() == "nccl":
-            gathered = [p.to(device) for p in parts]
-            dist.all_gather(gathered, s.to(device))
-            parts = [g.cpu() for g in gathered]
-        else:
-            dist.all_gather(parts, s)
-        out[name] = torch.stack(parts)
-    return out
+def _build_state(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
+    """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``."""
+    torch.manual_seed(config.seed)
+    train_set = data.train
+    model = build_model(
+        config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
+        num_classes=train_set.num_classes,
+    ).to(device)
+    lr = config.lr * world
+    if config.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
+    return TrainState(
+        model=model, optimizer=opt,
+        scaler=torch.amp.GradScaler("cuda", enabled=config.amp == "fp16"),
+        sampler=DistributedSampler(train_set, shuffle=True, seed=config.seed),
+    )
+
+
+def _autocast(config: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.amp)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _train_epoch(
+    model: torch.nn.Module, state: TrainState, config: TrainConfig, data: Any,
+    device: torch.device, autocast: Callable, bar: Any,
+) -> tuple[float, int]:
+    """One epoch of this rank's shard; returns (sum of sample losses, samples), summed over ranks."""
+    train_x, train_y = data
+    state.sampler.set_epoch(state.epoch)
+    idx = torch.tensor(list(state.sampler), dtype=torch.long, device=device)
+    batches = [idx[i : i + config.batch_size] for i in range(0, len(idx), config.batch_size)]
+    # Summed on the device: reading a loss back (.item()) would make every
+    # step wait for the device, so it happens once per epoch.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for s in range(0, len(batches), config.grad_accum):
+        group = batches[s : s + config.grad_accum]
+        state.optimizer.zero_grad(set_to_none=True)
+        for j, b in enumerate(group):
+            last = j == len(group) - 1
+            sync = contextlib.nullcontext() if last or config.engine == "single" else model.no_sync()
+            with sync:
+                with autocast():
+                    logits = model(train_x[b])
+                loss = F.cross_entropy(logits.float(), train_y[b])
+                state.scaler.scale(loss / len(group)).backward()
+            loss_sum += loss.detach().double() * len(b)
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+        state.step += 1
+        bar.update(1)
+    totals = torch.stack([loss_sum.cpu(), torch.tensor(float(len(idx)), dtype=torch.float64)])
+    dist.all_reduce(totals)
+    return totals[0].item(), int(totals[1].item())
 
 
 def _evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device, autocast) -> tuple[float, float, int]:
     """Loss and accuracy over the whole test split, each sample once across ranks."""
     sampler = DistributedSampler(test, shuffle=False, pad=False)
     idx = torch.tensor(list(sampler), dtype=torch.long)
-    totals = torch.zeros(3, dtype=torch.float64)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     model.eval()
     # The plain module: shards differ in length by one, so no per-batch
     # collective (DDP's buffer broadcast) may run here.
@@ -167,150 +214,105 @@ def _evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
             x, y = test.images[b].to(device), test.labels[b].to(device)
             with autocast():
                 out = model(x)
-            totals[0] += F.cross_entropy(out.float(), y, reduction="sum").item()
-            totals[1] += (out.argmax(1) == y).sum().item()
+            totals[0] += F.cross_entropy(out.float(), y, reduction="sum").double()
+            totals[1] += (out.argmax(1) == y).sum()
             totals[2] += len(b)
     model.train()
+    totals = totals.cpu()
     dist.all_reduce(totals)
     loss_sum, correct, n = totals.tolist()
     return loss_sum / n, correct / n, int(n)
 
 
-def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
-    from tqdm import tqdm
+def _end_epoch(state: TrainState, record: dict[str, Any], config: TrainConfig, out_dir: Path,
+               world: int, device: torch.device) -> None:
+    """Record the epoch, then checkpoint and rewrite ``metrics.jsonl`` (both durable and atomic)."""
+    state.epoch += 1
+    state.history.append(record)
+    path = out_dir / rundir.CHECKPOINT_DIR / f"epoch-{state.epoch:04d}.safetensors"
+    save_checkpoint(path, state.payload(device, world_size=world, config=config.to_dict()))
+    if dist.get_rank() == 0:
+        rundir.write_metrics(out_dir, state.history)
 
-    del rank
+
+def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
+    del rank  # the process group says which rank this is
     ctx = init(backend=config.backend)
-    world = ctx.world_size
+    world, device = ctx.world_size, ctx.device
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks that share a node's cores must not each spin up a thread per
         # core: oversubscribed, a step runs several times slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
     out_dir = Path(_agree_on_output_dir(config, out, world))
-    device = ctx.device
-
     with zero_first():  # a --download happens once per node
         data = _load_data(config)
-    train_set = data.train
-    train_x, train_y = train_set.images.to(device), train_set.labels.to(device)
+    train_data = (data.train.images.to(device), data.train.labels.to(device))
 
-    torch.manual_seed(config.seed)
-    plain = build_model(
-        config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
-        num_classes=train_set.num_classes,
-    ).to(device)
-    lr = config.lr * world
-    if config.optimizer == "sgd":
-        opt = torch.optim.SGD(plain.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    else:
-        opt = torch.optim.AdamW(plain.parameters(), lr=lr, weight_decay=config.weight_decay)
-    scaler = torch.amp.GradScaler("cuda", enabled=config.amp == "fp16")
-    sampler = DistributedSampler(train_set, shuffle=True, seed=config.seed)
-    history: list[dict[str, Any]] = []
-    first_epoch, step = 0, 0
-
+    state = _build_state(config, data, world, device)
     latest = rundir.latest_checkpoint(out_dir) if config.resume else None
     if latest is not None:
-        state = load_checkpoint(latest[1])
-        load_model_state(plain, state["model"])
-        opt.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        first_epoch, step, history = state["epoch"], state["step"], state["history"]
-        torch.set_rng_state(state["rng"]["torch"][ctx.rank].clone())
-        if "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"][ctx.rank].clone(), device)
+        state.load(load_checkpoint(latest[1]), ctx.rank, device)
         if ctx.rank == 0:
             # Epochs after the checkpoint are trained again: their old lines go.
-            _write_metrics(out_dir, history)
-    model = _wrap(plain, config, device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.amp)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-
-    batches_per_epoch = math.ceil(len(sampler) / config.batch_size)
-    steps_per_epoch = math.ceil(batches_per_epoch / config.grad_accum)
-    bar = tqdm(
-        total=steps_per_epoch * (config.epochs - first_epoch), disable=ctx.rank != 0 or not config.progress,
-        unit="step", dynamic_ncols=True, leave=False,
-    )
+            rundir.write_metrics(out_dir, state.history)
+    first_epoch = state.epoch
+    model = _wrap(state.model, config, device)
+    autocast = _autocast(config, device)
+    lr = config.lr * world
+    steps_per_epoch = math.ceil(math.ceil(len(state.sampler) / config.batch_size) / config.grad_accum)
     print0(
-        f"ddpkit train: {config.model} on {config.dataset} ({len(train_set)} train / {len(data.test)} test), "
+        f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
         f"engine {config.engine}, {world} process(es), global batch "
         f"{config.batch_size * world * config.grad_accum}, lr {config.lr:g} x {world} = {lr:g}, "
         f"output {out_dir}"
     )
+    bar = tqdm(total=steps_per_epoch * (config.epochs - first_epoch), unit="step", dynamic_ncols=True,
+               leave=False, disable=ctx.rank != 0 or not config.progress)
     start = time.perf_counter()
-    trained_samples = 0
-    summary_eval = (float("nan"), float("nan"), 0)
-    for epoch in range(first_epoch, config.epochs):
+    trained = 0
+    evaluation = (float("nan"), float("nan"), 0)
+    while state.epoch < config.epochs:
         t0 = time.perf_counter()
-        sampler.set_epoch(epoch)
-        idx = torch.tensor(list(sampler), dtype=torch.long, device=device)
-        batches = [idx[i : i + config.batch_size] for i in range(0, len(idx), config.batch_size)]
-        loss_sum = torch.zeros(2, dtype=torch.float64)
-        for s in range(0, len(batches), config.grad_accum):
-            group = batches[s : s + config.grad_accum]
-            opt.zero_grad(set_to_none=True)
-            for j, b in enumerate(group):
-                last = j == len(group) - 1
-                sync = contextlib.nullcontext() if last or config.engine == "single" else model.no_sync()
-                with sync:
-                    with autocast():
-                        out_logits = model(train_x[b])
-                    loss = F.cross_entropy(out_logits.float(), train_y[b])
-                    scaler.scale(loss / len(group)).backward()
-                loss_sum[0] += loss.item() * len(b)
-                loss_sum[1] += len(b)
-            scaler.step(opt)
-            scaler.update()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.4f}", refresh=False)
-        trained_samples += int(loss_sum[1].item())
-        dist.all_reduce(loss_sum)
+        loss_sum, samples = _train_epoch(model, state, config, train_data, device, autocast, bar)
+        trained += samples
         # BatchNorm statistics drift apart per rank after the last forward:
         # evaluate (and checkpoint) rank 0's, the ones DDP broadcasts anyway.
-        for buf in plain.buffers():
+        for buf in state.model.buffers():
             dist.broadcast(buf, src=0)
-        summary_eval = _evaluate(plain, data.test, device, autocast)
+        evaluation = _evaluate(state.model, data.test, device, autocast)
         epoch_time = time.perf_counter() - t0
         record = {
-            "epoch": epoch + 1, "step": step,
-            "train_loss": loss_sum[0].item() / loss_sum[1].item(),
-            "test_loss": summary_eval[0], "test_accuracy": summary_eval[1],
-            "lr": lr, "epoch_time_s": round(epoch_time, 4),
-            "samples_per_s": round(loss_sum[1].item() / epoch_time, 1),
+            "epoch": state.epoch + 1, "step": state.step, "train_loss": loss_sum / samples,
+            "test_loss": evaluation[0], "test_accuracy": evaluation[1], "lr": lr,
+            "epoch_time_s": round(epoch_time, 4), "samples_per_s": round(samples / epoch_time, 1),
         }
-        history.append(record)
-        state = {
-            "format": 1, "epoch": epoch + 1, "step": step, "world_size": world,
-            "config": config.to_dict(), "history": history,
-            "model": plain.state_dict(), "optimizer": opt.state_dict(),
-            "scaler": scaler.state_dict(), "sampler": sampler.state_dict(),
-            "rng": _rng_states(device),
-        }
-        save_checkpoint(out_dir / rundir.CHECKPOINT_DIR / f"epoch-{epoch + 1:04d}.safetensors", state)
+        _end_epoch(state, record, config, out_dir, world, device)
+        bar.set_postfix(epoch=state.epoch, loss=f"{record['train_loss']:.4f}", refresh=False)
         if ctx.rank == 0:
-            with open(out_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
             bar.write(
-                f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, "
+                f"epoch {state.epoch}/{config.epochs}: train loss {record['train_loss']:.4f}, "
                 f"test loss {record['test_loss']:.4f}, test accuracy {100 * record['test_accuracy']:.2f}%"
             )
     bar.close()
     wall = time.perf_counter() - start
-    save_weights(out_dir / "model.safetensors", plain.state_dict())
-    test_loss, test_acc, n_test = summary_eval
+    return _finish(state, config, evaluation, wall, trained, first_epoch, out_dir, world)
+
+
+def _finish(state: TrainState, config: TrainConfig, evaluation: tuple[float, float, int], wall: float,
+            trained: int, first_epoch: int, out_dir: Path, world: int) -> dict[str, Any]:
+    """Final weights and ``summary.json``; every rank returns once they are on disk."""
+    save_weights(out_dir / "model.safetensors", state.model.state_dict())
+    test_loss, test_acc, n_test = evaluation
     summary = {
         "test_accuracy": test_acc, "test_loss": test_loss, "test_samples": n_test,
         "epochs": config.epochs, "world_size": world,
         "global_batch_size": config.batch_size * world * config.grad_accum,
-        "lr": lr, "base_lr": config.lr, "wall_time_s": round(wall, 3),
-        "samples_per_s": round(trained_samples * world / wall, 1) if wall > 0 else None,
+        "lr": config.lr * world, "base_lr": config.lr, "wall_time_s": round(wall, 3),
+        "samples_per_s": round(trained / wall, 1) if wall > 0 else None,
         "engine": config.engine, "model": config.model, "dataset": config.dataset,
         "amp": config.amp, "grad_accum": config.grad_accum, "resumed_from_epoch": first_epoch,
     }
-    if ctx.rank == 0:
+    if dist.get_rank() == 0:
         rundir.write_json_atomic(out_dir / "summary.json", summary)
         print(
             f"test accuracy: {100 * test_acc:.2f}% on {n_test} images "
@@ -320,9 +322,3 @@ def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
         )
     barrier()
     return summary
-
-
-def _write_metrics(out_dir: Path, history: list[dict[str, Any]]) -> None:
-    tmp = out_dir / ".metrics.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-    os.replace(tmp, out_dir / "metrics.jsonl")

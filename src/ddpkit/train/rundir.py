@@ -30,7 +30,7 @@ from typing import Any
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, write_atomic
 
-__all__ = ["claim", "latest_checkpoint", "write_json_atomic", "CHECKPOINT_DIR"]
+__all__ = ["claim", "latest_checkpoint", "write_json_atomic", "write_metrics", "CHECKPOINT_DIR"]
 
 CHECKPOINT_DIR = "checkpoints"
 _CKPT = re.compile(r"^epoch-(\d+)\.safetensors$")
@@ -156,3 +156,8 @@ def _load_resume_state(out: Path, config: dict[str, Any], world_size: int) -> di
             f"pass --epochs greater than {epoch} to train further"
         )
     return state
+
+
+def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """Rewrite ``metrics.jsonl`` from ``history``, one JSON line per epoch (durable, atomic)."""
+    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history).encode())
