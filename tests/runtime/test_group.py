@@ -26,24 +26,12 @@ def _check_pair(done, scheme):
 
 
 def test_openmpi_environment_joins_with_real_processes():
+    # One real-process check of a non-launcher scheme; PMI and SLURM share the
+    # same path after discovery, which tests/runtime/test_discovery.py covers.
     port = str(free_port())
     envs = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
              "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": port} for r in range(2)]
     _check_pair(run_ranks(envs), "openmpi")
-
-
-def test_pmi_environment_joins_with_real_processes():
-    port = str(free_port())
-    envs = [{"PMI_RANK": str(r), "PMI_SIZE": "2", "MASTER_PORT": port} for r in range(2)]
-    _check_pair(run_ranks(envs), "pmi")
-
-
-def test_slurm_environment_joins_with_real_processes():
-    port = str(free_port())
-    envs = [{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
-             "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0",
-             "MASTER_PORT": port} for r in range(2)]
-    _check_pair(run_ranks(envs), "slurm")
 
 
 def test_no_environment_is_a_working_world_of_one():
@@ -159,3 +147,39 @@ def test_unresolvable_master_names_the_address():
     envs = [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29999"}]
     (done,) = run_ranks(envs)
     assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in done.stderr
+
+
+def test_second_init_with_another_backend_is_an_error():
+    ctx = ddpkit.init(backend="gloo")
+    assert ddpkit.init(backend="gloo") is ctx
+    with pytest.raises(ValueError, match="already exists with backend 'gloo'"):
+        ddpkit.init(backend="mpi")
+
+
+def test_barrier_before_init(monkeypatch):
+    ddpkit.barrier()  # a world of one: nothing to wait for
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(RuntimeError, match=r"call ddpkit.init\(\) first"):
+        ddpkit.barrier()
+
+
+def _zero_first_raising_on_rank_zero():
+    order = []
+    try:
+        with ddpkit.zero_first(local=False):
+            order.append(("inside", time.time()))
+            if ddpkit.rank() == 0:
+                time.sleep(0.2)
+                raise KeyError("download failed")
+    except KeyError as e:
+        order.append(("raised", str(e)))
+    return order
+
+
+def test_zero_first_releases_the_others_when_the_block_raises(dist2):
+    # Rank 0's error surfaces on rank 0; rank 1 is released (no hang) and runs its block after.
+    rank0, rank1 = dist2.run(_zero_first_raising_on_rank_zero, timeout=30)
+    assert [k for k, _ in rank0] == ["inside", "raised"] and rank0[1][1] == "'download failed'"
+    assert [k for k, _ in rank1] == ["inside"] and rank1[0][1] >= rank0[0][1] + 0.2

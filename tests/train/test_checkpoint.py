@@ -152,3 +152,29 @@ def test_collective_save(dist2, tmp_path: Path) -> None:
     errors = dist2.run(_save_to_a_folder, str(tmp_path / "dir"))
     assert "could not write checkpoint" in errors[0]
     assert "rank 0 failed to write checkpoint" in errors[1]
+
+
+def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    ddpkit.save_checkpoint(path, {"w": torch.ones(3), "epoch": 1})
+    before = path.read_bytes()
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ddpkit.save_checkpoint(path, {"w": torch.zeros(3), "epoch": 2})
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert ddpkit.load_checkpoint(path)["epoch"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
+
+
+def test_a_newer_format_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "future.safetensors"
+    save_file({"0:w": torch.ones(1)}, path, metadata={"ddpkit": '{"format": 99, "state": {}}'})
+    with pytest.raises(CheckpointError, match="format 99, newer than this ddpkit reads"):
+        ddpkit.load_checkpoint(path)

@@ -191,7 +191,8 @@ def _census(store: dist.Store, place: Placement, join_timeout: float) -> None:
 def init(backend: str | None = None, timeout: float | None = None) -> DistContext:
     """Join the job described by the environment and create the process group.
 
-    Calling it again returns the same context. With no launcher variables in
+    Calling it again returns the same context (asking for another backend
+    then is an error). With no launcher variables in
     the environment it creates a world of one process, in which every ddpkit
     feature (collectives included) still works.
 
@@ -206,7 +207,8 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
 
     Raises:
         ValueError: inconsistent environment (``RANK`` without ``WORLD_SIZE``,
-            a rank outside the world, an unknown backend).
+            a rank outside the world, an unknown backend), or a backend other
+            than that of the process group that already exists.
         RendezvousError: the ranks could not meet or disagree on the world.
 
     Example::
@@ -215,6 +217,8 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         model = ddpkit.DDP(model.to(ctx.device))
     """
     global _ctx
+    if dist.is_initialized():
+        _check_same_backend(backend)
     if _ctx is not None and dist.is_initialized():
         return _ctx
     place = discover(os.environ)
@@ -245,6 +249,17 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         device=device, backend=backend, scheme=place.scheme,
     )
     return _ctx
+
+
+def _check_same_backend(asked: str | None) -> None:
+    """A process group exists: a different backend asked for now would be silently ignored."""
+    asked = asked or os.environ.get("DDPKIT_BACKEND") or None
+    have = str(dist.get_backend())
+    if asked is not None and asked != have:
+        raise ValueError(
+            f"ddpkit.init(backend={asked!r}): the process group already exists with backend {have!r}; "
+            "a process has one group: call ddpkit.shutdown() first to start over with another backend"
+        )
 
 
 def shutdown() -> None:

@@ -73,10 +73,11 @@ class TrainConfig:
             self.engine != "single" or self.nproc_per_node in (None, 1),
             "nproc_per_node", "does not fit --engine single, which trains in one process: drop one of them",
         )
-        need(
-            self.dataset != "mnist" or self.data_dir is not None,
-            "data_dir", "is needed with --dataset mnist: point it at the MNIST IDX files",
-        )
+        if self.dataset == "mnist" and self.data_dir is None:
+            raise ConfigError(
+                "--dataset mnist needs --data-dir: point it at the folder of the MNIST IDX files "
+                "(e.g. --data-dir ../shared/data/mnist)"
+            )
         if self.data_dir is not None:
             self.data_dir = Path(self.data_dir)
         if self.output_dir is not None:
