@@ -1,0 +1,81 @@
+"""runtime.process: the worker env contract, exit descriptions and teardown of whole process groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ddpkit.runtime.process import describe_exit, terminate, worker_env
+from ddpkit.runtime.spawn import _env as spawn_env
+
+CONTRACT = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"}
+
+
+def test_worker_env_is_torchruns_contract() -> None:
+    base = {"PATH": "/bin", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = worker_env(rank=5, local_rank=1, world_size=8, local_world_size=4, master_port=1234,
+                     master_addr="node0", node_rank=1, nnodes=2, restart_count=2, max_restarts=3, base=base)
+    assert CONTRACT <= set(env) and env["PATH"] == "/bin"
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("5", "1", "1", "2")
+    assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"], env["ROLE_NAME"]) == ("5", "8", "default")
+    assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("2", "3")
+    # torchrun's agent-store flag would send our workers to a store nobody serves.
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in env
+    assert env["OMP_NUM_THREADS"] == "1"
+    alone = worker_env(rank=0, local_rank=0, world_size=1, local_world_size=1, master_port=1, base={})
+    assert "OMP_NUM_THREADS" not in alone
+    assert worker_env(rank=0, local_rank=0, world_size=2, local_world_size=2, master_port=1,
+                      base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+
+
+def test_spawn_children_get_the_same_contract_as_launched_workers() -> None:
+    env = spawn_env(2, 3, 4321, "gloo")
+    assert CONTRACT <= set(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]) == ("2", "3", "3", "4321")
+    assert env["DDPKIT_BACKEND"] == "gloo"
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(0) == "exit code 0"
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
+    assert describe_exit(None) == "still running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of ours is dead for this purpose.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_terminate_takes_down_children_that_ignore_sigterm() -> None:
+    # The leader ignores SIGTERM and has a child that ignores it too: both must
+    # be gone after the grace period (SIGKILL to the whole group).
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = int(leader.stdout.readline())
+    start = time.monotonic()
+    terminate([leader], grace_s=0.5)
+    assert time.monotonic() - start < 10
+    assert leader.poll() == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
