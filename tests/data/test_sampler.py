@@ -139,3 +139,14 @@ def test_defaults_come_from_the_process_group(dist3) -> None:
     assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
     for _, _, union, n in results:
         assert union == list(range(n))
+
+
+def test_defaults_come_from_the_environment_before_init(monkeypatch) -> None:
+    # No process group yet: the launcher's variables say who this rank is.
+    s = DistributedSampler(_Sized(10), shuffle=False)
+    assert (s.num_replicas, s.rank) == (1, 0)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    s = DistributedSampler(_Sized(10), shuffle=False)
+    assert (s.num_replicas, s.rank) == (3, 2) and list(s) == [2, 5, 8, 0]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ddpkit import runtime
+from ddpkit.runtime import group
 
 __all__ = ["DistributedSampler"]
 
@@ -87,9 +87,9 @@ class DistributedSampler(Sampler[int]):
         pad: bool = True,
     ) -> None:
         if num_replicas is None:
-            num_replicas = dist.get_world_size() if dist.is_initialized() else runtime.world_size()
+            num_replicas = dist.get_world_size() if dist.is_initialized() else group.world_size()
         if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else runtime.rank()
+            rank = dist.get_rank() if dist.is_initialized() else group.rank()
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be at least 1")
         if not 0 <= rank < num_replicas:
