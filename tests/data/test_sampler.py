@@ -149,4 +149,4 @@ def test_defaults_come_from_the_environment_before_init(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     s = DistributedSampler(_Sized(10), shuffle=False)
-    assert (s.num_replicas, s.rank) == (3, 2) and list(s) == [2, 5, 8, 0]
+    assert (s.num_replicas, s.rank) == (3, 2) and list(s) == [2, 5, 8, 1]
