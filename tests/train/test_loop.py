@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import ddpkit
 from ddpkit.cli import main
 from ddpkit.train.loop import TrainConfig, _worker, train
 
@@ -55,8 +56,9 @@ def test_resume_is_bit_identical(dist2, tmp_path: Path) -> None:
         return [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k} for r in rows]
 
     assert untimed(part / "metrics.jsonl") == untimed(whole / "metrics.jsonl")
+    # 6 steps per epoch; the 3 newest checkpoints are kept.
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [
-        f"epoch-000{i}.safetensors" for i in range(1, 5)
+        f"step-000000{i}.safetensors" for i in (12, 18, 24)
     ]
 
 
@@ -147,11 +149,11 @@ def test_resume_checks_checkpoint_settings_and_world(dist2, tmp_path: Path, caps
     assert "already finished 1 epochs" in capsys.readouterr().err
     assert main([*base, "--lr", "0.5"]) == 2
     assert "lr: 0.02 -> 0.5" in capsys.readouterr().err
-    ckpt = out / "checkpoints" / "epoch-0001.safetensors"
+    ckpt = out / "checkpoints" / "step-00000006.safetensors"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     assert main(base) == 2
     err = capsys.readouterr().err
-    assert "epoch-0001.safetensors" in err and "truncated" in err
+    assert "step-00000006.safetensors" in err and "truncated" in err
 
 
 def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
@@ -172,7 +174,7 @@ def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
                 "wall_time_s", "samples_per_s", "engine"):
         assert key in summary
     assert summary["world_size"] == 2 and summary["test_samples"] == 48
-    assert (out / "checkpoints" / "epoch-0001.safetensors").is_file()
+    assert (out / "checkpoints" / "step-00000006.safetensors").is_file()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 
@@ -191,3 +193,53 @@ def test_train_under_ddpkit_launch_uses_the_given_ranks(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["engine"] == "ddpkit"
     assert "[rank0]: " in proc.stdout
+
+
+def _flip_tensor_bytes(path: Path) -> None:
+    """Overwrite bytes in the middle of the tensor data (the header stays readable)."""
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    middle = header + (len(data) - header) // 2
+    data[middle : middle + 8] = b"\xff" * 8  # NaN bytes in float32
+    path.write_bytes(bytes(data))
+
+
+def test_resume_mid_epoch_and_past_a_damaged_checkpoint_is_bit_identical(dist2, tmp_path: Path) -> None:
+    # 6 steps per epoch, a checkpoint every 4 steps: steps 4 (mid-epoch 1), 6, 8 (mid-epoch 2), 12.
+    cfg = dict(SMALL, epochs=2, checkpoint_every=4, keep_checkpoints=10)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _train(dist2, TrainConfig(**cfg, output_dir=whole))
+    _train(dist2, TrainConfig(**cfg, output_dir=cut))
+    names = sorted(p.name for p in (cut / "checkpoints").iterdir())
+    assert names == [f"step-{s:08d}.safetensors" for s in (4, 6, 8, 12)]
+    # As if the run had died right after step 8's save, and step 8's file
+    # then rotted on disk: resume must skip it (warning) and go back to step 6.
+    for name in ("model.safetensors", "summary.json"):
+        (cut / name).unlink()
+    (cut / "checkpoints" / "step-00000012.safetensors").unlink()
+    _flip_tensor_bytes(cut / "checkpoints" / "step-00000008.safetensors")
+    with pytest.raises(ddpkit.CheckpointError, match="does not match its checksum"):
+        ddpkit.load_checkpoint(cut / "checkpoints" / "step-00000008.safetensors")
+    summaries = dist2.run(_run, TrainConfig(**cfg, output_dir=cut, resume=True))
+    assert summaries[0]["resumed_from_epoch"] == 1
+    a, b = _weights(whole), _weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    # And from the mid-epoch checkpoint at step 4 (epoch 1 resumed half-way).
+    for p in (cut / "checkpoints").iterdir():
+        if p.name != "step-00000004.safetensors":
+            p.unlink()
+    (cut / "model.safetensors").unlink()
+    summary = dist2.run(_run, TrainConfig(**cfg, output_dir=cut, resume=True))[0]
+    assert summary["resumed_from_epoch"] == 0 and summary["steps"] == 12
+    b = _weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    def untimed(path: Path) -> list[dict]:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k} for r in rows]
+
+    # The epoch's loss is exact too: each rank's partial sums were saved.
+    assert untimed(cut / "metrics.jsonl") == untimed(whole / "metrics.jsonl")

@@ -19,8 +19,12 @@ either the old file or the new one, never a torn one.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import re
+import socket
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,7 +47,9 @@ __all__ = [
 ]
 
 _META_KEY = "ddpkit"
-_FORMAT = 1
+_SUM_KEY = "ddpkit_checksums"
+_FORMAT = 2
+"""1: tensors and skeleton. 2: plus checksums of every tensor and of the skeleton."""
 
 
 class CheckpointError(ValueError):
@@ -107,20 +113,102 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _digest(data: bytes | memoryview | np.ndarray) -> str:
+    # blake2b: as strong as needed against bit rot and torn writes, and about
+    # three times faster than sha256 here (hashlib releases the GIL).
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    return _digest(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _checksums(meta: str | None, tensors: Mapping[str, torch.Tensor]) -> str:
+    sums = {name: _tensor_digest(t) for name, t in tensors.items()}
+    return json.dumps({"skeleton": _digest(meta.encode()) if meta is not None else None, "tensors": sums})
+
+
 def _to_bytes(state: Any) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(state, tensors, "")
     meta = json.dumps({"format": _FORMAT, "state": skeleton}, allow_nan=True)
-    return _st_save(tensors, metadata={_META_KEY: meta})
+    return _st_save(tensors, metadata={_META_KEY: meta, _SUM_KEY: _checksums(meta, tensors)})
+
+
+def _verify(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Check the stored checksums; a file without any (format 1, foreign) passes as it is."""
+    if _SUM_KEY not in meta:
+        if _META_KEY in meta and json.loads(meta[_META_KEY]).get("format", 1) == _FORMAT:
+            raise CheckpointError(f"checkpoint {path} is damaged: its checksums are missing")
+        return
+    try:
+        stored = json.loads(meta[_SUM_KEY])
+        sums, skeleton = dict(stored["tensors"]), stored["skeleton"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: unreadable checksums ({e})") from e
+    if skeleton is not None and _digest(meta.get(_META_KEY, "").encode()) != skeleton:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: its metadata (step, settings, structure) does not match "
+            "its checksum"
+        )
+    if set(sums) != set(tensors):
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: it holds {len(tensors)} tensors, its checksums name {len(sums)}"
+        )
+    for name, t in tensors.items():
+        if _tensor_digest(t) != sums[name]:
+            shown = name.split(":", 1)[-1] or name
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: tensor {shown!r} does not match its checksum "
+                "(its bytes changed after it was written)"
+            )
 
 
 # ---------------------------------------------------------------- atomic write
 
 
+_TMP = re.compile(r"^\..+\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the temporary files of interrupted writes in ``folder``; return them.
+
+    A temporary is stale when the process that wrote it (named in the file
+    name, with its host) is gone. Files of other hosts are left alone: their
+    writer may be alive on a shared file system.
+    """
+    removed = []
+    if not folder.is_dir():
+        return removed
+    host = socket.gethostname().replace("-", "_")
+    for entry in folder.iterdir():
+        m = _TMP.match(entry.name)
+        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` durably: temporary file, fsync, rename, fsync of the folder."""
+    """Write ``data`` to ``path`` durably: temporary file, fsync, rename, fsync of the folder.
+
+    Temporaries that earlier, interrupted writes left in the folder are removed first.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_stale_temporaries(path.parent)
+    host = socket.gethostname().replace("-", "_")
+    tmp = path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -201,7 +289,7 @@ def save_weights(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]
             k: v.detach().to("cpu", copy=True).contiguous()
             for k, v in strip_prefix(state_dict).items()
         }
-        return _st_save(flat)
+        return _st_save(flat, metadata={_SUM_KEY: _checksums(None, flat)})
 
     _collective_write(path, make)
 
@@ -238,11 +326,18 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         path: The file.
         map_location: Device for the tensors (default ``"cpu"``).
 
+    Every tensor and the structure are checked against the checksums stored
+    at save time (files of format 2 and ``model.safetensors``), so a file
+    whose bytes changed on disk is refused rather than trained on. Stale
+    temporaries of interrupted saves beside it are removed.
+
     Raises:
         FileNotFoundError: no such file.
-        CheckpointError: the file is truncated, corrupt or not a checkpoint.
+        CheckpointError: the file is truncated, damaged (a checksum does not
+            match; the message names the tensor) or not a checkpoint.
     """
     path = Path(path)
+    remove_stale_temporaries(path.parent)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     data = path.read_bytes()
@@ -259,6 +354,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         tensors = _st_load(data)
     except SafetensorError as e:
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {e}") from e
+    _verify(path, meta, tensors)
     if map_location is not None and str(map_location) != "cpu":
         tensors = {k: v.to(map_location) for k, v in tensors.items()}
     if _META_KEY not in meta:

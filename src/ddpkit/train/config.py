@@ -47,6 +47,14 @@ class TrainConfig:
     )
     backend: str | None = option(None, "process group backend (default: nccl with CUDA, else gloo)")
     output_dir: Path | None = option(None, "run directory (default: a new runs/<dataset>-<model>[-N])")
+    checkpoint_every: int = option(
+        50, "also checkpoint every N optimizer steps within an epoch (0: at epoch ends only)"
+    )
+    keep_checkpoints: int = option(3, "checkpoints kept in <output-dir>/checkpoints; older ones are deleted")
+    max_restarts: int = option(
+        0, "restart the workers this started up to N times after a failure, resuming from the newest "
+        "checkpoint (under a launcher, use the launcher's --max-restarts)"
+    )
     resume: bool = option(False, "continue the run in --output-dir from its newest checkpoint")
     progress: bool = option(True, "show a progress bar on rank 0", negate="--no-progress", negate_only=False)
 
@@ -67,6 +75,9 @@ class TrainConfig:
         need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
         need(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
         need(self.weight_decay >= 0, "weight_decay", "must be non-negative")
+        need(self.checkpoint_every >= 0, "checkpoint_every", "must be 0 (epoch ends only) or more")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1 (the newest is always kept)")
+        need(self.max_restarts >= 0, "max_restarts", "must be 0 or more")
         need(self.synthetic_samples >= 1, "synthetic_samples", "must be at least 1")
         need(self.nproc_per_node is None or self.nproc_per_node >= 1, "nproc_per_node", "must be at least 1")
         need(

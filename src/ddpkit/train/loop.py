@@ -6,24 +6,27 @@ inside a launcher (``ddpkit launch``, ``torchrun``, ``mpirun``, ``srun``),
 trains on the ranks it was given. Each worker:
 
 1. joins the process group, loads the dataset, builds the model with
-   ``seed`` and wraps it in the chosen engine (ddpkit's DDP, torch's DDP for
-   comparison, or nothing for ``single``);
+   ``seed``, restores the checkpoint it continues from (if any) and wraps the
+   model in the chosen engine (ddpkit's DDP, torch's DDP for comparison, or
+   nothing for ``single``);
 2. trains with the learning rate scaled linearly by the world size, each rank
    on its own shard (:class:`ddpkit.DistributedSampler`, ``set_epoch`` each
    epoch), with ``grad_accum`` micro-batches per step (all but the last under
    ``no_sync``) and optional autocast (bf16 on CPU or CUDA, fp16 with loss
-   scaling on CUDA);
+   scaling on CUDA), checkpointing every ``checkpoint_every`` steps;
 3. after every epoch evaluates on the test split, each sample counted exactly
-   once (an unpadded sampler, sums reduced across ranks in float64), appends a
-   line to ``metrics.jsonl`` and writes a checkpoint;
+   once (an unpadded sampler, sums reduced across ranks in float64), rewrites
+   ``metrics.jsonl`` and writes a checkpoint;
 4. at the end writes ``model.safetensors`` (plain module names) and
    ``summary.json``.
 
-Resuming (``resume=True``) restores model, optimizer, grad scaler, sampler,
-step and every rank's RNG state from the newest checkpoint, so a run of 2
-epochs resumed to 4 ends bit-identical to an uninterrupted 4-epoch run. The
-learning rate is constant for that reason: a schedule that depended on the
-total number of epochs would change when ``epochs`` grows on resume.
+Resuming (``resume=True``, or any restarted attempt) restores model,
+optimizer, grad scaler, sampler position (mid-epoch too), step, the partial
+loss sums of the epoch and every rank's RNG state from the newest valid
+checkpoint, so a run stopped anywhere and resumed ends bit-identical to an
+uninterrupted run. The learning rate is constant for that reason: a schedule
+that depended on the total number of epochs would change when ``epochs``
+grows on resume.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +51,9 @@ from ddpkit.data.sampler import DistributedSampler
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import barrier, init, print0, shutdown, zero_first
 from ddpkit.runtime.options import ConfigError
-from ddpkit.runtime.spawn import spawn
+from ddpkit.runtime.spawn import WorkerError, spawn
 from ddpkit.train import rundir
-from ddpkit.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
+from ddpkit.train.checkpoint import load_checkpoint, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.models import build_model
 from ddpkit.train.state import TrainState
@@ -65,35 +69,52 @@ def train(config: TrainConfig) -> dict[str, Any]:
     Raises:
         ConfigError: bad settings, data or output directory (checked before any
             worker starts, so nothing is left half-done).
-        ddpkit.WorkerError: a worker failed during training (its rank and traceback).
+        ddpkit.WorkerError: a worker failed during training (its rank and
+            traceback), and no restart was left.
     """
     if config.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
     place = discover(os.environ)
     if place.scheme != "single":
-        # Inside a launcher: this process is one rank of the job.
+        # Inside a launcher: this process is one rank of the job, and the
+        # launcher restarts it (TORCHELASTIC_RESTART_COUNT counts the attempts).
         if config.engine == "single" and place.world_size > 1:
             raise ConfigError(
                 f"--engine single trains in one process, but the launcher started "
                 f"{place.world_size}: run it without a launcher"
             )
-        return _worker(place.rank, config, None)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        try:
+            return _worker(place.rank, config, None, restart)
+        finally:
+            # Destroy the group before the interpreter exits, also on an error:
+            # a gloo group torn down during interpreter exit aborts the process.
+            shutdown()
     nproc = 1 if config.engine == "single" else config.nproc_per_node or (
         torch.cuda.device_count() if torch.cuda.is_available() else 2
     )
     # Fail on bad data before any worker starts: the error then reads as a
     # usage error, not as a worker's traceback.
     _load_data(config)
-    out, state = rundir.claim(config.to_dict(), nproc)
-    del state  # the workers read the checkpoint themselves
-    if nproc == 1:
+    claim = rundir.claim(config.to_dict(), nproc)
+    for attempt in range(config.max_restarts + 1):
+        if attempt:
+            claim = rundir.claim({**config.to_dict(), "output_dir": str(claim.out)}, nproc, restart=True)
         try:
-            _worker(0, config, str(out))
-        finally:
-            shutdown()
-    else:
-        spawn(_worker, nproc, args=(config, str(out)), backend=config.backend)
-    return json.loads((out / "summary.json").read_text())
+            if nproc == 1 and not config.max_restarts:
+                try:
+                    _worker(0, config, claim, attempt)
+                finally:
+                    shutdown()
+            else:
+                spawn(_worker, nproc, args=(config, claim, attempt), backend=config.backend)
+            break
+        except WorkerError as e:
+            if attempt == config.max_restarts:
+                raise
+            print(f"ddpkit train: rank {e.rank} failed; restarting the workers "
+                  f"(restart {attempt + 1} of {config.max_restarts})", flush=True)
+    return json.loads((claim.out / "summary.json").read_text())
 
 
 # ---------------------------------------------------------------- one rank
@@ -106,15 +127,14 @@ def _load_data(config: TrainConfig):
     )
 
 
-def _agree_on_output_dir(config: TrainConfig, out: str | None, world: int) -> str:
+def _agree_on_claim(config: TrainConfig, claim: rundir.Claim | None, world: int, restart: int) -> rundir.Claim:
     """Under a launcher, rank 0 claims the directory and tells the others (or its error)."""
-    if out is not None:
-        return out
+    if claim is not None:
+        return claim
     msg: list[Any] = [None, None]
     if dist.get_rank() == 0:
         try:
-            path, _ = rundir.claim(config.to_dict(), world)
-            msg = [str(path), None]
+            msg = [rundir.claim(config.to_dict(), world, restart=restart > 0), None]
         except ConfigError as e:
             msg = [None, str(e)]
     # Every rank reaches this broadcast, rank 0 even after a failed claim,
@@ -138,7 +158,33 @@ def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> 
     return model
 
 
-def _build_state(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
+@dataclass
+class _Run:
+    """What one worker trains with: the saved state, its live objects, and the data."""
+
+    state: TrainState
+    config: TrainConfig
+    device: torch.device
+    world: int
+    out: Path
+    train_data: tuple[torch.Tensor, torch.Tensor]
+    test: TensorDataset
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    evaluation: tuple[float, float, int] = (float("nan"), float("nan"), 0)
+    trained: int = 0
+    """Samples trained in this attempt, summed over ranks."""
+
+    @property
+    def progress(self) -> dict[str, Any]:
+        """Where the run stands (saved in every checkpoint as ``extra``)."""
+        return self.state.extra
+
+    @property
+    def lr(self) -> float:
+        return self.config.lr * self.world
+
+
+def _build(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
     """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``."""
     torch.manual_seed(config.seed)
     train_set = data.train
@@ -157,6 +203,9 @@ def _build_state(config: TrainConfig, data: Any, world: int, device: torch.devic
         model=model, optimizer=opt,
         scaler=torch.amp.GradScaler("cuda", enabled=config.amp == "fp16"),
         sampler=DistributedSampler(train_set, shuffle=True, seed=config.seed),
+        extra={"epoch": 0, "batches_done": 0, "history": [], "partial": torch.zeros(world, 2, dtype=torch.float64),
+               "world_size": world, "config": config.to_dict()},
+        keep=config.keep_checkpoints,
     )
 
 
@@ -167,18 +216,37 @@ def _autocast(config: TrainConfig, device: torch.device) -> Callable[[], context
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def _train_epoch(
-    model: torch.nn.Module, state: TrainState, config: TrainConfig, data: Any,
-    device: torch.device, autocast: Callable, bar: Any,
-) -> tuple[float, int]:
-    """One epoch of this rank's shard; returns (sum of sample losses, samples), summed over ranks."""
-    train_x, train_y = data
-    state.sampler.set_epoch(state.epoch)
-    idx = torch.tensor(list(state.sampler), dtype=torch.long, device=device)
-    batches = [idx[i : i + config.batch_size] for i in range(0, len(idx), config.batch_size)]
+def _checkpoint(run: _Run, consumed: int, loss_sum: torch.Tensor, count: int) -> None:
+    """Save the whole state now (a collective), with each rank's partial loss sums of the epoch."""
+    mine = torch.stack([loss_sum.detach().cpu(), torch.tensor(float(count), dtype=torch.float64)])
+    parts = [torch.empty_like(mine) for _ in range(run.world)]
+    dist.all_gather(parts, mine)
+    run.progress["partial"] = torch.stack(parts)
+    run.state.save(run.out / rundir.CHECKPOINT_DIR, run.state.step, sampler_consumed=consumed)
+
+
+def _train_epoch(model: torch.nn.Module, run: _Run, bar: Any) -> tuple[float, int, int]:
+    """The rest of the current epoch on this rank's shard.
+
+    Returns:
+        The epoch's loss sum and sample count, and the samples trained in this
+        attempt, each summed over all ranks.
+    """
+    state, config, progress = run.state, run.config, run.progress
+    sampler = state.sampler
+    if progress["batches_done"] == 0:
+        sampler.set_epoch(progress["epoch"])
+    # else: the sampler was restored mid-epoch and continues from there.
+    consumed = sampler.state_dict()["consumed"] if progress["batches_done"] else 0
+    rank = dist.get_rank()
     # Summed on the device: reading a loss back (.item()) would make every
     # step wait for the device, so it happens once per epoch.
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    loss_sum = progress["partial"][rank][0].clone().to(run.device)
+    count = int(progress["partial"][rank][1].item())
+    resumed_with = count
+    idx = torch.tensor(list(sampler), dtype=torch.long, device=run.device)
+    batches = [idx[i : i + config.batch_size] for i in range(0, len(idx), config.batch_size)]
+    x, y = run.train_data
     for s in range(0, len(batches), config.grad_accum):
         group = batches[s : s + config.grad_accum]
         state.optimizer.zero_grad(set_to_none=True)
@@ -186,22 +254,30 @@ def _train_epoch(
             last = j == len(group) - 1
             sync = contextlib.nullcontext() if last or config.engine == "single" else model.no_sync()
             with sync:
-                with autocast():
-                    logits = model(train_x[b])
-                loss = F.cross_entropy(logits.float(), train_y[b])
+                with run.autocast():
+                    logits = model(x[b])
+                loss = F.cross_entropy(logits.float(), y[b])
                 state.scaler.scale(loss / len(group)).backward()
             loss_sum += loss.detach().double() * len(b)
+            count += len(b)
+            consumed += len(b)
         state.scaler.step(state.optimizer)
         state.scaler.update()
         state.step += 1
+        progress["batches_done"] += 1
         bar.update(1)
-    totals = torch.stack([loss_sum.cpu(), torch.tensor(float(len(idx)), dtype=torch.float64)])
+        more_this_epoch = s + config.grad_accum < len(batches)
+        if config.checkpoint_every and state.step % config.checkpoint_every == 0 and more_this_epoch:
+            _checkpoint(run, consumed, loss_sum, count)
+    totals = torch.tensor([0.0, count, count - resumed_with], dtype=torch.float64)
+    totals[0] = loss_sum.cpu()
     dist.all_reduce(totals)
-    return totals[0].item(), int(totals[1].item())
+    return totals[0].item(), int(totals[1].item()), int(totals[2].item())
 
 
-def _evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device, autocast) -> tuple[float, float, int]:
+def _evaluate(model: torch.nn.Module, run: _Run) -> tuple[float, float, int]:
     """Loss and accuracy over the whole test split, each sample once across ranks."""
+    test, device = run.test, run.device
     sampler = DistributedSampler(test, shuffle=False, pad=False)
     idx = torch.tensor(list(sampler), dtype=torch.long)
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -211,11 +287,11 @@ def _evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
     with torch.no_grad():
         for start in range(0, len(idx), 256):
             b = idx[start : start + 256]
-            x, y = test.images[b].to(device), test.labels[b].to(device)
-            with autocast():
-                out = model(x)
-            totals[0] += F.cross_entropy(out.float(), y, reduction="sum").double()
-            totals[1] += (out.argmax(1) == y).sum()
+            xb, yb = test.images[b].to(device), test.labels[b].to(device)
+            with run.autocast():
+                out = model(xb)
+            totals[0] += F.cross_entropy(out.float(), yb, reduction="sum").double()
+            totals[1] += (out.argmax(1) == yb).sum()
             totals[2] += len(b)
     model.train()
     totals = totals.cpu()
@@ -224,100 +300,113 @@ def _evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
     return loss_sum / n, correct / n, int(n)
 
 
-def _end_epoch(state: TrainState, record: dict[str, Any], config: TrainConfig, out_dir: Path,
-               world: int, device: torch.device) -> None:
-    """Record the epoch, then checkpoint and rewrite ``metrics.jsonl`` (both durable and atomic)."""
-    state.epoch += 1
-    state.history.append(record)
-    path = out_dir / rundir.CHECKPOINT_DIR / f"epoch-{state.epoch:04d}.safetensors"
-    save_checkpoint(path, state.payload(device, world_size=world, config=config.to_dict()))
+def _end_epoch(run: _Run, loss_sum: float, samples: int, trained: int, epoch_time: float) -> dict[str, Any]:
+    """Evaluate, record the epoch, checkpoint and rewrite ``metrics.jsonl``."""
+    # BatchNorm statistics drift apart per rank after the last forward:
+    # evaluate (and checkpoint) rank 0's, the ones DDP broadcasts anyway.
+    for buf in run.state.model.buffers():
+        dist.broadcast(buf, src=0)
+    run.evaluation = _evaluate(run.state.model, run)
+    progress = run.progress
+    record = {
+        "epoch": progress["epoch"] + 1, "step": run.state.step, "train_loss": loss_sum / samples,
+        "test_loss": run.evaluation[0], "test_accuracy": run.evaluation[1], "lr": run.lr,
+        "epoch_time_s": round(epoch_time, 4), "samples_per_s": round(trained / epoch_time, 1),
+    }
+    progress["history"].append(record)
+    progress["epoch"] += 1
+    progress["batches_done"] = 0
+    progress["partial"] = torch.zeros(run.world, 2, dtype=torch.float64)
+    run.state.save(run.out / rundir.CHECKPOINT_DIR, run.state.step, sampler_consumed=0)
     if dist.get_rank() == 0:
-        rundir.write_metrics(out_dir, state.history)
+        rundir.write_metrics(run.out, progress["history"])
+    return record
 
 
-def _worker(rank: int, config: TrainConfig, out: str | None) -> dict[str, Any]:
-    del rank  # the process group says which rank this is
+def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tuple[_Run, torch.nn.Module]:
+    """Join the group, load the data, build or restore the state, wrap the model."""
     ctx = init(backend=config.backend)
-    world, device = ctx.world_size, ctx.device
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks that share a node's cores must not each spin up a thread per
         # core: oversubscribed, a step runs several times slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
-    out_dir = Path(_agree_on_output_dir(config, out, world))
+    claim = _agree_on_claim(config, claim, ctx.world_size, restart)
     with zero_first():  # a --download happens once per node
         data = _load_data(config)
-    train_data = (data.train.images.to(device), data.train.labels.to(device))
-
-    state = _build_state(config, data, world, device)
-    latest = rundir.latest_checkpoint(out_dir) if config.resume else None
-    if latest is not None:
-        state.load(load_checkpoint(latest[1]), ctx.rank, device)
-        if ctx.rank == 0:
-            # Epochs after the checkpoint are trained again: their old lines go.
-            rundir.write_metrics(out_dir, state.history)
-    first_epoch = state.epoch
-    model = _wrap(state.model, config, device)
-    autocast = _autocast(config, device)
-    lr = config.lr * world
-    steps_per_epoch = math.ceil(math.ceil(len(state.sampler) / config.batch_size) / config.grad_accum)
+    state = _build(config, data, ctx.world_size, ctx.device)
+    if claim.checkpoint is not None:
+        state.load(load_checkpoint(claim.checkpoint))
+        print0(f"ddpkit train: {'restart ' + str(restart) + ': ' if restart else ''}resuming from "
+               f"{claim.checkpoint} (epoch {state.extra['epoch']}, step {state.step})")
+    elif restart:
+        print0(f"ddpkit train: restart {restart}: no checkpoint yet, starting again in {claim.out}")
+    run = _Run(
+        state=state, config=config, device=ctx.device, world=ctx.world_size, out=claim.out,
+        train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test,
+        autocast=_autocast(config, ctx.device),
+    )
+    if ctx.rank == 0 and claim.checkpoint is not None:
+        # Epochs after the checkpoint are trained again: their old lines go.
+        rundir.write_metrics(run.out, run.progress["history"])
     print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
-        f"engine {config.engine}, {world} process(es), global batch "
-        f"{config.batch_size * world * config.grad_accum}, lr {config.lr:g} x {world} = {lr:g}, "
-        f"output {out_dir}"
+        f"engine {config.engine}, {run.world} process(es), global batch "
+        f"{config.batch_size * run.world * config.grad_accum}, lr {config.lr:g} x {run.world} = {run.lr:g}, "
+        f"output {run.out}"
     )
-    bar = tqdm(total=steps_per_epoch * (config.epochs - first_epoch), unit="step", dynamic_ncols=True,
-               leave=False, disable=ctx.rank != 0 or not config.progress)
+    return run, _wrap(state.model, config, ctx.device)
+
+
+def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart: int = 0) -> dict[str, Any]:
+    del rank  # the process group says which rank this is
+    run, model = _start(config, claim, restart)
+    progress = run.progress
+    first_epoch = progress["epoch"]
+    steps_per_epoch = math.ceil(math.ceil(run.state.sampler.num_samples / config.batch_size) / config.grad_accum)
+    left = steps_per_epoch * (config.epochs - first_epoch) - progress["batches_done"]
+    bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
+               disable=dist.get_rank() != 0 or not config.progress)
     start = time.perf_counter()
-    trained = 0
-    evaluation = (float("nan"), float("nan"), 0)
-    while state.epoch < config.epochs:
+    while progress["epoch"] < config.epochs:
         t0 = time.perf_counter()
-        loss_sum, samples = _train_epoch(model, state, config, train_data, device, autocast, bar)
-        trained += samples
-        # BatchNorm statistics drift apart per rank after the last forward:
-        # evaluate (and checkpoint) rank 0's, the ones DDP broadcasts anyway.
-        for buf in state.model.buffers():
-            dist.broadcast(buf, src=0)
-        evaluation = _evaluate(state.model, data.test, device, autocast)
-        epoch_time = time.perf_counter() - t0
-        record = {
-            "epoch": state.epoch + 1, "step": state.step, "train_loss": loss_sum / samples,
-            "test_loss": evaluation[0], "test_accuracy": evaluation[1], "lr": lr,
-            "epoch_time_s": round(epoch_time, 4), "samples_per_s": round(samples / epoch_time, 1),
-        }
-        _end_epoch(state, record, config, out_dir, world, device)
-        bar.set_postfix(epoch=state.epoch, loss=f"{record['train_loss']:.4f}", refresh=False)
-        if ctx.rank == 0:
+        loss_sum, samples, trained = _train_epoch(model, run, bar)
+        run.trained += trained
+        record = _end_epoch(run, loss_sum, samples, trained, time.perf_counter() - t0)
+        bar.set_postfix(epoch=record["epoch"], loss=f"{record['train_loss']:.4f}", refresh=False)
+        if dist.get_rank() == 0:
             bar.write(
-                f"epoch {state.epoch}/{config.epochs}: train loss {record['train_loss']:.4f}, "
+                f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, "
                 f"test loss {record['test_loss']:.4f}, test accuracy {100 * record['test_accuracy']:.2f}%"
             )
     bar.close()
-    wall = time.perf_counter() - start
-    return _finish(state, config, evaluation, wall, trained, first_epoch, out_dir, world)
+    return _finish(run, time.perf_counter() - start, first_epoch)
 
 
-def _finish(state: TrainState, config: TrainConfig, evaluation: tuple[float, float, int], wall: float,
-            trained: int, first_epoch: int, out_dir: Path, world: int) -> dict[str, Any]:
+def _finish(run: _Run, wall: float, first_epoch: int) -> dict[str, Any]:
     """Final weights and ``summary.json``; every rank returns once they are on disk."""
-    save_weights(out_dir / "model.safetensors", state.model.state_dict())
-    test_loss, test_acc, n_test = evaluation
+    config, world = run.config, run.world
+    save_weights(run.out / "model.safetensors", run.state.model.state_dict())
+    if run.evaluation[2] == 0 and run.progress["history"]:
+        # A restart after the last epoch's checkpoint: nothing left to train.
+        last = run.progress["history"][-1]
+        run.evaluation = (last["test_loss"], last["test_accuracy"], len(run.test))
+    test_loss, test_acc, n_test = run.evaluation
     summary = {
         "test_accuracy": test_acc, "test_loss": test_loss, "test_samples": n_test,
         "epochs": config.epochs, "world_size": world,
         "global_batch_size": config.batch_size * world * config.grad_accum,
-        "lr": config.lr * world, "base_lr": config.lr, "wall_time_s": round(wall, 3),
-        "samples_per_s": round(trained / wall, 1) if wall > 0 else None,
+        "lr": run.lr, "base_lr": config.lr, "wall_time_s": round(wall, 3),
+        "samples_per_s": round(run.trained / wall, 1) if wall > 0 else None,
         "engine": config.engine, "model": config.model, "dataset": config.dataset,
         "amp": config.amp, "grad_accum": config.grad_accum, "resumed_from_epoch": first_epoch,
+        "steps": run.state.step,
     }
     if dist.get_rank() == 0:
-        rundir.write_json_atomic(out_dir / "summary.json", summary)
+        rundir.write_json_atomic(run.out / "summary.json", summary)
         print(
             f"test accuracy: {100 * test_acc:.2f}% on {n_test} images "
             f"(test loss {test_loss:.4f}), {config.epochs} epochs in {wall:.1f} s "
-            f"on {world} process(es); weights in {out_dir / 'model.safetensors'}",
+            f"on {world} process(es); weights in {run.out / 'model.safetensors'}",
             flush=True,
         )
     barrier()

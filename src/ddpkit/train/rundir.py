@@ -4,7 +4,7 @@ Layout of ``<output-dir>``::
 
     config.json               the run's TrainConfig (written when the run starts)
     metrics.jsonl             one JSON line per finished epoch
-    checkpoints/epoch-NNNN.safetensors   full training state after epoch NNNN
+    checkpoints/step-NNNNNNNN.safetensors   full training state after step N
     model.safetensors         final weights, plain module names
     summary.json              final figures
 
@@ -14,29 +14,46 @@ Rules that keep data safe:
   summary, weights or checkpoints): nothing already on disk is overwritten.
   A directory holding only a ``config.json`` (a run that died before its
   first checkpoint) or nothing at all may be used.
-* ``--resume`` continues from the newest checkpoint and refuses a run whose
-  settings differ (other than ``epochs``), a different world size, or a
-  corrupt checkpoint (naming the file; it is never deleted for you).
-* Without ``--output-dir``, a new ``runs/<dataset>-<model>[-N]`` is picked.
+* ``--resume`` continues from the newest *valid* checkpoint (a damaged newer
+  one is skipped with a warning and left on disk) and refuses a run whose
+  settings differ (other than ``epochs``) or a different world size.
+* A restarted attempt (``TORCHELASTIC_RESTART_COUNT`` > 0, or ``ddpkit train
+  --max-restarts``) resumes by itself: from the newest valid checkpoint of
+  its output directory, or from scratch in that directory when the first
+  attempt died before its first checkpoint. Without ``--output-dir`` the
+  directory is the newest unfinished ``runs/<dataset>-<model>[-N]`` with the
+  same settings.
+* Without ``--output-dir``, a fresh run picks a new ``runs/<dataset>-<model>[-N]``.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, write_atomic
+from ddpkit.train.checkpoint import write_atomic
+from ddpkit.train.state import checkpoint_files, newest_valid_checkpoint
 
-__all__ = ["claim", "latest_checkpoint", "write_json_atomic", "write_metrics", "CHECKPOINT_DIR"]
+__all__ = ["CHECKPOINT_DIR", "Claim", "claim", "write_json_atomic", "write_metrics"]
 
 CHECKPOINT_DIR = "checkpoints"
-_CKPT = re.compile(r"^epoch-(\d+)\.safetensors$")
 _SCRATCH = {"config.json", CHECKPOINT_DIR}
 # Fields that may change between a run and its resumption.
-_RESUMABLE_CHANGES = {"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download"}
+_RESUMABLE_CHANGES = {"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts"}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The output directory of a run, and the checkpoint it continues from (if any)."""
+
+    out: Path
+    checkpoint: Path | None = None
+    epoch: int = 0
+    step: int = 0
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -44,21 +61,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
-    """The newest ``(epoch, path)`` in ``out/checkpoints``, or None."""
-    found = []
-    folder = out / CHECKPOINT_DIR
-    if folder.is_dir():
-        for p in folder.iterdir():
-            m = _CKPT.match(p.name)
-            if m:
-                found.append((int(m.group(1)), p))
-    return max(found) if found else None
+def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """Rewrite ``metrics.jsonl`` from ``history``, one JSON line per epoch (durable, atomic)."""
+    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history).encode())
 
 
 def _holds_a_run(out: Path) -> bool:
     for entry in out.iterdir():
-        if entry.name == CHECKPOINT_DIR and entry.is_dir() and not any(entry.iterdir()):
+        if entry.name == CHECKPOINT_DIR and entry.is_dir() and not checkpoint_files(entry):
             continue
         if entry.name not in _SCRATCH:
             return True
@@ -79,8 +89,30 @@ def _fresh_default(base: Path) -> Path:
     raise ConfigError(f"no free output directory next to {base}: pass --output-dir")
 
 
-def claim(config: dict[str, Any], world_size: int) -> tuple[Path, dict[str, Any] | None]:
-    """Pick and check the output directory; on ``resume`` load the newest checkpoint.
+def _differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    return sorted(
+        k for k in set(saved) | set(config) if k not in _RESUMABLE_CHANGES and saved.get(k) != config.get(k)
+    )
+
+
+def _unfinished_default(config: dict[str, Any]) -> Path | None:
+    """The newest ``runs/<dataset>-<model>[-N]`` with these settings and no summary yet."""
+    base = Path("runs")
+    candidates = []
+    for d in base.glob(f"{config['dataset']}-{config['model']}*") if base.is_dir() else []:
+        cfg = d / "config.json"
+        if d.is_dir() and cfg.is_file() and not (d / "summary.json").exists():
+            try:
+                saved = json.loads(cfg.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if not _differences(saved, config):
+                candidates.append((cfg.stat().st_mtime, d))
+    return max(candidates)[1] if candidates else None
+
+
+def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> Claim:
+    """Pick and check the output directory, and the checkpoint to continue from.
 
     Called by one process only (the parent of the workers, or rank 0 under a
     launcher), before training starts.
@@ -88,76 +120,77 @@ def claim(config: dict[str, Any], world_size: int) -> tuple[Path, dict[str, Any]
     Args:
         config: The run's settings as plain data (``TrainConfig.to_dict()``).
         world_size: The number of training processes this run will have.
-
-    Returns:
-        The output directory (created, ``config.json`` written) and the
-        checkpoint state to resume from, or None for a fresh run.
+        restart: This is a restarted attempt: resume if there is anything to
+            resume, else start in the same directory.
 
     Raises:
-        ConfigError: the directory holds another run; nothing to resume; the
-            checkpoint is corrupt, from a different world size or settings.
+        ConfigError: the directory holds another run; nothing to resume;
+            every checkpoint is damaged; a checkpoint from a different world
+            size or settings.
     """
     given = config["output_dir"]
+    if given is None and restart:
+        found = _unfinished_default(config)
+        given = str(found) if found is not None else None
     if given is None:
         if config["resume"]:
             raise ConfigError("--resume needs --output-dir: the directory of the run to continue")
         out = _fresh_default(Path("runs") / f"{config['dataset']}-{config['model']}")
         write_json_atomic(out / "config.json", config)
-        return out, None
+        return Claim(out)
     out = Path(given)
-    if not config["resume"]:
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"--output-dir {str(out)!r} is a file: choose a directory")
-        if out.is_dir() and _holds_a_run(out):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {str(out)!r} is a file: choose a directory")
+    has_checkpoints = bool(checkpoint_files(out / CHECKPOINT_DIR))
+    if not config["resume"] and not (restart and has_checkpoints):
+        if out.is_dir() and _holds_a_run(out) and not restart:
             raise ConfigError(
                 f"--output-dir {str(out)!r} holds another run (metrics, checkpoints or weights): "
                 "choose a new --output-dir, or add --resume to continue that run"
             )
         out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / "config.json", config)
-        return out, None
-    return out, _load_resume_state(out, config, world_size)
+        if not (restart and (out / "config.json").is_file()):
+            write_json_atomic(out / "config.json", config)
+        return Claim(out)
+    return _resume_claim(out, config, world_size, finished_ok=restart)
 
 
-def _load_resume_state(out: Path, config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    latest = latest_checkpoint(out) if out.is_dir() else None
-    if latest is None:
+def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finished_ok: bool) -> Claim:
+    folder = out / CHECKPOINT_DIR
+    if not checkpoint_files(folder):
         raise ConfigError(
             f"--resume: {str(out)!r} has no checkpoint in {CHECKPOINT_DIR}/ to continue from: "
             "check --output-dir, or drop --resume to start a new run"
         )
-    epoch, path = latest
-    try:
-        state = load_checkpoint(path)
-    except CheckpointError as e:
+    with warnings.catch_warnings(record=True) as skipped:
+        warnings.simplefilter("always")
+        found = newest_valid_checkpoint(folder)
+    for w in skipped:
+        warnings.warn(str(w.message), UserWarning, stacklevel=3)
+    if found is None:
         raise ConfigError(
-            f"--resume: {e}. Move that file aside to resume from the checkpoint before it"
-        ) from e
-    saved = state.get("config", {})
-    differs = sorted(
-        k for k in set(saved) | set(config)
-        if k not in _RESUMABLE_CHANGES and saved.get(k) != config.get(k)
-    )
+            f"--resume: every checkpoint in {folder} is damaged ({'; '.join(str(w.message) for w in skipped)}): "
+            "move them aside to start again"
+        )
+    path, payload = found
+    extra = payload.get("extra", {})
+    differs = _differences(extra.get("config", {}), config)
     if differs:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in differs)
+        detail = ", ".join(f"{k}: {extra.get('config', {}).get(k)!r} -> {config.get(k)!r}" for k in differs)
         raise ConfigError(
             f"--resume: the run in {str(out)!r} was started with different settings ({detail}): "
             "resume with the original settings (only --epochs may change)"
         )
-    if state["world_size"] != world_size:
+    if extra.get("world_size") != world_size:
         raise ConfigError(
-            f"--resume: {path.name} was written by {state['world_size']} processes, this run has "
-            f"{world_size}: resume with --nproc-per-node {state['world_size']} (the data order, "
+            f"--resume: {path.name} was written by {extra.get('world_size')} processes, this run has "
+            f"{world_size}: resume with --nproc-per-node {extra.get('world_size')} (the data order, "
             "learning rate and per-rank RNG states depend on the world size)"
         )
-    if epoch >= config["epochs"]:
+    epoch = int(extra.get("epoch", 0))
+    if epoch >= config["epochs"] and not finished_ok:
         raise ConfigError(
             f"--resume: the run in {str(out)!r} has already finished {epoch} epochs: "
             f"pass --epochs greater than {epoch} to train further"
         )
-    return state
-
-
-def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
-    """Rewrite ``metrics.jsonl`` from ``history``, one JSON line per epoch (durable, atomic)."""
-    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history).encode())
+    return Claim(out, path, epoch, int(payload["step"]))

@@ -1,16 +1,37 @@
-"""``TrainState``: everything a training run needs to continue where it stopped.
+"""``TrainState``: save a run's whole state and restore it, for ``ddpkit train`` and your own loop.
 
-The model (plain, not wrapped), optimizer, grad scaler and sampler, plus the
-position (epoch, optimizer step), the per-epoch history and, when saved,
-every rank's RNG state. :meth:`TrainState.payload` turns it into one nested
-structure of tensors and plain data for :func:`ddpkit.save_checkpoint`;
-:meth:`TrainState.load` puts such a payload back, each rank taking its own
-RNG state, so a resumed run continues bit-identically.
+What is saved: the model (its plain state dict, no ``module.`` prefix),
+optimizer, grad scaler, sampler position (mid-epoch too), the step, your
+``extra`` data (tensors and plain data) and every rank's RNG states (CPU, and
+CUDA when in use), gathered so that each rank gets its own back.
+
+Where: one file per save, ``DIR/step-NNNNNNNN.safetensors``, written by rank 0
+atomically (temporary file, fsync, rename) with checksums of every tensor;
+all ranks return once it is on disk. The ``keep`` newest are kept; older ones
+are deleted after a successful save, so the newest valid checkpoint is never
+among them.
+
+Restoring picks the newest checkpoint that loads and verifies; a damaged one
+is skipped with a warning naming it. Rank 0 chooses and tells the others, so
+every rank restores the same file.
+
+Example (your own loop, restartable under ``ddpkit launch --max-restarts 3``)::
+
+    state = ddpkit.TrainState(model=model, optimizer=opt, sampler=sampler)
+    step = state.restore("ckpt")             # 0 when there is nothing to resume
+    while step < total_steps:
+        ...one training step...
+        step += 1
+        if step % 100 == 0:
+            state.save("ckpt", step)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import re
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,58 +39,177 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.data.sampler import DistributedSampler
-from ddpkit.train.checkpoint import load_model_state
+from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 
-__all__ = ["TrainState"]
+__all__ = ["TrainState", "checkpoint_files", "newest_valid_checkpoint"]
+
+_NAME = re.compile(r"^step-(\d+)\.safetensors$")
 
 
-@dataclass(kw_only=True)
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.safetensors"
+
+
+def checkpoint_files(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every checkpoint in ``directory``, oldest first."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def newest_valid_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies, and its contents; None when there is none.
+
+    Damaged ones newer than it are skipped with a ``UserWarning`` naming them
+    (they are left on disk for you to inspect).
+    """
+    for _, path in reversed(checkpoint_files(directory)):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as e:
+            warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
+    return None
+
+
 class TrainState:
-    """The live objects of a run and where it stands."""
+    """The objects a training run needs to continue exactly where it stopped.
 
-    model: nn.Module
-    """The plain module (its state dict has no ``module.`` prefix)."""
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    sampler: DistributedSampler
-    epoch: int = 0
-    """Epochs finished."""
-    step: int = 0
-    """Optimizer steps taken."""
-    history: list[dict[str, Any]] = field(default_factory=list)
-    """One record per finished epoch (what ``metrics.jsonl`` holds)."""
+    Args:
+        model: the model; a DDP/DataParallel wrapper is unwrapped for saving.
+        optimizer: its state (momentum, Adam moments, the step count).
+        sampler: a :class:`ddpkit.DistributedSampler`; its epoch and position.
+        scaler: a ``torch.amp.GradScaler``.
+        extra: your own data (epoch, metrics, ...): tensors and plain data.
+            :meth:`restore` replaces it with the saved one.
+        keep: how many checkpoints to keep in the directory (default 3).
 
-    def payload(self, device: torch.device, **extra: Any) -> dict[str, Any]:
-        """The checkpoint contents; a collective (it gathers every rank's RNG state)."""
-        return {
-            "epoch": self.epoch, "step": self.step, "history": self.history,
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
-            "rng": _gather_rng_states(device), **extra,
-        }
+    Warning:
+        :meth:`save` and :meth:`restore` are collectives: every rank calls them.
+    """
 
-    def load(self, payload: dict[str, Any], rank: int, device: torch.device) -> None:
-        """Restore from :meth:`payload`'s output; this rank takes its own RNG state."""
-        load_model_state(self.model, payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.scaler.load_state_dict(payload["scaler"])
-        self.sampler.load_state_dict(payload["sampler"])
-        self.epoch, self.step, self.history = payload["epoch"], payload["step"], list(payload["history"])
-        torch.set_rng_state(payload["rng"]["torch"][rank].clone())
-        if "cuda" in payload["rng"]:
-            torch.cuda.set_rng_state(payload["rng"]["cuda"][rank].clone(), device)
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        sampler: DistributedSampler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        extra: dict[str, Any] | None = None,
+        keep: int = 3,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep} must be at least 1: the newest checkpoint is always kept")
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.scaler = scaler
+        self.extra: dict[str, Any] = dict(extra or {})
+        self.keep = keep
+        self.step = 0
+        """The step of the last save or restore."""
+
+    # -- contents ---------------------------------------------------------------
+
+    def _plain_model(self) -> nn.Module:
+        model = self.model
+        while hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        return getattr(model, "_orig_mod", model)
+
+    def payload(self, step: int, *, sampler_consumed: int | None = None) -> dict[str, Any]:
+        """The checkpoint contents at ``step``; a collective (every rank's RNG state is gathered)."""
+        out: dict[str, Any] = {"step": int(step), "extra": self.extra,
+                               "model": self._plain_model().state_dict(), "rng": _gather_rng_states()}
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.state_dict()
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        if self.sampler is not None:
+            out["sampler"] = self.sampler.state_dict(consumed=sampler_consumed)
+        return out
+
+    def load(self, payload: dict[str, Any]) -> int:
+        """Put a :meth:`payload` back (this rank takes its own RNG state); return its step."""
+        load_model_state(self._plain_model(), payload["model"])
+        for name in ("optimizer", "scaler", "sampler"):
+            target = getattr(self, name)
+            if target is None:
+                continue
+            if name not in payload:
+                raise CheckpointError(f"the checkpoint holds no {name} state, but this TrainState has one")
+            target.load_state_dict(payload[name])
+        self.extra = dict(payload.get("extra", {}))
+        _set_rng_states(payload["rng"])
+        self.step = int(payload["step"])
+        return self.step
+
+    # -- files ------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike, step: int | None = None, *,
+             sampler_consumed: int | None = None) -> Path:
+        """Save to ``directory/step-NNNNNNNN.safetensors`` (rank 0 writes; all return once on disk).
+
+        Args:
+            directory: the checkpoint folder (created if needed).
+            step: the step to record (default: :attr:`step`); :meth:`restore`
+                returns it.
+            sampler_consumed: samples of the current epoch this rank has used,
+                when a ``DataLoader`` prefetches ahead of the loop (see
+                :meth:`ddpkit.DistributedSampler.state_dict`).
+
+        Returns:
+            The file written.
+        """
+        step = self.step if step is None else int(step)
+        path = Path(directory) / checkpoint_name(step)
+        save_checkpoint(path, self.payload(step, sampler_consumed=sampler_consumed))
+        self.step = step
+        if _is_writer():
+            for _, old in checkpoint_files(directory)[: -self.keep]:
+                old.unlink(missing_ok=True)
+        return path
+
+    def restore(self, directory: str | os.PathLike) -> int:
+        """Restore the newest valid checkpoint in ``directory``; return its step (0: none found)."""
+        found = newest_valid_checkpoint(directory) if _is_writer() else None
+        chosen = [str(found[0]) if found else None]
+        if _grouped():
+            # Rank 0 chooses, so every rank restores the same file even if
+            # one was damaged between two ranks' reads.
+            dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is None:
+            return 0
+        payload = found[1] if found is not None else load_checkpoint(chosen[0])
+        return self.load(payload)
 
 
-def _gather_rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _is_writer() -> bool:
+    return not _grouped() or dist.get_rank() == 0
+
+
+def _rank() -> int:
+    return dist.get_rank() if _grouped() else 0
+
+
+def _gather_rng_states() -> dict[str, torch.Tensor]:
     """Every rank's RNG states, stacked by rank (a collective)."""
     states = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    if not _grouped():
+        return {name: s.unsqueeze(0) for name, s in states.items()}
     out = {}
     for name, s in states.items():
         parts = [torch.empty_like(s) for _ in range(dist.get_world_size())]
         if dist.get_backend() == "nccl":
             # NCCL moves device tensors only.
+            device = torch.device("cuda", torch.cuda.current_device())
             gathered = [p.to(device) for p in parts]
             dist.all_gather(gathered, s.to(device))
             parts = [g.cpu() for g in gathered]
@@ -77,3 +217,16 @@ def _gather_rng_states(device: torch.device) -> dict[str, torch.Tensor]:
             dist.all_gather(parts, s)
         out[name] = torch.stack(parts)
     return out
+
+
+def _set_rng_states(rng: dict[str, torch.Tensor]) -> None:
+    rank = _rank()
+    states = rng["torch"]
+    if rank >= len(states):
+        raise CheckpointError(
+            f"the checkpoint holds RNG states of {len(states)} ranks, this is rank {rank}: "
+            "restore with the world size that saved it"
+        )
+    torch.set_rng_state(states[rank].clone())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"][rank].clone())
