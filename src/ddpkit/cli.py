@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -143,6 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ddpkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        # ddpkit.spawn's Interrupted says which signal; a plain Ctrl-C is SIGINT.
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"ddpkit {args.command}: received {signal.Signals(signum).name}: stopped all workers",
+              file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

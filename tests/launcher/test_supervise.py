@@ -16,8 +16,8 @@ import pytest
 from procs import SCRIPTS, base_env, launch, script
 
 from ddpkit.launcher import LaunchConfig, plan_workers
-from ddpkit.launcher.supervise import WorkerGroup, _Interrupted, _Pump, _Signals, extract_traceback
-from ddpkit.runtime.process import free_port
+from ddpkit.launcher.supervise import WorkerGroup, _Pump, extract_traceback
+from ddpkit.runtime.process import Interrupted, SignalCatcher, free_port
 
 
 def _alive(pid: int) -> bool:
@@ -221,7 +221,7 @@ def test_a_signal_while_workers_start_still_stops_every_started_worker(monkeypat
     # finish its bookkeeping, start no more, and tear down the one it started.
     cfg = LaunchConfig(program=script("sleeper.py"), nproc_per_node=3, standalone=True)
     specs = plan_workers(cfg, master_port=free_port(), restart_count=0, base_env=base_env())
-    signals = _Signals()
+    signals = SignalCatcher()
     previous = signal.signal(signal.SIGTERM, signals)
     group = WorkerGroup(cfg, attempt=0)
     real_start_one = group._start_one
@@ -232,7 +232,7 @@ def test_a_signal_while_workers_start_still_stops_every_started_worker(monkeypat
 
     monkeypatch.setattr(group, "_start_one", start_one_then_signal)
     try:
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             group.start(specs, signals)
         assert len(group.procs) == 1
         group.stop(signal.SIGTERM)

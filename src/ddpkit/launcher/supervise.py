@@ -33,7 +33,7 @@ from typing import BinaryIO
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
 from ddpkit.runtime.options import ConfigError
-from ddpkit.runtime.process import describe_exit, free_port, terminate
+from ddpkit.runtime.process import Interrupted, SignalCatcher, describe_exit, free_port, terminate
 
 _POLL_S = 0.05
 _TAIL_LINES = 400
@@ -114,33 +114,6 @@ class Failure:
         return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-class _Signals:
-    """SIGINT/SIGTERM to the launcher, held back while a worker is being started.
-
-    A signal that lands between ``fork`` and the bookkeeping of a new worker
-    would otherwise leave that worker out of the teardown; instead it is
-    noted and raised once every started worker is on the books.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.deferring = False
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.received = signum
-        if not self.deferring:
-            raise _Interrupted(signum)
-
-    def raise_pending(self) -> None:
-        if self.received is not None:
-            raise _Interrupted(self.received)
-
-
 class WorkerGroup:
     """The running workers of one attempt.
 
@@ -159,19 +132,15 @@ class WorkerGroup:
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self.log_dir = cfg.log_dir / f"attempt_{attempt}" if cfg.log_dir else None
 
-    def start(self, specs: list[WorkerSpec], signals: _Signals) -> None:
+    def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start ``specs``; a launcher signal meanwhile stops the loop, then is raised."""
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-        signals.deferring = True
-        try:
+        with signals.deferred():
             for spec in specs:
                 if signals.received is not None:
                     break
                 self._start_one(spec)
-        finally:
-            signals.deferring = False
-        signals.raise_pending()
 
     def _start_one(self, spec: WorkerSpec) -> None:
         log = open(self.log_dir / f"rank{spec.rank}.log", "ab") if self.log_dir else None  # noqa: SIM115
@@ -271,8 +240,12 @@ def run(cfg: LaunchConfig) -> int:
     if int(cfg.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
         say(f"setting OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers so they do not "
             "oversubscribe the CPU; set it yourself to tune")
-    signals = _Signals()
-    previous = {s: signal.signal(s, signals) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = SignalCatcher()
+    with signals.installed():
+        return _attempts(cfg, port, signals)
+
+
+def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher) -> int:
     group: WorkerGroup | None = None
     try:
         for attempt in range(cfg.max_restarts + 1):
@@ -289,12 +262,10 @@ def run(cfg: LaunchConfig) -> int:
             if attempt < cfg.max_restarts:
                 say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})")
         return 1
-    except _Interrupted as e:
+    except Interrupted as e:
         name = signal.Signals(e.signum).name
         say(f"received {name}: stopping all workers")
+        signals.deferring = True  # a second Ctrl-C must not cut the teardown short
         if group is not None:
             group.stop(first_signal=e.signum)
         return 128 + e.signum
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -9,15 +9,19 @@
   children (DataLoader workers, a shell's children) go with it.
 * :func:`describe_exit`: an exit status in words.
 * :func:`free_port`.
+* :class:`SignalCatcher`: SIGINT/SIGTERM become :class:`Interrupted`, held
+  back while workers are being started so that none escapes the teardown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ddpkit.runtime.discovery import LOOPBACK
@@ -131,3 +135,63 @@ def terminate(processes: Sequence[Any], grace_s: float = GRACE_S, first_signal: 
     signal_groups(processes, signal.SIGKILL)
     for proc in processes:
         _reap(proc)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while workers ran; they have been stopped.
+
+    A ``KeyboardInterrupt``, so code that handles Ctrl-C handles it too;
+    ``signum`` says which signal (a command exits ``128 + signum``).
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}")
+
+
+class SignalCatcher:
+    """SIGINT/SIGTERM raise :class:`Interrupted` in the main thread, except while deferred.
+
+    A signal that lands while a worker is being started is only noted, and
+    raised by :meth:`raise_pending` once every started worker is on the books:
+    raised in the middle of ``fork``, it would leave that worker out of the
+    teardown.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.deferring = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = signum
+        if not self.deferring:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[SignalCatcher]:
+        """Handle the signals inside the block (only possible in the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold signals back inside the block; raise the one that came, after it."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        self.raise_pending()
+
+    def raise_pending(self) -> None:
+        if self.received is not None:
+            raise Interrupted(self.received)

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -23,7 +24,15 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ddpkit.runtime.process import GRACE_S, describe_exit, free_port, terminate, worker_env
+from ddpkit.runtime.process import (
+    GRACE_S,
+    Interrupted,
+    SignalCatcher,
+    describe_exit,
+    free_port,
+    terminate,
+    worker_env,
+)
 
 
 class WorkerError(RuntimeError):
@@ -92,6 +101,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         ValueError: ``nprocs`` is smaller than 1.
         WorkerError: a child raised or died; the first failure, with its rank
             and traceback. The other children are terminated.
+        ddpkit.runtime.process.Interrupted: SIGINT or SIGTERM reached this
+            process (main thread): every child and its children were stopped
+            (the same signal, SIGKILL after 5 s). A ``KeyboardInterrupt``.
 
     Example::
 
@@ -105,21 +117,34 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs, conns = [], {}
-    for rank in range(nprocs):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend), child_conn),
-            name=f"ddpkit-rank{rank}",
-        )
-        proc.start()
-        child_conn.close()
-        procs.append(proc)
-        conns[proc.sentinel] = (rank, parent_conn)
-    try:
-        _watch(procs, conns)
-    finally:
-        terminate(procs, GRACE_S)
+    procs: list[mp.process.BaseProcess] = []
+    conns: dict[int, tuple[int, Connection]] = {}
+    signals = SignalCatcher()
+    with signals.installed():
+        first_signal = signal.SIGTERM
+        try:
+            with signals.deferred():
+                for rank in range(nprocs):
+                    if signals.received is not None:
+                        break
+                    parent_conn, child_conn = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(
+                        target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend), child_conn),
+                        name=f"ddpkit-rank{rank}",
+                    )
+                    proc.start()
+                    child_conn.close()
+                    procs.append(proc)
+                    conns[proc.sentinel] = (rank, parent_conn)
+            _watch(procs, conns)
+        except Interrupted as e:
+            first_signal = e.signum
+            raise
+        finally:
+            # On success the children have exited already; on a failure or a
+            # signal every other child and its own children are stopped here.
+            signals.deferring = True
+            terminate(procs, GRACE_S, first_signal)
 
 
 def _env(rank: int, nprocs: int, port: int, backend: str | None) -> dict[str, str]:
