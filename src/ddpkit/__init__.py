@@ -30,6 +30,7 @@ _EXPORTS = {
     "DistributedDataParallel": "ddpkit.parallel.ddp",
     "unwrap": "ddpkit.parallel.ddp",
     "UnusedParametersError": "ddpkit.parallel.reducer",
+    "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
     "CheckpointError": "ddpkit.train.checkpoint",
@@ -78,3 +79,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     )
     from ddpkit.runtime.spawn import WorkerError, spawn
     from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from ddpkit.train.state import TrainState

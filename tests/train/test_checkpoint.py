@@ -178,3 +178,30 @@ def test_a_newer_format_is_refused(tmp_path: Path) -> None:
     save_file({"0:w": torch.ones(1)}, path, metadata={"ddpkit": '{"format": 99, "state": {}}'})
     with pytest.raises(CheckpointError, match="format 99, newer than this ddpkit reads"):
         ddpkit.load_checkpoint(path)
+
+
+def test_a_save_killed_midway_leaves_the_old_file_and_its_temporary_goes_at_the_next_save(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ckpt.safetensors"
+    ddpkit.save_checkpoint(path, {"w": torch.ones(3), "step": 1})
+    # A process saving ~400 MB over the same path, killed once its temporary exists.
+    code = (
+        "import sys, torch, ddpkit\n"
+        "ddpkit.save_checkpoint(sys.argv[1], {'w': torch.zeros(100_000_000), 'step': 2})\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".ckpt.safetensors.tmp-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the save never started"
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(tmp_path.glob(".ckpt.safetensors.tmp-*")), "the killed save left no temporary"
+    assert ddpkit.load_checkpoint(path)["step"] == 1  # the old file is whole; loading also clears the stale temporary
+    assert not list(tmp_path.glob(".ckpt.safetensors.tmp-*"))
+    ddpkit.save_checkpoint(path, {"w": torch.ones(3), "step": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
