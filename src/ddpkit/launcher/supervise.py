@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ddpkit.launcher.config import LaunchConfig
@@ -109,6 +109,8 @@ class Failure:
     local_rank: int
     exitcode: int
     traceback: str
+    last_lines: list[str] = field(default_factory=list)
+    """The end of its stderr, shown when there is no traceback (a usage error, a C++ abort)."""
 
     def describe(self) -> str:
         return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
@@ -177,7 +179,8 @@ class WorkerGroup:
                 spec = self.specs[index]
                 self.stop()
                 return Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
-                               traceback=extract_traceback(list(self.tails[spec.rank])))
+                               traceback=extract_traceback(list(self.tails[spec.rank])),
+                               last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
         return None
 
     def stop(self, first_signal: int = signal.SIGTERM) -> None:
@@ -222,7 +225,10 @@ def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
 def report(failure: Failure) -> None:
     """Print the root cause of a failed attempt."""
     rule = "-" * 72
-    body = failure.traceback or "(no Python traceback on its stderr)"
+    body = failure.traceback or "\n".join(
+        ["(no Python traceback on its stderr; its last lines:)", *failure.last_lines]
+        if failure.last_lines else ["(no Python traceback and nothing on its stderr)"]
+    )
     say(f"{failure.describe()}\n{rule}\nRoot cause: rank {failure.rank}\n{body}\n{rule}")
 
 
