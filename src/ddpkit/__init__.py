@@ -25,6 +25,11 @@ _EXPORTS = {
     "world_size": "ddpkit.runtime.group",
     "zero_first": "ddpkit.runtime.group",
     "WorkerError": "ddpkit.runtime.spawn",
+    "all_gather_object": "ddpkit.runtime.objects",
+    "broadcast_object": "ddpkit.runtime.objects",
+    "gather": "ddpkit.runtime.objects",
+    "gather_for_metrics": "ddpkit.runtime.objects",
+    "reduce_value": "ddpkit.runtime.objects",
     "spawn": "ddpkit.runtime.spawn",
     "DDP": "ddpkit.parallel.ddp",
     "DistributedDataParallel": "ddpkit.parallel.ddp",
@@ -43,7 +48,18 @@ _SUBMODULES = {"hooks"}
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ddpkit")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        return _version()
     if name in _SUBMODULES:
         value: Any = importlib.import_module(f"ddpkit.{name}")
     elif name in _EXPORTS:
@@ -55,7 +71,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    # The public API only, not this module's own imports.
+    return sorted([*__all__, "__version__"])
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
@@ -77,6 +94,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
         world_size,
         zero_first,
     )
+    from ddpkit.runtime.objects import all_gather_object, broadcast_object, gather, gather_for_metrics, reduce_value
     from ddpkit.runtime.spawn import WorkerError, spawn
     from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from ddpkit.train.state import TrainState

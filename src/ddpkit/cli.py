@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpkit", description="Data-parallel training for PyTorch.", allow_abbrev=False
     )
+    from ddpkit import __version__
+
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, short, description, config, handler in _subcommands():
         p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)

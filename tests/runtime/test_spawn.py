@@ -63,3 +63,17 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal():
     with pytest.raises(ddpkit.WorkerError, match="rank 0 failed: process killed by signal SIGSEGV") as info:
         ddpkit.spawn(_segfault_on_rank_zero, 2)
     assert info.value.exitcode == -signal.SIGSEGV
+
+
+def _threads(rank: int, out: str) -> None:
+    import torch
+
+    Path(out, f"{rank}.threads").write_text(str(torch.get_num_threads()))
+
+
+def test_spawn_gives_each_worker_one_thread_unless_the_user_chose(tmp_path, monkeypatch):
+    # torch is imported in the child before spawn sets OMP_NUM_THREADS (it comes
+    # with this test module), so the thread count must be set by hand.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    ddpkit.spawn(_threads, 2, args=(str(tmp_path),))
+    assert sorted(p.read_text() for p in tmp_path.glob("*.threads")) == ["1", "1"]

@@ -29,3 +29,16 @@ def test_building_the_cli_does_not_import_torch():
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+def test_backend_is_checked_before_any_worker_starts(capsys) -> None:
+    import torch
+
+    from ddpkit.cli import main
+    from ddpkit.runtime.options import ConfigError
+
+    with pytest.raises(ConfigError, match="--backend 'ucc' is not a backend"):
+        TrainConfig(backend="ucc")
+    if not torch.distributed.is_mpi_available():
+        assert main(["train", "--backend", "mpi"]) == 2
+        assert "needs a torch built with MPI" in capsys.readouterr().err

@@ -243,3 +243,9 @@ def test_resume_mid_epoch_and_past_a_damaged_checkpoint_is_bit_identical(dist2, 
 
     # The epoch's loss is exact too: each rank's partial sums were saved.
     assert untimed(cut / "metrics.jsonl") == untimed(whole / "metrics.jsonl")
+
+
+def test_synthetic_data_is_learnable(dist2, tmp_path: Path) -> None:
+    # Ten classes: chance is 10 %. Two small epochs of the ConvNet must be far above it.
+    summary = _train(dist2, TrainConfig(**dict(SMALL, synthetic_samples=512), epochs=2, output_dir=tmp_path / "r"))
+    assert summary["test_accuracy"] > 0.6, summary

@@ -283,16 +283,21 @@ def load_digits(image_size: int = 28) -> Splits:
 def load_synthetic(
     samples: int = 2048, shape: Sequence[int] = (1, 28, 28), num_classes: int = 10, seed: int = 0
 ) -> Splits:
-    """Random images and learnable labels: ``samples`` for training and ``samples // 4`` for test."""
+    """Noisy images of ``num_classes`` random patterns: ``samples`` for training, ``samples // 4`` for test.
+
+    Each class has a fixed random pattern; an image is its class's pattern
+    plus unit Gaussian noise of the same scale, so a ConvNet learns it within
+    an epoch or two while a single step does not.
+    """
     if samples < 1:
         raise DatasetError(f"synthetic samples={samples} must be at least 1")
     if len(shape) != 3 or min(shape) < 1 or shape[1] != shape[2]:
         raise DatasetError(f"synthetic shape={tuple(shape)} must be (C, S, S) with positive sizes")
     g = torch.Generator().manual_seed(seed)
     n_test = max(1, samples // 4)
-    x = torch.randn(samples + n_test, *shape, generator=g)
-    proj = torch.randn(math.prod(shape), num_classes, generator=g)
-    y = (x.flatten(1) @ proj).argmax(1)
+    patterns = torch.randn(num_classes, *shape, generator=g)
+    y = torch.randint(0, num_classes, (samples + n_test,), generator=g)
+    x = patterns[y] + torch.randn(samples + n_test, *shape, generator=g)
     return Splits(
         TensorDataset(x[:samples], y[:samples], num_classes),
         TensorDataset(x[samples:], y[samples:], num_classes),

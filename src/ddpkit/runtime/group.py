@@ -96,6 +96,11 @@ def _choose_backend(backend: str | None) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"backend {backend!r} is not one of gloo, nccl, mpi")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ValueError(
+            "backend 'mpi' needs a torch built with MPI, and this one has none (the pip builds do not): "
+            "use backend 'gloo', which also runs under mpirun"
+        )
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which is not available here: use backend='gloo'")
     return backend

@@ -66,6 +66,12 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     os.setpgid(0, 0)
     os.environ.clear()
     os.environ.update(env)
+    if "torch" in sys.modules and "OMP_NUM_THREADS" in env:
+        # torch came in with fn's module, before this environment was set, so
+        # it sized its thread pool for the whole machine: several ranks would
+        # each use every core. The launcher's rule (one thread per worker
+        # unless the user chose) has to be applied by hand here.
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         fn(rank, *args)
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero

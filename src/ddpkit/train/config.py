@@ -78,6 +78,7 @@ class TrainConfig:
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be 0 (epoch ends only) or more")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1 (the newest is always kept)")
         need(self.max_restarts >= 0, "max_restarts", "must be 0 or more")
+        need(self.backend in (None, "gloo", "nccl", "mpi"), "backend", "is not a backend: choose gloo, nccl or mpi")
         need(self.synthetic_samples >= 1, "synthetic_samples", "must be at least 1")
         need(self.nproc_per_node is None or self.nproc_per_node >= 1, "nproc_per_node", "must be at least 1")
         need(

@@ -74,6 +74,14 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """
     if config.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
+    backend = config.backend or os.environ.get("DDPKIT_BACKEND")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ConfigError(
+            "--backend mpi (or DDPKIT_BACKEND=mpi) needs a torch built with MPI, and this one has none "
+            "(the pip builds do not): use --backend gloo, which also runs under mpirun"
+        )
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--backend nccl needs CUDA, which is not available here: use --backend gloo")
     place = discover(os.environ)
     if place.scheme != "single":
         # Inside a launcher: this process is one rank of the job, and the
@@ -382,6 +390,12 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
     return _finish(run, time.perf_counter() - start, first_epoch)
 
 
+def _epochs_ran(epochs: int, first_epoch: int) -> str:
+    ran = epochs - first_epoch
+    text = f"{ran} epoch{'s' if ran != 1 else ''}"
+    return text if not first_epoch else f"{text} (epochs {first_epoch + 1}-{epochs}, resumed)"
+
+
 def _finish(run: _Run, wall: float, first_epoch: int) -> dict[str, Any]:
     """Final weights and ``summary.json``; every rank returns once they are on disk."""
     config, world = run.config, run.world
@@ -405,7 +419,7 @@ def _finish(run: _Run, wall: float, first_epoch: int) -> dict[str, Any]:
         rundir.write_json_atomic(run.out / "summary.json", summary)
         print(
             f"test accuracy: {100 * test_acc:.2f}% on {n_test} images "
-            f"(test loss {test_loss:.4f}), {config.epochs} epochs in {wall:.1f} s "
+            f"(test loss {test_loss:.4f}), {_epochs_ran(config.epochs, first_epoch)} in {wall:.1f} s "
             f"on {world} process(es); weights in {run.out / 'model.safetensors'}",
             flush=True,
         )

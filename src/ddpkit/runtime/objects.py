@@ -1,0 +1,193 @@
+"""Collect and share values across ranks for your own loop: objects, tensors, metrics, scalars.
+
+Every function here is a collective: every rank of the group calls it, in the
+same order. In a world of one (or before any process group exists) each
+returns what a world of one would: the value itself, or a list of it.
+
+Example, exact evaluation over a sharded test set::
+
+    sampler = ddpkit.DistributedSampler(test_set, shuffle=False)
+    preds = torch.cat([model(x).argmax(1) for x, _ in DataLoader(test_set, sampler=sampler, batch_size=64)])
+    preds = ddpkit.gather_for_metrics(preds, sampler=sampler)   # len(test_set) rows, in dataset order
+    ddpkit.print0("mean loss", ddpkit.reduce_value(loss.item()))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_object", "broadcast_object", "gather", "gather_for_metrics", "reduce_value"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL moves device tensors only; gloo and mpi take CPU tensors.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (anything picklable), as a list indexed by rank.
+
+    Warning:
+        Objects travel pickled: only gather from ranks you trust.
+    """
+    world = _world(group)
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any = None, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored)."""
+    if _world(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _map(fn: Any, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return type(value)((k, _map(fn, v)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map(fn, v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, v) for v in value)
+    raise TypeError(
+        f"cannot gather a {type(value).__name__}: pass tensors, or dicts/lists/tuples of them "
+        "(use all_gather_object for other objects)"
+    )
+
+
+def _gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Each rank's ``t``; the first dimension may differ between ranks, nothing else."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.dim() > 6 or t.dtype not in _DTYPES:
+        raise ValueError(f"gather: a {t.dim()}-dimensional {t.dtype} tensor is not supported (at most 6 "
+                         "dimensions, a standard dtype)")
+    world = _world(group)
+    device = _comm_device(group)
+    # One small all-gather of (rows, dims, trailing shape, dtype) first: the
+    # rows may differ between ranks, everything else must not.
+    mine = torch.tensor([t.shape[0], t.dim(), *t.shape[1:], _DTYPES.index(t.dtype)], dtype=torch.int64)
+    row = torch.zeros(8, dtype=torch.int64)
+    row[: len(mine)] = mine
+    rows = [torch.zeros(8, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(rows, row.to(device), group=group)
+    meta = torch.stack([r.cpu() for r in rows])
+    for r in range(world):
+        if meta[r, 1:].tolist() != row[1:].tolist():
+            raise ValueError(
+                f"gather: rank {r} has a tensor of other rank, trailing shape or dtype than this rank's "
+                f"{tuple(t.shape)} {t.dtype}: only the first dimension may differ between ranks"
+            )
+    lengths = meta[:, 0].tolist()
+    longest = max(lengths)
+    padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype, device=device)
+    padded[: t.shape[0]] = t.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:n].to(t.device) for p, n in zip(parts, lengths)]
+
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+
+
+def gather(value: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Every rank's tensors concatenated along the first dimension, rank 0's first.
+
+    ``value`` is a tensor or a dict/list/tuple of tensors (the same structure
+    on every rank); ranks may hold different numbers of rows (the last batch
+    of an epoch). A 0-dimensional tensor counts as one row.
+
+    Raises:
+        ValueError: ranks' tensors differ in anything but the first dimension.
+        TypeError: ``value`` holds something that is not a tensor.
+    """
+    if _world(group) == 1:
+        return _map(lambda t: t.reshape(1) if t.dim() == 0 else t, value)
+    return _map(lambda t: torch.cat(_gather_parts(t, group)), value)
+
+
+def gather_for_metrics(value: Any, sampler: Any = None, group: dist.ProcessGroup | None = None) -> Any:
+    """:func:`gather`, then drop the samples the sampler added to even out the shards.
+
+    With ``sampler`` (a :class:`ddpkit.DistributedSampler` or torch's, over
+    the whole epoch) the rows come back in the sampler's order over the
+    dataset, each sample exactly once: ``len(dataset)`` rows (fewer with
+    ``drop_last``). Without it, this is :func:`gather`.
+
+    Raises:
+        ValueError: a rank's row count does not match its shard of the sampler
+            (the epoch was not run to its end).
+    """
+    if sampler is None:
+        return gather(value, group)
+    world = _world(group)
+    n = len(sampler.dataset)
+    drop_last = getattr(sampler, "drop_last", False)
+    padded = getattr(sampler, "pad", True)
+
+    def order(t: torch.Tensor) -> torch.Tensor:
+        parts = _gather_parts(t, group) if world > 1 else [t.reshape(1) if t.dim() == 0 else t]
+        shard = [len(range(r, n, world)) for r in range(world)] if not padded else [sampler.num_samples] * world
+        got = [len(p) for p in parts]
+        if got != shard:
+            raise ValueError(
+                f"gather_for_metrics: the ranks hold {got} rows, their shards of the sampler have {shard}: "
+                "run the whole epoch before gathering (or call gather() for partial results)"
+            )
+        # Rank r's i-th row is position i * world + r of the epoch's order.
+        rows = torch.stack([p[: min(got)] for p in parts], dim=1).reshape(-1, *t.shape[1:]) if parts else t
+        extra = [p[min(got):] for p in parts if len(p) > min(got)]
+        merged = torch.cat([rows, *extra]) if extra else rows
+        keep = merged.shape[0] if drop_last else min(n, merged.shape[0])
+        return merged[:keep]
+
+    return _map(order, value)
+
+
+def reduce_value(value: float | int | torch.Tensor, op: str = "mean", group: dist.ProcessGroup | None = None) -> Any:
+    """A scalar (or tensor) reduced over the ranks, for logging: ``op`` in mean, sum, min, max.
+
+    Reduced in float64; a Python number comes back as a ``float``, a tensor as
+    a tensor of its own dtype and device.
+
+    Raises:
+        ValueError: ``op`` is not one of mean, sum, min, max.
+    """
+    if op not in _OPS:
+        raise ValueError(f"reduce_value(op={op!r}): choose one of {', '.join(_OPS)}")
+    is_tensor = isinstance(value, torch.Tensor)
+    t = value.detach().to(torch.float64) if is_tensor else torch.tensor(float(value), dtype=torch.float64)
+    world = _world(group)
+    if world > 1:
+        device = _comm_device(group)
+        t = t.to(device).clone()
+        dist.all_reduce(t, op=_OPS[op], group=group)
+        if op == "mean":
+            t /= world
+    if is_tensor:
+        return t.to(dtype=value.dtype, device=value.device)
+    return t.item()

@@ -1,0 +1,83 @@
+"""runtime.objects: gather, gather_for_metrics, reduce_value, object helpers at world sizes 1, 2 and 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
+import ddpkit
+
+
+def _helpers(n: int, shuffle: bool, pad: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = ddpkit.DistributedSampler(range(n), shuffle=shuffle, seed=5, pad=pad)
+    idx = torch.tensor(list(sampler))
+    # "Predictions": the sample's own index, twice, and a label per row.
+    out = {"idx": idx, "pair": torch.stack([idx, 2 * idx], 1).float()}
+    ragged = torch.arange(rank + 1)  # rank r holds r + 1 rows
+    return {
+        "metrics": ddpkit.gather_for_metrics(out, sampler=sampler),
+        "order": list(ddpkit.DistributedSampler(range(n), shuffle=shuffle, seed=5, num_replicas=1, rank=0)),
+        "gather": ddpkit.gather([ragged, torch.tensor(float(rank))]),
+        "objects": ddpkit.all_gather_object({"rank": rank}),
+        "broadcast": ddpkit.broadcast_object(f"from {rank}", src=world - 1),
+        "mean": ddpkit.reduce_value(rank + 1),
+        "max": ddpkit.reduce_value(torch.tensor([rank], dtype=torch.int32), op="max"),
+        "world": world,
+    }
+
+
+def _check(results: list[dict], n: int) -> None:
+    world = results[0]["world"]
+    for r in results:
+        # Every sample once, in the epoch's order (the sampler's order over the
+        # whole dataset, which is that of a one-rank sampler).
+        assert r["metrics"]["idx"].tolist() == r["order"][:n], r["metrics"]["idx"].tolist()
+        assert torch.equal(r["metrics"]["pair"][:, 1], 2 * r["metrics"]["pair"][:, 0])
+        assert r["gather"][0].tolist() == [i for k in range(world) for i in range(k + 1)]
+        assert r["gather"][1].tolist() == [float(k) for k in range(world)]
+        assert r["objects"] == [{"rank": k} for k in range(world)]
+        assert r["broadcast"] == f"from {world - 1}"
+        assert r["mean"] == pytest.approx((world + 1) / 2)
+        assert r["max"].dtype == torch.int32 and r["max"].tolist() == [world - 1]
+
+
+@pytest.mark.parametrize("n, shuffle, pad", [(10, True, True), (11, False, False), (7, True, True)])
+def test_helpers_on_three_ranks(dist3, n, shuffle, pad) -> None:
+    _check(dist3.run(_helpers, n, shuffle, pad), n)
+
+
+def test_helpers_on_two_ranks(dist2) -> None:
+    _check(dist2.run(_helpers, 9, True, True), 9)
+
+
+def test_helpers_in_a_world_of_one() -> None:
+    ddpkit.init()
+    _check([_helpers(5, True, True)], 5)
+
+
+def _torch_sampler_and_errors() -> tuple:
+    sampler = TorchSampler(range(5), shuffle=False)
+    mine = torch.tensor(list(sampler))
+    got = ddpkit.gather_for_metrics(mine, sampler=sampler).tolist()
+    errors = []
+    for bad in (
+        lambda: ddpkit.gather_for_metrics(mine[:1], sampler=sampler),
+        lambda: ddpkit.gather(torch.zeros(2, dist.get_rank() + 1)),
+        lambda: ddpkit.reduce_value(1.0, op="median"),
+    ):
+        try:
+            bad()
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    return got, errors
+
+
+def test_torch_samplers_and_bad_input(dist2) -> None:
+    for got, errors in dist2.run(_torch_sampler_and_errors):
+        assert got == [0, 1, 2, 3, 4]
+        assert "run the whole epoch before gathering" in errors[0]
+        assert "only the first dimension may differ" in errors[1]
+        assert "choose one of sum, mean, min, max" in errors[2]
