@@ -205,3 +205,19 @@ def test_a_save_killed_midway_leaves_the_old_file_and_its_temporary_goes_at_the_
     assert not list(tmp_path.glob(".ckpt.safetensors.tmp-*"))
     ddpkit.save_checkpoint(path, {"w": torch.ones(3), "step": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
+
+
+def test_a_header_length_starting_with_0x80_is_still_safetensors(tmp_path: Path) -> None:
+    # The first byte of a safetensors file is the low byte of its header length;
+    # 0x80 there once sent the file to torch.load as if it were a pickle.
+    from safetensors.torch import save
+
+    for pad in range(300):
+        data = save({"w": torch.ones(2)}, metadata={"x": "y" * pad})
+        if data[0] == 0x80:
+            break
+    else:
+        pytest.fail("no metadata length gave a header length ending in 0x80")
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(data)
+    assert torch.equal(ddpkit.load_checkpoint(path)["w"], torch.ones(2))

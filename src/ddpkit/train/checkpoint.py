@@ -341,7 +341,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     data = path.read_bytes()
-    if data[:2] == b"PK" or data[:1] == b"\x80":
+    # A safetensors file starts with its header's length (8 bytes, whose first
+    # may be any value, 0x80 included) and then the JSON header's "{"; a
+    # torch.save file is a zip ("PK") or, in the legacy format, a pickle (0x80).
+    looks_safetensors = data[8:9] == b"{"
+    if not looks_safetensors and (data[:2] == b"PK" or data[:1] == b"\x80"):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as e:
