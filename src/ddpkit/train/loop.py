@@ -35,6 +35,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -373,7 +374,9 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
     steps_per_epoch = math.ceil(math.ceil(run.state.sampler.num_samples / config.batch_size) / config.grad_accum)
     left = steps_per_epoch * (config.epochs - first_epoch) - progress["batches_done"]
     bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
-               disable=dist.get_rank() != 0 or not config.progress)
+               # A bar redraws with carriage returns: on a terminal only, never
+               # into a redirected log (the epoch lines are printed either way).
+               disable=dist.get_rank() != 0 or not config.progress or not sys.stderr.isatty())
     start = time.perf_counter()
     while progress["epoch"] < config.epochs:
         t0 = time.perf_counter()
