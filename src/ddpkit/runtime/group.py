@@ -90,7 +90,12 @@ def _timeouts(timeout: float | None) -> tuple[float, float]:
     return timeout, timeout
 
 
-def _choose_backend(backend: str | None) -> str:
+def choose_backend(backend: str | None) -> str:
+    """The backend :func:`init` would use: ``backend``, else ``DDPKIT_BACKEND``, else by hardware.
+
+    Raises:
+        ValueError: an unknown backend, or one this torch or machine cannot run.
+    """
     backend = backend or os.environ.get("DDPKIT_BACKEND") or None
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -232,7 +237,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         # Someone (the user, a test harness) created the group already: adopt it.
         backend = str(dist.get_backend())
     else:
-        backend = _choose_backend(backend)
+        backend = choose_backend(backend)
     device = _choose_device(place)
     if not dist.is_initialized():
         if place.world_size == 1:

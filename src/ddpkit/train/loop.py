@@ -50,7 +50,7 @@ from tqdm import tqdm
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.runtime.discovery import discover
-from ddpkit.runtime.group import barrier, init, print0, shutdown, zero_first
+from ddpkit.runtime.group import barrier, choose_backend, init, print0, shutdown, zero_first
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.spawn import WorkerError, spawn
 from ddpkit.train import rundir
@@ -75,14 +75,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """
     if config.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
-    backend = config.backend or os.environ.get("DDPKIT_BACKEND")
-    if backend == "mpi" and not dist.is_mpi_available():
-        raise ConfigError(
-            "--backend mpi (or DDPKIT_BACKEND=mpi) needs a torch built with MPI, and this one has none "
-            "(the pip builds do not): use --backend gloo, which also runs under mpirun"
-        )
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("--backend nccl needs CUDA, which is not available here: use --backend gloo")
+    try:
+        choose_backend(config.backend)  # before any worker starts, not as a worker's traceback
+    except ValueError as e:
+        raise ConfigError(f"--backend / DDPKIT_BACKEND: {e}") from None
     place = discover(os.environ)
     if place.scheme != "single":
         # Inside a launcher: this process is one rank of the job, and the
