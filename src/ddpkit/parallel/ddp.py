@@ -203,12 +203,14 @@ class DistributedDataParallel(nn.Module):
                 "there is nothing to synchronise; wrap a trainable module"
             )
         buffers = list(module.buffers())
-        self._buffer_broadcast = None
+        self._buffer_broadcast: _PackedBroadcast | None = None
+        self._buffer_ids: tuple[int, ...] = ()
+        self.require_forward_param_sync = True
+        """Whether the next forward broadcasts buffers: the previous forward was
+        a synchronised one (torch's rule; Accelerate reads and sets it)."""
         if self.world_size > 1:
             _verify_same_parameters(named, process_group)
             _broadcast_once([p.detach() for _, p in named] + buffers, process_group)
-            if buffers:
-                self._buffer_broadcast = _PackedBroadcast(buffers, process_group)
         self.reducer = Reducer(
             trainable,
             process_group=process_group,
@@ -219,8 +221,11 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.require_backward_grad_sync
-        if sync and self.broadcast_buffers and self._buffer_broadcast is not None:
-            self._buffer_broadcast()
+        # torch's rule: buffers go out from rank 0 when the previous forward
+        # was a synchronised one, so the first synchronised forward after a
+        # no_sync() block keeps each rank's own statistics.
+        if self.require_forward_param_sync and self.broadcast_buffers and self.world_size > 1:
+            self._sync_buffers()
         if sync and torch.is_grad_enabled():
             self.reducer.prepare_for_backward()
         elif torch.is_grad_enabled():
@@ -228,7 +233,21 @@ class DistributedDataParallel(nn.Module):
         if self.device_ids is not None:
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else torch.device(self.device_ids[0])
             args, kwargs = _to_device(args, device), _to_device(kwargs, device)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        self.require_forward_param_sync = torch.is_grad_enabled() and sync
+        return output
+
+    def _sync_buffers(self) -> None:
+        """Broadcast rank 0's buffers; collected again each time, in case the model reassigned one."""
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        ids = tuple(id(b) for b in buffers)
+        if ids != self._buffer_ids:
+            # Same structure on every rank, so every rank rebuilds here together.
+            self._buffer_broadcast = _PackedBroadcast(buffers, self.process_group)
+            self._buffer_ids = ids
+        self._buffer_broadcast()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

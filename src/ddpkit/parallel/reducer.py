@@ -152,6 +152,7 @@ class Reducer:
         # Per-iteration state, reset by prepare_for_backward().
         self._armed = False
         self._ready = [False] * len(self.params)
+        self._used_since_sync = [False] * len(self.params)
         self._next_launch = 0
         self._callback_queued = False
         self._handles = [
@@ -228,6 +229,11 @@ class Reducer:
         def hook(param: torch.Tensor) -> None:
             if self._armed:
                 self._on_ready(index, param)
+            elif self.find_unused:
+                # Used in a no_sync() backward: its accumulated gradient must
+                # be reduced by the next synchronised backward even if that one
+                # does not use it (torch records local use the same way).
+                self._used_since_sync[index] = True
 
         return hook
 
@@ -306,17 +312,26 @@ class Reducer:
             self._reset()
 
     def _finalize(self) -> None:
+        accumulated = self._used_since_sync
+        self._used_since_sync = [False] * len(self.params)
         missing = [i for i, r in enumerate(self._ready) if not r]
         saved: dict[int, torch.Tensor] = {}
         for i in missing:
             bucket, s = self._slot[i]
             grad = self.params[i].grad
+            if accumulated[i] and grad is not None:
+                # Unused in this backward but used under no_sync(): its
+                # accumulated gradient is this rank's contribution.
+                self._ready[i] = True
+                self._stage(bucket, s, self.params[i])
+                bucket.pending -= 1
+                continue
             if grad is not None and grad.data_ptr() == bucket.views[s].data_ptr():
                 saved[i] = grad.clone()  # .grad is bucket memory: keep it for a global miss
             bucket.views[s].zero_()
             bucket.pending -= 1
-        if missing:
-            self._launch_ready()
+        missing = [i for i in missing if not self._ready[i]]
+        self._launch_ready()
         assert self._next_launch == len(self.buckets), "every bucket must be launched by now"
         used = None
         if self.find_unused and self.group is not None and self.world_size > 1:
