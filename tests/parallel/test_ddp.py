@@ -168,7 +168,8 @@ def _mismatch() -> str:
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2 + dist.get_rank()))
     try:
         ddpkit.DDP(net)
-    except ValueError as e:
+    except RuntimeError as e:  # torch's type for this mistake (also a ValueError)
+        assert isinstance(e, ValueError)
         return str(e)
     return "no error"
 
@@ -257,10 +258,27 @@ def test_unwrap():
 
 
 def test_rejects_bad_arguments():
+    # Each with the exception type torch's DDP raises for the same mistake.
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb=0)
-    with pytest.raises(ValueError, match="no parameter that requires grad"):
+    with pytest.raises(RuntimeError, match="no parameter that requires grad"):
         ddpkit.DDP(nn.Linear(2, 2).requires_grad_(False))
+    with pytest.raises(ValueError, match=r"device_ids=\[0\]\) only works with a GPU module"):
+        ddpkit.DDP(nn.Linear(2, 2), device_ids=[0])
+    with pytest.raises(RuntimeError, match="uninitialized"):
+        ddpkit.DDP(nn.LazyLinear(2))
+    for name in ("static_graph", "device_mesh", "mixed_precision"):
+        with pytest.raises(ValueError, match=f"{name}=...\\): not supported"):
+            ddpkit.DDP(nn.Linear(2, 2), **{name: True})
+    with pytest.raises(TypeError, match="dim="):
+        ddpkit.DDP(nn.Linear(2, 2), dim="0")
+
+
+def test_accepts_torchs_arguments_in_torchs_order():
+    # module, device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb
+    model = ddpkit.DDP(nn.Linear(2, 2), None, None, 0, False, True, None, 5.0, False, True, True)
+    assert (model.dim, model.broadcast_buffers, model.gradient_as_bucket_view) == (0, False, True)
+    assert model.require_backward_grad_sync and model.require_forward_param_sync
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -25,6 +25,14 @@ _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 """Largest message of a coalesced broadcast."""
 
 
+class DDPConfigError(ValueError, RuntimeError):
+    """The model cannot be wrapped as given (nothing to train, ranks that differ).
+
+    A ``RuntimeError``, as torch raises for these mistakes, and a ``ValueError``
+    as earlier ddpkit versions did: either ``except`` catches it.
+    """
+
+
 class _PackedBroadcast:
     """Broadcast rank 0's values of a fixed list of tensors, one message per device.
 
@@ -107,7 +115,7 @@ def _verify_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: di
 
             what = "; ".join(f"rank {r} has {describe(x)}" for r, x in enumerate(entries))
             counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
-            raise ValueError(
+            raise DDPConfigError(
                 f"DistributedDataParallel: the ranks hold different parameters (counts {counts}); "
                 f"first difference at parameter #{k} {name!r}: {what}. Build the same model with "
                 "the same arguments and the same requires_grad flags on every rank before wrapping it"
@@ -146,9 +154,21 @@ class DistributedDataParallel(nn.Module):
             saving a copy and a gradient-sized buffer. Default False.
         process_group: the group to average over; default the world.
 
+    The constructor takes torch's arguments in torch's order. ``dim`` is kept
+    for compatibility (one device per process: nothing is scattered);
+    ``init_sync=False`` skips the construction-time check and broadcast;
+    ``check_reduction`` is ignored as by torch; ``static_graph``,
+    ``mixed_precision``, ``device_mesh``, ``delay_all_reduce_named_params``,
+    ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params`` and
+    ``bucket_cap_mb_list`` are refused when set.
+
     Raises:
-        ValueError: ranks hold different parameters; nothing requires grad;
-            ``bucket_cap_mb`` is not positive.
+        DDPConfigError: (a ``RuntimeError`` and a ``ValueError``) ranks hold
+            different parameters; nothing requires grad.
+        ValueError: ``bucket_cap_mb`` is not positive; ``device_ids`` for a
+            CPU module; parameters on several device types; an unsupported
+            argument.
+        RuntimeError: uninitialised (lazy) parameters.
         ddpkit.parallel.reducer.UnusedParametersError: from ``backward``, see
             ``find_unused_parameters``.
 
@@ -169,13 +189,47 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        broadcast_buffers: bool = True,
-        bucket_cap_mb: float = 25.0,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
+        dim: int = 0,
+        broadcast_buffers: bool | None = True,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Any = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        # torch's arguments in torch's order, so a call written for torch's DDP
+        # (positional ones included) means the same here or fails by name.
+        unsupported = {
+            "static_graph": static_graph, "delay_all_reduce_named_params": delay_all_reduce_named_params,
+            "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
+            "device_mesh": device_mesh, "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+            "bucket_cap_mb_list": bucket_cap_mb_list,
+        }
+        given = [k for k, v in unsupported.items() if v not in (None, False)]
+        if given:
+            raise ValueError(
+                f"DistributedDataParallel({', '.join(f'{k}=...' for k in given)}): not supported by ddpkit's "
+                "DDP yet; leave it at its default (use a process_group instead of a device_mesh, "
+                "torch.autocast instead of mixed_precision)"
+            )
+        if not isinstance(dim, int):
+            raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
+        del check_reduction, batched_grad_copy  # torch ignores the first; the second is a speed knob
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25.0
+        if broadcast_buffers is None:
+            broadcast_buffers = True
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive: the default is 25")
         if device_ids is not None and len(device_ids) != 1:
@@ -183,10 +237,30 @@ class DistributedDataParallel(nn.Module):
                 f"device_ids={list(device_ids)}: ddpkit drives one device per process; "
                 "pass device_ids=[local_rank] or None"
             )
+        devices = {p.device for p in module.parameters()}
+        if len({d.type for d in devices}) > 1:
+            raise ValueError(
+                "DistributedDataParallel's input module must be on the same type of devices, but its "
+                f"parameters are on {sorted(str(d) for d in devices)}: move the whole module with .to(device)"
+            )
+        if device_ids is not None and any(d.type == "cpu" for d in devices):
+            raise ValueError(
+                f"DistributedDataParallel(device_ids={list(device_ids)}) only works with a GPU module, but "
+                f"this module's parameters are on {sorted(str(d) for d in devices)}: pass device_ids=None "
+                "for a CPU module, or move the module to the GPU first"
+            )
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
+            raise RuntimeError(
+                "DistributedDataParallel: the module has uninitialized (lazy) parameters: run a dummy "
+                "forward pass to initialise them before wrapping"
+            )
         self.module = module
+        self.dim = dim
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
         self.broadcast_buffers = broadcast_buffers
+        self.forward_sync_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        self.static_graph = False
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -198,7 +272,7 @@ class DistributedDataParallel(nn.Module):
         named = list(module.named_parameters())
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
-            raise ValueError(
+            raise DDPConfigError(
                 "DistributedDataParallel: the module has no parameter that requires grad, so "
                 "there is nothing to synchronise; wrap a trainable module"
             )
@@ -208,7 +282,7 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True
         """Whether the next forward broadcasts buffers: the previous forward was
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
-        if self.world_size > 1:
+        if self.world_size > 1 and init_sync:
             _verify_same_parameters(named, process_group)
             _broadcast_once([p.detach() for _, p in named] + buffers, process_group)
         self.reducer = Reducer(
@@ -224,7 +298,7 @@ class DistributedDataParallel(nn.Module):
         # torch's rule: buffers go out from rank 0 when the previous forward
         # was a synchronised one, so the first synchronised forward after a
         # no_sync() block keeps each rank's own statistics.
-        if self.require_forward_param_sync and self.broadcast_buffers and self.world_size > 1:
+        if self.require_forward_param_sync and self.forward_sync_buffers and self.world_size > 1:
             self._sync_buffers()
         if sync and torch.is_grad_enabled():
             self.reducer.prepare_for_backward()
