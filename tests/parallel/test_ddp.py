@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from ddp_models import batch, make, pair, state, train
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddpkit
 from ddpkit.parallel.reducer import UnusedParametersError
@@ -255,6 +256,10 @@ def test_unwrap():
     net = nn.Linear(2, 2)
     assert ddpkit.unwrap(net) is net
     assert ddpkit.unwrap(ddpkit.DDP(net)) is net
+    ddpkit.init()  # torch's DDP needs a process group: a world of one
+    assert ddpkit.unwrap(TorchDDP(net)) is net
+    assert ddpkit.unwrap(torch.compile(net)) is net
+    assert ddpkit.unwrap(torch.compile(ddpkit.DDP(net))) is net
 
 
 def test_rejects_bad_arguments():

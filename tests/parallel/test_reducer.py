@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -83,3 +84,31 @@ def test_rebuild_follows_rank0_arrival_order_and_overlaps(dist2):
     # After the rebuild on rank 0, bucket k is launched as soon as k+1
     # gradients are ready: communication starts during backward.
     assert launched0 == [1, 2, 3, 4, 5, 6]
+
+
+class _TwiceThroughCheckpoint(nn.Module):
+    """One Linear used inside a reentrant checkpoint and outside it: its gradient arrives twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.lin, x, use_reentrant=True) + self.lin(x)
+
+
+def test_a_gradient_twice_in_one_backward_is_an_error():
+    ddpkit.init()
+    model = ddpkit.DDP(_TwiceThroughCheckpoint())
+    with pytest.raises(RuntimeError, match="received a gradient twice in one synchronised backward"):
+        model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+
+
+def test_a_sparse_gradient_is_an_error_naming_the_parameter():
+    # torch's DDP reduces sparse gradients; ddpkit's refuses them by name (a known gap).
+    ddpkit.init()
+    model = ddpkit.DDP(nn.Embedding(5, 2, sparse=True))
+    with pytest.raises(RuntimeError, match="parameter 'weight' has a sparse gradient"):
+        model(torch.tensor([1, 2])).sum().backward()

@@ -17,7 +17,8 @@ Overlap: how much of the gradient all-reduce is hidden behind backward.
 * ``hidden`` = ``(compute + comm - step) / comm``, clipped to [0, 1]: the part
   of the communication that did not add to the step time;
 * ``exposed`` (ddpkit only, measured directly): how long the end of
-  backward stayed blocked on communication (``Reducer.last_wait_s``). A rank
+  backward stayed blocked on communication (the bench times the reducer's
+  wait for its buckets from outside; the engine keeps no such figure). A rank
   that finishes backward early also waits for the slower one, so each step
   counts the wait of the rank that arrived last (the minimum over ranks),
   which is communication alone; then the median over steps. ``direct`` =
@@ -45,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,6 +106,20 @@ def _comm_only(buffers: list[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
+def _time_waits(reducer: Any) -> list[float]:
+    """Record how long each end of backward waits for communication; returns the growing list."""
+    waits: list[float] = [0.0]
+    wait_all = reducer._wait_all
+
+    def timed() -> None:
+        start = time.perf_counter()
+        wait_all()
+        waits.append(time.perf_counter() - start)
+
+    reducer._wait_all = timed  # this instance only, for this benchmark
+    return waits
+
+
 def _median_ms(xs: list[float]) -> float:
     return 1000.0 * statistics.median(xs)
 
@@ -122,6 +138,7 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
             step()
     times: dict[str, list[float]] = {k: [] for k in steps}
     exposed: list[float] = []
+    waits = _time_waits(ours.reducer)
     buffers = [torch.zeros_like(b.flat) for b in ours.reducer.buckets]
     comm: list[float] = []
     rounds = -(-cfg.steps // cfg.block)
@@ -132,7 +149,7 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
             for _ in range(cfg.block):
                 times[engine].append(steps[engine]())
                 if engine == "ddpkit":
-                    exposed.append(ours.reducer.last_wait_s)
+                    exposed.append(waits[-1])
         dist.barrier()
         for _ in range(cfg.block):
             comm.append(_comm_only(buffers))

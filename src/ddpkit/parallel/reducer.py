@@ -40,7 +40,6 @@ Failure modes
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -144,8 +143,6 @@ class Reducer:
         self.buckets: list[GradBucket] = []
         self._slot: list[tuple[GradBucket, int]] = []
         self._build(list(reversed(range(len(self.params)))))
-        self.last_wait_s = 0.0
-        """Seconds the last end of backward spent blocked on communication (exposed, not hidden)."""
         self._arrival: list[int] = []
         self._rebuilt = False
         self._rebuild_due = False
@@ -261,9 +258,6 @@ class Reducer:
         view = bucket.views[s]
         grad = param.grad
         scale = self.comm_hook is None and self.world_size > 1
-        if grad is None:
-            view.zero_()
-            return
         if grad.is_sparse:
             raise RuntimeError(
                 f"parameter {self.names[bucket.indices[s]]!r} has a sparse gradient, which "
@@ -342,10 +336,7 @@ class Reducer:
             used = flags.bool().tolist()
         elif missing:
             used = list(self._ready)
-        start = time.perf_counter()
-        for bucket in self.buckets:
-            self._wait(bucket)
-        self.last_wait_s = time.perf_counter() - start
+        self._wait_all()
         missing_set = set(missing)
         for bucket in self.buckets:
             for s, i in enumerate(bucket.indices):
@@ -374,6 +365,11 @@ class Reducer:
                 "or set requires_grad=False on them before wrapping"
             )
 
+    def _wait_all(self) -> None:
+        """Block until every bucket's reduction is done (the exposed part of communication)."""
+        for bucket in self.buckets:
+            self._wait(bucket)
+
     def _wait(self, bucket: GradBucket) -> None:
         if bucket.future is not None:
             result = bucket.future.wait()
@@ -392,9 +388,3 @@ class Reducer:
             raise TypeError(f"comm hook {hook!r} is not callable: pass hook(state, bucket) -> Future")
         self.comm_hook = hook
         self.comm_state = state
-
-    def remove(self) -> None:
-        """Detach the gradient hooks from the parameters."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
