@@ -195,10 +195,11 @@ def _unused_without_flag(everywhere: bool) -> str:
 def test_unused_parameter_without_flag_raises_naming_it(dist2):
     for msg in dist2.run(_unused_without_flag, True):
         assert "'sometimes.weight'" in msg and "'never.bias'" in msg and "find_unused_parameters=True" in msg
-    # Unused on rank 1 only: rank 1 raises, rank 0 completes; nobody hangs.
+    # "sometimes" used on rank 0 only, "never" nowhere: each rank raises naming
+    # what it missed itself (rank 1 also "sometimes"), and nobody hangs.
     r0, r1 = dist2.run(_unused_without_flag, False, timeout=60)
     assert "'never.weight'" in r0 and "'sometimes.weight'" not in r0
-    assert "'sometimes.weight'" in r1
+    assert "'sometimes.weight'" in r1 and "'never.weight'" in r1
 
 
 def _unused_everywhere_keeps_grad() -> list:
