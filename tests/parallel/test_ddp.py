@@ -327,3 +327,35 @@ def _forward_sync_flag() -> list[bool]:
 def test_require_forward_param_sync_follows_torch(dist2):
     # True at first, False after a no_sync forward, True after a synchronised one.
     assert dist2.run(_forward_sync_flag) == [[True, False, True]] * 2
+
+
+def _pickled_round_trip() -> list[dict]:
+    import io
+
+    model = ddpkit.DDP(make("convbn"))
+    model.register_comm_hook(None, ddpkit.hooks.allreduce_hook)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.reducer is not model.reducer and loaded.reducer.comm_hook is None  # the hook is dropped
+    return [state(train(m, "convbn", 2, 0.9)) for m in (model, loaded)]
+
+
+def test_pickled_model_loads_and_trains_the_same(dist2):
+    # Loaded in the same job, the copy rebuilds its reducer on the default group
+    # and trains to the same numbers as the original (the hook only changed
+    # where the division happens, not its result: both exact at world 2).
+    for original, loaded in dist2.run(_pickled_round_trip):
+        for k in original:
+            torch.testing.assert_close(loaded[k], original[k], rtol=0, atol=0, msg=k)
+
+
+def test_unpickling_without_a_process_group_is_a_clear_error():
+    import pickle
+
+    ddpkit.init()
+    data = pickle.dumps(ddpkit.DDP(nn.Linear(2, 2)))
+    ddpkit.shutdown()
+    with pytest.raises(RuntimeError, match="call ddpkit.init\\(\\) before loading it"):
+        pickle.loads(data)

@@ -285,13 +285,51 @@ class DistributedDataParallel(nn.Module):
         if self.world_size > 1 and init_sync:
             _verify_same_parameters(named, process_group)
             _broadcast_once([p.detach() for _, p in named] + buffers, process_group)
-        self.reducer = Reducer(
+        self.bucket_cap_mb = bucket_cap_mb
+        self.reducer = self._make_reducer()
+
+    def _make_reducer(self) -> Reducer:
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        return Reducer(
             trainable,
-            process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
+            process_group=self.process_group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
+
+    # -- pickling (torch.save of the whole wrapper), as torch's DDP allows --------
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None and self.process_group != dist.group.WORLD:
+            raise RuntimeError(
+                "DistributedDataParallel can be pickled only with the default process group: a "
+                "subgroup cannot be found again when it is loaded; save ddpkit.unwrap(model) instead"
+            )
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        # The group, the reducer (its gradient hooks and buckets) and the comm
+        # hook belong to this process: rebuilt on load, the hook dropped.
+        for key in ("process_group", "reducer", "_buffer_broadcast"):
+            state.pop(key, None)
+        state["_buffer_ids"] = ()
+        state["_had_group"] = self.process_group is not None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_group = state.pop("_had_group", True)
+        grouped = dist.is_available() and dist.is_initialized()
+        if had_group and not grouped:
+            raise RuntimeError(
+                "this DistributedDataParallel was pickled in a job with a process group, and none "
+                "exists here: call ddpkit.init() before loading it, or load the plain module "
+                "(save ddpkit.unwrap(model) instead)"
+            )
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD if grouped and had_group else None
+        self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
+        self._buffer_broadcast = None
+        self.reducer = self._make_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sync = self.require_backward_grad_sync
