@@ -35,6 +35,7 @@ _EXPORTS = {
     "DistributedDataParallel": "ddpkit.parallel.ddp",
     "unwrap": "ddpkit.parallel.ddp",
     "UnusedParametersError": "ddpkit.parallel.reducer",
+    "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.data.sampler import DistributedSampler
     from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap
     from ddpkit.parallel.reducer import UnusedParametersError
+    from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (
         DistContext,
         RendezvousError,

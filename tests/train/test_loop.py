@@ -246,7 +246,14 @@ def test_resume_mid_epoch_and_past_a_damaged_checkpoint_is_bit_identical(dist2, 
     assert untimed(cut / "metrics.jsonl") == untimed(whole / "metrics.jsonl")
 
 
-def test_synthetic_data_is_learnable(dist2, tmp_path: Path) -> None:
-    # Ten classes: chance is 10 %. Two small epochs of the ConvNet must be far above it.
-    summary = _train(dist2, TrainConfig(**dict(SMALL, synthetic_samples=512), epochs=2, output_dir=tmp_path / "r"))
-    assert summary["test_accuracy"] > 0.6, summary
+def test_synthetic_data_is_learnable_with_and_without_sync_bn(dist2, tmp_path: Path) -> None:
+    # Ten classes: chance is 10 %. Two small epochs of the ConvNet must be far above it,
+    # with BatchNorm per rank and with SyncBatchNorm over the global batch.
+    cfg = dict(SMALL, synthetic_samples=512, epochs=2)
+    plain = _train(dist2, TrainConfig(**cfg, output_dir=tmp_path / "plain"))
+    synced = _train(dist2, TrainConfig(**cfg, sync_bn=True, output_dir=tmp_path / "sync"))
+    assert plain["test_accuracy"] > 0.6 and synced["test_accuracy"] > 0.6, (plain, synced)
+    a, b = _weights(tmp_path / "plain"), _weights(tmp_path / "sync")
+    assert sorted(a) == sorted(b)  # same names: the checkpoint loads into the plain model
+    stats = next(k for k in a if k.endswith("running_var"))
+    assert not torch.equal(a[stats], b[stats])  # global-batch statistics differ from rank 0's own

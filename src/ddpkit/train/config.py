@@ -41,6 +41,7 @@ class TrainConfig:
     seed: int = option(0, "seed of the model's initialisation and of the data order")
     amp: str = option("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
     grad_accum: int = option(1, "micro-batches per optimizer step (no_sync on all but the last)")
+    sync_bn: bool = option(False, "convert the model's BatchNorm layers to ddpkit.SyncBatchNorm (global-batch statistics)")
     engine: str = option("ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process)", choices=ENGINES)
     nproc_per_node: int | None = option(
         None, "workers to start (default: one per GPU, else 2); ignored under a launcher"

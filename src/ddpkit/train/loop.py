@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, shutdown, zero_first
 from ddpkit.runtime.options import ConfigError
@@ -197,6 +198,8 @@ def _build(config: TrainConfig, data: Any, world: int, device: torch.device) -> 
         config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
         num_classes=train_set.num_classes,
     ).to(device)
+    if config.sync_bn:
+        model = SyncBatchNorm.convert_sync_batchnorm(model)
     lr = config.lr * world
     if config.optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(
