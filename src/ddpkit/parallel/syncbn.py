@@ -156,7 +156,9 @@ class SyncBatchNorm(_BatchNorm):
         n = x.numel() // x.shape[1] if x.shape[1] else 0
         with torch.no_grad():
             if n:
-                var, mean = torch.var_mean(x.double(), dims, unbiased=False)
+                # In the input's precision, as BatchNorm computes its own
+                # statistics; only the combination across ranks is in float64.
+                var, mean = (t.double() for t in torch.var_mean(x, dims, unbiased=False))
             else:
                 mean = var = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
             mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), mean, var * n])
