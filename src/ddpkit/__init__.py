@@ -36,6 +36,7 @@ _EXPORTS = {
     "unwrap": "ddpkit.parallel.ddp",
     "UnusedParametersError": "ddpkit.parallel.reducer",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
+    "DataParallel": "ddpkit.parallel.dp",
     "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.data.datasets import DatasetError
     from ddpkit.data.sampler import DistributedSampler
     from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap
+    from ddpkit.parallel.dp import DataParallel
     from ddpkit.parallel.reducer import UnusedParametersError
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (

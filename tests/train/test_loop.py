@@ -257,3 +257,14 @@ def test_synthetic_data_is_learnable_with_and_without_sync_bn(dist2, tmp_path: P
     assert sorted(a) == sorted(b)  # same names: the checkpoint loads into the plain model
     stats = next(k for k in a if k.endswith("running_var"))
     assert not torch.equal(a[stats], b[stats])  # global-batch statistics differ from rank 0's own
+
+
+def test_engine_dp_trains_in_one_process_with_cpu_replicas(tmp_path: Path) -> None:
+    # Two CPU replicas in threads, 16 samples each: the global batch and the
+    # scaled learning rate of the 2-process DDP default.
+    cfg = dict(SMALL, synthetic_samples=512, epochs=2, engine="dp", nproc_per_node=2)
+    summary = train(TrainConfig(**cfg, output_dir=tmp_path / "dp"))
+    assert summary["engine"] == "dp" and summary["world_size"] == 1 and summary["replicas"] == 2
+    assert summary["global_batch_size"] == 32 and summary["lr"] == pytest.approx(0.04)
+    assert summary["test_accuracy"] > 0.6, summary
+    assert not any(k.startswith("module.") for k in _weights(tmp_path / "dp"))

@@ -18,7 +18,8 @@ MODELS = ("convnet", "mlp", "resnet")
 """Names of :data:`ddpkit.train.models.MODELS` (a test keeps the two in step)."""
 DATASETS = ("digits", "mnist", "synthetic")
 """Names of :data:`ddpkit.data.DATASETS` (a test keeps the two in step)."""
-ENGINES = ("ddpkit", "torch", "single")
+ENGINES = ("ddpkit", "torch", "single", "dp")
+"""Engines that start one process: ``single`` and ``dp`` (DataParallel over the devices)."""
 OPTIMIZERS = ("sgd", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
 
@@ -42,7 +43,10 @@ class TrainConfig:
     amp: str = option("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
     grad_accum: int = option(1, "micro-batches per optimizer step (no_sync on all but the last)")
     sync_bn: bool = option(False, "convert the model's BatchNorm layers to ddpkit.SyncBatchNorm (global-batch statistics)")
-    engine: str = option("ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process)", choices=ENGINES)
+    engine: str = option(
+        "ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process), dp (ddpkit.DataParallel in one "
+        "process: one replica per GPU, else --nproc-per-node CPU replicas in threads)", choices=ENGINES,
+    )
     nproc_per_node: int | None = option(
         None, "workers to start (default: one per GPU, else 2); ignored under a launcher"
     )

@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.dp import DataParallel
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, shutdown, zero_first
@@ -84,9 +85,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if place.scheme != "single":
         # Inside a launcher: this process is one rank of the job, and the
         # launcher restarts it (TORCHELASTIC_RESTART_COUNT counts the attempts).
-        if config.engine == "single" and place.world_size > 1:
+        if config.engine in ("single", "dp") and place.world_size > 1:
             raise ConfigError(
-                f"--engine single trains in one process, but the launcher started "
+                f"--engine {config.engine} trains in one process, but the launcher started "
                 f"{place.world_size}: run it without a launcher"
             )
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -96,7 +97,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             # Destroy the group before the interpreter exits, also on an error:
             # a gloo group torn down during interpreter exit aborts the process.
             shutdown()
-    nproc = 1 if config.engine == "single" else config.nproc_per_node or (
+    nproc = 1 if config.engine in ("single", "dp") else config.nproc_per_node or (
         torch.cuda.device_count() if torch.cuda.is_available() else 2
     )
     # Fail on bad data before any worker starts: the error then reads as a
@@ -161,7 +162,21 @@ def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> 
         from ddpkit._reference import torch_ddp
 
         return torch_ddp(model, device_ids=ids)
+    if config.engine == "dp":
+        return DataParallel(model, device_ids=_dp_devices(config))
     return model
+
+
+def _dp_devices(config: TrainConfig) -> list[int] | list[str]:
+    """``--engine dp``: every GPU, else ``--nproc-per-node`` (default 2) CPU replicas."""
+    if torch.cuda.is_available():
+        return list(range(torch.cuda.device_count()))
+    return ["cpu"] * (config.nproc_per_node or 2)
+
+
+def _replicas(config: TrainConfig) -> int:
+    """Model replicas per process: a DataParallel step is that many per-process batches."""
+    return len(_dp_devices(config)) if config.engine == "dp" else 1
 
 
 @dataclass
@@ -187,7 +202,17 @@ class _Run:
 
     @property
     def lr(self) -> float:
-        return self.config.lr * self.world
+        return self.config.lr * self.scale
+
+    @property
+    def scale(self) -> int:
+        """Model replicas in the job: processes, times DataParallel's replicas in each."""
+        return self.world * _replicas(self.config)
+
+    @property
+    def batch(self) -> int:
+        """Samples one process takes per micro-batch (all its replicas together)."""
+        return self.config.batch_size * _replicas(self.config)
 
 
 def _build(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
@@ -200,7 +225,7 @@ def _build(config: TrainConfig, data: Any, world: int, device: torch.device) -> 
     ).to(device)
     if config.sync_bn:
         model = SyncBatchNorm.convert_sync_batchnorm(model)
-    lr = config.lr * world
+    lr = config.lr * world * _replicas(config)
     if config.optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(
             model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -253,14 +278,14 @@ def _train_epoch(model: torch.nn.Module, run: _Run, bar: Any) -> tuple[float, in
     count = int(progress["partial"][rank][1].item())
     resumed_with = count
     idx = torch.tensor(list(sampler), dtype=torch.long, device=run.device)
-    batches = [idx[i : i + config.batch_size] for i in range(0, len(idx), config.batch_size)]
+    batches = [idx[i : i + run.batch] for i in range(0, len(idx), run.batch)]
     x, y = run.train_data
     for s in range(0, len(batches), config.grad_accum):
         group = batches[s : s + config.grad_accum]
         state.optimizer.zero_grad(set_to_none=True)
         for j, b in enumerate(group):
             last = j == len(group) - 1
-            sync = contextlib.nullcontext() if last or config.engine == "single" else model.no_sync()
+            sync = contextlib.nullcontext() if last or config.engine in ("single", "dp") else model.no_sync()
             with sync:
                 with run.autocast():
                     logits = model(x[b])
@@ -358,8 +383,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
         rundir.write_metrics(run.out, run.progress["history"])
     print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
-        f"engine {config.engine}, {run.world} process(es), global batch "
-        f"{config.batch_size * run.world * config.grad_accum}, lr {config.lr:g} x {run.world} = {run.lr:g}, "
+        f"engine {config.engine}, {run.world} process(es) x {run.scale // run.world} replica(s), global batch "
+        f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}, "
         f"output {run.out}"
     )
     return run, _wrap(state.model, config, ctx.device)
@@ -370,7 +395,7 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
     run, model = _start(config, claim, restart)
     progress = run.progress
     first_epoch = progress["epoch"]
-    steps_per_epoch = math.ceil(math.ceil(run.state.sampler.num_samples / config.batch_size) / config.grad_accum)
+    steps_per_epoch = math.ceil(math.ceil(run.state.sampler.num_samples / run.batch) / config.grad_accum)
     left = steps_per_epoch * (config.epochs - first_epoch) - progress["batches_done"]
     bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
                # A bar redraws with carriage returns: on a terminal only, never
@@ -410,7 +435,7 @@ def _finish(run: _Run, wall: float, first_epoch: int) -> dict[str, Any]:
     summary = {
         "test_accuracy": test_acc, "test_loss": test_loss, "test_samples": n_test,
         "epochs": config.epochs, "world_size": world,
-        "global_batch_size": config.batch_size * world * config.grad_accum,
+        "global_batch_size": run.batch * world * config.grad_accum, "replicas": run.scale,
         "lr": run.lr, "base_lr": config.lr, "wall_time_s": round(wall, 3),
         "samples_per_s": round(run.trained / wall, 1) if wall > 0 else None,
         "engine": config.engine, "model": config.model, "dataset": config.dataset,
