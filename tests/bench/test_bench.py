@@ -47,7 +47,7 @@ def test_bench_cli_end_to_end(tmp_path, capsys):
     code = main(["bench", "--workloads", "convnet", "--steps", "2", "--warmup", "1", "--samples-per-rank", "4",
                  "--json", str(out)])
     assert code == 0
-    results = json.loads(out.read_text())
+    results = json.loads(out.read_text())["ddp"]
     assert [r["workload"] for r in results] == ["convnet"] and results[0]["params"] == PARAMS["convnet"]
     text = capsys.readouterr().out
     assert "ratio" in text and "convnet" in text
@@ -59,3 +59,16 @@ def test_bench_config_validation():
     with pytest.raises(ValueError, match="--steps 0"):
         BenchConfig(steps=0)
     assert main(["bench", "--steps", "-1"]) == 2
+
+
+def _dp_vs_ddp():
+    from ddpkit.bench.dp import bench_dp_vs_ddp
+
+    return bench_dp_vs_ddp(BenchConfig(**TOY))
+
+
+def test_dp_vs_ddp_is_measured_on_real_ranks(dist2):
+    a, b = dist2.run(_dp_vs_ddp)
+    assert a == b  # rank 0's figures, on every rank
+    assert a.replicas == 2 and a.global_batch == 8 and a.rounds == TOY["steps"]
+    assert a.dp_ms > 0 and a.ddp_ms > 0 and a.ratio_q1 <= a.ratio <= a.ratio_q3

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ddpkit.runtime.options import ConfigError, option
 
-WORKLOADS = ("convnet", "mlp")
+WORKLOADS = ("convnet", "mlp", "dp")
+"""``dp``: DataParallel against DDP at ``world_size`` replicas (ConvNet, ``samples_per_rank`` each)."""
 
 
 @dataclass(kw_only=True)

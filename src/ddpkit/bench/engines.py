@@ -177,9 +177,12 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
 
     torch.set_num_threads(1)
     init(backend="gloo")
-    results = [_bench_workload(name, cfg) for name in cfg.workloads]
+    from ddpkit.bench.dp import bench_dp_vs_ddp
+
+    results = [asdict(_bench_workload(name, cfg)) for name in cfg.workloads if name != "dp"]
+    dp = asdict(bench_dp_vs_ddp(cfg)) if "dp" in cfg.workloads else None
     if rank == 0:
-        Path(out).write_text(json.dumps([asdict(r) for r in results]))
+        Path(out).write_text(json.dumps({"ddp": results, "dp": dp}))
     shutdown()
 
 
@@ -218,8 +221,14 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         spawn(_worker, cfg.world_size, args=(cfg, out), backend="gloo")
-        results = [WorkloadResult(**r) for r in json.loads(Path(out).read_text())]
-    print(format_results(results, cfg.world_size), flush=True)
+        raw = json.loads(Path(out).read_text())
+    results = [WorkloadResult(**r) for r in raw["ddp"]]
+    if results:
+        print(format_results(results, cfg.world_size), flush=True)
+    if raw["dp"] is not None:
+        from ddpkit.bench.dp import DPResult, format_dp
+
+        print(format_dp(DPResult(**raw["dp"])), flush=True)
     if cfg.json_path is not None:
-        cfg.json_path.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+        cfg.json_path.write_text(json.dumps(raw, indent=2) + "\n")
     return results

@@ -1,0 +1,100 @@
+"""DataParallel against DistributedDataParallel at the same number of replicas: what the seeds say in words.
+
+Both train the tutorial's ConvNet on the same global batch, ``samples_per_rank``
+images per replica: DDP with one process per replica (gloo, one thread
+each), DataParallel in rank 0's process with one CPU replica per rank, in
+threads (the other ranks wait meanwhile, so each engine has the machine to
+itself). Rounds alternate which engine goes first; the ratio DP / DDP is the
+median over rounds, with its interquartile range.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.bench.config import BenchConfig
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.dp import DataParallel
+from ddpkit.train.models import ConvNet
+
+__all__ = ["DPResult", "bench_dp_vs_ddp", "format_dp"]
+
+
+@dataclass(kw_only=True)
+class DPResult:
+    """Median step times in milliseconds and the per-round ratio DP / DDP."""
+
+    replicas: int
+    global_batch: int
+    dp_ms: float
+    ddp_ms: float
+    ratio: float
+    ratio_q1: float
+    ratio_q3: float
+    rounds: int
+
+
+def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> float:
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def bench_dp_vs_ddp(cfg: BenchConfig) -> DPResult:
+    """Every rank calls it; rank 0's figures are returned on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(cfg.samples_per_rank * world, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (len(x),), generator=g)
+    torch.manual_seed(0)
+    base = ConvNet()
+    ddp = _stepper(DistributedDataParallel(copy.deepcopy(base)), x.chunk(world)[rank], y.chunk(world)[rank])
+    dp = _stepper(DataParallel(copy.deepcopy(base), device_ids=["cpu"] * world), x, y) if rank == 0 else None
+    times: dict[str, list[float]] = {"dp": [], "ddp": []}
+    rounds = cfg.warmup + cfg.steps
+    for r in range(rounds):
+        for engine in ("dp", "ddp") if r % 2 == 0 else ("ddp", "dp"):
+            dist.barrier()
+            if engine == "ddp":
+                took = ddp()
+            elif dp is not None:
+                took = dp()
+            else:
+                continue
+            if r >= cfg.warmup and rank == 0:
+                times[engine].append(took)
+    dist.barrier()
+    result = None
+    if rank == 0:
+        ratios = [a / b for a, b in zip(times["dp"], times["ddp"])]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        result = DPResult(
+            replicas=world, global_batch=len(x), dp_ms=1000 * statistics.median(times["dp"]),
+            ddp_ms=1000 * statistics.median(times["ddp"]), ratio=statistics.median(ratios),
+            ratio_q1=q[0], ratio_q3=q[2], rounds=len(ratios),
+        )
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def format_dp(r: DPResult) -> str:
+    return (
+        f"DataParallel vs DDP, ConvNet, {r.replicas} replicas, global batch {r.global_batch}: "
+        f"DP {r.dp_ms:.2f} ms, DDP {r.ddp_ms:.2f} ms per step; DP / DDP {r.ratio:.2f} "
+        f"(IQR {r.ratio_q1:.2f}-{r.ratio_q3:.2f}, {r.rounds} rounds)"
+    )
