@@ -64,11 +64,12 @@ def test_matches_the_plain_module_on_the_whole_batch(batch):
     assert len(set(net.threads)) == replicas and all(t.startswith("ddpkit-dp-replica") for t in net.threads)
 
 
-def test_dim_1_and_plain_linear_equal_the_whole_batch():
+@pytest.mark.parametrize("rows", [8, 7, 1])  # even, odd, and fewer rows than replicas
+def test_dim_1_and_plain_linear_equal_the_whole_batch(rows):
     torch.manual_seed(0)
     net = nn.Linear(5, 2)
     ref = copy.deepcopy(net)
-    x = torch.randn(3, 8, 5)  # split along dim 1
+    x = torch.randn(3, rows, 5)  # split along dim 1
     out = ddpkit.DataParallel(net, device_ids=["cpu", "cpu"], dim=1)(x)
     out.sum().backward()
     ref(x).sum().backward()
