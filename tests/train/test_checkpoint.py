@@ -221,3 +221,51 @@ def test_a_header_length_starting_with_0x80_is_still_safetensors(tmp_path: Path)
     path = tmp_path / "w.safetensors"
     path.write_bytes(data)
     assert torch.equal(ddpkit.load_checkpoint(path)["w"], torch.ones(2))
+
+
+def test_train_state_counts_optimizer_steps_and_restores_everything(tmp_path: Path) -> None:
+    def build() -> tuple:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, opt, ddpkit.DistributedSampler(range(10), num_replicas=1, rank=0)
+
+    torch.manual_seed(0)
+    model, opt, sampler = build()
+    state = ddpkit.TrainState(model=model, optimizer=opt, sampler=sampler, extra={"epoch": 3})
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    assert state.step == 3  # counted by the optimizer's step hook
+    it = iter(sampler)
+    next(it), next(it)  # two samples of this epoch handed out
+    assert state.save(tmp_path).name == "step-00000003.safetensors"
+    expected = [p.detach().clone() for p in model.parameters()]
+    moments = opt.state_dict()["state"][0]["exp_avg"].clone()
+    after = torch.rand(3)  # the RNG's next draw after the save
+    rest = list(it)
+    step()
+    step()
+    state.save(tmp_path)
+    (tmp_path / "step-00000005.safetensors").write_bytes(b"damaged on disk")
+
+    torch.manual_seed(123)
+    model2, opt2, sampler2 = build()
+    fresh = ddpkit.TrainState(model=model2, optimizer=opt2, sampler=sampler2)
+    with pytest.warns(UserWarning, match="skipping checkpoint .*step-00000005"):
+        assert fresh.restore(tmp_path) == 3
+    for a, b in zip(model2.parameters(), expected):
+        assert torch.equal(a, b)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], moments)
+    assert fresh.extra == {"epoch": 3} and fresh.step == 3
+    assert torch.equal(torch.rand(3), after)
+    assert list(sampler2) == rest  # the epoch continues with the next sample
+
+    for k in (6, 7, 8):
+        fresh.save(tmp_path, k)
+    assert [p.name for p in sorted(tmp_path.glob("step-*"))] == [f"step-0000000{k}.safetensors" for k in (6, 7, 8)]
+    assert ddpkit.TrainState(model=model2).restore(tmp_path / "nothing-here") == 0

@@ -239,6 +239,7 @@ def _build(config: TrainConfig, data: Any, world: int, device: torch.device) -> 
         extra={"epoch": 0, "batches_done": 0, "history": [], "partial": torch.zeros(world, 2, dtype=torch.float64),
                "world_size": world, "config": config.to_dict()},
         keep=config.keep_checkpoints,
+        count_steps=False,  # the loop counts its steps itself (an fp16 step skipped for inf still counts)
     )
 
 

@@ -18,12 +18,11 @@ every rank restores the same file.
 Example (your own loop, restartable under ``ddpkit launch --max-restarts 3``)::
 
     state = ddpkit.TrainState(model=model, optimizer=opt, sampler=sampler)
-    step = state.restore("ckpt")             # 0 when there is nothing to resume
-    while step < total_steps:
-        ...one training step...
-        step += 1
-        if step % 100 == 0:
-            state.save("ckpt", step)
+    state.restore("ckpt")                    # state.step: 0 when there is nothing to resume
+    while state.step < total_steps:
+        ...one training step (optimizer.step() advances state.step)...
+        if state.step % 100 == 0:
+            state.save("ckpt")
 """
 
 from __future__ import annotations
@@ -84,6 +83,8 @@ class TrainState:
         extra: your own data (epoch, metrics, ...): tensors and plain data.
             :meth:`restore` replaces it with the saved one.
         keep: how many checkpoints to keep in the directory (default 3).
+        count_steps: advance :attr:`step` at every ``optimizer.step()`` (a
+            step post-hook), so ``save(dir)`` needs no step. Default True.
 
     Warning:
         :meth:`save` and :meth:`restore` are collectives: every rank calls them.
@@ -98,6 +99,7 @@ class TrainState:
         scaler: torch.amp.GradScaler | None = None,
         extra: dict[str, Any] | None = None,
         keep: int = 3,
+        count_steps: bool = True,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1: the newest checkpoint is always kept")
@@ -108,7 +110,12 @@ class TrainState:
         self.extra: dict[str, Any] = dict(extra or {})
         self.keep = keep
         self.step = 0
-        """The step of the last save or restore."""
+        """Optimizer steps taken (counted when ``count_steps``), or as last saved, restored or set."""
+        if optimizer is not None and count_steps:
+            optimizer.register_step_post_hook(self._count_step)
+
+    def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
 
     # -- contents ---------------------------------------------------------------
 
@@ -153,8 +160,8 @@ class TrainState:
 
         Args:
             directory: the checkpoint folder (created if needed).
-            step: the step to record (default: :attr:`step`); :meth:`restore`
-                returns it.
+            step: the step to record (default: :attr:`step`, which counts
+                optimizer steps); :meth:`restore` returns it.
             sampler_consumed: samples of the current epoch this rank has used,
                 when a ``DataLoader`` prefetches ahead of the loop (see
                 :meth:`ddpkit.DistributedSampler.state_dict`).
