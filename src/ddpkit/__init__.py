@@ -45,7 +45,7 @@ _EXPORTS = {
     "save_checkpoint": "ddpkit.train.checkpoint",
 }
 # Public submodules reached as attributes (``ddpkit.hooks.allreduce_hook``).
-_SUBMODULES = {"hooks"}
+_SUBMODULES = {"collectives", "hooks"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -78,7 +78,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
-    from ddpkit import hooks
+    from ddpkit import collectives, hooks
     from ddpkit.data.datasets import DatasetError
     from ddpkit.data.sampler import DistributedSampler
     from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap

@@ -19,26 +19,57 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
+from ddpkit.comm.collectives import ALGORITHMS, all_reduce
 
-__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = ["AllReduceState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
 
-def _group(state: dist.ProcessGroup | None) -> dist.ProcessGroup:
+@dataclass
+class AllReduceState:
+    """State for :func:`allreduce_hook` choosing the all-reduce algorithm.
+
+    Example::
+
+        model.register_comm_hook(ddpkit.hooks.AllReduceState(algorithm="ring"), ddpkit.hooks.allreduce_hook)
+    """
+
+    algorithm: str = "native"
+    """One of :data:`ddpkit.collectives.ALGORITHMS`."""
+    group: dist.ProcessGroup | None = None
+    local_size: int | None = None
+    """Ranks per node for ``hierarchical`` (default: the runtime's)."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r} is not known: choose one of {', '.join(ALGORITHMS)}")
+
+
+def _group(state: dist.ProcessGroup | AllReduceState | None) -> dist.ProcessGroup:
+    if isinstance(state, AllReduceState):
+        state = state.group
     return state if state is not None else dist.group.WORLD
 
 
-def allreduce_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
-    """Average the bucket over the group: the same numbers as no hook at all.
+def allreduce_hook(state: dist.ProcessGroup | AllReduceState | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average the bucket over the group: the same numbers as no hook at all with ``native``.
 
-    Divides before summing so low-precision buckets do not overflow.
+    ``state`` is a process group (or None: the world), or an
+    :class:`AllReduceState` naming the algorithm. Divides before summing so
+    low-precision buckets do not overflow.
     """
     group = _group(state)
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(group))
+    if isinstance(state, AllReduceState) and state.algorithm != "native":
+        handle = all_reduce(buffer, "sum", state.algorithm, group, async_op=True, local_size=state.local_size,
+                            check=False)
+        return handle.get_future().then(lambda f: f.value()[0])
     fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 

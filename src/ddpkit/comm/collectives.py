@@ -1,0 +1,412 @@
+"""All-reduce and its building blocks, built from point-to-point messages so the algorithms are visible.
+
+``algorithm``:
+
+* ``native``: the backend's own collective (gloo, NCCL).
+* ``naive``: every rank sends its tensor to rank 0, which reduces them in rank
+  order and sends the result back: 2(p-1) full-size messages through one rank.
+* ``ring``: reduce-scatter then all-gather around a ring, the tensor cut into
+  p chunks: each rank sends 2(p-1)/p of the data, whatever p (bandwidth-optimal).
+* ``tree``: binomial-tree reduce to rank 0 then binomial-tree broadcast:
+  2 log2(p) steps of full-size messages (latency-optimal for small tensors).
+* ``hierarchical``: reduce inside each node to its first rank (tree), ring
+  all-reduce among those node leaders, broadcast inside the node (tree). The
+  node layout is ``local_size`` consecutive ranks: the runtime's
+  ``LOCAL_WORLD_SIZE`` unless given.
+
+Every rank of the group calls each function with a tensor of the same shape
+and dtype (checked first, with one small all-gather, unless ``check=False``):
+a mismatch raises on every rank instead of hanging or mixing garbage.
+Tensors are reduced in place, non-contiguous ones included. Integer tensors
+are exact; floating sums depend on the order of additions, which differs
+between algorithms (a few ulps).
+
+``async_op=True`` returns a :class:`Handle` (``wait()``, ``get_future()``), so
+a DDP comm hook can use any algorithm. The point-to-point algorithms run to
+completion before returning (their handle is already done); ``native`` is
+asynchronous as the backend makes it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ALGORITHMS", "OPS", "Handle", "all_gather", "all_reduce", "broadcast", "reduce", "reduce_scatter"]
+
+ALGORITHMS = ("native", "naive", "ring", "tree", "hierarchical")
+OPS = ("sum", "avg", "prod", "min", "max")
+_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+               "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
+_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "sum": lambda a, b: a.add_(b), "avg": lambda a, b: a.add_(b), "prod": lambda a, b: a.mul_(b),
+    "min": lambda a, b: torch.minimum(a, b, out=a), "max": lambda a, b: torch.maximum(a, b, out=a),
+}
+
+
+class Handle:
+    """The result of ``async_op=True``: ``wait()`` blocks until done; ``get_future()`` yields the tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None, after: Callable[[], None] | None = None):
+        self._tensor, self._work, self._after = tensor, work, after
+        self._done = work is None
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._work.wait()
+            if self._after is not None:
+                self._after()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._done:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result([self._tensor])
+            return fut
+
+        def finish(f: torch.futures.Future) -> list[torch.Tensor]:
+            f.wait()
+            if self._after is not None and not self._done:
+                self._after()
+                self._done = True
+            return [self._tensor]
+
+        return self._work.get_future().then(finish)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check(op: str, algorithm: str, tensor: torch.Tensor) -> None:
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not a reduction: choose one of {', '.join(OPS)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not known: choose one of {', '.join(ALGORITHMS)}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
+    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"op='avg' on a {tensor.dtype} tensor cannot hold the mean in place: use a floating dtype")
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ddpkit.collectives need a process group: call ddpkit.init() first")
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the group it was given: call only on its members")
+    return group
+
+
+def _same_everywhere(tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+    """One small all-gather of (numel, dtype, shape): every rank raises on a mismatch."""
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"{what}: dtype {tensor.dtype} is not supported")
+    shape = list(tensor.shape[:5]) + [0] * (5 - min(5, tensor.dim()))
+    meta = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+    device = tensor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    parts = [torch.empty_like(meta, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, meta.to(device), group=group)
+    for r, p in enumerate(parts):
+        theirs = p.cpu()
+        if not torch.equal(theirs, meta):
+            raise ValueError(
+                f"{what}: group rank {r} passed {theirs[0].item()} elements of {_DTYPES[int(theirs[1])]}, "
+                f"this rank {tensor.numel()} of {tensor.dtype} (shape {tuple(tensor.shape)}): every rank "
+                "must pass the same shape and dtype"
+            )
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+# ---------------------------------------------------------------- point-to-point pieces
+
+
+def _exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int,
+              group: dist.ProcessGroup) -> None:
+    """Send and receive at once (group ranks); empty messages are skipped on both sides."""
+    ops = []
+    if send is not None and send.numel():
+        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group))
+    if recv is not None and recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm), group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _tree_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
+    """Binomial tree: the result ends on members[0]."""
+    i, n = members.index(me), len(members)
+    scratch = torch.empty_like(flat)
+    mask = 1
+    while mask < n:
+        if i & mask:
+            _exchange(flat, members[i - mask], None, 0, group)
+            return
+        if i + mask < n:
+            _exchange(None, 0, scratch, members[i + mask], group)
+            _COMBINE[op](flat, scratch)
+        mask <<= 1
+
+
+def _tree_broadcast(flat: torch.Tensor, members: list[int], me: int, group: dist.ProcessGroup) -> None:
+    """Binomial tree from members[0] to all."""
+    i, n = members.index(me), len(members)
+    mask = 1
+    while mask < n:
+        mask <<= 1
+    mask >>= 1
+    while mask:
+        if i % (2 * mask) == 0 and i + mask < n:
+            _exchange(flat, members[i + mask], None, 0, group)
+        elif i % (2 * mask) == mask:
+            _exchange(None, 0, flat, members[i - mask], group)
+        mask >>= 1
+
+
+def _ring_reduce_scatter(chunks: list[torch.Tensor], members: list[int], me: int, op: str,
+                         group: dist.ProcessGroup) -> int:
+    """After it, this member holds the full reduction of chunk ``(i + 1) % n``; returns that index."""
+    i, n = members.index(me), len(members)
+    right, left = members[(i + 1) % n], members[(i - 1) % n]
+    for s in range(n - 1):
+        send_k, recv_k = (i - s) % n, (i - s - 1) % n
+        incoming = torch.empty_like(chunks[recv_k])
+        _exchange(chunks[send_k], right, incoming, left, group)
+        _COMBINE[op](chunks[recv_k], incoming)
+    return (i + 1) % n
+
+
+def _ring_all_gather(chunks: list[torch.Tensor], members: list[int], me: int, group: dist.ProcessGroup,
+                     owned: int) -> None:
+    """Member ``i`` starts owning chunk ``owned``; afterwards everyone has every chunk."""
+    i, n = members.index(me), len(members)
+    right, left = members[(i + 1) % n], members[(i - 1) % n]
+    offset = owned - i
+    for s in range(n - 1):
+        send_k, recv_k = (i + offset - s) % n, (i + offset - s - 1) % n
+        _exchange(chunks[send_k], right, chunks[recv_k], left, group)
+
+
+def _ring_all_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
+    chunks = list(flat.tensor_split(len(members)))
+    owned = _ring_reduce_scatter(chunks, members, me, op, group)
+    _ring_all_gather(chunks, members, me, group, owned)
+
+
+def _naive_all_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
+    root = members[0]
+    if me == root:
+        scratch = torch.empty_like(flat)
+        for m in members[1:]:  # rank order: the same result on every run
+            _exchange(None, 0, scratch, m, group)
+            _COMBINE[op](flat, scratch)
+        for m in members[1:]:
+            _exchange(flat, m, None, 0, group)
+    else:
+        _exchange(flat, root, None, 0, group)
+        _exchange(None, 0, flat, root, group)
+
+
+def _local_size(local_size: int | None) -> int:
+    if local_size is not None:
+        return local_size
+    from ddpkit.runtime.group import context
+
+    ctx = context()
+    if ctx is not None:
+        return ctx.local_world_size
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _hierarchical_all_reduce(flat: torch.Tensor, members: list[int], me: int, op: str,
+                             group: dist.ProcessGroup, local_size: int) -> None:
+    if local_size < 1:
+        raise ValueError(f"local_size={local_size} must be at least 1 (ranks per node)")
+    i = members.index(me)
+    node = [m for k, m in enumerate(members) if k // local_size == i // local_size]
+    leaders = members[::local_size]
+    _tree_reduce(flat, node, me, op, group)
+    if me in leaders:
+        _ring_all_reduce(flat, leaders, me, op, group)
+    _tree_broadcast(flat, node, me, group)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def _in_place(tensor: torch.Tensor, run: Callable[[torch.Tensor], None]) -> None:
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    run(flat)
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
+               group: dist.ProcessGroup | None = None, async_op: bool = False, *,
+               local_size: int | None = None, check: bool = True) -> Handle | None:
+    """Reduce ``tensor`` in place over the group, every rank getting the result.
+
+    Args:
+        tensor: the same shape and dtype on every rank; any layout.
+        op: ``sum``, ``avg`` (floating dtypes), ``prod``, ``min`` or ``max``.
+        algorithm: ``native``, ``naive``, ``ring``, ``tree`` or ``hierarchical``.
+        group: the process group (default: the world).
+        async_op: return a :class:`Handle` instead of ``None``.
+        local_size: ranks per node for ``hierarchical`` (default: the runtime's).
+        check: verify first that every rank passes the same shape and dtype.
+
+    Raises:
+        ValueError: unknown op or algorithm, ``avg`` of integers, ranks that
+            disagree on the tensor, a rank outside ``group``.
+        RuntimeError: no process group.
+    """
+    _check(op, algorithm, tensor)
+    group = _group(group)
+    world = dist.get_world_size(group)
+    if check and world > 1:
+        _same_everywhere(tensor, group, "all_reduce")
+    if world == 1:
+        return Handle(tensor) if async_op else None
+
+    def average() -> None:
+        if op == "avg":
+            tensor.div_(world)
+
+    if algorithm == "native":
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+
+        def finish() -> None:
+            if flat is not tensor:
+                tensor.copy_(flat)
+            average()
+
+        work = dist.all_reduce(flat, op=_NATIVE_OPS[op], group=group, async_op=True)
+        if async_op:
+            return Handle(tensor, work, finish)
+        work.wait()
+        finish()
+        return None
+    members, me = list(range(world)), dist.get_rank(group)
+    run = {
+        "naive": lambda f: _naive_all_reduce(f, members, me, op, group),
+        "ring": lambda f: _ring_all_reduce(f, members, me, op, group),
+        "tree": lambda f: (_tree_reduce(f, members, me, op, group), _tree_broadcast(f, members, me, group)),
+        "hierarchical": lambda f: _hierarchical_all_reduce(f, members, me, op, group, _local_size(local_size)),
+    }[algorithm]
+    _in_place(tensor, run)
+    average()
+    return Handle(tensor) if async_op else None
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
+              group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
+    """Overwrite ``tensor`` with rank ``src``'s (group rank) in place; ``tree`` or ``native``/``naive``."""
+    _check("sum", algorithm, tensor)
+    group = _group(group)
+    world = dist.get_world_size(group)
+    if check and world > 1:
+        _same_everywhere(tensor, group, "broadcast")
+    if world == 1:
+        return
+    if algorithm == "native":
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+        dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
+        if flat is not tensor:
+            tensor.copy_(flat)
+        return
+    members = [src] + [r for r in range(world) if r != src]
+    me = dist.get_rank(group)
+    if algorithm == "naive":
+        _in_place(tensor, lambda f: [_exchange(f, m, None, 0, group) for m in members[1:]] if me == src
+                  else _exchange(None, 0, f, src, group))
+    else:
+        _in_place(tensor, lambda f: _tree_broadcast(f, members, me, group))
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "native",
+           group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
+    """Reduce onto rank ``dst`` (group rank) in place; the others' tensors are left as scratch."""
+    _check(op, algorithm, tensor)
+    group = _group(group)
+    world = dist.get_world_size(group)
+    if check and world > 1:
+        _same_everywhere(tensor, group, "reduce")
+    if world > 1:
+        if algorithm == "native":
+            flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+            dist.reduce(flat, dst=dist.get_global_rank(group, dst), op=_NATIVE_OPS[op], group=group)
+            if flat is not tensor:
+                tensor.copy_(flat)
+        else:
+            members = [dst] + [r for r in range(world) if r != dst]
+            _in_place(tensor, lambda f: _tree_reduce(f, members, dist.get_rank(group), op, group))
+    if op == "avg" and (world == 1 or dist.get_rank(group) == dst):
+        tensor.div_(world)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
+                   group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
+    """``output`` gets this rank's part of the reduction of ``tensor`` (its ``tensor_split`` chunk).
+
+    ``tensor`` (same on every rank) is consumed as scratch. ``ring`` is the
+    point-to-point algorithm; ``native`` reduces all and keeps the chunk.
+    """
+    _check(op, algorithm, tensor)
+    group = _group(group)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if check and world > 1:
+        _same_everywhere(tensor, group, "reduce_scatter")
+    flat = tensor.contiguous().view(-1)
+    chunks = list(flat.tensor_split(world))
+    if output.numel() != chunks[me].numel():
+        raise ValueError(
+            f"reduce_scatter: output has {output.numel()} elements, this rank's part of {flat.numel()} "
+            f"over {world} ranks has {chunks[me].numel()}"
+        )
+    if world > 1:
+        if algorithm == "ring":
+            # The ring leaves member i owning chunk i + 1: shift the ring by one
+            # so that each rank ends with its own chunk.
+            members = [(r + 1) % world for r in range(world)]
+            _ring_reduce_scatter(chunks, members, me, op, group)
+        else:
+            all_reduce(flat, "sum" if op == "avg" else op, "native" if algorithm == "native" else algorithm,
+                       group, check=False)
+    output.copy_(chunks[me].view(output.shape))
+    if op == "avg":
+        output.div_(world)
+
+
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "ring",
+               group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
+    """``output`` (``world`` times ``tensor``'s elements) gets every rank's ``tensor``, in rank order."""
+    _check("sum", algorithm, tensor)
+    group = _group(group)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if output.numel() != world * tensor.numel():
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, {world} ranks x {tensor.numel()} are needed"
+        )
+    if check and world > 1:
+        _same_everywhere(tensor, group, "all_gather")
+    flat = output.view(-1) if output.is_contiguous() else output.contiguous().view(-1)
+    chunks = list(flat.chunk(world)) if tensor.numel() else [flat[:0]] * world
+    chunks[me].copy_(tensor.reshape(-1))
+    if world > 1:
+        if algorithm == "native":
+            dist.all_gather(chunks, tensor.contiguous().view(-1), group=group)
+        else:
+            members = list(range(world))
+            _ring_all_gather(chunks, members, me, group, owned=me)
+    if flat.data_ptr() != output.data_ptr() or not output.is_contiguous():
+        output.copy_(flat.view(output.shape))

@@ -1,0 +1,163 @@
+"""ddpkit.collectives against torch.distributed's own collectives, on real gloo ranks (1, 2 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import make, state, train
+
+import ddpkit
+from ddpkit import collectives as C
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+LENGTHS = [0, 1, 5, 13]  # empty, tiny, and not divisible by the world size
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+             "max": dist.ReduceOp.MAX}
+
+
+def _data(n: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * n + rank)
+    if dtype.is_floating_point:
+        # Values near 1 so products stay in range for 16-bit floats.
+        return (torch.rand(n, generator=g) * 0.5 + 0.75).to(dtype)
+    return torch.randint(-3, 4, (n,), generator=g).to(dtype)
+
+
+def _tolerance(dtype: torch.dtype, op: str) -> dict:
+    # Integers, min and max are exact. Float sums and products differ from
+    # gloo's only by the order of operations: a few ulps of each dtype.
+    if not dtype.is_floating_point or op in ("min", "max"):
+        return {"rtol": 0, "atol": 0}
+    eps = torch.finfo(dtype).eps
+    return {"rtol": 8 * eps, "atol": 8 * eps}
+
+
+def _all_algorithms(algorithm: str) -> list[str]:
+    rank = dist.get_rank()
+    failures = []
+    for dtype in DTYPES:
+        for n in LENGTHS:
+            for op in ("sum", "prod", "min", "max", "avg"):
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                mine = _data(n, dtype, rank)
+                expected = mine.clone()
+                dist.all_reduce(expected, op=TORCH_OPS["sum" if op == "avg" else op])
+                if op == "avg":
+                    expected /= dist.get_world_size()
+                # A non-contiguous view: every other element of a wider tensor.
+                wide = torch.zeros(2 * n, dtype=dtype)
+                view = wide[::2]
+                view.copy_(mine)
+                C.all_reduce(view, op=op, algorithm=algorithm, local_size=2)
+                try:
+                    torch.testing.assert_close(view, expected, **_tolerance(dtype, op))
+                    assert wide[1::2].eq(0).all(), "wrote outside the view"
+                except AssertionError as e:
+                    failures.append(f"{algorithm} {op} {dtype} n={n}: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("algorithm", C.ALGORITHMS)
+def test_all_reduce_matches_torch_three_ranks(dist3, algorithm):
+    for failures in dist3.run(_all_algorithms, algorithm):
+        assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "hierarchical"])
+def test_all_reduce_matches_torch_two_ranks(dist2, algorithm):
+    for failures in dist2.run(_all_algorithms, algorithm):
+        assert not failures, "\n".join(failures[:5])
+
+
+def test_world_of_one():
+    ddpkit.init()
+    t = torch.arange(5.0)
+    for algorithm in C.ALGORITHMS:
+        C.all_reduce(t, algorithm=algorithm)
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert C.all_reduce(t, async_op=True).wait()
+
+
+def _building_blocks() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for algorithm in ("native", "naive", "tree"):
+        t = torch.full((7,), float(rank))
+        C.broadcast(t, src=world - 1, algorithm=algorithm)
+        out[f"broadcast {algorithm}"] = t.tolist()
+        r = torch.arange(7.0) + rank
+        C.reduce(r, dst=1, algorithm=algorithm)
+        out[f"reduce {algorithm}"] = r.tolist() if rank == 1 else None
+    for algorithm in ("ring", "native"):
+        full = torch.arange(10.0) * (rank + 1)
+        part = torch.empty(len(torch.arange(10).tensor_split(world)[rank]))
+        C.reduce_scatter(part, full.clone(), algorithm=algorithm)
+        out[f"reduce_scatter {algorithm}"] = part.tolist()
+        gathered = torch.empty(world * 3)
+        C.all_gather(gathered, torch.full((3,), float(rank)), algorithm=algorithm)
+        out[f"all_gather {algorithm}"] = gathered.tolist()
+    handle = C.all_reduce(torch.ones(4), algorithm="ring", async_op=True)
+    out["async"] = handle.get_future().wait()[0].tolist()
+    native = C.all_reduce(torch.ones(4), async_op=True)
+    out["async native"] = native.get_future().wait()[0].tolist()
+    return out
+
+
+def test_building_blocks(dist3):
+    world = 3
+    total = sum(range(1, world + 1))
+    for rank, out in enumerate(dist3.run(_building_blocks)):
+        for algorithm in ("native", "naive", "tree"):
+            assert out[f"broadcast {algorithm}"] == [2.0] * 7
+            if rank == 1:
+                assert out[f"reduce {algorithm}"] == [3.0 * i + 3 for i in range(7)]
+        chunk = torch.arange(10).tensor_split(world)[rank]
+        for algorithm in ("ring", "native"):
+            assert out[f"reduce_scatter {algorithm}"] == [float(i) * total for i in chunk.tolist()]
+            assert out[f"all_gather {algorithm}"] == [float(r) for r in range(world) for _ in range(3)]
+        assert out["async"] == [3.0] * 4 and out["async native"] == [3.0] * 4
+
+
+def _bad_inputs() -> list[str]:
+    errors = []
+    for call in (
+        lambda: C.all_reduce(torch.ones(3 + dist.get_rank()), algorithm="ring"),
+        lambda: C.all_reduce(torch.ones(3, dtype=torch.float32 if dist.get_rank() else torch.float64)),
+        lambda: C.all_reduce(torch.ones(3), algorithm="butterfly"),
+        lambda: C.all_reduce(torch.ones(3), op="median"),
+        lambda: C.all_reduce(torch.ones(3, dtype=torch.int64), op="avg"),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_inputs_are_named_on_every_rank_without_hanging(dist2):
+    for errors in dist2.run(_bad_inputs, timeout=60):
+        assert "every rank must pass the same shape and dtype" in errors[0]
+        assert "every rank must pass the same shape and dtype" in errors[1]
+        assert "algorithm='butterfly' is not known" in errors[2]
+        assert "op='median' is not a reduction" in errors[3]
+        assert "op='avg' on a torch.int64 tensor" in errors[4]
+
+
+def _train_with(algorithm: str) -> dict:
+    model = ddpkit.DDP(make("convbn"), bucket_cap_mb=1e-4)  # several buckets
+    model.register_comm_hook(ddpkit.hooks.AllReduceState(algorithm=algorithm), ddpkit.hooks.allreduce_hook)
+    return state(train(model, "convbn", 3, 0.9))
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "ring", "tree", "hierarchical"])
+def test_ddp_trains_the_same_with_each_algorithm(dist3, algorithm):
+    # Three addends in another order than gloo's: float32 sums a few ulps
+    # apart, grown over 3 momentum steps; 1e-5 relative is ~100 ulps.
+    native = dist3.run(_train_with, "native")
+    ours = dist3.run(_train_with, algorithm)
+    for a, b in zip(native, ours):
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
