@@ -52,7 +52,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
                                     help=f"turn off: {help_text}")
             continue
         if default is not None and "default" not in help_text:
-            shown = ",".join(default) if isinstance(default, tuple) else default
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             help_text += f" (default: {shown})"
         many = kind.startswith(("tuple[", "list["))
         # "int | None" parses as int; "int | str" (e.g. a count or 'auto') stays a
@@ -92,6 +92,28 @@ def _bench(args: argparse.Namespace) -> int:
 
     run(_build(BenchConfig, args))
     return 0
+
+
+def _bench_collectives(args: argparse.Namespace) -> int:
+    from ddpkit.bench.collectives import CollectivesBenchConfig, run
+
+    run(_build(CollectivesBenchConfig, args))
+    return 0
+
+
+def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
+    """``ddpkit bench collectives``: a second suite under ``bench`` (plain ``ddpkit bench`` stays DDP's)."""
+    from ddpkit.bench.collectives import CollectivesBenchConfig
+
+    suites = bench.add_subparsers(dest="suite", metavar="SUITE")
+    p = suites.add_parser(
+        "collectives", help="time each all-reduce algorithm by message size and world size",
+        description="Median all-reduce time, algorithm and bus bandwidth of ddpkit.collectives' algorithms by "
+                    "message size, with an alpha-beta model fitted to them; JSON and a PNG plot.",
+        allow_abbrev=False,
+    )
+    _add_config_flags(p, CollectivesBenchConfig)
+    p.set_defaults(handler=_bench_collectives)
 
 
 def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:
@@ -135,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)
         _add_config_flags(p, config())
         p.set_defaults(handler=handler)
+        if name == "bench":
+            _add_bench_suites(p)
     return parser
 
 
