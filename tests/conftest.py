@@ -33,6 +33,14 @@ def dist3() -> Iterator[RankPool]:
     pool.close()
 
 
+@pytest.fixture(scope="session")
+def dist4() -> Iterator[RankPool]:
+    """Four gloo ranks: two "nodes" of two for hierarchical algorithms."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(autouse=True)
 def _clean_state() -> Iterator[None]:
     """Restore environment variables and drop any process group a test made in-process."""

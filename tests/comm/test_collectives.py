@@ -65,6 +65,17 @@ def test_all_reduce_matches_torch_three_ranks(dist3, algorithm):
         assert not failures, "\n".join(failures[:5])
 
 
+def _all_at_four() -> list[str]:
+    # local_size=2: hierarchical runs as two nodes of two ranks.
+    return [f for a in C.ALGORITHMS for f in _all_algorithms(a)]
+
+
+def test_all_reduce_matches_torch_four_ranks(dist4):
+    for failures in dist4.run(_all_at_four, timeout=300):
+        assert not failures, "\n".join(failures[:5])
+    dist4.close()  # four ranks are not needed again: give the cores back
+
+
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "hierarchical"])
 def test_all_reduce_matches_torch_two_ranks(dist2, algorithm):
     for failures in dist2.run(_all_algorithms, algorithm):
@@ -135,6 +146,21 @@ def _bad_inputs() -> list[str]:
         except ValueError as e:
             errors.append(str(e))
     return errors
+
+
+def _outside_the_group() -> str:
+    group = dist.new_group([0])  # every rank takes part in creating it
+    if dist.get_rank() == 0:
+        return "member"
+    try:
+        C.all_reduce(torch.ones(2), group=group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_outside_the_group_is_refused(dist2):
+    assert dist2.run(_outside_the_group)[1].startswith("this rank (1) is not in the group")
 
 
 def test_bad_inputs_are_named_on_every_rank_without_hanging(dist2):
