@@ -95,3 +95,10 @@ def test_launch_never_imports_torch_in_the_launcher() -> None:
     assert proc.stdout.count("REPORT ") == 2, proc.stdout  # the workers really ran
     line = next(l for l in proc.stdout.splitlines() if l.startswith("TORCH_IN_LAUNCHER"))
     assert line == "TORCH_IN_LAUNCHER []", line
+
+
+def test_test_file_names_are_unique() -> None:
+    # tests/ has no __init__.py files: pytest imports test modules by basename,
+    # so two files of one name in different folders break collection.
+    names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
