@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.engines import _stepper
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.train.models import ConvNet
@@ -39,19 +38,6 @@ class DPResult:
     ratio_q1: float
     ratio_q3: float
     rounds: int
-
-
-def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> float:
-        start = time.perf_counter()
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        return time.perf_counter() - start
-
-    return step
 
 
 def bench_dp_vs_ddp(cfg: BenchConfig) -> DPResult:

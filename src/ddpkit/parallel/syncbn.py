@@ -17,7 +17,7 @@ Running statistics follow ``BatchNorm``'s rules over the global batch
 in a world of one, or without a process group, the layer is exactly
 ``BatchNorm``.
 
-Unlike torch's ``nn.SyncBatchNorm``, which supports CUDA only, this one also
+Unlike torch's own SyncBatchNorm, which supports CUDA only, this one also
 runs on CPU with gloo.
 """
 

@@ -49,8 +49,6 @@ from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
-from ddpkit.parallel.dp import DataParallel
-from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, shutdown, zero_first
 from ddpkit.runtime.options import ConfigError
@@ -58,7 +56,7 @@ from ddpkit.runtime.spawn import WorkerError, spawn
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import load_checkpoint, save_weights
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.models import build_model
+from ddpkit.train.recipe import autocast_for, build_state, replicas, wrap
 from ddpkit.train.state import TrainState
 
 __all__ = ["TrainConfig", "train"]
@@ -152,33 +150,6 @@ def _agree_on_claim(config: TrainConfig, claim: rundir.Claim | None, world: int,
     return msg[0]
 
 
-def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
-    ids = [device.index] if device.type == "cuda" else None
-    if config.engine == "ddpkit":
-        from ddpkit.parallel.ddp import DistributedDataParallel
-
-        return DistributedDataParallel(model, device_ids=ids)
-    if config.engine == "torch":
-        from ddpkit._reference import torch_ddp
-
-        return torch_ddp(model, device_ids=ids)
-    if config.engine == "dp":
-        return DataParallel(model, device_ids=_dp_devices(config))
-    return model
-
-
-def _dp_devices(config: TrainConfig) -> list[int] | list[str]:
-    """``--engine dp``: every GPU, else ``--nproc-per-node`` (default 2) CPU replicas."""
-    if torch.cuda.is_available():
-        return list(range(torch.cuda.device_count()))
-    return ["cpu"] * (config.nproc_per_node or 2)
-
-
-def _replicas(config: TrainConfig) -> int:
-    """Model replicas per process: a DataParallel step is that many per-process batches."""
-    return len(_dp_devices(config)) if config.engine == "dp" else 1
-
-
 @dataclass
 class _Run:
     """What one worker trains with: the saved state, its live objects, and the data."""
@@ -207,47 +178,12 @@ class _Run:
     @property
     def scale(self) -> int:
         """Model replicas in the job: processes, times DataParallel's replicas in each."""
-        return self.world * _replicas(self.config)
+        return self.world * replicas(self.config)
 
     @property
     def batch(self) -> int:
         """Samples one process takes per micro-batch (all its replicas together)."""
-        return self.config.batch_size * _replicas(self.config)
-
-
-def _build(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
-    """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``."""
-    torch.manual_seed(config.seed)
-    train_set = data.train
-    model = build_model(
-        config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
-        num_classes=train_set.num_classes,
-    ).to(device)
-    if config.sync_bn:
-        model = SyncBatchNorm.convert_sync_batchnorm(model)
-    lr = config.lr * world * _replicas(config)
-    if config.optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
-    return TrainState(
-        model=model, optimizer=opt,
-        scaler=torch.amp.GradScaler("cuda", enabled=config.amp == "fp16"),
-        sampler=DistributedSampler(train_set, shuffle=True, seed=config.seed),
-        extra={"epoch": 0, "batches_done": 0, "history": [], "partial": torch.zeros(world, 2, dtype=torch.float64),
-               "world_size": world, "config": config.to_dict()},
-        keep=config.keep_checkpoints,
-        count_steps=False,  # the loop counts its steps itself (an fp16 step skipped for inf still counts)
-    )
-
-
-def _autocast(config: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.amp)
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
+        return self.config.batch_size * replicas(self.config)
 
 
 def _checkpoint(run: _Run, consumed: int, loss_sum: torch.Tensor, count: int) -> None:
@@ -367,7 +303,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
     claim = _agree_on_claim(config, claim, ctx.world_size, restart)
     with zero_first():  # a --download happens once per node
         data = _load_data(config)
-    state = _build(config, data, ctx.world_size, ctx.device)
+    state = build_state(config, data, ctx.world_size, ctx.device)
     if claim.checkpoint is not None:
         state.load(load_checkpoint(claim.checkpoint))
         print0(f"ddpkit train: {'restart ' + str(restart) + ': ' if restart else ''}resuming from "
@@ -377,7 +313,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
     run = _Run(
         state=state, config=config, device=ctx.device, world=ctx.world_size, out=claim.out,
         train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test,
-        autocast=_autocast(config, ctx.device),
+        autocast=autocast_for(config, ctx.device),
     )
     if ctx.rank == 0 and claim.checkpoint is not None:
         # Epochs after the checkpoint are trained again: their old lines go.
@@ -388,7 +324,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
         f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}, "
         f"output {run.out}"
     )
-    return run, _wrap(state.model, config, ctx.device)
+    return run, wrap(state.model, config, ctx.device)
 
 
 def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart: int = 0) -> dict[str, Any]:

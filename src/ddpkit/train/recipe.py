@@ -1,0 +1,87 @@
+"""What one run trains with, built from its TrainConfig: model, optimizer, scaler, sampler, engine.
+
+``ddpkit train``'s engines: ddpkit's DDP, torch's DDP (for comparison), no
+wrapper (``single``), or ``ddpkit.DataParallel`` (``dp``: one process whose
+replicas each take ``batch_size`` samples, so the global batch and the scaled
+learning rate are those of DDP at the same number of replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.dp import DataParallel
+from ddpkit.parallel.syncbn import SyncBatchNorm
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.models import build_model
+from ddpkit.train.state import TrainState
+
+__all__ = ["autocast_for", "build_state", "dp_devices", "replicas", "wrap"]
+
+
+def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """``model`` in the engine ``config.engine`` names (``single``: as it is)."""
+    ids = [device.index] if device.type == "cuda" else None
+    if config.engine == "ddpkit":
+        from ddpkit.parallel.ddp import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=ids)
+    if config.engine == "torch":
+        from ddpkit._reference import torch_ddp
+
+        return torch_ddp(model, device_ids=ids)
+    if config.engine == "dp":
+        return DataParallel(model, device_ids=dp_devices(config))
+    return model
+
+
+def dp_devices(config: TrainConfig) -> list[int] | list[str]:
+    """``--engine dp``: every GPU, else ``--nproc-per-node`` (default 2) CPU replicas."""
+    if torch.cuda.is_available():
+        return list(range(torch.cuda.device_count()))
+    return ["cpu"] * (config.nproc_per_node or 2)
+
+
+def replicas(config: TrainConfig) -> int:
+    """Model replicas per process: a DataParallel step is that many per-process batches."""
+    return len(dp_devices(config)) if config.engine == "dp" else 1
+
+
+def build_state(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
+    """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``."""
+    torch.manual_seed(config.seed)
+    train_set = data.train
+    model = build_model(
+        config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
+        num_classes=train_set.num_classes,
+    ).to(device)
+    if config.sync_bn:
+        model = SyncBatchNorm.convert_sync_batchnorm(model)
+    lr = config.lr * world * replicas(config)
+    if config.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
+    return TrainState(
+        model=model, optimizer=opt,
+        scaler=torch.amp.GradScaler("cuda", enabled=config.amp == "fp16"),
+        sampler=DistributedSampler(train_set, shuffle=True, seed=config.seed),
+        extra={"epoch": 0, "batches_done": 0, "history": [], "partial": torch.zeros(world, 2, dtype=torch.float64),
+               "world_size": world, "config": config.to_dict()},
+        keep=config.keep_checkpoints,
+        count_steps=False,  # the loop counts its steps itself (an fp16 step skipped for inf still counts)
+    )
+
+
+def autocast_for(config: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.amp)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
