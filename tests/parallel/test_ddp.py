@@ -273,7 +273,7 @@ def test_rejects_bad_arguments():
         ddpkit.DDP(nn.Linear(2, 2), device_ids=[0])
     with pytest.raises(RuntimeError, match="uninitialized"):
         ddpkit.DDP(nn.LazyLinear(2))
-    for name in ("static_graph", "device_mesh", "mixed_precision"):
+    for name in ("device_mesh", "mixed_precision"):
         with pytest.raises(ValueError, match=f"{name}=...\\): not supported"):
             ddpkit.DDP(nn.Linear(2, 2), **{name: True})
     with pytest.raises(TypeError, match="dim="):

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from ddpkit.runtime.options import ConfigError, option
 
-WORKLOADS = ("convnet", "mlp", "dp")
-"""``dp``: DataParallel against DDP at ``world_size`` replicas (ConvNet, ``samples_per_rank`` each)."""
+WORKLOADS = ("convnet", "mlp", "transformer", "linear200", "dp")
+"""``transformer``: a 6-layer encoder, d_model 256; ``linear200``: 200 ``Linear(16, 16)`` layers
+(Python cost per parameter); ``dp``: DataParallel against DDP at ``world_size`` replicas (ConvNet,
+``samples_per_rank`` each)."""
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,13 @@ Workloads:
   ``samples_per_rank`` 28x28 images per rank and step; compute-bound;
 * ``mlp``: :class:`ddpkit.train.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
   parameters, 100 MB of float32 gradients) on ``mlp_batch`` images per rank;
-  communication-bound.
+  communication-bound;
+* ``transformer``: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 8 heads,
+  feed-forward 1024, no dropout) and a linear head over the mean token, on 8
+  sequences of 32 tokens per rank (74 parameters, 4.7 M);
+* ``linear200``: 200 ``Linear(16, 16)`` layers with tanh between them, on
+  ``mlp_batch`` rows per rank: 400 tiny parameters, so the step is dominated
+  by what the engine does per parameter.
 """
 
 from __future__ import annotations
@@ -73,16 +79,38 @@ class WorkloadResult:
     buckets: int
 
 
+class _Encoder(nn.Module):
+    """The ``transformer`` workload: encoder layers, mean over tokens, a 10-way head."""
+
+    def __init__(self, d_model: int = 256, layers: int = 6) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, nhead=8, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+def _linear200() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(200):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
 def _workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     from ddpkit.train.models import MLP, ConvNet
 
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
-    batch = cfg.samples_per_rank if name == "convnet" else cfg.mlp_batch
-    x = torch.randn(batch, 1, 28, 28, generator=g)
+    batch = {"convnet": cfg.samples_per_rank, "transformer": 8}.get(name, cfg.mlp_batch)
+    shape = {"transformer": (batch, 32, 256), "linear200": (batch, 16)}.get(name, (batch, 1, 28, 28))
+    x = torch.randn(*shape, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     torch.manual_seed(0)
-    model = ConvNet() if name == "convnet" else MLP(hidden=cfg.mlp_hidden)
-    return model, x, y
+    models = {"convnet": ConvNet, "mlp": lambda: MLP(hidden=cfg.mlp_hidden), "transformer": _Encoder,
+              "linear200": _linear200}
+    return models[name](), x, y
 
 
 def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
@@ -190,12 +218,12 @@ def format_results(results: list[WorkloadResult], world_size: int) -> str:
     """A plain-text table of the results."""
     lines = [
         f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank; median step times in ms",
-        f"{'workload':<9} {'params':>10} {'ddpkit':>9} {'torch':>9} {'ratio':>6}   "
+        f"{'workload':<11} {'params':>10} {'ddpkit':>9} {'torch':>9} {'ratio':>6}   "
         f"{'compute':>8} {'comm':>8} {'hidden ddpkit/torch':>20} {'exposed':>8} {'direct':>7}",
     ]
     for r in results:
         lines.append(
-            f"{r.workload:<9} {r.params:>10,} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f}   "
+            f"{r.workload:<11} {r.params:>10,} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f}   "
             f"{r.compute_ms:>8.2f} {r.comm_ms:>8.2f} {r.hidden_ddpkit:>10.0%} /{r.hidden_torch:>7.0%} "
             f"{r.exposed_ddpkit_ms:>8.2f} {r.hidden_ddpkit_direct:>7.0%}"
         )

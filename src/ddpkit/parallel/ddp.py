@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.bucket import CommHook
+from ddpkit.parallel.join import DISABLED, Join, JoinConfig
 from ddpkit.parallel.reducer import Reducer
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -44,8 +45,7 @@ class _PackedBroadcast:
 
     def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
         self.group = group
-        self.src = dist.get_global_rank(group, 0)
-        self.is_src = dist.get_rank(group) == 0
+        self.rank = dist.get_rank(group)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in tensors:
             by_device.setdefault(t.device, []).append(t)
@@ -59,16 +59,18 @@ class _PackedBroadcast:
             pairs = [(t, packed[o : o + _nbytes(t)].view(t.dtype).view(t.shape)) for t, o in zip(members, offsets)]
             self.packs.append((packed, pairs))
 
-    def __call__(self) -> None:
+    def __call__(self, src: int = 0) -> None:
+        """Broadcast from group rank ``src``."""
         # Same devices, tensors and sizes in the same order on every rank (the
         # parameters were verified identical), so the broadcasts match up.
+        is_src = self.rank == src
         with torch.no_grad():
             for packed, pairs in self.packs:
-                if self.is_src:
+                if is_src:
                     for t, view in pairs:
                         view.copy_(t)
-                dist.broadcast(packed, src=self.src, group=self.group)
-                if not self.is_src:
+                dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
+                if not is_src:
                     for t, view in pairs:
                         t.copy_(view)
 
@@ -81,8 +83,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` with rank 0's values in messages of at most 250 MB."""
+def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src: int = 0) -> None:
+    """Overwrite ``tensors`` with group rank ``src``'s values in messages of at most 250 MB."""
     chunk: list[torch.Tensor] = []
     size = 0
     for t in list(tensors) + [None]:  # type: ignore[list-item]
@@ -91,7 +93,7 @@ def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -
             size += _nbytes(t)
             continue
         if chunk:
-            _PackedBroadcast(chunk, group)()
+            _PackedBroadcast(chunk, group)(src)
         if t is not None:
             chunk, size = [t], _nbytes(t)
 
@@ -134,6 +136,49 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _output_tensors(obj: Any, found: list[torch.Tensor]) -> None:
+    """Collect the tensors of a forward's output that backward can reach (tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.grad_fn is not None:
+            found.append(obj)
+    elif type(obj) in (tuple, list) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        for o in obj:
+            _output_tensors(o, found)
+    elif type(obj) is dict:
+        for o in obj.values():
+            _output_tensors(o, found)
+
+
+def _replace_outputs(obj: Any, new: dict[int, torch.Tensor]) -> Any:
+    """``obj`` with each tensor whose id is in ``new`` replaced, the structure kept."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(id(obj), obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_replace_outputs(o, new) for o in obj))
+    if type(obj) in (tuple, list):
+        return type(obj)(_replace_outputs(o, new) for o in obj)
+    if type(obj) is dict:
+        return {k: _replace_outputs(v, new) for k, v in obj.items()}
+    return obj
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """Identity on the forward's outputs whose backward, the first step of any
+    backward through them, queues the reducer's end-of-backward callback on
+    that (outer) backward: torch's ``_DDPSink``. Outputs are copies, as torch's,
+    so in-place changes to them stay legal."""
+
+    @staticmethod
+    def forward(ctx: Any, reducer: Reducer, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.reducer = reducer
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.reducer.expect_backward()
+        return (None, *grads)
+
+
 class DistributedDataParallel(nn.Module):
     """Data parallelism: same model on every rank, gradients averaged during backward.
 
@@ -153,12 +198,17 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: make ``.grad`` a view into bucket memory,
             saving a copy and a gradient-sized buffer. Default False.
         process_group: the group to average over; default the world.
+        static_graph: the model uses the same parameters the same number of
+            times every iteration: unused parameters are found once, and
+            parameters may get several gradients per backward (activation
+            checkpointing, reentrant or not). A graph that changes later
+            raises. Default False.
 
     The constructor takes torch's arguments in torch's order. ``dim`` is kept
     for compatibility (one device per process: nothing is scattered);
     ``init_sync=False`` skips the construction-time check and broadcast;
-    ``check_reduction`` is ignored as by torch; ``static_graph``,
-    ``mixed_precision``, ``device_mesh``, ``delay_all_reduce_named_params``,
+    ``check_reduction`` is ignored as by torch; ``mixed_precision``,
+    ``device_mesh``, ``delay_all_reduce_named_params``,
     ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params`` and
     ``bucket_cap_mb_list`` are refused when set.
 
@@ -211,7 +261,7 @@ class DistributedDataParallel(nn.Module):
         # torch's arguments in torch's order, so a call written for torch's DDP
         # (positional ones included) means the same here or fails by name.
         unsupported = {
-            "static_graph": static_graph, "delay_all_reduce_named_params": delay_all_reduce_named_params,
+            "delay_all_reduce_named_params": delay_all_reduce_named_params,
             "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
             "device_mesh": device_mesh, "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
             "bucket_cap_mb_list": bucket_cap_mb_list,
@@ -260,7 +310,7 @@ class DistributedDataParallel(nn.Module):
         self.output_device = output_device
         self.broadcast_buffers = broadcast_buffers
         self.forward_sync_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
-        self.static_graph = False
+        self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -268,6 +318,8 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
+        self._join_config: JoinConfig = DISABLED
+        self._divide_by_initial_world_size = True
 
         named = list(module.named_parameters())
         trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -279,6 +331,9 @@ class DistributedDataParallel(nn.Module):
         buffers = list(module.buffers())
         self._buffer_broadcast: _PackedBroadcast | None = None
         self._buffer_ids: tuple[int, ...] = ()
+        self._buffer_count = len(buffers)
+        """Buffers at the last collection; none means no broadcast (as torch's
+        cached ``modules_buffers``), and no walk over the modules per forward."""
         self.require_forward_param_sync = True
         """Whether the next forward broadcasts buffers: the previous forward was
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
@@ -296,7 +351,20 @@ class DistributedDataParallel(nn.Module):
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
         )
+
+    def _set_static_graph(self) -> None:
+        """Turn on ``static_graph`` after construction (torch's older API; Lightning calls it)."""
+        if self.static_graph:
+            return
+        if self.reducer._rebuilt or self.reducer._rebuild_due:
+            raise RuntimeError(
+                "_set_static_graph() must be called before the first backward: pass "
+                "DistributedDataParallel(..., static_graph=True) instead"
+            )
+        self.static_graph = True
+        self.reducer.static_graph = True
 
     # -- pickling (torch.save of the whole wrapper), as torch's DDP allows --------
 
@@ -332,26 +400,52 @@ class DistributedDataParallel(nn.Module):
         self.reducer = self._make_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        sync = self.require_backward_grad_sync
+        grad = torch.is_grad_enabled()
+        sync = self.require_backward_grad_sync and grad
+        joining = self._join_config.enable and self.world_size > 1
+        div_factor = self.world_size
+        if joining:
+            notified = Join.notify_join_context(self)
+            if notified is not None and not self._divide_by_initial_world_size:
+                work, still_training = notified
+                work.wait()
+                div_factor = int(still_training.item())
+            # Tell the ranks that have joined whether this step reduces gradients.
+            flag = torch.ones(1, device=self.join_device) if sync else torch.zeros(1, device=self.join_device)
+            dist.all_reduce(flag, group=self.process_group, async_op=True)
         # torch's rule: buffers go out from rank 0 when the previous forward
         # was a synchronised one, so the first synchronised forward after a
-        # no_sync() block keeps each rank's own statistics.
+        # no_sync() block keeps each rank's own statistics. Under join(), from
+        # the highest rank still training (rank 0 may have stopped).
         if self.require_forward_param_sync and self.forward_sync_buffers and self.world_size > 1:
-            self._sync_buffers()
-        if sync and torch.is_grad_enabled():
+            self._sync_buffers(self._common_rank(True) if joining and self._has_buffers() else 0)
+        self.reducer.div_factor = div_factor
+        if sync:
             self.reducer.prepare_for_backward()
-        elif torch.is_grad_enabled():
+        elif grad:
             self.reducer.disarm()
         if self.device_ids is not None:
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else torch.device(self.device_ids[0])
             args, kwargs = _to_device(args, device), _to_device(kwargs, device)
         output = self.module(*args, **kwargs)
-        self.require_forward_param_sync = torch.is_grad_enabled() and sync
+        self.require_forward_param_sync = sync
+        if sync and self.static_graph:
+            tensors: list[torch.Tensor] = []
+            _output_tensors(output, tensors)
+            if tensors:
+                passed = _EndOfBackward.apply(self.reducer, *tensors)
+                output = _replace_outputs(output, {id(t): p for t, p in zip(tensors, passed)})
         return output
 
-    def _sync_buffers(self) -> None:
-        """Broadcast rank 0's buffers; collected again each time, in case the model reassigned one."""
+    def _has_buffers(self) -> bool:
+        return self._buffer_count > 0
+
+    def _sync_buffers(self, src: int = 0) -> None:
+        """Broadcast group rank ``src``'s buffers; collected again each time, in case the model reassigned one."""
+        if not self._buffer_count:
+            return
         buffers = list(self.module.buffers())
+        self._buffer_count = len(buffers)
         if not buffers:
             return
         ids = tuple(id(b) for b in buffers)
@@ -359,7 +453,62 @@ class DistributedDataParallel(nn.Module):
             # Same structure on every rank, so every rank rebuilds here together.
             self._buffer_broadcast = _PackedBroadcast(buffers, self.process_group)
             self._buffer_ids = ids
-        self._buffer_broadcast()
+        self._buffer_broadcast(src)
+
+    # -- join: uneven inputs ---------------------------------------------------
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Context manager for ranks with different numbers of batches.
+
+        A rank that leaves the block early takes part, with zero gradients,
+        in the collectives of every step the others still run, so nothing
+        hangs; when all have left, every rank takes the parameters (and
+        buffers, with ``broadcast_buffers``) of the last rank to finish, so the
+        replicas end identical.
+
+        Args:
+            divide_by_initial_world_size: average over the full world size
+                (default: a joined rank counts as a zero gradient); ``False``
+                averages over the ranks still training.
+            enable: ``False`` for inputs known to be even (no extra cost).
+            throw_on_early_termination: raise ``RuntimeError`` on every rank
+                as soon as one runs out of inputs, instead.
+
+        Example::
+
+            with model.join():
+                for x, y in loader:            # a different length on each rank
+                    loss_fn(model(x), y).backward()
+                    opt.step(); opt.zero_grad()
+        """
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> _DDPJoinHook:
+        """The hook a ``Join`` context runs on this rank once it has joined."""
+        if kwargs:
+            raise TypeError(f"join_hook() got unexpected arguments {sorted(kwargs)}")
+        self._divide_by_initial_world_size = divide_by_initial_world_size
+        return _DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's bookkeeping tensors live (the module's device)."""
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest group rank among those where ``candidate`` holds (a collective)."""
+        rank = dist.get_rank(self.process_group)
+        t = torch.tensor([rank if candidate else -1], device=self.join_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        if t.item() < 0:
+            raise RuntimeError("join: no rank qualifies as the source of the model (internal error)")
+        return int(t.item())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -391,6 +540,34 @@ class DistributedDataParallel(nn.Module):
         ``ddp_comm_hooks.default_hooks`` work too. Call once, before training.
         """
         self.reducer.register_comm_hook(state, hook)
+
+
+class _DDPJoinHook:
+    """DDP's side of ``Join``: shadow the others' steps, then agree on one model."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        """One step of the ranks still training: the same collectives as their forward and backward."""
+        ddp = self.ddp
+        flag = torch.zeros(1, device=ddp.join_device)
+        dist.all_reduce(flag, group=ddp.process_group)
+        should_sync = bool(flag.item())
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._has_buffers():
+            ddp._sync_buffers(ddp._common_rank(False))
+        ddp.require_forward_param_sync = should_sync
+        if should_sync:
+            ddp.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to finish (the highest, on a tie)."""
+        ddp = self.ddp
+        src = ddp._common_rank(is_last_joiner)
+        tensors = [p.detach() for p in ddp.module.parameters()]
+        if ddp.broadcast_buffers:
+            tensors += list(ddp.module.buffers())
+        _broadcast_once(tensors, ddp.process_group, src)
 
 
 DDP = DistributedDataParallel

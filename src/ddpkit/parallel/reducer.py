@@ -10,10 +10,12 @@ bucket
     gradients of backward go out early, the others at ``bucket_cap_mb``.
 ready
     A parameter is ready when autograd has accumulated its gradient for this
-    backward (``Tensor.register_post_accumulate_grad_hook``). Its gradient is
-    then copied into its bucket (pre-scaled by ``1 / world_size`` when no comm
-    hook is registered, fused into the copy). A bucket whose parameters are all
-    ready is launched: an asynchronous all-reduce, or the comm hook's future.
+    backward (``Tensor.register_post_accumulate_grad_hook``). When the last
+    parameter of a bucket is ready, the bucket's gradients are copied into it
+    (pre-scaled by ``1 / world_size`` when no comm hook is registered: fused
+    into the copy for large parameters, one fused copy and one fused scale for
+    all the small ones) and the bucket is launched: an asynchronous
+    all-reduce, or the comm hook's future.
 launch order
     Buckets are launched strictly in index order (a ready bucket waits for
     its predecessors), so every rank issues the same collectives in the same
@@ -27,14 +29,28 @@ rebuild
     the order gradients actually arrived on rank 0 (broadcast so every rank
     agrees), which is what lets communication overlap the rest of backward.
 
+static graph
+    With ``static_graph=True`` the first synchronised backward only counts the
+    gradients each parameter gets and reduces every bucket at its end (so
+    reentrant checkpointing, where gradients arrive inside a nested backward,
+    and parameters used several times both work). From then on a parameter
+    is ready after as many gradients as it got then, parameters unused then
+    are ready at once (no search), and a parameter that gets more, or fewer,
+    gradients raises torch's "training graph has changed" error.
+join
+    A rank that has run out of inputs calls :meth:`Reducer.shadow_backward`
+    once per backward the others still run: the same collectives, in the same
+    order, with zeros.
+
 Failure modes
 -------------
 * A parameter that gets no gradient in a synchronised backward, without
   ``find_unused_parameters=True``: its bucket is reduced with zeros for it
   (so every rank still issues the same collectives and none hangs) and the
   backward raises :class:`UnusedParametersError` naming the parameters.
-* A parameter ready twice in one backward (reentrant checkpointing, a second
-  backward through a retained graph before the next forward): RuntimeError.
+* A parameter ready twice in one backward without ``static_graph`` (a second
+  backward through a retained graph before the next forward, a module used
+  twice under checkpointing): RuntimeError.
 * Sparse gradients are not supported: RuntimeError naming the parameter.
 """
 
@@ -52,6 +68,8 @@ from ddpkit.comm.bucket import CommHook, GradBucket
 FIRST_BUCKET_MB = 1.0
 """Cap of the first bucket (per dtype and device) in MiB."""
 _MIB = 1024 * 1024
+_FUSED_MAX_BYTES = 64 * 1024
+"""Parameters up to this size are staged into their bucket by one fused copy per bucket."""
 
 class UnusedParametersError(RuntimeError):
     """Parameters got no gradient in a synchronised backward without ``find_unused_parameters``."""
@@ -119,6 +137,8 @@ class Reducer:
         find_unused_parameters: reduce zeros for parameters without a gradient
             instead of raising; parameters unused on every rank keep ``.grad``.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
+        static_graph: the first synchronised backward fixes how many
+            gradients each parameter gets per backward (see the module notes).
     """
 
     def __init__(
@@ -129,15 +149,20 @@ class Reducer:
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.div_factor = self.world_size
+        """What the no-hook path divides gradients by: the world size, or under
+        ``join(divide_by_initial_world_size=False)`` the ranks not yet joined."""
         self.cap_bytes = int(bucket_cap_mb * _MIB)
         self.first_cap_bytes = min(int(FIRST_BUCKET_MB * _MIB), self.cap_bytes)
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
         self.buckets: list[GradBucket] = []
@@ -146,9 +171,16 @@ class Reducer:
         self._arrival: list[int] = []
         self._rebuilt = False
         self._rebuild_due = False
-        # Per-iteration state, reset by prepare_for_backward().
+        # Static graph: gradients per parameter per backward, and which
+        # parameters were used on some rank, both from the first backward.
+        self._expected: list[int] | None = None
+        self._static_used: list[bool] | None = None
+        self._last_used_flags: torch.Tensor | None = None
+        # Per-iteration state, reset by _reset().
         self._armed = False
+        self._started = False
         self._ready = [False] * len(self.params)
+        self._hits = [0] * len(self.params)
         self._used_since_sync = [False] * len(self.params)
         self._next_launch = 0
         self._callback_queued = False
@@ -169,6 +201,14 @@ class Reducer:
         for bucket in self.buckets:
             for s, i in enumerate(bucket.indices):
                 self._slot[i] = (bucket, s)
+            # Small parameters are staged together, one fused copy for all of
+            # them (the Python cost per parameter would dominate); large ones
+            # one by one, scaled on the way in (one pass over their memory).
+            small = [s for s, p in enumerate(bucket._params) if p.numel() * p.element_size() <= _FUSED_MAX_BYTES]
+            bucket._fused = (
+                [bucket._params[s] for s in small], [bucket.views[s] for s in small], small,
+                [s for s in range(len(bucket._params)) if s not in set(small)],
+            )
         if self.as_view and old:
             # Gradients living in the old buckets move to the new ones.
             for i, p in enumerate(self.params):
@@ -188,14 +228,17 @@ class Reducer:
         seen = set(order)
         order = order + [i for i in reversed(range(len(self.params))) if i not in seen]
         if self.group is not None and self.world_size > 1:
-            device = self.params[0].device if dist.get_backend(self.group) == "nccl" else "cpu"
-            t = torch.tensor(order, dtype=torch.int64, device=device)
+            t = torch.tensor(order, dtype=torch.int64, device=self._comm_device())
             dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
             order = t.tolist()
         self._rebuilt = True
         self._arrival = []
         if assign_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes) != self.bucket_indices():
             self._build(order)
+
+    def _comm_device(self) -> torch.device:
+        """Where small bookkeeping tensors go for a collective: NCCL needs the GPU."""
+        return self.params[0].device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
 
     # -- iteration -----------------------------------------------------------
 
@@ -213,9 +256,12 @@ class Reducer:
 
     def _reset(self) -> None:
         self._armed = False
+        self._started = False
         self._callback_queued = False
         self._next_launch = 0
         self._ready = [False] * len(self.params)
+        self._hits = [0] * len(self.params)
+        self._saved: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             b.pending = len(b.indices)
             b.work = None
@@ -225,7 +271,7 @@ class Reducer:
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if self._armed:
-                self._on_ready(index, param)
+                self._on_ready(index)
             elif self.find_unused:
                 # Used in a no_sync() backward: its accumulated gradient must
                 # be reduced by the next synchronised backward even if that one
@@ -234,30 +280,114 @@ class Reducer:
 
         return hook
 
-    def _on_ready(self, index: int, param: torch.Tensor) -> None:
+    def expect_backward(self) -> None:
+        """Queue the end-of-backward callback on the backward now running.
+
+        Called from the output of the forward (static graph), so the callback
+        belongs to the outer backward even when the first gradients arrive
+        inside a reentrant (checkpointing) backward nested in it.
+        """
+        if self._armed and not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+
+    def _on_ready(self, index: int) -> None:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        if self._ready[index]:
+        if self.static_graph:
+            hits = self._hits[index] = self._hits[index] + 1
+            if self._expected is None:
+                # First backward: count only; everything is reduced at its end.
+                if hits == 1 and not self._rebuilt:
+                    self._arrival.append(index)
+                return
+            if not self._started:
+                self._started = True
+                self._mark_static_unused()
+            if hits > self._expected[index]:
+                raise RuntimeError(
+                    f"DistributedDataParallel(static_graph=True): parameter {self.names[index]!r} got "
+                    f"gradient #{hits} in this backward but {self._expected[index]} in the first one. Your "
+                    "training graph has changed in this iteration, e.g., one parameter is unused in first "
+                    "iteration, but then got used in this iteration. this is not compatible with "
+                    "static_graph set to True"
+                )
+            if hits < self._expected[index]:
+                return
+        elif self._ready[index]:
             raise RuntimeError(
                 f"parameter {self.names[index]!r} received a gradient twice in one synchronised "
                 "backward (reentrant checkpointing, or two backward passes through one forward): "
-                "run a forward before each backward, or use no_sync() for all but the last"
+                "run a forward before each backward, use no_sync() for all but the last, or "
+                "construct DistributedDataParallel(..., static_graph=True) if the model is the same "
+                "every iteration"
             )
         self._ready[index] = True
         if not self._rebuilt:
             self._arrival.append(index)
-        bucket, s = self._slot[index]
-        self._stage(bucket, s, param)
+        bucket = self._slot[index][0]
         bucket.pending -= 1
         if bucket.pending == 0:
+            self._stage(bucket)
             self._launch_ready()
 
-    def _stage(self, bucket: GradBucket, s: int, param: torch.Tensor) -> None:
-        """Put ``param.grad`` into its place in the bucket."""
+    def _mark_static_unused(self) -> None:
+        """Static graph: parameters without gradients in the first backward are ready at once."""
+        for i, n in enumerate(self._expected or ()):
+            if n == 0:
+                grad = self.params[i].grad
+                if grad is not None and not self._used_since_sync[i]:
+                    self._saved[i] = grad.clone()  # kept if no rank uses it (see _write_back)
+                self._ready[i] = True
+                bucket = self._slot[i][0]
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._stage(bucket)
+        self._launch_ready()
+
+    def _stage(self, bucket: GradBucket) -> None:
+        """Put the bucket's gradients into the bucket, scaled by ``1 / div_factor`` without a hook.
+
+        A parameter without ``.grad`` contributes zeros; one whose gradient
+        did not arrive in this backward contributes the gradient it holds
+        (accumulated under ``no_sync``), as torch's reducer does.
+        """
+        factor = 1.0 / self.div_factor if self.comm_hook is None and self.div_factor != 1 else None
+        params = bucket._params
+        if len(params) == 1 and not self.as_view:
+            grad = params[0].grad
+            if grad is not None and not grad.is_sparse and grad.is_contiguous() and grad.dtype == bucket.flat.dtype:
+                # A bucket of one: reduce the gradient where it lies, saving the
+                # copy into the bucket and the copy back (a full pass each way).
+                bucket.target = bucket._buffer = grad.detach().view(-1)
+                if factor is not None:
+                    grad.mul_(factor)
+                return
+        each: Sequence[int] = range(len(params))
+        if not self.as_view:
+            fused_params, fused_views, fused_slots, each = bucket._fused
+            if fused_params:
+                grads = [p.grad for p in fused_params]
+                if any(g is None or g.is_sparse for g in grads):
+                    each = range(len(params))
+                else:
+                    torch._foreach_copy_(fused_views, grads)
+                    if factor is not None:
+                        if len(fused_views) == len(params):
+                            bucket.flat.mul_(factor)  # the same products, one kernel
+                        else:
+                            torch._foreach_mul_(fused_views, factor)
+        for s in each:
+            self._stage_one(bucket, s, factor)
+
+    def _stage_one(self, bucket: GradBucket, s: int, factor: float | None) -> None:
         view = bucket.views[s]
+        param = bucket._params[s]
         grad = param.grad
-        scale = self.comm_hook is None and self.world_size > 1
+        if grad is None:
+            view.zero_()
+            return
         if grad.is_sparse:
             raise RuntimeError(
                 f"parameter {self.names[bucket.indices[s]]!r} has a sparse gradient, which "
@@ -265,22 +395,14 @@ class Reducer:
                 "(e.g. nn.Embedding(sparse=False))"
             )
         if grad.data_ptr() == view.data_ptr():
-            if scale:
-                view.div_(self.world_size)
+            if factor is not None:
+                view.div_(self.div_factor)
             return
-        grad = grad.detach()
-        if len(bucket.indices) == 1 and not self.as_view and grad.is_contiguous() and grad.dtype == view.dtype:
-            # A bucket of one: reduce the gradient where it lies, saving the
-            # copy into the bucket and the copy back (a full pass each way).
-            bucket.target = bucket._buffer = grad.view(-1)
-            if scale:
-                grad.div_(self.world_size)
-            return
-        if scale:
+        if factor is not None:
             # The no-hook path averages by pre-scaling, fused into the copy.
-            torch.mul(grad, 1.0 / self.world_size, out=view)
+            torch.mul(grad.detach(), factor, out=view)
         else:
-            view.copy_(grad)
+            view.copy_(grad.detach())
         if self.as_view:
             param.grad = view
 
@@ -306,56 +428,59 @@ class Reducer:
             self._reset()
 
     def _finalize(self) -> None:
-        accumulated = self._used_since_sync
+        first_static = self.static_graph and self._expected is None
+        if first_static:
+            # The first backward of a static graph reduces everything here.
+            self._expected = list(self._hits)
+            self._ready = [h > 0 for h in self._hits]
+        elif self.static_graph and not self._started:
+            self._started = True
+            self._mark_static_unused()
+        local_used = [r or u for r, u in zip(self._ready, self._used_since_sync)]
         self._used_since_sync = [False] * len(self.params)
         missing = [i for i, r in enumerate(self._ready) if not r]
-        saved: dict[int, torch.Tensor] = {}
         for i in missing:
-            bucket, s = self._slot[i]
             grad = self.params[i].grad
-            if accumulated[i] and grad is not None:
-                # Unused in this backward but used under no_sync(): its
-                # accumulated gradient is this rank's contribution.
-                self._ready[i] = True
-                self._stage(bucket, s, self.params[i])
-                bucket.pending -= 1
-                continue
-            if grad is not None and grad.data_ptr() == bucket.views[s].data_ptr():
-                saved[i] = grad.clone()  # .grad is bucket memory: keep it for a global miss
-            bucket.views[s].zero_()
-            bucket.pending -= 1
-        missing = [i for i in missing if not self._ready[i]]
+            if grad is not None and not local_used[i]:
+                self._saved[i] = grad.clone()  # the bucket may reduce it in place: kept for a global miss
+        for bucket in self.buckets[self._next_launch :]:
+            if bucket.pending:
+                bucket.pending = 0
+                self._stage(bucket)
         self._launch_ready()
         assert self._next_launch == len(self.buckets), "every bucket must be launched by now"
         used = None
-        if self.find_unused and self.group is not None and self.world_size > 1:
-            # Every rank issues it, whether or not it missed a gradient itself,
-            # and after all of its buckets: the collectives line up everywhere.
-            flags = torch.tensor(self._ready, dtype=torch.int32, device=self.buckets[0].flat.device)
-            dist.all_reduce(flags, group=self.group)
-            used = flags.bool().tolist()
+        if (self.find_unused and not self.static_graph) or first_static:
+            if self.group is not None and self.world_size > 1:
+                # Every rank issues it, whether or not it missed a gradient itself,
+                # and after all of its buckets: the collectives line up everywhere.
+                flags = torch.tensor(local_used, dtype=torch.int32, device=self._comm_device())
+                dist.all_reduce(flags, group=self.group)
+                self._last_used_flags = flags
+                used = flags.bool().tolist()
+            else:
+                used = local_used
+            if first_static:
+                self._static_used = used
+        elif self.static_graph:
+            used = self._static_used
         elif missing:
-            used = list(self._ready)
+            used = local_used
         self._wait_all()
-        missing_set = set(missing)
-        for bucket in self.buckets:
-            for s, i in enumerate(bucket.indices):
-                p = self.params[i]
-                if i in missing_set and not used[i]:  # type: ignore[index]
-                    if i in saved:
-                        p.grad.copy_(saved[i])  # type: ignore[union-attr]
-                    continue
-                view = bucket.views[s]
-                if bucket.target is not bucket.flat:
-                    continue  # reduced in place: .grad holds the average already
-                if self.as_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-        if missing and not self.find_unused:
+        unused_here = set(missing)
+        if self.static_graph and not first_static:
+            unused_here.update(i for i, n in enumerate(self._expected) if n == 0)  # type: ignore[arg-type]
+        self._write_back(unused_here, used, self._saved)
+        if self.static_graph and not first_static:
+            short = [i for i in missing if self._expected[i] > 0]  # type: ignore[index]
+            if short:
+                names = ", ".join(f"{self.names[i]!r} ({self._hits[i]} of {self._expected[i]})" for i in short)  # type: ignore[index]
+                raise RuntimeError(
+                    f"DistributedDataParallel(static_graph=True): fewer gradients than in the first "
+                    f"backward for {names}. Your training graph has changed in this iteration; "
+                    "static_graph=True needs the same graph every iteration"
+                )
+        elif missing and not self.find_unused and not self.static_graph:
             names = ", ".join(repr(self.names[i]) for i in missing)
             raise UnusedParametersError(
                 f"DistributedDataParallel: {len(missing)} parameter(s) got no gradient in this "
@@ -364,6 +489,33 @@ class Reducer:
                 "heads), construct DistributedDataParallel(..., find_unused_parameters=True), "
                 "or set requires_grad=False on them before wrapping"
             )
+
+    def _write_back(self, unused_here: set[int], used: list[bool] | None, saved: dict[int, torch.Tensor]) -> None:
+        """Leave the averages in ``.grad``; a parameter no rank used keeps what it had."""
+        for bucket in self.buckets:
+            skip = [s for s, i in enumerate(bucket.indices) if i in unused_here and not used[i]]  # type: ignore[index]
+            for s in skip:
+                i = bucket.indices[s]
+                if i in saved:
+                    self.params[i].grad.copy_(saved[i])  # type: ignore[union-attr]
+            if bucket.target is not bucket.flat:
+                continue  # reduced in place: .grad holds the average already
+            if not self.as_view and not skip:
+                grads = [p.grad for p in bucket._params]
+                if not any(g is None for g in grads):
+                    torch._foreach_copy_(grads, bucket.views)
+                    continue
+            for s, p in enumerate(bucket._params):
+                if s in skip:
+                    continue
+                view = bucket.views[s]
+                if self.as_view:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def _wait_all(self) -> None:
         """Block until every bucket's reduction is done (the exposed part of communication)."""
@@ -379,6 +531,31 @@ class Reducer:
                 bucket.target.copy_(result.view(-1))
         elif bucket.work is not None:
             bucket.work.wait()
+
+    def shadow_backward(self) -> None:
+        """A joined rank's side of a synchronised backward that the other ranks run.
+
+        Issues the same collectives in the same order as :meth:`_finalize`
+        does on a rank that trains, contributing zeros (``Join``'s contract),
+        and leaves this rank's gradients alone.
+        """
+        if self._rebuild_due:
+            self._rebuild_due = False
+            self._rebuild()
+        self._reset()
+        for bucket in self.buckets:
+            bucket._buffer = bucket.target = torch.zeros_like(bucket.flat)
+            self._launch(bucket)
+        first_static = self.static_graph and self._expected is None
+        if ((self.find_unused and not self.static_graph) or first_static) and self.world_size > 1:
+            # torch's joined rank sends the used-map of its own last backward.
+            flags = self._last_used_flags
+            if flags is None:
+                flags = torch.zeros(len(self.params), dtype=torch.int32, device=self._comm_device())
+            dist.all_reduce(flags, group=self.group)
+        self._wait_all()
+        self._rebuild_due = not self._rebuilt
+        self._reset()
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Let ``hook(state, bucket)`` reduce each bucket; see :mod:`ddpkit.hooks`."""
