@@ -359,3 +359,18 @@ def test_unpickling_without_a_process_group_is_a_clear_error():
     ddpkit.shutdown()
     with pytest.raises(RuntimeError, match="call ddpkit.init\\(\\) before loading it"):
         pickle.loads(data)
+
+
+def test_accelerates_own_test_sync_passes_with_ddpkit_ddp():
+    # Accelerate's test_sync.py (shipped in its wheel) with ddpkit's DDP in
+    # place of torch's: no_sync, trigger_sync_in_backward (which sets
+    # require_forward_param_sync and calls reducer.prepare_for_backward([])),
+    # gradient accumulation with a scheduler, on two gloo ranks.
+    pytest.importorskip("accelerate.test_utils.scripts.test_sync")
+    from procs import launch, script
+
+    done = launch("--nproc-per-node", "2", "--standalone", script("accelerate_sync.py"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: accelerate test_sync passed with ddpkit's DDP" in done.stdout
+    assert "Test Distributed `no_sync` context manager with multiple forwards" in done.stdout

@@ -242,8 +242,15 @@ class Reducer:
 
     # -- iteration -----------------------------------------------------------
 
-    def prepare_for_backward(self) -> None:
-        """Arm the hooks for the next backward; called by every forward that syncs."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
+        """Arm the hooks for the next backward; called by every forward that syncs.
+
+        ``outputs`` is accepted for torch's signature (Accelerate's
+        ``trigger_sync_in_backward`` calls ``model.reducer.prepare_for_backward([])``
+        to make a ``no_sync`` forward's backward synchronise); unused
+        parameters are found at the end of backward, so it is not needed.
+        """
+        del outputs
         if self._rebuild_due:
             self._rebuild_due = False
             self._rebuild()
