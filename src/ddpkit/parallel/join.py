@@ -8,7 +8,7 @@ runs each joinable's ``main_hook`` (DDP: the same collectives, with zeros),
 until every rank has left; then each joinable's ``post_hook`` runs on every
 rank (DDP: every rank takes the model of the last rank to finish).
 
-The protocol is torch's (``torch.distributed.algorithms.Join``): a joinable
+The protocol is the one torch's own ``Join`` context uses: a joinable
 offers ``join_hook(**kwargs)``, ``join_device``, ``join_process_group`` and
 reads its ``_join_config``; ddpkit's DDP also works under torch's ``Join``.
 
