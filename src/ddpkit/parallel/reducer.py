@@ -204,10 +204,10 @@ class Reducer:
             # Small parameters are staged together, one fused copy for all of
             # them (the Python cost per parameter would dominate); large ones
             # one by one, scaled on the way in (one pass over their memory).
-            small = [s for s, p in enumerate(bucket._params) if p.numel() * p.element_size() <= _FUSED_MAX_BYTES]
+            small = [p.numel() * p.element_size() <= _FUSED_MAX_BYTES for p in bucket._params]
             bucket._fused = (
-                [bucket._params[s] for s in small], [bucket.views[s] for s in small], small,
-                [s for s in range(len(bucket._params)) if s not in set(small)],
+                [p for p, f in zip(bucket._params, small) if f], [v for v, f in zip(bucket.views, small) if f],
+                [s for s, f in enumerate(small) if not f],
             )
         if self.as_view and old:
             # Gradients living in the old buckets move to the new ones.
@@ -330,14 +330,20 @@ class Reducer:
                 "construct DistributedDataParallel(..., static_graph=True) if the model is the same "
                 "every iteration"
             )
-        self._ready[index] = True
         if not self._rebuilt:
             self._arrival.append(index)
+        if self._mark_ready(index):
+            self._launch_ready()
+
+    def _mark_ready(self, index: int) -> bool:
+        """Count ``index`` in; stage its bucket if that completes it (returns whether it did)."""
+        self._ready[index] = True
         bucket = self._slot[index][0]
         bucket.pending -= 1
-        if bucket.pending == 0:
-            self._stage(bucket)
-            self._launch_ready()
+        if bucket.pending:
+            return False
+        self._stage(bucket)
+        return True
 
     def _mark_static_unused(self) -> None:
         """Static graph: parameters without gradients in the first backward are ready at once."""
@@ -346,11 +352,7 @@ class Reducer:
                 grad = self.params[i].grad
                 if grad is not None and not self._used_since_sync[i]:
                     self._saved[i] = grad.clone()  # kept if no rank uses it (see _write_back)
-                self._ready[i] = True
-                bucket = self._slot[i][0]
-                bucket.pending -= 1
-                if bucket.pending == 0:
-                    self._stage(bucket)
+                self._mark_ready(i)
         self._launch_ready()
 
     def _stage(self, bucket: GradBucket) -> None:
@@ -373,7 +375,7 @@ class Reducer:
                 return
         each: Sequence[int] = range(len(params))
         if not self.as_view:
-            fused_params, fused_views, fused_slots, each = bucket._fused
+            fused_params, fused_views, each = bucket._fused
             if fused_params:
                 grads = [p.grad for p in fused_params]
                 if any(g is None or g.is_sparse for g in grads):
@@ -500,7 +502,7 @@ class Reducer:
     def _write_back(self, unused_here: set[int], used: list[bool] | None, saved: dict[int, torch.Tensor]) -> None:
         """Leave the averages in ``.grad``; a parameter no rank used keeps what it had."""
         for bucket in self.buckets:
-            skip = [s for s, i in enumerate(bucket.indices) if i in unused_here and not used[i]]  # type: ignore[index]
+            skip = [s for s, i in enumerate(bucket.indices) if i in unused_here and not used[i]] if unused_here else []  # type: ignore[index]
             for s in skip:
                 i = bucket.indices[s]
                 if i in saved:
