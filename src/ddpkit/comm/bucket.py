@@ -46,6 +46,8 @@ class GradBucket:
         for a one-parameter bucket reduced in place."""
         self._is_last = False
         self.pending = len(params)
+        self.staged: set[int] = set()
+        """Positions already copied into the bucket in this backward (the reducer's bookkeeping)."""
         self.work: Any = None
         self.future: torch.futures.Future | None = None
 

@@ -201,14 +201,17 @@ class Reducer:
         for bucket in self.buckets:
             for s, i in enumerate(bucket.indices):
                 self._slot[i] = (bucket, s)
-            # Small parameters are staged together, one fused copy for all of
-            # them (the Python cost per parameter would dominate); large ones
-            # one by one, scaled on the way in (one pass over their memory).
+            # Small parameters are staged together when the bucket completes,
+            # one fused copy for all of them (the Python cost per parameter
+            # would dominate); large ones as soon as they are ready, while
+            # their gradient is still in cache, scaled on the way in (one pass).
             small = [p.numel() * p.element_size() <= _FUSED_MAX_BYTES for p in bucket._params]
             bucket._fused = (
                 [p for p, f in zip(bucket._params, small) if f], [v for v, f in zip(bucket.views, small) if f],
                 [s for s, f in enumerate(small) if not f],
             )
+            # A bucket of one is reduced in place instead (see _stage).
+            bucket._eager = frozenset(bucket._fused[2] if len(bucket._params) > 1 and not self.as_view else ())
         if self.as_view and old:
             # Gradients living in the old buckets move to the new ones.
             for i, p in enumerate(self.params):
@@ -271,6 +274,7 @@ class Reducer:
         self._saved: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             b.pending = len(b.indices)
+            b.staged = set()
             b.work = None
             b.future = None
             b._buffer = b.target = b.flat
@@ -338,7 +342,10 @@ class Reducer:
     def _mark_ready(self, index: int) -> bool:
         """Count ``index`` in; stage its bucket if that completes it (returns whether it did)."""
         self._ready[index] = True
-        bucket = self._slot[index][0]
+        bucket, s = self._slot[index]
+        if s in bucket._eager:
+            self._stage_one(bucket, s, self._factor())
+            bucket.staged.add(s)
         bucket.pending -= 1
         if bucket.pending:
             return False
@@ -362,7 +369,7 @@ class Reducer:
         did not arrive in this backward contributes the gradient it holds
         (accumulated under ``no_sync``), as torch's reducer does.
         """
-        factor = 1.0 / self.div_factor if self.comm_hook is None and self.div_factor != 1 else None
+        factor = self._factor()
         params = bucket._params
         if len(params) == 1 and not self.as_view:
             grad = params[0].grad
@@ -388,7 +395,12 @@ class Reducer:
                         else:
                             torch._foreach_mul_(fused_views, factor)
         for s in each:
-            self._stage_one(bucket, s, factor)
+            if s not in bucket.staged:
+                self._stage_one(bucket, s, factor)
+
+    def _factor(self) -> float | None:
+        """What staging scales gradients by: ``1 / div_factor`` without a comm hook."""
+        return 1.0 / self.div_factor if self.comm_hook is None and self.div_factor != 1 else None
 
     def _stage_one(self, bucket: GradBucket, s: int, factor: float | None) -> None:
         view = bucket.views[s]
