@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime import stall
+
 __all__ = ["ALGORITHMS", "OPS", "Handle", "all_gather", "all_reduce", "broadcast", "reduce", "reduce_scatter"]
 
 ALGORITHMS = ("native", "naive", "ring", "tree", "hierarchical")
@@ -273,6 +275,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
     _check(op, algorithm, tensor)
     group = _group(group)
     world = dist.get_world_size(group)
+    if world > 1:
+        stall.enter("collectives.all_reduce (op {}, {} algorithm)", op, algorithm)
     if check and world > 1:
         _same_everywhere(tensor, group, "all_reduce")
     if world == 1:
@@ -314,6 +318,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
     _check("sum", algorithm, tensor)
     group = _group(group)
     world = dist.get_world_size(group)
+    if world > 1:
+        stall.enter("collectives.broadcast (from group rank {}, {} algorithm)", src, algorithm)
     if check and world > 1:
         _same_everywhere(tensor, group, "broadcast")
     if world == 1:
@@ -339,6 +345,8 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str =
     _check(op, algorithm, tensor)
     group = _group(group)
     world = dist.get_world_size(group)
+    if world > 1:
+        stall.enter("collectives.reduce (op {}, to group rank {}, {} algorithm)", op, dst, algorithm)
     if check and world > 1:
         _same_everywhere(tensor, group, "reduce")
     if world > 1:
@@ -364,6 +372,8 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     _check(op, algorithm, tensor)
     group = _group(group)
     world, me = dist.get_world_size(group), dist.get_rank(group)
+    if world > 1:
+        stall.enter("collectives.reduce_scatter (op {}, {} algorithm)", op, algorithm)
     if check and world > 1:
         _same_everywhere(tensor, group, "reduce_scatter")
     flat = tensor.contiguous().view(-1)
@@ -397,6 +407,8 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "rin
         raise ValueError(
             f"all_gather: output has {output.numel()} elements, {world} ranks x {tensor.numel()} are needed"
         )
+    if world > 1:
+        stall.enter("collectives.all_gather ({} algorithm)", algorithm)
     if check and world > 1:
         _same_everywhere(tensor, group, "all_gather")
     flat = output.view(-1) if output.is_contiguous() else output.contiguous().view(-1)

@@ -34,6 +34,7 @@ from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import Interrupted, SignalCatcher, describe_exit, free_port, terminate
+from ddpkit.runtime.stall import PREFIX as STALL_PREFIX
 
 _POLL_S = 0.05
 _TAIL_LINES = 400
@@ -101,6 +102,26 @@ def extract_traceback(lines: list[str]) -> str:
     return "\n".join(lines[first:]).rstrip()
 
 
+def extract_stall_report(lines: list[str]) -> list[str]:
+    """The last stall inspector report in ``lines`` (see :mod:`ddpkit.runtime.stall`), without its prefix."""
+    lines = [_TORCH_PREFIX.sub("", line) for line in lines]
+    ends = [i for i, line in enumerate(lines) if line.startswith(STALL_PREFIX)]
+    if not ends:
+        return []
+    start = end = ends[-1]
+    while start > 0 and lines[start - 1].startswith(STALL_PREFIX):
+        start -= 1
+    report = [line[len(STALL_PREFIX):] for line in lines[start : end + 1]]
+    # Reports printed back to back: keep the last, which begins after the
+    # previous one's closing line (the only indented lines that end a report).
+    closers = [i for i, line in enumerate(report[:-1]) if line.startswith("  ") and _is_closer(line)]
+    return report[closers[-1] + 1 :] if closers else report
+
+
+def _is_closer(line: str) -> bool:
+    return line.startswith("  still waiting") or line.endswith("collective failed; the error follows")
+
+
 @dataclass
 class Failure:
     """The root cause of a failed attempt."""
@@ -111,6 +132,9 @@ class Failure:
     traceback: str
     last_lines: list[str] = field(default_factory=list)
     """The end of its stderr, shown when there is no traceback (a usage error, a C++ abort)."""
+    stall: list[str] = field(default_factory=list)
+    """A stall report some rank printed (naming the ranks that stalled): the real root cause then."""
+    stall_reporter: int | None = None
 
     def describe(self) -> str:
         return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
@@ -178,9 +202,15 @@ class WorkerGroup:
             if code != 0:
                 spec = self.specs[index]
                 self.stop()
-                return Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
-                               traceback=extract_traceback(list(self.tails[spec.rank])),
-                               last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
+                failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
+                                  traceback=extract_traceback(list(self.tails[spec.rank])),
+                                  last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
+                # The failing rank's own report first (taken as it failed), else any rank's.
+                for rank in [spec.rank, *sorted(r for r in self.tails if r != spec.rank)]:
+                    if stall := extract_stall_report(list(self.tails[rank])):
+                        failure.stall, failure.stall_reporter = stall, rank
+                        break
+                return failure
         return None
 
     def stop(self, first_signal: int = signal.SIGTERM) -> None:
@@ -223,12 +253,19 @@ def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
 
 
 def report(failure: Failure) -> None:
-    """Print the root cause of a failed attempt."""
+    """Print the root cause of a failed attempt: a stall report when a rank printed one, else the first failure."""
     rule = "-" * 72
     body = failure.traceback or "\n".join(
         ["(no Python traceback on its stderr; its last lines:)", *failure.last_lines]
         if failure.last_lines else ["(no Python traceback and nothing on its stderr)"]
     )
+    if failure.stall:
+        error = (failure.traceback.splitlines() or failure.last_lines or ["(nothing on its stderr)"])[-1]
+        say(f"{failure.stall[0]}\n{rule}\nRoot cause (stall inspector, reported by rank {failure.stall_reporter}):\n"
+            + "\n".join(failure.stall)
+            + f"\n\nrank {failure.rank} (local rank {failure.local_rank}) then failed first: "
+            f"{describe_exit(failure.exitcode)}\n  {error}\n{rule}")
+        return
     say(f"{failure.describe()}\n{rule}\nRoot cause: rank {failure.rank}\n{body}\n{rule}")
 
 

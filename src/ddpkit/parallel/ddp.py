@@ -21,6 +21,7 @@ from torch import nn
 from ddpkit.comm.bucket import CommHook
 from ddpkit.parallel.join import DISABLED, Join, JoinConfig
 from ddpkit.parallel.reducer import Reducer
+from ddpkit.runtime import stall
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 """Largest message of a coalesced broadcast."""
@@ -43,8 +44,10 @@ class _PackedBroadcast:
     allocates nothing: rank 0 only packs, the others only unpack.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str) -> None:
         self.group = group
+        self.what = what
+        """What is broadcast, as the stall inspector names it."""
         self.rank = dist.get_rank(group)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in tensors:
@@ -69,6 +72,7 @@ class _PackedBroadcast:
                 if is_src:
                     for t, view in pairs:
                         view.copy_(t)
+                stall.enter("DDP broadcast {} from group rank {}", self.what, src)
                 dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
                 if not is_src:
                     for t, view in pairs:
@@ -83,7 +87,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src: int = 0) -> None:
+def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str, src: int = 0) -> None:
     """Overwrite ``tensors`` with group rank ``src``'s values in messages of at most 250 MB."""
     chunk: list[torch.Tensor] = []
     size = 0
@@ -93,7 +97,7 @@ def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, s
             size += _nbytes(t)
             continue
         if chunk:
-            _PackedBroadcast(chunk, group)(src)
+            _PackedBroadcast(chunk, group, what)(src)
         if t is not None:
             chunk, size = [t], _nbytes(t)
 
@@ -103,6 +107,7 @@ def _verify_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: di
     mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in named]
     world = dist.get_world_size(group)
     everyone: list[Any] = [None] * world
+    stall.enter("DDP construction: compare parameter shapes")
     dist.all_gather_object(everyone, mine, group=group)
     longest = max(len(e) for e in everyone)
     for k in range(longest):
@@ -339,7 +344,7 @@ class DistributedDataParallel(nn.Module):
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
         if self.world_size > 1 and init_sync:
             _verify_same_parameters(named, process_group)
-            _broadcast_once([p.detach() for _, p in named] + buffers, process_group)
+            _broadcast_once([p.detach() for _, p in named] + buffers, process_group, "parameters and buffers")
         self.bucket_cap_mb = bucket_cap_mb
         self.reducer = self._make_reducer()
 
@@ -412,6 +417,7 @@ class DistributedDataParallel(nn.Module):
                 div_factor = int(still_training.item())
             # Tell the ranks that have joined whether this step reduces gradients.
             flag = torch.ones(1, device=self.join_device) if sync else torch.zeros(1, device=self.join_device)
+            stall.enter("DDP join: does this step reduce gradients")
             dist.all_reduce(flag, group=self.process_group, async_op=True)
         # torch's rule: buffers go out from rank 0 when the previous forward
         # was a synchronised one, so the first synchronised forward after a
@@ -451,7 +457,7 @@ class DistributedDataParallel(nn.Module):
         ids = tuple(id(b) for b in buffers)
         if ids != self._buffer_ids:
             # Same structure on every rank, so every rank rebuilds here together.
-            self._buffer_broadcast = _PackedBroadcast(buffers, self.process_group)
+            self._buffer_broadcast = _PackedBroadcast(buffers, self.process_group, "buffers")
             self._buffer_ids = ids
         self._buffer_broadcast(src)
 
@@ -505,6 +511,7 @@ class DistributedDataParallel(nn.Module):
         """The highest group rank among those where ``candidate`` holds (a collective)."""
         rank = dist.get_rank(self.process_group)
         t = torch.tensor([rank if candidate else -1], device=self.join_device)
+        stall.enter("DDP join: choose the source rank")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         if t.item() < 0:
             raise RuntimeError("join: no rank qualifies as the source of the model (internal error)")
@@ -552,6 +559,7 @@ class _DDPJoinHook:
         """One step of the ranks still training: the same collectives as their forward and backward."""
         ddp = self.ddp
         flag = torch.zeros(1, device=ddp.join_device)
+        stall.enter("DDP join: does this step reduce gradients")
         dist.all_reduce(flag, group=ddp.process_group)
         should_sync = bool(flag.item())
         if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._has_buffers():
@@ -567,7 +575,7 @@ class _DDPJoinHook:
         tensors = [p.detach() for p in ddp.module.parameters()]
         if ddp.broadcast_buffers:
             tensors += list(ddp.module.buffers())
-        _broadcast_once(tensors, ddp.process_group, src)
+        _broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
 
 
 DDP = DistributedDataParallel

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime import stall
+
 __all__ = ["Join", "JoinConfig", "JoinHook"]
 
 SKEW_WARNING = 1000
@@ -118,11 +120,13 @@ class Join:
     def _count_training(self) -> int:
         """How many ranks have not joined (this one contributes a zero)."""
         count = torch.zeros(1, device=self._device)
+        stall.enter("join: count the ranks still training")
         dist.all_reduce(count, group=self._group)
         return int(count.item())
 
     def _tell_others_to_stop(self) -> None:
         ones = torch.ones(1, device=self._device)
+        stall.enter("join: count the ranks still training")
         dist.all_reduce(ones, group=self._group)
         raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
 
@@ -143,9 +147,11 @@ class Join:
             return None
         device, group = joinable.join_device, joinable.join_process_group
         ones = torch.ones(1, device=device)
+        stall.enter("join: count the ranks still training")
         work = dist.all_reduce(ones, group=group, async_op=True)
         if config.throw_on_early_termination:
             zeros = torch.zeros(1, device=device)
+            stall.enter("join: count the ranks still training")
             dist.all_reduce(zeros, group=group)
             if zeros.item():
                 raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")

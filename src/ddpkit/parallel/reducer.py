@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ddpkit.comm.bucket import CommHook, GradBucket
+from ddpkit.runtime import stall
 
 FIRST_BUCKET_MB = 1.0
 """Cap of the first bucket (per dtype and device) in MiB."""
@@ -169,6 +170,8 @@ class Reducer:
         self._slot: list[tuple[GradBucket, int]] = []
         self._build(list(reversed(range(len(self.params)))))
         self._arrival: list[int] = []
+        self._step = 0
+        """Synchronised backwards so far (named in the stall inspector's reports)."""
         self._rebuilt = False
         self._rebuild_due = False
         # Static graph: gradients per parameter per backward, and which
@@ -232,6 +235,7 @@ class Reducer:
         order = order + [i for i in reversed(range(len(self.params))) if i not in seen]
         if self.group is not None and self.world_size > 1:
             t = torch.tensor(order, dtype=torch.int64, device=self._comm_device())
+            stall.enter("DDP bucket rebuild: broadcast rank 0's gradient order", step=self._step)
             dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
             order = t.tolist()
         self._rebuilt = True
@@ -435,6 +439,8 @@ class Reducer:
     def _launch(self, bucket: GradBucket) -> None:
         # Reached in bucket index order on every rank (see _launch_ready): the
         # collectives match across ranks whatever order gradients arrive in.
+        if self.world_size > 1:
+            stall.enter("DDP bucket {} all-reduce", bucket._index, step=self._step)
         if self.comm_hook is not None:
             bucket.future = self.comm_hook(self.comm_state, bucket)
         elif self.world_size > 1:
@@ -445,6 +451,7 @@ class Reducer:
         try:
             self._finalize()
         finally:
+            self._step += 1
             self._rebuild_due = not self._rebuilt
             self._reset()
 
@@ -476,6 +483,7 @@ class Reducer:
                 # Every rank issues it, whether or not it missed a gradient itself,
                 # and after all of its buckets: the collectives line up everywhere.
                 flags = torch.tensor(local_used, dtype=torch.int32, device=self._comm_device())
+                stall.enter("DDP all-reduce of the used-parameter map", step=self._step)
                 dist.all_reduce(flags, group=self.group)
                 self._last_used_flags = flags
                 used = flags.bool().tolist()
@@ -573,9 +581,11 @@ class Reducer:
             flags = self._last_used_flags
             if flags is None:
                 flags = torch.zeros(len(self.params), dtype=torch.int32, device=self._comm_device())
+            stall.enter("DDP all-reduce of the used-parameter map", step=self._step)
             dist.all_reduce(flags, group=self.group)
         self._wait_all()
         self._rebuild_due = not self._rebuilt
+        self._step += 1
         self._reset()
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:

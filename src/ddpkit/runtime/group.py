@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime import stall
 from ddpkit.runtime.discovery import Placement, discover
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -247,12 +248,15 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             # Keys live under a per-restart prefix: a store that outlives one
             # attempt (torchrun's agent store) must not see the last one's census.
-            store = dist.PrefixStore(f"ddpkit/{restart}/", store)
+            prefix = f"ddpkit/{restart}/"
+            store = dist.PrefixStore(prefix, store)
             _census(store, place, join_timeout)
         dist.init_process_group(
             backend, store=store, rank=place.rank, world_size=place.world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
+        if place.world_size > 1:
+            stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
     _ctx = DistContext(
         rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,
         local_world_size=place.local_world_size, node_rank=place.node_rank,
@@ -275,6 +279,7 @@ def _check_same_backend(asked: str | None) -> None:
 def shutdown() -> None:
     """Destroy the process group. Harmless when :func:`init` was never called."""
     global _ctx
+    stall.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _ctx = None
@@ -324,6 +329,7 @@ def barrier() -> None:
         raise RuntimeError("ddpkit.barrier() needs the process group: call ddpkit.init() first")
     if ctx.world_size == 1:
         return
+    stall.enter("barrier")
     if ctx.backend == "nccl":
         dist.barrier(device_ids=[ctx.device.index])
     else:

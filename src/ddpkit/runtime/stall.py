@@ -1,0 +1,328 @@
+"""The stall inspector: which collective each rank is in, and who keeps the others waiting.
+
+Every collective ddpkit issues first calls :func:`enter` with a name (``"DDP
+bucket {} all-reduce, step {}"`` and its arguments, formatted only when
+shown). That is the whole cost on the training path: a counter, a clock read
+and two tuple stores, no I/O.
+
+A daemon thread per rank (the *inspector*, started by :func:`ddpkit.init` in
+a world of two or more) publishes this rank's state to the rendezvous store
+every :data:`INTERVAL_S`: its sequence number, its last few collectives and a
+heartbeat. When this rank's current collective has waited longer than the
+stall threshold it reads every rank's state and, if some ranks have not
+reached that collective, the most advanced rank with the lowest number
+prints once, on stderr::
+
+    ddpkit stall: rank 1 stalled: collective #57 "DDP bucket 0 all-reduce, step 12" waited 61 s on rank 0 for it
+    ddpkit stall:   rank 1: last collective #56 "broadcast buffers, step 12", 62 s ago; no heartbeat for 61 s: process stopped or hung
+
+Ranks whose recent collectives differ at the same sequence number (one rank
+issued an extra collective, or skipped one) are reported naming both
+operations. Waiting goes on; when the collective then fails (its timeout, a
+broken connection) the failing rank prints the report once more, freshly
+taken, before its traceback, and ``ddpkit launch`` shows that report as the
+root cause instead of the rank that waited.
+
+Settings (environment):
+
+``DDPKIT_STALL_WARN``
+    Seconds a collective may wait before the report (default
+    :data:`DEFAULT_WARN_S`); ``0`` turns the inspector off. The report comes
+    earlier when the collective timeout is shorter, so it is never lost.
+
+Heartbeat ages compare wall clocks, exact on one machine and as good as the
+nodes' clock synchronisation across machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+DEFAULT_WARN_S = 60.0
+"""Default stall threshold in seconds (``DDPKIT_STALL_WARN``)."""
+INTERVAL_S = 1.0
+"""How often each rank publishes its state at least (its heartbeat)."""
+_TICK_S = 0.25
+"""How often the inspector looks: a new collective is published within this."""
+HISTORY = 8
+"""How many recent collectives each rank publishes (to name a mismatch)."""
+PREFIX = "ddpkit stall: "
+"""Every line of a report starts with this (``ddpkit launch`` looks for it)."""
+_KEY = "ddpkit-stall/"
+
+
+class _Progress:
+    """This rank's collectives so far; written by the training thread, read by the inspector."""
+
+    def __init__(self) -> None:
+        self.current: tuple[int, str, tuple, int | None, float] = (0, "", (), None, time.time())
+        self.recent: list[tuple[int, str, tuple, int | None] | None] = [None] * HISTORY
+
+
+_progress = _Progress()
+
+
+def enter(name: str, *args: Any, step: int | None = None) -> None:
+    """Record that this rank is entering its next collective.
+
+    Args:
+        name: a ``str.format`` template naming the operation.
+        args: its arguments (formatted only when a report shows them).
+        step: the training step it belongs to, shown after the name (ranks
+            that count steps differently have issued different collectives).
+    """
+    seq = _progress.current[0] + 1
+    _progress.current = (seq, name, args, step, time.time())
+    _progress.recent[seq % HISTORY] = (seq, name, args, step)
+
+
+def _fmt(name: str, args: tuple, step: int | None = None) -> str:
+    try:
+        text = name.format(*args)
+    except (IndexError, KeyError, ValueError):
+        text = name
+    return text if step is None else f"{text}, step {step}"
+
+
+def snapshot() -> dict[str, Any]:
+    """This rank's state as published: sequence number, recent collectives, times."""
+    seq, name, args, step, since = _progress.current
+    recent = sorted([s, _fmt(n, a, st)] for s, n, a, st in [r for r in list(_progress.recent) if r])
+    return {"seq": seq, "op": _fmt(name, args, step) if seq else "", "since": since, "wall": time.time(),
+            "recent": recent, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+@dataclass
+class _View:
+    """Another rank's state as read from the store (``None`` fields: never published)."""
+
+    rank: int
+    state: dict[str, Any] | None
+
+
+def _op(state: dict[str, Any], seq: int | None = None) -> str:
+    if seq is None or seq == state["seq"]:
+        return f'#{state["seq"]} "{state["op"]}"' if state["seq"] else "no collective yet"
+    for s, name in state["recent"]:
+        if s == seq:
+            return f'#{s} "{name}"'
+    return f"#{seq}"
+
+
+def diagnose(me: int, states: dict[int, dict[str, Any] | None], now: float, stale_s: float) -> list[str]:
+    """The report lines (without :data:`PREFIX`) on ``states`` as seen by rank ``me``; empty when all is well.
+
+    Laggards are ranks that have not reached the most advanced rank's
+    collective; a mismatch is two ranks naming one sequence number differently.
+    """
+    known = {r: s for r, s in states.items() if s is not None}
+    if not known:
+        return []
+    lines: list[str] = []
+    # A mismatch: the same sequence number, different operations.
+    by_seq: dict[int, dict[str, list[int]]] = {}
+    for r, s in known.items():
+        for seq, name in s["recent"]:
+            by_seq.setdefault(seq, {}).setdefault(name, []).append(r)
+    for seq in sorted(by_seq):
+        names = by_seq[seq]
+        if len(names) > 1:
+            parts = "; ".join(f'{_ranks(rs)} issued "{n}"' for n, rs in sorted(names.items(), key=lambda kv: min(kv[1])))
+            lines.append(f"ranks disagree on collective #{seq}: {parts} (a collective issued on some ranks only; "
+                         "every rank must issue the same collectives in the same order)")
+            break
+    top = max(s["seq"] for s in known.values())
+    ahead = sorted(r for r, s in known.items() if s["seq"] == top)
+    behind = sorted(r for r in states if r not in ahead)
+    if top and behind:
+        lead = known[ahead[0]]
+        waited = now - lead["since"]
+        lines.append(f"{_ranks(behind)} stalled: collective {_op(lead)} waited {waited:.0f} s on "
+                     f"{_ranks(ahead)} for {'it' if len(behind) == 1 else 'them'}")
+        for r in behind:
+            s = states[r]
+            if s is None:
+                lines.append(f"  rank {r}: never published a heartbeat: process not started, stopped or hung early")
+                continue
+            beat = now - s["wall"]
+            where = f"last seen entering {_op(s)}, {now - s['since']:.0f} s ago" if s["seq"] else "no collective yet"
+            alive = (f"no heartbeat for {beat:.0f} s: process stopped or hung" if beat > stale_s
+                     else f"heartbeat {beat:.1f} s ago: running, but not reaching the collective (slow, or in a "
+                     "loop, or waiting for something else)")
+            lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}; {alive}")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _threshold(warn_s: float, timeout_s: float) -> float:
+    # Before the collective timeout, whatever the warning setting: the report
+    # must come out while the waiting rank is still alive to print it.
+    return max(1.0, min(warn_s, timeout_s - 3 * INTERVAL_S))
+
+
+class Inspector(threading.Thread):
+    """Publishes this rank's state and reports stalls; one per process (see the module notes)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, warn_s: float, timeout_s: float) -> None:
+        super().__init__(name="ddpkit-stall-inspector", daemon=True)
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.threshold = _threshold(warn_s, timeout_s)
+        self._stop_event = threading.Event()
+        self._reported = 0
+        self._published = (-1, 0.0)
+        self._broken = False
+
+    def run(self) -> None:
+        while not self._stop_event.wait(_TICK_S):
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - the store is gone: say so once, stop watching
+                if not self._stop_event.is_set() and not self._broken:
+                    self._broken = True
+                    _print([f"the rendezvous store stopped answering ({type(e).__name__}); the process serving it "
+                            "(the launcher, or rank 0 without one) has exited, stopped or hung"])
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def publish(self) -> dict[str, Any]:
+        state = snapshot()
+        self.store.set(f"{_KEY}{self.rank}", json.dumps(state))
+        self._published = (state["seq"], state["wall"])
+        return state
+
+    def read_all(self) -> dict[int, dict[str, Any] | None]:
+        keys = [f"{_KEY}{r}" for r in range(self.world_size)]
+        present = [self.store.check([k]) for k in keys]
+        values = self.store.multi_get([k for k, p in zip(keys, present) if p]) if any(present) else []
+        it = iter(values)
+        return {r: (json.loads(next(it)) if p else None) for r, p in enumerate(present)}
+
+    def tick(self) -> None:
+        seq, now = _progress.current[0], time.time()
+        if seq == self._published[0] and now - self._published[1] < INTERVAL_S:
+            return
+        mine = self.publish()
+        now = mine["wall"]
+        if not mine["seq"] or now - mine["since"] < self.threshold or self._reported == mine["seq"]:
+            return
+        states = self.read_all()
+        states[self.rank] = mine
+        lines = diagnose(self.rank, states, now, stale_s=3 * INTERVAL_S)
+        if lines and self._is_reporter(states):
+            self._reported = mine["seq"]
+            _print(lines + ["  still waiting; the job fails at the collective timeout (DDPKIT_TIMEOUT)"])
+
+    def _is_reporter(self, states: dict[int, dict[str, Any] | None]) -> bool:
+        """The lowest-numbered rank among the most advanced prints, so the report comes once."""
+        known = {r: s for r, s in states.items() if s is not None}
+        top = max(s["seq"] for s in known.values())
+        return self.rank == min(r for r, s in known.items() if s["seq"] == top)
+
+    def final_report(self) -> None:
+        """After a failed collective: publish, give the others one interval to publish, report."""
+        try:
+            mine = self.publish()
+            deadline = time.monotonic() + 2 * INTERVAL_S + 0.5
+            while True:
+                states = self.read_all()
+                states[self.rank] = mine
+                fresh = all(s is not None and s["wall"] >= mine["wall"] - 0.1 for s in states.values())
+                if fresh or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            lines = diagnose(self.rank, states, time.time(), stale_s=3 * INTERVAL_S)
+        except Exception:  # noqa: BLE001 - diagnosis is best effort while the job is failing
+            return
+        if lines:
+            _print(lines + [f"  rank {self.rank}'s collective failed; the error follows"])
+
+
+def _print(lines: list[str]) -> None:
+    sys.stderr.write("".join(f"{PREFIX}{line}\n" for line in lines))
+    sys.stderr.flush()
+
+
+_inspector: Inspector | None = None
+_COLLECTIVE_ERRORS = ("gloo", "Gloo", "NCCL", "nccl", "Connection closed", "Connection reset", "Timed out", "timed out")
+
+
+def warn_seconds() -> float:
+    """``DDPKIT_STALL_WARN`` in seconds (0: off), validated."""
+    raw = os.environ.get("DDPKIT_STALL_WARN", "")
+    if not raw:
+        return DEFAULT_WARN_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DDPKIT_STALL_WARN={raw!r} is not a number of seconds (0 turns the stall report off)") from None
+    if value < 0:
+        raise ValueError(f"DDPKIT_STALL_WARN={raw!r} must be 0 (off) or a positive number of seconds")
+    return value
+
+
+def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout_s: float) -> Inspector | None:
+    """Start this process's inspector on its own connection to the store at ``host:port``."""
+    global _inspector
+    warn_s = warn_seconds()
+    if warn_s == 0 or world_size < 2:
+        return None
+    stop()
+    import torch.distributed as dist
+
+    client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=max(5.0, 3 * INTERVAL_S)),
+                           wait_for_workers=False)
+    _inspector = Inspector(dist.PrefixStore(prefix, client), rank, world_size, warn_s, timeout_s)
+    _inspector.start()
+    _install_excepthook()
+    return _inspector
+
+
+def stop() -> None:
+    """Stop the inspector (``ddpkit.shutdown``)."""
+    global _inspector
+    if _inspector is not None:
+        _inspector.stop()
+        _inspector = None
+
+
+def _install_excepthook() -> None:
+    if getattr(sys.excepthook, "_ddpkit_stall", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # noqa: ANN001 - sys.excepthook's signature
+        inspector = _inspector
+        if inspector is not None and is_collective_error(exc):
+            inspector.final_report()
+        previous(exc_type, exc, tb)
+
+    hook._ddpkit_stall = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def is_collective_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it chains) is a failed collective: a timeout or a broken peer."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError") or (
+            isinstance(exc, RuntimeError) and any(k in str(exc) for k in _COLLECTIVE_ERRORS)
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
