@@ -32,7 +32,7 @@ def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                         "MASTER_ADDR", "MASTER_PORT")}
+                         "MASTER_ADDR", "MASTER_PORT", "DDPKIT_JOB_TOKEN")}
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env

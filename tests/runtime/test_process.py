@@ -34,10 +34,11 @@ def test_worker_env_is_torchruns_contract() -> None:
 
 
 def test_spawn_children_get_the_same_contract_as_launched_workers() -> None:
-    env = spawn_env(2, 3, 4321, "gloo")
+    env = spawn_env(2, 3, 4321, "gloo", "secret")
     assert CONTRACT <= set(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]) == ("2", "3", "3", "4321")
     assert env["DDPKIT_BACKEND"] == "gloo"
+    assert env["DDPKIT_JOB_TOKEN"] == "secret"
 
 
 def test_describe_exit() -> None:

@@ -38,6 +38,10 @@ class LaunchConfig:
     master_port: int | None = option(None, f"rendezvous port on node 0 (default: {DEFAULT_PORT})")
     standalone: bool = option(False, "single node: pick a free port, rendezvous on loopback")
     max_restarts: int = option(0, "restart the whole group up to this many times after a failure")
+    rdzv_id: str | None = option(
+        None, "the job's id and secret, the same on every node: only processes started with it may join "
+        "(default: DDPKIT_JOB_TOKEN, else a random one for a single-node job)", metavar="ID",
+    )
     local_rank_arg: bool = option(
         False, "also pass --local_rank=N to the script (torch.distributed.launch style)"
     )
@@ -74,6 +78,8 @@ class LaunchConfig:
             if self.nnodes != 1:
                 raise ConfigError(f"--standalone runs a single node, but --nnodes is {self.nnodes}: drop one of them")
             self.master_addr = LOOPBACK
+        if self.rdzv_id is not None and not self.rdzv_id.strip():
+            raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
         if self.grace_period_s < 0:
             raise ConfigError(f"grace period {self.grace_period_s} must be 0 or more seconds")
         if self.log_dir is not None:

@@ -30,7 +30,8 @@ def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
 
 
 def plan_workers(
-    cfg: LaunchConfig, *, master_port: int, restart_count: int, base_env: Mapping[str, str]
+    cfg: LaunchConfig, *, master_port: int, restart_count: int, base_env: Mapping[str, str],
+    job_token: str | None = None,
 ) -> list[WorkerSpec]:
     """The workers of this node for one attempt.
 
@@ -42,6 +43,7 @@ def plan_workers(
         master_port: the rendezvous port of this attempt.
         restart_count: how many times the group was restarted before.
         base_env: the environment to extend (usually ``os.environ``).
+        job_token: the job's secret, given to every worker as ``DDPKIT_JOB_TOKEN``.
     """
     nproc = int(cfg.nproc_per_node)
     workers = []
@@ -52,5 +54,7 @@ def plan_workers(
             master_addr=cfg.master_addr, master_port=master_port, node_rank=cfg.node_rank,
             nnodes=cfg.nnodes, restart_count=restart_count, max_restarts=cfg.max_restarts, base=base_env,
         )
+        if job_token:
+            env["DDPKIT_JOB_TOKEN"] = job_token
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(cfg, local_rank), env=env))
     return workers

@@ -22,6 +22,7 @@ import collections
 import os
 import queue
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -283,18 +284,34 @@ def run(cfg: LaunchConfig) -> int:
     if int(cfg.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
         say(f"setting OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers so they do not "
             "oversubscribe the CPU; set it yourself to tune")
+    token = job_token(cfg)
     signals = SignalCatcher()
     with signals.installed():
-        return _attempts(cfg, port, signals)
+        return _attempts(cfg, port, signals, token)
 
 
-def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher) -> int:
+def job_token(cfg: LaunchConfig) -> str | None:
+    """The job's secret: ``--rdzv-id``, else ``DDPKIT_JOB_TOKEN``, else a random one on a single node.
+
+    Several nodes must share one, so none is made up for them: the job then
+    runs without, and the launcher says so.
+    """
+    token = cfg.rdzv_id or os.environ.get("DDPKIT_JOB_TOKEN") or None
+    if token is None and cfg.nnodes == 1:
+        token = secrets.token_hex(16)
+    if token is None:
+        say("no job secret (--rdzv-id or DDPKIT_JOB_TOKEN, the same on every node): any process that reaches the "
+            "rendezvous can join this job as a rank")
+    return token
+
+
+def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None) -> int:
     group: WorkerGroup | None = None
     try:
         for attempt in range(cfg.max_restarts + 1):
             if attempt and cfg.standalone:
                 port = free_port()
-            specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ)
+            specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ, job_token=token)
             group = WorkerGroup(cfg, attempt)
             group.start(specs, signals)
             failure = group.wait()

@@ -27,6 +27,8 @@ CUDA, else ``cpu``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import ipaddress
 import os
 import socket
 import time
@@ -126,7 +128,7 @@ def _choose_device(place: Placement) -> torch.device:
     return device
 
 
-def _open_store(place: Placement, join_timeout: float) -> dist.Store:
+def _open_store(place: Placement, join_timeout: float, deadline: float) -> dist.Store:
     try:
         socket.getaddrinfo(place.master_addr, place.master_port)
     except socket.gaierror as e:
@@ -138,17 +140,28 @@ def _open_store(place: Placement, join_timeout: float) -> dist.Store:
     # every worker connects to it as a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     is_server = place.rank == 0 and not agent_store
+    if not is_server:
+        _wait_reachable(place, join_timeout, deadline)
     try:
+        listen = {"master_listen_fd": fd} if is_server and (fd := _loopback_listener(place)) is not None else {}
         return dist.TCPStore(
             place.master_addr, place.master_port, place.world_size, is_server,
-            timeout=timedelta(seconds=join_timeout), wait_for_workers=False,
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())), wait_for_workers=False, **listen,
         )
+    except RendezvousError:
+        raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here
         where = f"{place.master_addr}:{place.master_port}"
         if is_server:
             raise RendezvousError(
                 f"rank 0 could not listen on {where} ({e}): the port is probably busy; "
                 "choose a free one with --master-port / MASTER_PORT"
+            ) from None
+        if "Ping failed" in str(e) or "invalid value" in str(e):
+            raise RendezvousError(
+                f"rank {place.rank} found something other than a rendezvous store listening at {where}: another "
+                "program uses that port, or MASTER_ADDR points at the wrong host; use rank 0's host and a port "
+                "no other program uses (--master-port / MASTER_PORT)"
             ) from None
         raise RendezvousError(
             f"rank {place.rank} could not reach the rendezvous at {where} within "
@@ -157,7 +170,101 @@ def _open_store(place: Placement, join_timeout: float) -> dist.Store:
         ) from None
 
 
-def _census(store: dist.Store, place: Placement, join_timeout: float) -> None:
+def _loopback_listener(place: Placement) -> int | None:
+    """A listening socket for the store when ``MASTER_ADDR`` is a loopback address, else ``None``.
+
+    Only processes on this machine could reach such a store, so it listens
+    on loopback alone instead of on every interface (the store's default).
+    """
+    infos = socket.getaddrinfo(place.master_addr, place.master_port, type=socket.SOCK_STREAM)
+    if not all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos):
+        return None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise RendezvousError(
+            f"rank 0 could not listen on {place.master_addr}:{place.master_port} ({e.strerror}): the port is "
+            "probably busy; choose a free one with --master-port / MASTER_PORT"
+        ) from None
+    return sock.detach()  # the store owns the descriptor from now on
+
+
+def job_keys(token: str | None) -> tuple[str, str]:
+    """``(verifier, key prefix)`` of the job whose secret is ``token`` (``DDPKIT_JOB_TOKEN``).
+
+    The verifier is published where any client can read it, so a process
+    can learn that it holds the wrong secret; the job's keys (census, process
+    group, stall inspector) live under the prefix, which cannot be derived
+    from the verifier, so a process without the secret cannot even address them.
+    """
+    if not token:
+        return "none", "ddpkit/"
+
+    def digest(purpose: str) -> str:
+        return hashlib.sha256(f"ddpkit {purpose} {token}".encode()).hexdigest()
+
+    return digest("verifier"), f"ddpkit/{digest('prefix')[:32]}/"
+
+
+def _admit(store: dist.Store, place: Placement, token: str | None) -> None:
+    """Rank 0 publishes the job's verifier; every other rank must present the same secret."""
+    verifier, _ = job_keys(token)
+    if place.rank == 0:
+        store.set("ddpkit/auth", verifier)
+        return
+    where = f"{place.master_addr}:{place.master_port}"
+    try:
+        theirs = store.get("ddpkit/auth").decode()
+    except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by torch version
+        raise RendezvousError(
+            f"rank {place.rank} reached the rendezvous at {where} but rank 0 never opened the job there "
+            f"({type(e).__name__}): check that rank 0 is running and that DDPKIT_TIMEOUT gives it time to start"
+        ) from None
+    if theirs == verifier:
+        return
+    n = store.add(stall.REFUSED_KEY, 1)
+    store.set(f"{stall.REFUSED_KEY}/{n}", f"a process on {socket.gethostname()} (pid {os.getpid()}) claiming rank "
+                                    f"{place.rank} {'without' if not token else 'with another'} secret")
+    if not token:
+        why = ("the job there has a secret and this process presents none: start ranks with ddpkit launch, or "
+               "give every rank the job's DDPKIT_JOB_TOKEN (--rdzv-id)")
+    elif theirs == "none":
+        why = ("this process presents a secret (DDPKIT_JOB_TOKEN) but the job there has none: unset it, or start "
+               "rank 0 with the same one")
+    else:
+        why = "its DDPKIT_JOB_TOKEN is not the job's secret: give every rank the same --rdzv-id / DDPKIT_JOB_TOKEN"
+    raise RendezvousError(f"rank {place.rank} was refused by the rendezvous at {where}: {why}")
+
+
+def _wait_reachable(place: Placement, join_timeout: float, deadline: float) -> None:
+    """Wait until something listens at the rendezvous, within the one deadline of the whole rendezvous.
+
+    Checked here, in Python, so that an unreachable store fails once, on time
+    and with ddpkit's message alone (torch's client retries past its timeout
+    and logs a C++ stack trace on every failed try).
+    """
+    where = (place.master_addr, place.master_port)
+    last: OSError | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            socket.create_connection(where, timeout=min(left, 2.0)).close()
+            return
+        except OSError as e:
+            last = e
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    raise RendezvousError(
+        f"rank {place.rank} could not reach the rendezvous at {where[0]}:{where[1]} within {join_timeout:g} s "
+        f"({last.strerror or last if last else 'no time left'}): check that rank 0 is running, that MASTER_ADDR/"
+        "MASTER_PORT are the same on every node, and that the port is open (DDPKIT_TIMEOUT sets the wait)"
+    )
+
+
+def _census(store: dist.Store, place: Placement, join_timeout: float, deadline: float) -> None:
     """Check that exactly ``world_size`` distinct ranks agreeing on it have joined."""
 
     def fail(message: str) -> None:
@@ -177,7 +284,6 @@ def _census(store: dist.Store, place: Placement, join_timeout: float) -> None:
     store.add("joined", 1)
     where = f"{place.master_addr}:{place.master_port}"
     advice = "check that WORLD_SIZE matches the number of processes started on all nodes"
-    deadline = time.monotonic() + join_timeout
     joined = 0
     try:
         while (joined := store.add("joined", 0)) < place.world_size:
@@ -244,13 +350,17 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         if place.world_size == 1:
             store: dist.Store = dist.HashStore()
         else:
-            store = _open_store(place, join_timeout)
+            # One deadline for the whole rendezvous: reaching the store and the census.
+            deadline = time.monotonic() + join_timeout
+            store = _open_store(place, join_timeout, deadline)
+            token = os.environ.get("DDPKIT_JOB_TOKEN") or None
+            _admit(store, place, token)
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             # Keys live under a per-restart prefix: a store that outlives one
             # attempt (torchrun's agent store) must not see the last one's census.
-            prefix = f"ddpkit/{restart}/"
+            prefix = f"{job_keys(token)[1]}{restart}/"
             store = dist.PrefixStore(prefix, store)
-            _census(store, place, join_timeout)
+            _census(store, place, join_timeout, deadline)
         dist.init_process_group(
             backend, store=store, rank=place.rank, world_size=place.world_size,
             timeout=timedelta(seconds=collective_timeout),

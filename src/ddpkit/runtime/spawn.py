@@ -16,6 +16,7 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
+import secrets
 import signal
 import sys
 import time
@@ -123,6 +124,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
     ctx = mp.get_context("spawn")
     port = free_port()
+    token = secrets.token_hex(16)  # only these children may join (see ddpkit.init)
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, tuple[int, Connection]] = {}
     signals = SignalCatcher()
@@ -135,7 +137,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
                         break
                     parent_conn, child_conn = ctx.Pipe(duplex=False)
                     proc = ctx.Process(
-                        target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend), child_conn),
+                        target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend, token), child_conn),
                         name=f"ddpkit-rank{rank}",
                     )
                     proc.start()
@@ -153,8 +155,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
             terminate(procs, GRACE_S, first_signal)
 
 
-def _env(rank: int, nprocs: int, port: int, backend: str | None) -> dict[str, str]:
+def _env(rank: int, nprocs: int, port: int, backend: str | None, token: str) -> dict[str, str]:
     env = worker_env(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
+    env["DDPKIT_JOB_TOKEN"] = token
     if backend:
         env["DDPKIT_BACKEND"] = backend
     return env

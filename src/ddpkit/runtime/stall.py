@@ -27,8 +27,11 @@ Settings (environment):
 
 ``DDPKIT_STALL_WARN``
     Seconds a collective may wait before the report (default
-    :data:`DEFAULT_WARN_S`); ``0`` turns the inspector off. The report comes
+    :data:`DEFAULT_WARN_S`); ``0`` turns the reports off. The report comes
     earlier when the collective timeout is shorter, so it is never lost.
+
+Rank 0's inspector also prints a line for each process the rendezvous
+refused for not presenting the job's secret (see :func:`ddpkit.init`).
 
 Heartbeat ages compare wall clocks, exact on one machine and as good as the
 nodes' clock synchronisation across machines.
@@ -57,6 +60,9 @@ HISTORY = 8
 PREFIX = "ddpkit stall: "
 """Every line of a report starts with this (``ddpkit launch`` looks for it)."""
 _KEY = "ddpkit-stall/"
+REFUSED_KEY = "ddpkit/refused"
+"""Counter, at the store's root, of processes the rendezvous refused (no or wrong job secret);
+``REFUSED_KEY/N`` describes the N-th. Rank 0's inspector reports each one."""
 
 
 class _Progress:
@@ -174,12 +180,16 @@ def _threshold(warn_s: float, timeout_s: float) -> float:
 class Inspector(threading.Thread):
     """Publishes this rank's state and reports stalls; one per process (see the module notes)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, warn_s: float, timeout_s: float) -> None:
+    def __init__(self, root: Any, prefix: str, rank: int, world_size: int, warn_s: float, timeout_s: float) -> None:
         super().__init__(name="ddpkit-stall-inspector", daemon=True)
-        self.store = store
+        import torch.distributed as dist
+
+        self.root = root
+        self.store = dist.PrefixStore(prefix, root)
         self.rank = rank
         self.world_size = world_size
-        self.threshold = _threshold(warn_s, timeout_s)
+        self.threshold = _threshold(warn_s, timeout_s) if warn_s else float("inf")
+        self._refused = 0
         self._stop_event = threading.Event()
         self._reported = 0
         self._published = (-1, 0.0)
@@ -217,6 +227,8 @@ class Inspector(threading.Thread):
         if seq == self._published[0] and now - self._published[1] < INTERVAL_S:
             return
         mine = self.publish()
+        if self.rank == 0:
+            self._report_refused()
         now = mine["wall"]
         if not mine["seq"] or now - mine["since"] < self.threshold or self._reported == mine["seq"]:
             return
@@ -226,6 +238,15 @@ class Inspector(threading.Thread):
         if lines and self._is_reporter(states):
             self._reported = mine["seq"]
             _print(lines + ["  still waiting; the job fails at the collective timeout (DDPKIT_TIMEOUT)"])
+
+    def _report_refused(self) -> None:
+        count = self.root.add(REFUSED_KEY, 0)
+        while self._refused < count:
+            self._refused += 1
+            who = self.root.get(f"{REFUSED_KEY}/{self._refused}").decode()
+            sys.stderr.write(f"ddpkit: the rendezvous refused {who}: it did not present the job's secret; "
+                             "the job goes on without it\n")
+            sys.stderr.flush()
 
     def _is_reporter(self, states: dict[int, dict[str, Any] | None]) -> bool:
         """The lowest-numbered rank among the most advanced prints, so the report comes once."""
@@ -279,14 +300,14 @@ def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout
     """Start this process's inspector on its own connection to the store at ``host:port``."""
     global _inspector
     warn_s = warn_seconds()
-    if warn_s == 0 or world_size < 2:
+    if world_size < 2:
         return None
     stop()
     import torch.distributed as dist
 
     client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=max(5.0, 3 * INTERVAL_S)),
                            wait_for_workers=False)
-    _inspector = Inspector(dist.PrefixStore(prefix, client), rank, world_size, warn_s, timeout_s)
+    _inspector = Inspector(client, prefix, rank, world_size, warn_s, timeout_s)
     _inspector.start()
     _install_excepthook()
     return _inspector
@@ -307,7 +328,7 @@ def _install_excepthook() -> None:
 
     def hook(exc_type, exc, tb):  # noqa: ANN001 - sys.excepthook's signature
         inspector = _inspector
-        if inspector is not None and is_collective_error(exc):
+        if inspector is not None and inspector.threshold != float("inf") and is_collective_error(exc):
             inspector.final_report()
         previous(exc_type, exc, tb)
 

@@ -1,0 +1,90 @@
+"""Only the job can join: a loopback-only store for single-node jobs and a job secret (real launches)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ddpkit.runtime.group import job_keys
+from ddpkit.runtime.process import free_port
+from tests.procs import SCRIPTS, base_env
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6, like ``ss -ltn``)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, state = fields[1], fields[3]
+            host, hex_port = address.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(host)
+    return found
+
+
+def _start_job(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    job = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", *flags, "--nproc-per-node", "2",
+                            str(SCRIPTS / "guarded.py"), str(tmp_path)],
+                           env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "port").exists():
+        assert job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline, "the job never met"
+        time.sleep(0.1)
+    return job, int((tmp_path / "port").read_text())
+
+
+def _intruder(port: int, **env: str) -> subprocess.CompletedProcess:
+    code = "import ddpkit; ddpkit.init(); print('JOINED')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=base_env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       DDPKIT_TIMEOUT="10", **env))
+
+
+def test_a_process_without_the_secret_is_refused_and_the_job_finishes(tmp_path):
+    job, port = _start_job(tmp_path, "--standalone")
+    try:
+        # The store of a single-node job listens on loopback only.
+        listening = _listeners(port)
+        assert listening and all(h in ("0100007F", "00000000000000000000000001000000") for h in listening), listening
+        for env, why in (({}, "presents none"), ({"DDPKIT_JOB_TOKEN": "guess"}, "is not the job's secret")):
+            intruder = _intruder(port, **env)
+            assert intruder.returncode == 1 and "JOINED" not in intruder.stdout
+            assert "RendezvousError: rank 1 was refused by the rendezvous at 127.0.0.1:" in intruder.stderr
+            assert why in intruder.stderr
+        (tmp_path / "go").touch()
+        out, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err
+    # The job's all-reduce saw its own two ranks only.
+    assert out.count("[2.0, 2.0, 2.0]") == 2, out
+    refused = [line for line in err.splitlines() if "the rendezvous refused a process" in line]
+    assert len(refused) == 2 and all(line.startswith("[rank0]: ") for line in refused), err
+    assert "claiming rank 1 without secret" in refused[0] and "claiming rank 1 with another secret" in refused[1]
+
+
+def test_the_launcher_passes_the_given_rdzv_id_as_the_secret(tmp_path):
+    job, port = _start_job(tmp_path, "--rdzv-id", "job-42", "--master-port", str(free_port()))
+    try:
+        intruder = _intruder(port, DDPKIT_JOB_TOKEN="job-42")
+        # The right secret gets past the check; claiming a rank that is taken is then the error.
+        assert intruder.returncode == 1 and "was refused" not in intruder.stderr
+        assert "rank 1 is claimed by more than one process" in intruder.stderr, intruder.stderr
+        (tmp_path / "go").touch()
+        out, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err
+
+
+def test_job_keys_hide_the_prefix_behind_the_verifier():
+    verifier, prefix = job_keys("s3cret")
+    assert verifier != job_keys("other")[0] and "s3cret" not in verifier + prefix
+    assert prefix.startswith("ddpkit/") and prefix[7:-1] not in verifier
+    assert job_keys(None) == ("none", "ddpkit/")
