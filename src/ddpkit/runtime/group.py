@@ -19,6 +19,10 @@ Timeouts: ``timeout`` (argument, else ``DDPKIT_TIMEOUT`` in seconds) bounds both
 the rendezvous and every collective. When neither is given the rendezvous
 waits :data:`DEFAULT_JOIN_TIMEOUT_S` and collectives :data:`DEFAULT_TIMEOUT_S`.
 
+Network: with gloo, unless ``GLOO_SOCKET_IFNAME`` is set, the interface on
+the route to ``MASTER_ADDR`` is used (see :mod:`ddpkit.runtime.network`), so
+that peers on other nodes can reach the address gloo advertises.
+
 Backend: ``nccl`` when CUDA is available, else ``gloo``; override with the
 ``backend`` argument or ``DDPKIT_BACKEND``. Device: ``cuda:LOCAL_RANK`` with
 CUDA, else ``cpu``.
@@ -41,6 +45,7 @@ import torch.distributed as dist
 
 from ddpkit.runtime import stall
 from ddpkit.runtime.discovery import Placement, discover
+from ddpkit.runtime.network import route_interface
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Collective timeout when none is configured (torch's own default)."""
@@ -361,6 +366,10 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             prefix = f"{job_keys(token)[1]}{restart}/"
             store = dist.PrefixStore(prefix, store)
             _census(store, place, join_timeout, deadline)
+        if backend == "gloo" and place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            # Advertise the address peers can reach: the one on the route to the store.
+            if interface := route_interface(place.master_addr, place.master_port):
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         dist.init_process_group(
             backend, store=store, rank=place.rank, world_size=place.world_size,
             timeout=timedelta(seconds=collective_timeout),

@@ -1,0 +1,60 @@
+"""Which network interface this machine reaches the rendezvous host through (torch-free).
+
+Gloo advertises one address to its peers. Left alone it takes the address
+the machine's host name resolves to, often ``127.0.0.1`` or an address other
+nodes cannot reach, and a multi-node job then fails ("Gloo connectFullMesh
+failed") or hangs. :func:`route_interface` asks the kernel which local
+address it would use to reach ``MASTER_ADDR`` (a UDP ``connect``, which
+sends nothing) and returns the interface holding that address; every node
+can reach it, since that is the route the rendezvous itself takes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import socket
+import struct
+from pathlib import Path
+
+_SIOCGIFADDR = 0x8915
+
+
+def local_address_towards(host: str, port: int) -> str | None:
+    """The local IP address the kernel would use to reach ``host``, or ``None`` if there is no route."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            return str(sock.getsockname()[0]).split("%")[0]
+    except OSError:
+        return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface holding ``address`` (IPv4 or IPv6), or ``None``."""
+    ip = ipaddress.ip_address(address)
+    if ip.version == 6:
+        table = Path("/proc/net/if_inet6")
+        if not table.exists():
+            return None
+        for line in table.read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and ipaddress.IPv6Address(int(fields[0], 16)) == ip:
+                return fields[5]
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def route_interface(host: str, port: int) -> str | None:
+    """The interface this machine reaches ``host`` through (``lo`` for a local host), or ``None``."""
+    address = local_address_towards(host, port)
+    return interface_of(address) if address else None

@@ -1,0 +1,51 @@
+"""Two "nodes" on one machine: network namespaces joined by a veth pair (needs root and ``ip netns``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextmanager
+def two_nodes() -> Iterator[tuple[list[str], list[str]]]:
+    """Yield ``(names, addresses)`` of two namespaces that reach each other over a veth pair.
+
+    Skips the test (with the reason) where namespaces cannot be made.
+    """
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 (ip netns) for two-node tests")
+    tag = f"dk{os.getpid() % 100000}"
+    names = [f"{tag}n0", f"{tag}n1"]
+    octet = 10 + os.getpid() % 200
+    addresses = [f"10.{octet}.0.1", f"10.{octet}.0.2"]
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+    except subprocess.CalledProcessError as e:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"ip netns is not permitted here: {e.stderr.strip()}")
+    try:
+        _ip("link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
+        for name, end, address in zip(names, (f"{tag}a", f"{tag}b"), addresses):
+            _ip("link", "set", end, "netns", name)
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", end)
+            _ip("-n", name, "link", "set", end, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield names, addresses
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def in_namespace(name: str, argv: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", name, *argv]
