@@ -49,3 +49,8 @@ def two_nodes() -> Iterator[tuple[list[str], list[str]]]:
 
 def in_namespace(name: str, argv: list[str]) -> list[str]:
     return ["ip", "netns", "exec", name, *argv]
+
+
+def veth_end(names: list[str], node: int) -> str:
+    """The name of node ``node``'s end of the veth pair made by :func:`two_nodes`."""
+    return names[0][:-2] + "ab"[node]

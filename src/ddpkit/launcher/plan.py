@@ -31,7 +31,7 @@ def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
 
 def plan_workers(
     cfg: LaunchConfig, *, master_port: int, restart_count: int, base_env: Mapping[str, str],
-    job_token: str | None = None,
+    job_token: str | None = None, agent_store: bool = False,
 ) -> list[WorkerSpec]:
     """The workers of this node for one attempt.
 
@@ -44,6 +44,8 @@ def plan_workers(
         restart_count: how many times the group was restarted before.
         base_env: the environment to extend (usually ``os.environ``).
         job_token: the job's secret, given to every worker as ``DDPKIT_JOB_TOKEN``.
+        agent_store: the launchers serve the store (multi-node), so rank 0
+            connects to it like every other worker (torchrun's contract).
     """
     nproc = int(cfg.nproc_per_node)
     workers = []
@@ -56,5 +58,7 @@ def plan_workers(
         )
         if job_token:
             env["DDPKIT_JOB_TOKEN"] = job_token
+        if agent_store:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "true"
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(cfg, local_rank), env=env))
     return workers

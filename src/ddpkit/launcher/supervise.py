@@ -28,11 +28,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
+from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import Interrupted, SignalCatcher, describe_exit, free_port, terminate
 from ddpkit.runtime.stall import PREFIX as STALL_PREFIX
@@ -190,10 +193,20 @@ class WorkerGroup:
             self.pumps.append(pump)
         threading.Thread(target=lambda: self.exits.put((proc.wait(), index)), daemon=True).start()
 
-    def wait(self) -> Failure | None:
-        """Block until every worker succeeded (None) or one failed (the first in time)."""
+    def wait(self, watch: Callable[[], RemoteFailure | None] | None = None) -> Failure | RemoteFailure | None:
+        """Block until every worker succeeded (None) or one failed (the first in time).
+
+        ``watch`` (multi-node) is called every :data:`POLL_S`; when it returns
+        another node's failure, this node's workers are stopped and it is returned.
+        """
         done = 0
+        next_look = time.monotonic() + POLL_S
         while done < len(self.procs):
+            if watch is not None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + POLL_S
+                if remote := watch():
+                    self.stop()
+                    return remote
             try:
                 # A timeout, so the main thread still runs signal handlers.
                 code, index = self.exits.get(timeout=_POLL_S)
@@ -253,6 +266,28 @@ def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
             ) from None
 
 
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "connectFullMesh")
+
+
+def _share(rdzv: NodeRendezvous, attempt: int, node: int, failure: Failure) -> RemoteFailure:
+    """Tell the other nodes of this failure; return the round's first failure (maybe another node's)."""
+    text = failure.traceback + "\n".join(failure.last_lines)
+    if any(k in text for k in _PEER_ERRORS):
+        # A broken connection is the symptom; the cause is on the node that
+        # went away, which its launcher (or node 0, by its heartbeat) records.
+        deadline = time.monotonic() + (STALE_S + 2 * POLL_S if rdzv.serving else 2.0)
+        while time.monotonic() < deadline:
+            if remote := rdzv.watch(attempt):
+                return remote
+            time.sleep(POLL_S)
+    lines = failure.stall[:1] or (failure.traceback.splitlines() or failure.last_lines or [""])[-1:]
+    mine = RemoteFailure(node, failure.rank, describe_exit(failure.exitcode), lines[0])
+    try:
+        return rdzv.record(attempt, mine)
+    except Exception:  # noqa: BLE001 - node 0 unreachable: the others learn it from its silence
+        return rdzv.watch(attempt) or mine
+
+
 def report(failure: Failure) -> None:
     """Print the root cause of a failed attempt: a stall report when a rank printed one, else the first failure."""
     rule = "-" * 72
@@ -287,7 +322,16 @@ def run(cfg: LaunchConfig) -> int:
     token = job_token(cfg)
     signals = SignalCatcher()
     with signals.installed():
-        return _attempts(cfg, port, signals, token)
+        rdzv = None
+        if cfg.nnodes > 1:
+            with signals.deferred():
+                rdzv = NodeRendezvous(host=cfg.master_addr, port=port, node=cfg.node_rank, nnodes=cfg.nnodes,
+                                      token=token, timeout_s=rendezvous_timeout())
+        try:
+            return _attempts(cfg, port, signals, token, rdzv)
+        finally:
+            if rdzv is not None:
+                rdzv.close()
 
 
 def job_token(cfg: LaunchConfig) -> str | None:
@@ -305,22 +349,42 @@ def job_token(cfg: LaunchConfig) -> str | None:
     return token
 
 
-def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None) -> int:
+def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None,
+              rdzv: NodeRendezvous | None) -> int:
     group: WorkerGroup | None = None
     try:
-        for attempt in range(cfg.max_restarts + 1):
+        first = rdzv.current_round() if rdzv else 0
+        if first:
+            say(f"joining the job in progress at restart round {first}")
+        for attempt in range(first, cfg.max_restarts + 1):
             if attempt and cfg.standalone:
                 port = free_port()
-            specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ, job_token=token)
+            if rdzv:
+                rdzv.begin(attempt)
+            specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ, job_token=token,
+                                 agent_store=rdzv is not None)
             group = WorkerGroup(cfg, attempt)
             group.start(specs, signals)
-            failure = group.wait()
+            failure = group.wait(watch=(lambda a=attempt: rdzv.watch(a)) if rdzv else None)
             group.stop()
             if failure is None:
-                return 0
-            report(failure)
+                remote = rdzv.finish(attempt, ok=True) if rdzv else None
+                if remote is None:
+                    return 0
+                say(f"{remote.describe()}\n(this node's workers had finished)")
+                return 1
+            if isinstance(failure, RemoteFailure):
+                say(f"{failure.describe()}\nstopped this node's workers")
+            else:
+                first = _share(rdzv, attempt, cfg.node_rank, failure) if rdzv else None
+                report(failure)
+                if first is not None and first.node != cfg.node_rank:
+                    say(f"root cause on another node: {first.describe()}")
             if attempt < cfg.max_restarts:
-                say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})")
+                say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})"
+                    + (", every node together" if rdzv else ""))
+            elif rdzv:
+                rdzv.finish(attempt, ok=False)
         return 1
     except Interrupted as e:
         name = signal.Signals(e.signum).name

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import ipaddress
 import os
 import socket
 import time
@@ -45,7 +44,7 @@ import torch.distributed as dist
 
 from ddpkit.runtime import stall
 from ddpkit.runtime.discovery import Placement, discover
-from ddpkit.runtime.network import route_interface
+from ddpkit.runtime.network import loopback_listener, route_interface
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Collective timeout when none is configured (torch's own default)."""
@@ -176,27 +175,13 @@ def _open_store(place: Placement, join_timeout: float, deadline: float) -> dist.
 
 
 def _loopback_listener(place: Placement) -> int | None:
-    """A listening socket for the store when ``MASTER_ADDR`` is a loopback address, else ``None``.
-
-    Only processes on this machine could reach such a store, so it listens
-    on loopback alone instead of on every interface (the store's default).
-    """
-    infos = socket.getaddrinfo(place.master_addr, place.master_port, type=socket.SOCK_STREAM)
-    if not all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos):
-        return None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
-        sock.listen(1024)
+        return loopback_listener(place.master_addr, place.master_port)
     except OSError as e:
-        sock.close()
         raise RendezvousError(
             f"rank 0 could not listen on {place.master_addr}:{place.master_port} ({e.strerror}): the port is "
             "probably busy; choose a free one with --master-port / MASTER_PORT"
         ) from None
-    return sock.detach()  # the store owns the descriptor from now on
 
 
 def job_keys(token: str | None) -> tuple[str, str]:

@@ -58,3 +58,28 @@ def route_interface(host: str, port: int) -> str | None:
     """The interface this machine reaches ``host`` through (``lo`` for a local host), or ``None``."""
     address = local_address_towards(host, port)
     return interface_of(address) if address else None
+
+
+def loopback_listener(host: str, port: int) -> int | None:
+    """A listening socket's descriptor for a store at ``host:port`` when ``host`` is a loopback address.
+
+    Only processes on this machine could reach such a store, so it listens
+    on loopback alone instead of on every interface (the store's default).
+    Returns ``None`` for other hosts; the caller then owns the descriptor.
+
+    Raises:
+        OSError: the port is busy.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos):
+        return None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()

@@ -160,7 +160,7 @@ def diagnose(me: int, states: dict[int, dict[str, Any] | None], now: float, stal
                 continue
             beat = now - s["wall"]
             where = f"last seen entering {_op(s)}, {now - s['since']:.0f} s ago" if s["seq"] else "no collective yet"
-            alive = (f"no heartbeat for {beat:.0f} s: process stopped or hung" if beat > stale_s
+            alive = (f"no heartbeat for {beat:.0f} s: process stopped, hung or gone" if beat > stale_s
                      else f"heartbeat {beat:.1f} s ago: running, but not reaching the collective (slow, or in a "
                      "loop, or waiting for something else)")
             lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}; {alive}")
@@ -266,7 +266,10 @@ class Inspector(threading.Thread):
                 if fresh or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-            lines = diagnose(self.rank, states, time.time(), stale_s=3 * INTERVAL_S)
+            # A live rank publishes within INTERVAL_S: one silent since this
+            # rank failed (and the wait began) has stopped, hung or gone.
+            now = time.time()
+            lines = diagnose(self.rank, states, now, stale_s=min(3 * INTERVAL_S, max(0.5, now - mine["wall"] - 0.25)))
         except Exception:  # noqa: BLE001 - diagnosis is best effort while the job is failing
             return
         if lines:

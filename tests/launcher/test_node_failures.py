@@ -1,0 +1,116 @@
+"""Multi-node failures: every node learns the first failure through the rendezvous, tears down, restarts together."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ddpkit.runtime.process import free_port
+from tests.netns import in_namespace, two_nodes, veth_end
+from tests.procs import SCRIPTS, base_env
+
+
+def _node(node: int, port: int, mode: str, *flags: str, addr: str = "127.0.0.1", prefix: list[str] | None = None,
+          **env: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+            "1", "--master-addr", addr, "--master-port", str(port), "--rdzv-id", "nodes-test", *flags,
+            str(SCRIPTS / "nodes.py"), mode]
+    return subprocess.Popen((prefix or []) + argv, env=base_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pids(out: str) -> list[int]:
+    return [int(line.split()[-1]) for line in out.splitlines() if "PID " in line]
+
+
+def test_a_crash_on_one_node_stops_every_node_and_names_it():
+    port = free_port()
+    start = time.monotonic()
+    outs = _finish([_node(n, port, "crash", CRASH_RANK="1") for n in (0, 1)], timeout=90)
+    took = time.monotonic() - start
+    (out0, err0), (_, err1) = outs
+    assert "RuntimeError: deliberate failure on rank 1" in err1 and "Root cause: rank 1" in err1
+    assert "node 1, rank 1, failed first: exit code 1" in err0, err0
+    assert "RuntimeError: deliberate failure on rank 1" in err0
+    assert "stopped this node's workers" in err0
+    assert "DONE" not in out0 and took < 45
+    assert not any(_alive(pid) for pid in _pids(out0))
+
+
+def test_max_restarts_restarts_every_node_together():
+    port = free_port()
+    procs = [_node(n, port, "crash", "--max-restarts", "1", CRASH_RANK="0") for n in (0, 1)]
+    outs = _finish(procs, timeout=120)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for node, (out, err) in enumerate(outs):
+        assert f"DONE {node} round 1" in out, out
+        assert "restarting the worker group (restart 1 of 1), every node together" in err, err
+    assert "node 0, rank 0, failed first" in outs[1][1]
+
+
+def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
+    port = free_port()
+    procs = [_node(n, port, "long", DDPKIT_TIMEOUT="60") for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 60
+        pids: list[int] = []
+        while len(pids) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(4)  # both nodes are training now
+        # Node 1 dies whole: its launcher and its workers (each leads its own process group).
+        worker = int(subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "nodes.py"], capture_output=True,
+                                    text=True).stdout.split()[0])
+        start = time.monotonic()
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        os.killpg(worker, signal.SIGKILL)
+        out0, err0 = procs[0].communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        _finish(procs, timeout=1)
+    assert procs[0].returncode == 1
+    assert "node 1 failed first: its launcher stopped answering" in err0, err0
+    assert took < 20, took
+    assert not any(_alive(pid) for pid in _pids(out0))
+
+
+def test_a_cut_link_ends_both_nodes_within_the_timeout():
+    with two_nodes() as (names, addresses):
+        port = 29612
+        procs = [_node(n, port, "long", addr=addresses[0], prefix=in_namespace(names[n], []), DDPKIT_TIMEOUT="15")
+                 for n in (0, 1)]
+        try:
+            time.sleep(8)
+            veth = veth_end(names, 1)
+            start = time.monotonic()
+            subprocess.run(["ip", "-n", names[1], "link", "set", veth, "down"], check=True)
+            outs = [p.communicate(timeout=90) for p in procs]
+            took = time.monotonic() - start
+        finally:
+            _finish(procs, timeout=1)
+            leftovers = [subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+                         for n in names]
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert "node 1 failed first: its launcher stopped answering" in outs[0][1], outs[0][1]
+    assert "node 0 failed first: the rendezvous it serves stopped answering" in outs[1][1], outs[1][1]
+    assert took < 45, took
+    assert leftovers == [[], []]

@@ -1,0 +1,32 @@
+"""A multi-node job for the launcher's failure tests: ``nodes.py MODE``.
+
+``crash``: rank ``CRASH_RANK`` raises at step 3 of round 0 (a restart round succeeds).
+``long``: trains slowly for a minute (to be killed or cut off).
+Every rank prints ``PID <rank> <pid>`` first and ``DONE <rank> round <n>`` at the end.
+"""
+
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import ddpkit
+
+mode = sys.argv[1]
+ctx = ddpkit.init()
+print("PID", ctx.rank, os.getpid(), flush=True)
+round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+torch.manual_seed(0)
+model = ddpkit.DDP(nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(8 if mode == "crash" else 300):
+    time.sleep(0.2)
+    if mode == "crash" and round_ == 0 and step == 3 and ctx.rank == int(os.environ["CRASH_RANK"]):
+        raise RuntimeError(f"deliberate failure on rank {ctx.rank}")
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+ddpkit.barrier()
+print("DONE", ctx.rank, "round", round_, flush=True)
