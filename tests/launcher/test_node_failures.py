@@ -72,11 +72,7 @@ def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
     port = free_port()
     procs = [_node(n, port, "long", DDPKIT_TIMEOUT="60") for n in (0, 1)]
     try:
-        deadline = time.monotonic() + 60
-        pids: list[int] = []
-        while len(pids) < 1 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        time.sleep(4)  # both nodes are training now
+        time.sleep(5)  # both nodes are training now
         # Node 1 dies whole: its launcher and its workers (each leads its own process group).
         worker = int(subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "nodes.py"], capture_output=True,
                                     text=True).stdout.split()[0])
@@ -96,10 +92,10 @@ def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
 def test_a_cut_link_ends_both_nodes_within_the_timeout():
     with two_nodes() as (names, addresses):
         port = 29612
-        procs = [_node(n, port, "long", addr=addresses[0], prefix=in_namespace(names[n], []), DDPKIT_TIMEOUT="15")
+        procs = [_node(n, port, "long", addr=addresses[0], prefix=in_namespace(names[n], []), DDPKIT_TIMEOUT="10")
                  for n in (0, 1)]
         try:
-            time.sleep(8)
+            time.sleep(6)
             veth = veth_end(names, 1)
             start = time.monotonic()
             subprocess.run(["ip", "-n", names[1], "link", "set", veth, "down"], check=True)

@@ -19,7 +19,7 @@ def _job(mode: str, **env: str):
 
 
 def test_a_stopped_rank_is_named_with_its_operation_and_becomes_the_root_cause():
-    done, took = _job("stop", DDPKIT_TIMEOUT="12", DDPKIT_STALL_WARN="3")
+    done, took = _job("stop", DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3")
     assert done.returncode == 1, done.stderr
     err = done.stderr
     # The warning, while rank 0 still waits: within the threshold plus a tick or two.

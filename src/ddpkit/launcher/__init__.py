@@ -14,9 +14,15 @@ run unchanged, and ddpkit scripts run under torchrun):
     ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, and
     ``OMP_NUM_THREADS=1`` when unset and more than one worker runs here.
 
-Rendezvous: rank 0 (on node 0) serves a TCP store on ``MASTER_ADDR:MASTER_PORT``
-(default port 29500; ``--standalone`` picks a free one on loopback). The other
-nodes' launchers are started with the same address, port and ``--nnodes``.
+Rendezvous: a TCP store on ``MASTER_ADDR:MASTER_PORT`` (default port 29500;
+``--standalone`` picks a free one on loopback). On a single node rank 0
+serves it, on loopback only when ``MASTER_ADDR`` is a loopback address; with
+several nodes node 0's launcher serves it for the whole job (see
+:mod:`ddpkit.launcher.rendezvous`: restart rounds, the first failure,
+heartbeats). The other nodes' launchers are started with the same address,
+port, ``--nnodes`` and ``--rdzv-id``. Every job has a secret (``--rdzv-id``,
+``DDPKIT_JOB_TOKEN``, or a random one on a single node) that a process must
+present to join as a rank.
 
 Failure modes: see :mod:`ddpkit.launcher.supervise`. Bad arguments (zero
 processes, a node rank outside ``--nnodes``, a missing script, a busy port on

@@ -27,7 +27,8 @@ Settings (environment):
 
 ``DDPKIT_STALL_WARN``
     Seconds a collective may wait before the report (default
-    :data:`DEFAULT_WARN_S`); ``0`` turns the reports off. The report comes
+    :data:`DEFAULT_WARN_S`); ``0`` turns the inspector off (no thread, no
+    heartbeat, no report, no line for refused processes). The report comes
     earlier when the collective timeout is shorter, so it is never lost.
 
 Rank 0's inspector also prints a line for each process the rendezvous
@@ -303,7 +304,7 @@ def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout
     """Start this process's inspector on its own connection to the store at ``host:port``."""
     global _inspector
     warn_s = warn_seconds()
-    if world_size < 2:
+    if warn_s == 0 or world_size < 2:
         return None
     stop()
     import torch.distributed as dist
