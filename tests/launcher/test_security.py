@@ -66,7 +66,7 @@ def test_a_process_without_the_secret_is_refused_and_the_job_finishes(tmp_path):
     assert out.count("[2.0, 2.0, 2.0]") == 2, out
     refused = [line for line in err.splitlines() if "the rendezvous refused a process" in line]
     assert len(refused) == 2 and all(line.startswith("[rank0]: ") for line in refused), err
-    assert "claiming rank 1 without secret" in refused[0] and "claiming rank 1 with another secret" in refused[1]
+    assert "claiming rank 1 without the job's secret" in refused[0] and "with another job's secret" in refused[1]
 
 
 def test_the_launcher_passes_the_given_rdzv_id_as_the_secret(tmp_path):

@@ -219,7 +219,7 @@ def _admit(store: dist.Store, place: Placement, token: str | None) -> None:
         return
     n = store.add(stall.REFUSED_KEY, 1)
     store.set(f"{stall.REFUSED_KEY}/{n}", f"a process on {socket.gethostname()} (pid {os.getpid()}) claiming rank "
-                                    f"{place.rank} {'without' if not token else 'with another'} secret")
+                                    f"{place.rank} {'without the job' if not token else 'with another job'}'s secret")
     if not token:
         why = ("the job there has a secret and this process presents none: start ranks with ddpkit launch, or "
                "give every rank the job's DDPKIT_JOB_TOKEN (--rdzv-id)")

@@ -245,8 +245,7 @@ class Inspector(threading.Thread):
         while self._refused < count:
             self._refused += 1
             who = self.root.get(f"{REFUSED_KEY}/{self._refused}").decode()
-            sys.stderr.write(f"ddpkit: the rendezvous refused {who}: it did not present the job's secret; "
-                             "the job goes on without it\n")
+            sys.stderr.write(f"ddpkit: the rendezvous refused {who}; the job goes on without it\n")
             sys.stderr.flush()
 
     def _is_reporter(self, states: dict[int, dict[str, Any] | None]) -> bool:
