@@ -110,3 +110,23 @@ def test_a_cut_link_ends_both_nodes_within_the_timeout():
     assert "node 0 failed first: the rendezvous it serves stopped answering" in outs[1][1], outs[1][1]
     assert took < 45, took
     assert leftovers == [[], []]
+
+
+def test_a_node_that_comes_back_joins_the_restart_round():
+    port = free_port()
+    procs = [_node(n, port, "long", "--max-restarts", "1", DDPKIT_TIMEOUT="60") for n in (0, 1)]
+    try:
+        time.sleep(5)
+        worker = int(subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "nodes.py"], capture_output=True,
+                                    text=True).stdout.split()[0])
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        os.killpg(worker, signal.SIGKILL)
+        time.sleep(9)  # node 0 notices (6 s of silence) and starts round 1, waiting for node 1
+        procs.append(_node(1, port, "long", "--max-restarts", "1", DDPKIT_TIMEOUT="60"))
+        outs = [procs[0].communicate(timeout=90), procs[2].communicate(timeout=90)]
+    finally:
+        _finish(procs, timeout=1)
+    assert procs[0].returncode == 0 and procs[2].returncode == 0, outs
+    assert "node 1 failed first: its launcher stopped answering" in outs[0][1]
+    assert "joining the job in progress at restart round 1" in outs[1][1], outs[1][1]
+    assert "DONE 0 round 1" in outs[0][0] and "DONE 1 round 1" in outs[1][0]

@@ -102,8 +102,12 @@ class NodeRendezvous:
             return int(self.store.get("round")) if self.store.check(["round"]) else 0
 
     def begin(self, round_: int) -> None:
+        """This node starts ``round_``; its heartbeat is judged from now on (a node that
+        has not joined a round yet is waited for by its workers' census instead)."""
+        self._beat()
         with self._lock:
             self.store.set("round", str(round_))
+            self.store.set(f"joined/{round_}/{self.node}", "1")
 
     # -- failures ----------------------------------------------------------
 
@@ -132,7 +136,7 @@ class NodeRendezvous:
             if failure := self.first_failure(round_):
                 return failure
             if self.serving:
-                for node, age in self.silent_nodes():
+                for node, age in self.silent_nodes(round_):
                     return self.record(round_, RemoteFailure(
                         node, None, f"its launcher stopped answering ({age:.0f} s without a heartbeat)",
                         "the machine is down, the launcher was killed, or the network to it is cut"))
@@ -141,10 +145,12 @@ class NodeRendezvous:
                                  "node 0 is down, its launcher was killed, or the network to it is cut")
         return None
 
-    def silent_nodes(self) -> list[tuple[int, float]]:
+    def silent_nodes(self, round_: int) -> list[tuple[int, float]]:
+        """Nodes that joined ``round_`` and have written no heartbeat for :data:`STALE_S`."""
         now = time.time()
-        keys = [f"alive/{n}" for n in range(self.nnodes) if n != self.node]
         with self._lock:
+            joined = [n for n in range(self.nnodes) if n != self.node and self.store.check([f"joined/{round_}/{n}"])]
+            keys = [f"alive/{n}" for n in joined]
             present = [k for k in keys if self.store.check([k])]
             beats = self.store.multi_get(present) if present else []
         return [(int(k.split("/")[1]), now - float(b)) for k, b in zip(present, beats) if now - float(b) > STALE_S]
