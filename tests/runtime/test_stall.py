@@ -102,3 +102,13 @@ def test_warn_seconds_rejects_bad_values(monkeypatch, raw):
     monkeypatch.setenv("DDPKIT_STALL_WARN", raw)
     with pytest.raises(ValueError, match="DDPKIT_STALL_WARN"):
         stall.warn_seconds()
+
+
+def test_a_stopped_rank_0_which_serves_the_store_is_named_and_nothing_hangs():
+    done, took = _job("stop", DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3", STALL_RANK="0")
+    assert done.returncode == 1, done.stderr
+    verdict = done.stderr.split("ddpkit launch: ")[-1]
+    assert verdict.startswith("the rendezvous store stopped answering"), verdict
+    assert "rank 0, which serves it, is stopped, hung or gone" in verdict
+    assert "rank 1 (local rank 1) then failed first" in verdict
+    assert took < 60

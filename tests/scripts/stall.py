@@ -1,6 +1,6 @@
 """A job that goes wrong on purpose, for the stall inspector's tests.
 
-``stall.py stop``: rank 1 stops itself (SIGSTOP) in the middle of training.
+``stall.py stop``: rank 1 (``STALL_RANK``) stops itself (SIGSTOP) in the middle of training.
 ``stall.py extra``: rank 1 issues one barrier the others do not.
 ``stall.py slow``: rank 1 computes (alive) for a while before a barrier.
 ``stall.py ok``: trains to the end.
@@ -23,7 +23,7 @@ model = ddpkit.DDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(8):
     time.sleep(0.05)
-    if step == 4 and ctx.rank == 1:
+    if step == 4 and ctx.rank == int(os.environ.get("STALL_RANK", "1")):
         if mode == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif mode == "extra":

@@ -27,12 +27,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
-from ddpkit.runtime.network import loopback_listener
+from ddpkit.runtime.network import BoundedStore, loopback_listener
 from ddpkit.runtime.options import ConfigError
 
 POLL_S = 0.5
@@ -87,7 +85,7 @@ class NodeRendezvous:
                               "--master-addr/--master-port") from None
         self.raw = raw
         self._store = dist.PrefixStore(f"{job_keys(token)[1]}launch/", raw)
-        self.store = _Bounded(self._store)
+        self.store = BoundedStore(self._store, OP_TIMEOUT_S)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._beat()
@@ -193,41 +191,6 @@ class NodeRendezvous:
                 self._beat()
             except Exception:  # noqa: BLE001 - node 0 gone: watch() reports it
                 return
-
-
-class _Bounded:
-    """The store's operations, each given at most :data:`OP_TIMEOUT_S` (then ``TimeoutError``).
-
-    Each runs on a daemon thread: over a cut link a request blocks until TCP
-    gives up (hours), and that thread is then abandoned, not the launcher
-    (nor its exit, which does not wait for daemon threads).
-    """
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._store, name)
-
-        def call(*args: Any) -> Any:
-            box: dict[str, Any] = {}
-
-            def run() -> None:
-                try:
-                    box["value"] = method(*args)
-                except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                    box["error"] = e
-
-            thread = threading.Thread(target=run, name="ddpkit-launch-store", daemon=True)
-            thread.start()
-            thread.join(OP_TIMEOUT_S)
-            if thread.is_alive():
-                raise TimeoutError(f"the rendezvous store did not answer {name}() within {OP_TIMEOUT_S:g} s")
-            if "error" in box:
-                raise box["error"]
-            return box["value"]
-
-        return call
 
 
 def rendezvous_timeout() -> float:

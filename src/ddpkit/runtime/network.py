@@ -15,7 +15,10 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _SIOCGIFADDR = 0x8915
 
@@ -83,3 +86,39 @@ def loopback_listener(host: str, port: int) -> int | None:
         sock.close()
         raise
     return sock.detach()
+
+
+class BoundedStore:
+    """A store whose operations each get at most ``timeout_s`` (then ``TimeoutError``).
+
+    Each runs on a daemon thread: over a cut link a request blocks until TCP
+    gives up (hours), and that thread is then abandoned, not the caller
+    (nor the process's exit, which does not wait for daemon threads).
+    """
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        self._store = store
+        self._timeout_s = timeout_s
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            box: dict[str, Any] = {}
+
+            def run() -> None:
+                try:
+                    box["value"] = method(*args)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                    box["error"] = e
+
+            thread = threading.Thread(target=run, name="ddpkit-store-call", daemon=True)
+            thread.start()
+            thread.join(self._timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(f"the rendezvous store did not answer {name}() within {self._timeout_s:g} s")
+            if "error" in box:
+                raise box["error"]
+            return box["value"]
+
+        return call

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.runtime.network import BoundedStore
+
 DEFAULT_WARN_S = 60.0
 """Default stall threshold in seconds (``DDPKIT_STALL_WARN``)."""
 INTERVAL_S = 1.0
@@ -61,6 +63,8 @@ HISTORY = 8
 PREFIX = "ddpkit stall: "
 """Every line of a report starts with this (``ddpkit launch`` looks for it)."""
 _KEY = "ddpkit-stall/"
+_CALL_TIMEOUT_S = 3.0
+"""Longest one store call may take before the store counts as gone."""
 REFUSED_KEY = "ddpkit/refused"
 """Counter, at the store's root, of processes the rendezvous refused (no or wrong job secret);
 ``REFUSED_KEY/N`` describes the N-th. Rank 0's inspector reports each one."""
@@ -181,12 +185,16 @@ def _threshold(warn_s: float, timeout_s: float) -> float:
 class Inspector(threading.Thread):
     """Publishes this rank's state and reports stalls; one per process (see the module notes)."""
 
-    def __init__(self, root: Any, prefix: str, rank: int, world_size: int, warn_s: float, timeout_s: float) -> None:
+    def __init__(self, root: Any, prefix: str, rank: int, world_size: int, warn_s: float, timeout_s: float,
+                 store_owner: str = "rank 0") -> None:
         super().__init__(name="ddpkit-stall-inspector", daemon=True)
         import torch.distributed as dist
 
-        self.root = root
-        self.store = dist.PrefixStore(prefix, root)
+        # Every store call is bounded: the process serving the store may be
+        # the one that stopped, and a call to it would never return.
+        self.root = BoundedStore(root, _CALL_TIMEOUT_S)
+        self.store = BoundedStore(dist.PrefixStore(prefix, root), _CALL_TIMEOUT_S)
+        self.store_owner = store_owner
         self.rank = rank
         self.world_size = world_size
         self.threshold = _threshold(warn_s, timeout_s) if warn_s else float("inf")
@@ -195,20 +203,27 @@ class Inspector(threading.Thread):
         self._reported = 0
         self._published = (-1, 0.0)
         self._broken = False
+        self._lock = threading.Lock()
 
     def run(self) -> None:
         while not self._stop_event.wait(_TICK_S):
             try:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - the store is gone: say so once, stop watching
-                if not self._stop_event.is_set() and not self._broken:
-                    self._broken = True
-                    _print([f"the rendezvous store stopped answering ({type(e).__name__}); the process serving it "
-                            "(the launcher, or rank 0 without one) has exited, stopped or hung"])
+                if not self._stop_event.is_set():
+                    self._store_gone(e)
                 return
 
     def stop(self) -> None:
         self._stop_event.set()
+
+    def _store_gone(self, error: Exception) -> None:
+        with self._lock:
+            if self._broken:
+                return
+            self._broken = True
+        _print([f"the rendezvous store stopped answering ({type(error).__name__}): {self.store_owner}, which serves "
+                "it, is stopped, hung or gone"])
 
     def publish(self) -> dict[str, Any]:
         state = snapshot()
@@ -255,7 +270,17 @@ class Inspector(threading.Thread):
         return self.rank == min(r for r, s in known.items() if s["seq"] == top)
 
     def final_report(self) -> None:
-        """After a failed collective: publish, give the others one interval to publish, report."""
+        """After a failed collective: publish, give the others one interval to publish, report.
+
+        Bounded in time: the process is failing and must exit.
+        """
+        if self._broken:
+            return  # the store is gone, and that was reported
+        thread = threading.Thread(target=self._final_report, name="ddpkit-stall-final", daemon=True)
+        thread.start()
+        thread.join(2 * INTERVAL_S + 2 * _CALL_TIMEOUT_S)
+
+    def _final_report(self) -> None:
         try:
             mine = self.publish()
             deadline = time.monotonic() + 2 * INTERVAL_S + 0.5
@@ -270,7 +295,9 @@ class Inspector(threading.Thread):
             # rank failed (and the wait began) has stopped, hung or gone.
             now = time.time()
             lines = diagnose(self.rank, states, now, stale_s=min(3 * INTERVAL_S, max(0.5, now - mine["wall"] - 0.25)))
-        except Exception:  # noqa: BLE001 - diagnosis is best effort while the job is failing
+        except Exception as e:  # noqa: BLE001 - diagnosis is best effort while the job is failing
+            if isinstance(e, TimeoutError):
+                self._store_gone(e)
             return
         if lines:
             _print(lines + [f"  rank {self.rank}'s collective failed; the error follows"])
@@ -310,7 +337,9 @@ def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout
 
     client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=max(5.0, 3 * INTERVAL_S)),
                            wait_for_workers=False)
-    _inspector = Inspector(client, prefix, rank, world_size, warn_s, timeout_s)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    _inspector = Inspector(client, prefix, rank, world_size, warn_s, timeout_s,
+                           store_owner="the launcher on node 0" if agent else "rank 0")
     _inspector.start()
     _install_excepthook()
     return _inspector
