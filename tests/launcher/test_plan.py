@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddpkit.launcher import LaunchConfig, plan_workers
+from ddpkit.runtime.options import ConfigError
 
 SCRIPT = __file__
 
@@ -39,11 +40,21 @@ def test_local_rank_arg_and_module_argv():
     assert plan_workers(mod, master_port=1, restart_count=0, base_env={})[0].argv[-2:] == ["-m", "json.tool"]
 
 
-def test_auto_nproc_is_one_per_gpu_else_one():
-    import torch
+def test_nproc_words_count_as_torchrun_does():
+    import os
 
-    expected = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    assert LaunchConfig(program=SCRIPT, nproc_per_node="auto").nproc_per_node == expected
+    import torch
+    from torch.distributed.run import determine_local_world_size
+
+    cores = len(os.sched_getaffinity(0))
+    assert LaunchConfig(program=SCRIPT, nproc_per_node="cpu").nproc_per_node == cores
+    for word in ("cpu", "auto"):
+        assert LaunchConfig(program=SCRIPT, nproc_per_node=word).nproc_per_node == determine_local_world_size(word)
+    if torch.cuda.is_available():
+        assert LaunchConfig(program=SCRIPT, nproc_per_node="gpu").nproc_per_node == torch.cuda.device_count()
+    else:
+        with pytest.raises(ConfigError, match="--nproc-per-node gpu: CUDA is not available"):
+            LaunchConfig(program=SCRIPT, nproc_per_node="gpu")
 
 
 def test_standalone_binds_loopback():

@@ -2,7 +2,7 @@
 
 Definitions:
     node: one machine, running one launcher. nnodes: how many.
-    nproc_per_node: workers this launcher starts (``auto``: one per GPU, else 1).
+    nproc_per_node: workers this launcher starts (``cpu``, ``gpu``, ``auto`` count as torchrun's).
     rank: a worker's global index, ``node_rank * nproc_per_node + local_rank``.
     world size: ``nnodes * nproc_per_node``.
 

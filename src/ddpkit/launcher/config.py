@@ -13,11 +13,26 @@ from ddpkit.runtime.options import ConfigError, option
 from ddpkit.runtime.process import GRACE_S
 
 
-def auto_nproc() -> int:
-    """``--nproc-per-node auto``: one process per visible GPU, else one."""
+def nproc_for(kind: str) -> int:
+    """Workers for ``--nproc-per-node cpu|gpu|auto``, as torchrun counts them.
+
+    ``cpu``: one per CPU core this process may use; ``gpu``: one per visible
+    GPU (an error without CUDA); ``auto``: one per GPU, else one per core.
+
+    Raises:
+        ConfigError: ``gpu`` without CUDA, or another word.
+    """
+    if kind == "cpu":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if kind not in ("gpu", "auto"):
+        raise ConfigError(f"--nproc-per-node {kind!r} is not a number: use a positive integer, cpu, gpu or auto")
     import torch  # only here: the launcher itself needs no torch otherwise
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if kind == "gpu":
+        raise ConfigError("--nproc-per-node gpu: CUDA is not available here; use a number, cpu or auto")
+    return nproc_for("cpu")
 
 
 @dataclass(kw_only=True)
@@ -30,7 +45,8 @@ class LaunchConfig:
     )
     module: bool = option(False, "run PROGRAM as a module, like python -m", flags=["-m", "--module"])
     nproc_per_node: int | str = option(
-        1, "workers on this node: an integer, or 'auto' (one per GPU, else 1)", metavar="N|auto"
+        1, "workers on this node: an integer, cpu (one per core), gpu (one per GPU) or auto (per GPU, else per "
+        "core), as torchrun", metavar="N|cpu|gpu|auto"
     )
     nnodes: int = option(1, "number of nodes (one launcher per node)")
     node_rank: int = option(0, "this node's index in 0..nnodes-1; node 0 hosts the rendezvous")
@@ -53,16 +69,12 @@ class LaunchConfig:
     python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
 
     def __post_init__(self) -> None:
-        if self.nproc_per_node == "auto":
-            self.nproc_per_node = auto_nproc()
         try:
             self.nproc_per_node = int(self.nproc_per_node)
         except (TypeError, ValueError):
-            raise ConfigError(
-                f"--nproc-per-node {self.nproc_per_node!r} is not a number: use a positive integer or 'auto'"
-            ) from None
+            self.nproc_per_node = nproc_for(str(self.nproc_per_node))
         if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be at least 1 (or 'auto')")
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be at least 1 (or cpu, gpu, auto)")
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes {self.nnodes} must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
