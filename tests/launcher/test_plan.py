@@ -24,6 +24,18 @@ def test_multi_node_ranks_and_env_contract():
     assert workers[1].argv[-3:] == [SCRIPT, "--lr", "0.1"]
 
 
+def test_workers_get_the_torchelastic_variables_torchrun_sets():
+    cfg = LaunchConfig(program=SCRIPT, nproc_per_node=2)
+    env = plan_workers(cfg, master_port=1, restart_count=0, base_env={}, run_id="job7", job_token="s")[0].env
+    assert env["TORCHELASTIC_RUN_ID"] == "job7" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["DDPKIT_JOB_TOKEN"] == "s"
+    many = plan_workers(cfg, master_port=1, restart_count=0, base_env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+                        agent_store=True)[0].env
+    # torch compares with str(True): a raw torch script then connects to the launchers' store.
+    assert many["TORCHELASTIC_USE_AGENT_STORE"] == "True" and many["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert many["TORCHELASTIC_RUN_ID"] == "none"
+
+
 def test_user_thread_setting_is_kept_and_single_worker_untouched():
     cfg = LaunchConfig(program=SCRIPT, nproc_per_node=2)
     assert plan_workers(cfg, master_port=1, restart_count=0, base_env={"OMP_NUM_THREADS": "4"})[0].env[

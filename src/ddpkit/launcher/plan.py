@@ -31,7 +31,7 @@ def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
 
 def plan_workers(
     cfg: LaunchConfig, *, master_port: int, restart_count: int, base_env: Mapping[str, str],
-    job_token: str | None = None, agent_store: bool = False,
+    job_token: str | None = None, agent_store: bool = False, run_id: str = "none",
 ) -> list[WorkerSpec]:
     """The workers of this node for one attempt.
 
@@ -46,6 +46,7 @@ def plan_workers(
         job_token: the job's secret, given to every worker as ``DDPKIT_JOB_TOKEN``.
         agent_store: the launchers serve the store (multi-node), so rank 0
             connects to it like every other worker (torchrun's contract).
+        run_id: ``TORCHELASTIC_RUN_ID`` (torchrun: ``--rdzv-id``, default ``none``).
     """
     nproc = int(cfg.nproc_per_node)
     workers = []
@@ -58,7 +59,10 @@ def plan_workers(
         )
         if job_token:
             env["DDPKIT_JOB_TOKEN"] = job_token
-        if agent_store:
-            env["TORCHELASTIC_USE_AGENT_STORE"] = "true"
+        # As torchrun sets them, so that torch.distributed.is_torchelastic_launched()
+        # is true and libraries (Lightning) pick their torchelastic environment.
+        env["TORCHELASTIC_USE_AGENT_STORE"] = str(agent_store)
+        env["TORCHELASTIC_RUN_ID"] = run_id
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(cfg, local_rank), env=env))
     return workers

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -352,6 +353,9 @@ def job_token(cfg: LaunchConfig) -> str | None:
 def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None,
               rdzv: NodeRendezvous | None) -> int:
     group: WorkerGroup | None = None
+    # torchrun's run id: --rdzv-id, a fresh one under --standalone, else "none"
+    # (never the random secret, which must not reach logs).
+    run_id = cfg.rdzv_id or (uuid.uuid4().hex if cfg.standalone else "none")
     try:
         first = rdzv.current_round() if rdzv else 0
         if first:
@@ -362,7 +366,7 @@ def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str |
             if rdzv:
                 rdzv.begin(attempt)
             specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ, job_token=token,
-                                 agent_store=rdzv is not None)
+                                 agent_store=rdzv is not None, run_id=run_id)
             group = WorkerGroup(cfg, attempt)
             group.start(specs, signals)
             failure = group.wait(watch=(lambda a=attempt: rdzv.watch(a)) if rdzv else None)
