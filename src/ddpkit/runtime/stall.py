@@ -40,6 +40,7 @@ nodes' clock synchronisation across machines.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -342,15 +343,23 @@ def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout
                            store_owner="the launcher on node 0" if agent else "rank 0")
     _inspector.start()
     _install_excepthook()
+    atexit.unregister(stop)  # once, however often init() runs
+    atexit.register(stop)
     return _inspector
 
 
 def stop() -> None:
-    """Stop the inspector (``ddpkit.shutdown``)."""
+    """Stop the inspector and wait for its thread (``ddpkit.shutdown``, and at exit).
+
+    Waiting matters: a thread still inside a store call while the process
+    group and the store are torn down can abort the process at exit.
+    """
     global _inspector
-    if _inspector is not None:
-        _inspector.stop()
-        _inspector = None
+    inspector, _inspector = _inspector, None
+    if inspector is not None:
+        inspector.stop()
+        if inspector.is_alive() and inspector is not threading.current_thread():
+            inspector.join(_CALL_TIMEOUT_S + 1.0)
 
 
 def _install_excepthook() -> None:
