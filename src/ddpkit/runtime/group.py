@@ -30,6 +30,7 @@ CUDA, else ``cpu``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
@@ -361,6 +362,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         )
         if place.world_size > 1:
             stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
+    if place.world_size > 1:
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
     _ctx = DistContext(
         rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,
         local_world_size=place.local_world_size, node_rank=place.node_rank,
@@ -386,7 +390,29 @@ def shutdown() -> None:
     stall.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+        _let_backend_threads_settle()
     _ctx = None
+
+
+def _let_backend_threads_settle() -> None:
+    """Give the backend's threads the GIL for a moment before the interpreter may finalize.
+
+    A gloo worker thread destroys each finished work object after the caller
+    has already returned from ``wait()``, and that needs the GIL (the work
+    holds Python state). If the interpreter is finalizing by then, the
+    thread is killed inside a destructor and the process aborts
+    ("terminate called without an active exception") after a job that
+    succeeded. Seen about once in six exits of a two-node job; sleeping
+    releases the GIL so the thread finishes first.
+    """
+    time.sleep(0.05)
+
+
+def _at_exit() -> None:
+    """At interpreter exit, with the process group still up: the same settling as :func:`shutdown`."""
+    if dist.is_initialized():
+        stall.stop()
+        _let_backend_threads_settle()
 
 
 def context() -> DistContext | None:
