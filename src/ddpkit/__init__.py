@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 # Public name -> the module that defines it.
 _EXPORTS = {
     "DistContext": "ddpkit.runtime.group",
-    "RendezvousError": "ddpkit.runtime.group",
+    "RendezvousError": "ddpkit.runtime.rendezvous",
     "barrier": "ddpkit.runtime.group",
     "init": "ddpkit.runtime.group",
     "is_main": "ddpkit.runtime.group",
@@ -87,7 +87,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (
         DistContext,
-        RendezvousError,
         barrier,
         init,
         is_main,
@@ -99,6 +98,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
         zero_first,
     )
     from ddpkit.runtime.objects import all_gather_object, broadcast_object, gather, gather_for_metrics, reduce_value
+    from ddpkit.runtime.rendezvous import RendezvousError
     from ddpkit.runtime.spawn import WorkerError, spawn
     from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from ddpkit.train.state import TrainState

@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from ddpkit.runtime.group import job_keys
 from ddpkit.runtime.process import free_port
+from ddpkit.runtime.rendezvous import job_keys
 from tests.procs import SCRIPTS, base_env
 
 

@@ -65,7 +65,7 @@ class NodeRendezvous:
     def __init__(self, *, host: str, port: int, node: int, nnodes: int, token: str | None, timeout_s: float) -> None:
         import torch.distributed as dist
 
-        from ddpkit.runtime.group import job_keys
+        from ddpkit.runtime.rendezvous import job_keys
 
         self.node, self.nnodes = node, nnodes
         self.serving = node == 0

@@ -6,14 +6,8 @@ or nothing at all for a world of one), meets the other ranks at the
 rendezvous store, checks that they agree on the world, and creates the
 ``torch.distributed`` process group.
 
-Rendezvous checks (each fails with an error naming the value and the fix,
-bounded by the rendezvous timeout, never a silent hang):
-
-* ``MASTER_ADDR`` does not resolve, or nothing answers there in time;
-* rank 0 cannot listen on ``MASTER_PORT`` (the port is busy);
-* two processes claim the same rank;
-* ranks disagree on ``WORLD_SIZE``, or fewer processes than ``WORLD_SIZE``
-  join in time.
+Rendezvous checks: see :mod:`ddpkit.runtime.rendezvous` (each fails with an
+error naming the value and the fix, within the rendezvous timeout).
 
 Timeouts: ``timeout`` (argument, else ``DDPKIT_TIMEOUT`` in seconds) bounds both
 the rendezvous and every collective. When neither is given the rendezvous
@@ -32,9 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,19 +37,16 @@ import torch.distributed as dist
 
 from ddpkit.runtime import stall
 from ddpkit.runtime.discovery import Placement, discover
-from ddpkit.runtime.network import loopback_listener, route_interface
+from ddpkit.runtime.network import route_interface
+from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
+
+__all__ = ["DistContext", "RendezvousError", "barrier", "choose_backend", "context", "init", "is_main",
+           "local_rank", "print0", "rank", "shutdown", "world_size", "zero_first"]
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Collective timeout when none is configured (torch's own default)."""
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 """How long ranks wait for each other at the rendezvous when no timeout is configured."""
-
-_POLL_S = 0.01
-
-
-class RendezvousError(RuntimeError):
-    """The ranks could not meet: unreachable store, busy port, or a world that disagrees."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class DistContext:
@@ -133,169 +122,6 @@ def _choose_device(place: Placement) -> torch.device:
     return device
 
 
-def _open_store(place: Placement, join_timeout: float, deadline: float) -> dist.Store:
-    try:
-        socket.getaddrinfo(place.master_addr, place.master_port)
-    except socket.gaierror as e:
-        raise RendezvousError(
-            f"MASTER_ADDR={place.master_addr!r} does not resolve ({e.strerror}): "
-            "set it (--master-addr) to a host name or IP address of rank 0's node"
-        ) from None
-    # Under torchrun the launcher already serves the store on MASTER_PORT and
-    # every worker connects to it as a client.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    is_server = place.rank == 0 and not agent_store
-    if not is_server:
-        _wait_reachable(place, join_timeout, deadline)
-    try:
-        listen = {"master_listen_fd": fd} if is_server and (fd := _loopback_listener(place)) is not None else {}
-        return dist.TCPStore(
-            place.master_addr, place.master_port, place.world_size, is_server,
-            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())), wait_for_workers=False, **listen,
-        )
-    except RendezvousError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
-        where = f"{place.master_addr}:{place.master_port}"
-        if is_server:
-            raise RendezvousError(
-                f"rank 0 could not listen on {where} ({e}): the port is probably busy; "
-                "choose a free one with --master-port / MASTER_PORT"
-            ) from None
-        if "Ping failed" in str(e) or "invalid value" in str(e):
-            raise RendezvousError(
-                f"rank {place.rank} found something other than a rendezvous store listening at {where}: another "
-                "program uses that port, or MASTER_ADDR points at the wrong host; use rank 0's host and a port "
-                "no other program uses (--master-port / MASTER_PORT)"
-            ) from None
-        raise RendezvousError(
-            f"rank {place.rank} could not reach the rendezvous at {where} within "
-            f"{join_timeout:g} s ({e}): check that rank 0 is running, that MASTER_ADDR/"
-            "MASTER_PORT are the same on every node, and that the port is open"
-        ) from None
-
-
-def _loopback_listener(place: Placement) -> int | None:
-    try:
-        return loopback_listener(place.master_addr, place.master_port)
-    except OSError as e:
-        raise RendezvousError(
-            f"rank 0 could not listen on {place.master_addr}:{place.master_port} ({e.strerror}): the port is "
-            "probably busy; choose a free one with --master-port / MASTER_PORT"
-        ) from None
-
-
-def job_keys(token: str | None) -> tuple[str, str]:
-    """``(verifier, key prefix)`` of the job whose secret is ``token`` (``DDPKIT_JOB_TOKEN``).
-
-    The verifier is published where any client can read it, so a process
-    can learn that it holds the wrong secret; the job's keys (census, process
-    group, stall inspector) live under the prefix, which cannot be derived
-    from the verifier, so a process without the secret cannot even address them.
-    """
-    if not token:
-        return "none", "ddpkit/"
-
-    def digest(purpose: str) -> str:
-        return hashlib.sha256(f"ddpkit {purpose} {token}".encode()).hexdigest()
-
-    return digest("verifier"), f"ddpkit/{digest('prefix')[:32]}/"
-
-
-def _admit(store: dist.Store, place: Placement, token: str | None) -> None:
-    """Rank 0 publishes the job's verifier; every other rank must present the same secret."""
-    verifier, _ = job_keys(token)
-    if place.rank == 0:
-        store.set("ddpkit/auth", verifier)
-        return
-    where = f"{place.master_addr}:{place.master_port}"
-    try:
-        theirs = store.get("ddpkit/auth").decode()
-    except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by torch version
-        raise RendezvousError(
-            f"rank {place.rank} reached the rendezvous at {where} but rank 0 never opened the job there "
-            f"({type(e).__name__}): check that rank 0 is running and that DDPKIT_TIMEOUT gives it time to start"
-        ) from None
-    if theirs == verifier:
-        return
-    n = store.add(stall.REFUSED_KEY, 1)
-    store.set(f"{stall.REFUSED_KEY}/{n}", f"a process on {socket.gethostname()} (pid {os.getpid()}) claiming rank "
-                                    f"{place.rank} {'without the job' if not token else 'with another job'}'s secret")
-    if not token:
-        why = ("the job there has a secret and this process presents none: start ranks with ddpkit launch, or "
-               "give every rank the job's DDPKIT_JOB_TOKEN (--rdzv-id)")
-    elif theirs == "none":
-        why = ("this process presents a secret (DDPKIT_JOB_TOKEN) but the job there has none: unset it, or start "
-               "rank 0 with the same one")
-    else:
-        why = "its DDPKIT_JOB_TOKEN is not the job's secret: give every rank the same --rdzv-id / DDPKIT_JOB_TOKEN"
-    raise RendezvousError(f"rank {place.rank} was refused by the rendezvous at {where}: {why}")
-
-
-def _wait_reachable(place: Placement, join_timeout: float, deadline: float) -> None:
-    """Wait until something listens at the rendezvous, within the one deadline of the whole rendezvous.
-
-    Checked here, in Python, so that an unreachable store fails once, on time
-    and with ddpkit's message alone (torch's client retries past its timeout
-    and logs a C++ stack trace on every failed try).
-    """
-    where = (place.master_addr, place.master_port)
-    last: OSError | None = None
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            socket.create_connection(where, timeout=min(left, 2.0)).close()
-            return
-        except OSError as e:
-            last = e
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    raise RendezvousError(
-        f"rank {place.rank} could not reach the rendezvous at {where[0]}:{where[1]} within {join_timeout:g} s "
-        f"({last.strerror or last if last else 'no time left'}): check that rank 0 is running, that MASTER_ADDR/"
-        "MASTER_PORT are the same on every node, and that the port is open (DDPKIT_TIMEOUT sets the wait)"
-    )
-
-
-def _census(store: dist.Store, place: Placement, join_timeout: float, deadline: float) -> None:
-    """Check that exactly ``world_size`` distinct ranks agreeing on it have joined."""
-
-    def fail(message: str) -> None:
-        store.set("error", message)
-        raise RendezvousError(message)
-
-    if store.add(f"claim/{place.rank}", 1) > 1:
-        fail(f"rank {place.rank} is claimed by more than one process: each process needs its "
-             "own RANK in 0..WORLD_SIZE-1 (are two jobs sharing MASTER_PORT?)")
-    if place.rank == 0:
-        store.set("world_size", str(place.world_size))
-    else:
-        theirs = int(store.get("world_size"))
-        if theirs != place.world_size:
-            fail(f"rank {place.rank} has WORLD_SIZE={place.world_size} but rank 0 has "
-                 f"WORLD_SIZE={theirs}: every process must be started with the same world size")
-    store.add("joined", 1)
-    where = f"{place.master_addr}:{place.master_port}"
-    advice = "check that WORLD_SIZE matches the number of processes started on all nodes"
-    joined = 0
-    try:
-        while (joined := store.add("joined", 0)) < place.world_size:
-            if store.check(["error"]):
-                raise RendezvousError(store.get("error").decode())
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"only {joined} of WORLD_SIZE={place.world_size} processes joined the rendezvous "
-                    f"at {where} within {join_timeout:g} s: {advice}"
-                )
-            time.sleep(_POLL_S)
-    except RendezvousError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the store's network errors vary by version
-        raise RendezvousError(
-            f"rank {place.rank} lost the rendezvous at {where} while {joined} of "
-            f"WORLD_SIZE={place.world_size} processes had joined (rank 0 gave up or died: see its "
-            f"error) ({type(e).__name__}): {advice}"
-        ) from None
-
-
 def init(backend: str | None = None, timeout: float | None = None) -> DistContext:
     """Join the job described by the environment and create the process group.
 
@@ -343,15 +169,15 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         else:
             # One deadline for the whole rendezvous: reaching the store and the census.
             deadline = time.monotonic() + join_timeout
-            store = _open_store(place, join_timeout, deadline)
+            store = open_store(place, join_timeout, deadline)
             token = os.environ.get("DDPKIT_JOB_TOKEN") or None
-            _admit(store, place, token)
+            admit(store, place, token)
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             # Keys live under a per-restart prefix: a store that outlives one
             # attempt (torchrun's agent store) must not see the last one's census.
             prefix = f"{job_keys(token)[1]}{restart}/"
             store = dist.PrefixStore(prefix, store)
-            _census(store, place, join_timeout, deadline)
+            census(store, place, join_timeout, deadline)
         if backend == "gloo" and place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
             # Advertise the address peers can reach: the one on the route to the store.
             if interface := route_interface(place.master_addr, place.master_port):
