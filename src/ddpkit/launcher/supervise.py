@@ -364,7 +364,12 @@ def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str |
             if attempt and cfg.standalone:
                 port = free_port()
             if rdzv:
-                rdzv.begin(attempt)
+                try:
+                    rdzv.begin(attempt)
+                except Exception as e:  # noqa: BLE001 - node 0 went away between rounds
+                    say(f"node 0's rendezvous stopped answering ({type(e).__name__}) before restart round {attempt}: "
+                        "node 0 is down, its launcher was killed, or the network to it is cut")
+                    return 1
             specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ, job_token=token,
                                  agent_store=rdzv is not None, run_id=run_id)
             group = WorkerGroup(cfg, attempt)
@@ -380,10 +385,10 @@ def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str |
             if isinstance(failure, RemoteFailure):
                 say(f"{failure.describe()}\nstopped this node's workers")
             else:
-                first = _share(rdzv, attempt, cfg.node_rank, failure) if rdzv else None
+                cause = _share(rdzv, attempt, cfg.node_rank, failure) if rdzv else None
                 report(failure)
-                if first is not None and first.node != cfg.node_rank:
-                    say(f"root cause on another node: {first.describe()}")
+                if cause is not None and cause.node != cfg.node_rank:
+                    say(f"root cause on another node: {cause.describe()}")
             if attempt < cfg.max_restarts:
                 say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})"
                     + (", every node together" if rdzv else ""))
