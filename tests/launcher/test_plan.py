@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ddpkit.launcher import LaunchConfig, plan_workers
@@ -87,3 +89,22 @@ def test_standalone_binds_loopback():
 def test_bad_configuration_names_the_value_and_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LaunchConfig(**{"program": SCRIPT, **kwargs})
+
+
+def test_torchrun_flags_no_python_role_shutdown_timeout_and_accepted_ones():
+    sh = str(Path(__file__).parents[1] / "scripts" / "print_env.sh")
+    cfg = LaunchConfig(program=sh, args=["a"], no_python=True, role="trainer", grace_period_s=2.5, nproc_per_node=2)
+    worker = plan_workers(cfg, master_port=1, restart_count=0, base_env={})[1]
+    assert worker.argv == [sh, "a"] and worker.env["ROLE_NAME"] == "trainer"
+    assert cfg.grace_period_s == 2.5 and cfg.notes() == []
+    noted = LaunchConfig(program=SCRIPT, monitor_interval=5, start_method="fork").notes()
+    assert noted[0].startswith("--monitor-interval 5: not needed") and noted[1].startswith("--start-method fork:")
+    for kwargs, message in (({"no_python": True, "module": True}, "--no-python and -m cannot go together"),
+                            ({"monitor_interval": 0}, "--monitor-interval 0 must be a positive"),
+                            ({"grace_period_s": -1}, "--shutdown-timeout -1 must be 0 or more"),
+                            ({"role": " "}, "--role is empty")):
+        with pytest.raises(ConfigError, match=message):
+            LaunchConfig(program=SCRIPT, **kwargs)
+    with pytest.raises(ConfigError, match="neither a file nor a command on PATH"):
+        LaunchConfig(program="no-such-binary-xyz", no_python=True)
+    assert LaunchConfig(program="true", no_python=True).program == "true"

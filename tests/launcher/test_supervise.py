@@ -89,6 +89,15 @@ def test_module_no_prefix_and_log_dir(tmp_path):
     assert '"rank": 1' in (tmp_path / "attempt_0" / "rank1.log").read_text()
 
 
+def test_no_python_runs_a_program_that_is_not_python_with_the_role():
+    done = launch("--nproc-per-node", "2", "--standalone", "--no-python", "--role", "trainer",
+                  "--monitor-interval", "1", str(SCRIPTS / "print_env.sh"), "x")
+    assert done.returncode == 0, done.stderr
+    assert "[rank0]: SHELL-WORKER RANK=0 ROLE=trainer ARGS=x" in done.stdout
+    assert "[rank1]: SHELL-WORKER RANK=1 ROLE=trainer ARGS=x" in done.stdout
+    assert "ddpkit launch: --monitor-interval 1: not needed" in done.stderr
+
+
 def test_crash_reports_the_root_cause_and_leaves_nothing_behind(tmp_path):
     start = time.monotonic()
     done = launch("--nproc-per-node", "2", "--standalone", script("crash.py"), str(tmp_path))

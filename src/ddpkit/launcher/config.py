@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,19 @@ class LaunchConfig:
         True, "prefix each worker output line with [rankN]: ", negate="--no-prefix", negate_only=True
     )
     log_dir: Path | None = option(None, "also save each rank's output to LOG_DIR/attempt_K/rankN.log")
-    grace_period_s: float = option(GRACE_S, "seconds between SIGTERM and SIGKILL at teardown", cli=False)
+    no_python: bool = option(False, "run PROGRAM directly, not with python (a binary or a script with a shebang)")
+    role: str = option("default", "the workers' role (ROLE_NAME), as torchrun")
+    grace_period_s: float = option(
+        GRACE_S, "seconds between SIGTERM and SIGKILL when workers are stopped",
+        flags=["--shutdown-timeout", "--shutdown_timeout"], metavar="SECONDS",
+    )
+    monitor_interval: float = option(
+        0.1, "accepted for torchrun's command lines; ddpkit learns of a worker's exit the moment it happens"
+    )
+    start_method: str = option(
+        "spawn", "accepted for torchrun's command lines; every worker is a new process running PROGRAM",
+        choices=["spawn", "fork", "forkserver"],
+    )
     python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
 
     def __post_init__(self) -> None:
@@ -93,12 +106,33 @@ class LaunchConfig:
         if self.rdzv_id is not None and not self.rdzv_id.strip():
             raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
         if self.grace_period_s < 0:
-            raise ConfigError(f"grace period {self.grace_period_s} must be 0 or more seconds")
+            raise ConfigError(f"--shutdown-timeout {self.grace_period_s} must be 0 or more seconds")
+        if not self.monitor_interval > 0:
+            raise ConfigError(f"--monitor-interval {self.monitor_interval} must be a positive number of seconds")
+        if self.no_python and self.module:
+            raise ConfigError("--no-python and -m cannot go together: -m runs a module with python")
+        if not self.role.strip():
+            raise ConfigError("--role is empty: give the workers' role a name (default: default)")
         if self.log_dir is not None:
             self.log_dir = Path(self.log_dir)
         self._check_program()
 
+    def notes(self) -> list[str]:
+        """One line for each torchrun flag given here that changes nothing in ddpkit."""
+        notes = []
+        if self.monitor_interval != 0.1:
+            notes.append(f"--monitor-interval {self.monitor_interval:g}: not needed, ddpkit learns of a worker's "
+                         "exit the moment it happens")
+        if self.start_method != "spawn":
+            notes.append(f"--start-method {self.start_method}: every worker is a new process running the program "
+                         "(torchrun's start method matters only for function entry points)")
+        return notes
+
     def _check_program(self) -> None:
+        if self.no_python:
+            if not (Path(self.program).is_file() or shutil.which(self.program)):
+                raise ConfigError(f"--no-python: {self.program!r} is neither a file nor a command on PATH")
+            return
         if self.module:
             # Workers run `python -m`, which puts the working directory first on sys.path.
             sys.path.insert(0, os.getcwd())

@@ -24,8 +24,10 @@ class WorkerSpec:
 
 def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
     """The command line of one worker (``-u``: unbuffered, so output streams live)."""
-    target = ["-m", cfg.program] if cfg.module else [cfg.program]
     extra = [f"--local_rank={local_rank}"] if cfg.local_rank_arg else []
+    if cfg.no_python:
+        return [cfg.program, *extra, *cfg.args]
+    target = ["-m", cfg.program] if cfg.module else [cfg.program]
     return [cfg.python, "-u", *target, *extra, *cfg.args]
 
 
@@ -57,6 +59,7 @@ def plan_workers(
             master_addr=cfg.master_addr, master_port=master_port, node_rank=cfg.node_rank,
             nnodes=cfg.nnodes, restart_count=restart_count, max_restarts=cfg.max_restarts, base=base_env,
         )
+        env["ROLE_NAME"] = cfg.role
         if job_token:
             env["DDPKIT_JOB_TOKEN"] = job_token
         # As torchrun sets them, so that torch.distributed.is_torchelastic_launched()

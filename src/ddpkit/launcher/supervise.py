@@ -320,6 +320,8 @@ def run(cfg: LaunchConfig) -> int:
     if int(cfg.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
         say(f"setting OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers so they do not "
             "oversubscribe the CPU; set it yourself to tune")
+    for note in cfg.notes():
+        say(note)
     token = job_token(cfg)
     signals = SignalCatcher()
     with signals.installed():
