@@ -19,12 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.bucket import CommHook
+from ddpkit.parallel.broadcast import PackedBroadcast, broadcast_once
 from ddpkit.parallel.join import DISABLED, Join, JoinConfig
 from ddpkit.parallel.reducer import Reducer
 from ddpkit.runtime import stall
-
-_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
-"""Largest message of a coalesced broadcast."""
 
 
 class DDPConfigError(ValueError, RuntimeError):
@@ -33,73 +31,6 @@ class DDPConfigError(ValueError, RuntimeError):
     A ``RuntimeError``, as torch raises for these mistakes, and a ``ValueError``
     as earlier ddpkit versions did: either ``except`` catches it.
     """
-
-
-class _PackedBroadcast:
-    """Broadcast rank 0's values of a fixed list of tensors, one message per device.
-
-    Tensors of every dtype travel together as raw bytes at aligned offsets of
-    a persistent buffer, so BatchNorm's float statistics and integer counters
-    cost one collective, and a repeated broadcast (buffers, every forward)
-    allocates nothing: rank 0 only packs, the others only unpack.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str) -> None:
-        self.group = group
-        self.what = what
-        """What is broadcast, as the stall inspector names it."""
-        self.rank = dist.get_rank(group)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_device.setdefault(t.device, []).append(t)
-        self.packs: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for device, members in by_device.items():
-            offsets, size = [], 0
-            for t in members:
-                offsets.append(size)
-                size += -(-_nbytes(t) // _ALIGN) * _ALIGN
-            packed = torch.empty(size, dtype=torch.uint8, device=device)
-            pairs = [(t, packed[o : o + _nbytes(t)].view(t.dtype).view(t.shape)) for t, o in zip(members, offsets)]
-            self.packs.append((packed, pairs))
-
-    def __call__(self, src: int = 0) -> None:
-        """Broadcast from group rank ``src``."""
-        # Same devices, tensors and sizes in the same order on every rank (the
-        # parameters were verified identical), so the broadcasts match up.
-        is_src = self.rank == src
-        with torch.no_grad():
-            for packed, pairs in self.packs:
-                if is_src:
-                    for t, view in pairs:
-                        view.copy_(t)
-                stall.enter("DDP broadcast {} from group rank {}", self.what, src)
-                dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
-                if not is_src:
-                    for t, view in pairs:
-                        t.copy_(view)
-
-
-_ALIGN = 16
-"""Byte alignment of each tensor in a packed broadcast (any dtype can be viewed there)."""
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str, src: int = 0) -> None:
-    """Overwrite ``tensors`` with group rank ``src``'s values in messages of at most 250 MB."""
-    chunk: list[torch.Tensor] = []
-    size = 0
-    for t in list(tensors) + [None]:  # type: ignore[list-item]
-        if t is not None and (not chunk or size + _nbytes(t) <= _BROADCAST_CHUNK_BYTES):
-            chunk.append(t)
-            size += _nbytes(t)
-            continue
-        if chunk:
-            _PackedBroadcast(chunk, group, what)(src)
-        if t is not None:
-            chunk, size = [t], _nbytes(t)
 
 
 def _verify_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
@@ -334,7 +265,7 @@ class DistributedDataParallel(nn.Module):
                 "there is nothing to synchronise; wrap a trainable module"
             )
         buffers = list(module.buffers())
-        self._buffer_broadcast: _PackedBroadcast | None = None
+        self._buffer_broadcast: PackedBroadcast | None = None
         self._buffer_ids: tuple[int, ...] = ()
         self._buffer_count = len(buffers)
         """Buffers at the last collection; none means no broadcast (as torch's
@@ -344,7 +275,7 @@ class DistributedDataParallel(nn.Module):
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
         if self.world_size > 1 and init_sync:
             _verify_same_parameters(named, process_group)
-            _broadcast_once([p.detach() for _, p in named] + buffers, process_group, "parameters and buffers")
+            broadcast_once([p.detach() for _, p in named] + buffers, process_group, "parameters and buffers")
         self.bucket_cap_mb = bucket_cap_mb
         self.reducer = self._make_reducer()
 
@@ -457,7 +388,7 @@ class DistributedDataParallel(nn.Module):
         ids = tuple(id(b) for b in buffers)
         if ids != self._buffer_ids:
             # Same structure on every rank, so every rank rebuilds here together.
-            self._buffer_broadcast = _PackedBroadcast(buffers, self.process_group, "buffers")
+            self._buffer_broadcast = PackedBroadcast(buffers, self.process_group, "buffers")
             self._buffer_ids = ids
         self._buffer_broadcast(src)
 
@@ -575,7 +506,7 @@ class _DDPJoinHook:
         tensors = [p.detach() for p in ddp.module.parameters()]
         if ddp.broadcast_buffers:
             tensors += list(ddp.module.buffers())
-        _broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
+        broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
 
 
 DDP = DistributedDataParallel
