@@ -194,13 +194,10 @@ class NodeRendezvous:
 
 
 def rendezvous_timeout() -> float:
-    """How long a launcher waits for node 0's store: ``DDPKIT_TIMEOUT``, else 300 s."""
-    import os
+    """How long a launcher waits for node 0's store: the workers' rendezvous timeout (``DDPKIT_TIMEOUT``)."""
+    from ddpkit.runtime.group import timeouts
 
-    raw = os.environ.get("DDPKIT_TIMEOUT")
     try:
-        return float(raw) if raw else 300.0
-    except ValueError:
-        raise ConfigError(f"DDPKIT_TIMEOUT={raw!r} is not a number of seconds") from None
-
-
+        return timeouts()[0]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -72,8 +72,12 @@ class DistContext:
 _ctx: DistContext | None = None
 
 
-def _timeouts(timeout: float | None) -> tuple[float, float]:
-    """Return (rendezvous, collective) timeouts in seconds."""
+def timeouts(timeout: float | None = None) -> tuple[float, float]:
+    """``(rendezvous, collective)`` timeouts in seconds: ``timeout``, else ``DDPKIT_TIMEOUT``, else the defaults.
+
+    Raises:
+        ValueError: ``DDPKIT_TIMEOUT`` is not a number, or a timeout is not positive.
+    """
     if timeout is None and os.environ.get("DDPKIT_TIMEOUT"):
         raw = os.environ["DDPKIT_TIMEOUT"]
         try:
@@ -156,7 +160,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
     if _ctx is not None and dist.is_initialized():
         return _ctx
     place = discover(os.environ)
-    join_timeout, collective_timeout = _timeouts(timeout)
+    join_timeout, collective_timeout = timeouts(timeout)
     if dist.is_initialized():
         # Someone (the user, a test harness) created the group already: adopt it.
         backend = str(dist.get_backend())
