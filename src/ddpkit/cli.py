@@ -64,9 +64,42 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
                             default=argparse.SUPPRESS, help=help_text)
 
 
+_PET_NAMES = {"grace_period_s": "SHUTDOWN_TIMEOUT", "program": None, "args": None, "local_rank_arg": None,
+              "prefix_output": None, "python": None}
+"""torchrun's ``PET_<FLAG>`` variable for each launch field, where the name differs or there is none."""
+
+
+def _torchrun_env_defaults(config: type, values: dict[str, Any]) -> None:
+    """Fill unset launch flags from torchrun's ``PET_*`` variables (``PET_NNODES=2``), as torchrun does.
+
+    Raises:
+        ConfigError: a variable holds a value its flag would refuse.
+    """
+    import os
+
+    for f in dataclasses.fields(config):
+        name = _PET_NAMES.get(f.name, f.name.upper())
+        var = f"PET_{name}" if name else None
+        if var is None or f.name in values or var not in os.environ:
+            continue
+        raw = os.environ[var]
+        kind = str(f.type)
+        try:
+            if kind == "bool":
+                values[f.name] = bool(int(raw))  # torchrun: PET_STANDALONE=1
+            else:
+                alternatives = [a for a in kind.split(" | ") if a != "None"]
+                values[f.name] = _KINDS.get(alternatives[0], str)(raw) if len(alternatives) == 1 else raw
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r} (torchrun's variable for --{f.name.replace('_', '-')}) is not "
+                              f"{'0 or 1' if kind == 'bool' else 'a valid value'}: fix or unset it") from None
+
+
 def _build(config: type, args: argparse.Namespace) -> Any:
     names = {f.name for f in dataclasses.fields(config)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    if args.command == "launch":
+        _torchrun_env_defaults(config, values)
     for f in dataclasses.fields(config):
         if f.name in values and str(f.type).startswith("tuple[") and values[f.name] is not None:
             values[f.name] = tuple(values[f.name])
@@ -113,7 +146,7 @@ def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
         allow_abbrev=False,
     )
     _add_config_flags(p, CollectivesBenchConfig)
-    p.set_defaults(handler=_bench_collectives)
+    p.set_defaults(handler=_bench_collectives, parser=p)
 
 
 def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:
@@ -156,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, short, description, config, handler in _subcommands():
         p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)
         _add_config_flags(p, config())
-        p.set_defaults(handler=handler)
+        p.set_defaults(handler=handler, parser=p)
         if name == "bench":
             _add_bench_suites(p)
     return parser
@@ -165,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script and ``python -m ddpkit``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The subcommand's usage, not the top-level one: that is where the flag was looked for.
+        (getattr(args, "parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args)
     except ConfigError as e:

@@ -95,8 +95,9 @@ def test_state_dict_explicit_consumed_and_mismatch_errors() -> None:
         DistributedSampler(_Sized(20), 2, 1, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="dataset of 20 samples, this one has 21"):
         DistributedSampler(_Sized(21), 2, 1, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="mid-epoch with num_replicas=2"):
-        DistributedSampler(_Sized(20), 4, 1, seed=1).load_state_dict(state)
+    evaluation = DistributedSampler(_Sized(20), 2, 1, shuffle=False, pad=False).state_dict(consumed=3)
+    with pytest.raises(ValueError, match="mid-epoch with num_replicas=2 and pad=False"):
+        DistributedSampler(_Sized(20), 4, 1, shuffle=False, pad=False).load_state_dict(evaluation)
     # At an epoch boundary a different world size is fine.
     boundary = s.state_dict(consumed=0)
     other = DistributedSampler(_Sized(20), 4, 1, seed=1)
@@ -150,3 +151,54 @@ def test_defaults_come_from_the_environment_before_init(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     s = DistributedSampler(_Sized(10), shuffle=False)
     assert (s.num_replicas, s.rank) == (3, 2) and list(s) == [2, 5, 8, 1]
+
+
+@pytest.mark.parametrize("n, before, after, consumed, drop_last", [
+    (50, 2, 3, 7, False), (50, 3, 2, 5, False), (51, 2, 3, 10, True), (10, 3, 1, 3, False), (23, 4, 3, 2, False),
+])
+def test_mid_epoch_state_at_another_world_size_reshards_the_rest_of_the_epoch(n, before, after, consumed, drop_last):
+    # An elastic job: every old rank consumed `consumed` samples, then the world changed.
+    old = [TorchSampler(_Sized(n), before, r, seed=3, drop_last=drop_last) for r in range(before)]
+    for s in old:
+        s.set_epoch(2)
+    done = [i for s in old for i in list(s)[:consumed]]
+    saved = DistributedSampler(_Sized(n), before, 0, seed=3, drop_last=drop_last)
+    saved.set_epoch(2)
+    state = saved.state_dict(consumed=consumed)
+    new = []
+    for r in range(after):
+        s = DistributedSampler(_Sized(n), after, r, seed=3, drop_last=drop_last)
+        s.load_state_dict(state)
+        new.append(list(s))
+        assert len(s) == len(new[-1])
+    assert len({len(shard) for shard in new}) == 1  # even shards: one collective per batch still lines up
+    rest = [i for shard in new for i in shard]
+    # Nothing done is left out or done again, beyond the padding torch's rule adds.
+    kept = n - len(done) if not drop_last else (n - len(done)) // after * after
+    assert len(set(rest) - set(done)) == kept
+    assert len(rest) - kept < after
+    # The next epoch is the plain one again.
+    s = DistributedSampler(_Sized(n), after, after - 1, seed=3, drop_last=drop_last)
+    s.load_state_dict(state)
+    s.set_epoch(3)
+    ref = TorchSampler(_Sized(n), after, after - 1, seed=3, drop_last=drop_last)
+    ref.set_epoch(3)
+    assert list(s) == list(ref)
+
+
+def test_a_resharded_state_resumes_exactly_at_its_own_world_size() -> None:
+    state = DistributedSampler(_Sized(40), 2, 0, seed=1).state_dict(consumed=6)
+    three = [DistributedSampler(_Sized(40), 3, r, seed=1) for r in range(3)]
+    for s in three:
+        s.load_state_dict(state)
+    whole = [list(s) for s in three]
+    again = [iter(s) for s in three]
+    for it in again:
+        for _ in range(4):
+            next(it)
+    mid = three[0].state_dict()
+    assert mid["offset"] == 12 and mid["consumed"] == 4
+    for r in range(3):
+        s = DistributedSampler(_Sized(40), 3, r, seed=1)
+        s.load_state_dict(mid)
+        assert list(s) == whole[r][4:]

@@ -28,7 +28,7 @@ def _listeners(port: int) -> list[str]:
 
 
 def _start_job(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, int]:
-    job = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", *flags, "--nproc-per-node", "2",
+    job = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", *flags, "--nproc-per-node", "2", "--prefix-output",
                             str(SCRIPTS / "guarded.py"), str(tmp_path)],
                            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

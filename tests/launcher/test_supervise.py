@@ -16,7 +16,8 @@ import pytest
 from procs import SCRIPTS, base_env, launch, script
 
 from ddpkit.launcher import LaunchConfig, plan_workers
-from ddpkit.launcher.supervise import WorkerGroup, _Pump, extract_traceback
+from ddpkit.launcher.output import LogLayout, Pump
+from ddpkit.launcher.supervise import WorkerGroup, extract_traceback, standalone_addr
 from ddpkit.runtime.process import Interrupted, SignalCatcher, free_port
 
 
@@ -31,7 +32,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_ddpkit_script_gets_the_torchrun_env_contract():
-    done = launch("--nproc-per-node", "2", "--standalone", "--max-restarts", "3", script("report_env.py"), "a", "b")
+    done = launch("--nproc-per-node", "2", "--standalone", "--max-restarts", "3", "--prefix-output",
+                  script("report_env.py"), "a", "b")
     assert done.returncode == 0, done.stderr
     reports = done.reports()
     assert [r["rank"] for r in reports] == [0, 1]
@@ -39,7 +41,8 @@ def test_ddpkit_script_gets_the_torchrun_env_contract():
         assert r["scheme"] == "env" and r["world_size"] == 2 and r["sum"] == 1.0 and r["argv"] == ["a", "b"]
         env = r["env"]
         assert env["LOCAL_RANK"] == str(r["rank"]) and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
-        assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        # torchrun's --standalone: this host's name (loopback where it does not resolve here).
+        assert env["MASTER_ADDR"] == standalone_addr(None) and env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
     assert "[rank0]: REPORT" in done.stdout and "[rank1]: REPORT" in done.stdout
 
@@ -71,7 +74,7 @@ def test_console_script_and_local_rank_arg():
     ddpkit_bin = Path(sys.executable).parent / "ddpkit"
     if not ddpkit_bin.exists():
         pytest.skip("console script not installed next to this interpreter")
-    proc = subprocess.run([str(ddpkit_bin), "launch", "--nproc-per-node", "2", "--local-rank-arg",
+    proc = subprocess.run([str(ddpkit_bin), "launch", "--nproc-per-node", "2", "--local-rank-arg", "--prefix-output",
                            script("legacy_launch.py"), "--tag", "t1"],
                           env=base_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -90,7 +93,7 @@ def test_module_no_prefix_and_log_dir(tmp_path):
 
 
 def test_no_python_runs_a_program_that_is_not_python_with_the_role():
-    done = launch("--nproc-per-node", "2", "--standalone", "--no-python", "--role", "trainer",
+    done = launch("--nproc-per-node", "2", "--standalone", "--no-python", "--role", "trainer", "--prefix-output",
                   "--monitor-interval", "1", str(SCRIPTS / "print_env.sh"), "x")
     assert done.returncode == 0, done.stderr
     assert "[rank0]: SHELL-WORKER RANK=0 ROLE=trainer ARGS=x" in done.stdout
@@ -216,7 +219,7 @@ def test_output_pump_prefixes_every_segment_and_keeps_carriage_returns():
     src = io.BufferedReader(io.BytesIO(b"10%\r50%\r100%\nok\r\n[rank3]: already\nlast words"))
     dst, log = io.BytesIO(), io.BytesIO()
     tail: collections.deque = collections.deque()
-    pump = _Pump(src, dst, b"[rank3]: ", log, tail)
+    pump = Pump(src, dst, b"[rank3]: ", log, tail)
     pump.run()
     assert dst.getvalue() == (
         b"[rank3]: 10%\r[rank3]: 50%\r[rank3]: 100%\n[rank3]: ok\r\n[rank3]: already\n[rank3]: last words\n"
@@ -232,7 +235,9 @@ def test_a_signal_while_workers_start_still_stops_every_started_worker(monkeypat
     specs = plan_workers(cfg, master_port=free_port(), restart_count=0, base_env=base_env())
     signals = SignalCatcher()
     previous = signal.signal(signal.SIGTERM, signals)
-    group = WorkerGroup(cfg, attempt=0)
+    layout = LogLayout(cfg, "test")
+    layout.start_attempt(0, 3)
+    group = WorkerGroup(cfg, layout)
     real_start_one = group._start_one
 
     def start_one_then_signal(spec):

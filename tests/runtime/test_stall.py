@@ -13,7 +13,7 @@ from tests.procs import SCRIPTS, base_env, launch
 
 def _job(mode: str, **env: str):
     start = time.monotonic()
-    done = launch("--nproc-per-node", "2", str(SCRIPTS / "stall.py"), mode, timeout=120,
+    done = launch("--nproc-per-node", "2", "--prefix-output", str(SCRIPTS / "stall.py"), mode, timeout=120,
                   env=base_env(**env))
     return done, time.monotonic() - start
 

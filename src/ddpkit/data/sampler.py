@@ -110,14 +110,11 @@ class DistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.pad = pad
         self.epoch = 0
-        n = len(dataset)
-        if drop_last and n % num_replicas != 0:
-            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
-        else:
-            self.num_samples = math.ceil(n / num_replicas)
-        self.total_size = self.num_samples * num_replicas
-        if not pad:
-            self.num_samples = len(range(rank, n, num_replicas))
+        # Positions of the epoch's order used before this shard began: non-zero
+        # only after a mid-epoch state saved at another world size was loaded,
+        # whose rest of the epoch is then re-sharded over this world.
+        self._offset = 0
+        self._size()
         # Progress through the current pass, and where the next pass starts
         # (non-zero only after load_state_dict restored a mid-epoch state).
         self._consumed = 0
@@ -125,22 +122,37 @@ class DistributedSampler(Sampler[int]):
         self._passes_at_epoch: int | None = None
         self._warned = False
 
+    def _size(self) -> None:
+        """``num_samples`` (this rank's) and ``total_size`` of the epoch's rest from the offset (torch's rule)."""
+        n, replicas = max(0, len(self.dataset) - self._offset), self.num_replicas
+        if self.drop_last and n % replicas != 0:
+            self.num_samples = math.ceil((n - replicas) / replicas)
+        else:
+            self.num_samples = math.ceil(n / replicas)
+        self.total_size = self.num_samples * replicas
+        if not self.pad:
+            self.num_samples = len(range(self.rank, n, replicas))
+
     def _epoch_indices(self) -> list[int]:
         n = len(self.dataset)
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(n, generator=g).tolist()
+            order = torch.randperm(n, generator=g).tolist()
         else:
-            indices = list(range(n))
+            order = list(range(n))
+        # The rest of the epoch from the offset, padded from the head of the
+        # whole order as torch pads: at the world size that saved the offset
+        # this is exactly the continuation of the original shards.
+        indices = order[self._offset :]
         if not self.pad:
-            return indices[self.rank : n : self.num_replicas]
+            return indices[self.rank :: self.num_replicas]
         if self.drop_last:
             indices = indices[: self.total_size]
         else:
-            padding = self.total_size - n
+            padding = self.total_size - len(indices)
             if padding > 0:
-                indices += (indices * math.ceil(padding / n))[:padding]
+                indices += (order * math.ceil(padding / n))[:padding]
         return indices[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
@@ -175,6 +187,9 @@ class DistributedSampler(Sampler[int]):
         self.epoch = epoch
         self._consumed = 0
         self._start = 0
+        if self._offset:
+            self._offset = 0
+            self._size()
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The sampler's position: epoch and samples of this epoch already used by this rank.
@@ -199,15 +214,23 @@ class DistributedSampler(Sampler[int]):
             "pad": self.pad,
             "num_replicas": self.num_replicas,
             "dataset_len": len(self.dataset),
+            "offset": self._offset,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict`: the next pass starts where it left off.
 
         The state is resumed into a sampler over the same dataset and
-        shuffle settings. ``num_replicas`` may differ only at an epoch boundary
-        (``consumed == 0``): mid-epoch the shards of different world sizes do
-        not line up.
+        shuffle settings. At the same ``num_replicas`` the epoch continues
+        exactly. At another one (an elastic job that lost or gained ranks),
+        what was left of the epoch is re-sharded: every rank consumed the same
+        number of samples (the padded shards are equal), so the first
+        ``consumed x num_replicas`` positions of the epoch's order are done,
+        and the rest is split over the new ranks by torch's rule (padded from
+        the head of the order). No sample is skipped; at most
+        ``num_replicas - 1`` padding samples repeat, as in any padded epoch.
+        The evaluation mode (``pad=False``), whose shards differ in length,
+        cannot be re-sharded mid-epoch.
 
         Raises:
             ValueError: the state does not match this sampler's dataset or settings.
@@ -224,18 +247,23 @@ class DistributedSampler(Sampler[int]):
                 f"has {len(self.dataset)}: resume with the same dataset"
             )
         consumed = int(state["consumed"])
-        if consumed and state["num_replicas"] != self.num_replicas:
-            raise ValueError(
-                f"sampler state was saved mid-epoch with num_replicas={state['num_replicas']}, "
-                f"this sampler has num_replicas={self.num_replicas}: resume mid-epoch with the "
-                "same world size, or from a checkpoint taken at an epoch boundary"
-            )
+        self.epoch = int(state["epoch"])
+        self._offset = int(state.get("offset", 0))
+        if state["num_replicas"] != self.num_replicas:
+            if consumed and not self.pad:
+                raise ValueError(
+                    f"sampler state was saved mid-epoch with num_replicas={state['num_replicas']} and pad=False, "
+                    f"this sampler has num_replicas={self.num_replicas}: uneven evaluation shards cannot be "
+                    "re-sharded; resume with the same world size, or from an epoch boundary"
+                )
+            self._offset = min(len(self.dataset), self._offset + consumed * int(state["num_replicas"]))
+            consumed = 0
+        self._size()
         if not 0 <= consumed <= self.num_samples:
             raise ValueError(
                 f"sampler state has consumed={consumed}, outside 0..{self.num_samples} "
                 "for this rank's shard"
             )
-        self.epoch = int(state["epoch"])
         self._start = consumed
         self._consumed = consumed
         # A resumed epoch is the continuation of a pass, not a second one.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,64 @@ from pathlib import Path
 from ddpkit.runtime.discovery import DEFAULT_PORT, LOOPBACK
 from ddpkit.runtime.options import ConfigError, option
 from ddpkit.runtime.process import GRACE_S
+
+ENDPOINT_PORT = 29400
+"""torchrun's default port for ``--rdzv-endpoint``."""
+
+RDZV_CONF = {
+    # key: (default, converter); torchrun's c10d and dynamic rendezvous settings.
+    "join_timeout": (600.0, float),
+    "timeout": (600.0, float),
+    "last_call_timeout": (30.0, float),
+    "close_timeout": (30.0, float),
+    "read_timeout": (60.0, float),
+    "keep_alive_interval": (1.0, float),
+    "keep_alive_max_attempt": (6, int),
+    "is_host": (None, lambda v: {"1": True, "true": True, "0": False, "false": False}[v.lower()]),
+    "store_type": ("tcp", str),
+}
+"""``--rdzv-conf`` keys ddpkit reads, with their defaults."""
+
+STD = {0: (), 1: ("stdout",), 2: ("stderr",), 3: ("stdout", "stderr")}
+"""``--redirects``/``--tee`` values: which streams."""
+
+
+def parse_std(value: str, nproc: int, flag: str) -> dict[int, tuple[str, ...]]:
+    """``3`` or ``0:1,1:3`` as torchrun reads them: the streams of each local rank.
+
+    Raises:
+        ConfigError: a value outside 0-3, a malformed map, or a local rank outside this node.
+    """
+    def streams(v: str) -> tuple[str, ...]:
+        if not v.strip().isdigit() or int(v) not in STD:
+            raise ConfigError(f"{flag} {value!r}: {v!r} is not 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")
+        return STD[int(v)]
+
+    if ":" not in value:
+        return dict.fromkeys(range(nproc), streams(value))
+    out = dict.fromkeys(range(nproc), ())
+    for part in value.split(","):
+        rank, sep, v = part.partition(":")
+        if not sep or not rank.strip().isdigit():
+            raise ConfigError(f"{flag} {value!r}: write one value (0-3) or LOCAL_RANK:VALUE pairs like 0:1,1:3")
+        if int(rank) >= nproc:
+            raise ConfigError(f"{flag} {value!r}: local rank {rank} does not exist on this node (0..{nproc - 1})")
+        out[int(rank)] = streams(v)
+    return out
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[v6]:PORT`` too) as torchrun reads ``--rdzv-endpoint``."""
+    host, port = endpoint.strip(), str(default_port)
+    if host.startswith("["):
+        host, _, rest = host[1:].partition("]")
+        if rest.startswith(":"):
+            port = rest[1:]
+    elif host.count(":") == 1:
+        host, port = host.split(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST[:PORT] with a port in 0..65535")
+    return host, int(port)
 
 
 def nproc_for(kind: str) -> int:
@@ -49,28 +108,91 @@ class LaunchConfig:
         1, "workers on this node: an integer, cpu (one per core), gpu (one per GPU) or auto (per GPU, else per "
         "core), as torchrun", metavar="N|cpu|gpu|auto"
     )
-    nnodes: int = option(1, "number of nodes (one launcher per node)")
-    node_rank: int = option(0, "this node's index in 0..nnodes-1; node 0 hosts the rendezvous")
-    master_addr: str = option(LOOPBACK, "node 0's address, where rank 0 serves the rendezvous store")
+    nnodes: int | str = option(
+        1, "number of nodes (one launcher per node), or MIN:MAX for an elastic job (needs --rdzv-backend c10d)",
+        metavar="N|MIN:MAX",
+    )
+    node_rank: int = option(0, "this node's index in 0..nnodes-1 (static rendezvous); node 0 hosts the rendezvous")
+    master_addr: str = option(LOOPBACK, "node 0's address, where the rendezvous store is served (static rendezvous)")
     master_port: int | None = option(None, f"rendezvous port on node 0 (default: {DEFAULT_PORT})")
     standalone: bool = option(False, "single node: pick a free port, rendezvous on loopback")
     max_restarts: int = option(0, "restart the whole group up to this many times after a failure")
+    rdzv_backend: str = option(
+        "static", "static (node ranks from --node-rank) or c10d (nodes agree on ranks and world size at "
+        "--rdzv-endpoint; elastic with --nnodes MIN:MAX)", metavar="static|c10d",
+    )
+    rdzv_endpoint: str = option(
+        "", f"HOST[:PORT] of the rendezvous (default port {ENDPOINT_PORT}); the node whose address it is "
+        "serves it. With static: replaces --master-addr/--master-port", metavar="HOST[:PORT]",
+    )
     rdzv_id: str | None = option(
         None, "the job's id and secret, the same on every node: only processes started with it may join "
         "(default: DDPKIT_JOB_TOKEN, else a random one for a single-node job)", metavar="ID",
+    )
+    rdzv_conf: str = option(
+        "", "rendezvous settings key=value,...: join_timeout (600 s), last_call_timeout (30 s), read_timeout "
+        "(60 s), keep_alive_interval (1 s), keep_alive_max_attempt (6), is_host", metavar="K=V,...",
+    )
+    local_addr: str | None = option(
+        None, "this node's address as the other nodes see it (default: its host name)", metavar="ADDR"
     )
     local_rank_arg: bool = option(
         False, "also pass --local_rank=N to the script (torch.distributed.launch style)"
     )
     prefix_output: bool = option(
-        True, "prefix each worker output line with [rankN]: ", negate="--no-prefix", negate_only=True
+        False, "prefix each worker output line on the console with [rankN]: (torchrun prints lines as they are)",
+        negate="--no-prefix",
     )
-    log_dir: Path | None = option(None, "also save each rank's output to LOG_DIR/attempt_K/rankN.log")
+    log_dir: Path | None = option(
+        None, "save each rank's output to LOG_DIR/attempt_K/rankN.log (and the console); with --tee or "
+        "--redirects, torchrun's layout LOG_DIR/RUN_ID_xxxx/attempt_K/LOCAL_RANK/stdout.log, stderr.log"
+    )
+    redirects: str = option(
+        "0", "send worker streams to files in the log directory instead of the console: 0 none, 1 stdout, "
+        "2 stderr, 3 both, or per local rank as 0:1,1:3", flags=["-r", "--redirects"], metavar="STD",
+    )
+    tee: str = option(
+        "0", "like --redirects, but also to the console (those lines prefixed [ROLE LOCAL_RANK]:, as torchrun)",
+        flags=["-t", "--tee"], metavar="STD",
+    )
+    local_ranks_filter: str = option(
+        "", "show only these local ranks' output on the console, e.g. 0 or 0,1 (files keep everything)",
+        metavar="RANKS",
+    )
+    duplicate_stdout_filters: str = option(
+        "", "also copy stdout lines containing any of these words (comma-separated) to "
+        "filtered_stdout.log in the attempt's log directory", metavar="WORDS",
+    )
+    duplicate_stderr_filters: str = option(
+        "", "the same for stderr lines (filtered_stderr.log)", metavar="WORDS"
+    )
     no_python: bool = option(False, "run PROGRAM directly, not with python (a binary or a script with a shebang)")
     role: str = option("default", "the workers' role (ROLE_NAME), as torchrun")
     grace_period_s: float = option(
         GRACE_S, "seconds between SIGTERM and SIGKILL when workers are stopped",
         flags=["--shutdown-timeout", "--shutdown_timeout"], metavar="SECONDS",
+    )
+    signals_to_handle: str = option(
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "signals the launcher forwards to every worker before it stops them "
+        "(add SIGUSR1,SIGUSR2 for SLURM)", metavar="SIGNALS",
+    )
+    virtual_local_rank: bool = option(
+        False, "give every worker LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES"
+    )
+    run_path: bool = option(
+        False, "accepted for torchrun's command lines; every worker runs the script as __main__, as "
+        "runpy.run_path does"
+    )
+    numa_binding: str | None = option(
+        None, "accepted for torchrun's command lines; ddpkit does not bind workers to NUMA nodes",
+        choices=["node", "socket", "exclusive", "core-complex"],
+    )
+    logs_specs: str | None = option(
+        None, "accepted for torchrun's command lines; ddpkit has no log plugins (see --log-dir, --tee)",
+        metavar="NAME",
+    )
+    event_log_handler: str = option(
+        "null", "accepted for torchrun's command lines; ddpkit writes no event log", metavar="NAME"
     )
     monitor_interval: float = option(
         0.1, "accepted for torchrun's command lines; ddpkit learns of a worker's exit the moment it happens"
@@ -88,9 +210,31 @@ class LaunchConfig:
             self.nproc_per_node = nproc_for(str(self.nproc_per_node))
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be at least 1 (or cpu, gpu, auto)")
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes {self.nnodes} must be at least 1")
-        if not 0 <= self.node_rank < self.nnodes:
+        self.min_nodes, self.max_nodes = self._node_range()
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise ConfigError(f"--rdzv-backend {self.rdzv_backend!r} is not supported: use c10d (nodes agree on "
+                              "their ranks at --rdzv-endpoint) or static (--node-rank on each node)")
+        self.conf = self._rendezvous_conf()
+        if self.dynamic and not self.standalone:
+            if not self.rdzv_endpoint:
+                raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT], the same on every node")
+            self.endpoint = parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
+            self.nnodes = self.max_nodes
+        elif self.min_nodes != self.max_nodes:
+            raise ConfigError(f"--nnodes {self.nnodes} is a range, which needs the nodes to agree on their ranks: "
+                              "add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT]")
+        else:
+            self.nnodes = self.max_nodes
+            if self.rdzv_endpoint and not self.standalone:
+                # torchrun's static backend: the endpoint is node 0's address and port.
+                self.master_addr, self.master_port = parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
+        self.redirect_map = parse_std(self.redirects, self.nproc_per_node, "--redirects")
+        self.tee_map = parse_std(self.tee, self.nproc_per_node, "--tee")
+        self.shown_ranks = self._shown_ranks()
+        self.signals = self._signals()
+        if self.run_path:
+            self.no_python = False  # torchrun: --run-path takes precedence over --no-python
+        if not self.dynamic and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
                 f"use 0..{self.nnodes - 1}"
@@ -115,11 +259,102 @@ class LaunchConfig:
             raise ConfigError("--role is empty: give the workers' role a name (default: default)")
         if self.log_dir is not None:
             self.log_dir = Path(self.log_dir)
+            if self.log_dir.is_file():
+                raise ConfigError(f"--log-dir {str(self.log_dir)!r} is a file: give a directory")
         self._check_program()
+
+    def _node_range(self) -> tuple[int, int]:
+        text = str(self.nnodes)
+        low, sep, high = text.partition(":")
+        try:
+            lo, hi = int(low), int(high if sep else low)
+        except ValueError:
+            raise ConfigError(f"--nnodes {text!r} is not a number of nodes: use N or MIN:MAX") from None
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"--nnodes {text} must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX (e.g. 2 or 1:4)")
+        return lo, hi
+
+    def _rendezvous_conf(self) -> dict[str, object]:
+        conf = {key: default for key, (default, _) in RDZV_CONF.items()}
+        self.unknown_conf: list[str] = []
+        for part in filter(None, (p.strip() for p in self.rdzv_conf.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise ConfigError(f"--rdzv-conf {self.rdzv_conf!r}: {part!r} is not KEY=VALUE")
+            if key not in RDZV_CONF:
+                self.unknown_conf.append(key)
+                continue
+            try:
+                conf[key] = RDZV_CONF[key][1](value.strip())
+            except (KeyError, ValueError):
+                raise ConfigError(f"--rdzv-conf {key}={value!r} is not a valid value for {key}") from None
+        if "timeout" in self.rdzv_conf and "join_timeout" not in self.rdzv_conf:
+            conf["join_timeout"] = conf["timeout"]  # torchrun's older name
+        if conf["store_type"] != "tcp":
+            raise ConfigError(f"--rdzv-conf store_type={conf['store_type']}: ddpkit's rendezvous is a TCP store; "
+                              "leave store_type out")
+        for key in ("join_timeout", "last_call_timeout", "read_timeout", "keep_alive_interval"):
+            if not conf[key] > 0:  # type: ignore[operator]
+                raise ConfigError(f"--rdzv-conf {key}={conf[key]} must be a positive number of seconds")
+        if conf["keep_alive_max_attempt"] < 1:  # type: ignore[operator]
+            raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']} must be 1 or more")
+        return conf
+
+    def _shown_ranks(self) -> set[int] | None:
+        if not self.local_ranks_filter.strip():
+            return None
+        try:
+            shown = {int(r) for r in self.local_ranks_filter.split(",")}
+        except ValueError:
+            raise ConfigError(f"--local-ranks-filter {self.local_ranks_filter!r}: list local ranks like 0 or 0,1,2") \
+                from None
+        if outside := sorted(r for r in shown if not 0 <= r < int(self.nproc_per_node)):
+            raise ConfigError(f"--local-ranks-filter {self.local_ranks_filter!r}: local rank(s) {outside} do not exist "
+                              f"on this node (0..{int(self.nproc_per_node) - 1})")
+        return shown
+
+    def _signals(self) -> tuple[int, ...]:
+        found = []
+        for name in filter(None, (n.strip().upper() for n in self.signals_to_handle.split(","))):
+            sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+            if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+                raise ConfigError(f"--signals-to-handle {self.signals_to_handle!r}: {name!r} is not a signal the "
+                                  "launcher can catch (e.g. SIGTERM,SIGINT,SIGUSR1)")
+            found.append(int(sig))
+        return tuple(found)
+
+    @property
+    def dynamic(self) -> bool:
+        """Nodes agree on their ranks at a rendezvous endpoint (``--rdzv-backend c10d``)."""
+        return self.rdzv_backend == "c10d" and not self.standalone
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
 
     def notes(self) -> list[str]:
         """One line for each torchrun flag given here that changes nothing in ddpkit."""
         notes = []
+        if self.standalone and (self.rdzv_endpoint or self.rdzv_backend != "static"):
+            notes.append("--standalone: --rdzv-backend and --rdzv-endpoint are ignored, as torchrun ignores them")
+        if self.dynamic and self.node_rank:
+            notes.append(f"--node-rank {self.node_rank}: ignored with --rdzv-backend c10d, where the nodes agree "
+                         "on their ranks at the rendezvous (as torchrun)")
+        if self.unknown_conf:
+            notes.append(f"--rdzv-conf: {', '.join(self.unknown_conf)} not used by ddpkit's rendezvous "
+                         f"(it reads {', '.join(k for k in RDZV_CONF if k != 'timeout')})")
+        if self.run_path:
+            notes.append("--run-path: each worker runs the script as __main__ in its own interpreter, which is "
+                         "what runpy.run_path gives torchrun's workers")
+        if self.numa_binding:
+            notes.append(f"--numa-binding {self.numa_binding}: not done by ddpkit; workers run where the OS puts "
+                         "them (bind them yourself with numactl and --no-python)")
+        if self.logs_specs:
+            notes.append(f"--logs-specs {self.logs_specs}: ddpkit has no log plugins; --log-dir, --tee and "
+                         "--redirects choose where output goes")
+        if self.event_log_handler != "null":
+            notes.append(f"--event-log-handler {self.event_log_handler}: ddpkit writes no event log")
         if self.monitor_interval != 0.1:
             notes.append(f"--monitor-interval {self.monitor_interval:g}: not needed, ddpkit learns of a worker's "
                          "exit the moment it happens")

@@ -13,6 +13,28 @@ from ddpkit.runtime.process import worker_env
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeSlot:
+    """This node's place in one round of the job: fixed (static) or agreed at the rendezvous (c10d)."""
+
+    node_rank: int
+    nnodes: int
+    rank_base: int
+    """Global rank of this node's local rank 0."""
+    world_size: int
+    master_addr: str
+    master_port: int
+    round: int | None = None
+    """The rendezvous round (c10d): the workers' keys live under it, since a
+    membership change starts a new round without counting a restart."""
+
+    @classmethod
+    def static(cls, cfg: LaunchConfig, master_port: int) -> NodeSlot:
+        nproc = int(cfg.nproc_per_node)
+        return cls(node_rank=cfg.node_rank, nnodes=cfg.nnodes, rank_base=cfg.node_rank * nproc,
+                   world_size=cfg.world_size, master_addr=cfg.master_addr, master_port=master_port)
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
     """One worker process to start."""
 
@@ -34,32 +56,47 @@ def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
 def plan_workers(
     cfg: LaunchConfig, *, master_port: int, restart_count: int, base_env: Mapping[str, str],
     job_token: str | None = None, agent_store: bool = False, run_id: str = "none",
+    slot: NodeSlot | None = None, error_files: Mapping[int, str] | None = None,
 ) -> list[WorkerSpec]:
     """The workers of this node for one attempt.
 
-    Global rank = node_rank x nproc_per_node + local_rank. Each worker gets
-    torchrun's variables, so torchrun scripts run unchanged.
+    Global rank = the node's first rank + local_rank (static: node_rank x
+    nproc_per_node). Each worker gets torchrun's variables, so torchrun
+    scripts run unchanged.
 
     Args:
         cfg: the validated launch configuration.
-        master_port: the rendezvous port of this attempt.
+        master_port: the rendezvous port of this attempt (when no ``slot``).
         restart_count: how many times the group was restarted before.
         base_env: the environment to extend (usually ``os.environ``).
         job_token: the job's secret, given to every worker as ``DDPKIT_JOB_TOKEN``.
         agent_store: the launchers serve the store (multi-node), so rank 0
             connects to it like every other worker (torchrun's contract).
         run_id: ``TORCHELASTIC_RUN_ID`` (torchrun: ``--rdzv-id``, default ``none``).
+        slot: this node's place in the round (default: the static one from ``cfg``).
+        error_files: ``TORCHELASTIC_ERROR_FILE`` per local rank (torch's ``@record`` writes there).
     """
     nproc = int(cfg.nproc_per_node)
+    slot = slot or NodeSlot.static(cfg, master_port)
     workers = []
     for local_rank in range(nproc):
-        rank = cfg.node_rank * nproc + local_rank
+        rank = slot.rank_base + local_rank
         env = worker_env(
-            rank=rank, local_rank=local_rank, world_size=cfg.world_size, local_world_size=nproc,
-            master_addr=cfg.master_addr, master_port=master_port, node_rank=cfg.node_rank,
-            nnodes=cfg.nnodes, restart_count=restart_count, max_restarts=cfg.max_restarts, base=base_env,
+            rank=rank, local_rank=local_rank, world_size=slot.world_size, local_world_size=nproc,
+            master_addr=slot.master_addr, master_port=slot.master_port, node_rank=slot.node_rank,
+            nnodes=slot.nnodes, restart_count=restart_count, max_restarts=cfg.max_restarts, base=base_env,
         )
         env["ROLE_NAME"] = cfg.role
+        if slot.round is not None:
+            env["DDPKIT_RDZV_ROUND"] = str(slot.round)
+        if error_files is not None:
+            env["TORCHELASTIC_ERROR_FILE"] = error_files[local_rank]
+        if cfg.virtual_local_rank:
+            # torchrun: LOCAL_RANK 0 everywhere, each worker sees only its own GPU.
+            visible = base_env.get("CUDA_VISIBLE_DEVICES")
+            devices = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(nproc)]
+            env["LOCAL_RANK"] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
         if job_token:
             env["DDPKIT_JOB_TOKEN"] = job_token
         # As torchrun sets them, so that torch.distributed.is_torchelastic_launched()

@@ -55,6 +55,8 @@ class RemoteFailure:
     """Its last error line, or the stall report's summary."""
 
     def describe(self) -> str:
+        if self.node < 0:  # the job's store itself
+            return f"the rendezvous failed: {self.what}" + (f"\n  {self.detail}" if self.detail else "")
         who = f"node {self.node}" + (f", rank {self.rank}," if self.rank is not None else "")
         return f"{who} failed first: {self.what}" + (f"\n  {self.detail}" if self.detail else "")
 
@@ -63,34 +65,50 @@ class NodeRendezvous:
     """This launcher's connection to the job's store (node 0's launcher serves it)."""
 
     def __init__(self, *, host: str, port: int, node: int, nnodes: int, token: str | None, timeout_s: float) -> None:
+        self.node, self.nnodes = node, nnodes
+        self.node_id = str(node)
+        """Names this launcher's heartbeat and its done mark (static: the node rank)."""
+        self.stale_s = STALE_S
+        self._connect(host, port, serve=node == 0, token=token, timeout_s=timeout_s)
+
+    def _connect(self, host: str, port: int, *, serve: bool, token: str | None, timeout_s: float,
+                 fall_back: bool = False, beat_s: float = BEAT_S) -> None:
+        """Serve (``serve``) or reach the store; ``fall_back``: serving failed, so another launcher serves it."""
         import torch.distributed as dist
 
         from ddpkit.runtime.rendezvous import job_keys
 
-        self.node, self.nnodes = node, nnodes
-        self.serving = node == 0
-        try:
-            listen = {}
-            if self.serving and (fd := loopback_listener(host, port)) is not None:
-                listen = {"master_listen_fd": fd}
-            raw = dist.TCPStore(host, port, None, self.serving, timeout=timedelta(seconds=timeout_s),
-                                wait_for_workers=False, **listen)
-        except Exception as e:  # noqa: BLE001 - torch raises several types here
-            where = f"{host}:{port}"
-            if self.serving:
-                raise ConfigError(f"node 0 could not serve the rendezvous on {where} ({e}): choose a free "
-                                  "--master-port") from None
-            raise ConfigError(f"node {node} could not reach the rendezvous at {where} within {timeout_s:g} s "
-                              f"({type(e).__name__}): start node 0's launcher, and give every node the same "
-                              "--master-addr/--master-port") from None
+        self.where = f"{host}:{port}"
+        for serving in ([serve, False] if serve and fall_back else [serve]):
+            try:
+                listen = {}
+                if serving and (fd := loopback_listener(host, port)) is not None:
+                    listen = {"master_listen_fd": fd}
+                raw = dist.TCPStore(host, port, None, serving, timeout=timedelta(seconds=timeout_s),
+                                    wait_for_workers=False, **listen)
+                break
+            except Exception as e:  # noqa: BLE001 - torch raises several types here
+                if serving and fall_back:
+                    continue
+                raise self._unreachable(serving, e, timeout_s) from None
+        self.serving = serving
         self.raw = raw
         self._store = dist.PrefixStore(f"{job_keys(token)[1]}launch/", raw)
         self.store = BoundedStore(self._store, OP_TIMEOUT_S)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._beat_s = beat_s
         self._beat()
         self._beater = threading.Thread(target=self._beat_loop, name="ddpkit-launch-heartbeat", daemon=True)
         self._beater.start()
+
+    def _unreachable(self, serving: bool, error: Exception, timeout_s: float) -> ConfigError:
+        if serving:
+            return ConfigError(f"node 0 could not serve the rendezvous on {self.where} ({error}): choose a free "
+                               "--master-port")
+        return ConfigError(f"node {self.node} could not reach the rendezvous at {self.where} within {timeout_s:g} s "
+                           f"({type(error).__name__}): start node 0's launcher, and give every node the same "
+                           "--master-addr/--master-port")
 
     # -- rounds ------------------------------------------------------------
 
@@ -133,25 +151,37 @@ class NodeRendezvous:
         try:
             if failure := self.first_failure(round_):
                 return failure
-            if self.serving:
+            if self.judges:
                 for node, age in self.silent_nodes(round_):
                     return self.record(round_, RemoteFailure(
                         node, None, f"its launcher stopped answering ({age:.0f} s without a heartbeat)",
                         "the machine is down, the launcher was killed, or the network to it is cut"))
-        except Exception as e:  # noqa: BLE001 - the store is gone with node 0
-            return RemoteFailure(0, None, f"the rendezvous it serves stopped answering ({type(e).__name__})",
-                                 "node 0 is down, its launcher was killed, or the network to it is cut")
+        except Exception as e:  # noqa: BLE001 - the store is gone with the node serving it
+            return self.store_lost(e)
         return None
 
-    def silent_nodes(self, round_: int) -> list[tuple[int, float]]:
-        """Nodes that joined ``round_`` and have written no heartbeat for :data:`STALE_S`."""
-        now = time.time()
+    def store_lost(self, error: Exception) -> RemoteFailure:
+        return RemoteFailure(0, None, f"the rendezvous it serves stopped answering ({type(error).__name__})",
+                             "node 0 is down, its launcher was killed, or the network to it is cut")
+
+    @property
+    def judges(self) -> bool:
+        """Whether this launcher declares silent nodes failed (static: node 0; the others watch node 0's store)."""
+        return self.serving
+
+    def members(self, round_: int) -> dict[int, str]:
+        """Node rank -> node id of the nodes in ``round_`` (static: those that joined it)."""
         with self._lock:
-            joined = [n for n in range(self.nnodes) if n != self.node and self.store.check([f"joined/{round_}/{n}"])]
-            keys = [f"alive/{n}" for n in joined]
-            present = [k for k in keys if self.store.check([k])]
-            beats = self.store.multi_get(present) if present else []
-        return [(int(k.split("/")[1]), now - float(b)) for k, b in zip(present, beats) if now - float(b) > STALE_S]
+            return {n: str(n) for n in range(self.nnodes) if self.store.check([f"joined/{round_}/{n}"])}
+
+    def silent_nodes(self, round_: int) -> list[tuple[int, float]]:
+        """Nodes of ``round_`` that have written no heartbeat for :attr:`stale_s`."""
+        now = time.time()
+        others = {n: i for n, i in self.members(round_).items() if i != self.node_id}
+        with self._lock:
+            present = {n: i for n, i in others.items() if self.store.check([f"alive/{i}"])}
+            beats = self.store.multi_get([f"alive/{i}" for i in present.values()]) if present else []
+        return [(n, now - float(b)) for n, b in zip(present, beats) if now - float(b) > self.stale_s]
 
     # -- the end -----------------------------------------------------------
 
@@ -162,11 +192,11 @@ class NodeRendezvous:
         """
         try:
             with self._lock:
-                self.store.set(f"done/{round_}/{self.node}", "ok" if ok else "failed")
+                self.store.set(f"done/{round_}/{self.node_id}", "ok" if ok else "failed")
             if not self.serving:
                 return None
             deadline = time.monotonic() + timeout_s
-            keys = [f"done/{round_}/{n}" for n in range(self.nnodes)]
+            keys = [f"done/{round_}/{i}" for i in self.finishers(round_)]
             while time.monotonic() < deadline:
                 if failure := self.watch(round_):
                     return failure
@@ -178,15 +208,19 @@ class NodeRendezvous:
             return None
         return None
 
+    def finishers(self, round_: int) -> list[str]:
+        """The nodes whose end the serving launcher waits for (static: every node of the job)."""
+        return [str(n) for n in range(self.nnodes)]
+
     def close(self) -> None:
         self._stop.set()
 
     def _beat(self) -> None:
         with self._lock:
-            self.store.set(f"alive/{self.node}", repr(time.time()))
+            self.store.set(f"alive/{self.node_id}", repr(time.time()))
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(self._beat_s):
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 - node 0 gone: watch() reports it

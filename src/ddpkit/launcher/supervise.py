@@ -32,63 +32,29 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
 from ddpkit.launcher.config import LaunchConfig
-from ddpkit.launcher.plan import WorkerSpec, plan_workers
+from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
+from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
+from ddpkit.launcher.plan import NodeSlot, WorkerSpec, plan_workers
 from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
+from ddpkit.runtime.discovery import LOOPBACK
 from ddpkit.runtime.options import ConfigError
-from ddpkit.runtime.process import Interrupted, SignalCatcher, describe_exit, free_port, terminate
+from ddpkit.runtime.process import Interrupted, SignalCatcher, describe_exit, die_with_parent, free_port, terminate
 from ddpkit.runtime.stall import PREFIX as STALL_PREFIX
 
 _POLL_S = 0.05
 _TAIL_LINES = 400
-_SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
 # torch itself prefixes an uncaught exception's lines with "[rankN]: " once
 # the process group exists; we neither double it nor let it hide a traceback.
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
-_write_lock = threading.Lock()
 
 
 def say(message: str) -> None:
     """The launcher's own voice, on stderr, so it never mixes into a worker's stdout."""
-    with _write_lock:
+    with write_lock:
         sys.stderr.write(f"ddpkit launch: {message}\n")
         sys.stderr.flush()
-
-
-class _Pump(threading.Thread):
-    """Copy one worker stream to ours, whole segments at a time, with a rank prefix.
-
-    ``\\r`` ends a segment too, so progress bars redraw in place with their prefix.
-    """
-
-    def __init__(self, src: BinaryIO, dst: BinaryIO, prefix: bytes, log: BinaryIO | None, tail: collections.deque | None):
-        super().__init__(daemon=True)
-        self.src, self.dst, self.prefix, self.log, self.tail = src, dst, prefix, log, tail
-
-    def run(self) -> None:
-        pending = b""
-        while chunk := self.src.read1(65536):
-            pending += chunk
-            end = 0
-            for match in _SEGMENT.finditer(pending):
-                self._emit(match.group())
-                end = match.end()
-            pending = pending[end:]
-        if pending:
-            self._emit(pending + b"\n")
-
-    def _emit(self, segment: bytes) -> None:
-        prefix = b"" if segment.startswith(self.prefix) else self.prefix
-        with _write_lock:
-            self.dst.write(prefix + segment)
-            self.dst.flush()
-        if self.log is not None:
-            self.log.write(segment)
-            self.log.flush()
-        if self.tail is not None:
-            self.tail.append(segment.decode("utf-8", "replace").rstrip("\r\n"))
 
 
 def extract_traceback(lines: list[str]) -> str:
@@ -153,20 +119,17 @@ class WorkerGroup:
     in time, not the first in rank order.
     """
 
-    def __init__(self, cfg: LaunchConfig, attempt: int):
+    def __init__(self, cfg: LaunchConfig, layout: LogLayout):
         self.cfg = cfg
+        self.layout = layout
         self.specs: list[WorkerSpec] = []
         self.procs: list[subprocess.Popen] = []
-        self.pumps: list[_Pump] = []
+        self.pumps: list[Pump] = []
         self.tails: dict[int, collections.deque] = {}
-        self.logs: list[BinaryIO | None] = []
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
-        self.log_dir = cfg.log_dir / f"attempt_{attempt}" if cfg.log_dir else None
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start ``specs``; a launcher signal meanwhile stops the loop, then is raised."""
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
         with signals.deferred():
             for spec in specs:
                 if signals.received is not None:
@@ -174,31 +137,31 @@ class WorkerGroup:
                 self._start_one(spec)
 
     def _start_one(self, spec: WorkerSpec) -> None:
-        log = open(self.log_dir / f"rank{spec.rank}.log", "ab") if self.log_dir else None  # noqa: SIM115
         # start_new_session: the worker leads a process group holding all
         # its descendants, which killpg can then take down together.
         proc = subprocess.Popen(
             spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )
         index = len(self.procs)
         self.specs.append(spec)
         self.procs.append(proc)
-        self.logs.append(log)
         self.tails[spec.rank] = collections.deque(maxlen=_TAIL_LINES)
-        prefix = f"[rank{spec.rank}]: ".encode() if self.cfg.prefix_output else b""
-        for src, dst, tail in ((proc.stdout, sys.stdout.buffer, None),
-                               (proc.stderr, sys.stderr.buffer, self.tails[spec.rank])):
-            pump = _Pump(src, dst, prefix, log, tail)
+        console = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+        sources = {"stdout": proc.stdout, "stderr": proc.stderr}
+        for name, dst, prefix, log, dup in self.layout.streams(spec.rank, spec.local_rank, console):
+            pump = Pump(sources[name], dst, prefix, log, self.tails[spec.rank] if name == "stderr" else None, dup)
             pump.start()
             self.pumps.append(pump)
         threading.Thread(target=lambda: self.exits.put((proc.wait(), index)), daemon=True).start()
 
-    def wait(self, watch: Callable[[], RemoteFailure | None] | None = None) -> Failure | RemoteFailure | None:
+    def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
+             ) -> Failure | RemoteFailure | str | None:
         """Block until every worker succeeded (None) or one failed (the first in time).
 
         ``watch`` (multi-node) is called every :data:`POLL_S`; when it returns
-        another node's failure, this node's workers are stopped and it is returned.
+        another node's failure (or, elastic, why the round must end), this
+        node's workers are stopped and it is returned.
         """
         done = 0
         next_look = time.monotonic() + POLL_S
@@ -218,7 +181,8 @@ class WorkerGroup:
                 spec = self.specs[index]
                 self.stop()
                 failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
-                                  traceback=extract_traceback(list(self.tails[spec.rank])),
+                                  traceback=extract_traceback(list(self.tails[spec.rank]))
+                                  or read_error_file(spec.env.get("TORCHELASTIC_ERROR_FILE", "")),
                                   last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
                 # The failing rank's own report first (taken as it failed), else any rank's.
                 for rank in [spec.rank, *sorted(r for r in self.tails if r != spec.rank)]:
@@ -233,10 +197,7 @@ class WorkerGroup:
         terminate(self.procs, self.cfg.grace_period_s, first_signal)
         for pump in self.pumps:
             pump.join(timeout=2.0)
-        for log in self.logs:
-            if log:
-                log.close()
-        self.logs = []
+        self.layout.close_files()
 
 
 def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
@@ -314,6 +275,9 @@ def run(cfg: LaunchConfig) -> int:
     """
     if cfg.standalone:
         port = free_port()
+        cfg.master_addr = standalone_addr(cfg.local_addr)
+    elif cfg.dynamic:
+        port = cfg.endpoint[1]
     else:
         port = cfg.port()
         check_rendezvous(cfg, port)
@@ -323,18 +287,53 @@ def run(cfg: LaunchConfig) -> int:
     for note in cfg.notes():
         say(note)
     token = job_token(cfg)
-    signals = SignalCatcher()
-    with signals.installed():
-        rdzv = None
-        if cfg.nnodes > 1:
-            with signals.deferred():
-                rdzv = NodeRendezvous(host=cfg.master_addr, port=port, node=cfg.node_rank, nnodes=cfg.nnodes,
-                                      token=token, timeout_s=rendezvous_timeout())
-        try:
-            return _attempts(cfg, port, signals, token, rdzv)
-        finally:
-            if rdzv is not None:
-                rdzv.close()
+    # torchrun's run id: --rdzv-id, a fresh one under --standalone, else "none"
+    # (never the random secret, which must not reach logs).
+    run_id = cfg.rdzv_id or (uuid.uuid4().hex if cfg.standalone else "none")
+    layout = LogLayout(cfg, run_id, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
+    if layout.shown_dir is not None:
+        say(f"worker logs in {layout.shown_dir}")
+    signals = SignalCatcher(cfg.signals)
+    job = _Job(cfg, port, signals, token, run_id, layout)
+    try:
+        with signals.installed():
+            try:
+                with signals.deferred():
+                    if cfg.dynamic:
+                        job.rdzv = DynamicRendezvous(cfg, token)
+                    elif cfg.nnodes > 1:
+                        job.rdzv = NodeRendezvous(host=cfg.master_addr, port=port, node=cfg.node_rank,
+                                                  nnodes=cfg.nnodes, token=token, timeout_s=rendezvous_timeout())
+                return job.elastic_rounds() if cfg.dynamic else job.attempts()
+            except Interrupted as e:
+                say(f"received {signal.Signals(e.signum).name}: stopping all workers")
+                signals.deferring = True  # a second Ctrl-C must not cut the teardown short
+                if job.group is not None:
+                    job.group.stop(first_signal=e.signum)
+                return 128 + e.signum
+    finally:
+        if job.rdzv is not None:
+            job.rdzv.close()
+        layout.close()
+
+
+def standalone_addr(local_addr: str | None) -> str:
+    """``MASTER_ADDR`` under ``--standalone``, as torchrun sets it: ``--local-addr``, else this host's FQDN.
+
+    Falls back to loopback when that name does not resolve to an address of
+    this machine (a container whose host name is in no resolver).
+    """
+    name = local_addr or socket.getfqdn()
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.bind((infos[0][4][0], 0))
+        return name
+    except OSError:
+        if local_addr:
+            raise ConfigError(f"--local-addr {local_addr!r} is not an address of this machine: give one of its "
+                              "host names or addresses") from None
+        return LOOPBACK
 
 
 def job_token(cfg: LaunchConfig) -> str | None:
@@ -352,13 +351,47 @@ def job_token(cfg: LaunchConfig) -> str | None:
     return token
 
 
-def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None,
-              rdzv: NodeRendezvous | None) -> int:
-    group: WorkerGroup | None = None
-    # torchrun's run id: --rdzv-id, a fresh one under --standalone, else "none"
-    # (never the random secret, which must not reach logs).
-    run_id = cfg.rdzv_id or (uuid.uuid4().hex if cfg.standalone else "none")
-    try:
+class _Job:
+    """One launcher's run: its rounds of workers, the failures between them, and the node rendezvous."""
+
+    def __init__(self, cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None, run_id: str,
+                 layout: LogLayout):
+        self.cfg, self.port, self.signals, self.token, self.run_id, self.layout = (
+            cfg, port, signals, token, run_id, layout)
+        self.rdzv: NodeRendezvous | None = None
+        self.group: WorkerGroup | None = None
+
+    def _round(self, attempt: int, restart_count: int, slot: NodeSlot,
+               watch: Callable[[], RemoteFailure | str | None] | None) -> Failure | RemoteFailure | str | None:
+        """Run this node's workers for one round; the outcome of :meth:`WorkerGroup.wait`, reported."""
+        cfg = self.cfg
+        errors = self.layout.start_attempt(attempt, int(cfg.nproc_per_node))
+        specs = plan_workers(cfg, master_port=slot.master_port, restart_count=restart_count, base_env=os.environ,
+                             job_token=self.token, agent_store=self.rdzv is not None, run_id=self.run_id,
+                             slot=slot, error_files=errors)
+        self.group = WorkerGroup(cfg, self.layout)
+        self.group.start(specs, self.signals)
+        outcome = self.group.wait(watch=watch)
+        self.group.stop()
+        if isinstance(outcome, RemoteFailure):
+            say(f"{outcome.describe()}\nstopped this node's workers")
+        elif isinstance(outcome, Failure):
+            cause = _share(self.rdzv, attempt, slot.node_rank, outcome) if self.rdzv else None
+            report(outcome)
+            if cause is not None and cause.node != slot.node_rank:
+                say(f"root cause on another node: {cause.describe()}")
+        return outcome
+
+    def _succeeded(self, round_: int) -> int:
+        remote = self.rdzv.finish(round_, ok=True) if self.rdzv else None
+        if remote is None:
+            return 0
+        say(f"{remote.describe()}\n(this node's workers had finished)")
+        return 1
+
+    def attempts(self) -> int:
+        """Static rendezvous: every node knows its rank; all restart together."""
+        cfg, rdzv, port = self.cfg, self.rdzv, self.port
         first = rdzv.current_round() if rdzv else 0
         if first:
             say(f"joining the job in progress at restart round {first}")
@@ -372,35 +405,60 @@ def _attempts(cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str |
                     say(f"node 0's rendezvous stopped answering ({type(e).__name__}) before restart round {attempt}: "
                         "node 0 is down, its launcher was killed, or the network to it is cut")
                     return 1
-            specs = plan_workers(cfg, master_port=port, restart_count=attempt, base_env=os.environ, job_token=token,
-                                 agent_store=rdzv is not None, run_id=run_id)
-            group = WorkerGroup(cfg, attempt)
-            group.start(specs, signals)
-            failure = group.wait(watch=(lambda a=attempt: rdzv.watch(a)) if rdzv else None)
-            group.stop()
-            if failure is None:
-                remote = rdzv.finish(attempt, ok=True) if rdzv else None
-                if remote is None:
-                    return 0
-                say(f"{remote.describe()}\n(this node's workers had finished)")
-                return 1
-            if isinstance(failure, RemoteFailure):
-                say(f"{failure.describe()}\nstopped this node's workers")
-            else:
-                cause = _share(rdzv, attempt, cfg.node_rank, failure) if rdzv else None
-                report(failure)
-                if cause is not None and cause.node != cfg.node_rank:
-                    say(f"root cause on another node: {cause.describe()}")
+            outcome = self._round(attempt, attempt, NodeSlot.static(cfg, port),
+                                  (lambda a=attempt: rdzv.watch(a)) if rdzv else None)
+            if outcome is None:
+                return self._succeeded(attempt)
             if attempt < cfg.max_restarts:
                 say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})"
                     + (", every node together" if rdzv else ""))
             elif rdzv:
                 rdzv.finish(attempt, ok=False)
         return 1
-    except Interrupted as e:
-        name = signal.Signals(e.signum).name
-        say(f"received {name}: stopping all workers")
-        signals.deferring = True  # a second Ctrl-C must not cut the teardown short
-        if group is not None:
-            group.stop(first_signal=e.signum)
-        return 128 + e.signum
+
+    def elastic_rounds(self) -> int:
+        """Dynamic rendezvous: each round's nodes agree on ranks; failures and arrivals form the next round."""
+        cfg, rdzv = self.cfg, self.rdzv
+        assert isinstance(rdzv, DynamicRendezvous)
+        round_ = rdzv.current_round()
+        while True:
+            try:
+                formed = rdzv.join(round_)
+            except RendezvousClosed as e:
+                say(str(e))
+                return 0 if e.ok else 1
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store is gone with the node serving it
+                say(rdzv.store_lost(e).describe())
+                return 1
+            round_, slot = formed.number, formed.slot
+            say(f"rendezvous round {round_}: node {slot.node_rank} of {slot.nnodes} ("
+                + ", ".join(f"{n['addr']} x{n['nproc']}" for n in formed.nodes)
+                + f"), ranks {slot.rank_base}..{slot.rank_base + int(cfg.nproc_per_node) - 1} of {slot.world_size}"
+                + (f", after {formed.restarts} restart(s)" if formed.restarts else ""))
+
+            def watch(r: int = round_) -> RemoteFailure | str | None:
+                try:
+                    change = rdzv.membership_change(r)
+                except Exception as e:  # noqa: BLE001 - the store is gone
+                    return rdzv.store_lost(e)
+                return change or rdzv.watch(r)
+
+            outcome = self._round(round_, formed.restarts, slot, watch)
+            if outcome is None:
+                return self._succeeded(round_)
+            if isinstance(outcome, str):
+                say(f"membership change: {outcome}; stopped this node's workers to form rendezvous round "
+                    f"{round_ + 1} (not counted as a restart)")
+            elif isinstance(outcome, RemoteFailure) and outcome.node < 0:
+                return 1  # the store is gone: no next round can form
+            elif formed.restarts >= cfg.max_restarts:
+                rdzv.finish(round_, ok=False)
+                return 1
+            else:
+                say(f"restarting with the nodes still here (restart {formed.restarts + 1} of {cfg.max_restarts}), "
+                    f"rendezvous round {round_ + 1}")
+            round_ += 1
+
+

@@ -176,10 +176,14 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             store = open_store(place, join_timeout, deadline)
             token = os.environ.get("DDPKIT_JOB_TOKEN") or None
             admit(store, place, token)
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            # Keys live under a per-restart prefix: a store that outlives one
+            # Keys live under a per-attempt prefix: a store that outlives one
             # attempt (torchrun's agent store) must not see the last one's census.
-            prefix = f"{job_keys(token)[1]}{restart}/"
+            # Under an elastic launcher a membership change starts a new round
+            # without counting a restart, so the round names the attempt there.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            if rdzv_round := os.environ.get("DDPKIT_RDZV_ROUND"):
+                attempt = f"round{rdzv_round}"
+            prefix = f"{job_keys(token)[1]}{attempt}/"
             store = dist.PrefixStore(prefix, store)
             census(store, place, join_timeout, deadline)
         if backend == "gloo" and place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):

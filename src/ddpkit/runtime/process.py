@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -121,6 +122,24 @@ def signal_groups(processes: Sequence[Any], sig: int) -> None:
             pass
 
 
+def die_with_parent() -> None:
+    """In a child, before ``exec``: let the kernel SIGKILL it when the process that started it dies (Linux).
+
+    A launcher killed with SIGKILL (or an OOM kill) cannot stop its workers;
+    without this they would run on, orphaned, holding the node's GPUs and
+    ports. Elsewhere than Linux this does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def terminate(processes: Sequence[Any], grace_s: float = GRACE_S, first_signal: int = signal.SIGTERM) -> None:
     """Stop every process and its children: ``first_signal``, then SIGKILL after ``grace_s``.
 
@@ -160,9 +179,10 @@ class SignalCatcher:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, signals: Sequence[int] | None = None) -> None:
         self.received: int | None = None
         self.deferring = False
+        self.signals = tuple(signals) if signals is not None else self.SIGNALS
 
     def __call__(self, signum: int, frame: object) -> None:
         self.received = signum
@@ -175,7 +195,7 @@ class SignalCatcher:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+        previous = {s: signal.signal(s, self) for s in self.signals}
         try:
             yield self
         finally:

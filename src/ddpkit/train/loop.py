@@ -89,6 +89,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 f"{place.world_size}: run it without a launcher"
             )
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        # An elastic launcher's new round (nodes came or went) is not counted
+        # as a restart, but continues the run all the same.
+        restart = max(restart, int(os.environ.get("DDPKIT_RDZV_ROUND") or 0))
         try:
             return _worker(place.rank, config, None, restart)
         finally:
@@ -308,6 +311,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
         state.load(load_checkpoint(claim.checkpoint))
         print0(f"ddpkit train: {'restart ' + str(restart) + ': ' if restart else ''}resuming from "
                f"{claim.checkpoint} (epoch {state.extra['epoch']}, step {state.step})")
+        if state.extra["world_size"] != ctx.world_size:
+            _rescale(state, ctx.world_size, config)
     elif restart:
         print0(f"ddpkit train: restart {restart}: no checkpoint yet, starting again in {claim.out}")
     run = _Run(
@@ -325,6 +330,29 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
         f"output {run.out}"
     )
     return run, wrap(state.model, config, ctx.device)
+
+
+def _rescale(state: TrainState, world: int, config: TrainConfig) -> None:
+    """Continue a run saved at another world size (an elastic job that lost or gained ranks).
+
+    The sampler re-shards the rest of the epoch (it restored the saved
+    position); the epoch's partial loss sums move to rank 0's row, so the
+    epoch's mean stays right; the learning rate follows the linear scaling
+    rule at the new world size; ranks the checkpoint had no RNG state for got
+    fresh ones (see :meth:`TrainState.load`).
+    """
+    before = state.extra["world_size"]
+    partial = state.extra["partial"]
+    state.extra["partial"] = torch.zeros(world, 2, dtype=torch.float64)
+    state.extra["partial"][0] = partial.sum(0)
+    state.extra["world_size"] = world
+    lr = config.lr * world * replicas(config)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    rest = (f"the rest of epoch {state.extra['epoch'] + 1} is re-sharded over {world}, "
+            if state.extra["batches_done"] else "")
+    print0(f"ddpkit train: the checkpoint was written by {before} process(es), this attempt has {world}: {rest}"
+           f"lr is now {lr:g} (linear scaling; not bit-identical to an uninterrupted run)")
 
 
 def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart: int = 0) -> dict[str, Any]:

@@ -125,8 +125,9 @@ def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> 
 
     Raises:
         ConfigError: the directory holds another run; nothing to resume;
-            every checkpoint is damaged; a checkpoint from a different world
-            size or settings.
+            every checkpoint is damaged; a checkpoint from different
+            settings, or (unless ``restart``: an elastic job's new round) from
+            a different world size.
     """
     given = config["output_dir"]
     if given is None and restart:
@@ -181,7 +182,7 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
             f"--resume: the run in {str(out)!r} was started with different settings ({detail}): "
             "resume with the original settings (only --epochs may change)"
         )
-    if extra.get("world_size") != world_size:
+    if extra.get("world_size") != world_size and not finished_ok:
         raise ConfigError(
             f"--resume: {path.name} was written by {extra.get('world_size')} processes, this run has "
             f"{world_size}: resume with --nproc-per-node {extra.get('world_size')} (the data order, "

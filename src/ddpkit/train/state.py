@@ -230,10 +230,12 @@ def _set_rng_states(rng: dict[str, torch.Tensor]) -> None:
     rank = _rank()
     states = rng["torch"]
     if rank >= len(states):
-        raise CheckpointError(
-            f"the checkpoint holds RNG states of {len(states)} ranks, this is rank {rank}: "
-            "restore with the world size that saved it"
-        )
+        # More ranks than saved them (an elastic job grew): a new stream per
+        # rank, derived from rank 0's saved state so it is reproducible.
+        g = torch.Generator()
+        g.set_state(states[0].clone())
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=g)) + rank)
+        return
     torch.set_rng_state(states[rank].clone())
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"][rank].clone())
