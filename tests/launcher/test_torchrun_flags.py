@@ -150,3 +150,13 @@ def test_standalone_sets_master_addr_as_torchrun_does():
                   str(SCRIPTS / "report_env.py"))
     assert done.returncode == 0, done.stderr
     assert {r["env"]["MASTER_ADDR"] for r in done.reports()} == {"127.0.0.1"}
+
+
+def test_the_mpi_backend_is_checked_before_any_worker_starts():
+    import torch.distributed as dist
+
+    if dist.is_mpi_available():
+        pytest.skip("this torch has MPI: the backend exists here")
+    done = launch("--nproc-per-node", "2", str(SCRIPTS / "report_env.py"), env=base_env(DDPKIT_BACKEND="mpi"))
+    assert done.returncode == 2 and "REPORT" not in done.stdout
+    assert done.stderr.startswith("ddpkit launch: error: DDPKIT_BACKEND=mpi needs a torch built with MPI")

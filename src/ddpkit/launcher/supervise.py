@@ -273,6 +273,7 @@ def run(cfg: LaunchConfig) -> int:
     Raises:
         ConfigError: the rendezvous cannot work (unresolvable address, busy port).
     """
+    check_backend(os.environ.get("DDPKIT_BACKEND", ""))
     if cfg.standalone:
         port = free_port()
         cfg.master_addr = standalone_addr(cfg.local_addr)
@@ -315,6 +316,23 @@ def run(cfg: LaunchConfig) -> int:
         if job.rdzv is not None:
             job.rdzv.close()
         layout.close()
+
+
+def check_backend(backend: str) -> None:
+    """``DDPKIT_BACKEND=mpi`` needs a torch built with MPI: say so before any worker starts.
+
+    torch is imported for this check only (the launcher otherwise needs none).
+
+    Raises:
+        ConfigError: the backend the workers would ask for does not exist here.
+    """
+    if backend.strip().lower() != "mpi":
+        return
+    import torch.distributed as dist
+
+    if not dist.is_mpi_available():
+        raise ConfigError("DDPKIT_BACKEND=mpi needs a torch built with MPI, and this one has none (the pip builds "
+                          "do not): unset it or use gloo, which also runs under mpirun")
 
 
 def standalone_addr(local_addr: str | None) -> str:
