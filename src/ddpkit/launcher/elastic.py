@@ -255,14 +255,20 @@ class DynamicRendezvous(NodeRendezvous):
     def finishers(self, round_: int) -> list[str]:
         return list(self.members(round_).values())
 
-    def membership_change(self, round_: int) -> str | None:
-        """Why ``round_`` should end for a new round (a node waits and there is room), else None."""
+    def membership_change(self, round_: int, declare: bool = True) -> str | None:
+        """Why ``round_`` should end for a new round (a node waits and there is room), else None.
+
+        ``declare=False``: only report a change another node already declared.
+        """
         with self._lock:
             if self.store.check([f"change/{round_}"]):
                 return self.store.get(f"change/{round_}").decode()
+            if not declare:
+                return None
             waiting = int(self.store.add(f"waiting/{round_}", 0))
             if waiting and len(self.members(round_)) < self.cfg.max_nodes:
-                why = f"{waiting} node(s) arrived and the job has room (--nnodes {self.cfg.min_nodes}:{self.cfg.max_nodes})"
+                why = (f"{waiting} node(s) arrived and the job has room "
+                       f"(--nnodes {self.cfg.min_nodes}:{self.cfg.max_nodes})")
                 self.store.set(f"change/{round_}", why)
                 return why
         return None

@@ -179,7 +179,9 @@ class NodeRendezvous:
         now = time.time()
         others = {n: i for n, i in self.members(round_).items() if i != self.node_id}
         with self._lock:
-            present = {n: i for n, i in others.items() if self.store.check([f"alive/{i}"])}
+            # A node whose workers all finished may exit before the others do: done, not silent.
+            present = {n: i for n, i in others.items()
+                       if self.store.check([f"alive/{i}"]) and not self.store.check([f"done/{round_}/{i}"])}
             beats = self.store.multi_get([f"alive/{i}" for i in present.values()]) if present else []
         return [(n, now - float(b)) for n, b in zip(present, beats) if now - float(b) > self.stale_s]
 

@@ -19,6 +19,7 @@ launcher exits ``128 + signal``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import re
@@ -391,6 +392,12 @@ class _Job:
         self.group.start(specs, self.signals)
         outcome = self.group.wait(watch=watch)
         self.group.stop()
+        if isinstance(outcome, Failure) and isinstance(self.rdzv, DynamicRendezvous):
+            # Another node stopped its workers for a membership change before
+            # this one looked: the broken connection is that, not a failure.
+            with contextlib.suppress(Exception):
+                if change := self.rdzv.membership_change(attempt, declare=False):
+                    return change
         if isinstance(outcome, RemoteFailure):
             say(f"{outcome.describe()}\nstopped this node's workers")
         elif isinstance(outcome, Failure):
