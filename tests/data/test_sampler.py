@@ -192,11 +192,13 @@ def test_a_resharded_state_resumes_exactly_at_its_own_world_size() -> None:
     for s in three:
         s.load_state_dict(state)
     whole = [list(s) for s in three]
-    again = [iter(s) for s in three]
-    for it in again:
+    again = [DistributedSampler(_Sized(40), 3, r, seed=1) for r in range(3)]
+    for s in again:
+        s.load_state_dict(state)
+        it = iter(s)
         for _ in range(4):
             next(it)
-    mid = three[0].state_dict()
+    mid = again[0].state_dict()
     assert mid["offset"] == 12 and mid["consumed"] == 4
     for r in range(3):
         s = DistributedSampler(_Sized(40), 3, r, seed=1)

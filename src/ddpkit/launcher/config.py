@@ -22,7 +22,6 @@ RDZV_CONF = {
     "join_timeout": (600.0, float),
     "timeout": (600.0, float),
     "last_call_timeout": (30.0, float),
-    "close_timeout": (30.0, float),
     "read_timeout": (60.0, float),
     "keep_alive_interval": (1.0, float),
     "keep_alive_max_attempt": (6, int),
