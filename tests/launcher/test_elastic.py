@@ -87,7 +87,8 @@ def test_a_killed_node_leaves_and_a_new_one_joins_while_ddpkit_train_continues(t
              "--synthetic-samples", "4096", "--epochs", "30", "--checkpoint-every", "5", "--no-progress"]
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
     a = _launcher(port, "elastic", *train, nnodes="1:3", log=logs[0])
-    time.sleep(0.3)
+    # A serves the store (the node that does cannot leave the job): B is the one to lose.
+    _wait_for(logs[0], "serving the rendezvous at 127.0.0.1:", 60)
     b = _launcher(port, "elastic", *train, nnodes="1:3", log=logs[1])
     procs = [a, b]
     try:
@@ -96,7 +97,8 @@ def test_a_killed_node_leaves_and_a_new_one_joins_while_ddpkit_train_continues(t
         assert workers
         b.send_signal(signal.SIGKILL)  # the launcher only: its workers must die with it
         b.wait()
-        _wait_for(logs[0], "rendezvous round 1: node 0 of 1", 60)
+        # (Round numbers vary: A may have formed a round alone before B arrived.)
+        _wait_for(logs[0], "node 0 of 1 (localhost x1), ranks 0..0 of 1, after 1 restart(s)", 60)
         for pid in workers:
             deadline = time.monotonic() + 10
             while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
@@ -111,10 +113,10 @@ def test_a_killed_node_leaves_and_a_new_one_joins_while_ddpkit_train_continues(t
         _kill(procs)
     first = logs[0].read_text()
     assert "node 1 failed first: its launcher stopped answering" in first
-    assert "restarting with the nodes still here (restart 1 of 2), rendezvous round 1" in first
+    assert "restarting with the nodes still here (restart 1 of 2), rendezvous round" in first
     assert "membership change: 1 node(s) arrived" in first and "(not counted as a restart)" in first
-    assert "rendezvous round 2: node 0 of 2" in first and "after 1 restart(s)" in first
-    assert "rendezvous round 2: node 1 of 2" in logs[2].read_text()
+    assert any("node 0 of 2" in line and "after 1 restart(s)" in line for line in first.splitlines())
+    assert "node 1 of 2" in logs[2].read_text()
     assert "the checkpoint was written by 2 process(es), this attempt has 1" in first
     assert "the checkpoint was written by 1 process(es), this attempt has 2" in first
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

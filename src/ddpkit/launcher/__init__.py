@@ -22,7 +22,11 @@ several nodes node 0's launcher serves it for the whole job (see
 heartbeats). The other nodes' launchers are started with the same address,
 port, ``--nnodes`` and ``--rdzv-id``. Every job has a secret (``--rdzv-id``,
 ``DDPKIT_JOB_TOKEN``, or a random one on a single node) that a process must
-present to join as a rank.
+present to join as a rank. With ``--rdzv-backend c10d`` every node runs the
+same command and the nodes agree on their ranks and the world size at
+``--rdzv-endpoint``, elastically with ``--nnodes MIN:MAX`` (see
+:mod:`ddpkit.launcher.elastic`). Where worker output goes (console, log
+files, torch's error files): :mod:`ddpkit.launcher.output`.
 
 Failure modes: see :mod:`ddpkit.launcher.supervise`. Bad arguments (zero
 processes, a node rank outside ``--nnodes``, a missing script, a busy port on

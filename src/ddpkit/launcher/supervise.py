@@ -303,6 +303,8 @@ def run(cfg: LaunchConfig) -> int:
                 with signals.deferred():
                     if cfg.dynamic:
                         job.rdzv = DynamicRendezvous(cfg, token)
+                        if job.rdzv.serving:
+                            say(f"serving the rendezvous at {job.rdzv.where}: the job ends if this launcher stops")
                     elif cfg.nnodes > 1:
                         job.rdzv = NodeRendezvous(host=cfg.master_addr, port=port, node=cfg.node_rank,
                                                   nnodes=cfg.nnodes, token=token, timeout_s=rendezvous_timeout())
