@@ -25,6 +25,16 @@ from ddpkit.runtime.options import ConfigError
 _KINDS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float, "Path": Path}
 
 
+def _converter(kind: str) -> Callable[[str], Any]:
+    """How a field of type ``kind`` parses one command-line word.
+
+    ``int | None`` parses as int; ``int | str`` (e.g. a count or 'auto') stays
+    a string for the dataclass to interpret; ``tuple[int, ...]`` per element.
+    """
+    alternatives = [a for a in kind.removeprefix("tuple[").removeprefix("list[").split(" | ") if a != "None"]
+    return _KINDS.get(alternatives[0].split(",")[0], str) if len(alternatives) == 1 else str
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
     """One flag (or positional) per field of ``config`` that has command-line help.
 
@@ -55,11 +65,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             help_text += f" (default: {shown})"
         many = kind.startswith(("tuple[", "list["))
-        # "int | None" parses as int; "int | str" (e.g. a count or 'auto') stays a
-        # string for the dataclass to interpret.
-        alternatives = [a for a in kind.removeprefix("tuple[").removeprefix("list[").split(" | ") if a != "None"]
-        convert = _KINDS.get(alternatives[0].split(",")[0], str) if len(alternatives) == 1 else str
-        parser.add_argument(*flags, dest=f.name, type=convert, choices=meta.get("choices"),
+        parser.add_argument(*flags, dest=f.name, type=_converter(kind), choices=meta.get("choices"),
                             nargs=meta.get("nargs", "+" if many else None), metavar=meta.get("metavar"),
                             default=argparse.SUPPRESS, help=help_text)
 
@@ -85,11 +91,8 @@ def _torchrun_env_defaults(config: type, values: dict[str, Any]) -> None:
         raw = os.environ[var]
         kind = str(f.type)
         try:
-            if kind == "bool":
-                values[f.name] = bool(int(raw))  # torchrun: PET_STANDALONE=1
-            else:
-                alternatives = [a for a in kind.split(" | ") if a != "None"]
-                values[f.name] = _KINDS.get(alternatives[0], str)(raw) if len(alternatives) == 1 else raw
+            # torchrun: PET_STANDALONE=1
+            values[f.name] = bool(int(raw)) if kind == "bool" else _converter(kind)(raw)
         except ValueError:
             raise ConfigError(f"{var}={raw!r} (torchrun's variable for --{f.name.replace('_', '-')}) is not "
                               f"{'0 or 1' if kind == 'bool' else 'a valid value'}: fix or unset it") from None

@@ -16,8 +16,9 @@ import pytest
 from procs import SCRIPTS, base_env, launch, script
 
 from ddpkit.launcher import LaunchConfig, plan_workers
+from ddpkit.launcher.job import standalone_addr
 from ddpkit.launcher.output import LogLayout, Pump
-from ddpkit.launcher.supervise import WorkerGroup, extract_traceback, standalone_addr
+from ddpkit.launcher.supervise import WorkerGroup, extract_traceback
 from ddpkit.runtime.process import Interrupted, SignalCatcher, free_port
 
 

@@ -28,13 +28,14 @@ same command and the nodes agree on their ranks and the world size at
 :mod:`ddpkit.launcher.elastic`). Where worker output goes (console, log
 files, torch's error files): :mod:`ddpkit.launcher.output`.
 
-Failure modes: see :mod:`ddpkit.launcher.supervise`. Bad arguments (zero
+Failure modes: see :mod:`ddpkit.launcher.supervise` (one round of workers) and
+:mod:`ddpkit.launcher.job` (rounds, restarts, signals). Bad arguments (zero
 processes, a node rank outside ``--nnodes``, a missing script, a busy port on
 node 0, an address that does not resolve) are reported before any worker starts.
 """
 
 from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.job import run
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
-from ddpkit.launcher.supervise import run
 
 __all__ = ["LaunchConfig", "WorkerSpec", "plan_workers", "run"]

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.plan import NodeSlot
 from ddpkit.launcher.rendezvous import POLL_S, NodeRendezvous, RemoteFailure
+from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError
 
 
@@ -62,36 +63,6 @@ class Round:
     slot: NodeSlot
     restarts: int
     nodes: list[dict]
-
-
-def local_addresses() -> set[str]:
-    """This machine's addresses (from its host names), for deciding whether it hosts the endpoint."""
-    found = {"127.0.0.1", "::1"}
-    for name in {socket.gethostname(), socket.getfqdn()}:
-        try:
-            found.update(info[4][0] for info in socket.getaddrinfo(name, None))
-        except OSError:
-            pass
-    return found
-
-
-def is_local(host: str) -> bool:
-    """Whether ``host`` names this machine: it resolves to one of its addresses, or can be bound."""
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    if addresses & local_addresses():
-        return True
-    for address in addresses:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((address, 0))
-                return True
-            except OSError:
-                continue
-    return False
 
 
 class DynamicRendezvous(NodeRendezvous):
@@ -255,16 +226,20 @@ class DynamicRendezvous(NodeRendezvous):
     def finishers(self, round_: int) -> list[str]:
         return list(self.members(round_).values())
 
-    def membership_change(self, round_: int, declare: bool = True) -> str | None:
-        """Why ``round_`` should end for a new round (a node waits and there is room), else None.
+    def declared_change(self, round_: int) -> str | None:
+        try:
+            with self._lock:
+                if self.store.check([f"change/{round_}"]):
+                    return self.store.get(f"change/{round_}").decode()
+        except Exception:  # noqa: BLE001 - the store is gone: no change was declared
+            return None
+        return None
 
-        ``declare=False``: only report a change another node already declared.
-        """
+    def membership_change(self, round_: int) -> str | None:
+        """Why ``round_`` should end for a new round (a node waits and there is room), else None."""
+        if change := self.declared_change(round_):
+            return change
         with self._lock:
-            if self.store.check([f"change/{round_}"]):
-                return self.store.get(f"change/{round_}").decode()
-            if not declare:
-                return None
             waiting = int(self.store.add(f"waiting/{round_}", 0))
             if waiting and len(self.members(round_)) < self.cfg.max_nodes:
                 why = (f"{waiting} node(s) arrived and the job has room "

@@ -160,6 +160,10 @@ class NodeRendezvous:
             return self.store_lost(e)
         return None
 
+    def declared_change(self, round_: int) -> str | None:
+        """Why another node ended ``round_`` for a new membership (elastic only; static rounds never change)."""
+        return None
+
     def store_lost(self, error: Exception) -> RemoteFailure:
         return RemoteFailure(0, None, f"the rendezvous it serves stopped answering ({type(error).__name__})",
                              "node 0 is down, its launcher was killed, or the network to it is cut")

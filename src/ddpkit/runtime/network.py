@@ -63,6 +63,22 @@ def route_interface(host: str, port: int) -> str | None:
     return interface_of(address) if address else None
 
 
+def is_local(host: str) -> bool:
+    """Whether ``host`` names this machine: one of the addresses it resolves to can be bound here."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
 def loopback_listener(host: str, port: int) -> int | None:
     """A listening socket's descriptor for a store at ``host:port`` when ``host`` is a loopback address.
 
