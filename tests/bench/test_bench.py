@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.engines import WorkloadResult, _bench_workload, format_results
+from ddpkit.bench.engines import WorkloadResult, _bench_workload, format_results, quartiles, relative_spread
 from ddpkit.cli import main
 
 TOY = dict(steps=3, warmup=1, block=1, samples_per_rank=4, mlp_hidden=16, mlp_batch=4)
@@ -42,15 +42,55 @@ def test_format_results_has_one_row_per_workload():
     assert all("0.500" in line and "2.00" in line and "4.00" in line for line in body)
 
 
-def test_bench_cli_end_to_end(tmp_path, capsys):
+def test_bench_cli_end_to_end(tmp_path, capfd):
     out = tmp_path / "bench.json"
     code = main(["bench", "--workloads", "convnet", "--steps", "2", "--warmup", "1", "--samples-per-rank", "4",
                  "--json", str(out)])
     assert code == 0
-    results = json.loads(out.read_text())["ddp"]
+    report = json.loads(out.read_text())
+    results = report["ddp"]
     assert [r["workload"] for r in results] == ["convnet"] and results[0]["params"] == PARAMS["convnet"]
-    text = capsys.readouterr().out
-    assert "ratio" in text and "convnet" in text
+    r = results[0]
+    assert r["steps"] == 2 and r["ratio_iqr"][0] <= r["ratio"] <= r["ratio_iqr"][1]
+    assert r["ddpkit_iqr_ms"][0] <= r["ddpkit_ms"] <= r["ddpkit_iqr_ms"][1]
+    # Enough for a script to compare two runs.
+    assert report["settings"]["steps"] == 2 and report["world_size"] == 2 and report["backend"] == "gloo"
+    for when in ("machine_at_start", "machine_at_end"):
+        m = report[when]
+        assert m["torch"] and m["ddpkit"] and m["cpu_count"] >= 1 and len(m["load_average"]) == 3
+    captured = capfd.readouterr()  # the ranks write to the file descriptors
+    assert "ratio" in captured.out and "convnet" in captured.out and "load average" in captured.out
+    # Progress: not a terminal here, so one line as each workload starts and ends, on stderr.
+    assert "ddpkit bench: convnet (1/1): 2 steps per engine" in captured.err
+    assert "ddpkit bench: convnet done in " in captured.err and "\r" not in captured.err
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing/b.json", "the folder"), (".", "is a directory"),
+])
+def test_an_unwritable_json_path_fails_before_the_benchmark(tmp_path, capsys, where, message):
+    code = main(["bench", "--workloads", "convnet", "--json", str(tmp_path / where)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddpkit bench: error: --json ") and message in err
+
+
+def _measure_until(spread: float) -> WorkloadResult:
+    return _bench_workload("convnet", BenchConfig(**{**TOY, "steps": 2}, target_spread=spread, time_budget=5))
+
+
+def test_target_spread_adds_rounds_until_tight_or_out_of_time(dist2):
+    tight = dist2.run(_measure_until, 1e-9)[0]  # never tight enough: rounds until the time budget
+    assert tight.steps > 2
+    loose = dist2.run(_measure_until, 10.0)[0]  # tight at once: exactly --steps
+    assert loose.steps == 2
+
+
+def test_quartiles_and_spread():
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+    assert quartiles([0.5], 1000.0) == (500.0, 500.0)
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 3)
+    assert relative_spread([1.0]) == 0.0
 
 
 def test_bench_config_validation():
@@ -58,6 +98,8 @@ def test_bench_config_validation():
         BenchConfig(workloads=("resnet9000",))
     with pytest.raises(ValueError, match="--steps 0"):
         BenchConfig(steps=0)
+    with pytest.raises(ValueError, match="--target-spread -1"):
+        BenchConfig(target_spread=-1)
     assert main(["bench", "--steps", "-1"]) == 2
 
 

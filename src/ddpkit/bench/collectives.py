@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ddpkit.runtime.options import ConfigError, option
+from ddpkit.runtime.options import ConfigError, option, writable_file
 
 ALGORITHMS = ("native", "naive", "ring", "tree", "hierarchical")
 KIB = 1024
@@ -57,9 +57,9 @@ class CollectivesBenchConfig:
             raise ConfigError(f"--algorithms {' '.join(self.algorithms)}: choose among {', '.join(ALGORITHMS)}")
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError(f"--iters {self.iters} must be at least 1 and --warmup {self.warmup} 0 or more")
-        for name in ("json_path", "plot"):
+        for name, flag in (("json_path", "--json"), ("plot", "--plot")):
             if getattr(self, name) is not None:
-                setattr(self, name, Path(getattr(self, name)))
+                setattr(self, name, writable_file(getattr(self, name), flag))
 
 
 def _shape(algorithm: str, p: int, nbytes: int, local: int) -> tuple[float, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.runtime.options import ConfigError, option
+from ddpkit.runtime.options import ConfigError, option, writable_file
 
 WORKLOADS = ("convnet", "mlp", "transformer", "linear200", "dp")
 """``transformer``: a 6-layer encoder, d_model 256; ``linear200``: 200 ``Linear(16, 16)`` layers
@@ -26,7 +26,21 @@ class BenchConfig:
     mlp_hidden: int = option(4640, "MLP hidden width (4640: about 25 M parameters)")
     mlp_batch: int = option(32, "MLP batch per rank")
     bucket_cap_mb: float = option(25.0, "bucket cap of both engines, in MiB")
-    json_path: Path | None = option(None, "also write the results to this JSON file", flags=["--json"])
+    target_spread: float = option(
+        0.0, "keep adding rounds past --steps until the ratio's IQR, relative to its median, is at most this "
+        "(e.g. 0.02), or --time-budget is spent (0: exactly --steps)", metavar="FRACTION",
+    )
+    time_budget: float = option(
+        300.0, "with --target-spread: seconds one workload may run before the bench stops adding rounds",
+        metavar="SECONDS",
+    )
+    progress: bool = option(
+        True, "show progress on stderr: a bar on a terminal, one line per workload otherwise",
+        negate="--no-progress", negate_only=True,
+    )
+    json_path: Path | None = option(
+        None, "also write the results, settings, versions and machine load to this JSON file", flags=["--json"]
+    )
 
     def __post_init__(self) -> None:
         self.workloads = tuple(self.workloads)
@@ -40,5 +54,9 @@ class BenchConfig:
                 raise ConfigError(f"{flag} {value} must be {'0 or more' if name == 'warmup' else 'at least 1'}")
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"--bucket-cap-mb {self.bucket_cap_mb} must be positive")
+        if self.target_spread < 0:
+            raise ConfigError(f"--target-spread {self.target_spread} must be 0 (off) or a positive fraction")
+        if not self.time_budget > 0:
+            raise ConfigError(f"--time-budget {self.time_budget} must be a positive number of seconds")
         if self.json_path is not None:
-            self.json_path = Path(self.json_path)
+            self.json_path = writable_file(self.json_path, "--json")

@@ -7,7 +7,16 @@ engines (the first engine of a block alternates too) so that drift in the
 machine's speed hits both alike. Each step is timed on rank 0; the report is
 the median step time of each engine and the ratio ddpkit / torch, taken as the
 median over pairs of steps run back to back (one of each engine), which
-cancels most of the drift a shared machine adds.
+cancels most of the drift a shared machine adds; each with its quartiles
+(IQR) and the number of steps. The ratio can fall on the other side of 1
+than the two medians suggest when the pairs disagree; the IQR then shows it.
+``--target-spread F`` keeps adding rounds until the ratio's IQR is at most
+``F`` times its median, or ``--time-budget`` seconds have passed.
+
+Progress goes to stderr: a bar on a terminal, one line per workload
+otherwise. ``--json`` (checked writable before anything runs) holds the
+results, the settings, the torch/ddpkit/Python versions, the CPU count and
+the load average at start and end, so two runs can be compared by a script.
 
 Overlap: how much of the gradient all-reduce is hidden behind backward.
 
@@ -47,6 +56,7 @@ import copy
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -77,6 +87,12 @@ class WorkloadResult:
     exposed_ddpkit_ms: float
     hidden_ddpkit_direct: float
     buckets: int
+    steps: int = 0
+    """Timed steps per engine (rounds x block; more than ``--steps`` with ``--target-spread``)."""
+    ddpkit_iqr_ms: tuple[float, float] = (0.0, 0.0)
+    torch_iqr_ms: tuple[float, float] = (0.0, 0.0)
+    ratio_iqr: tuple[float, float] = (0.0, 0.0)
+    """Quartiles (25 %, 75 %) of the step times and of the per-pair ratios."""
 
 
 class _Encoder(nn.Module):
@@ -152,6 +168,30 @@ def _median_ms(xs: list[float]) -> float:
     return 1000.0 * statistics.median(xs)
 
 
+def quartiles(xs: list[float], scale: float = 1.0) -> tuple[float, float]:
+    """The 25 % and 75 % quartiles of ``xs`` (both the value itself for one sample), times ``scale``."""
+    if len(xs) < 2:
+        return (scale * xs[0], scale * xs[0]) if xs else (0.0, 0.0)
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return scale * q1, scale * q3
+
+
+def relative_spread(xs: list[float]) -> float:
+    """IQR / median: how tight a set of ratios is (0 for fewer than two)."""
+    if len(xs) < 2:
+        return 0.0
+    q1, q3 = quartiles(xs)
+    return (q3 - q1) / statistics.median(xs)
+
+
+def _progress_bar(name: str, cfg: BenchConfig) -> Any:
+    """Rank 0's bar over the timed steps, on a terminal only (a redirected log gets the per-workload lines)."""
+    from tqdm import tqdm
+
+    shown = cfg.progress and dist.get_rank() == 0 and sys.stderr.isatty()
+    return tqdm(total=cfg.steps, desc=name, unit="step", leave=False, disable=not shown, file=sys.stderr)
+
+
 def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     from ddpkit._reference import torch_ddp
     from ddpkit.parallel.ddp import DistributedDataParallel
@@ -170,7 +210,10 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     buffers = [torch.zeros_like(b.flat) for b in ours.reducer.buckets]
     comm: list[float] = []
     rounds = -(-cfg.steps // cfg.block)
-    for r in range(rounds):
+    started = time.monotonic()
+    bar = _progress_bar(name, cfg)
+    r = 0
+    while r < rounds or _more_rounds(times, cfg, started):
         order = ["ddpkit", "torch"] if r % 2 == 0 else ["torch", "ddpkit"]
         for engine in order + ["compute"]:
             dist.barrier()
@@ -181,6 +224,9 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         dist.barrier()
         for _ in range(cfg.block):
             comm.append(_comm_only(buffers))
+        bar.update(cfg.block)
+        r += 1
+    bar.close()
     waits = [torch.zeros(len(exposed), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(waits, torch.tensor(exposed, dtype=torch.float64))
     exposed = torch.stack(waits).min(dim=0).values.tolist()
@@ -190,14 +236,38 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     def hidden(step_ms: float) -> float:
         return min(1.0, max(0.0, (compute + comm_ms - step_ms) / comm_ms))
 
+    ratios = _pair_ratios(times)
     return WorkloadResult(
         workload=name, params=sum(p.numel() for p in base.parameters()),
-        ddpkit_ms=ddpkit_ms, torch_ms=torch_ms,
-        ratio=statistics.median(a / b for a, b in zip(times["ddpkit"], times["torch"])),
+        ddpkit_ms=ddpkit_ms, torch_ms=torch_ms, steps=len(times["ddpkit"]),
+        ddpkit_iqr_ms=quartiles(times["ddpkit"], 1000.0), torch_iqr_ms=quartiles(times["torch"], 1000.0),
+        ratio=statistics.median(ratios), ratio_iqr=quartiles(ratios),
         compute_ms=compute, comm_ms=comm_ms, hidden_ddpkit=hidden(ddpkit_ms), hidden_torch=hidden(torch_ms),
         exposed_ddpkit_ms=_median_ms(exposed),
         hidden_ddpkit_direct=min(1.0, max(0.0, 1.0 - _median_ms(exposed) / comm_ms)), buckets=len(ours.reducer.buckets),
     )
+
+
+def _pair_ratios(times: dict[str, list[float]]) -> list[float]:
+    """ddpkit / torch for each pair of steps run back to back (one of each engine)."""
+    return [a / b for a, b in zip(times["ddpkit"], times["torch"])]
+
+
+def _more_rounds(times: dict[str, list[float]], cfg: BenchConfig, started: float) -> bool:
+    """``--target-spread``: whether to add a round (rank 0 decides, every rank follows)."""
+    if not cfg.target_spread:
+        return False
+    go = torch.tensor([0])
+    if dist.get_rank() == 0:
+        loose = relative_spread(_pair_ratios(times)) > cfg.target_spread
+        go[0] = int(loose and time.monotonic() - started < cfg.time_budget)
+    dist.broadcast(go, src=0)
+    return bool(go.item())
+
+
+def _say(cfg: BenchConfig, message: str) -> None:
+    if cfg.progress and dist.get_rank() == 0:
+        print(f"ddpkit bench: {message}", file=sys.stderr, flush=True)
 
 
 def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
@@ -207,32 +277,57 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
     init(backend="gloo")
     from ddpkit.bench.dp import bench_dp_vs_ddp
 
-    results = [asdict(_bench_workload(name, cfg)) for name in cfg.workloads if name != "dp"]
-    dp = asdict(bench_dp_vs_ddp(cfg)) if "dp" in cfg.workloads else None
+    results, dp = [], None
+    for i, name in enumerate(cfg.workloads, 1):
+        _say(cfg, f"{name} ({i}/{len(cfg.workloads)}): {cfg.steps} steps per engine"
+             + (f", more until the ratio's IQR is within {cfg.target_spread:g} of it" if cfg.target_spread else ""))
+        start = time.monotonic()
+        if name == "dp":
+            dp = asdict(bench_dp_vs_ddp(cfg))
+            _say(cfg, f"dp done in {time.monotonic() - start:.0f} s")
+            continue
+        result = _bench_workload(name, cfg)
+        results.append(asdict(result))
+        _say(cfg, f"{name} done in {time.monotonic() - start:.0f} s: {result.steps} steps per engine, ratio "
+             f"{result.ratio:.3f} (IQR {result.ratio_iqr[0]:.3f}-{result.ratio_iqr[1]:.3f})")
     if rank == 0:
         Path(out).write_text(json.dumps({"ddp": results, "dp": dp}))
     shutdown()
 
 
 def format_results(results: list[WorkloadResult], world_size: int) -> str:
-    """A plain-text table of the results."""
+    """A plain-text table of the results, its columns as the README defines them."""
     lines = [
         f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank; median step times in ms",
-        f"{'workload':<11} {'params':>10} {'ddpkit':>9} {'torch':>9} {'ratio':>6}   "
-        f"{'compute':>8} {'comm':>8} {'hidden ddpkit/torch':>20} {'exposed':>8} {'direct':>7}",
+        f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11}  "
+        f"{'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "
+        f"{'hidden est. ddpkit/torch':>24}",
     ]
     for r in results:
         lines.append(
-            f"{r.workload:<11} {r.params:>10,} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f}   "
-            f"{r.compute_ms:>8.2f} {r.comm_ms:>8.2f} {r.hidden_ddpkit:>10.0%} /{r.hidden_torch:>7.0%} "
-            f"{r.exposed_ddpkit_ms:>8.2f} {r.hidden_ddpkit_direct:>7.0%}"
+            f"{r.workload:<11} {r.params:>10,} {r.steps:>5} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f} "
+            f"{r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f}  {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} "
+            f"{r.exposed_ddpkit_ms:>10.2f} {r.hidden_ddpkit_direct:>13.0%} {r.hidden_ddpkit:>15.0%} /{r.hidden_torch:>7.0%}"
         )
     lines.append(
-        "ratio = median over back-to-back step pairs of ddpkit / torch (lower is better); compute = step without communication; comm = "
-        "all-reduce of the gradients alone; hidden = (compute + comm - step) / comm; exposed = "
-        "ddpkit's median wait for communication at the end of backward; direct = 1 - exposed / comm"
+        "ratio = median over back-to-back step pairs of ddpkit / torch, with its quartiles (lower is better; it can "
+        "sit on the other side of 1 than the two medians when the pairs disagree, which the IQR shows); compute = "
+        "step without communication; comm alone = all-reduce of the gradients with nothing else running; exposed = "
+        "ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / comm alone; "
+        "hidden est. = (compute + comm alone - step) / comm alone"
     )
     return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    """What a later run needs to compare with this one: versions, CPUs, and the load now."""
+    import platform
+
+    from ddpkit import __version__
+
+    return {"torch": torch.__version__, "ddpkit": __version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def run(cfg: BenchConfig) -> list[WorkloadResult]:
@@ -246,10 +341,12 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     """
     from ddpkit.runtime.spawn import spawn
 
+    before = machine()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         spawn(_worker, cfg.world_size, args=(cfg, out), backend="gloo")
         raw = json.loads(Path(out).read_text())
+    after = machine()
     results = [WorkloadResult(**r) for r in raw["ddp"]]
     if results:
         print(format_results(results, cfg.world_size), flush=True)
@@ -257,6 +354,11 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         from ddpkit.bench.dp import DPResult, format_dp
 
         print(format_dp(DPResult(**raw["dp"])), flush=True)
+    print(f"load average (1 min) {before['load_average'][0]:.2f} at start, {after['load_average'][0]:.2f} at end, "
+          f"{before['cpu_count']} CPUs" if before["load_average"] else "", flush=True)
     if cfg.json_path is not None:
-        cfg.json_path.write_text(json.dumps(raw, indent=2) + "\n")
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+        report = {"settings": settings, "world_size": cfg.world_size, "backend": "gloo", "threads_per_rank": 1,
+                  "machine_at_start": before, "machine_at_end": after, **raw}
+        cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
     return results

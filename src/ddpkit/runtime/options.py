@@ -40,3 +40,24 @@ def option(default: Any = MISSING, help: str = "", *, factory: Any = None, **cli
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def writable_file(path: Any, flag: str) -> Any:
+    """``path`` as a ``Path`` once it is clear a file can be written there, before any work starts.
+
+    Raises:
+        ConfigError: the path is a directory, its folder does not exist, or
+            this process may not write there.
+    """
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r} is a directory: give a file name")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r}: the folder {str(folder)!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {str(path)!r} cannot be written by this user: choose another path")
+    return path
