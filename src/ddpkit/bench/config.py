@@ -25,7 +25,23 @@ class BenchConfig:
     samples_per_rank: int = option(100, "ConvNet batch per rank")
     mlp_hidden: int = option(4640, "MLP hidden width (4640: about 25 M parameters)")
     mlp_batch: int = option(32, "MLP batch per rank")
+    transformer_batch: int = option(8, "transformer sequences (32 tokens each) per rank")
     bucket_cap_mb: float = option(25.0, "bucket cap of both engines, in MiB")
+    scaling: bool = option(
+        False, "measure scaling instead: step time and throughput at each of --world-sizes (weak: the same batch "
+        "per rank; strong: the same global batch), and step time and ratio of MLPs of --mlp-sizes parameters"
+    )
+    world_sizes: tuple[int, ...] = option(
+        (), "world sizes of --scaling (default: 1 to the CPU count)", metavar="N"
+    )
+    mlp_sizes: tuple[float, ...] = option(
+        (1e6, 5e6, 25e6, 100e6), "parameter counts of --scaling's MLPs (the model-size sweep, at --world-size)",
+        metavar="PARAMS",
+    )
+    plot: Path | None = option(
+        None, "--scaling: write the plots here (default bench-scaling.png): throughput and efficiency against "
+        "world size, and beside it NAME-sizes.png, step time and ratio against parameters"
+    )
     target_spread: float = option(
         0.0, "keep adding rounds past --steps until the ratio's IQR, relative to its median, is at most this "
         "(e.g. 0.02), or --time-budget is spent (0: exactly --steps)", metavar="FRACTION",
@@ -47,7 +63,8 @@ class BenchConfig:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
         if unknown or not self.workloads:
             raise ConfigError(f"--workloads {' '.join(self.workloads)}: choose among {', '.join(WORKLOADS)}")
-        for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch"):
+        for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch",
+                     "transformer_batch"):
             value = getattr(self, name)
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")
@@ -58,5 +75,14 @@ class BenchConfig:
             raise ConfigError(f"--target-spread {self.target_spread} must be 0 (off) or a positive fraction")
         if not self.time_budget > 0:
             raise ConfigError(f"--time-budget {self.time_budget} must be a positive number of seconds")
+        self.world_sizes = tuple(self.world_sizes)
+        self.mlp_sizes = tuple(self.mlp_sizes)
+        if any(w < 1 for w in self.world_sizes):
+            raise ConfigError(f"--world-sizes {' '.join(map(str, self.world_sizes))}: each must be at least 1")
+        if any(not p >= 1e3 for p in self.mlp_sizes):
+            raise ConfigError(f"--mlp-sizes {' '.join(f'{p:g}' for p in self.mlp_sizes)}: each must be at least "
+                              "1000 parameters")
         if self.json_path is not None:
             self.json_path = writable_file(self.json_path, "--json")
+        if self.plot is not None:
+            self.plot = writable_file(self.plot, "--plot")

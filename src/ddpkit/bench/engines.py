@@ -43,8 +43,8 @@ Workloads:
   parameters, 100 MB of float32 gradients) on ``mlp_batch`` images per rank;
   communication-bound;
 * ``transformer``: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 8 heads,
-  feed-forward 1024, no dropout) and a linear head over the mean token, on 8
-  sequences of 32 tokens per rank (74 parameters, 4.7 M);
+  feed-forward 1024, no dropout) and a linear head over the mean token, on
+  ``transformer_batch`` (8) sequences of 32 tokens per rank (74 parameters, 4.7 M);
 * ``linear200``: 200 ``Linear(16, 16)`` layers with tanh between them, on
   ``mlp_batch`` rows per rank: 400 tiny parameters, so the step is dominated
   by what the engine does per parameter.
@@ -69,6 +69,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.bench.config import BenchConfig
+
+BATCH_FIELD = {"convnet": "samples_per_rank", "mlp": "mlp_batch", "linear200": "mlp_batch",
+               "transformer": "transformer_batch"}
+"""The setting that holds each workload's batch per rank."""
 
 
 @dataclass(kw_only=True)
@@ -119,7 +123,7 @@ def _workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, tor
     from ddpkit.train.models import MLP, ConvNet
 
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
-    batch = {"convnet": cfg.samples_per_rank, "transformer": 8}.get(name, cfg.mlp_batch)
+    batch = getattr(cfg, BATCH_FIELD[name])
     shape = {"transformer": (batch, 32, 256), "linear200": (batch, 16)}.get(name, (batch, 1, 28, 28))
     x = torch.randn(*shape, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
@@ -331,7 +335,8 @@ def machine() -> dict[str, Any]:
 
 
 def run(cfg: BenchConfig) -> list[WorkloadResult]:
-    """Run the benchmarks in ``cfg.world_size`` fresh processes and print the table.
+    """Run the benchmarks in ``cfg.world_size`` fresh processes and print the table (``--scaling``: the sweeps
+    of :mod:`ddpkit.bench.scaling` instead, returning no rows).
 
     Returns:
         One :class:`WorkloadResult` per workload (rank 0's timings).
@@ -341,6 +346,11 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     """
     from ddpkit.runtime.spawn import spawn
 
+    if cfg.scaling:
+        from ddpkit.bench.scaling import run_scaling
+
+        run_scaling(cfg)
+        return []
     before = machine()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
