@@ -114,3 +114,32 @@ def test_dp_vs_ddp_is_measured_on_real_ranks(dist2):
     assert a == b  # rank 0's figures, on every rank
     assert a.replicas == 2 and a.global_batch == 8 and a.rounds == TOY["steps"]
     assert a.dp_ms > 0 and a.ddp_ms > 0 and a.ratio_q1 <= a.ratio <= a.ratio_q3
+
+
+def test_trace_is_chrome_json_with_every_span_per_rank(tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["bench", "--workloads", "mlp", "--steps", "3", "--warmup", "1", "--mlp-hidden", "64",
+                 "--mlp-batch", "4", "--bucket-cap-mb", "0.01", "--trace", str(out), "--no-progress"]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
+    for rank in (0, 1):
+        mine = [(e["tid"], e["name"]) for e in spans if e["pid"] == rank]
+        for engine in ("ddpkit", "torch"):
+            for phase in ("forward", "backward", "optimizer"):
+                assert mine.count((f"{engine} step", phase)) == 3
+            assert mine.count((f"{engine} gradients", "computing gradients")) == 3
+            buckets = {tid for tid, name in mine if tid.startswith(f"{engine} bucket")}
+            assert len(buckets) >= 2  # a 0.01 MB cap splits the MLP
+            assert all(mine.count((b, f"all-reduce bucket {b.split()[-1]}")) == 3 for b in buckets)
+        assert mine.count(("ddpkit wait", "wait for buckets")) == 3
+
+
+def test_overlap_is_the_share_of_communication_inside_the_gradient_computation():
+    from ddpkit.bench.trace import merge, overlap
+
+    assert merge([(3, 4), (0, 2), (1, 2.5)]) == [(0, 2.5), (3, 4)]
+    # All-reduce runs 0-2 and 3-4 (3 s in all); gradients are computed 1-3.5: 1 s + 0.5 s inside.
+    assert overlap([(0, 2), (3, 4)], (1, 3.5)) == pytest.approx(0.5)
+    assert overlap([], (0, 1)) is None

@@ -54,6 +54,10 @@ class BenchConfig:
         True, "show progress on stderr: a bar on a terminal, one line per workload otherwise",
         negate="--no-progress", negate_only=True,
     )
+    trace: Path | None = option(
+        None, "write a Chrome trace (Perfetto, chrome://tracing) of extra traced steps of both engines: forward, "
+        "backward, each bucket's all-reduce, the wait, the optimizer, one track per rank", metavar="FILE",
+    )
     json_path: Path | None = option(
         None, "also write the results, settings, versions and machine load to this JSON file", flags=["--json"]
     )
@@ -84,5 +88,7 @@ class BenchConfig:
                               "1000 parameters")
         if self.json_path is not None:
             self.json_path = writable_file(self.json_path, "--json")
+        if self.trace is not None:
+            self.trace = writable_file(self.trace, "--trace")
         if self.plot is not None:
             self.plot = writable_file(self.plot, "--plot")

@@ -97,6 +97,10 @@ class WorkloadResult:
     torch_iqr_ms: tuple[float, float] = (0.0, 0.0)
     ratio_iqr: tuple[float, float] = (0.0, 0.0)
     """Quartiles (25 %, 75 %) of the step times and of the per-pair ratios."""
+    overlap_ddpkit: float | None = None
+    overlap_torch: float | None = None
+    """Share of all-reduce time that ran while gradients were still being computed, from the traced steps'
+    spans (:mod:`ddpkit.bench.trace`); None without communication (world size 1)."""
 
 
 class _Encoder(nn.Module):
@@ -231,6 +235,7 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         bar.update(cfg.block)
         r += 1
     bar.close()
+    overlaps = _traced_steps(name, cfg, ours, theirs, x, y)
     waits = [torch.zeros(len(exposed), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(waits, torch.tensor(exposed, dtype=torch.float64))
     exposed = torch.stack(waits).min(dim=0).values.tolist()
@@ -245,11 +250,37 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         workload=name, params=sum(p.numel() for p in base.parameters()),
         ddpkit_ms=ddpkit_ms, torch_ms=torch_ms, steps=len(times["ddpkit"]),
         ddpkit_iqr_ms=quartiles(times["ddpkit"], 1000.0), torch_iqr_ms=quartiles(times["torch"], 1000.0),
-        ratio=statistics.median(ratios), ratio_iqr=quartiles(ratios),
+        ratio=statistics.median(ratios), ratio_iqr=quartiles(ratios), overlap_ddpkit=overlaps[0],
+        overlap_torch=overlaps[1],
         compute_ms=compute, comm_ms=comm_ms, hidden_ddpkit=hidden(ddpkit_ms), hidden_torch=hidden(torch_ms),
         exposed_ddpkit_ms=_median_ms(exposed),
         hidden_ddpkit_direct=min(1.0, max(0.0, 1.0 - _median_ms(exposed) / comm_ms)), buckets=len(ours.reducer.buckets),
     )
+
+
+TRACED_STEPS = 10
+"""Steps per engine traced after the timed ones (tracing perturbs the steps it records)."""
+
+
+def _traced_steps(name: str, cfg: BenchConfig, ours: nn.Module, theirs: nn.Module, x: torch.Tensor,
+                  y: torch.Tensor) -> tuple[float | None, float | None]:
+    """Trace a few more steps of each engine: their overlap, and (``--trace``) their spans on file."""
+    from ddpkit.bench import trace
+
+    rank = dist.get_rank()
+    recorders = [trace.Recorder("ddpkit", ours, rank), trace.Recorder("torch", theirs, rank)]
+    trace.trace_ddpkit(ours, recorders[0])
+    trace.trace_torch(theirs, recorders[1])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, theirs)]
+    for _ in range(min(cfg.steps, TRACED_STEPS)):
+        for recorder, model, opt in zip(recorders, (ours, theirs), optimizers):
+            dist.barrier()
+            recorder.step(model, opt, x, y)
+    if cfg.trace is not None:
+        path = cfg.trace.with_name(f"{cfg.trace.stem}-{name}{cfg.trace.suffix}") if len(cfg.workloads) > 1 \
+            else cfg.trace
+        trace.write(path, recorders)
+    return trace.median_overlap(recorders[0]), trace.median_overlap(recorders[1])
 
 
 def _pair_ratios(times: dict[str, list[float]]) -> list[float]:
@@ -305,20 +336,26 @@ def format_results(results: list[WorkloadResult], world_size: int) -> str:
         f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank; median step times in ms",
         f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11}  "
         f"{'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "
-        f"{'hidden est. ddpkit/torch':>24}",
+        f"{'overlap ddpkit/torch':>20}",
     ]
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
     for r in results:
         lines.append(
             f"{r.workload:<11} {r.params:>10,} {r.steps:>5} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f} "
             f"{r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f}  {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} "
-            f"{r.exposed_ddpkit_ms:>10.2f} {r.hidden_ddpkit_direct:>13.0%} {r.hidden_ddpkit:>15.0%} /{r.hidden_torch:>7.0%}"
+            f"{r.exposed_ddpkit_ms:>10.2f} {r.hidden_ddpkit_direct:>13.0%} "
+            f"{share(r.overlap_ddpkit):>11} /{share(r.overlap_torch):>7}"
         )
     lines.append(
         "ratio = median over back-to-back step pairs of ddpkit / torch, with its quartiles (lower is better; it can "
         "sit on the other side of 1 than the two medians when the pairs disagree, which the IQR shows); compute = "
         "step without communication; comm alone = all-reduce of the gradients with nothing else running; exposed = "
         "ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / comm alone; "
-        "hidden est. = (compute + comm alone - step) / comm alone"
+        f"overlap = share of all-reduce time that ran while gradients were still being computed, from the spans of "
+        f"{TRACED_STEPS} traced steps per engine (see --trace)"
     )
     return "\n".join(lines)
 

@@ -1,0 +1,177 @@
+"""Per-rank timelines of training steps, as Chrome trace JSON, and the overlap measured from them.
+
+One track group per rank (``pid`` = rank), with these spans (``tid``):
+
+``ENGINE step``
+    ``forward``, ``backward`` (from ``loss.backward()`` to its return: the
+    end-of-backward wait and the write-back included), ``optimizer``, and
+    ``data`` where a step loads data;
+``ENGINE gradients``
+    ``computing gradients``: from the start of backward to the moment the
+    last gradient was accumulated (a post-accumulate-grad hook on every
+    parameter), the part of backward communication can hide behind;
+``ENGINE bucket K``
+    each bucket's all-reduce, from its launch to its completion (a callback
+    on the collective's future, run the moment it completes);
+``ddpkit wait``
+    ddpkit's end-of-backward wait for its buckets.
+
+torch's DDP is traced through a comm hook that does what its default hook
+does (divide, all-reduce) and records the same two moments, so both engines'
+spans mean the same thing. Tracing perturbs the steps it records, so
+``ddpkit bench`` traces extra steps after its timed ones.
+
+Overlap, per step: the time an all-reduce was running while gradients were
+still being computed, divided by the time any all-reduce was running (the
+union of the bucket spans); the figure is the median over the traced steps.
+Open the file in https://ui.perfetto.dev or ``chrome://tracing``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_OFFSET = time.time() - time.perf_counter()
+"""Maps this process's monotonic clock to wall-clock seconds, shared by the ranks of one machine."""
+
+
+def now() -> float:
+    return time.perf_counter() + _OFFSET
+
+
+def merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``spans`` as disjoint, sorted intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def overlap(comm: list[tuple[float, float]], compute: tuple[float, float]) -> float | None:
+    """Share of the time any all-reduce ran that fell inside ``compute`` (None: no communication)."""
+    union = merge(comm)
+    total = sum(b - a for a, b in union)
+    if total <= 0:
+        return None
+    inside = sum(max(0.0, min(b, compute[1]) - max(a, compute[0])) for a, b in union)
+    return inside / total
+
+
+class Recorder:
+    """The spans of one engine on this rank; :meth:`step` runs and records one training step."""
+
+    def __init__(self, engine: str, model: nn.Module, rank: int) -> None:
+        self.engine, self.rank = engine, rank
+        self.events: list[dict[str, Any]] = []
+        self.overlaps: list[float] = []
+        self._comm: list[tuple[float, float]] = []
+        self.pending: list[Any] = []
+        """Futures of the recording callbacks, waited for before a step's overlap is computed."""
+        self._last_grad = 0.0
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_done)
+
+    def _grad_done(self, _: torch.Tensor) -> None:
+        self._last_grad = now()
+
+    def span(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
+        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": f"{self.engine} {track}",
+                            "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6, "args": args})
+
+    def all_reduce_done(self, bucket: int, launched: float) -> Callable[[Any], Any]:
+        """A future callback recording bucket ``bucket``'s all-reduce from ``launched`` to now."""
+        def done(fut: Any) -> Any:
+            end = now()
+            self._comm.append((launched, end))
+            self.span(f"all-reduce bucket {bucket}", f"bucket {bucket}", launched, end)
+            return fut.value()
+        return done
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = now()
+        yield
+        self.span(name, "step", start, now())
+
+    def step(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One SGD step with its phases, gradient span and overlap recorded."""
+        self._comm = []
+        opt.zero_grad()
+        with self.phase("forward"):
+            loss = nn.functional.cross_entropy(model(x), y)
+        start = now()
+        with self.phase("backward"):
+            loss.backward()
+        for fut in self.pending:  # callbacks run on the backend's thread, maybe just after the wait
+            fut.wait()
+        self.pending = []
+        self.span("computing gradients", "gradients", start, self._last_grad)
+        if (share := overlap(self._comm, (start, self._last_grad))) is not None:
+            self.overlaps.append(share)
+        with self.phase("optimizer"):
+            opt.step()
+
+
+def trace_ddpkit(model: Any, recorder: Recorder) -> None:
+    """Record each bucket's all-reduce and the end-of-backward wait of ddpkit's DDP ``model`` (this instance)."""
+    reducer = model.reducer
+    launch, wait_all = reducer._launch, reducer._wait_all
+
+    def traced_launch(bucket: Any) -> None:
+        start = now()
+        launch(bucket)
+        pending = bucket.future if bucket.future is not None else (
+            bucket.work.get_future() if bucket.work is not None else None)
+        if pending is not None:
+            recorder.pending.append(pending.then(recorder.all_reduce_done(bucket._index, start)))
+
+    def traced_wait() -> None:
+        start = now()
+        wait_all()
+        recorder.span("wait for buckets", "wait", start, now())
+
+    reducer._launch, reducer._wait_all = traced_launch, traced_wait
+
+
+def trace_torch(model: Any, recorder: Recorder) -> None:
+    """Record each bucket's all-reduce of torch's DDP ``model`` through a comm hook equal to its default one."""
+    world = dist.get_world_size()
+
+    def hook(_, bucket):  # type: ignore[no-untyped-def]  # torch checks annotations, and these would be strings
+        start = now()
+        fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+        record = recorder.all_reduce_done(bucket.index(), start)
+        return fut.then(lambda f: record(f)[0])
+
+    model.register_comm_hook(None, hook)
+
+
+def median_overlap(recorder: Recorder) -> float | None:
+    return statistics.median(recorder.overlaps) if recorder.overlaps else None
+
+
+def write(path: str | Path, recorders: list[Recorder]) -> None:
+    """Gather every rank's spans on rank 0 and write them as one Chrome trace (a collective)."""
+    mine = [e for r in recorders for e in r.events]
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return
+    events = [e for part in parts for e in part]
+    names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+             for r in range(dist.get_world_size())]
+    Path(path).write_text(json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"}) + "\n")
