@@ -270,3 +270,19 @@ def test_engine_dp_trains_in_one_process_with_cpu_replicas(tmp_path: Path) -> No
     assert summary["global_batch_size"] == 32 and summary["lr"] == pytest.approx(0.04)
     assert summary["test_accuracy"] > 0.6, summary
     assert not any(k.startswith("module.") for k in _weights(tmp_path / "dp"))
+
+
+def test_trace_records_the_first_steps_of_every_rank(tmp_path: Path) -> None:
+    trace = tmp_path / "train.json"
+    base = ["train", "--dataset", "synthetic", "--synthetic-samples", "192", "--batch-size", "16", "--epochs", "1",
+            "--no-progress", "--output-dir", str(tmp_path / "run"), "--trace", str(trace), "--trace-steps", "2"]
+    assert main(base) == 0
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        names = [(e["tid"], e["name"]) for e in spans if e["pid"] == rank]
+        for phase in ("data", "forward", "backward", "optimizer"):
+            assert names.count(("ddpkit step", phase)) == 2  # only the traced steps, of 6
+        assert names.count(("ddpkit gradients", "computing gradients")) == 2
+        assert names.count(("ddpkit wait", "wait for buckets")) == 2
+        assert names.count(("ddpkit bucket 0", "all-reduce bucket 0")) == 2
+    assert main([*base[:-4], "--output-dir", str(tmp_path / "x"), "--trace", str(tmp_path / "no" / "t.json")]) == 2

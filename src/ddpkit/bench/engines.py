@@ -268,9 +268,7 @@ def _traced_steps(name: str, cfg: BenchConfig, ours: nn.Module, theirs: nn.Modul
     from ddpkit.bench import trace
 
     rank = dist.get_rank()
-    recorders = [trace.Recorder("ddpkit", ours, rank), trace.Recorder("torch", theirs, rank)]
-    trace.trace_ddpkit(ours, recorders[0])
-    trace.trace_torch(theirs, recorders[1])
+    recorders = [trace.instrument(ours, "ddpkit", rank), trace.instrument(theirs, "torch", rank)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, theirs)]
     for _ in range(min(cfg.steps, TRACED_STEPS)):
         for recorder, model, opt in zip(recorders, (ours, theirs), optimizers):

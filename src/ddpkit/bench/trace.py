@@ -24,7 +24,9 @@ spans mean the same thing. Tracing perturbs the steps it records, so
 Overlap, per step: the time an all-reduce was running while gradients were
 still being computed, divided by the time any all-reduce was running (the
 union of the bucket spans); the figure is the median over the traced steps.
-Open the file in https://ui.perfetto.dev or ``chrome://tracing``.
+Open the file in https://ui.perfetto.dev or ``chrome://tracing``. ``ddpkit
+train --trace`` records its first optimizer steps the same way, with the
+``data`` phase (taking the batch) besides.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class Recorder:
         self.engine, self.rank = engine, rank
         self.events: list[dict[str, Any]] = []
         self.overlaps: list[float] = []
+        self.enabled = True
+        """False: record nothing more (the traced steps are over)."""
         self._comm: list[tuple[float, float]] = []
         self.pending: list[Any] = []
         """Futures of the recording callbacks, waited for before a step's overlap is computed."""
@@ -89,12 +93,16 @@ class Recorder:
         self._last_grad = now()
 
     def span(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
+        if not self.enabled:
+            return
         self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": f"{self.engine} {track}",
                             "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6, "args": args})
 
     def all_reduce_done(self, bucket: int, launched: float) -> Callable[[Any], Any]:
         """A future callback recording bucket ``bucket``'s all-reduce from ``launched`` to now."""
         def done(fut: Any) -> Any:
+            if not self.enabled:
+                return fut.value()
             end = now()
             self._comm.append((launched, end))
             self.span(f"all-reduce bucket {bucket}", f"bucket {bucket}", launched, end)
@@ -107,21 +115,25 @@ class Recorder:
         yield
         self.span(name, "step", start, now())
 
-    def step(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One SGD step with its phases, gradient span and overlap recorded."""
+    def backward(self, run: Callable[[], None]) -> None:
+        """Run one backward (``run``) as the ``backward`` phase; record its gradient span and overlap."""
         self._comm = []
-        opt.zero_grad()
-        with self.phase("forward"):
-            loss = nn.functional.cross_entropy(model(x), y)
         start = now()
         with self.phase("backward"):
-            loss.backward()
+            run()
         for fut in self.pending:  # callbacks run on the backend's thread, maybe just after the wait
             fut.wait()
         self.pending = []
         self.span("computing gradients", "gradients", start, self._last_grad)
         if (share := overlap(self._comm, (start, self._last_grad))) is not None:
             self.overlaps.append(share)
+
+    def step(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One SGD step with its phases, gradient span and overlap recorded."""
+        opt.zero_grad()
+        with self.phase("forward"):
+            loss = nn.functional.cross_entropy(model(x), y)
+        self.backward(loss.backward)
         with self.phase("optimizer"):
             opt.step()
 
@@ -134,6 +146,8 @@ def trace_ddpkit(model: Any, recorder: Recorder) -> None:
     def traced_launch(bucket: Any) -> None:
         start = now()
         launch(bucket)
+        if not recorder.enabled:
+            return
         pending = bucket.future if bucket.future is not None else (
             bucket.work.get_future() if bucket.work is not None else None)
         if pending is not None:
@@ -160,6 +174,16 @@ def trace_torch(model: Any, recorder: Recorder) -> None:
     model.register_comm_hook(None, hook)
 
 
+def instrument(model: nn.Module, engine: str, rank: int) -> Recorder:
+    """A recorder for ``model`` wrapped by ``engine`` (``ddpkit``, ``torch``, else phases only)."""
+    recorder = Recorder(engine, model, rank)
+    if engine == "ddpkit":
+        trace_ddpkit(model, recorder)
+    elif engine == "torch":
+        trace_torch(model, recorder)
+    return recorder
+
+
 def median_overlap(recorder: Recorder) -> float | None:
     return statistics.median(recorder.overlaps) if recorder.overlaps else None
 
@@ -167,6 +191,10 @@ def median_overlap(recorder: Recorder) -> float | None:
 def write(path: str | Path, recorders: list[Recorder]) -> None:
     """Gather every rank's spans on rank 0 and write them as one Chrome trace (a collective)."""
     mine = [e for r in recorders for e in r.events]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        names = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}}]
+        Path(path).write_text(json.dumps({"traceEvents": names + mine, "displayTimeUnit": "ms"}) + "\n")
+        return
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:

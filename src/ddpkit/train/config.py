@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.runtime.options import ConfigError, option
+from ddpkit.runtime.options import ConfigError, option, writable_file
 
 MODELS = ("convnet", "mlp", "resnet")
 """Names of :data:`ddpkit.train.models.MODELS` (a test keeps the two in step)."""
@@ -62,6 +62,11 @@ class TrainConfig:
     )
     resume: bool = option(False, "continue the run in --output-dir from its newest checkpoint")
     progress: bool = option(True, "show a progress bar on rank 0", negate="--no-progress", negate_only=False)
+    trace: Path | None = option(
+        None, "write a Chrome trace (Perfetto, chrome://tracing) of the first --trace-steps optimizer steps: data, "
+        "forward, backward, each bucket's all-reduce, the wait, the optimizer, one track per rank", metavar="FILE",
+    )
+    trace_steps: int = option(50, "optimizer steps --trace records")
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -99,6 +104,9 @@ class TrainConfig:
             self.data_dir = Path(self.data_dir)
         if self.output_dir is not None:
             self.output_dir = Path(self.output_dir)
+        need(self.trace_steps >= 1, "trace_steps", "must be at least 1")
+        if self.trace is not None:
+            self.trace = writable_file(self.trace, "--trace")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (paths as strings), as saved in ``config.json`` and checkpoints."""

@@ -168,6 +168,10 @@ class _Run:
     evaluation: tuple[float, float, int] = (float("nan"), float("nan"), 0)
     trained: int = 0
     """Samples trained in this attempt, summed over ranks."""
+    recorder: Any = None
+    """``--trace``: the spans of this rank (:class:`ddpkit.bench.trace.Recorder`)."""
+    traced_until: int = 0
+    """``--trace``: the optimizer step after the last one recorded."""
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -223,19 +227,30 @@ def _train_epoch(model: torch.nn.Module, run: _Run, bar: Any) -> tuple[float, in
     for s in range(0, len(batches), config.grad_accum):
         group = batches[s : s + config.grad_accum]
         state.optimizer.zero_grad(set_to_none=True)
+        trace = run.recorder if run.recorder is not None and state.step < run.traced_until else None
+        if run.recorder is not None:
+            run.recorder.enabled = trace is not None
         for j, b in enumerate(group):
             last = j == len(group) - 1
             sync = contextlib.nullcontext() if last or config.engine in ("single", "dp") else model.no_sync()
             with sync:
-                with run.autocast():
-                    logits = model(x[b])
-                loss = F.cross_entropy(logits.float(), y[b])
-                state.scaler.scale(loss / len(group)).backward()
+                with _phase(trace, "data"):
+                    xb, yb = x[b], y[b]
+                with _phase(trace, "forward"):
+                    with run.autocast():
+                        logits = model(xb)
+                    loss = F.cross_entropy(logits.float(), yb)
+                scaled = state.scaler.scale(loss / len(group))
+                if trace is not None:
+                    trace.backward(scaled.backward)
+                else:
+                    scaled.backward()
             loss_sum += loss.detach().double() * len(b)
             count += len(b)
             consumed += len(b)
-        state.scaler.step(state.optimizer)
-        state.scaler.update()
+        with _phase(trace, "optimizer"):
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
         state.step += 1
         progress["batches_done"] += 1
         bar.update(1)
@@ -246,6 +261,11 @@ def _train_epoch(model: torch.nn.Module, run: _Run, bar: Any) -> tuple[float, in
     totals[0] = loss_sum.cpu()
     dist.all_reduce(totals)
     return totals[0].item(), int(totals[1].item()), int(totals[2].item())
+
+
+def _phase(recorder: Any, name: str) -> contextlib.AbstractContextManager[None]:
+    """``recorder.phase(name)`` while tracing (``--trace``), else nothing."""
+    return recorder.phase(name) if recorder is not None else contextlib.nullcontext()
 
 
 def _evaluate(model: torch.nn.Module, run: _Run) -> tuple[float, float, int]:
@@ -329,7 +349,13 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
         f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}, "
         f"output {run.out}"
     )
-    return run, wrap(state.model, config, ctx.device)
+    model = wrap(state.model, config, ctx.device)
+    if config.trace is not None:
+        from ddpkit.bench.trace import instrument
+
+        run.recorder = instrument(model, config.engine, ctx.rank)
+        run.traced_until = state.step + config.trace_steps
+    return run, model
 
 
 def _rescale(state: TrainState, world: int, config: TrainConfig) -> None:
@@ -379,6 +405,11 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
                 f"test loss {record['test_loss']:.4f}, test accuracy {100 * record['test_accuracy']:.2f}%"
             )
     bar.close()
+    if run.recorder is not None:
+        from ddpkit.bench.trace import write
+
+        write(config.trace, [run.recorder])
+        print0(f"ddpkit train: trace of {len(run.recorder.overlaps)} backward passes in {config.trace}")
     return _finish(run, time.perf_counter() - start, first_epoch)
 
 

@@ -43,7 +43,8 @@ __all__ = ["CHECKPOINT_DIR", "Claim", "claim", "write_json_atomic", "write_metri
 CHECKPOINT_DIR = "checkpoints"
 _SCRATCH = {"config.json", CHECKPOINT_DIR}
 # Fields that may change between a run and its resumption.
-_RESUMABLE_CHANGES = {"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts"}
+_RESUMABLE_CHANGES = {"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts",
+                      "trace", "trace_steps"}
 
 
 @dataclass(frozen=True)
