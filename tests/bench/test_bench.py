@@ -143,3 +143,22 @@ def test_overlap_is_the_share_of_communication_inside_the_gradient_computation()
     # All-reduce runs 0-2 and 3-4 (3 s in all); gradients are computed 1-3.5: 1 s + 0.5 s inside.
     assert overlap([(0, 2), (3, 4)], (1, 3.5)) == pytest.approx(0.5)
     assert overlap([], (0, 1)) is None
+
+
+def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
+    import matplotlib.image
+
+    report = tmp_path / "report"  # created by the bench; its parent must exist
+    assert main(["bench", "--workloads", "convnet", "mlp", "--steps", "2", "--warmup", "1", "--samples-per-rank",
+                 "4", "--mlp-hidden", "16", "--report", str(report), "--no-progress"]) == 0
+    assert sorted(p.name for p in report.iterdir()) == [
+        "bench.json", "ratios.png", "summary.md", "trace-convnet.json", "trace-mlp.json"]
+    summary = (report / "summary.md").read_text()
+    assert "`ddpkit bench --workloads convnet mlp --steps 2 --warmup 1 --samples-per-rank 4 --mlp-hidden 16" in summary
+    rows = [line for line in summary.splitlines() if line.startswith(("| convnet", "| mlp"))]
+    data = json.loads((report / "bench.json").read_text())
+    for row, r in zip(rows, data["ddp"]):
+        assert f"| {r['ratio']:.3f} (" in row and f"| {r['ddpkit_ms']:.2f} (" in row
+    assert "![ratio and overlap per workload](ratios.png)" in summary
+    assert matplotlib.image.imread(report / "ratios.png").ndim == 3
+    assert main(["bench", "--report", str(tmp_path / "no" / "such")]) == 2

@@ -55,3 +55,15 @@ def test_scaling_cli_writes_json_and_two_pngs(tmp_path, capfd):
         assert matplotlib.image.imread(picture).ndim == 3
     text = capfd.readouterr().out
     assert "eff ddpkit" in text and f"plots: {png}" in text
+
+
+def test_scaling_report_has_the_table_and_the_plots(tmp_path):
+    report = tmp_path / "scaling"
+    assert main(["bench", "--scaling", "--workloads", "linear200", "--world-sizes", "1", "2", "--steps", "2",
+                 "--warmup", "1", "--mlp-batch", "4", "--mlp-sizes", "2e4", "--report", str(report),
+                 "--no-progress"]) == 0
+    assert sorted(p.name for p in report.iterdir()) == ["bench.json", "scaling-sizes.png", "scaling.png",
+                                                         "summary.md"]
+    summary = (report / "summary.md").read_text()
+    assert "![scaling](scaling.png)" in summary and "![scaling-sizes](scaling-sizes.png)" in summary
+    assert "strong  linear200" in summary and "size    mlp" in summary

@@ -61,6 +61,10 @@ class BenchConfig:
     json_path: Path | None = option(
         None, "also write the results, settings, versions and machine load to this JSON file", flags=["--json"]
     )
+    report: Path | None = option(
+        None, "write a report to this directory: the JSON, the traces, the plots and summary.md (tables and "
+        "pictures to read)", metavar="DIR",
+    )
 
     def __post_init__(self) -> None:
         self.workloads = tuple(self.workloads)
@@ -88,6 +92,17 @@ class BenchConfig:
                               "1000 parameters")
         if self.json_path is not None:
             self.json_path = writable_file(self.json_path, "--json")
+        if self.report is not None:
+            self.report = Path(self.report)
+            if self.report.exists() and not self.report.is_dir():
+                raise ConfigError(f"--report {str(self.report)!r} is a file: give a directory")
+            if not self.report.exists():
+                writable_file(self.report, "--report")  # its parent must exist and be writable
+                self.report.mkdir()
+            writable_file(self.report / "summary.md", "--report")
+            self.json_path = self.json_path or self.report / "bench.json"
+            self.trace = self.trace or self.report / "trace.json"
+            self.plot = self.plot or self.report / "scaling.png"
         if self.trace is not None:
             self.trace = writable_file(self.trace, "--trace")
         if self.plot is not None:

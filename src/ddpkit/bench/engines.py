@@ -406,4 +406,8 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         report = {"settings": settings, "world_size": cfg.world_size, "backend": "gloo", "threads_per_rank": 1,
                   "machine_at_start": before, "machine_at_end": after, **raw}
         cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        if cfg.report is not None:
+            from ddpkit.bench.report import write_report
+
+            print(f"report: {write_report(cfg, report)}", flush=True)
     return results

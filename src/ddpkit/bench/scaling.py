@@ -68,7 +68,7 @@ def plan(cfg: BenchConfig) -> dict[int, list[tuple[str, str, BenchConfig]]]:
     worlds = sorted(set(cfg.world_sizes)) or list(range(1, (os.cpu_count() or 1) + 1))
     names = [w for w in cfg.workloads if w != "dp"]
     jobs: dict[int, list[tuple[str, str, BenchConfig]]] = {w: [] for w in worlds}
-    quiet = {"json_path": None, "plot": None, "scaling": False}
+    quiet = {"json_path": None, "plot": None, "scaling": False, "report": None, "trace": None}
     for w in worlds:
         for name in names:
             field = BATCH_FIELD[name]
@@ -200,17 +200,23 @@ def run_scaling(cfg: BenchConfig) -> list[ScalingPoint]:
             points += [ScalingPoint(**p) for p in json.loads(Path(out).read_text())]
     order = {"weak": 0, "strong": 1, "size": 2}
     points.sort(key=lambda p: (order[p.sweep], p.workload, p.world_size, p.params))
-    print(format_scaling(points), flush=True)
+    table = format_scaling(points)
+    print(table, flush=True)
     written = plot_scaling(points, cfg.plot or Path("bench-scaling.png"))
     print("plots: " + ", ".join(map(str, written)), flush=True)
     if cfg.json_path is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-        cfg.json_path.write_text(json.dumps({
+        data = {
             "settings": settings, "backend": "gloo", "threads_per_rank": 1, "machine_at_start": before,
             "machine_at_end": machine(), "points": [asdict(p) for p in points],
             "efficiency": [{"sweep": p.sweep, "workload": p.workload, "world_size": p.world_size,
                             "ddpkit": efficiency(points, p, "ddpkit"), "torch": efficiency(points, p, "torch")}
                            for p in points if p.sweep != "size"],
-        }, indent=2) + "\n")
+        }
+        cfg.json_path.write_text(json.dumps(data, indent=2) + "\n")
+        if cfg.report is not None:
+            from ddpkit.bench.report import write_scaling_report
+
+            print(f"report: {write_scaling_report(cfg, data, table, written)}", flush=True)
     return points
 

@@ -1,0 +1,135 @@
+"""``ddpkit bench --report DIR``: the measurements as a directory a person reads.
+
+``DIR`` holds ``bench.json`` (everything, for scripts), the Chrome traces
+(``trace-WORKLOAD.json``), ``ratios.png`` (each workload's ratio with its
+quartiles, and the overlap of both engines) or, with ``--scaling``,
+``scaling.png`` and ``scaling-sizes.png``, and ``summary.md``: the command
+that reproduces it, the machine, the tables and the pictures. The README's
+benchmark section is this summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ddpkit.bench.config import BenchConfig
+
+
+def command_line(cfg: BenchConfig) -> str:
+    """The ``ddpkit bench`` command with these settings (the flags that differ from their defaults)."""
+    words = ["ddpkit", "bench"]
+    derived = {"json_path", "trace", "plot"} if cfg.report is not None else set()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name in derived or value == default or value in ((), None) and default in ((), None):
+            continue
+        flag = (f.metadata.get("flags") or ["--" + f.name.replace("_", "-")])[-1]
+        if isinstance(value, bool):
+            words.append(flag if value else (f.metadata.get("negate") or ""))
+        elif isinstance(value, tuple):
+            words += [flag, *(f"{v:g}" if isinstance(v, float) else str(v) for v in value)]
+        else:
+            words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return " ".join(w for w in words if w)
+
+
+def _machine(data: dict[str, Any]) -> list[str]:
+    start, end = data["machine_at_start"], data["machine_at_end"]
+    load = (f"load average (1 min) {start['load_average'][0]:.2f} at start, {end['load_average'][0]:.2f} at end"
+            if start.get("load_average") else "load average unknown")
+    return [f"torch {start['torch']}, ddpkit {start['ddpkit']}, Python {start['python']}, {start['platform']}; "
+            f"{start['cpu_count']} CPUs; {load}; gloo, 1 thread per rank."]
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def ratio_plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Each workload's ratio with its quartiles, and both engines' overlap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["workload"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.errorbar(range(len(rows)), [r["ratio"] for r in rows], fmt="o", capsize=4,
+                  yerr=[[r["ratio"] - r["ratio_iqr"][0] for r in rows], [r["ratio_iqr"][1] - r["ratio"] for r in rows]])
+    left.axhline(1.0, linestyle=":", color="grey")
+    left.set_ylabel("ddpkit / torch step time (median, IQR)")
+    left.set_title("ratio (below 1: ddpkit faster)")
+    width = 0.38
+    for k, engine in enumerate(("ddpkit", "torch")):
+        right.bar([i + (k - 0.5) * width for i in range(len(rows))],
+                  [r[f"overlap_{engine}"] or 0.0 for r in rows], width, label=engine)
+    right.set_ylim(0, 1)
+    right.set_ylabel("all-reduce time hidden behind gradient computation")
+    right.set_title("overlap (from the traced steps)")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(range(len(rows)), names)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
+    """``summary.md`` (and ``ratios.png``) for an engine bench whose JSON is ``data``."""
+    assert cfg.report is not None
+    rows = data["ddp"]
+    lines = ["# ddpkit bench", "", f"`{command_line(cfg)}`", "", *_machine(data), ""]
+    if rows:
+        ratio_plot(rows, cfg.report / "ratios.png")
+        lines += [
+            f"## DDP: ddpkit against torch, world size {cfg.world_size}", "",
+            "| workload | params | steps | ddpkit ms (IQR) | torch ms (IQR) | ratio (IQR) | comm alone ms "
+            "| exposed ms | overlap ddpkit / torch |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['workload']} | {r['params']:,} | {r['steps']} | {r['ddpkit_ms']:.2f} "
+                f"({r['ddpkit_iqr_ms'][0]:.2f}-{r['ddpkit_iqr_ms'][1]:.2f}) | {r['torch_ms']:.2f} "
+                f"({r['torch_iqr_ms'][0]:.2f}-{r['torch_iqr_ms'][1]:.2f}) | {r['ratio']:.3f} "
+                f"({r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}) | {r['comm_ms']:.2f} | "
+                f"{r['exposed_ddpkit_ms']:.2f} | {_share(r['overlap_ddpkit'])} / {_share(r['overlap_torch'])} |")
+        traces = sorted(p.name for p in cfg.report.glob("trace*.json"))
+        lines += [
+            "", "![ratio and overlap per workload](ratios.png)", "",
+            "- *ratio*: the median over back-to-back pairs of steps (one per engine) of ddpkit / torch, with its "
+            "quartiles; below 1, ddpkit is faster. It can sit on the other side of 1 than the two medians when the "
+            "pairs disagree; the IQR shows it.",
+            "- *comm alone*: all-reduce of ddpkit's gradient buckets with nothing else running.",
+            "- *exposed*: ddpkit's median wait for communication at the end of backward (on the rank that arrived "
+            "last, so skew between ranks is left out).",
+            "- *overlap*: the share of all-reduce time (union of the bucket spans) that ran while gradients were "
+            "still being computed (from backward's start to the last gradient), median over traced steps run after "
+            "the timed ones.",
+            f"- Traces (open in https://ui.perfetto.dev): {', '.join(traces) if traces else 'none'}.",
+        ]
+    if data.get("dp"):
+        dp = data["dp"]
+        lines += ["", "## DataParallel against DDP", "", "```", json.dumps(dp, indent=1), "```"]
+    path = cfg.report / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_scaling_report(cfg: BenchConfig, data: dict[str, Any], table: str, plots: list[Path]) -> Path:
+    """``summary.md`` for ``--scaling``: the table and the plots."""
+    assert cfg.report is not None
+    lines = ["# ddpkit bench --scaling", "", f"`{command_line(cfg)}`", "", *_machine(data), "", "```", table, "```",
+             "", *(f"![{p.stem}]({p.name})" for p in plots), "",
+             "Weak scaling keeps the batch per rank, strong scaling the global batch; efficiency is throughput over "
+             "linear scaling from the smallest world size. On fewer cores than ranks efficiency falls for reasons "
+             "that are not the engines'."]
+    path = cfg.report / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
