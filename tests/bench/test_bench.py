@@ -10,17 +10,17 @@ from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.engines import WorkloadResult, _bench_workload, format_results, quartiles, relative_spread
 from ddpkit.cli import main
 
-TOY = dict(steps=3, warmup=1, block=1, samples_per_rank=4, mlp_hidden=16, mlp_batch=4)
+TOY = dict(steps=3, warmup=1, block=1, samples_per_rank=4, mlp_hidden=16, mlp_batch=4, resnet_batch=4)
 # Parameter counts of the toy workloads: the tutorial's ConvNet, and the MLP
 # 784-16-16-10 with biases.
-PARAMS = {"convnet": 29_034, "mlp": 784 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10}
+PARAMS = {"convnet": 29_034, "mlp": 784 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10, "resnet": 77_754}
 
 
 def _measure(name: str) -> WorkloadResult:
     return _bench_workload(name, BenchConfig(**TOY))
 
 
-@pytest.mark.parametrize("name", ["convnet", "mlp"])
+@pytest.mark.parametrize("name", ["convnet", "mlp", "resnet"])
 def test_each_workload_is_measured_on_real_ranks(dist2, name):
     r = dist2.run(_measure, name)[0]
     assert r.workload == name and r.params == PARAMS[name] and r.buckets >= 1

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from ddpkit.runtime.options import ConfigError, option, writable_file
 
-WORKLOADS = ("convnet", "mlp", "transformer", "linear200", "dp")
-"""``transformer``: a 6-layer encoder, d_model 256; ``linear200``: 200 ``Linear(16, 16)`` layers
+WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200", "dp")
+"""``resnet``: a ResNet-8 with BatchNorm (buffers broadcast every step); ``transformer``: a 6-layer
+encoder, d_model 256; ``linear200``: 200 ``Linear(16, 16)`` layers
 (Python cost per parameter); ``dp``: DataParallel against DDP at ``world_size`` replicas (ConvNet,
 ``samples_per_rank`` each)."""
 
@@ -26,6 +27,7 @@ class BenchConfig:
     mlp_hidden: int = option(4640, "MLP hidden width (4640: about 25 M parameters)")
     mlp_batch: int = option(32, "MLP batch per rank")
     transformer_batch: int = option(8, "transformer sequences (32 tokens each) per rank")
+    resnet_batch: int = option(32, "ResNet batch per rank (28x28 images)")
     bucket_cap_mb: float = option(25.0, "bucket cap of both engines, in MiB")
     scaling: bool = option(
         False, "measure scaling instead: step time and throughput at each of --world-sizes (weak: the same batch "
@@ -72,7 +74,7 @@ class BenchConfig:
         if unknown or not self.workloads:
             raise ConfigError(f"--workloads {' '.join(self.workloads)}: choose among {', '.join(WORKLOADS)}")
         for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch",
-                     "transformer_batch"):
+                     "transformer_batch", "resnet_batch"):
             value = getattr(self, name)
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")

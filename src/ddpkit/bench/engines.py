@@ -42,6 +42,9 @@ Workloads:
 * ``mlp``: :class:`ddpkit.train.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
   parameters, 100 MB of float32 gradients) on ``mlp_batch`` images per rank;
   communication-bound;
+* ``resnet``: :class:`ddpkit.train.models.ResNet` (ResNet-8, BatchNorm after every
+  convolution, 16/32/64 channels) on ``resnet_batch`` 28x28 images per rank: both
+  engines broadcast its BatchNorm buffers from rank 0 before every forward;
 * ``transformer``: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 8 heads,
   feed-forward 1024, no dropout) and a linear head over the mean token, on
   ``transformer_batch`` (8) sequences of 32 tokens per rank (74 parameters, 4.7 M);
@@ -71,7 +74,7 @@ from torch import nn
 from ddpkit.bench.config import BenchConfig
 
 BATCH_FIELD = {"convnet": "samples_per_rank", "mlp": "mlp_batch", "linear200": "mlp_batch",
-               "transformer": "transformer_batch"}
+               "transformer": "transformer_batch", "resnet": "resnet_batch"}
 """The setting that holds each workload's batch per rank."""
 
 
@@ -124,7 +127,7 @@ def _linear200() -> nn.Module:
 
 
 def _workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    from ddpkit.train.models import MLP, ConvNet
+    from ddpkit.train.models import MLP, ConvNet, ResNet
 
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     batch = getattr(cfg, BATCH_FIELD[name])
@@ -133,7 +136,7 @@ def _workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, tor
     y = torch.randint(0, 10, (batch,), generator=g)
     torch.manual_seed(0)
     models = {"convnet": ConvNet, "mlp": lambda: MLP(hidden=cfg.mlp_hidden), "transformer": _Encoder,
-              "linear200": _linear200}
+              "linear200": _linear200, "resnet": ResNet}
     return models[name](), x, y
 
 
