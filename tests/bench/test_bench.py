@@ -148,7 +148,7 @@ def test_overlap_is_the_share_of_communication_inside_the_gradient_computation()
 def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
     import matplotlib.image
 
-    report = tmp_path / "report"  # created by the bench; its parent must exist
+    report = tmp_path / "new" / "report"  # created by the bench, parents too
     assert main(["bench", "--workloads", "convnet", "mlp", "--steps", "2", "--warmup", "1", "--samples-per-rank",
                  "4", "--mlp-hidden", "16", "--report", str(report), "--no-progress"]) == 0
     assert sorted(p.name for p in report.iterdir()) == [
@@ -161,4 +161,5 @@ def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
         assert f"| {r['ratio']:.3f} (" in row and f"| {r['ddpkit_ms']:.2f} (" in row
     assert "![ratio and overlap per workload](ratios.png)" in summary
     assert matplotlib.image.imread(report / "ratios.png").ndim == 3
-    assert main(["bench", "--report", str(tmp_path / "no" / "such")]) == 2
+    (tmp_path / "a-file").write_text("")
+    assert main(["bench", "--report", str(tmp_path / "a-file" / "report")]) == 2

@@ -98,9 +98,11 @@ class BenchConfig:
             self.report = Path(self.report)
             if self.report.exists() and not self.report.is_dir():
                 raise ConfigError(f"--report {str(self.report)!r} is a file: give a directory")
-            if not self.report.exists():
-                writable_file(self.report, "--report")  # its parent must exist and be writable
-                self.report.mkdir()
+            try:
+                self.report.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--report {str(self.report)!r} cannot be created ({e.strerror}): choose another "
+                                  "directory") from None
             writable_file(self.report / "summary.md", "--report")
             self.json_path = self.json_path or self.report / "bench.json"
             self.trace = self.trace or self.report / "trace.json"

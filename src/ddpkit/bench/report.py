@@ -11,7 +11,6 @@ benchmark section is this summary.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +115,12 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
         ]
     if data.get("dp"):
         dp = data["dp"]
-        lines += ["", "## DataParallel against DDP", "", "```", json.dumps(dp, indent=1), "```"]
+        lines += ["", "## DataParallel against DDP", "",
+                  f"The ConvNet on a global batch of {dp['global_batch']}: `ddpkit.DataParallel` ({dp['replicas']} "
+                  f"replicas in one process) against ddpkit's DDP ({dp['replicas']} processes), rounds interleaved.",
+                  "", "| DataParallel ms | DDP ms | DP / DDP (IQR) | rounds |", "| ---: | ---: | ---: | ---: |",
+                  f"| {dp['dp_ms']:.2f} | {dp['ddp_ms']:.2f} | {dp['ratio']:.2f} ({dp['ratio_q1']:.2f}-"
+                  f"{dp['ratio_q3']:.2f}) | {dp['rounds']} |"]
     path = cfg.report / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
