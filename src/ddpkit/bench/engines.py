@@ -364,10 +364,13 @@ def format_results(results: list[WorkloadResult], world_size: int) -> str:
 def machine() -> dict[str, Any]:
     """What a later run needs to compare with this one: versions, CPUs, and the load now."""
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
-    from ddpkit import __version__
-
-    return {"torch": torch.__version__, "ddpkit": __version__, "python": platform.python_version(),
+    try:
+        ours = version("ddpkit")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        ours = "0+unknown"
+    return {"torch": torch.__version__, "ddpkit": ours, "python": platform.python_version(),
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
