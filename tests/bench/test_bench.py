@@ -163,3 +163,13 @@ def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
     assert matplotlib.image.imread(report / "ratios.png").ndim == 3
     (tmp_path / "a-file").write_text("")
     assert main(["bench", "--report", str(tmp_path / "a-file" / "report")]) == 2
+
+
+def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
+    out = tmp_path / "m.json"
+    assert main(["bench", "--workloads", "mlp", "--steps", "2", "--warmup", "1", "--mlp-hidden", "2048",
+                 "--memory", "--json", str(out), "--no-progress"]) == 0
+    memory = json.loads(out.read_text())["memory"]
+    # 5.8 M parameters: weights, gradients and momentum are 70 MB before anything the engines add.
+    assert memory["mlp"]["ddpkit_mb"] > 50 and memory["mlp"]["torch_mb"] > 50
+    assert "peak memory per rank" in capfd.readouterr().out

@@ -56,6 +56,9 @@ class BenchConfig:
         True, "show progress on stderr: a bar on a terminal, one line per workload otherwise",
         negate="--no-progress", negate_only=True,
     )
+    memory: bool = option(
+        False, "also measure each engine's peak memory per rank, each engine and workload in processes of its own"
+    )
     trace: Path | None = option(
         None, "write a Chrome trace (Perfetto, chrome://tracing) of extra traced steps of both engines: forward, "
         "backward, each bucket's all-reduce, the wait, the optimizer, one track per rank", metavar="FILE",

@@ -397,6 +397,10 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         out = os.path.join(tmp, "results.json")
         spawn(_worker, cfg.world_size, args=(cfg, out), backend="gloo")
         raw = json.loads(Path(out).read_text())
+    if cfg.memory:
+        from ddpkit.bench.memory import measure_memory
+
+        raw["memory"] = measure_memory(cfg)
     after = machine()
     results = [WorkloadResult(**r) for r in raw["ddp"]]
     if results:
@@ -405,6 +409,10 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         from ddpkit.bench.dp import DPResult, format_dp
 
         print(format_dp(DPResult(**raw["dp"])), flush=True)
+    if raw.get("memory"):
+        from ddpkit.bench.memory import format_memory
+
+        print(format_memory(raw["memory"]), flush=True)
     print(f"load average (1 min) {before['load_average'][0]:.2f} at start, {after['load_average'][0]:.2f} at end, "
           f"{before['cpu_count']} CPUs" if before["load_average"] else "", flush=True)
     if cfg.json_path is not None:

@@ -113,6 +113,14 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
             "the timed ones.",
             f"- Traces (open in https://ui.perfetto.dev): {', '.join(traces) if traces else 'none'}.",
         ]
+    if data.get("memory"):
+        lines += ["", "## Peak memory per rank", "",
+                  "Above each process's own baseline (interpreter, torch, process group), each engine and workload "
+                  "in processes of its own, the largest over ranks (`--memory`).", "",
+                  "| workload | ddpkit MB | torch MB | ddpkit / torch |", "| --- | ---: | ---: | ---: |"]
+        for name, m in data["memory"].items():
+            lines.append(f"| {name} | {m['ddpkit_mb']:.1f} | {m['torch_mb']:.1f} | "
+                         f"{m['ddpkit_mb'] / m['torch_mb']:.3f} |")
     if data.get("dp"):
         dp = data["dp"]
         lines += ["", "## DataParallel against DDP", "",
