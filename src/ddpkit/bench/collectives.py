@@ -22,10 +22,10 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.runtime.options import ConfigError, option, writable_file
+from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 ALGORITHMS = ("native", "naive", "ring", "tree", "hierarchical")
 KIB = 1024
@@ -169,8 +169,7 @@ def run(cfg: CollectivesBenchConfig) -> list[dict]:
         rows += mine
     print(format_rows(rows, fits), flush=True)
     if cfg.json_path is not None:
-        cfg.json_path.write_text(json.dumps({"config": {k: str(v) if isinstance(v, Path) else v
-                                                        for k, v in asdict(cfg).items()},
+        cfg.json_path.write_text(json.dumps({"config": plain(cfg),
                                              "fits": {str(p): {"alpha_s": a, "beta_s_per_byte": b}
                                                       for p, (a, b) in fits.items()},
                                              "rows": rows}, indent=2) + "\n")

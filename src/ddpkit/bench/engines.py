@@ -72,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.bench.config import BenchConfig
+from ddpkit.runtime.options import plain
 
 BATCH_FIELD = {"convnet": "samples_per_rank", "mlp": "mlp_batch", "linear200": "mlp_batch",
                "transformer": "transformer_batch", "resnet": "resnet_batch"}
@@ -416,7 +417,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     print(f"load average (1 min) {before['load_average'][0]:.2f} at start, {after['load_average'][0]:.2f} at end, "
           f"{before['cpu_count']} CPUs" if before["load_average"] else "", flush=True)
     if cfg.json_path is not None:
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+        settings = plain(cfg)
         report = {"settings": settings, "world_size": cfg.world_size, "backend": "gloo", "threads_per_rank": 1,
                   "machine_at_start": before, "machine_at_end": after, **raw}
         cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")

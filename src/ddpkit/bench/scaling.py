@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.engines import BATCH_FIELD, machine
+from ddpkit.runtime.options import plain
 
 
 @dataclass(kw_only=True)
@@ -205,7 +206,7 @@ def run_scaling(cfg: BenchConfig) -> list[ScalingPoint]:
     written = plot_scaling(points, cfg.plot or Path("bench-scaling.png"))
     print("plots: " + ", ".join(map(str, written)), flush=True)
     if cfg.json_path is not None:
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+        settings = plain(cfg)
         data = {
             "settings": settings, "backend": "gloo", "threads_per_rank": 1, "machine_at_start": before,
             "machine_at_end": machine(), "points": [asdict(p) for p in points],

@@ -61,3 +61,11 @@ def writable_file(path: Any, flag: str) -> Any:
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag} {str(path)!r} cannot be written by this user: choose another path")
     return path
+
+
+def plain(config: Any) -> dict[str, Any]:
+    """A config dataclass as plain data (paths as strings), for JSON files and checkpoints."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}

@@ -8,11 +8,11 @@ without importing torch in the launcher process.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.runtime.options import ConfigError, option, writable_file
+from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 MODELS = ("convnet", "mlp", "resnet")
 """Names of :data:`ddpkit.train.models.MODELS` (a test keeps the two in step)."""
@@ -110,4 +110,4 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (paths as strings), as saved in ``config.json`` and checkpoints."""
-        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+        return plain(self)
