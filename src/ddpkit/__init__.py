@@ -37,6 +37,11 @@ _EXPORTS = {
     "UnusedParametersError": "ddpkit.parallel.reducer",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "DataParallel": "ddpkit.parallel.dp",
+    "DistributedOptimizer": "ddpkit.parallel.optimizer",
+    "broadcast_parameters": "ddpkit.parallel.optimizer",
+    "broadcast_optimizer_state": "ddpkit.parallel.optimizer",
+    "Compression": "ddpkit.comm.compression",
+    "LocalSGD": "ddpkit.parallel.local_sgd",
     "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
@@ -79,10 +84,13 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit import collectives, hooks
+    from ddpkit.comm.compression import Compression
     from ddpkit.data.datasets import DatasetError
     from ddpkit.data.sampler import DistributedSampler
     from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap
     from ddpkit.parallel.dp import DataParallel
+    from ddpkit.parallel.local_sgd import LocalSGD
+    from ddpkit.parallel.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
     from ddpkit.parallel.reducer import UnusedParametersError
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (

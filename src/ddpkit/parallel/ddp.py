@@ -33,12 +33,14 @@ class DDPConfigError(ValueError, RuntimeError):
     """
 
 
-def _verify_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
-    """Raise on every rank if the ranks' parameters differ, naming the first difference."""
+def _verify_same_parameters(
+    named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup, owner: str = "DistributedDataParallel"
+) -> None:
+    """Raise on every rank if the ranks' parameters differ, naming the first difference (``owner`` says who checks)."""
     mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in named]
     world = dist.get_world_size(group)
     everyone: list[Any] = [None] * world
-    stall.enter("DDP construction: compare parameter shapes")
+    stall.enter("{} construction: compare parameter shapes", owner)
     dist.all_gather_object(everyone, mine, group=group)
     longest = max(len(e) for e in everyone)
     for k in range(longest):
@@ -54,7 +56,7 @@ def _verify_same_parameters(named: Sequence[tuple[str, torch.Tensor]], group: di
             what = "; ".join(f"rank {r} has {describe(x)}" for r, x in enumerate(entries))
             counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
             raise DDPConfigError(
-                f"DistributedDataParallel: the ranks hold different parameters (counts {counts}); "
+                f"{owner}: the ranks hold different parameters (counts {counts}); "
                 f"first difference at parameter #{k} {name!r}: {what}. Build the same model with "
                 "the same arguments and the same requires_grad flags on every rank before wrapping it"
             )

@@ -41,6 +41,13 @@ join
     A rank that has run out of inputs calls :meth:`Reducer.shadow_backward`
     once per backward the others still run: the same collectives, in the same
     order, with zeros.
+deferred completion
+    With ``complete_at_end_of_backward=False`` (``DistributedOptimizer``) the
+    end of backward only launches what is left; the reductions run on while
+    the caller does other work, and :meth:`Reducer.complete` waits and writes
+    ``.grad`` (``synchronize()``). :meth:`Reducer.launch_now` reduces whatever
+    ``.grad`` holds when no synchronised backward ran. A gradient that arrives
+    while a reduction is in flight calls ``on_overrun``.
 
 Failure modes
 -------------
@@ -140,6 +147,11 @@ class Reducer:
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
         static_graph: the first synchronised backward fixes how many
             gradients each parameter gets per backward (see the module notes).
+        reduce_missing: a parameter without a gradient is reduced as zeros and
+            gets the average as ``.grad`` (Horovod's rule), with no search and
+            no error.
+        complete_at_end_of_backward: ``False`` to defer the wait and the
+            write-back to :meth:`complete` (see the module notes).
     """
 
     def __init__(
@@ -151,6 +163,8 @@ class Reducer:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        reduce_missing: bool = False,
+        complete_at_end_of_backward: bool = True,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -164,6 +178,15 @@ class Reducer:
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.reduce_missing = reduce_missing
+        self.complete_at_end_of_backward = complete_at_end_of_backward
+        self.in_flight = False
+        """Deferred completion: the reductions of a backward are launched and not yet collected."""
+        self.on_local_backward: Callable[[], None] | None = None
+        """Called at the end of each backward that produced gradients while not armed."""
+        self.on_overrun: Callable[[str], None] | None = None
+        """Called (and expected to raise) when a gradient arrives while a reduction is in flight."""
+        self._local_task = -1
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
         self.buckets: list[GradBucket] = []
@@ -287,13 +310,29 @@ class Reducer:
         def hook(param: torch.Tensor) -> None:
             if self._armed:
                 self._on_ready(index)
-            elif self.find_unused:
+                return
+            if self.in_flight:
+                self._overrun(index)
+            if self.find_unused:
                 # Used in a no_sync() backward: its accumulated gradient must
                 # be reduced by the next synchronised backward even if that one
                 # does not use it (torch records local use the same way).
                 self._used_since_sync[index] = True
+            if self.on_local_backward is not None:
+                task = torch._C._current_graph_task_id()
+                if task != self._local_task:  # once per backward
+                    self._local_task = task
+                    Variable._execution_engine.queue_callback(self.on_local_backward)
 
         return hook
+
+    def _overrun(self, index: int) -> None:
+        if self.on_overrun is not None:
+            self.on_overrun(self.names[index])
+        raise RuntimeError(
+            f"parameter {self.names[index]!r} received a gradient while the previous backward's "
+            "reduction is still in flight: collect it (complete()) before the next backward"
+        )
 
     def expect_backward(self) -> None:
         """Queue the end-of-backward callback on the backward now running.
@@ -447,15 +486,57 @@ class Reducer:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
 
     def _finish_backward(self) -> None:
-        """End of backward: launch the rest, wait, write ``.grad``."""
+        """End of backward: launch the rest; unless deferred, wait and write ``.grad``."""
+        if not self.complete_at_end_of_backward:
+            try:
+                self._launch_rest()
+            except BaseException:
+                self._end_step()
+                raise
+            self._armed = False
+            self.in_flight = True
+            return
         try:
-            self._finalize()
+            self._launch_rest()
+            self._complete()
         finally:
-            self._step += 1
-            self._rebuild_due = not self._rebuilt
-            self._reset()
+            self._end_step()
 
-    def _finalize(self) -> None:
+    def launch_now(self) -> None:
+        """Reduce what ``.grad`` holds now, when no synchronised backward has launched it.
+
+        Deferred completion only; :meth:`complete` collects it. Every rank
+        must call it at the same point (it issues the collectives).
+        """
+        if self.in_flight:
+            return
+        if not self._armed:
+            self.prepare_for_backward()
+        try:
+            self._launch_rest()
+        except BaseException:
+            self._end_step()
+            raise
+        self._armed = False
+        self.in_flight = True
+
+    def complete(self) -> None:
+        """Deferred completion: wait for the launched reductions and write the averages into ``.grad``."""
+        if not self.in_flight:
+            raise RuntimeError("complete(): no reduction is in flight (call launch_now() first)")
+        try:
+            self._complete()
+        finally:
+            self.in_flight = False
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self._step += 1
+        self._rebuild_due = not self._rebuilt
+        self._reset()
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket not launched yet and settle which parameters were used (for _complete)."""
         first_static = self.static_graph and self._expected is None
         if first_static:
             # The first backward of a static graph reduces everything here.
@@ -467,10 +548,11 @@ class Reducer:
         local_used = [r or u for r, u in zip(self._ready, self._used_since_sync)]
         self._used_since_sync = [False] * len(self.params)
         missing = [i for i, r in enumerate(self._ready) if not r]
-        for i in missing:
-            grad = self.params[i].grad
-            if grad is not None and not local_used[i]:
-                self._saved[i] = grad.clone()  # the bucket may reduce it in place: kept for a global miss
+        if not self.reduce_missing:
+            for i in missing:
+                grad = self.params[i].grad
+                if grad is not None and not local_used[i]:
+                    self._saved[i] = grad.clone()  # the bucket may reduce it in place: kept for a global miss
         for bucket in self.buckets[self._next_launch :]:
             if bucket.pending:
                 bucket.pending = 0
@@ -478,7 +560,9 @@ class Reducer:
         self._launch_ready()
         assert self._next_launch == len(self.buckets), "every bucket must be launched by now"
         used = None
-        if (self.find_unused and not self.static_graph) or first_static:
+        if self.reduce_missing:
+            used = [True] * len(self.params)
+        elif (self.find_unused and not self.static_graph) or first_static:
             if self.group is not None and self.world_size > 1:
                 # Every rank issues it, whether or not it missed a gradient itself,
                 # and after all of its buckets: the collectives line up everywhere.
@@ -495,6 +579,10 @@ class Reducer:
             used = self._static_used
         elif missing:
             used = local_used
+        self._launched = (first_static, missing, used)
+
+    def _complete(self) -> None:
+        first_static, missing, used = self._launched
         self._wait_all()
         unused_here = set(missing)
         if self.static_graph and not first_static:
@@ -509,7 +597,7 @@ class Reducer:
                     f"backward for {names}. Your training graph has changed in this iteration; "
                     "static_graph=True needs the same graph every iteration"
                 )
-        elif missing and not self.find_unused and not self.static_graph:
+        elif missing and not self.find_unused and not self.static_graph and not self.reduce_missing:
             names = ", ".join(repr(self.names[i]) for i in missing)
             raise UnusedParametersError(
                 f"DistributedDataParallel: {len(missing)} parameter(s) got no gradient in this "

@@ -1,0 +1,466 @@
+"""Horovod-style data parallelism: wrap the optimizer instead of the model.
+
+``DistributedOptimizer(optimizer)`` returns an optimizer of the same class
+(``isinstance`` holds, ``state_dict`` is the same) whose parameters' gradients
+are all-reduced by ddpkit's reducer (:mod:`ddpkit.parallel.reducer`): in
+buckets, launched as gradients become ready during backward, so that
+communication overlaps the rest of backward as in DDP. The reductions run on
+after ``backward()`` returns; ``step()`` (or ``synchronize()``) waits for them,
+writes the averages into ``.grad`` and steps.
+
+Definitions
+-----------
+pass
+    One ``backward()`` that produced gradients for the optimizer's parameters.
+    With ``backward_passes_per_step=k`` the first k-1 passes accumulate in
+    ``.grad`` locally and the k-th launches the reduction.
+pending
+    From the first pass after a step until the next ``synchronize()``: the
+    gradients are not final, and ``zero_grad()`` raises (Horovod's rule).
+
+Differences from Horovod, on purpose: the wrapped optimizer shares the
+original's state (Horovod builds a fresh one, silently dropping state loaded
+before wrapping); ``broadcast_optimizer_state`` copies the root's state as it
+is instead of stepping a fresh optimizer with zero gradients first (which
+changes parameters under weight decay and Adam's step count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm.bucket import GradBucket
+from ddpkit.comm.compression import Compression
+from ddpkit.parallel.broadcast import broadcast_once
+from ddpkit.parallel.ddp import _verify_same_parameters
+from ddpkit.parallel.reducer import Reducer
+from ddpkit.runtime import stall
+from ddpkit.runtime.objects import broadcast_object
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
+
+OPS = ("avg", "sum")
+
+
+def _world_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+class _ScaledReduce:
+    """Comm hook state: Horovod's reduction of one bucket (compress, pre-scale, sum, post-scale, decompress)."""
+
+    def __init__(self, group: dist.ProcessGroup, compression: Any, prescale: float, postscale: float) -> None:
+        self.group, self.compression, self.prescale, self.postscale = group, compression, prescale, postscale
+
+    @staticmethod
+    def hook(state: _ScaledReduce, bucket: GradBucket) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        sent, ctx = state.compression.compress(buffer)
+        if state.prescale != 1.0:
+            sent = sent.mul_(state.prescale)
+        fut = dist.all_reduce(sent, group=state.group, async_op=True).get_future()
+
+        def finish(f: torch.futures.Future) -> torch.Tensor:
+            out = f.value()[0]
+            if state.postscale != 1.0:
+                out = out.mul_(state.postscale)
+            return state.compression.decompress(out, ctx)
+
+        return fut.then(finish)
+
+
+def _check_compression(compression: Any) -> Any:
+    if compression is None:
+        return Compression.none
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise TypeError(
+            f"compression={compression!r} is not a compressor: pass ddpkit.Compression.none, .fp16 or .bf16, "
+            "or a class with compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx) -> tensor"
+        )
+    return compression
+
+
+def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) for every parameter of the optimizer that requires grad, in param-group order."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        names = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    else:
+        named = list(named_parameters)
+        if not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in named):
+            raise ValueError(
+                "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                "model.named_parameters()"
+            )
+        counts: dict[str, int] = {}
+        for n, _ in named:
+            counts[n] = counts.get(n, 0) + 1
+        dups = sorted(n for n, c in counts.items() if c > 1)
+        if dups:
+            raise ValueError(f"parameter names in named_parameters must be unique; found duplicates: {', '.join(dups)}")
+        names = {id(p): n for n, p in named}
+        missing = [
+            f"param_groups[{g}]['params'][{k}] (shape {list(p.shape)})"
+            for g, group in enumerate(optimizer.param_groups) for k, p in enumerate(group["params"])
+            if id(p) not in names
+        ]
+        if missing:
+            raise ValueError(
+                f"named_parameters was given, but {len(missing)} parameter(s) of the optimizer are not in it: "
+                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Pass the named_parameters() of "
+                "the model the optimizer was built on (all of them), or leave named_parameters=None"
+            )
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((names[id(p)], p))
+    return out
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """The methods a :func:`DistributedOptimizer` adds to the wrapped optimizer's class."""
+
+    _reducer: Reducer
+
+    def _setup(self, named: list[tuple[str, torch.Tensor]], passes: int, compression: Any, op: str,
+               predivide: float, group: dist.ProcessGroup | None, bucket_cap_mb: float) -> None:
+        self.backward_passes_per_step = passes
+        self.op = op
+        self.gradient_predivide_factor = predivide
+        self.process_group = group
+        self._passes = 0
+        """Backward passes since the last synchronize()."""
+        self._synchronized = False
+        self._should_synchronize = True
+        world = 1 if group is None else dist.get_world_size(group)
+        if world > 1:
+            _verify_same_parameters(named, group, "DistributedOptimizer")
+        reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
+                          complete_at_end_of_backward=False)
+        compression = _check_compression(compression)
+        if op == "sum":
+            reducer.div_factor = 1
+        if group is not None and (compression is not Compression.none or predivide != 1.0):
+            # Horovod's split of the average: sum(g / f) * f / world.
+            post = predivide / world if op == "avg" else 1.0
+            reducer.register_comm_hook(_ScaledReduce(group, compression, 1.0 / predivide, post), _ScaledReduce.hook)
+        reducer.on_local_backward = self._end_of_local_pass
+        reducer.on_overrun = self._overrun
+        self._reducer = reducer
+        self._arm_if_last_pass()
+
+    # -- passes ----------------------------------------------------------------
+
+    def _arm_if_last_pass(self) -> None:
+        if self._passes == self.backward_passes_per_step - 1:
+            self._reducer.prepare_for_backward()
+
+    def _end_of_local_pass(self) -> None:
+        self._passes += 1
+        self._arm_if_last_pass()
+
+    def _overrun(self, name: str) -> None:
+        raise AssertionError(
+            f"DistributedOptimizer: gradients were computed more than backward_passes_per_step="
+            f"{self.backward_passes_per_step} times before step() (parameter {name!r} got another one while "
+            "the last pass's all-reduce is in flight). Call step() or synchronize() after every "
+            f"{self.backward_passes_per_step} backward pass(es), or raise backward_passes_per_step to "
+            "accumulate more gradients locally"
+        )
+
+    def _pending(self) -> bool:
+        return self._passes > 0 or self._reducer.in_flight
+
+    # -- Horovod's API ---------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for the gradient all-reduces and leave the averages in ``.grad``.
+
+        Reduces whatever ``.grad`` holds when fewer than
+        ``backward_passes_per_step`` passes ran (parameters without a gradient
+        count as zeros and get the average, as in Horovod). Every rank must
+        call it (or ``step()``) the same number of times.
+        """
+        reducer = self._reducer
+        reducer.launch_now()
+        reducer.complete()
+        self._passes = 0
+        self._arm_if_last_pass()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside does not synchronise: for steps after an explicit ``synchronize()``.
+
+        Example::
+
+            loss.backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                opt.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): the gradients are all-reduced a second time, which costs "
+                    "time. Use `with optimizer.skip_synchronize(): optimizer.step()` after synchronize()",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending():
+            raise AssertionError(
+                "DistributedOptimizer: optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). The gradients' all-reduce is still pending "
+                "(it may be writing into .grad right now), so clearing them would race with it and leave "
+                "the ranks with different gradients. Call zero_grad() before backward (or after step())"
+            )
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "DistributedOptimizer: add_param_group() after wrapping is not supported (the new "
+            "parameters' gradients would never be all-reduced): add the group to the optimizer first, "
+            "then wrap it with ddpkit.DistributedOptimizer"
+        )
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that returns an optimizer
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    backward_passes_per_step: int = 1,
+    compression: Any = None,
+    op: str = "avg",
+    gradient_predivide_factor: float = 1.0,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; the result is an instance of
+            its class and shares its parameter groups and state.
+        named_parameters: ``model.named_parameters()``: names every parameter
+            (in errors and the stall inspector); each of the optimizer's
+            parameters must be in it. Default: numbered names.
+        backward_passes_per_step: backward passes accumulated locally in
+            ``.grad`` per step; the last one is reduced. Default 1.
+        compression: ``ddpkit.Compression.none`` (default), ``.fp16``, ``.bf16``
+            or a Horovod-style compressor class.
+        op: ``"avg"`` (default) or ``"sum"`` over ranks.
+        gradient_predivide_factor: with ``"avg"``, divide by this before the
+            sum and by ``world_size / factor`` after (Horovod's split, for
+            low-precision range). Default 1: divide by the world size first.
+        process_group: the group to reduce over; default the world.
+        bucket_cap_mb: bucket size cap in MiB (the first bucket is 1 MiB).
+
+    Returns:
+        The distributed optimizer.
+
+    Raises:
+        TypeError: not an optimizer; a compression without compress/decompress.
+        ValueError: a bad argument, a parameter missing from
+            ``named_parameters``, the ranks' parameters differ.
+        AssertionError: from ``zero_grad()`` between backward and step, and
+            from a backward beyond ``backward_passes_per_step`` (Horovod's types).
+
+    Example::
+
+        opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          named_parameters=model.named_parameters())
+        ddpkit.broadcast_parameters(model.state_dict(), root_rank=0)
+        ddpkit.broadcast_optimizer_state(opt, root_rank=0)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()   # all-reduces start during backward
+            opt.step()                         # waits for them, then steps
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer: wrap it once")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an integer >= 1")
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not supported: choose one of {', '.join(OPS)} (Adasum is not implemented)")
+    if not (isinstance(gradient_predivide_factor, (int, float)) and gradient_predivide_factor > 0):
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a positive number")
+    if gradient_predivide_factor != 1.0 and op != "avg":
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op='avg'")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive: the default is 25")
+    named = _named(optimizer, named_parameters)
+    if not named:
+        raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hooks
+    wrapped._patch_step_function()  # step pre/post hooks and profiling, as torch's constructor sets up
+    wrapped._setup(named, backward_passes_per_step, compression, op, float(gradient_predivide_factor),
+                   _world_group(process_group), bucket_cap_mb)
+    return wrapped
+
+
+# -- broadcasts --------------------------------------------------------------
+
+
+def _check_root(root_rank: int, group: dist.ProcessGroup | None) -> int:
+    world = 1 if group is None else dist.get_world_size(group)
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < world:
+        raise ValueError(f"root_rank={root_rank!r} is not a rank of this job: it must be in 0..{world - 1}")
+    return root_rank
+
+
+def _same_layout(layout: list[tuple[str, tuple[int, ...], str]], group: dist.ProcessGroup, root: int,
+                 what: str) -> None:
+    """Raise on every rank when this rank's tensors differ from the root's (names, shapes, dtypes)."""
+    theirs = broadcast_object(layout, src=dist.get_global_rank(group, root), group=group)
+    mismatch = next((i for i, (a, b) in enumerate(zip(layout, theirs)) if a != b), None)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    bad = torch.tensor([0 if mismatch is None and len(layout) == len(theirs) else 1], device=device)
+    stall.enter("{}: compare the ranks' tensors", what)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if not bad.item():
+        return
+    if mismatch is None and len(layout) != len(theirs):
+        detail = f"this rank has {len(layout)} tensors, root rank {root} has {len(theirs)}"
+    elif mismatch is None:
+        detail = "another rank's tensors differ from the root's"
+    else:
+        detail = f"this rank has {layout[mismatch]}, root rank {root} has {theirs[mismatch]}"
+    raise ValueError(f"{what}: the ranks' tensors differ ({detail}): build the same model on every rank first")
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         root_rank: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every rank's tensors with ``root_rank``'s, in place (Horovod's ``broadcast_parameters``).
+
+    Args:
+        params: ``model.state_dict()`` or ``model.named_parameters()``: the
+            same names, shapes and dtypes on every rank (checked).
+        root_rank: the rank whose values everyone takes.
+        process_group: default the world.
+
+    Example::
+
+        ddpkit.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = list(params)
+        if not all(isinstance(x, tuple) and len(x) == 2 for x in items):
+            raise ValueError("params must be a state_dict or a sequence of (name, tensor) pairs, as "
+                             "model.named_parameters() gives")
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: pass model.state_dict() or "
+                         "model.named_parameters()")
+    bad = [str(n) for n, t in items if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ValueError(f"broadcast_parameters: {', '.join(bad[:5])} are not tensors")
+    group = _world_group(process_group)
+    root = _check_root(root_rank, group)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    _same_layout([(str(n), tuple(t.shape), str(t.dtype)) for n, t in items], group, root, "broadcast_parameters")
+    with torch.no_grad():
+        broadcast_once([t.detach() for _, t in items], group, "broadcast_parameters", src=root)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of the root's optimizer state goes, in the object that carries the rest."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def _walk(value: Any, leaf: Any) -> Any:
+    """``value`` with every tensor or :class:`_Slot` replaced by ``leaf(it)``, in a fixed order."""
+    if isinstance(value, (torch.Tensor, _Slot)):
+        return leaf(value)
+    if isinstance(value, dict):
+        return {k: _walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_walk(v, leaf) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyper-parameters (Horovod's ``broadcast_optimizer_state``).
+
+    The root's ``state_dict()`` (state tensors, step counts, learning rates
+    and other group options) is loaded on every rank; each rank keeps its own
+    parameters. A root that has not stepped yet has no state: every rank then
+    ends with none. Typical use: rank 0 resumed from a checkpoint.
+
+    Raises:
+        ValueError: ``torch.optim.LBFGS`` (its state is not per parameter, as
+            in Horovod); a bad ``root_rank``; the ranks' optimizers hold
+            different parameters.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state: its state is not per parameter")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    group = _world_group(process_group)
+    root = _check_root(root_rank, group)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    params = [(f"param_groups[{g}]['params'][{k}]", p) for g, pg in enumerate(optimizer.param_groups)
+              for k, p in enumerate(pg["params"])]
+    _same_layout([(n, tuple(p.shape), str(p.dtype)) for n, p in params], group, root, "broadcast_optimizer_state")
+    device = params[0][1].device if params else torch.device("cpu")
+    tensors: list[torch.Tensor] = []
+
+    def slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _Slot(tuple(t.shape), t.dtype, t.device.type == "cpu")
+
+    def allocate(s: _Slot) -> torch.Tensor:
+        tensors.append(torch.empty(s.shape, dtype=s.dtype, device="cpu" if s.on_cpu else device))
+        return tensors[-1]
+
+    is_root = dist.get_rank(group) == root
+    # The structure and the numbers travel as one object, the tensors in one coalesced broadcast.
+    skeleton = broadcast_object(_walk(optimizer.state_dict(), slot) if is_root else None,
+                                src=dist.get_global_rank(group, root), group=group)
+    state = None if is_root else _walk(skeleton, allocate)
+    if tensors:
+        # NCCL moves device tensors only: CPU ones (Adam's step) go through the device and back.
+        nccl = dist.get_backend(group) == "nccl"
+        moved = [t.to(device) if nccl and t.device.type == "cpu" else t for t in tensors]
+        broadcast_once(moved, group, "broadcast_optimizer_state", src=root)
+        for t, m in zip(tensors, moved):
+            if m is not t:
+                t.copy_(m)
+    if state is not None:
+        optimizer.load_state_dict(state)

@@ -1,0 +1,310 @@
+"""ddpkit.DistributedOptimizer (Horovod's contract) against ddpkit's DDP, on real gloo ranks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import MODELS, batch
+from torch import nn
+
+import ddpkit
+
+# At world size 2 both engines pre-scale by 1/2 (exact in binary) and gloo adds
+# two values (one rounding, commutative): bitwise equal. The fp16 and
+# predivide variants round differently on purpose: a float16 mantissa keeps
+# 11 bits, so a relative error of a few 1e-3 per step.
+EXACT = {"rtol": 0.0, "atol": 0.0}
+FP16 = {"rtol": 2e-2, "atol": 2e-3}
+
+
+def _model(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed + 10 * dist.get_rank())  # different on purpose: the broadcast must fix it
+    return MODELS[name]()
+
+
+def _ddp_run(name: str, steps: int, micro: int, momentum: float, **ddp_kwargs) -> dict:
+    model = _model(name)
+    ddp = ddpkit.DDP(model, **ddp_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    for step in range(steps):
+        for m in range(micro):
+            x, y = batch(name, 1000 + 100 * step + 10 * dist.get_rank() + m)
+            ctx = ddp.no_sync() if m < micro - 1 else _null()
+            with ctx:
+                nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _hvd_run(name: str, steps: int, micro: int, momentum: float, **kwargs) -> dict:
+    model = _model(name)
+    ddpkit.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    opt = ddpkit.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                      backward_passes_per_step=micro, **kwargs)
+    assert isinstance(opt, torch.optim.SGD)
+    for step in range(steps):
+        for m in range(micro):
+            x, y = batch(name, 1000 + 100 * step + 10 * dist.get_rank() + m)
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _compare(name: str, steps: int, micro: int, momentum: float, tol: dict, ddp_kwargs: dict, **kwargs) -> None:
+    theirs = _ddp_run(name, steps, micro, momentum, **ddp_kwargs)
+    ours = _hvd_run(name, steps, micro, momentum, **kwargs)
+    for k in theirs:
+        if "running_" in k or "num_batches" in k:
+            continue  # DDP broadcasts BatchNorm statistics from rank 0; the optimizer leaves them local
+        torch.testing.assert_close(ours[k], theirs[k], **tol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", ["plain", "convbn", "embed"])
+def test_same_weights_as_ddp(dist2, name):
+    dist2.run(_compare, name, 4, 1, 0.9, EXACT, {})
+
+
+def test_accumulation_matches_ddp_no_sync(dist2):
+    # backward_passes_per_step=3 against DDP with two no_sync micro-batches and a synchronised one.
+    dist2.run(_compare, "plain", 3, 3, 0.9, EXACT, {})
+
+
+def test_world3_and_small_buckets(dist3):
+    # Three ranks: gloo's ring adds in an order that depends on the chunk, so a few ulps.
+    dist3.run(_compare, "convbn", 3, 1, 0.0, {"rtol": 1e-5, "atol": 1e-6}, {"bucket_cap_mb": 1e-4},
+              bucket_cap_mb=1e-4)
+
+
+def test_compression_and_predivide(dist2):
+    dist2.run(_compare, "plain", 3, 1, 0.0, FP16, {}, compression=ddpkit.Compression.fp16)
+    dist2.run(_compare, "plain", 3, 1, 0.0, FP16, {}, compression=ddpkit.Compression.bf16, gradient_predivide_factor=2.0)
+    dist2.run(_compare, "plain", 3, 1, 0.0, {"rtol": 1e-6, "atol": 1e-7}, {}, gradient_predivide_factor=4.0)
+
+
+def _sum_op() -> list:
+    model = _model("plain")
+    ddpkit.broadcast_parameters(model.state_dict())
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="sum")
+    x, y = batch("plain", 10 * dist.get_rank())
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # Each rank's local gradient, summed by hand.
+    ref = _model("plain")
+    ref.load_state_dict(model.state_dict())
+    nn.functional.cross_entropy(ref(x), y).backward()
+    for n, p in ref.named_parameters():
+        local = p.grad.clone()
+        dist.all_reduce(local)
+        torch.testing.assert_close(mine[n], local, rtol=0, atol=0)
+    with opt.skip_synchronize():
+        opt.step()
+    return []
+
+
+def test_op_sum_and_skip_synchronize(dist2):
+    dist2.run(_sum_op)
+
+
+def _clip_between() -> dict:
+    model = _model("plain")
+    ddpkit.broadcast_parameters(model.state_dict())
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    out = {}
+    for step in range(2):
+        x, y = batch("plain", 100 * step + 10 * dist.get_rank())
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        out[step] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no double-synchronise warning inside skip_synchronize
+            with opt.skip_synchronize():
+                opt.step()
+        opt.zero_grad()
+    # step() right after synchronize() without the context: Horovod's warning, and it still works.
+    x, y = batch("plain", 500 + 10 * dist.get_rank())
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    out["warned"] = any("skip_synchronize" in str(w.message) for w in caught)
+    out["weights"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_synchronize_then_clip(dist2):
+    a, b = dist2.run(_clip_between)
+    assert a[0] == b[0] and a[1] == b[1]  # the norm of the averaged gradient: the same everywhere
+    assert a["warned"] and b["warned"]
+    for x, y in zip(a["weights"], b["weights"]):
+        assert torch.equal(x, y)
+
+
+def _unused_gets_zero_grad() -> list:
+    model = MODELS["branchy"]()
+    ddpkit.broadcast_parameters(model.state_dict())
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+    x, _ = batch("branchy", 10 * dist.get_rank())
+    # "sometimes" is used on rank 0 only, "never" nowhere: Horovod reduces both (zeros where unused).
+    model(x, branch=dist.get_rank() == 0).sum().backward()
+    opt.synchronize()
+    return [model.sometimes.weight.grad.clone(), model.never.weight.grad.clone()]
+
+
+def test_unused_parameters_reduced_as_zeros(dist2):
+    (s0, n0), (s1, n1) = dist2.run(_unused_gets_zero_grad)
+    assert torch.equal(s0, s1) and s0.abs().sum() > 0  # rank 0's gradient, halved, on both
+    assert torch.equal(n0, torch.zeros_like(n0)) and torch.equal(n1, n0)
+
+
+def _misuse() -> dict:
+    model = _model("plain")
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch("plain", 10 * dist.get_rank())
+    nn.functional.cross_entropy(model(x), y).backward()
+    errors = {}
+    try:
+        opt.zero_grad()
+    except AssertionError as e:
+        errors["zero_grad"] = str(e)
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+    except AssertionError as e:
+        errors["overrun"] = str(e)
+    opt.step()  # still usable: the first pass's reduction completes
+    opt.zero_grad()
+    # Two passes per step: zero_grad after the first is refused too (Horovod's rule).
+    model2 = _model("plain")
+    opt2 = ddpkit.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), backward_passes_per_step=2)
+    nn.functional.cross_entropy(model2(x), y).backward()
+    try:
+        opt2.zero_grad()
+    except AssertionError as e:
+        errors["zero_grad_2"] = str(e)
+    nn.functional.cross_entropy(model2(x), y).backward()
+    opt2.step()
+    opt2.zero_grad()
+    return errors
+
+
+def test_zero_grad_and_overrun_errors(dist2):
+    errors = dist2.run(_misuse)[0]
+    assert "zero_grad() was called after loss.backward()" in errors["zero_grad"]
+    assert "before optimizer.step() or optimizer.synchronize()" in errors["zero_grad"]
+    assert "more than backward_passes_per_step=1" in errors["overrun"]
+    assert "zero_grad() was called after loss.backward()" in errors["zero_grad_2"]
+
+
+def _bad_inputs() -> dict:
+    model = _model("plain")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = {}
+    cases = {
+        "not_named": lambda: ddpkit.DistributedOptimizer(sgd, named_parameters=list(model.named_parameters())[:1]),
+        "duplicates": lambda: ddpkit.DistributedOptimizer(
+            sgd, named_parameters=[("a", p) for p in model.parameters()]),
+        "not_tuples": lambda: ddpkit.DistributedOptimizer(sgd, named_parameters=list(model.parameters())),
+        "passes": lambda: ddpkit.DistributedOptimizer(sgd, backward_passes_per_step=0),
+        "op": lambda: ddpkit.DistributedOptimizer(sgd, op="adasum"),
+        "predivide": lambda: ddpkit.DistributedOptimizer(sgd, op="sum", gradient_predivide_factor=2.0),
+        "compression": lambda: ddpkit.DistributedOptimizer(sgd, compression="fp16"),
+        "root": lambda: ddpkit.broadcast_parameters(model.state_dict(), root_rank=5),
+        "params_type": lambda: ddpkit.broadcast_parameters(torch.zeros(3)),
+        "lbfgs": lambda: ddpkit.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters())),
+    }
+    for key, fn in cases.items():
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            errors[key] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_bad_inputs(dist2):
+    errors = dist2.run(_bad_inputs)[0]
+    assert "not in it: param_groups[0]['params'][1]" in errors["not_named"]
+    assert "duplicates: a" in errors["duplicates"]
+    assert "sequence of tuples (name, parameter)" in errors["not_tuples"]
+    assert "backward_passes_per_step=0" in errors["passes"]
+    assert "op='adasum'" in errors["op"]
+    assert "only supported with op='avg'" in errors["predivide"]
+    assert errors["compression"].startswith("TypeError: compression='fp16'")
+    assert "root_rank=5" in errors["root"] and "0..1" in errors["root"]
+    assert "invalid params of type Tensor" in errors["params_type"]
+    assert "LBFGS" in errors["lbfgs"]
+
+
+def _mismatched() -> str:
+    model = nn.Linear(4, 3 if dist.get_rank() == 0 else 5)
+    try:
+        ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_parameters_across_ranks(dist2):
+    for msg in dist2.run(_mismatched):
+        assert "DistributedOptimizer: the ranks hold different parameters" in msg
+        assert "'weight' shape [3, 4]" in msg and "'weight' shape [5, 4]" in msg
+
+
+def _broadcasts() -> dict:
+    rank = dist.get_rank()
+    model = _model("convbn")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1))
+    if rank == 0:  # rank 0 "resumed": it has Adam state; rank 1 is fresh
+        x, y = batch("convbn", 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ddpkit.broadcast_parameters(model.state_dict(), root_rank=0)
+    ddpkit.broadcast_optimizer_state(opt, root_rank=0)
+    sd = opt.state_dict()
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "state": {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in v.items()}
+                      for k, v in sd["state"].items()},
+            "lr": sd["param_groups"][0]["lr"]}
+
+
+def test_broadcast_parameters_and_optimizer_state(dist2):
+    a, b = dist2.run(_broadcasts)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["lr"] == b["lr"] == 0.01
+    assert a["state"].keys() == b["state"].keys() and a["state"]
+    for k in a["state"]:
+        for n in a["state"][k]:
+            assert torch.equal(a["state"][k][n], b["state"][k][n]), (k, n)
+
+
+def _fresh_state_stays_fresh() -> tuple:
+    model = _model("plain")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    ddpkit.broadcast_optimizer_state(opt, root_rank=1)
+    after = [p.detach().clone() for p in model.parameters()]
+    return len(opt.state), all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_broadcast_optimizer_state_of_a_fresh_optimizer(dist2):
+    # Horovod steps a fresh optimizer with zero gradients here (moving weights under
+    # weight decay); ddpkit copies the root's empty state and leaves parameters alone.
+    assert dist2.run(_fresh_state_stays_fresh) == [(0, True), (0, True)]
