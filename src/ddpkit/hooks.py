@@ -1,4 +1,8 @@
-"""``ddpkit.hooks``: the public name of :mod:`ddpkit.comm.hooks` (comm hooks for DDP)."""
+"""``ddpkit.hooks``: the public name of the comm hooks for DDP (:mod:`ddpkit.comm.hooks`, :mod:`ddpkit.comm.powersgd`)."""
 
+from ddpkit.comm import hooks as _hooks
+from ddpkit.comm import powersgd as _powersgd
 from ddpkit.comm.hooks import *  # noqa: F401,F403
-from ddpkit.comm.hooks import __all__  # noqa: F401
+from ddpkit.comm.powersgd import *  # noqa: F401,F403
+
+__all__ = [*_hooks.__all__, *_powersgd.__all__]

@@ -56,6 +56,12 @@ def _group(state: dist.ProcessGroup | AllReduceState | None) -> dist.ProcessGrou
     return state if state is not None else dist.group.WORLD
 
 
+def average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future:
+    """Divide ``tensor`` by the group's size, then sum it over the group, in place (a future of it)."""
+    tensor.div_(dist.get_world_size(group))
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
 def allreduce_hook(state: dist.ProcessGroup | AllReduceState | None, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket over the group: the same numbers as no hook at all with ``native``.
 
@@ -65,13 +71,12 @@ def allreduce_hook(state: dist.ProcessGroup | AllReduceState | None, bucket: Gra
     """
     group = _group(state)
     buffer = bucket.buffer()
-    buffer.div_(dist.get_world_size(group))
     if isinstance(state, AllReduceState) and state.algorithm != "native":
+        buffer.div_(dist.get_world_size(group))
         handle = all_reduce(buffer, "sum", state.algorithm, group, async_op=True, local_size=state.local_size,
                             check=False)
         return handle.get_future().then(lambda f: f.value()[0])
-    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return average(group, buffer)
 
 
 def _compress_hook(dtype: torch.dtype, state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
