@@ -1,0 +1,182 @@
+"""ddpkit.LocalSGD against local SGD written out by hand, and against torch's post-local SGD (gloo ranks)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import MODELS, batch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local
+from torch.distributed.algorithms.model_averaging import averagers
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddpkit
+
+
+def _data(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch(name, 1000 + 100 * step + 10 * dist.get_rank())
+
+
+def _by_hand(base: nn.Module, name: str, steps: int, period: int | dict, warmup: int) -> dict:
+    """Local SGD spelled out: average gradients by hand while warming up, then parameters when due."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    world = dist.get_world_size()
+    groups = {}
+    if isinstance(period, dict):
+        for p, size in period.items():
+            groups[p] = dist.new_subgroups(group_size=size)[0] if size != world else dist.group.WORLD
+    for step in range(steps):
+        x, y = _data(name, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step < warmup:
+            for p in model.parameters():
+                p.grad /= world
+                dist.all_reduce(p.grad)
+        opt.step()
+        group = None
+        if step >= warmup:
+            if isinstance(period, dict):
+                group = next((groups[p] for p in sorted(period, reverse=True) if step % p == 0), None)
+            elif (step - warmup) % period == 0:
+                group = dist.group.WORLD
+        if group is not None:
+            # One flat message, so that gloo adds in the same order as for any flat average.
+            with torch.no_grad():
+                flat = torch.cat([p.reshape(-1) for p in model.parameters()]) / dist.get_world_size(group)
+                dist.all_reduce(flat, group=group)
+                torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _ours(base: nn.Module, name: str, steps: int, period: int | dict, warmup: int) -> tuple[dict, int]:
+    model = copy.deepcopy(base)
+    ddp = ddpkit.DDP(model)
+    local = ddpkit.LocalSGD(ddp, period=period, warmup_steps=warmup)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = _data(name, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        local.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}, local.averages
+
+
+def _against_hand(name: str, steps: int, period, warmup: int) -> tuple[dict, dict, int]:
+    torch.manual_seed(0)
+    base = MODELS[name]()
+    ours, averages = _ours(base, name, steps, period, warmup)
+    return ours, _by_hand(base, name, steps, period, warmup), averages
+
+
+@pytest.mark.parametrize("period,warmup,averages", [(3, 2, 2), (2, 0, 4), (4, 10, 0)])
+def test_matches_averaging_by_hand(dist2, period, warmup, averages):
+    for ours, hand, count in dist2.run(_against_hand, "plain", 8, period, warmup):
+        assert count == averages
+        for k in ours:
+            assert torch.equal(ours[k], hand[k]), k
+
+
+def test_hierarchical_periods(dist4):
+    # Pairs average every 2 steps, all four every 4 (from step 2 on).
+    for ours, hand, count in dist4.run(_against_hand, "plain", 9, {2: 2, 4: 4}, 2):
+        assert count == 4  # steps 2, 4, 6, 8
+        for k in ours:
+            # Four ranks: gloo's ring adds the warm-up gradients in an order that depends on
+            # where an element sits in the message (DDP's bucket vs one parameter): ulps.
+            torch.testing.assert_close(ours[k], hand[k], rtol=1e-5, atol=1e-6)
+
+
+def _against_torch(steps: int, period: int, warmup: int) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    base = MODELS["convbn"]()
+    ours, _ = _ours(base, "convbn", steps, period, warmup)
+    model = copy.deepcopy(base)
+    ddp = TorchDDP(model)
+    ddp.register_comm_hook(torch_post_local.PostLocalSGDState(None, None, warmup, post_local_gradient_allreduce=False),
+                           torch_post_local.post_localSGD_hook)
+    averager = averagers.PeriodicModelAverager(period=period, warmup_steps=warmup)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = _data("convbn", step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        averager.average_parameters(model.parameters())
+    return ours, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_matches_torch_post_local_sgd(dist2):
+    # BatchNorm too: both broadcast rank 0's statistics before every forward.
+    for ours, theirs in dist2.run(_against_torch, 7, 2, 3):
+        for k in ours:
+            assert torch.equal(ours[k], theirs[k]), k
+
+
+def _no_gradient_traffic() -> list:
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *a, **kw):
+        calls.append(tensor.numel())
+        return real(tensor, *a, **kw)
+
+    model = ddpkit.DDP(MODELS["plain"]())
+    local = ddpkit.LocalSGD(model, period=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dist.all_reduce = counting
+    try:
+        per_step = []
+        for step in range(6):
+            before = len(calls)
+            x, y = _data("plain", step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            local.step()
+            per_step.append(len(calls) - before)
+    finally:
+        dist.all_reduce = real
+    return per_step
+
+
+def test_local_steps_send_nothing_between_averages(dist2):
+    assert dist2.run(_no_gradient_traffic)[0] == [1, 0, 0, 1, 0, 0]
+
+
+def _bad() -> dict:
+    model = ddpkit.DDP(MODELS["plain"]())
+    errors = {}
+    for key, kwargs in {
+        "period0": {"period": 0}, "warmup": {"period": 2, "warmup_steps": -1},
+        "order": {"period": {4: 2, 2: 2}}, "last": {"period": {2: 1}}, "algo": {"period": 2, "algorithm": "x"},
+    }.items():
+        try:
+            ddpkit.LocalSGD(model, **kwargs)
+        except ValueError as e:
+            errors[key] = str(e)
+    try:
+        ddpkit.LocalSGD(MODELS["plain"](), period=2, warmup_steps=5)
+    except ValueError as e:
+        errors["plain"] = str(e)
+    try:
+        ddpkit.LocalSGD(TorchDDP(MODELS["plain"]()), period=2)
+    except TypeError as e:
+        errors["torch"] = str(e)
+    return errors
+
+
+def test_bad_inputs(dist2):
+    errors = dist2.run(_bad)[0]
+    assert "period=0 must be an integer >= 1" in errors["period0"]
+    assert "warmup_steps=-1" in errors["warmup"]
+    assert "must both increase" in errors["order"]
+    assert "must be the world size 2" in errors["last"]
+    assert "algorithm='x'" in errors["algo"]
+    assert "needs a ddpkit.DDP model" in errors["plain"]
+    assert "not torch's" in errors["torch"]
