@@ -173,3 +173,34 @@ def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     # 5.8 M parameters: weights, gradients and momentum are 70 MB before anything the engines add.
     assert memory["mlp"]["ddpkit_mb"] > 50 and memory["mlp"]["torch_mb"] > 50
     assert "peak memory per rank" in capfd.readouterr().out
+
+
+def _strategies():
+    from ddpkit.bench.strategies import bench_strategies
+
+    cfg = BenchConfig(**TOY, strategy_workloads=("mlp",), local_sgd_period=2, powersgd_rank=1)
+    return bench_strategies(cfg)
+
+
+def test_strategies_send_what_each_strategy_should(dist2):
+    rows = {r.strategy: r for r in dist2.run(_strategies)[0]}
+    assert list(rows) == ["ddp", "optimizer", "local-sgd", "powersgd"]
+    grads = PARAMS["mlp"] * 4  # float32 bytes: what DDP and the optimizer all-reduce every step
+    assert rows["ddp"].bytes_per_step == grads and rows["optimizer"].bytes_per_step == grads
+    assert rows["local-sgd"].bytes_per_step == grads / 2  # the parameters, every second step
+    assert 0 < rows["powersgd"].bytes_per_step < grads / 5  # rank-1 factors of three matrices, and the biases
+    for r in rows.values():
+        assert r.ms > 0 and r.steps_per_block == 2 and r.blocks == 2
+        assert r.iqr_ms[0] <= r.ms <= r.iqr_ms[1]
+    assert rows["ddp"].ratio_to_ddp == 1.0
+
+
+def test_strategies_in_the_report(tmp_path, capfd):
+    code = main(["bench", "--workloads", "strategies", "--strategy-workloads", "convnet", "--steps", "2",
+                 "--warmup", "1", "--samples-per-rank", "4", "--local-sgd-period", "2", "--report", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["strategy"] for r in data["strategies"]] == ["ddp", "optimizer", "local-sgd", "powersgd"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Strategies on ddpkit's engine" in summary and "| convnet | local-sgd |" in summary
+    assert "MB sent/step" in capfd.readouterr().out

@@ -25,10 +25,20 @@ def test_building_the_cli_does_not_import_torch():
     ({"model": "vgg"}, "--model 'vgg' is not a model"),
     ({"dataset": "cifar"}, "--dataset 'cifar' is not a dataset"),
     ({"batch_size": 0}, "--batch-size 0 must be at least 1"),
+    ({"strategy": "gossip"}, "--strategy 'gossip' is not a strategy"),
+    ({"strategy": "optimizer", "engine": "torch"}, "--strategy 'optimizer' needs --engine ddpkit"),
+    ({"local_sgd": 0}, "--local-sgd 0 must be at least 1"),
+    ({"local_sgd": 4, "strategy": "optimizer"}, "--local-sgd 4 does not fit --strategy optimizer"),
+    ({"local_sgd_warmup": -1}, "--local-sgd-warmup -1 must be 0 or more"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+def test_local_sgd_implies_its_strategy():
+    assert TrainConfig(local_sgd=8).strategy == "local-sgd"
+    assert TrainConfig(strategy="local-sgd").local_sgd == 4
 
 
 def test_backend_is_checked_before_any_worker_starts(capsys) -> None:

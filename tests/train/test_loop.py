@@ -286,3 +286,26 @@ def test_trace_records_the_first_steps_of_every_rank(tmp_path: Path) -> None:
         assert names.count(("ddpkit wait", "wait for buckets")) == 2
         assert names.count(("ddpkit bucket 0", "all-reduce bucket 0")) == 2
     assert main([*base[:-4], "--output-dir", str(tmp_path / "x"), "--trace", str(tmp_path / "no" / "t.json")]) == 2
+
+
+def test_strategies_optimizer_equals_ddp_and_local_sgd_resumes_exactly(dist2, tmp_path: Path) -> None:
+    # An MLP (no BatchNorm, whose statistics DDP broadcasts and the optimizer leaves local).
+    mlp = dict(SMALL, model="mlp", grad_accum=2, batch_size=8)
+    ddp = _train(dist2, TrainConfig(**mlp, epochs=1, output_dir=tmp_path / "ddp"))
+    hvd = _train(dist2, TrainConfig(**mlp, epochs=1, strategy="optimizer", output_dir=tmp_path / "hvd"))
+    assert ddp["strategy"] == "ddp" and hvd["strategy"] == "optimizer"
+    a, b = _weights(tmp_path / "ddp"), _weights(tmp_path / "hvd")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"optimizer strategy: {k}"  # the same averages, the same steps
+    # Local SGD: 6 steps per epoch, averaged after steps 2, 5 (period 3, warm-up 2), and at every
+    # checkpoint (each epoch end here) so that a resumed run continues from the same model.
+    local = dict(SMALL, local_sgd=3, local_sgd_warmup=2)
+    whole = _train(dist2, TrainConfig(**local, epochs=2, output_dir=tmp_path / "local"))
+    assert whole["strategy"] == "local-sgd" and whole["local_sgd_period"] == 3
+    assert whole["parameter_averages"] == 2 + 1 + 2 + 1  # epoch 1: steps 2, 5, end; epoch 2: steps 8, 11, end
+    _train(dist2, TrainConfig(**local, epochs=1, output_dir=tmp_path / "cut"))
+    _train(dist2, TrainConfig(**local, epochs=2, output_dir=tmp_path / "cut", resume=True))
+    a, b = _weights(tmp_path / "local"), _weights(tmp_path / "cut")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"local SGD resumed: {k}"
+    assert all(torch.isfinite(v).all() for v in a.values())

@@ -7,11 +7,13 @@ from pathlib import Path
 
 from ddpkit.runtime.options import ConfigError, option, writable_file
 
-WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200", "dp")
+WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200", "dp", "strategies")
 """``resnet``: a ResNet-8 with BatchNorm (buffers broadcast every step); ``transformer``: a 6-layer
 encoder, d_model 256; ``linear200``: 200 ``Linear(16, 16)`` layers
 (Python cost per parameter); ``dp``: DataParallel against DDP at ``world_size`` replicas (ConvNet,
-``samples_per_rank`` each)."""
+``samples_per_rank`` each); ``strategies``: DDP, DistributedOptimizer, local SGD and PowerSGD on ddpkit's engine
+(step time and bytes sent, on ``--strategy-workloads``)."""
+STRATEGY_WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200")
 
 
 @dataclass(kw_only=True)
@@ -29,6 +31,11 @@ class BenchConfig:
     transformer_batch: int = option(8, "transformer sequences (32 tokens each) per rank")
     resnet_batch: int = option(32, "ResNet batch per rank (28x28 images)")
     bucket_cap_mb: float = option(25.0, "bucket cap of both engines, in MiB")
+    strategy_workloads: tuple[str, ...] = option(
+        ("convnet", "mlp"), "the models the strategies workload trains", metavar="NAME"
+    )
+    local_sgd_period: int = option(4, "strategies: local SGD averages the parameters every this many steps")
+    powersgd_rank: int = option(2, "strategies: PowerSGD's matrix approximation rank")
     scaling: bool = option(
         False, "measure scaling instead: step time and throughput at each of --world-sizes (weak: the same batch "
         "per rank; strong: the same global batch), and step time and ratio of MLPs of --mlp-sizes parameters"
@@ -76,8 +83,13 @@ class BenchConfig:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
         if unknown or not self.workloads:
             raise ConfigError(f"--workloads {' '.join(self.workloads)}: choose among {', '.join(WORKLOADS)}")
+        self.strategy_workloads = tuple(self.strategy_workloads)
+        unknown = [w for w in self.strategy_workloads if w not in STRATEGY_WORKLOADS]
+        if unknown or not self.strategy_workloads:
+            raise ConfigError(f"--strategy-workloads {' '.join(self.strategy_workloads)}: choose among "
+                              f"{', '.join(STRATEGY_WORKLOADS)}")
         for name in ("steps", "warmup", "block", "world_size", "samples_per_rank", "mlp_hidden", "mlp_batch",
-                     "transformer_batch", "resnet_batch"):
+                     "transformer_batch", "resnet_batch", "local_sgd_period", "powersgd_rank"):
             value = getattr(self, name)
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")

@@ -314,7 +314,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
     init(backend="gloo")
     from ddpkit.bench.dp import bench_dp_vs_ddp
 
-    results, dp = [], None
+    results, dp, strategies = [], None, None
     for i, name in enumerate(cfg.workloads, 1):
         _say(cfg, f"{name} ({i}/{len(cfg.workloads)}): {cfg.steps} steps per engine"
              + (f", more until the ratio's IQR is within {cfg.target_spread:g} of it" if cfg.target_spread else ""))
@@ -323,12 +323,18 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
             dp = asdict(bench_dp_vs_ddp(cfg))
             _say(cfg, f"dp done in {time.monotonic() - start:.0f} s")
             continue
+        if name == "strategies":
+            from ddpkit.bench.strategies import bench_strategies
+
+            strategies = [asdict(r) for r in bench_strategies(cfg)]
+            _say(cfg, f"strategies done in {time.monotonic() - start:.0f} s")
+            continue
         result = _bench_workload(name, cfg)
         results.append(asdict(result))
         _say(cfg, f"{name} done in {time.monotonic() - start:.0f} s: {result.steps} steps per engine, ratio "
              f"{result.ratio:.3f} (IQR {result.ratio_iqr[0]:.3f}-{result.ratio_iqr[1]:.3f})")
     if rank == 0:
-        Path(out).write_text(json.dumps({"ddp": results, "dp": dp}))
+        Path(out).write_text(json.dumps({"ddp": results, "dp": dp, "strategies": strategies}))
     shutdown()
 
 
@@ -410,6 +416,10 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         from ddpkit.bench.dp import DPResult, format_dp
 
         print(format_dp(DPResult(**raw["dp"])), flush=True)
+    if raw.get("strategies"):
+        from ddpkit.bench.strategies import StrategyResult, format_strategies
+
+        print(format_strategies([StrategyResult(**r) for r in raw["strategies"]], cfg), flush=True)
     if raw.get("memory"):
         from ddpkit.bench.memory import format_memory
 

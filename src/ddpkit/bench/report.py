@@ -129,9 +129,30 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
                   "", "| DataParallel ms | DDP ms | DP / DDP (IQR) | rounds |", "| ---: | ---: | ---: | ---: |",
                   f"| {dp['dp_ms']:.2f} | {dp['ddp_ms']:.2f} | {dp['ratio']:.2f} ({dp['ratio_q1']:.2f}-"
                   f"{dp['ratio_q3']:.2f}) | {dp['rounds']} |"]
+    if data.get("strategies"):
+        lines += _strategies_section(cfg, data["strategies"])
     path = cfg.report / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _strategies_section(cfg: BenchConfig, rows: list[dict[str, Any]]) -> list[str]:
+    ddp_bytes = {r["workload"]: r["bytes_per_step"] for r in rows if r["strategy"] == "ddp"}
+    lines = ["", "## Strategies on ddpkit's engine", "",
+             f"DDP, `DistributedOptimizer`, `LocalSGD` (parameters averaged every {cfg.local_sgd_period} steps, no "
+             f"warm-up) and PowerSGD (rank {cfg.powersgd_rank}) trained side by side, rounds interleaved, each timed "
+             "over blocks of one averaging period.", "",
+             "| workload | strategy | ms/step (IQR) | / DDP (IQR) | MB sent/step | bytes / DDP |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        base = ddp_bytes.get(r["workload"]) or float("nan")
+        lines.append(
+            f"| {r['workload']} | {r['strategy']} | {r['ms']:.2f} ({r['iqr_ms'][0]:.2f}-{r['iqr_ms'][1]:.2f}) | "
+            f"{r['ratio_to_ddp']:.3f} ({r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}) | "
+            f"{r['bytes_per_step'] / 1e6:.3f} | {r['bytes_per_step'] / base:.3f} |")
+    lines += ["", "- *MB sent/step*: the payload one rank hands to all-reduce and broadcast per step (a ring sends "
+              "about twice that over the wire)."]
+    return lines
 
 
 def write_scaling_report(cfg: BenchConfig, data: dict[str, Any], table: str, plots: list[Path]) -> Path:

@@ -138,9 +138,10 @@ class Recorder:
             opt.step()
 
 
-def trace_ddpkit(model: Any, recorder: Recorder) -> None:
-    """Record each bucket's all-reduce and the end-of-backward wait of ddpkit's DDP ``model`` (this instance)."""
-    reducer = model.reducer
+def trace_ddpkit(owner: Any, recorder: Recorder) -> None:
+    """Record each bucket's all-reduce and the wait for them of the reducer of ``owner`` (ddpkit's DDP, or a
+    DistributedOptimizer), this instance only."""
+    reducer = owner.reducer
     launch, wait_all = reducer._launch, reducer._wait_all
 
     def traced_launch(bucket: Any) -> None:
@@ -174,11 +175,14 @@ def trace_torch(model: Any, recorder: Recorder) -> None:
     model.register_comm_hook(None, hook)
 
 
-def instrument(model: nn.Module, engine: str, rank: int) -> Recorder:
-    """A recorder for ``model`` wrapped by ``engine`` (``ddpkit``, ``torch``, else phases only)."""
+def instrument(model: nn.Module, engine: str, rank: int, reducer_owner: Any = None) -> Recorder:
+    """A recorder for ``model`` wrapped by ``engine`` (``ddpkit``, ``torch``, else phases only).
+
+    ``reducer_owner``: what holds ddpkit's reducer, when not ``model`` (a DistributedOptimizer).
+    """
     recorder = Recorder(engine, model, rank)
     if engine == "ddpkit":
-        trace_ddpkit(model, recorder)
+        trace_ddpkit(reducer_owner if reducer_owner is not None else model, recorder)
     elif engine == "torch":
         trace_torch(model, recorder)
     return recorder

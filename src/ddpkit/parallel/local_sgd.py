@@ -183,6 +183,22 @@ class LocalSGD:
                 return group
         return False
 
+    def average(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Average the parameters over the whole group now, outside the schedule (before evaluating or saving).
+
+        With ``optimizer``, its floating-point state (momentum, Adam's moments)
+        too, so that every rank holds one model and one optimizer state: what
+        a checkpoint needs to be the whole job's state.
+        """
+        if self.world_size <= 1:
+            return
+        tensors = list(self.module.parameters())
+        if optimizer is not None:
+            tensors += [v for p in tensors for k, v in optimizer.state.get(p, {}).items()
+                        if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
+        average_parameters(tensors, self.group, self.algorithm)  # type: ignore[arg-type]
+        self.averages += 1
+
     def step(self) -> bool:
         """Call after every ``optimizer.step()``; averages when due. Returns whether it averaged."""
         group = self._due(self.step_count)

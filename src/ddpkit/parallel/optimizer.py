@@ -131,7 +131,8 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tupl
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods a :func:`DistributedOptimizer` adds to the wrapped optimizer's class."""
 
-    _reducer: Reducer
+    reducer: Reducer
+    """The engine doing the all-reduces (the same as ``DistributedDataParallel.reducer``)."""
 
     def _setup(self, named: list[tuple[str, torch.Tensor]], passes: int, compression: Any, op: str,
                predivide: float, group: dist.ProcessGroup | None, bucket_cap_mb: float) -> None:
@@ -157,14 +158,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             reducer.register_comm_hook(_ScaledReduce(group, compression, 1.0 / predivide, post), _ScaledReduce.hook)
         reducer.on_local_backward = self._end_of_local_pass
         reducer.on_overrun = self._overrun
-        self._reducer = reducer
+        self.reducer = reducer
         self._arm_if_last_pass()
 
     # -- passes ----------------------------------------------------------------
 
     def _arm_if_last_pass(self) -> None:
         if self._passes == self.backward_passes_per_step - 1:
-            self._reducer.prepare_for_backward()
+            self.reducer.prepare_for_backward()
 
     def _end_of_local_pass(self) -> None:
         self._passes += 1
@@ -180,7 +181,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def _pending(self) -> bool:
-        return self._passes > 0 or self._reducer.in_flight
+        return self._passes > 0 or self.reducer.in_flight
 
     # -- Horovod's API ---------------------------------------------------------
 
@@ -192,7 +193,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         count as zeros and get the average, as in Horovod). Every rank must
         call it (or ``step()``) the same number of times.
         """
-        reducer = self._reducer
+        reducer = self.reducer
         reducer.launch_now()
         reducer.complete()
         self._passes = 0

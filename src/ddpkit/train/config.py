@@ -21,6 +21,8 @@ DATASETS = ("digits", "mnist", "synthetic")
 ENGINES = ("ddpkit", "torch", "single", "dp")
 """Engines that start one process: ``single`` and ``dp`` (DataParallel over the devices)."""
 OPTIMIZERS = ("sgd", "adamw")
+STRATEGIES = ("ddp", "optimizer", "local-sgd")
+"""How ``--engine ddpkit`` synchronises the replicas."""
 AMP_MODES = ("off", "bf16", "fp16")
 
 
@@ -47,6 +49,17 @@ class TrainConfig:
         "ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process), dp (ddpkit.DataParallel in one "
         "process: one replica per GPU, else --nproc-per-node CPU replicas in threads)", choices=ENGINES,
     )
+    strategy: str = option(
+        "ddp", "how --engine ddpkit keeps the replicas together: ddp (DistributedDataParallel: gradients averaged "
+        "every step), optimizer (ddpkit.DistributedOptimizer, Horovod's way: the same averages, the optimizer "
+        "wrapped instead of the model), local-sgd (ddpkit.LocalSGD: each process steps alone, parameters "
+        "averaged every --local-sgd steps)", choices=STRATEGIES,
+    )
+    local_sgd: int | None = option(
+        None, "average the parameters every H optimizer steps (implies --strategy local-sgd; default 4 with it)",
+        metavar="H",
+    )
+    local_sgd_warmup: int = option(0, "--strategy local-sgd: synchronous DDP steps before the local steps start")
     nproc_per_node: int | None = option(
         None, "workers to start (default: one per GPU, else 2); ignored under a launcher"
     )
@@ -77,6 +90,16 @@ class TrainConfig:
         need(self.model in MODELS, "model", f"is not a model: choose one of {', '.join(MODELS)}")
         need(self.dataset in DATASETS, "dataset", f"is not a dataset: choose one of {', '.join(DATASETS)}")
         need(self.engine in ENGINES, "engine", f"is not an engine: choose one of {', '.join(ENGINES)}")
+        need(self.strategy in STRATEGIES, "strategy", f"is not a strategy: choose one of {', '.join(STRATEGIES)}")
+        need(self.local_sgd is None or self.local_sgd >= 1, "local_sgd", "must be at least 1 (steps between averages)")
+        need(self.local_sgd_warmup >= 0, "local_sgd_warmup", "must be 0 or more")
+        if self.local_sgd is not None:
+            need(self.strategy in ("ddp", "local-sgd"), "local_sgd", f"does not fit --strategy {self.strategy}: drop one")
+            self.strategy = "local-sgd"
+        elif self.strategy == "local-sgd":
+            self.local_sgd = 4
+        need(self.strategy == "ddp" or self.engine == "ddpkit", "strategy",
+             f"needs --engine ddpkit (it runs on ddpkit's engine), not --engine {self.engine}")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"is not an optimizer: choose {' or '.join(OPTIMIZERS)}")
         need(self.amp in AMP_MODES, "amp", f"is not an autocast mode: choose one of {', '.join(AMP_MODES)}")
         need(self.epochs >= 1, "epochs", "must be at least 1")

@@ -56,7 +56,7 @@ from ddpkit.runtime.spawn import WorkerError, spawn
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import load_checkpoint, save_weights
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.recipe import autocast_for, build_state, replicas, wrap
+from ddpkit.train.recipe import autocast_for, build_state, replicas, strategy, wrap
 from ddpkit.train.state import TrainState
 
 __all__ = ["TrainConfig", "train"]
@@ -172,6 +172,8 @@ class _Run:
     """``--trace``: the spans of this rank (:class:`ddpkit.bench.trace.Recorder`)."""
     traced_until: int = 0
     """``--trace``: the optimizer step after the last one recorded."""
+    local_sgd: Any = None
+    """``--strategy local-sgd``: the :class:`ddpkit.LocalSGD` driving the model."""
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -195,6 +197,7 @@ class _Run:
 
 def _checkpoint(run: _Run, consumed: int, loss_sum: torch.Tensor, count: int) -> None:
     """Save the whole state now (a collective), with each rank's partial loss sums of the epoch."""
+    _consensus(run)
     mine = torch.stack([loss_sum.detach().cpu(), torch.tensor(float(count), dtype=torch.float64)])
     parts = [torch.empty_like(mine) for _ in range(run.world)]
     dist.all_gather(parts, mine)
@@ -232,7 +235,8 @@ def _train_epoch(model: torch.nn.Module, run: _Run, bar: Any) -> tuple[float, in
             run.recorder.enabled = trace is not None
         for j, b in enumerate(group):
             last = j == len(group) - 1
-            sync = contextlib.nullcontext() if last or config.engine in ("single", "dp") else model.no_sync()
+            local = config.engine in ("single", "dp") or config.strategy == "optimizer"  # no DDP wrapper
+            sync = contextlib.nullcontext() if last or local else model.no_sync()
             with sync:
                 with _phase(trace, "data"):
                     xb, yb = x[b], y[b]
@@ -249,8 +253,16 @@ def _train_epoch(model: torch.nn.Module, run: _Run, bar: Any) -> tuple[float, in
             count += len(b)
             consumed += len(b)
         with _phase(trace, "optimizer"):
-            state.scaler.step(state.optimizer)
+            if config.engine == "ddpkit" and config.strategy == "optimizer":
+                # Horovod's recipe with a grad scaler: the averages first, then unscale and step.
+                state.optimizer.synchronize()
+                with state.optimizer.skip_synchronize():
+                    state.scaler.step(state.optimizer)
+            else:
+                state.scaler.step(state.optimizer)
             state.scaler.update()
+            if run.local_sgd is not None:
+                run.local_sgd.step()
         state.step += 1
         progress["batches_done"] += 1
         bar.update(1)
@@ -293,8 +305,16 @@ def _evaluate(model: torch.nn.Module, run: _Run) -> tuple[float, float, int]:
     return loss_sum / n, correct / n, int(n)
 
 
+def _consensus(run: _Run) -> None:
+    """Local SGD: average the replicas' parameters and optimizer state before a checkpoint or an evaluation,
+    so both see one model, and a resumed run continues exactly as the uninterrupted one."""
+    if run.local_sgd is not None:
+        run.local_sgd.average(run.state.optimizer)
+
+
 def _end_epoch(run: _Run, loss_sum: float, samples: int, trained: int, epoch_time: float) -> dict[str, Any]:
     """Evaluate, record the epoch, checkpoint and rewrite ``metrics.jsonl``."""
+    _consensus(run)
     # BatchNorm statistics drift apart per rank after the last forward:
     # evaluate (and checkpoint) rank 0's, the ones DDP broadcasts anyway.
     for buf in run.state.model.buffers():
@@ -350,10 +370,12 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
         f"output {run.out}"
     )
     model = wrap(state.model, config, ctx.device)
+    run.local_sgd = strategy(state, model, config)
     if config.trace is not None:
         from ddpkit.bench.trace import instrument
 
-        run.recorder = instrument(model, config.engine, ctx.rank)
+        owner = state.optimizer if config.engine == "ddpkit" and config.strategy == "optimizer" else model
+        run.recorder = instrument(model, config.engine, ctx.rank, reducer_owner=owner)
         run.traced_until = state.step + config.trace_steps
     return run, model
 
@@ -434,10 +456,14 @@ def _finish(run: _Run, wall: float, first_epoch: int) -> dict[str, Any]:
         "global_batch_size": run.batch * world * config.grad_accum, "replicas": run.scale,
         "lr": run.lr, "base_lr": config.lr, "wall_time_s": round(wall, 3),
         "samples_per_s": round(run.trained / wall, 1) if wall > 0 else None,
-        "engine": config.engine, "model": config.model, "dataset": config.dataset,
+        "engine": config.engine, "strategy": config.strategy if config.engine == "ddpkit" else None,
+        "model": config.model, "dataset": config.dataset,
         "amp": config.amp, "grad_accum": config.grad_accum, "resumed_from_epoch": first_epoch,
         "steps": run.state.step,
     }
+    if run.local_sgd is not None:
+        summary.update(local_sgd_period=config.local_sgd, local_sgd_warmup=config.local_sgd_warmup,
+                       parameter_averages=run.local_sgd.averages)
     if dist.get_rank() == 0:
         rundir.write_json_atomic(run.out / "summary.json", summary)
         print(
