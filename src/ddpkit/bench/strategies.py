@@ -21,11 +21,10 @@ that).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch import nn
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.engines import _workload, quartiles
+from ddpkit.bench.trace import ByteCounter
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
@@ -58,32 +58,6 @@ class StrategyResult:
     bytes_per_step: float
     blocks: int
     steps_per_block: int
-
-
-class _ByteCounter:
-    """Counts the payload of the all-reduces and broadcasts issued while it is on (this process)."""
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        real = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
-
-        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                self.total += tensor.numel() * tensor.element_size()
-                return fn(tensor, *args, **kwargs)
-
-            return counted
-
-        for name, fn in real.items():
-            setattr(dist, name, wrap(fn))
-        try:
-            yield
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
 
 
 def _steppers(base: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: BenchConfig) -> dict[str, Callable[[], None]]:
@@ -120,7 +94,7 @@ def _bench_one(name: str, cfg: BenchConfig) -> list[StrategyResult]:
     for _ in range(max(cfg.warmup, 2)):  # PowerSGD compresses from its third step
         for step in steps.values():
             step()
-    counter = _ByteCounter()
+    counter = ByteCounter()
     times: dict[str, list[float]] = {s: [] for s in steps}
     sent: dict[str, int] = dict.fromkeys(steps, 0)
     rounds = max(1, -(-cfg.steps // block))

@@ -138,6 +138,32 @@ class Recorder:
             opt.step()
 
 
+class ByteCounter:
+    """Counts the payload (bytes) of the all-reduces and broadcasts this process issues while ``counting()``."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        real = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                self.total += tensor.numel() * tensor.element_size()
+                return fn(tensor, *args, **kwargs)
+
+            return counted
+
+        for name, fn in real.items():
+            setattr(dist, name, wrap(fn))
+        try:
+            yield
+        finally:
+            for name, fn in real.items():
+                setattr(dist, name, fn)
+
+
 def trace_ddpkit(owner: Any, recorder: Recorder) -> None:
     """Record each bucket's all-reduce and the wait for them of the reducer of ``owner`` (ddpkit's DDP, or a
     DistributedOptimizer), this instance only."""

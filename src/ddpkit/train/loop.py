@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ddpkit.bench.trace import ByteCounter
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.runtime.discovery import discover
@@ -174,6 +175,9 @@ class _Run:
     """``--trace``: the optimizer step after the last one recorded."""
     local_sgd: Any = None
     """``--strategy local-sgd``: the :class:`ddpkit.LocalSGD` driving the model."""
+    sent_per_step: float | None = None
+    """Bytes this rank handed to all-reduces and broadcasts per optimizer step (evaluations and checkpoints
+    included), in this attempt."""
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -415,11 +419,13 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
                # into a redirected log (the epoch lines are printed either way).
                disable=dist.get_rank() != 0 or not config.progress or not sys.stderr.isatty())
     start = time.perf_counter()
+    sent, first_step = ByteCounter(), run.state.step
     while progress["epoch"] < config.epochs:
         t0 = time.perf_counter()
-        loss_sum, samples, trained = _train_epoch(model, run, bar)
-        run.trained += trained
-        record = _end_epoch(run, loss_sum, samples, trained, time.perf_counter() - t0)
+        with sent.counting():
+            loss_sum, samples, trained = _train_epoch(model, run, bar)
+            run.trained += trained
+            record = _end_epoch(run, loss_sum, samples, trained, time.perf_counter() - t0)
         bar.set_postfix(epoch=record["epoch"], loss=f"{record['train_loss']:.4f}", refresh=False)
         if dist.get_rank() == 0:
             bar.write(
@@ -432,6 +438,8 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
 
         write(config.trace, [run.recorder])
         print0(f"ddpkit train: trace of {len(run.recorder.overlaps)} backward passes in {config.trace}")
+    steps = run.state.step - first_step
+    run.sent_per_step = sent.total / steps if steps else None
     return _finish(run, time.perf_counter() - start, first_epoch)
 
 
@@ -460,6 +468,7 @@ def _finish(run: _Run, wall: float, first_epoch: int) -> dict[str, Any]:
         "model": config.model, "dataset": config.dataset,
         "amp": config.amp, "grad_accum": config.grad_accum, "resumed_from_epoch": first_epoch,
         "steps": run.state.step,
+        "sent_mb_per_step": None if run.sent_per_step is None else round(run.sent_per_step / 1e6, 6),
     }
     if run.local_sgd is not None:
         summary.update(local_sgd_period=config.local_sgd, local_sgd_warmup=config.local_sgd_warmup,
