@@ -156,6 +156,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Horovod's split of the average: sum(g / f) * f / world.
             post = predivide / world if op == "avg" else 1.0
             reducer.register_comm_hook(_ScaledReduce(group, compression, 1.0 / predivide, post), _ScaledReduce.hook)
+        reducer.owner = "DistributedOptimizer"
         reducer.on_local_backward = self._end_of_local_pass
         reducer.on_overrun = self._overrun
         self.reducer = reducer

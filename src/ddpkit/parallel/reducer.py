@@ -187,6 +187,8 @@ class Reducer:
         self.on_overrun: Callable[[str], None] | None = None
         """Called (and expected to raise) when a gradient arrives while a reduction is in flight."""
         self._local_task = -1
+        self.owner = "DDP"
+        """Who drives this reducer, as the stall inspector names its collectives."""
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
         self.buckets: list[GradBucket] = []
@@ -258,7 +260,7 @@ class Reducer:
         order = order + [i for i in reversed(range(len(self.params))) if i not in seen]
         if self.group is not None and self.world_size > 1:
             t = torch.tensor(order, dtype=torch.int64, device=self._comm_device())
-            stall.enter("DDP bucket rebuild: broadcast rank 0's gradient order", step=self._step)
+            stall.enter("{} bucket rebuild: broadcast rank 0's gradient order", self.owner, step=self._step)
             dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
             order = t.tolist()
         self._rebuilt = True
@@ -479,7 +481,7 @@ class Reducer:
         # Reached in bucket index order on every rank (see _launch_ready): the
         # collectives match across ranks whatever order gradients arrive in.
         if self.world_size > 1:
-            stall.enter("DDP bucket {} all-reduce", bucket._index, step=self._step)
+            stall.enter("{} bucket {} all-reduce", self.owner, bucket._index, step=self._step)
         if self.comm_hook is not None:
             bucket.future = self.comm_hook(self.comm_state, bucket)
         elif self.world_size > 1:
@@ -488,13 +490,7 @@ class Reducer:
     def _finish_backward(self) -> None:
         """End of backward: launch the rest; unless deferred, wait and write ``.grad``."""
         if not self.complete_at_end_of_backward:
-            try:
-                self._launch_rest()
-            except BaseException:
-                self._end_step()
-                raise
-            self._armed = False
-            self.in_flight = True
+            self._launch_deferred()
             return
         try:
             self._launch_rest()
@@ -512,6 +508,9 @@ class Reducer:
             return
         if not self._armed:
             self.prepare_for_backward()
+        self._launch_deferred()
+
+    def _launch_deferred(self) -> None:
         try:
             self._launch_rest()
         except BaseException:
