@@ -38,8 +38,8 @@ _EXPORTS = {
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "DataParallel": "ddpkit.parallel.dp",
     "DistributedOptimizer": "ddpkit.parallel.optimizer",
-    "broadcast_parameters": "ddpkit.parallel.optimizer",
-    "broadcast_optimizer_state": "ddpkit.parallel.optimizer",
+    "broadcast_parameters": "ddpkit.parallel.broadcast",
+    "broadcast_optimizer_state": "ddpkit.parallel.broadcast",
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
     "TrainState": "ddpkit.train.state",
@@ -87,10 +87,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.comm.compression import Compression
     from ddpkit.data.datasets import DatasetError
     from ddpkit.data.sampler import DistributedSampler
+    from ddpkit.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
     from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap
     from ddpkit.parallel.dp import DataParallel
     from ddpkit.parallel.local_sgd import LocalSGD
-    from ddpkit.parallel.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+    from ddpkit.parallel.optimizer import DistributedOptimizer
     from ddpkit.parallel.reducer import UnusedParametersError
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (

@@ -28,7 +28,7 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     """``model`` in the engine ``config.engine`` names (``single``, and ``--strategy optimizer``: as it is)."""
     ids = [device.index] if device.type == "cuda" else None
     if config.engine == "ddpkit" and config.strategy == "optimizer":
-        from ddpkit.parallel.optimizer import broadcast_parameters
+        from ddpkit.parallel.broadcast import broadcast_parameters
 
         broadcast_parameters(model.state_dict(), root_rank=0)  # what DDP's constructor does, Horovod's way
         return model
