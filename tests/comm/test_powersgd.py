@@ -136,3 +136,13 @@ def test_bad_settings():
     with pytest.raises(ValueError, match="matrix_approximation_rank=0"):
         PowerSGDState(None, matrix_approximation_rank=0)
     PowerSGDState(None, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False)  # allowed, as in torch
+
+
+def test_state_pickles_without_its_process_group():
+    import pickle
+
+    state = PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=5)
+    state.iter = 7
+    copy_ = pickle.loads(pickle.dumps(state))
+    assert copy_.process_group is None and copy_.iter == 7 and copy_.matrix_approximation_rank == 3
+    assert copy_.rng.randint(1000) == state.rng.randint(1000)  # the same random stream continues

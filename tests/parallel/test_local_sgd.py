@@ -180,3 +180,44 @@ def test_bad_inputs(dist2):
     assert "algorithm='x'" in errors["algo"]
     assert "needs a ddpkit.DDP model" in errors["plain"]
     assert "not torch's" in errors["torch"]
+
+
+def _plain_module() -> tuple[dict, dict]:
+    # A plain module: nothing synchronises gradients, LocalSGD only averages parameters.
+    torch.manual_seed(0)
+    base = MODELS["plain"]()
+    ours, _ = _ours(base, "plain", 5, 2, 0)
+    model = copy.deepcopy(base)
+    local = ddpkit.LocalSGD(model, period=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        x, y = _data("plain", step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        local.step()
+    return ours, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_plain_module_without_warmup_equals_ddp_in_local_mode(dist2):
+    for wrapped, plain in dist2.run(_plain_module):
+        for k in wrapped:
+            assert torch.equal(wrapped[k], plain[k]), k
+
+
+def _average_with_optimizer_state() -> list:
+    model = ddpkit.DDP(MODELS["plain"]())
+    local = ddpkit.LocalSGD(model, period=100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data("plain", 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    local.average(opt)
+    return [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()] + \
+        [p.detach().clone() for p in model.parameters()]
+
+
+def test_average_now_includes_the_optimizer_state(dist2):
+    a, b = dist2.run(_average_with_optimizer_state)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
