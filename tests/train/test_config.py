@@ -52,3 +52,12 @@ def test_backend_is_checked_before_any_worker_starts(capsys) -> None:
     if not torch.distributed.is_mpi_available():
         assert main(["train", "--backend", "mpi"]) == 2
         assert "needs a torch built with MPI" in capsys.readouterr().err
+
+
+def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():
+    from ddpkit.train.rundir import _differences
+
+    now = TrainConfig().to_dict()
+    older = {k: v for k, v in now.items() if k not in ("strategy", "local_sgd", "local_sgd_warmup")}
+    assert _differences(older, now) == []
+    assert _differences(older, TrainConfig(local_sgd=4).to_dict()) == ["local_sgd", "strategy"]

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import write_atomic
+from ddpkit.train.config import TrainConfig
 from ddpkit.train.state import checkpoint_files, newest_valid_checkpoint
 
 __all__ = ["CHECKPOINT_DIR", "Claim", "claim", "write_json_atomic", "write_metrics"]
@@ -90,7 +91,14 @@ def _fresh_default(base: Path) -> Path:
     raise ConfigError(f"no free output directory next to {base}: pass --output-dir")
 
 
+def _as_saved(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config with the settings it does not name (added in a later version) at their defaults."""
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    return {**defaults, **saved}
+
+
 def _differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    saved = _as_saved(saved)
     return sorted(
         k for k in set(saved) | set(config) if k not in _RESUMABLE_CHANGES and saved.get(k) != config.get(k)
     )
@@ -178,7 +186,8 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
     extra = payload.get("extra", {})
     differs = _differences(extra.get("config", {}), config)
     if differs:
-        detail = ", ".join(f"{k}: {extra.get('config', {}).get(k)!r} -> {config.get(k)!r}" for k in differs)
+        saved = _as_saved(extra.get("config", {}))
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in differs)
         raise ConfigError(
             f"--resume: the run in {str(out)!r} was started with different settings ({detail}): "
             "resume with the original settings (only --epochs may change)"
