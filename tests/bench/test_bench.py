@@ -172,6 +172,9 @@ def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     memory = json.loads(out.read_text())["memory"]
     # 5.8 M parameters: weights, gradients and momentum are 70 MB before anything the engines add.
     assert memory["mlp"]["ddpkit_mb"] > 50 and memory["mlp"]["torch_mb"] > 50
+    for engine in ("ddpkit", "torch"):  # three fresh-process runs each, the median reported
+        runs = memory["mlp"][f"{engine}_runs"]
+        assert len(runs) == 3 and sorted(runs)[1] == memory["mlp"][f"{engine}_mb"]
     assert "peak memory per rank" in capfd.readouterr().out
 
 
