@@ -308,3 +308,33 @@ def test_broadcast_optimizer_state_of_a_fresh_optimizer(dist2):
     # Horovod steps a fresh optimizer with zero gradients here (moving weights under
     # weight decay); ddpkit copies the root's empty state and leaves parameters alone.
     assert dist2.run(_fresh_state_stays_fresh) == [(0, True), (0, True)]
+
+
+def _launch_points() -> tuple[list[int], list[bool]]:
+    model = _model("plain")
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=1e-6)
+    reducer = opt.reducer
+    ready_at_launch: list[int] = []
+    done_after_backward: list[bool] = []
+    launch = reducer._launch
+
+    def spy(bucket):
+        ready_at_launch.append(sum(reducer._ready))
+        launch(bucket)
+
+    reducer._launch = spy
+    for step in range(2):
+        x, y = batch("plain", 100 * step + 10 * dist.get_rank())
+        nn.functional.cross_entropy(model(x), y).backward()
+        done_after_backward.append(reducer.in_flight)  # backward returned with the reductions in flight
+        opt.step()
+        opt.zero_grad()
+    return ready_at_launch, done_after_backward
+
+
+def test_buckets_go_out_during_backward_and_complete_in_step(dist2):
+    ready, in_flight = dist2.run(_launch_points)[0]
+    n = len(list(MODELS["plain"]().parameters()))
+    assert len(ready) == 2 * n  # one bucket per parameter, every step
+    assert ready[:n][0] < n and ready[n:][0] < n  # the first bucket left before the last gradient was ready
+    assert in_flight == [True, True]
