@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.reducer import assign_buckets
+from ddpkit.parallel.reducer import assign_buckets, initial_buckets
 
 MIB = 1024 * 1024
 
@@ -17,31 +19,115 @@ def _t(numel: int, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype)
 
 
-def test_assign_first_bucket_small_then_cap():
-    params = [_t(MIB // 4)] * 8  # 1 MiB each in float32
-    buckets = assign_buckets(params, list(reversed(range(8))), cap_bytes=3 * MIB, first_cap_bytes=MIB)
-    assert buckets == [[7], [6, 5, 4], [3, 2, 1], [0]]
+def _random_case(seed: int) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    r = random.Random(seed)
+    dtypes = r.sample([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64], r.randint(1, 4))
+    params = [_t(r.choice([1, 7, 100, 1000, 5000, 30000]), r.choice(dtypes)) for _ in range(r.randint(1, 30))]
+    limits = [r.choice([100, 4000, 20000, 100000, 10**9]) for _ in range(r.randint(1, 3))]
+    order = list(range(len(params)))
+    r.shuffle(order)
+    return params, order, limits
 
 
-def test_assign_groups_by_dtype():
-    params = [_t(10), _t(10, torch.float64), _t(10), _t(10, torch.float64)]
-    buckets = assign_buckets(params, [3, 2, 1, 0], cap_bytes=MIB, first_cap_bytes=MIB)
-    assert buckets == [[3, 1], [2, 0]]
+def test_assign_buckets_is_torchs_assignment():
+    # torch's own function is the oracle: arrival order (the rebuild), mixed
+    # dtypes, one to three limits, parameters larger than a limit.
+    for seed in range(400):
+        params, order, limits = _random_case(seed)
+        theirs, _ = dist._compute_bucket_assignment_by_size(
+            [params[i] for i in order], limits, [False] * len(params), order
+        )
+        assert assign_buckets(params, order, limits) == theirs, seed
 
 
-def test_assign_single_oversized_tensor_gets_its_own_bucket():
-    params = [_t(10), _t(4 * MIB), _t(10)]
-    assert assign_buckets(params, [2, 1, 0], cap_bytes=MIB, first_cap_bytes=MIB) == [[2], [1], [0]]
+def test_initial_buckets_are_torchs_registration_order_assignment_reversed():
+    for seed in range(400):
+        params, _, limits = _random_case(seed)
+        theirs, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+        assert initial_buckets(params, limits) == theirs[::-1], seed
 
 
-def test_default_ddp_buckets_are_reverse_order_with_small_first():
-    # 7 tensors: weights of 0.5 MiB, biases tiny; a parameter that would
-    # overflow the open bucket starts the next one.
-    net = nn.Sequential(*[nn.Linear(512, 256) for _ in range(3)], nn.Linear(256, 4, bias=False))
-    model = ddpkit.DDP(net, bucket_cap_mb=1.5)
-    names = [n for n, _ in net.named_parameters()]
-    buckets = [[names[i] for i in b] for b in model.reducer.bucket_indices()]
-    assert buckets == [["3.weight", "2.bias", "2.weight", "1.bias"], ["1.weight", "0.bias", "0.weight"]]
+def test_a_bucket_closes_after_the_parameter_that_fills_it():
+    params = [_t(10), _t(4 * MIB), _t(10), _t(10)]  # a 16 MiB parameter between small ones
+    assert assign_buckets(params, [3, 2, 1, 0], [MIB]) == [[3, 2, 1], [0]]
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(300, 300), nn.Linear(300, 300), nn.Linear(300, 10), nn.Linear(300, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, nhead=4, dim_feedforward=512, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+_LAYOUTS = {
+    "default": (_Encoder, {}),
+    "cap": (_Encoder, {"bucket_cap_mb": 0.2}),
+    "cap-list": (_Encoder, {"bucket_cap_mb_list": [0.05, 0.3, 0.1]}),
+    "unused": (_Encoder, {"find_unused_parameters": True}),
+    "unused-cap": (_Encoder, {"find_unused_parameters": True, "bucket_cap_mb": 0.2}),
+    "static": (_Encoder, {"static_graph": True}),
+    "branchy": (_Branchy, {"find_unused_parameters": True, "bucket_cap_mb": 0.3}),
+}
+
+
+def _bucket_layouts(engine: str, case: str) -> list:
+    """For each of four backwards, each bucket a comm hook sees: index, parameters (as indices), size."""
+    from ddpkit._reference import torch_ddp
+
+    make, kwargs = _LAYOUTS[case]
+    torch.manual_seed(0)
+    module = make()
+    index = {p.data_ptr(): i for i, p in enumerate(module.parameters())}
+    model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, **kwargs)
+    seen: list = []
+
+    def record(state, bucket):
+        seen[-1].append((bucket.index(), [index[p.data_ptr()] for p in bucket.parameters()],
+                         bucket.buffer().numel(), bucket.is_last()))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, record)
+    x = torch.randn(2, 8, 64) if make is _Encoder else torch.randn(2, 300)
+    for _ in range(4):
+        seen.append([])
+        model(x).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("case", sorted(_LAYOUTS))
+def test_buckets_are_laid_out_as_torchs(dist2, case):
+    # What a comm hook sees, backward by backward: before the rebuild, after it
+    # (a static graph's comes a backward later; none with find_unused_parameters).
+    ours = dist2.run(_bucket_layouts, "ddpkit", case)
+    theirs = dist2.run(_bucket_layouts, "torch", case)
+    assert ours == theirs
+
+
+def test_ddp_exposes_torchs_bucket_attributes():
+    ddpkit.init()
+    model = ddpkit.DDP(nn.Linear(2, 2))
+    assert (model.bucket_bytes_cap, model.bucket_bytes_cap_default, model.bucket_bytes_cap_list) == (25 * MIB, True, [])
+    model = ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb=4)
+    assert (model.bucket_bytes_cap, model.bucket_bytes_cap_default) == (4 * MIB, False)
+    model = ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb_list=[1, 8])
+    assert (model.bucket_bytes_cap, model.bucket_bytes_cap_list) == (8 * MIB, [MIB, 8 * MIB])
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list\[1\]=0 must be a positive number"):
+        ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb_list=[1, 0])
 
 
 class _Crossed(nn.Module):
@@ -73,12 +159,13 @@ def _rebuild() -> list:
     for _ in range(3):
         model(torch.ones(2, 4)).backward()
     after = [names[b[0]] for b in model.reducer.bucket_indices()]
-    return [[names[b[0]] for b in before], after, launched[-6:]]
+    return [[[names[i] for i in b] for b in before], after, launched[-6:]]
 
 
 def test_rebuild_follows_rank0_arrival_order_and_overlaps(dist2):
     (before0, after0, launched0), (before1, after1, launched1) = dist2.run(_rebuild)
-    assert before0 == before1 == ["c.bias", "c.weight", "b.bias", "b.weight", "a.bias", "a.weight"]
+    # Before any gradient is seen, torch's DDP (and so ddpkit's) has one bucket in registration order.
+    assert before0 == before1 == [["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]]
     # Rank 0 runs a, b, c forward, so backward produces c's gradients first.
     assert after0 == after1 and after0[:2] in (["c.weight", "c.bias"], ["c.bias", "c.weight"])
     # After the rebuild on rank 0, bucket k is launched as soon as k+1

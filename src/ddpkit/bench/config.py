@@ -30,7 +30,10 @@ class BenchConfig:
     mlp_batch: int = option(32, "MLP batch per rank")
     transformer_batch: int = option(8, "transformer sequences (32 tokens each) per rank")
     resnet_batch: int = option(32, "ResNet batch per rank (28x28 images)")
-    bucket_cap_mb: float = option(25.0, "bucket cap of both engines, in MiB")
+    bucket_cap_mb: float | None = option(
+        None, "bucket cap of both engines, in MiB (default: their default, 25 MiB with a first bucket of 1 MiB; "
+        "a value given caps the first bucket too, as in torch)"
+    )
     strategy_workloads: tuple[str, ...] = option(
         ("convnet", "mlp"), "the models the strategies workload trains", metavar="NAME"
     )
@@ -94,7 +97,7 @@ class BenchConfig:
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value} must be {'0 or more' if name == 'warmup' else 'at least 1'}")
-        if not self.bucket_cap_mb > 0:
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ConfigError(f"--bucket-cap-mb {self.bucket_cap_mb} must be positive")
         if self.target_spread < 0:
             raise ConfigError(f"--target-spread {self.target_spread} must be 0 (off) or a positive fraction")

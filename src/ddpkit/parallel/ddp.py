@@ -21,8 +21,10 @@ from torch import nn
 from ddpkit.comm.bucket import CommHook
 from ddpkit.parallel.broadcast import PackedBroadcast, broadcast_once
 from ddpkit.parallel.join import DISABLED, Join, JoinConfig
-from ddpkit.parallel.reducer import Reducer
+from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_MB, Reducer
 from ddpkit.runtime import stall
+
+_MIB = 1024 * 1024
 
 
 class DDPConfigError(ValueError, RuntimeError):
@@ -128,8 +130,9 @@ class DistributedDataParallel(nn.Module):
             module puts them.
         broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
             before each forward while gradient sync is on. Default True.
-        bucket_cap_mb: bucket size cap in MiB (the first bucket is 1 MiB).
-            Default 25.
+        bucket_cap_mb: bucket size cap in MiB. Default (``None``) 25 MiB with
+            a first bucket of 1 MiB; a value given caps the first bucket too
+            (torch's rule). Buckets are laid out as torch's DDP lays them out.
         find_unused_parameters: allow parameters that get no gradient in some
             iterations (reduced as zeros; untouched when unused on every rank).
             Default False: an unused parameter raises at the end of backward.
@@ -141,19 +144,22 @@ class DistributedDataParallel(nn.Module):
             parameters may get several gradients per backward (activation
             checkpointing, reentrant or not). A graph that changes later
             raises. Default False.
+        bucket_cap_mb_list: one cap per bucket in MiB, the last for all
+            buckets after it; replaces ``bucket_cap_mb`` (torch 2.13).
 
     The constructor takes torch's arguments in torch's order. ``dim`` is kept
     for compatibility (one device per process: nothing is scattered);
     ``init_sync=False`` skips the construction-time check and broadcast;
     ``check_reduction`` is ignored as by torch; ``mixed_precision``,
     ``device_mesh``, ``delay_all_reduce_named_params``,
-    ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params`` and
-    ``bucket_cap_mb_list`` are refused when set.
+    ``param_to_hook_all_reduce`` and ``skip_all_reduce_unused_params`` are
+    refused when set; ``batched_grad_copy`` (a speed knob) is accepted and
+    has no effect.
 
     Raises:
         DDPConfigError: (a ``RuntimeError`` and a ``ValueError``) ranks hold
             different parameters; nothing requires grad.
-        ValueError: ``bucket_cap_mb`` is not positive; ``device_ids`` for a
+        ValueError: a bucket cap is not positive; ``device_ids`` for a
             CPU module; parameters on several device types; an unsupported
             argument.
         RuntimeError: uninitialised (lazy) parameters.
@@ -202,7 +208,6 @@ class DistributedDataParallel(nn.Module):
             "delay_all_reduce_named_params": delay_all_reduce_named_params,
             "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
             "device_mesh": device_mesh, "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
-            "bucket_cap_mb_list": bucket_cap_mb_list,
         }
         given = [k for k, v in unsupported.items() if v not in (None, False)]
         if given:
@@ -214,12 +219,12 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(dim, int):
             raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
         del check_reduction, batched_grad_copy  # torch ignores the first; the second is a speed knob
-        if bucket_cap_mb is None:
-            bucket_cap_mb = 25.0
         if broadcast_buffers is None:
             broadcast_buffers = True
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive: the default is 25")
+        caps = list(bucket_cap_mb_list or ())
+        for name, cap in [("bucket_cap_mb", bucket_cap_mb)] + [(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(caps)]:
+            if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+                raise ValueError(f"{name}={cap!r} must be a positive number of MiB: the default is 25")
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError(
                 f"device_ids={list(device_ids)}: ddpkit drives one device per process; "
@@ -278,7 +283,13 @@ class DistributedDataParallel(nn.Module):
         if self.world_size > 1 and init_sync:
             _verify_same_parameters(named, process_group)
             broadcast_once([p.detach() for _, p in named] + buffers, process_group, "parameters and buffers")
-        self.bucket_cap_mb = bucket_cap_mb
+        # torch's bucket configuration and the attributes it exposes for it.
+        self.bucket_cap_mb = max(caps) if caps else (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+        self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
+        self.bucket_bytes_cap_list = [int(c * _MIB) for c in caps]
+        self._bucket_caps_mb = caps
+        self._first_bucket_cap_mb = FIRST_BUCKET_MB if bucket_cap_mb is None and not caps else self.bucket_cap_mb
+        self.bucket_bytes_cap_default = self._first_bucket_cap_mb < self.bucket_cap_mb
         self.reducer = self._make_reducer()
 
     def _make_reducer(self) -> Reducer:
@@ -287,6 +298,8 @@ class DistributedDataParallel(nn.Module):
             trainable,
             process_group=self.process_group,
             bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_cap_mb=self._first_bucket_cap_mb,
+            bucket_caps_mb=self._bucket_caps_mb,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
@@ -296,13 +309,8 @@ class DistributedDataParallel(nn.Module):
         """Turn on ``static_graph`` after construction (torch's older API; Lightning calls it)."""
         if self.static_graph:
             return
-        if self.reducer._rebuilt or self.reducer._rebuild_due:
-            raise RuntimeError(
-                "_set_static_graph() must be called before the first backward: pass "
-                "DistributedDataParallel(..., static_graph=True) instead"
-            )
+        self.reducer.set_static_graph()
         self.static_graph = True
-        self.reducer.static_graph = True
 
     # -- pickling (torch.save of the whole wrapper), as torch's DDP allows --------
 

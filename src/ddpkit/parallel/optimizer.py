@@ -38,7 +38,7 @@ from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.compression import Compression
 from ddpkit.parallel.broadcast import world_group
 from ddpkit.parallel.ddp import _verify_same_parameters
-from ddpkit.parallel.reducer import Reducer
+from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_MB, Reducer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -125,7 +125,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """The engine doing the all-reduces (the same as ``DistributedDataParallel.reducer``)."""
 
     def _setup(self, named: list[tuple[str, torch.Tensor]], passes: int, compression: Any, op: str,
-               predivide: float, group: dist.ProcessGroup | None, bucket_cap_mb: float) -> None:
+               predivide: float, group: dist.ProcessGroup | None, bucket_cap_mb: float | None) -> None:
         self.backward_passes_per_step = passes
         self.op = op
         self.gradient_predivide_factor = predivide
@@ -137,7 +137,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         world = 1 if group is None else dist.get_world_size(group)
         if world > 1:
             _verify_same_parameters(named, group, "DistributedOptimizer")
-        reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
+        reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
+                          first_bucket_cap_mb=FIRST_BUCKET_MB if bucket_cap_mb is None else None, reduce_missing=True,
                           complete_at_end_of_backward=False)
         compression = _check_compression(compression)
         if op == "sum":
@@ -249,7 +250,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
     gradient_predivide_factor: float = 1.0,
     *,
     process_group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -268,7 +269,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
             sum and by ``world_size / factor`` after (Horovod's split, for
             low-precision range). Default 1: divide by the world size first.
         process_group: the group to reduce over; default the world.
-        bucket_cap_mb: bucket size cap in MiB (the first bucket is 1 MiB).
+        bucket_cap_mb: bucket size cap in MiB, as in ``DistributedDataParallel``:
+            default 25 with a first bucket of 1 MiB; a value given caps the
+            first bucket too.
 
     Returns:
         The distributed optimizer.
@@ -304,7 +307,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a positive number")
     if gradient_predivide_factor != 1.0 and op != "avg":
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op='avg'")
-    if not bucket_cap_mb > 0:
+    if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive: the default is 25")
     named = _named(optimizer, named_parameters)
     if not named:

@@ -4,10 +4,14 @@ Definitions
 -----------
 bucket
     A flat tensor holding the gradients of several parameters of one dtype and
-    device, reduced with a single collective. Parameters are assigned in
-    reverse registration order (the order backward usually produces their
-    gradients), the first bucket capped at :data:`FIRST_BUCKET_MB` so the last
-    gradients of backward go out early, the others at ``bucket_cap_mb``.
+    device, reduced with a single collective. The layout is torch's DDP's
+    (:func:`assign_buckets`): a bucket closes once it holds at least its
+    limit. Until the rebuild every parameter shares one bucket per dtype and
+    device (with ``find_unused_parameters``: registration order, limits as
+    below, bucket 0 holding the last parameters); the rebuild then fills
+    buckets in gradient arrival order, the first up to ``first_bucket_cap_mb``
+    (torch: 1 MiB when ``bucket_cap_mb`` is left at its default, else the
+    cap) so the first gradients go out early, the others ``bucket_cap_mb``.
 ready
     A parameter is ready when autograd has accumulated its gradient for this
     backward (``Tensor.register_post_accumulate_grad_hook``). When the last
@@ -28,6 +32,8 @@ rebuild
     After the first synchronised backward the buckets are rebuilt once in
     the order gradients actually arrived on rank 0 (broadcast so every rank
     agrees), which is what lets communication overlap the rest of backward.
+    As in torch: with ``find_unused_parameters`` (and no static graph) never,
+    and with a static graph after the second backward (the first only counts).
 
 static graph
     With ``static_graph=True`` the first synchronised backward only counts the
@@ -63,6 +69,7 @@ Failure modes
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,8 +80,11 @@ from torch.autograd import Variable
 from ddpkit.comm.bucket import CommHook, GradBucket
 from ddpkit.runtime import stall
 
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""torch's default bucket cap in MiB."""
 FIRST_BUCKET_MB = 1.0
-"""Cap of the first bucket (per dtype and device) in MiB."""
+"""Cap of the first bucket (per dtype and device) in MiB when the cap is left at its default (torch's)."""
+_UNBOUNDED = sys.maxsize
 _MIB = 1024 * 1024
 _FUSED_MAX_BYTES = 64 * 1024
 """Parameters up to this size are staged into their bucket by one fused copy per bucket."""
@@ -83,54 +93,59 @@ class UnusedParametersError(RuntimeError):
     """Parameters got no gradient in a synchronised backward without ``find_unused_parameters``."""
 
 
-def assign_buckets(
-    params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, first_cap_bytes: int
-) -> list[list[int]]:
-    """Group parameters into buckets, walking them in ``order``.
+def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
+    """Group parameters into buckets, walking them in ``order``: torch's ``compute_bucket_assignment_by_size``.
 
-    Each (dtype, device) has its own open bucket, capped at ``first_cap_bytes``
-    for the first bucket of that key and ``cap_bytes`` after. A parameter that
-    would overflow a non-empty bucket starts the next one, so a parameter
-    larger than the cap gets a bucket of its own (reduced in place, no copy).
-    Buckets are returned sorted by the position of their first parameter in
-    ``order``, so bucket 0 holds the first gradients to arrive.
+    Each (dtype, device) has its own open bucket. A parameter joins its open
+    bucket, and the bucket closes once it holds at least its limit: the first
+    bucket of each key ``limits[0]``, the second ``limits[1]``, and so on, the
+    last limit for every bucket after. So a bucket may end larger than its
+    limit by its last parameter, and a parameter larger than the limit shares
+    its bucket with those before it.
 
     Args:
         params: the parameters; only their numel, element size, dtype and
             device are read.
-        order: indices into ``params``, in expected gradient arrival order.
-        cap_bytes: cap of every bucket but the first of each key.
-        first_cap_bytes: cap of the first bucket of each key.
+        order: indices into ``params``: the order to fill buckets in.
+        limits: bucket size limits in bytes, in the order buckets close.
 
     Returns:
-        A list of buckets, each a list of indices into ``params``.
+        The buckets (lists of indices into ``params``) in the order they
+        closed, then the ones left open, the key seen last first (torch's
+        order).
     """
     open_buckets: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
-    closed_count: dict[tuple, int] = {}
+    closed: dict[tuple, int] = {}
     done: list[list[int]] = []
-
-    def close(key: tuple) -> None:
-        done.append(open_buckets.pop(key))
-        open_bytes[key] = 0
-        closed_count[key] = closed_count.get(key, 0) + 1
-
     for i in order:
         p = params[i]
         key = (p.dtype, p.device)
-        size = p.numel() * p.element_size()
-        cap = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
-        if open_buckets.get(key) and open_bytes[key] + size > cap:
-            close(key)
-            cap = cap_bytes
         open_buckets.setdefault(key, []).append(i)
-        open_bytes[key] = open_bytes.get(key, 0) + size
-        if open_bytes[key] >= cap:
-            close(key)
-    done.extend(b for b in open_buckets.values() if b)
-    position = {i: k for k, i in enumerate(order)}
-    done.sort(key=lambda b: position[b[0]])
+        open_bytes[key] = open_bytes.get(key, 0) + p.numel() * p.element_size()
+        if open_bytes[key] >= limits[min(closed.get(key, 0), len(limits) - 1)]:
+            done.append(open_buckets.pop(key))
+            open_bytes[key] = 0
+            closed[key] = closed.get(key, 0) + 1
+    # torch emits the buckets left open by walking its hash map of keys, which
+    # (libstdc++) holds them newest key first.
+    done.extend(open_buckets[k] for k in reversed(list(open_bytes)) if open_buckets.get(k))
     return done
+
+
+def initial_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
+    """The assignment before any gradient has been seen, as torch's DDP makes it.
+
+    Parameters are grouped in registration order (each bucket keeps that
+    order inside), and the buckets are then reversed, so the last parameters,
+    whose gradients usually come first, are in bucket 0. The first limit
+    therefore applies to the bucket of the *first* parameters: their
+    gradients come last, and a small bucket for them leaves little to reduce
+    after backward.
+    """
+    buckets = assign_buckets(params, range(len(params)), limits)
+    buckets.sort(key=lambda b: b[0])
+    return buckets[::-1]
 
 
 class Reducer:
@@ -142,6 +157,11 @@ class Reducer:
         process_group: the group to reduce over; ``None`` for a world of one
             without a process group (no communication).
         bucket_cap_mb: cap of every bucket but the first, in MiB.
+        first_bucket_cap_mb: cap of the first bucket after the rebuild, in
+            MiB; ``None``: ``bucket_cap_mb``.
+        bucket_caps_mb: one cap per bucket in MiB, the last for every bucket
+            after (torch's ``bucket_cap_mb_list``); replaces the two above,
+            before the rebuild too.
         find_unused_parameters: reduce zeros for parameters without a gradient
             instead of raising; parameters unused on every rank keep ``.grad``.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
@@ -160,6 +180,8 @@ class Reducer:
         *,
         process_group: dist.ProcessGroup | None,
         bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float | None = None,
+        bucket_caps_mb: Sequence[float] | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
@@ -173,8 +195,13 @@ class Reducer:
         self.div_factor = self.world_size
         """What the no-hook path divides gradients by: the world size, or under
         ``join(divide_by_initial_world_size=False)`` the ranks not yet joined."""
-        self.cap_bytes = int(bucket_cap_mb * _MIB)
-        self.first_cap_bytes = min(int(FIRST_BUCKET_MB * _MIB), self.cap_bytes)
+        if bucket_caps_mb:
+            self.limits = [int(c * _MIB) for c in bucket_caps_mb]
+        else:
+            cap = int(bucket_cap_mb * _MIB)
+            first = cap if first_bucket_cap_mb is None else int(first_bucket_cap_mb * _MIB)
+            self.limits = [first, cap] if first < cap else [cap]
+        """Bucket size limits in bytes of the rebuild, in the order buckets close (see :func:`assign_buckets`)."""
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -193,11 +220,16 @@ class Reducer:
         self.comm_state: Any = None
         self.buckets: list[GradBucket] = []
         self._slot: list[tuple[GradBucket, int]] = []
-        self._build(list(reversed(range(len(self.params)))))
+        # torch's first assignment: one bucket per dtype and device unless
+        # unused parameters are searched for (the rebuild then never comes).
+        one = static_graph or not find_unused_parameters
+        self._build(initial_buckets(self.params, [_UNBOUNDED] if one and not bucket_caps_mb else self.limits))
         self._arrival: list[int] = []
         self._step = 0
         """Synchronised backwards so far (named in the stall inspector's reports)."""
-        self._rebuilt = False
+        self._rebuilt = find_unused_parameters and not static_graph
+        """Whether the buckets are final: after the rebuild, or from the start when none comes (torch's rule:
+        no rebuild while searching for unused parameters without a static graph)."""
         self._rebuild_due = False
         # Static graph: gradients per parameter per backward, and which
         # parameters were used on some rank, both from the first backward.
@@ -218,9 +250,8 @@ class Reducer:
 
     # -- buckets -------------------------------------------------------------
 
-    def _build(self, order: list[int]) -> None:
+    def _build(self, indices: list[list[int]]) -> None:
         old = list(self._slot)
-        indices = assign_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes)
         self.buckets = [
             GradBucket(k, [self.params[i] for i in idx], idx) for k, idx in enumerate(indices)
         ]
@@ -265,8 +296,9 @@ class Reducer:
             order = t.tolist()
         self._rebuilt = True
         self._arrival = []
-        if assign_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes) != self.bucket_indices():
-            self._build(order)
+        indices = assign_buckets(self.params, order, self.limits)
+        if indices != self.bucket_indices():
+            self._build(indices)
 
     def _comm_device(self) -> torch.device:
         """Where small bookkeeping tensors go for a collective: NCCL needs the GPU."""
@@ -355,8 +387,6 @@ class Reducer:
             hits = self._hits[index] = self._hits[index] + 1
             if self._expected is None:
                 # First backward: count only; everything is reduced at its end.
-                if hits == 1 and not self._rebuilt:
-                    self._arrival.append(index)
                 return
             if not self._started:
                 self._started = True
@@ -531,8 +561,22 @@ class Reducer:
 
     def _end_step(self) -> None:
         self._step += 1
-        self._rebuild_due = not self._rebuilt
+        self._rebuild_due = self._wants_rebuild()
         self._reset()
+
+    def _wants_rebuild(self) -> bool:
+        """Whether the next synchronised forward rebuilds: after the first backward, a static graph's second."""
+        return not self._rebuilt and self._step >= (2 if self.static_graph else 1)
+
+    def set_static_graph(self) -> None:
+        """Turn on ``static_graph`` before the first synchronised backward (torch's ``_set_static_graph``)."""
+        if self._step or self._armed:
+            raise RuntimeError(
+                "_set_static_graph() must be called before the first backward: pass "
+                "DistributedDataParallel(..., static_graph=True) instead"
+            )
+        self.static_graph = True
+        self._rebuilt = False  # a static graph is rebuilt, even with find_unused_parameters
 
     def _launch_rest(self) -> None:
         """Launch every bucket not launched yet and settle which parameters were used (for _complete)."""
@@ -659,6 +703,8 @@ class Reducer:
             self._rebuild_due = False
             self._rebuild()
         self._reset()
+        if not self._rebuilt and not self._arrival:
+            self._arrival = list(range(len(self.params)))  # torch's joined rank offers every parameter in order
         for bucket in self.buckets:
             bucket._buffer = bucket.target = torch.zeros_like(bucket.flat)
             self._launch(bucket)
@@ -671,8 +717,8 @@ class Reducer:
             stall.enter("DDP all-reduce of the used-parameter map", step=self._step)
             dist.all_reduce(flags, group=self.group)
         self._wait_all()
-        self._rebuild_due = not self._rebuilt
         self._step += 1
+        self._rebuild_due = self._wants_rebuild()
         self._reset()
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
