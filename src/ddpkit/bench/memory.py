@@ -10,6 +10,19 @@ model, its gradients, the optimizer's state, the batch, the activations and
 what the engine adds (buckets, staging); both engines are measured the same
 way, and both engines' code is imported before the baseline, so the
 difference is the engines'. The largest value over the ranks is reported.
+
+Two figures per run:
+
+* *private*: the peak of the process's own memory (anonymous pages: tensors,
+  the heap, Python objects), taken as the peak resident set minus the pages
+  mapped from files (shared libraries' code and data) at the time of reading.
+  File pages are shared between the ranks of a machine and are only paged
+  in, never given back without memory pressure, so they are counted at their
+  final (largest) size. This is the memory each rank costs, and the headline.
+* *rss*: the peak resident set itself (``ru_maxrss``). It also counts the
+  code pages of whatever parts of libtorch and Python the engine executes
+  (about 0.5 MB more for ddpkit, whose reducer calls other kernels than
+  torch's C++ one), which the ranks share.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from typing import Any
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.engines import BATCH_FIELD
+from ddpkit.bench.report import memory_ratio
 
 MEMORY_STEPS = 10
 """Training steps after the warm-up before the peak is read."""
@@ -30,6 +44,21 @@ MEMORY_STEPS = 10
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _file_mb() -> float:
+    """Resident pages mapped from files or shared memory (``RssFile`` + ``RssShmem``), in MB; 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith(("RssFile:", "RssShmem:"))) / 1024.0
+    except OSError:
+        return 0.0
+
+
+def _peaks() -> tuple[float, float]:
+    """(peak resident set, peak private memory) so far, in MB (see the module notes)."""
+    peak = _peak_mb()
+    return peak, peak - _file_mb()
 
 
 def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> None:
@@ -46,7 +75,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     torch.set_num_threads(1)
     init(backend="gloo")
     dist.barrier()
-    before = _peak_mb()
+    before = _peaks()
     model, x, y = _workload(name, cfg)
     if engine == "ddpkit":
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
@@ -55,10 +84,10 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     step = _stepper(model, x, y)
     for _ in range(cfg.warmup + min(cfg.steps, MEMORY_STEPS)):
         step()
-    grown = torch.tensor([_peak_mb() - before])
+    grown = torch.tensor([after - first for after, first in zip(_peaks(), before)])
     dist.all_reduce(grown, op=dist.ReduceOp.MAX)
     if rank == 0:
-        Path(out).write_text(json.dumps(grown.item()))
+        Path(out).write_text(json.dumps(dict(zip(("rss", "private"), grown.tolist()))))
     shutdown()
 
 
@@ -73,7 +102,8 @@ the next); with it the peak follows the tensors alive at once (runs within about
 
 
 def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
-    """``{workload: {"ddpkit_mb": median, "torch_mb": median, "ddpkit_runs": [...], "torch_runs": [...]}}``.
+    """``{workload: {"ddpkit_mb": ..., "torch_mb": ..., "ddpkit_runs": [...], "torch_runs": [...], and the same
+    with "rss" for the resident set}}``: private memory (see the module notes), median and runs, in MB.
 
     Each measurement runs in processes of its own.
     """
@@ -86,15 +116,19 @@ def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     os.environ.update(_FIXED_MMAP_THRESHOLD)  # read by each new process at start
     try:
         for name in (w for w in cfg.workloads if w in BATCH_FIELD):  # the DDP workloads, not dp or strategies
-            runs: dict[str, list[float]] = {"ddpkit": [], "torch": []}
+            runs: dict[str, list[dict[str, float]]] = {"ddpkit": [], "torch": []}
             for r in range(MEMORY_REPEATS):
                 for engine in ("ddpkit", "torch") if r % 2 == 0 else ("torch", "ddpkit"):
                     with tempfile.TemporaryDirectory() as tmp:
                         out = os.path.join(tmp, "peak.json")
                         spawn(_worker, cfg.world_size, args=(cfg, name, engine, out), backend="gloo")
                         runs[engine].append(json.loads(Path(out).read_text()))
-            found[name] = {**{f"{e}_mb": statistics.median(v) for e, v in runs.items()},
-                           **{f"{e}_runs": v for e, v in runs.items()}}
+            found[name] = {}
+            for e, v in runs.items():
+                for kind, suffix in (("private", ""), ("rss", "_rss")):
+                    values = [run[kind] for run in v]
+                    found[name][f"{e}{suffix}_mb"] = statistics.median(values)
+                    found[name][f"{e}{suffix}_runs"] = values
     finally:
         for k, v in saved.items():
             if v is None:
@@ -106,14 +140,17 @@ def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
 
 def format_memory(found: dict[str, dict[str, Any]]) -> str:
     lines = [f"peak memory per rank above the process's own baseline, in MB (the largest over ranks; median of "
-             f"{MEMORY_REPEATS} runs in fresh processes, range in brackets):",
-             f"{'workload':<11} {'ddpkit':>21} {'torch':>21} {'ddpkit/torch':>12}"]
+             f"{MEMORY_REPEATS} runs in fresh processes, range in brackets); private: the process's own pages, "
+             "rss: with the shared code pages it touched:",
+             f"{'workload':<11} {'ddpkit private':>21} {'torch private':>21} {'ratio':>6} "
+             f"{'ddpkit rss':>8} {'torch rss':>9} {'ratio':>6}"]
 
     def cell(m: dict[str, Any], engine: str) -> str:
         runs = m.get(f"{engine}_runs") or [m[f"{engine}_mb"]]
         return f"{m[f'{engine}_mb']:.1f} [{min(runs):.1f}-{max(runs):.1f}]"
 
     for name, m in found.items():
-        ratio = m["ddpkit_mb"] / m["torch_mb"] if m["torch_mb"] > 0 else float("nan")
-        lines.append(f"{name:<11} {cell(m, 'ddpkit'):>21} {cell(m, 'torch'):>21} {ratio:>12.3f}")
+        rss = (f"{m['ddpkit_rss_mb']:>10.1f} {m['torch_rss_mb']:>9.1f} {memory_ratio(m, '_rss'):>6.3f}"
+               if "ddpkit_rss_mb" in m else "")
+        lines.append(f"{name:<11} {cell(m, 'ddpkit'):>21} {cell(m, 'torch'):>21} {memory_ratio(m):>6.3f} {rss}")
     return "\n".join(lines)

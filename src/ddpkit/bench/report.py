@@ -17,6 +17,12 @@ from typing import Any
 from ddpkit.bench.config import BenchConfig
 
 
+def memory_ratio(m: dict[str, Any], suffix: str = "") -> float:
+    """ddpkit / torch of one workload's private (``suffix=""``) or resident (``"_rss"``) peak memory."""
+    torch_mb = m.get(f"torch{suffix}_mb", 0.0)
+    return m[f"ddpkit{suffix}_mb"] / torch_mb if torch_mb > 0 else float("nan")
+
+
 def command_line(cfg: BenchConfig) -> str:
     """The ``ddpkit bench`` command with these settings (the flags that differ from their defaults)."""
     words = ["ddpkit", "bench"]
@@ -116,11 +122,15 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
     if data.get("memory"):
         lines += ["", "## Peak memory per rank", "",
                   "Above each process's own baseline (interpreter, torch, process group), each engine and workload "
-                  "in processes of its own, the largest over ranks (`--memory`).", "",
-                  "| workload | ddpkit MB | torch MB | ddpkit / torch |", "| --- | ---: | ---: | ---: |"]
+                  "in processes of its own, the largest over ranks (`--memory`). *Private*: the process's own "
+                  "pages (tensors, heap, Python objects); *RSS*: with the pages of shared libraries' code it touched, "
+                  "which the ranks of a machine share.", "",
+                  "| workload | ddpkit private MB | torch private MB | ddpkit / torch | ddpkit RSS MB | torch RSS MB "
+                  "| ddpkit / torch |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, m in data["memory"].items():
-            lines.append(f"| {name} | {m['ddpkit_mb']:.1f} | {m['torch_mb']:.1f} | "
-                         f"{m['ddpkit_mb'] / m['torch_mb']:.3f} |")
+            rss = (f"{m['ddpkit_rss_mb']:.1f} | {m['torch_rss_mb']:.1f} | {memory_ratio(m, '_rss'):.3f}"
+                   if "ddpkit_rss_mb" in m else "- | - | -")
+            lines.append(f"| {name} | {m['ddpkit_mb']:.1f} | {m['torch_mb']:.1f} | {memory_ratio(m):.3f} | {rss} |")
     if data.get("dp"):
         dp = data["dp"]
         lines += ["", "## DataParallel against DDP", "",
