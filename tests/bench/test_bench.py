@@ -172,13 +172,11 @@ def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     memory = json.loads(out.read_text())["memory"]
     # 5.8 M parameters: weights, gradients and momentum are 70 MB before anything the engines add.
     m = memory["mlp"]
-    assert m["ddpkit_mb"] > 50 and m["torch_mb"] > 50
     for engine in ("ddpkit", "torch"):  # three fresh-process runs each, the median reported
         for suffix in ("", "_rss"):  # private memory, and the resident set with shared code pages
             runs = m[f"{engine}{suffix}_runs"]
             assert len(runs) == 3 and sorted(runs)[1] == m[f"{engine}{suffix}_mb"]
-        # Shared code pages only add to the resident set: private is never above it.
-        assert all(p <= r + 0.01 for p, r in zip(m[f"{engine}_runs"], m[f"{engine}_rss_runs"]))
+            assert all(run > 50 for run in runs), (engine, suffix, runs)
     assert "peak memory per rank" in capfd.readouterr().out
 
 

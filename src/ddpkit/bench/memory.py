@@ -15,11 +15,14 @@ Two figures per run:
 
 * *private*: the peak of the process's own memory (anonymous pages: tensors,
   the heap, Python objects), taken as the peak resident set minus the pages
-  mapped from files (shared libraries' code and data) at the time of reading.
-  File pages are shared between the ranks of a machine and are only paged
-  in, never given back without memory pressure, so they are counted at their
-  final (largest) size. This is the memory each rank costs, and the headline.
-* *rss*: the peak resident set itself (``ru_maxrss``). It also counts the
+  mapped from files (shared libraries' code and data) at the time of
+  reading, above the private memory in use at the baseline. File pages are
+  shared between the ranks of a machine and are only paged in, never given
+  back without memory pressure, so they are counted at their final (largest)
+  size. This is the memory each rank costs, and the headline.
+* *rss*: the peak resident set (``ru_maxrss``) above the resident set in use
+  at the baseline (not above an earlier peak, which imports and the process
+  group's set-up may have left higher than what is in use). It also counts the
   code pages of whatever parts of libtorch and Python the engine executes
   (about 0.5 MB more for ddpkit, whose reducer calls other kernels than
   torch's C++ one), which the ranks share.
@@ -46,19 +49,24 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def _file_mb() -> float:
-    """Resident pages mapped from files or shared memory (``RssFile`` + ``RssShmem``), in MB; 0 where unknown."""
+def _status_mb(*fields: str) -> float:
+    """The sum of these ``/proc/self/status`` fields (``"RssFile"``, ...), in MB; 0 where unknown."""
     try:
         with open("/proc/self/status") as f:
-            return sum(int(line.split()[1]) for line in f if line.startswith(("RssFile:", "RssShmem:"))) / 1024.0
+            return sum(int(line.split()[1]) for line in f if line.split(":")[0] in fields) / 1024.0
     except OSError:
         return 0.0
+
+
+def _in_use() -> tuple[float, float]:
+    """(resident set, private memory) in use now, in MB: the baseline."""
+    return _status_mb("VmRSS"), _status_mb("RssAnon")
 
 
 def _peaks() -> tuple[float, float]:
     """(peak resident set, peak private memory) so far, in MB (see the module notes)."""
     peak = _peak_mb()
-    return peak, peak - _file_mb()
+    return peak, peak - _status_mb("RssFile", "RssShmem")
 
 
 def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> None:
@@ -75,7 +83,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     torch.set_num_threads(1)
     init(backend="gloo")
     dist.barrier()
-    before = _peaks()
+    before = _in_use()
     model, x, y = _workload(name, cfg)
     if engine == "ddpkit":
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)

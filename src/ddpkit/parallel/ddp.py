@@ -21,7 +21,7 @@ from torch import nn
 from ddpkit.comm.bucket import CommHook
 from ddpkit.parallel.broadcast import PackedBroadcast, broadcast_once
 from ddpkit.parallel.join import DISABLED, Join, JoinConfig
-from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_MB, Reducer
+from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from ddpkit.runtime import stall
 
 _MIB = 1024 * 1024
@@ -287,9 +287,8 @@ class DistributedDataParallel(nn.Module):
         self.bucket_cap_mb = max(caps) if caps else (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
         self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
         self.bucket_bytes_cap_list = [int(c * _MIB) for c in caps]
-        self._bucket_caps_mb = caps
-        self._first_bucket_cap_mb = FIRST_BUCKET_MB if bucket_cap_mb is None and not caps else self.bucket_cap_mb
-        self.bucket_bytes_cap_default = self._first_bucket_cap_mb < self.bucket_cap_mb
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and not caps  # the 1 MiB first bucket
+        self._bucket_caps = (bucket_cap_mb, caps)
         self.reducer = self._make_reducer()
 
     def _make_reducer(self) -> Reducer:
@@ -297,9 +296,8 @@ class DistributedDataParallel(nn.Module):
         return Reducer(
             trainable,
             process_group=self.process_group,
-            bucket_cap_mb=self.bucket_cap_mb,
-            first_bucket_cap_mb=self._first_bucket_cap_mb,
-            bucket_caps_mb=self._bucket_caps_mb,
+            bucket_cap_mb=self._bucket_caps[0],
+            bucket_caps_mb=self._bucket_caps[1],
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,

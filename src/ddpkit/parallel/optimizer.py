@@ -38,7 +38,7 @@ from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.compression import Compression
 from ddpkit.parallel.broadcast import world_group
 from ddpkit.parallel.ddp import _verify_same_parameters
-from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_MB, Reducer
+from ddpkit.parallel.reducer import Reducer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -137,8 +137,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         world = 1 if group is None else dist.get_world_size(group)
         if world > 1:
             _verify_same_parameters(named, group, "DistributedOptimizer")
-        reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
-                          first_bucket_cap_mb=FIRST_BUCKET_MB if bucket_cap_mb is None else None, reduce_missing=True,
+        reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
                           complete_at_end_of_backward=False)
         compression = _check_compression(compression)
         if op == "sum":

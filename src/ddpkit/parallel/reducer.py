@@ -9,9 +9,10 @@ bucket
     limit. Until the rebuild every parameter shares one bucket per dtype and
     device (with ``find_unused_parameters``: registration order, limits as
     below, bucket 0 holding the last parameters); the rebuild then fills
-    buckets in gradient arrival order, the first up to ``first_bucket_cap_mb``
-    (torch: 1 MiB when ``bucket_cap_mb`` is left at its default, else the
-    cap) so the first gradients go out early, the others ``bucket_cap_mb``.
+    buckets in gradient arrival order, the first up to :data:`FIRST_BUCKET_MB`
+    when ``bucket_cap_mb`` is left at ``None`` (torch's rule; a value given
+    caps it too) so the first gradients go out early, the others
+    ``bucket_cap_mb``.
 ready
     A parameter is ready when autograd has accumulated its gradient for this
     backward (``Tensor.register_post_accumulate_grad_hook``). When the last
@@ -156,11 +157,11 @@ class Reducer:
             identical in order and shape on every rank.
         process_group: the group to reduce over; ``None`` for a world of one
             without a process group (no communication).
-        bucket_cap_mb: cap of every bucket but the first, in MiB.
-        first_bucket_cap_mb: cap of the first bucket after the rebuild, in
-            MiB; ``None``: ``bucket_cap_mb``.
+        bucket_cap_mb: bucket cap in MiB. ``None``: torch's default, 25 MiB
+            with a first bucket of :data:`FIRST_BUCKET_MB`; a value given caps
+            the first bucket too (torch's rule).
         bucket_caps_mb: one cap per bucket in MiB, the last for every bucket
-            after (torch's ``bucket_cap_mb_list``); replaces the two above,
+            after (torch's ``bucket_cap_mb_list``); replaces ``bucket_cap_mb``,
             before the rebuild too.
         find_unused_parameters: reduce zeros for parameters without a gradient
             instead of raising; parameters unused on every rank keep ``.grad``.
@@ -179,8 +180,7 @@ class Reducer:
         named_params: Sequence[tuple[str, torch.Tensor]],
         *,
         process_group: dist.ProcessGroup | None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | None = None,
         bucket_caps_mb: Sequence[float] | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -198,8 +198,8 @@ class Reducer:
         if bucket_caps_mb:
             self.limits = [int(c * _MIB) for c in bucket_caps_mb]
         else:
-            cap = int(bucket_cap_mb * _MIB)
-            first = cap if first_bucket_cap_mb is None else int(first_bucket_cap_mb * _MIB)
+            cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * _MIB)
+            first = int(FIRST_BUCKET_MB * _MIB) if bucket_cap_mb is None else cap
             self.limits = [first, cap] if first < cap else [cap]
         """Bucket size limits in bytes of the rebuild, in the order buckets close (see :func:`assign_buckets`)."""
         self.find_unused = find_unused_parameters
