@@ -209,3 +209,20 @@ def test_strategies_in_the_report(tmp_path, capfd):
     summary = (tmp_path / "summary.md").read_text()
     assert "## Strategies on ddpkit's engine" in summary and "| convnet | local-sgd |" in summary
     assert "MB sent/step" in capfd.readouterr().out
+
+
+def test_phase_times_script_reports_both_engines_and_the_reducer():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "phase_times.py"
+    done = subprocess.run([sys.executable, str(script), "--workload", "linear200", "--steps", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "linear200, world size 2, 2 steps per engine, medians in ms"
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:6]}
+    assert set(rows) == {"forward", "backward", "optimizer", "step"}
+    assert all(float(v) > 0 for k, row in rows.items() for v in (row[0], row[1], row[3]))
+    assert any(line.strip().startswith("_finish_backward") for line in lines)
