@@ -55,7 +55,8 @@ def test_a_bucket_closes_after_the_parameter_that_fills_it():
 class _Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c, self.d = nn.Linear(300, 300), nn.Linear(300, 300), nn.Linear(300, 10), nn.Linear(300, 10)
+        self.a, self.b = nn.Linear(300, 300), nn.Linear(300, 300)
+        self.c, self.d = nn.Linear(300, 10), nn.Linear(300, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(self.b(self.a(x)))

@@ -222,7 +222,8 @@ class DistributedDataParallel(nn.Module):
         if broadcast_buffers is None:
             broadcast_buffers = True
         caps = list(bucket_cap_mb_list or ())
-        for name, cap in [("bucket_cap_mb", bucket_cap_mb)] + [(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(caps)]:
+        named_caps = [("bucket_cap_mb", bucket_cap_mb)] + [(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(caps)]
+        for name, cap in named_caps:
             if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
                 raise ValueError(f"{name}={cap!r} must be a positive number of MiB: the default is 25")
         if device_ids is not None and len(device_ids) != 1:
