@@ -14,7 +14,8 @@ THREE_RANKS = {"rtol": 1e-6, "atol": 1e-7}  # three addends: gloo's order may di
 BATCHES = (3, 5, 7)
 
 
-def _train_uneven(model: nn.Module, name: str, join_kw: dict, hook: bool, no_sync_every: int, fkw=None) -> nn.Module:
+def _train_uneven(model: nn.Module, name: str, join_kw: dict, hook: bool, no_sync_every: int, fkw=None,
+                  no_sync_at: tuple = ()) -> nn.Module:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = dist.get_rank()
     if hook:
@@ -25,7 +26,7 @@ def _train_uneven(model: nn.Module, name: str, join_kw: dict, hook: bool, no_syn
         for step in range(BATCHES[rank]):
             x, y = batch(name, 1000 + 100 * step + 10 * rank)
             kw = fkw(step) if fkw else {}
-            if no_sync_every and step % no_sync_every == 0:
+            if (no_sync_every and step % no_sync_every == 0) or step in no_sync_at:
                 with model.no_sync():
                     nn.functional.cross_entropy(model(x, **kw), y).backward()
                 continue
@@ -35,12 +36,13 @@ def _train_uneven(model: nn.Module, name: str, join_kw: dict, hook: bool, no_syn
     return model
 
 
-def _uneven(name: str, kwargs: dict, join_kw: dict, hook: bool = False, no_sync_every: int = 0) -> list[dict]:
+def _uneven(name: str, kwargs: dict, join_kw: dict, hook: bool = False, no_sync_every: int = 0,
+            no_sync_at: tuple = ()) -> list[dict]:
     fkw = None
     if name == "branchy":
         def fkw(step: int) -> dict:
             return {"branch": step % 2 == 0 and dist.get_rank() != 1}
-    return [state(_train_uneven(m, name, join_kw, hook, no_sync_every, fkw)) for m in pair(name, **kwargs)]
+    return [state(_train_uneven(m, name, join_kw, hook, no_sync_every, fkw, no_sync_at)) for m in pair(name, **kwargs)]
 
 
 def _check(results: list, exact: bool = False, identical: bool = True) -> None:
@@ -66,6 +68,13 @@ def test_join_matches_torch_with_3_5_7_batches(dist3, divide_by_initial):
 
 def test_join_with_comm_hook_and_gradient_accumulation(dist3):
     _check(dist3.run(_uneven, "convbn", {"gradient_as_bucket_view": True}, {}, hook=True, no_sync_every=3))
+
+
+def test_join_when_the_rebuild_comes_at_a_no_sync_forward(dist3):
+    # The first synchronised step is step 2, so the rebuild is due at step 3, a no_sync() forward
+    # after rank 0 (3 batches) has joined: the joined rank must rebuild with the others.
+    _check(dist3.run(_uneven, "convbn", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.01}, {},
+                     no_sync_at=(0, 1, 3)))
 
 
 def test_join_with_find_unused_parameters(dist3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -81,7 +82,11 @@ _LAYOUTS = {
     "unused-cap": (_Encoder, {"find_unused_parameters": True, "bucket_cap_mb": 0.2}),
     "static": (_Encoder, {"static_graph": True}),
     "branchy": (_Branchy, {"find_unused_parameters": True, "bucket_cap_mb": 0.3}),
+    "last-small": (_Encoder, {"bucket_cap_mb": 0.2}),
+    "last-small-cap-list": (_Encoder, {"bucket_cap_mb_list": [0.05, 0.3, 0.1]}),
 }
+_ENV = {"last-small": {"DDP_SET_LAST_BUCKET_CAP": "1"}, "last-small-cap-list": {"DDP_SET_LAST_BUCKET_CAP": "1"}}
+"""Environment a case runs under (read by both engines at the rebuild)."""
 
 
 def _bucket_layouts(engine: str, case: str) -> list:
@@ -104,9 +109,19 @@ def _bucket_layouts(engine: str, case: str) -> list:
 
     model.register_comm_hook(None, record)
     x = torch.randn(2, 8, 64) if make is _Encoder else torch.randn(2, 300)
-    for _ in range(4):
-        seen.append([])
-        model(x).sum().backward()
+    env = _ENV.get(case, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for _ in range(4):
+            seen.append([])
+            model(x).sum().backward()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     return seen
 
 
@@ -117,6 +132,41 @@ def test_buckets_are_laid_out_as_torchs(dist2, case):
     ours = dist2.run(_bucket_layouts, "ddpkit", case)
     theirs = dist2.run(_bucket_layouts, "torch", case)
     assert ours == theirs
+
+
+def _rebuild_under_no_sync(engine: str) -> tuple[bool, bool, list[torch.Tensor]]:
+    """Whether the gradients moved into new buckets at a no_sync() forward, and at the next synced one."""
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = _Encoder()
+    wrap = ddpkit.DDP if engine == "ddpkit" else torch_ddp
+    model = wrap(module, gradient_as_bucket_view=True, bucket_cap_mb=0.2)
+    x = torch.randn(2, 8, 64) + dist.get_rank()
+
+    def where() -> list[int]:
+        return [p.grad.data_ptr() for p in module.parameters()]
+
+    model(x).sum().backward()
+    before = where()
+    with model.no_sync():
+        out = model(x)
+        at_no_sync = where() != before
+        out.sum().backward()
+    before = where()
+    model(x).sum().backward()
+    return at_no_sync, where() != before, [p.grad.clone() for p in module.parameters()]
+
+
+def test_the_rebuild_comes_at_the_next_forward_with_grad_even_under_no_sync(dist2):
+    # torch rebuilds at any forward with grad enabled: with gradient_as_bucket_view the
+    # gradients move into the new buckets at the no_sync() forward, not at the next synced one.
+    ours = dist2.run(_rebuild_under_no_sync, "ddpkit")
+    theirs = dist2.run(_rebuild_under_no_sync, "torch")
+    for (moved, later, grads), (t_moved, t_later, t_grads) in zip(ours, theirs):
+        assert (moved, later) == (t_moved, t_later) == (True, False)
+        for g, t in zip(grads, t_grads):
+            assert torch.equal(g, t)
 
 
 def test_ddp_exposes_torchs_bucket_attributes():

@@ -355,10 +355,11 @@ class DistributedDataParallel(nn.Module):
                 work, still_training = notified
                 work.wait()
                 div_factor = int(still_training.item())
-            # Tell the ranks that have joined whether this step reduces gradients.
-            flag = torch.ones(1, device=self.join_device) if sync else torch.zeros(1, device=self.join_device)
+            # Tell the ranks that have joined whether this step reduces gradients
+            # and whether its forward has grad enabled (it may rebuild the buckets).
+            flags = torch.tensor([float(sync), float(grad)], device=self.join_device)
             stall.enter("DDP join: does this step reduce gradients")
-            dist.all_reduce(flag, group=self.process_group, async_op=True)
+            dist.all_reduce(flags, group=self.process_group, async_op=True)
         # torch's rule: buffers go out from rank 0 when the previous forward
         # was a synchronised one, so the first synchronised forward after a
         # no_sync() block keeps each rank's own statistics. Under join(), from
@@ -366,6 +367,8 @@ class DistributedDataParallel(nn.Module):
         if self.require_forward_param_sync and self.forward_sync_buffers and self.world_size > 1:
             self._sync_buffers(self._common_rank(True) if joining and self._has_buffers() else 0)
         self.reducer.div_factor = div_factor
+        if grad:
+            self.reducer.rebuild_if_due()  # torch's rule: at any forward with grad enabled, no_sync() too
         if sync:
             self.reducer.prepare_for_backward()
         elif grad:
@@ -498,12 +501,14 @@ class _DDPJoinHook:
     def main_hook(self) -> None:
         """One step of the ranks still training: the same collectives as their forward and backward."""
         ddp = self.ddp
-        flag = torch.zeros(1, device=ddp.join_device)
+        flags = torch.zeros(2, device=ddp.join_device)
         stall.enter("DDP join: does this step reduce gradients")
-        dist.all_reduce(flag, group=ddp.process_group)
-        should_sync = bool(flag.item())
+        dist.all_reduce(flags, group=ddp.process_group)
+        should_sync, grad = (bool(f) for f in flags.tolist())
         if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._has_buffers():
             ddp._sync_buffers(ddp._common_rank(False))
+        if grad:
+            ddp.reducer.rebuild_if_due()
         ddp.require_forward_param_sync = should_sync
         if should_sync:
             ddp.reducer.shadow_backward()

@@ -35,6 +35,10 @@ rebuild
     agrees), which is what lets communication overlap the rest of backward.
     As in torch: with ``find_unused_parameters`` (and no static graph) never,
     and with a static graph after the second backward (the first only counts).
+    It happens at the next forward with grad enabled, a ``no_sync()`` one
+    too. ``DDP_SET_LAST_BUCKET_CAP=1`` (torch's switch) fills buckets from
+    the last gradient backwards, so the small first limit lands on the
+    bucket reduced last.
 
 static graph
     With ``static_graph=True`` the first synchronised backward only counts the
@@ -70,6 +74,7 @@ Failure modes
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -296,7 +301,11 @@ class Reducer:
             order = t.tolist()
         self._rebuilt = True
         self._arrival = []
-        indices = assign_buckets(self.params, order, self.limits)
+        if os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1":
+            # torch's switch: the small first limit goes to the bucket reduced last instead.
+            indices = assign_buckets(self.params, order[::-1], self.limits)[::-1]
+        else:
+            indices = assign_buckets(self.params, order, self.limits)
         if indices != self.bucket_indices():
             self._build(indices)
 
@@ -315,11 +324,19 @@ class Reducer:
         parameters are found at the end of backward, so it is not needed.
         """
         del outputs
+        self.rebuild_if_due()
+        self._reset()
+        self._armed = True
+
+    def rebuild_if_due(self) -> None:
+        """Rebuild the buckets if the rebuild is due (a collective: every rank calls it at the same point).
+
+        DDP calls it at every forward with grad enabled, ``no_sync()`` ones
+        included, as torch's DDP does; :meth:`prepare_for_backward` too.
+        """
         if self._rebuild_due:
             self._rebuild_due = False
             self._rebuild()
-        self._reset()
-        self._armed = True
 
     def disarm(self) -> None:
         """Let the next backward accumulate locally (``no_sync``)."""
@@ -699,9 +716,7 @@ class Reducer:
         does on a rank that trains, contributing zeros (``Join``'s contract),
         and leaves this rank's gradients alone.
         """
-        if self._rebuild_due:
-            self._rebuild_due = False
-            self._rebuild()
+        self.rebuild_if_due()
         self._reset()
         if not self._rebuilt and not self._arrival:
             self._arrival = list(range(len(self.params)))  # torch's joined rank offers every parameter in order
