@@ -169,6 +169,53 @@ def test_the_rebuild_comes_at_the_next_forward_with_grad_even_under_no_sync(dist
             assert torch.equal(g, t)
 
 
+def _channels_last(engine: str, as_view: bool, hook: bool) -> tuple[list, list, list]:
+    """A channels_last ConvNet: what a comm hook sees, the gradients' strides and values after two steps."""
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(144, 5))
+    module = module.to(memory_format=torch.channels_last)
+    wrap = ddpkit.DDP if engine == "ddpkit" else torch_ddp
+    model = wrap(module, gradient_as_bucket_view=as_view, bucket_cap_mb=0.001)
+    seen: list = []
+    if hook:
+        def record(state, bucket):
+            seen.append((bucket.buffer().clone(), [(g.shape, g.stride()) for g in bucket.gradients()]))
+            return _allreduce_mean(bucket.buffer())
+
+        model.register_comm_hook(None, record)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        opt.zero_grad()
+        model(x.to(memory_format=torch.channels_last)).square().sum().backward()
+        opt.step()
+    return seen, [p.grad.stride() for p in module.parameters()], [p.grad.clone() for p in module.parameters()]
+
+
+def _allreduce_mean(buffer: torch.Tensor) -> torch.futures.Future:
+    return dist.all_reduce(buffer.div_(dist.get_world_size()), async_op=True).get_future().then(
+        lambda f: f.value()[0])
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("hook", [False, True])
+def test_channels_last_parameters_are_bucketed_in_memory_order_as_torch_does(dist2, as_view, hook):
+    # torch's bucket views take the parameter's strides: the bucket holds a channels_last
+    # gradient in memory order, and under gradient_as_bucket_view .grad keeps the layout.
+    ours = dist2.run(_channels_last, "ddpkit", as_view, hook)
+    theirs = dist2.run(_channels_last, "torch", as_view, hook)
+    for (seen, strides, grads), (t_seen, t_strides, t_grads) in zip(ours, theirs):
+        assert strides == t_strides
+        assert len(seen) == len(t_seen)
+        for (buf, layout), (t_buf, t_layout) in zip(seen, t_seen):
+            assert layout == t_layout
+            assert torch.equal(buf, t_buf)
+        for g, t in zip(grads, t_grads):
+            assert torch.equal(g, t)
+
+
 def test_ddp_exposes_torchs_bucket_attributes():
     ddpkit.init()
     model = ddpkit.DDP(nn.Linear(2, 2))

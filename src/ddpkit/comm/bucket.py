@@ -19,6 +19,16 @@ CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 """``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory without gaps or overlaps, in some order of its dims."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class GradBucket:
     """One bucket as a comm hook sees it.
 
@@ -36,9 +46,15 @@ class GradBucket:
         self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         """The bucket's own memory; reduced results always end up here."""
         self.views: list[torch.Tensor] = []
+        """Each parameter's place in the bucket, with the parameter's strides where its memory is dense (as
+        torch's reducer lays them out: a channels_last weight's gradient is copied in memory order, and under
+        ``gradient_as_bucket_view`` ``.grad`` keeps the parameter's layout)."""
+        self._slices: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
+            piece = self.flat[offset : offset + p.numel()].view(p.shape)
+            self._slices.append(piece)
+            self.views.append(self.flat.as_strided(p.shape, p.stride(), offset) if _dense(p) else piece)
             offset += p.numel()
         self._buffer = self.flat
         self.target = self.flat
@@ -64,10 +80,15 @@ class GradBucket:
         self._buffer = tensor
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient, as a view into the bucket's memory."""
+        """Each parameter's gradient, as a view into the bucket's memory.
+
+        As torch's ``GradBucket.gradients()``: each parameter's stretch of the
+        buffer viewed in the parameter's shape with contiguous strides (for a
+        channels_last parameter that is its memory order read as if contiguous).
+        """
         if self.target is not self.flat:
             return [self.target.view(self.views[0].shape)]
-        return list(self.views)
+        return list(self._slices)
 
     def parameters(self) -> list[torch.Tensor]:
         """The bucket's parameters, in bucket order."""
