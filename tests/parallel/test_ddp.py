@@ -141,6 +141,66 @@ def test_matches_single_process_global_batch(dist2):
     _assert_same(dist2.run(_global_batch, 3), rtol=1e-5, atol=1e-6)
 
 
+class _WithIgnored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.a, self.b, self.bn = nn.Linear(4, 4), nn.Linear(4, 2), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.bn(self.a(x) * self.w))
+
+
+def _buffer_and_ignore_rules(engine: str, kwargs: dict, ignore: list[str]) -> tuple[list[str], dict]:
+    """Rank-local initial weights and statistics; what the construction and three steps leave, and the warnings."""
+    import warnings
+
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(dist.get_rank())
+    module = _WithIgnored()
+    module.bn.running_var.fill_(dist.get_rank() + 2.0)
+    cls = ddpkit.DDP if engine == "ddpkit" else TorchDDP
+    if ignore:
+        cls._set_params_and_buffers_to_ignore_for_model(module, ignore)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, **kwargs)
+    states = {f"init {k}": v.clone() for k, v in module.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+    states.update({k: v.clone() for k, v in module.state_dict().items()})
+    states.update({f"{n}.grad": p.grad.clone() for n, p in module.named_parameters()})
+    return sorted({type(w.message).__name__ for w in caught if "buffers" in str(w.message)}), states
+
+
+@pytest.mark.parametrize("kwargs, ignore", [
+    ({}, ["a.weight", "bn.running_mean", "w"]),
+    ({"broadcast_buffers": False}, []),
+    ({"forward_sync_buffers": False}, []),
+    ({"broadcast_buffers": True, "forward_sync_buffers": False}, ["b.bias"]),
+])
+def test_buffer_sync_flags_and_ignored_parameters_follow_torch(dist2, kwargs, ignore):
+    # Ignored names are neither broadcast nor reduced (a root parameter is still reduced: torch
+    # matches those as ".w"); broadcast_buffers=False keeps buffers out of the construction
+    # broadcast too, forward_sync_buffers=False does not; broadcast_buffers warns as deprecated.
+    ours = dist2.run(_buffer_and_ignore_rules, "ddpkit", kwargs, ignore)
+    theirs = dist2.run(_buffer_and_ignore_rules, "torch", kwargs, ignore)
+    for (warned, got), (t_warned, want) in zip(ours, theirs):
+        assert warned == t_warned
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    if "a.weight" in ignore:
+        (_, r0), (_, r1) = ours
+        assert not torch.equal(r0["a.weight.grad"], r1["a.weight.grad"])  # not reduced
+        assert torch.equal(r0["w.grad"], r1["w.grad"])
+
+
 def _construction_broadcast() -> list[torch.Tensor]:
     torch.manual_seed(dist.get_rank())  # different initial weights on each rank
     net = make("convbn", seed=dist.get_rank())

@@ -11,6 +11,7 @@ autograd is still running, and leaves the average in ``.grad``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from ddpkit.runtime import stall
 
 _MIB = 1024 * 1024
+_IGNORED = "_ddp_params_and_buffers_to_ignore"
+"""The module attribute naming what DDP leaves alone (torch's; see ``_set_params_and_buffers_to_ignore_for_model``)."""
 
 
 class DDPConfigError(ValueError, RuntimeError):
@@ -128,8 +131,9 @@ class DistributedDataParallel(nn.Module):
             moved there before forward. ``None`` (default) leaves them alone.
         output_device: accepted for torch compatibility; outputs stay where the
             module puts them.
-        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
-            before each forward while gradient sync is on. Default True.
+        broadcast_buffers: deprecated by torch 2.13 for ``forward_sync_buffers``
+            (a FutureWarning when given, as torch's); ``False`` also keeps
+            buffers out of the construction broadcast. Default None (True).
         bucket_cap_mb: bucket size cap in MiB. Default (``None``) 25 MiB with
             a first bucket of 1 MiB; a value given caps the first bucket too
             (torch's rule). Buckets are laid out as torch's DDP lays them out.
@@ -146,6 +150,13 @@ class DistributedDataParallel(nn.Module):
             raises. Default False.
         bucket_cap_mb_list: one cap per bucket in MiB, the last for all
             buckets after it; replaces ``bucket_cap_mb`` (torch 2.13).
+        forward_sync_buffers: broadcast buffers (BatchNorm statistics) from
+            rank 0 before each forward that follows a synchronised one. The
+            construction broadcast includes buffers either way. Default True.
+
+    Parameters and buffers named with torch's
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``
+    (also on this class) before wrapping are not broadcast, checked or reduced.
 
     The constructor takes torch's arguments in torch's order. ``dim`` is kept
     for compatibility (one device per process: nothing is scattered);
@@ -184,7 +195,7 @@ class DistributedDataParallel(nn.Module):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool | None = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
@@ -219,8 +230,20 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(dim, int):
             raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
         del check_reduction, batched_grad_copy  # torch ignores the first; the second is a speed knob
-        if broadcast_buffers is None:
-            broadcast_buffers = True
+        if broadcast_buffers is not None:
+            warnings.warn(
+                "`broadcast_buffers` is deprecated (torch 2.13) and ignored when `forward_sync_buffers` is given"
+                if forward_sync_buffers is not None else
+                "`broadcast_buffers` is deprecated (torch 2.13): use `forward_sync_buffers`. Unlike "
+                "`broadcast_buffers=False`, `forward_sync_buffers=False` still broadcasts buffers at construction",
+                FutureWarning, stacklevel=2,
+            )
+        # torch's rule: forward_sync_buffers wins; the construction broadcast skips buffers only
+        # under the old broadcast_buffers=False.
+        if forward_sync_buffers is None:
+            forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
+        else:
+            init_sync_buffers = True
         caps = list(bucket_cap_mb_list or ())
         named_caps = [("bucket_cap_mb", bucket_cap_mb)] + [(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(caps)]
         for name, cap in named_caps:
@@ -252,8 +275,7 @@ class DistributedDataParallel(nn.Module):
         self.dim = dim
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
-        self.broadcast_buffers = broadcast_buffers
-        self.forward_sync_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        self.forward_sync_buffers = bool(forward_sync_buffers)
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -265,14 +287,16 @@ class DistributedDataParallel(nn.Module):
         self._join_config: JoinConfig = DISABLED
         self._divide_by_initial_world_size = True
 
-        named = list(module.named_parameters())
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        if not trainable:
+        self.parameters_to_ignore: set[str] = set(getattr(module, _IGNORED, ()))
+        """Names of parameters and buffers DDP leaves alone (torch's
+        ``_set_params_and_buffers_to_ignore_for_model``)."""
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        if not any(p.requires_grad for _, p in named):
             raise DDPConfigError(
                 "DistributedDataParallel: the module has no parameter that requires grad, so "
                 "there is nothing to synchronise; wrap a trainable module"
             )
-        buffers = list(module.buffers())
+        buffers = self._buffers_synced()
         self._buffer_broadcast: PackedBroadcast | None = None
         self._buffer_ids: tuple[int, ...] = ()
         self._buffer_count = len(buffers)
@@ -283,7 +307,8 @@ class DistributedDataParallel(nn.Module):
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
         if self.world_size > 1 and init_sync:
             _verify_same_parameters(named, process_group)
-            broadcast_once([p.detach() for _, p in named] + buffers, process_group, "parameters and buffers")
+            states = [p.detach() for _, p in named] + (buffers if init_sync_buffers else [])
+            broadcast_once(states, process_group, "parameters and buffers")
         # torch's bucket configuration and the attributes it exposes for it.
         self.bucket_cap_mb = max(caps) if caps else (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
         self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
@@ -292,8 +317,39 @@ class DistributedDataParallel(nn.Module):
         self._bucket_caps = (bucket_cap_mb, caps)
         self.reducer = self._make_reducer()
 
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name for :attr:`forward_sync_buffers` (reads and sets it)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Name parameters and buffers of ``module`` that DDP must leave alone, before wrapping (torch's API).
+
+        They are not broadcast, not reduced and not checked across ranks. As in
+        torch, a parameter of the root module itself is still reduced (torch
+        matches those against ``".name"``), only not broadcast or checked.
+        """
+        setattr(module, _IGNORED, params_and_buffers_to_ignore)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
+
+    def _buffers_synced(self) -> list[torch.Tensor]:
+        """The buffers DDP broadcasts: all of the module's, less the ignored ones."""
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
     def _make_reducer(self) -> Reducer:
-        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        # torch's filter names a parameter "<module>.<name>", so the root's own are ".<name>".
+        ignored = self.parameters_to_ignore
+        trainable = [(n, p) for n, p in self.module.named_parameters()
+                     if p.requires_grad and (n if "." in n else f".{n}") not in ignored]
         return Reducer(
             trainable,
             process_group=self.process_group,
@@ -393,7 +449,7 @@ class DistributedDataParallel(nn.Module):
         """Broadcast group rank ``src``'s buffers; collected again each time, in case the model reassigned one."""
         if not self._buffer_count:
             return
-        buffers = list(self.module.buffers())
+        buffers = self._buffers_synced()
         self._buffer_count = len(buffers)
         if not buffers:
             return
@@ -517,9 +573,9 @@ class _DDPJoinHook:
         """Every rank takes the model of the last rank to finish (the highest, on a tie)."""
         ddp = self.ddp
         src = ddp._common_rank(is_last_joiner)
-        tensors = [p.detach() for p in ddp.module.parameters()]
-        if ddp.broadcast_buffers:
-            tensors += list(ddp.module.buffers())
+        tensors = [p.detach() for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        if ddp.forward_sync_buffers:
+            tensors += ddp._buffers_synced()
         broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
 
 
