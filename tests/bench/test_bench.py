@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -42,6 +43,23 @@ def test_format_results_has_one_row_per_workload():
     assert all("0.500" in line and "2.00" in line and "4.00" in line for line in body)
 
 
+def test_median_confidence_interval_covers_the_median_and_narrows():
+    import random
+
+    from ddpkit.bench.engines import median_ci, verdict
+
+    assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)  # few samples: the whole range
+    r = random.Random(0)
+    xs = [r.gauss(0.97, 0.05) for _ in range(400)]
+    lo, hi = median_ci(xs)
+    assert lo < statistics.median(xs) < hi and hi - lo < 0.02  # ±1.96·1.25·0.05/√400 ≈ 0.006 each side
+    assert verdict((lo, hi)) == "faster" and verdict((0.99, 1.01)) == "level" and verdict((1.01, 1.02)) == "slower"
+    # The 95 % interval misses the true median in about 5 % of samples, not 0 % and not 30 %.
+    misses = sum(not (median_ci(s)[0] <= 1.0 <= median_ci(s)[1])
+                 for s in ([r.lognormvariate(0, 0.3) for _ in range(100)] for _ in range(1000)))
+    assert 20 <= misses <= 80
+
+
 def test_bench_cli_end_to_end(tmp_path, capfd):
     out = tmp_path / "bench.json"
     code = main(["bench", "--workloads", "convnet", "--steps", "2", "--warmup", "1", "--samples-per-rank", "4",
@@ -52,6 +70,7 @@ def test_bench_cli_end_to_end(tmp_path, capfd):
     assert [r["workload"] for r in results] == ["convnet"] and results[0]["params"] == PARAMS["convnet"]
     r = results[0]
     assert r["steps"] == 2 and r["ratio_iqr"][0] <= r["ratio"] <= r["ratio_iqr"][1]
+    assert r["ratio_ci"][0] <= r["ratio"] <= r["ratio_ci"][1]
     assert r["ddpkit_iqr_ms"][0] <= r["ddpkit_ms"] <= r["ddpkit_iqr_ms"][1]
     # Enough for a script to compare two runs.
     assert report["settings"]["steps"] == 2 and report["world_size"] == 2 and report["backend"] == "gloo"

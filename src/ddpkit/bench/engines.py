@@ -101,6 +101,8 @@ class WorkloadResult:
     torch_iqr_ms: tuple[float, float] = (0.0, 0.0)
     ratio_iqr: tuple[float, float] = (0.0, 0.0)
     """Quartiles (25 %, 75 %) of the step times and of the per-pair ratios."""
+    ratio_ci: tuple[float, float] = (0.0, 0.0)
+    """95 % confidence interval of the median ratio (:func:`median_ci`): where the ratio itself lies, not the pairs."""
     overlap_ddpkit: float | None = None
     overlap_torch: float | None = None
     """Share of all-reduce time that ran while gradients were still being computed, from the traced steps'
@@ -188,6 +190,35 @@ def quartiles(xs: list[float], scale: float = 1.0) -> tuple[float, float]:
     return scale * q1, scale * q3
 
 
+def median_ci(xs: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median of ``xs`` (95 % for ``z=1.96``).
+
+    Order statistics: the count of samples below the true median is
+    Binomial(n, 1/2), so the interval runs from the ``n/2 - z*sqrt(n)/2``-th
+    to the ``n/2 + z*sqrt(n)/2``-th smallest sample (normal approximation,
+    rounded outwards). It assumes nothing about the ratios' distribution, only
+    that the pairs are independent. With 10 samples or fewer it is the
+    whole range.
+    """
+    if not xs:
+        return (0.0, 0.0)
+    ordered = sorted(xs)
+    n = len(ordered)
+    half = z * n**0.5 / 2
+    lo = max(0, int(n / 2 - half) - 1)
+    hi = min(n - 1, -int(-(n / 2 + half)))  # ceil, as an index from 0 that counts 1 past the rank
+    return ordered[lo], ordered[hi]
+
+
+def verdict(ci: tuple[float, float]) -> str:
+    """``faster`` or ``slower`` when the ratio's confidence interval lies on one side of 1, else ``level``."""
+    if ci[1] < 1.0:
+        return "faster"
+    if ci[0] > 1.0:
+        return "slower"
+    return "level"
+
+
 def relative_spread(xs: list[float]) -> float:
     """IQR / median: how tight a set of ratios is (0 for fewer than two)."""
     if len(xs) < 2:
@@ -254,7 +285,8 @@ def _bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         workload=name, params=sum(p.numel() for p in base.parameters()),
         ddpkit_ms=ddpkit_ms, torch_ms=torch_ms, steps=len(times["ddpkit"]),
         ddpkit_iqr_ms=quartiles(times["ddpkit"], 1000.0), torch_iqr_ms=quartiles(times["torch"], 1000.0),
-        ratio=statistics.median(ratios), ratio_iqr=quartiles(ratios), overlap_ddpkit=overlaps[0],
+        ratio=statistics.median(ratios), ratio_iqr=quartiles(ratios), ratio_ci=median_ci(ratios),
+        overlap_ddpkit=overlaps[0],
         overlap_torch=overlaps[1],
         compute_ms=compute, comm_ms=comm_ms, hidden_ddpkit=hidden(ddpkit_ms), hidden_torch=hidden(torch_ms),
         exposed_ddpkit_ms=_median_ms(exposed),
@@ -342,7 +374,8 @@ def format_results(results: list[WorkloadResult], world_size: int) -> str:
     """A plain-text table of the results, its columns as the README defines them."""
     lines = [
         f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank; median step times in ms",
-        f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11}  "
+        f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
+        f"{'95% CI':>11} {'ddpkit is':>9}  "
         f"{'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "
         f"{'overlap ddpkit/torch':>20}",
     ]
@@ -353,13 +386,16 @@ def format_results(results: list[WorkloadResult], world_size: int) -> str:
     for r in results:
         lines.append(
             f"{r.workload:<11} {r.params:>10,} {r.steps:>5} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f} "
-            f"{r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f}  {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} "
+            f"{r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f} {r.ratio_ci[0]:>5.3f}-{r.ratio_ci[1]:<5.3f} "
+            f"{verdict(r.ratio_ci):>9}  {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} "
             f"{r.exposed_ddpkit_ms:>10.2f} {r.hidden_ddpkit_direct:>13.0%} "
             f"{share(r.overlap_ddpkit):>11} /{share(r.overlap_torch):>7}"
         )
     lines.append(
         "ratio = median over back-to-back step pairs of ddpkit / torch, with its quartiles (lower is better; it can "
-        "sit on the other side of 1 than the two medians when the pairs disagree, which the IQR shows); compute = "
+        "sit on the other side of 1 than the two medians when the pairs disagree, which the IQR shows); 95% CI = "
+        "confidence interval of that median (order statistics; more --steps narrow it), and ddpkit is faster or "
+        "slower when it lies on one side of 1, else level; compute = "
         "step without communication; comm alone = all-reduce of the gradients with nothing else running; exposed = "
         "ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / comm alone; "
         f"overlap = share of all-reduce time that ran while gradients were still being computed, from the spans of "

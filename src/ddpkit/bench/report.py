@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.engines import verdict
 
 
 def memory_ratio(m: dict[str, Any], suffix: str = "") -> float:
@@ -63,10 +64,16 @@ def ratio_plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
     names = [r["workload"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.errorbar(range(len(rows)), [r["ratio"] for r in rows], fmt="o", capsize=4,
+    at = range(len(rows))
+    left.errorbar(at, [r["ratio"] for r in rows], fmt="o", capsize=4, label="IQR of the pairs",
                   yerr=[[r["ratio"] - r["ratio_iqr"][0] for r in rows], [r["ratio_iqr"][1] - r["ratio"] for r in rows]])
+    cis = [r.get("ratio_ci") or (r["ratio"], r["ratio"]) for r in rows]
+    left.errorbar([i + 0.12 for i in at], [r["ratio"] for r in rows], fmt="none", capsize=6, elinewidth=3,
+                  yerr=[[r["ratio"] - c[0] for r, c in zip(rows, cis)], [c[1] - r["ratio"] for r, c in zip(rows, cis)]],
+                  label="95% CI of the median")
     left.axhline(1.0, linestyle=":", color="grey")
-    left.set_ylabel("ddpkit / torch step time (median, IQR)")
+    left.legend(fontsize="small")
+    left.set_ylabel("ddpkit / torch step time (median ratio)")
     left.set_title("ratio (below 1: ddpkit faster)")
     width = 0.38
     for k, engine in enumerate(("ddpkit", "torch")):
@@ -94,23 +101,27 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
         ratio_plot(rows, cfg.report / "ratios.png")
         lines += [
             f"## DDP: ddpkit against torch, world size {cfg.world_size}", "",
-            "| workload | params | steps | ddpkit ms (IQR) | torch ms (IQR) | ratio (IQR) | comm alone ms "
-            "| exposed ms | overlap ddpkit / torch |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| workload | params | steps | ddpkit ms (IQR) | torch ms (IQR) | ratio (IQR) | ratio 95% CI | ddpkit is "
+            "| comm alone ms | exposed ms | overlap ddpkit / torch |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
         for r in rows:
+            ci = r.get("ratio_ci") or r["ratio_iqr"]
             lines.append(
                 f"| {r['workload']} | {r['params']:,} | {r['steps']} | {r['ddpkit_ms']:.2f} "
                 f"({r['ddpkit_iqr_ms'][0]:.2f}-{r['ddpkit_iqr_ms'][1]:.2f}) | {r['torch_ms']:.2f} "
                 f"({r['torch_iqr_ms'][0]:.2f}-{r['torch_iqr_ms'][1]:.2f}) | {r['ratio']:.3f} "
-                f"({r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}) | {r['comm_ms']:.2f} | "
-                f"{r['exposed_ddpkit_ms']:.2f} | {_share(r['overlap_ddpkit'])} / {_share(r['overlap_torch'])} |")
+                f"({r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}) | {ci[0]:.3f}-{ci[1]:.3f} | {verdict(ci)} | "
+                f"{r['comm_ms']:.2f} | {r['exposed_ddpkit_ms']:.2f} | "
+                f"{_share(r['overlap_ddpkit'])} / {_share(r['overlap_torch'])} |")
         traces = sorted(p.name for p in cfg.report.glob("trace*.json"))
         lines += [
             "", "![ratio and overlap per workload](ratios.png)", "",
             "- *ratio*: the median over back-to-back pairs of steps (one per engine) of ddpkit / torch, with its "
             "quartiles; below 1, ddpkit is faster. It can sit on the other side of 1 than the two medians when the "
             "pairs disagree; the IQR shows it.",
+            "- *ratio 95% CI*: where the median ratio itself lies (order statistics over the pairs; more `--steps` "
+            "narrow it). *ddpkit is* faster or slower when the interval lies on one side of 1, level otherwise.",
             "- *comm alone*: all-reduce of ddpkit's gradient buckets with nothing else running.",
             "- *exposed*: ddpkit's median wait for communication at the end of backward (on the rank that arrived "
             "last, so skew between ranks is left out).",
