@@ -85,6 +85,7 @@ from torch.autograd import Variable
 
 from ddpkit.comm.bucket import CommHook, GradBucket
 from ddpkit.runtime import stall
+from ddpkit.runtime.group import settle_at_exit
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """torch's default bucket cap in MiB."""
@@ -198,6 +199,8 @@ class Reducer:
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.div_factor = self.world_size
+        if self.world_size > 1:
+            settle_at_exit()  # this reducer's collectives' tensors are Python's: see settle_at_exit
         """What the no-hook path divides gradients by: the world size, or under
         ``join(divide_by_initial_world_size=False)`` the ranks not yet joined."""
         if bucket_caps_mb:

@@ -197,8 +197,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         if place.world_size > 1:
             stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
     if place.world_size > 1:
-        atexit.unregister(_at_exit)
-        atexit.register(_at_exit)
+        settle_at_exit()
     _ctx = DistContext(
         rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,
         local_world_size=place.local_world_size, node_rank=place.node_rank,
@@ -242,11 +241,27 @@ def _let_backend_threads_settle() -> None:
     time.sleep(0.05)
 
 
+def settle_at_exit() -> None:
+    """Settle the backend's threads at interpreter exit (see :func:`_let_backend_threads_settle`); once per process.
+
+    :func:`init` calls it, and so does every engine that issues its own
+    collectives (DDP's reducer): a process group made by someone else
+    (Accelerate, a plain ``init_process_group``) and torn down with
+    ``destroy_process_group()`` right before exit needs it as much.
+    """
+    global _settling
+    if not _settling:
+        _settling = True
+        atexit.register(_at_exit)
+
+
+_settling = False
+
+
 def _at_exit() -> None:
-    """At interpreter exit, with the process group still up: the same settling as :func:`shutdown`."""
-    if dist.is_initialized():
-        stall.stop()
-        _let_backend_threads_settle()
+    """At interpreter exit: stop the stall inspector, then the same settling as :func:`shutdown`."""
+    stall.stop()
+    _let_backend_threads_settle()
 
 
 def context() -> DistContext | None:
