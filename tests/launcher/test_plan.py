@@ -105,6 +105,15 @@ def test_torchrun_flags_no_python_role_shutdown_timeout_and_accepted_ones():
                             ({"role": " "}, "--role is empty")):
         with pytest.raises(ConfigError, match=message):
             LaunchConfig(program=SCRIPT, **kwargs)
+    # torchrun's grace: TORCH_ELASTIC_SHUTDOWN_TIMEOUT when the flag is not given, else 30 s.
+    assert LaunchConfig(program=SCRIPT).grace_period_s == 30
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
+        assert LaunchConfig(program=SCRIPT).grace_period_s == 7
+        assert LaunchConfig(program=SCRIPT, grace_period_s=2.5).grace_period_s == 2.5
+        env.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+        with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon' is not a number of seconds"):
+            LaunchConfig(program=SCRIPT)
     with pytest.raises(ConfigError, match="neither a file nor a command on PATH"):
         LaunchConfig(program="no-such-binary-xyz", no_python=True)
     assert LaunchConfig(program="true", no_python=True).program == "true"

@@ -58,6 +58,15 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def test_terminate_continues_a_stopped_worker_so_sigterm_ends_it() -> None:
+    # A stopped process (SIGSTOP, Ctrl-Z) acts on SIGTERM only once continued: without the
+    # SIGCONT it would sit out the whole grace period and die by SIGKILL.
+    worker = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os.kill(worker.pid, signal.SIGSTOP)
+    terminate([worker], grace_s=60)
+    assert worker.poll() == -signal.SIGTERM
+
+
 def test_terminate_takes_down_children_that_ignore_sigterm() -> None:
     # The leader ignores SIGTERM and has a child that ignores it too: both must
     # be gone after the grace period (SIGKILL to the whole group).

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from ddpkit.runtime.discovery import DEFAULT_PORT, LOOPBACK
 from ddpkit.runtime.options import ConfigError, option
-from ddpkit.runtime.process import GRACE_S
 
 ENDPOINT_PORT = 29400
+SHUTDOWN_TIMEOUT_S = 30.0
+"""torchrun's grace between SIGTERM and SIGKILL: time for a worker's SIGTERM handler to save a checkpoint."""
 """torchrun's default port for ``--rdzv-endpoint``."""
 
 RDZV_CONF = {
@@ -167,8 +168,9 @@ class LaunchConfig:
     )
     no_python: bool = option(False, "run PROGRAM directly, not with python (a binary or a script with a shebang)")
     role: str = option("default", "the workers' role (ROLE_NAME), as torchrun")
-    grace_period_s: float = option(
-        GRACE_S, "seconds between SIGTERM and SIGKILL when workers are stopped",
+    grace_period_s: float | None = option(
+        None, "seconds between SIGTERM and SIGKILL when workers are stopped (default: "
+        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else {SHUTDOWN_TIMEOUT_S:g}, as torchrun)",
         flags=["--shutdown-timeout", "--shutdown_timeout"], metavar="SECONDS",
     )
     signals_to_handle: str = option(
@@ -248,6 +250,13 @@ class LaunchConfig:
             self.master_addr = LOOPBACK
         if self.rdzv_id is not None and not self.rdzv_id.strip():
             raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
+        if self.grace_period_s is None:
+            raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+            try:
+                self.grace_period_s = float(raw) if raw.strip() else SHUTDOWN_TIMEOUT_S
+            except ValueError:
+                raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds "
+                                  "(the grace between SIGTERM and SIGKILL): unset it or give e.g. 30") from None
         if self.grace_period_s < 0:
             raise ConfigError(f"--shutdown-timeout {self.grace_period_s} must be 0 or more seconds")
         if not self.monitor_interval > 0:

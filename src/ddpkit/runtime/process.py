@@ -148,6 +148,9 @@ def terminate(processes: Sequence[Any], grace_s: float = GRACE_S, first_signal: 
     exited leaders included, which also reaps orphaned grandchildren.
     """
     signal_groups([p for p in processes if _alive(p)], first_signal)
+    # A stopped worker (SIGSTOP, Ctrl-Z) would only act on the signal when continued: continue it now
+    # rather than wait out the grace period for the SIGKILL.
+    signal_groups([p for p in processes if _alive(p)], signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     while any(_alive(p) for p in processes) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
