@@ -201,6 +201,59 @@ def test_buffer_sync_flags_and_ignored_parameters_follow_torch(dist2, kwargs, ig
         assert torch.equal(r0["w.grad"], r1["w.grad"])
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = self.body(x)
+        return {"a": torch.exp(self.a(h)), "b": self.b(h), "n": 7}
+
+
+def _outputs_through_the_sink(engine: str, kwargs: dict, heads: str, inplace: bool) -> tuple[list, dict]:
+    """Steps whose loss uses ``heads`` (an in-place change to head "a" first if ``inplace``): what each did."""
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = _TwoHeads()
+    model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    log = []
+    for step in range(2 if inplace else 3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        opt.zero_grad()
+        out = model(x)
+        if inplace:
+            out["a"].mul_(2)  # legal only on a copy: exp saved its output for backward
+        try:
+            sum(out[h].sum() for h in heads).backward()
+        except RuntimeError as e:
+            log.append(("error", "modified by an inplace operation" in str(e)))
+            break
+        log.append(("ok", out["n"], sorted(n for n, p in module.named_parameters() if p.grad is None)))
+        opt.step()
+    return log, {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("kwargs, heads, inplace", [
+    ({"find_unused_parameters": True}, "a", False),
+    ({"find_unused_parameters": True, "gradient_as_bucket_view": True}, "a", False),
+    ({"find_unused_parameters": True}, "a", True),
+    ({"static_graph": True}, "ab", True),
+])
+def test_outputs_pass_through_torchs_sink(dist2, kwargs, heads, inplace):
+    # torch's sink: with find_unused_parameters every forward's outputs are copies (in-place changes
+    # are legal), with a static graph only the first one's; an output the loss leaves out gets no
+    # gradient (None, not zeros: SGD's weight decay then skips its head).
+    ours = dist2.run(_outputs_through_the_sink, "ddpkit", kwargs, heads, inplace)
+    theirs = dist2.run(_outputs_through_the_sink, "torch", kwargs, heads, inplace)
+    for (log, got), (t_log, want) in zip(ours, theirs):
+        assert log == t_log
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
 def _construction_broadcast() -> list[torch.Tensor]:
     torch.manual_seed(dist.get_rank())  # different initial weights on each rank
     net = make("convbn", seed=dist.get_rank())

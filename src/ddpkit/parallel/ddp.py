@@ -79,47 +79,58 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _output_tensors(obj: Any, found: list[torch.Tensor]) -> None:
-    """Collect the tensors of a forward's output that backward can reach (tuples, lists, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
-            found.append(obj)
-    elif type(obj) in (tuple, list) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
-        for o in obj:
-            _output_tensors(o, found)
-    elif type(obj) is dict:
-        for o in obj.values():
-            _output_tensors(o, found)
-
-
-def _replace_outputs(obj: Any, new: dict[int, torch.Tensor]) -> Any:
-    """``obj`` with each tensor whose id is in ``new`` replaced, the structure kept."""
-    if isinstance(obj, torch.Tensor):
-        return new.get(id(obj), obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace_outputs(o, new) for o in obj))
-    if type(obj) in (tuple, list):
-        return type(obj)(_replace_outputs(o, new) for o in obj)
-    if type(obj) is dict:
-        return {k: _replace_outputs(v, new) for k, v in obj.items()}
-    return obj
-
-
-class _EndOfBackward(torch.autograd.Function):
-    """Identity on the forward's outputs whose backward, the first step of any
-    backward through them, queues the reducer's end-of-backward callback on
-    that (outer) backward: torch's ``_DDPSink``. Outputs are copies, as torch's,
-    so in-place changes to them stay legal."""
+class _Sink(torch.autograd.Function):
+    """torch's ``_DDPSink``: the forward's outputs pass through it (copies when
+    ``clone``, so in-place changes to them stay legal); its backward, the first
+    step of any backward through them, queues the reducer's end-of-backward
+    callback on that (outer) backward. Gradients left ``None`` stay ``None``,
+    so a branch whose output the loss does not use gets none."""
 
     @staticmethod
-    def forward(ctx: Any, reducer: Reducer, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, reducer: Reducer, clone: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
         ctx.reducer = reducer
-        return tuple(t.clone() for t in tensors)
+        return tuple(t.clone() for t in tensors) if clone else tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         ctx.reducer.expect_backward()
-        return (None, *grads)
+        return (None, None, *grads)
+
+
+def _graph_outputs(output: Any) -> tuple[list[Any], Any, list[int]]:
+    """``output`` flattened as torch's DDP does (its pytree: tuples, lists, dicts, namedtuples, ...), and
+    where the tensors that have a ``grad_fn`` are among the leaves."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(output)
+    return leaves, spec, [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _through_sink(output: Any, reducer: Reducer, clone: bool) -> Any:
+    """``output`` with each tensor that has a ``grad_fn`` passed through :class:`_Sink`, the structure kept."""
+    from torch.utils._pytree import tree_unflatten
+
+    leaves, spec, at = _graph_outputs(output)
+    if not at:
+        return output
+    passed = _Sink.apply(reducer, clone, *(leaves[i] for i in at))
+    for i, t in zip(at, passed):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+def _anchor_end_of_backward(output: Any, reducer: Reducer) -> None:
+    """Queue the reducer's end-of-backward callback when backward reaches the nodes that made ``output``:
+    what the sink's backward does, with the outputs left as they are (no copies)."""
+    leaves, _, at = _graph_outputs(output)
+    nodes = {id(leaves[i].grad_fn): leaves[i].grad_fn for i in at}
+
+    def arrived(grads: Any) -> None:
+        reducer.expect_backward()
+
+    for node in nodes.values():
+        node.register_prehook(arrived)
 
 
 class DistributedDataParallel(nn.Module):
@@ -284,6 +295,7 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
+        self._ddp_sink_clone = True
         self._join_config: JoinConfig = DISABLED
         self._divide_by_initial_world_size = True
 
@@ -434,13 +446,19 @@ class DistributedDataParallel(nn.Module):
             args, kwargs = _to_device(args, device), _to_device(kwargs, device)
         output = self.module(*args, **kwargs)
         self.require_forward_param_sync = sync
-        if sync and self.static_graph:
-            tensors: list[torch.Tensor] = []
-            _output_tensors(output, tensors)
-            if tensors:
-                passed = _EndOfBackward.apply(self.reducer, *tensors)
-                output = _replace_outputs(output, {id(t): p for t, p in zip(tensors, passed)})
+        # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
+        # forwards until its first backward. Later, a static graph's synchronised backward is anchored on
+        # the output's nodes instead (reentrant checkpointing), the outputs untouched as under torch.
+        first_static = self.static_graph and not self.reducer.static_counted
+        if (self.find_unused_parameters and not self.static_graph) or first_static:
+            output = _through_sink(output, self.reducer, self._ddp_sink_clone)
+        elif sync and self.static_graph:
+            _anchor_end_of_backward(output, self.reducer)
         return output
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """Whether the outputs passed through the sink are copies (torch's switch; default True)."""
+        self._ddp_sink_clone = val
 
     def _has_buffers(self) -> bool:
         return self._buffer_count > 0

@@ -353,6 +353,8 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._hits = [0] * len(self.params)
         self._saved: dict[int, torch.Tensor] = {}
+        self._undefined: set[int] = set()
+        """Parameters whose hook ran without a gradient in this backward (see the hook)."""
         for b in self.buckets:
             b.pending = len(b.indices)
             b.staged = set()
@@ -362,12 +364,17 @@ class Reducer:
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            # Autograd also calls the hook with no gradient (an output the loss
+            # left out passes None through DDP's sink): the parameter is ready
+            # but, as torch counts it, used only if it holds a gradient.
             if self._armed:
+                if param.grad is None and (self.find_unused or self._expected is None):
+                    self._undefined.add(index)
                 self._on_ready(index)
                 return
             if self.in_flight:
                 self._overrun(index)
-            if self.find_unused:
+            if self.find_unused and param.grad is not None:
                 # Used in a no_sync() backward: its accumulated gradient must
                 # be reduced by the next synchronised backward even if that one
                 # does not use it (torch records local use the same way).
@@ -588,6 +595,11 @@ class Reducer:
         """Whether the next synchronised forward rebuilds: after the first backward, a static graph's second."""
         return not self._rebuilt and self._step >= (2 if self.static_graph else 1)
 
+    @property
+    def static_counted(self) -> bool:
+        """Static graph: whether the first synchronised backward has counted each parameter's gradients."""
+        return self._expected is not None
+
     def set_static_graph(self) -> None:
         """Turn on ``static_graph`` before the first synchronised backward (torch's ``_set_static_graph``)."""
         if self._step or self._armed:
@@ -608,7 +620,8 @@ class Reducer:
         elif self.static_graph and not self._started:
             self._started = True
             self._mark_static_unused()
-        local_used = [r or u for r, u in zip(self._ready, self._used_since_sync)]
+        undefined = self._undefined
+        local_used = [(r and i not in undefined) or u for i, (r, u) in enumerate(zip(self._ready, self._used_since_sync))]
         self._used_since_sync = [False] * len(self.params)
         missing = [i for i, r in enumerate(self._ready) if not r]
         if not self.reduce_missing:
@@ -647,9 +660,10 @@ class Reducer:
     def _complete(self) -> None:
         first_static, missing, used = self._launched
         self._wait_all()
-        unused_here = set(missing)
+        unused_here = set(missing) | self._undefined
         if self.static_graph and not first_static:
             unused_here.update(i for i, n in enumerate(self._expected) if n == 0)  # type: ignore[arg-type]
+            unused_here.update(i for i, u in enumerate(self._static_used or ()) if not u)
         self._write_back(unused_here, used, self._saved)
         if self.static_graph and not first_static:
             short = [i for i in missing if self._expected[i] > 0]  # type: ignore[index]
