@@ -380,8 +380,16 @@ def test_unwrap():
 
 def test_rejects_bad_arguments():
     # Each with the exception type torch's DDP raises for the same mistake.
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
-        ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb=-1 must be a number of MiB >= 0"):
+        ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match=r"output_device=1\) only works with a single-device GPU module"):
+        ddpkit.DDP(nn.Linear(2, 2), output_device=1)
+    with pytest.raises(RuntimeError, match="meta device"):
+        ddpkit.DDP(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(TypeError, match="process_group='world' is not a torch.distributed.ProcessGroup"):
+        ddpkit.DDP(nn.Linear(2, 2), process_group="world")
+    with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU modules"):
+        ddpkit.DDP(nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2)))
     with pytest.raises(RuntimeError, match="no parameter that requires grad"):
         ddpkit.DDP(nn.Linear(2, 2).requires_grad_(False))
     with pytest.raises(ValueError, match=r"device_ids=\[0\]\) only works with a GPU module"):
@@ -393,6 +401,110 @@ def test_rejects_bad_arguments():
             ddpkit.DDP(nn.Linear(2, 2), **{name: True})
     with pytest.raises(TypeError, match="dim="):
         ddpkit.DDP(nn.Linear(2, 2), dim="0")
+
+
+def test_accepts_what_torch_accepts_and_offers_its_attributes():
+    import warnings
+
+    # bucket_cap_mb=0 is a bucket per parameter; device_ids=[] means none; output_device=0 passes (torch's quirk).
+    model = ddpkit.DDP(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)), bucket_cap_mb=0, device_ids=[],
+                       output_device=0)
+    assert model.bucket_bytes_cap == 0 and model.reducer.limits == [0]  # the rebuild: one parameter per bucket
+    assert model.device_ids is None and model.output_device is None
+    assert (model.device, model.device_type, model.is_multi_device_module) == (torch.device("cpu"), "cpu", False)
+    assert [b.shape for b in model.modules_buffers] == [torch.Size([3]), torch.Size([3]), torch.Size([])]
+    assert list(model.named_module_buffers) == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert model.will_sync_module_buffers() is True  # torch's reading, whatever the world size
+    ddpkit.DDP._set_params_and_buffers_to_ignore_for_model(model.module, ["0.bias"])
+    assert [p.shape for p in ddpkit.DDP._get_data_parallel_params(model.module)] == [(3, 2), (3,), (3,)]
+    # Other joinables' keywords pass through join_hook, as torch's Join hands them to every joinable.
+    assert model.join_hook(divide_by_initial_world_size=False, foo=1).ddp is model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddpkit.DDP(nn.Linear(2, 2), check_reduction=True)
+        static = ddpkit.DDP(nn.Linear(2, 2), find_unused_parameters=True)
+        static._set_static_graph()
+        static._set_static_graph()
+    said = [str(w.message) for w in caught]
+    assert any("check_reduction" in m for m in said) and any("find_unused_parameters=True is not needed" in m
+                                                             for m in said)
+    assert any("no need to set it again" in m for m in said)
+
+
+def _comm_hook_checks() -> list:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from ddpkit._reference import torch_ddp
+
+    def wrong_bucket(state, bucket: int):
+        return allreduce_hook(state, bucket)
+
+    def wrong_return(state, bucket) -> int:
+        return allreduce_hook(state, bucket)
+
+    def no_bucket(state, b):
+        return allreduce_hook(state, b)
+
+    def annotated(state, bucket):
+        return allreduce_hook(state, bucket)
+
+    # Real annotations (this file's are strings: from __future__ import annotations).
+    annotated.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+    seen = []
+    for engine in ("ddpkit", "torch"):
+        got = []
+        for hook in (wrong_bucket, wrong_return, no_bucket, annotated, ddpkit.hooks.allreduce_hook):
+            model = ddpkit.DDP(nn.Linear(2, 2)) if engine == "ddpkit" else torch_ddp(nn.Linear(2, 2))
+            try:
+                model.register_comm_hook(None, hook)
+                got.append("ok")
+            except (KeyError, ValueError) as e:
+                got.append(sorted(c.__name__ for c in (KeyError, ValueError) if isinstance(e, c)))
+        seen.append(got)
+    return seen
+
+
+def test_comm_hook_signatures_are_checked_as_torch_checks_them(dist2):
+    ours, theirs = dist2.run(_comm_hook_checks)[0]
+    # The one difference: torch compares annotations written as strings (a hook in a file with
+    # `from __future__ import annotations`, as ddpkit's own hooks) without reading them, and refuses them.
+    assert ours == [["ValueError"], ["ValueError"], ["KeyError", "ValueError"], "ok", "ok"]
+    assert theirs == [["ValueError"], ["ValueError"], ["KeyError"], "ok", ["ValueError"]]
+
+
+def _builtin_hook(engine: str) -> list[torch.Tensor]:
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3)
+    model = ddpkit.DDP(module) if engine == "ddpkit" else torch_ddp(module)
+    model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    model(torch.randn(5, 4) + dist.get_rank()).square().sum().backward()
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def test_builtin_comm_hooks_by_type(dist2):
+    for ours, theirs in zip(dist2.run(_builtin_hook, "ddpkit"), dist2.run(_builtin_hook, "torch")):
+        for g, t in zip(ours, theirs):
+            assert torch.equal(g, t)
+
+
+def _cast_after_wrapping() -> str:
+    model = ddpkit.DDP(nn.Linear(4, 3))
+    model.double()
+    try:
+        model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_model_cast_after_wrapping_is_a_clear_error(dist2):
+    # torch's DDP silently stops averaging a parameter cast after wrapping.
+    for message in dist2.run(_cast_after_wrapping):
+        assert "parameter 'weight' is torch.float64 on cpu, but was torch.float32 on cpu" in message
+        assert "before wrapping it" in message
 
 
 def test_accepts_torchs_arguments_in_torchs_order():

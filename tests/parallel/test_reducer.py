@@ -224,8 +224,8 @@ def test_ddp_exposes_torchs_bucket_attributes():
     assert (model.bucket_bytes_cap, model.bucket_bytes_cap_default) == (4 * MIB, False)
     model = ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb_list=[1, 8])
     assert (model.bucket_bytes_cap, model.bucket_bytes_cap_list) == (8 * MIB, [MIB, 8 * MIB])
-    with pytest.raises(ValueError, match=r"bucket_cap_mb_list\[1\]=0 must be a positive number"):
-        ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb_list=[1, 0])
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list\[1\]=-2 must be a number of MiB >= 0"):
+        ddpkit.DDP(nn.Linear(2, 2), bucket_cap_mb_list=[1, -2])
 
 
 class _Crossed(nn.Module):

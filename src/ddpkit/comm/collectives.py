@@ -67,7 +67,7 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[torch.Tensor]:
         if self._done:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result([self._tensor])

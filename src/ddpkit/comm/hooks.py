@@ -56,13 +56,15 @@ def _group(state: dist.ProcessGroup | AllReduceState | None) -> dist.ProcessGrou
     return state if state is not None else dist.group.WORLD
 
 
-def average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future:
+def average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Divide ``tensor`` by the group's size, then sum it over the group, in place (a future of it)."""
     tensor.div_(dist.get_world_size(group))
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def allreduce_hook(state: dist.ProcessGroup | AllReduceState | None, bucket: GradBucket) -> torch.futures.Future:
+def allreduce_hook(
+    state: dist.ProcessGroup | AllReduceState | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group: the same numbers as no hook at all with ``native``.
 
     ``state`` is a process group (or None: the world), or an
@@ -79,7 +81,9 @@ def allreduce_hook(state: dist.ProcessGroup | AllReduceState | None, bucket: Gra
     return average(group, buffer)
 
 
-def _compress_hook(dtype: torch.dtype, state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def _compress_hook(
+    dtype: torch.dtype, state: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     group = _group(state)
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(dist.get_world_size(group))
@@ -93,7 +97,7 @@ def _compress_hook(dtype: torch.dtype, state: dist.ProcessGroup | None, bucket: 
     return fut.then(decompress)
 
 
-def fp16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def fp16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in float16: half the bytes on the wire, ~3 decimal digits kept.
 
     Warning:
@@ -102,6 +106,6 @@ def fp16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> t
     return _compress_hook(torch.float16, state, bucket)
 
 
-def bf16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def bf16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in bfloat16: half the bytes, float32's range, ~2 decimal digits kept."""
     return _compress_hook(torch.bfloat16, state, bucket)

@@ -195,7 +195,7 @@ def _log_stats(state: Any, bucket: GradBucket) -> None:
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
 
 
-def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
+def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket with PowerSGD (see the module notes); for ``register_comm_hook``.
 
     ``state`` is a :class:`PowerSGDState` (or torch's, which has the same
@@ -297,7 +297,7 @@ def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
         state.maybe_increase_iter(bucket)
         return flat
 
-    def all_reduce(t: torch.Tensor) -> torch.futures.Future:
+    def all_reduce(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         return dist.all_reduce(t, group=group, async_op=True).get_future()
 
     if isinstance(bucket, GradBucket):

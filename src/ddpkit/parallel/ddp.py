@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -240,7 +240,13 @@ class DistributedDataParallel(nn.Module):
             )
         if not isinstance(dim, int):
             raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
-        del check_reduction, batched_grad_copy  # torch ignores the first; the second is a speed knob
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument of DistributedDataParallel is deprecated (torch's) and "
+                          "has no effect: leave it out", FutureWarning, stacklevel=2)
+        del batched_grad_copy  # a speed knob of torch's C++ reducer
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group={process_group!r} is not a torch.distributed.ProcessGroup: pass "
+                            "None (the world) or a group from torch.distributed.new_group()")
         if broadcast_buffers is not None:
             warnings.warn(
                 "`broadcast_buffers` is deprecated (torch 2.13) and ignored when `forward_sync_buffers` is given"
@@ -258,8 +264,11 @@ class DistributedDataParallel(nn.Module):
         caps = list(bucket_cap_mb_list or ())
         named_caps = [("bucket_cap_mb", bucket_cap_mb)] + [(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(caps)]
         for name, cap in named_caps:
-            if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
-                raise ValueError(f"{name}={cap!r} must be a positive number of MiB: the default is 25")
+            if cap is not None and not (isinstance(cap, (int, float)) and cap >= 0):
+                raise ValueError(f"{name}={cap!r} must be a number of MiB >= 0 (0: a bucket per parameter): "
+                                 "the default is 25")
+        if device_ids is not None and len(device_ids) == 0:
+            device_ids = None  # torch's: an empty list means none
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError(
                 f"device_ids={list(device_ids)}: ddpkit drives one device per process; "
@@ -277,6 +286,22 @@ class DistributedDataParallel(nn.Module):
                 f"this module's parameters are on {sorted(str(d) for d in devices)}: pass device_ids=None "
                 "for a CPU module, or move the module to the GPU first"
             )
+        if device_ids is None and output_device and (any(d.type == "cpu" for d in devices) or len(devices) > 1):
+            raise ValueError(
+                f"DistributedDataParallel(output_device={output_device!r}) only works with a single-device GPU "
+                f"module, but this module's parameters are on {sorted(str(d) for d in devices)}: leave "
+                "output_device out (the module itself decides where its outputs go)"
+            )
+        if any(d.type == "meta" for d in devices):
+            raise RuntimeError(
+                "DistributedDataParallel: the module has parameters on the meta device (no data to broadcast or "
+                "reduce): materialise them first, e.g. module.to_empty(device=...) and initialise, then wrap"
+            )
+        if any(d.type == "cpu" for d in devices) and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+            raise ValueError(
+                "torch's SyncBatchNorm layers only work with GPU modules (as under torch's DDP): on CPU use "
+                "ddpkit.SyncBatchNorm.convert_sync_batchnorm(model), which synchronises over gloo"
+            )
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
             raise RuntimeError(
                 "DistributedDataParallel: the module has uninitialized (lazy) parameters: run a dummy "
@@ -285,7 +310,11 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.dim = dim
         self.device_ids = list(device_ids) if device_ids is not None else None
-        self.output_device = output_device
+        self.output_device = (device_ids[0] if output_device is None else output_device) if device_ids else None
+        self.is_multi_device_module = len(devices) > 1
+        self.device_type = next(iter(devices)).type if devices else "cpu"
+        self.device = next(iter(module.parameters())).device if devices else torch.device("cpu")
+        """Where the module's (first) parameter lives, as torch's DDP keeps it."""
         self.forward_sync_buffers = bool(forward_sync_buffers)
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
@@ -375,9 +404,15 @@ class DistributedDataParallel(nn.Module):
     def _set_static_graph(self) -> None:
         """Turn on ``static_graph`` after construction (torch's older API; Lightning calls it)."""
         if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         self.reducer.set_static_graph()
         self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "find_unused_parameters=True is not needed with _set_static_graph(): a static graph finds its "
+                "unused parameters in the first iteration (they must stay unused)", stacklevel=2,
+            )
 
     # -- pickling (torch.save of the whole wrapper), as torch's DDP allows --------
 
@@ -510,8 +545,8 @@ class DistributedDataParallel(nn.Module):
 
     def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> _DDPJoinHook:
         """The hook a ``Join`` context runs on this rank once it has joined."""
-        if kwargs:
-            raise TypeError(f"join_hook() got unexpected arguments {sorted(kwargs)}")
+        # Other keywords belong to the other joinables of the same Join (torch's Join passes them to all).
+        del kwargs
         self._divide_by_initial_world_size = divide_by_initial_world_size
         return _DDPJoinHook(self)
 
@@ -562,8 +597,80 @@ class DistributedDataParallel(nn.Module):
         The future's value is the bucket's reduced (averaged) flat tensor.
         ``ddpkit.hooks`` has ready-made hooks; torch's
         ``ddp_comm_hooks.default_hooks`` work too. Call once, before training.
+
+        As torch's: the hook must take a parameter named ``bucket``; an
+        annotated ``bucket`` must be a ``GradBucket`` and an annotated return a
+        ``torch.futures.Future[torch.Tensor]`` (``ValueError`` otherwise).
         """
+        if callable(hook):
+            _check_hook_signature(hook)
         self.reducer.register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks by type: ``dist.BuiltinCommHookType.ALLREDUCE`` or ``FP16_COMPRESS``."""
+        from ddpkit.comm.hooks import allreduce_hook, fp16_compress_hook
+
+        hooks = {"ALLREDUCE": allreduce_hook, "FP16_COMPRESS": fp16_compress_hook}
+        name = getattr(comm_hook_type, "name", str(comm_hook_type))
+        if name not in hooks:
+            raise ValueError(f"comm_hook_type={comm_hook_type!r}: use dist.BuiltinCommHookType.ALLREDUCE or "
+                             "FP16_COMPRESS, or register a hook with register_comm_hook()")
+        self.reducer.register_comm_hook(None, hooks[name])
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """The buffers DDP broadcasts before a forward (the module's, less the ignored ones), as torch's."""
+        return self._buffers_synced()
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        return {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (torch's)."""
+        return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers()
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator[Any]:
+        """The parameters DDP manages: all but those marked ``_ddp_ignored`` (torch's)."""
+        for param in module.named_parameters() if named_params else module.parameters():
+            if not hasattr(param[1] if named_params else param, "_ddp_ignored"):
+                yield param
+
+
+class CommHookSignatureError(KeyError, ValueError):
+    """A comm hook without a parameter named ``bucket``: a ``KeyError`` as torch raises, and a ``ValueError``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_hook_signature(hook: Callable[..., Any]) -> None:
+    """torch's checks of a comm hook's signature, with messages that say what to change."""
+    import inspect
+
+    from ddpkit.comm.bucket import GradBucket
+
+    try:
+        sig = inspect.signature(hook, eval_str=True)  # string annotations (``from __future__ import annotations``)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to read
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate: read the names only
+        sig = inspect.signature(hook)
+    if "bucket" not in sig.parameters:
+        raise CommHookSignatureError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} has no parameter named 'bucket' (torch looks it up by "
+            "name): define it as hook(state, bucket)"
+        )
+    annotation = sig.parameters["bucket"].annotation
+    if annotation is not inspect.Parameter.empty and annotation not in (dist.GradBucket, GradBucket) \
+            and not isinstance(annotation, str):
+        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket, not {annotation!r}")
+    returned = sig.return_annotation
+    if returned is not inspect.Signature.empty and returned != torch.futures.Future[torch.Tensor] \
+            and not isinstance(returned, str):
+        raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor], "
+                         f"not {returned!r}")
 
 
 class _DDPJoinHook:

@@ -52,7 +52,7 @@ class _ScaledReduce:
         self.group, self.compression, self.prescale, self.postscale = group, compression, prescale, postscale
 
     @staticmethod
-    def hook(state: _ScaledReduce, bucket: GradBucket) -> torch.futures.Future:
+    def hook(state: _ScaledReduce, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         sent, ctx = state.compression.compress(buffer)
         if state.prescale != 1.0:

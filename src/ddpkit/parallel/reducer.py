@@ -328,8 +328,26 @@ class Reducer:
         """
         del outputs
         self.rebuild_if_due()
+        if self._step < 2:
+            self._check_params_unchanged()
         self._reset()
         self._armed = True
+
+    def _check_params_unchanged(self) -> None:
+        """Raise if a parameter changed dtype or device after wrapping (its bucket would convert its gradient).
+
+        Checked at the first synchronised backwards, where a cast or move
+        after wrapping shows; torch's DDP stops averaging such a parameter
+        without a word.
+        """
+        for bucket in self.buckets:
+            for p, i in zip(bucket._params, bucket.indices):
+                if p.dtype != bucket.flat.dtype or p.device != bucket.flat.device:
+                    raise RuntimeError(
+                        f"DistributedDataParallel: parameter {self.names[i]!r} is {p.dtype} on {p.device}, but was "
+                        f"{bucket.flat.dtype} on {bucket.flat.device} when the model was wrapped: cast or move the "
+                        "model (.double(), .to(...)) before wrapping it, not after"
+                    )
 
     def rebuild_if_due(self) -> None:
         """Rebuild the buckets if the rebuild is due (a collective: every rank calls it at the same point).
