@@ -79,6 +79,20 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+class SparseEmbeddings(nn.Module):
+    """Two embeddings with sparse gradients (one an EmbeddingBag) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.bag = nn.EmbeddingBag(30, 8, sparse=True, mode="sum")
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.emb(x).mean(1)
+        return self.lin(h if y is None else h + self.bag(y))
+
+
 def batch(name: str, seed: int, n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic inputs and class targets for model ``name``."""
     g = torch.Generator().manual_seed(seed)

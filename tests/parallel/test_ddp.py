@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import batch, make, pair, state, train
+from ddp_models import SparseEmbeddings, batch, make, pair, state, train
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -252,6 +254,61 @@ def test_outputs_pass_through_torchs_sink(dist2, kwargs, heads, inplace):
         assert log == t_log
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def _sparse_training(engine: str, kwargs: dict, hook: bool, micro: int, skip_bag_on: int = -1) -> list:
+    """Three optimizer steps of ``micro`` backwards each (no_sync but the last): gradients (layout, values),
+    then the parameters. ``skip_bag_on``: the step at which no rank uses the EmbeddingBag."""
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = SparseEmbeddings()
+    model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, **kwargs)
+    if hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    seen = []
+    for step in range(3):
+        opt.zero_grad()
+        for k in range(micro):
+            g = torch.Generator().manual_seed(100 * step + 10 * k + dist.get_rank())
+            x, y = torch.randint(0, 50, (4, 5), generator=g), torch.randint(0, 30, (4, 3), generator=g)
+            sync = contextlib.nullcontext() if k == micro - 1 else model.no_sync()
+            with sync:
+                model(x, None if step == skip_bag_on else y).square().sum().backward()
+        seen.append([(p.grad is not None and p.grad.is_sparse,
+                      None if p.grad is None else p.grad.to_dense().clone()) for p in module.parameters()])
+        opt.step()
+    return seen + [[p.detach().clone() for p in module.parameters()]]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("kwargs, hook, micro", [
+    ({}, False, 1), ({"find_unused_parameters": True}, False, 1), ({"gradient_as_bucket_view": True}, False, 1),
+    ({"static_graph": True}, False, 1), ({}, True, 1), ({}, False, 2), ({"bucket_cap_mb": 0}, False, 1),
+])
+def test_sparse_embedding_gradients_are_averaged_as_torch_does(dist2, kwargs, hook, micro):
+    # nn.Embedding / EmbeddingBag(sparse=True): each such parameter gets a bucket of its own and its
+    # sparse gradient is divided, all-reduced and left sparse in .grad, as under torch's DDP.
+    ours = dist2.run(_sparse_training, "ddpkit", kwargs, hook, micro)
+    theirs = dist2.run(_sparse_training, "torch", kwargs, hook, micro)
+    assert _same(ours, theirs)
+
+
+def test_a_sparse_parameter_unused_everywhere_keeps_its_gradient(dist2):
+    # torch's reducer stops with "Expected sparse gradient to be defined"; ddpkit sends an empty sparse
+    # gradient and, as for dense parameters unused on every rank, leaves .grad alone.
+    for seen in dist2.run(_sparse_training, "ddpkit", {"find_unused_parameters": True}, False, 1, 1):
+        assert seen[1][1] == (False, None) and seen[0][1][0] and seen[2][1][0]  # bag.weight: None at step 1
 
 
 def _construction_broadcast() -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import batch, pair, state
+from ddp_models import SparseEmbeddings, batch, pair, state
 from torch import nn
 
 import ddpkit
@@ -145,3 +145,27 @@ def test_ddpkit_ddp_works_under_torchs_join(dist2):
     a, b = dist2.run(_under_torch_join)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def _sparse_uneven(engine: str) -> list[torch.Tensor]:
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = SparseEmbeddings()
+    model = ddpkit.DDP(module) if engine == "ddpkit" else torch_ddp(module)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    with model.join():
+        for step in range(BATCHES[rank]):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randint(0, 50, (4, 5), generator=g), torch.randint(0, 30, (4, 3), generator=g)
+            opt.zero_grad()
+            model(x, y).square().sum().backward()
+            opt.step()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_join_with_sparse_embedding_gradients(dist2):
+    # A joined rank shadows a sparse bucket's all-reduce with an empty sparse gradient.
+    for ours, theirs in zip(dist2.run(_sparse_uneven, "ddpkit"), dist2.run(_sparse_uneven, "torch")):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

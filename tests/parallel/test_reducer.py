@@ -35,17 +35,23 @@ def test_assign_buckets_is_torchs_assignment():
     # dtypes, one to three limits, parameters larger than a limit.
     for seed in range(400):
         params, order, limits = _random_case(seed)
-        theirs, _ = dist._compute_bucket_assignment_by_size(
-            [params[i] for i in order], limits, [False] * len(params), order
-        )
-        assert assign_buckets(params, order, limits) == theirs, seed
+        sparse = _random_sparse(seed, len(params))
+        theirs, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits, sparse, order)
+        assert assign_buckets(params, order, limits, sparse) == theirs, seed
 
 
 def test_initial_buckets_are_torchs_registration_order_assignment_reversed():
     for seed in range(400):
         params, _, limits = _random_case(seed)
-        theirs, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
-        assert initial_buckets(params, limits) == theirs[::-1], seed
+        sparse = _random_sparse(seed, len(params))
+        theirs, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+        assert initial_buckets(params, limits, sparse) == theirs[::-1], seed
+
+
+def _random_sparse(seed: int, n: int) -> list[bool]:
+    """No sparse parameter in half the cases; in the others, each parameter sparse with probability 1/4."""
+    r = random.Random(seed + 10_000)
+    return [False] * n if seed % 2 else [r.random() < 0.25 for _ in range(n)]
 
 
 def test_a_bucket_closes_after_the_parameter_that_fills_it():
@@ -291,9 +297,19 @@ def test_a_gradient_twice_in_one_backward_is_an_error():
         model(torch.randn(2, 3, requires_grad=True)).sum().backward()
 
 
-def test_a_sparse_gradient_is_an_error_naming_the_parameter():
-    # torch's DDP reduces sparse gradients; ddpkit's refuses them by name (a known gap).
+class _SparseByHand(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(x, self.table, sparse=True)
+
+
+def test_a_sparse_gradient_from_elsewhere_than_a_sparse_embedding_is_an_error_naming_the_parameter():
+    # torch's rule: only nn.Embedding / nn.EmbeddingBag(sparse=True) parameters may have sparse gradients
+    # (those are reduced sparse, see test_ddp.py).
     ddpkit.init()
-    model = ddpkit.DDP(nn.Embedding(5, 2, sparse=True))
-    with pytest.raises(RuntimeError, match="parameter 'weight' has a sparse gradient"):
+    model = ddpkit.DDP(_SparseByHand())
+    with pytest.raises(RuntimeError, match="parameter 'table' has a sparse gradient, but DDP expects"):
         model(torch.tensor([1, 2])).sum().backward()

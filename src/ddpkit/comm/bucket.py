@@ -37,21 +37,24 @@ class GradBucket:
     ``bf16_compress_hook``, the compress wrappers) run on ddpkit unchanged.
     """
 
-    def __init__(self, index: int, params: list[torch.Tensor], indices: list[int]) -> None:
+    def __init__(self, index: int, params: list[torch.Tensor], indices: list[int], sparse: bool = False) -> None:
         self._index = index
         self._params = params
         self.indices = indices
         """Indices of the bucket's parameters in the reducer's parameter list."""
-        numel = sum(p.numel() for p in params)
+        self.sparse = sparse
+        """A bucket of one parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): it has no memory
+        of its own, the gradient itself is reduced (torch's rule)."""
+        numel = 0 if sparse else sum(p.numel() for p in params)
         self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        """The bucket's own memory; reduced results always end up here."""
+        """The bucket's own memory; reduced results always end up here (empty for a sparse bucket)."""
         self.views: list[torch.Tensor] = []
         """Each parameter's place in the bucket, with the parameter's strides where its memory is dense (as
         torch's reducer lays them out: a channels_last weight's gradient is copied in memory order, and under
         ``gradient_as_bucket_view`` ``.grad`` keeps the parameter's layout)."""
         self._slices: list[torch.Tensor] = []
         offset = 0
-        for p in params:
+        for p in [] if sparse else params:
             piece = self.flat[offset : offset + p.numel()].view(p.shape)
             self._slices.append(piece)
             self.views.append(self.flat.as_strided(p.shape, p.stride(), offset) if _dense(p) else piece)
@@ -86,6 +89,8 @@ class GradBucket:
         buffer viewed in the parameter's shape with contiguous strides (for a
         channels_last parameter that is its memory order read as if contiguous).
         """
+        if self.sparse:
+            return [self.target]
         if self.target is not self.flat:
             return [self.target.view(self.views[0].shape)]
         return list(self._slices)

@@ -391,8 +391,16 @@ class DistributedDataParallel(nn.Module):
         ignored = self.parameters_to_ignore
         trainable = [(n, p) for n, p in self.module.named_parameters()
                      if p.requires_grad and (n if "." in n else f".{n}") not in ignored]
+        # torch's rule: a parameter of an nn.Embedding / nn.EmbeddingBag with sparse=True expects a sparse gradient.
+        owner: dict[int, nn.Module] = {}
+        for m in self.module.modules():
+            for p in m.parameters(recurse=False):
+                owner.setdefault(id(p), m)
+        sparse = [isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse)
+                  for _, p in trainable]
         return Reducer(
             trainable,
+            expect_sparse=sparse,
             process_group=self.process_group,
             bucket_cap_mb=self._bucket_caps[0],
             bucket_caps_mb=self._bucket_caps[1],

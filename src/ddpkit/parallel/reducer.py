@@ -69,7 +69,16 @@ Failure modes
 * A parameter ready twice in one backward without ``static_graph`` (a second
   backward through a retained graph before the next forward, a module used
   twice under checkpointing): RuntimeError.
-* Sparse gradients are not supported: RuntimeError naming the parameter.
+* A sparse gradient where none is expected (only parameters of
+  ``nn.Embedding`` / ``nn.EmbeddingBag(sparse=True)`` have sparse buckets,
+  torch's rule), or a dense one where a sparse one is: RuntimeError naming
+  the parameter.
+
+sparse buckets
+    A parameter that expects a sparse gradient has a bucket of its own with no
+    memory: its gradient is divided by the world size (without a comm hook)
+    and all-reduced itself, and stays sparse in ``.grad``, as in torch. One
+    without a gradient sends an empty sparse tensor.
 """
 
 from __future__ import annotations
@@ -100,7 +109,8 @@ class UnusedParametersError(RuntimeError):
     """Parameters got no gradient in a synchronised backward without ``find_unused_parameters``."""
 
 
-def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
+def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int],
+                   sparse: Sequence[bool] | None = None) -> list[list[int]]:
     """Group parameters into buckets, walking them in ``order``: torch's ``compute_bucket_assignment_by_size``.
 
     Each (dtype, device) has its own open bucket. A parameter joins its open
@@ -115,6 +125,8 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
             device are read.
         order: indices into ``params``: the order to fill buckets in.
         limits: bucket size limits in bytes, in the order buckets close.
+        sparse: per parameter, whether its gradient is sparse: such a
+            parameter gets a bucket of its own, closed at once.
 
     Returns:
         The buckets (lists of indices into ``params``) in the order they
@@ -126,6 +138,9 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
     closed: dict[tuple, int] = {}
     done: list[list[int]] = []
     for i in order:
+        if sparse and sparse[i]:
+            done.append([i])
+            continue
         p = params[i]
         key = (p.dtype, p.device)
         open_buckets.setdefault(key, []).append(i)
@@ -140,7 +155,8 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits:
     return done
 
 
-def initial_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
+def initial_buckets(params: Sequence[torch.Tensor], limits: Sequence[int],
+                    sparse: Sequence[bool] | None = None) -> list[list[int]]:
     """The assignment before any gradient has been seen, as torch's DDP makes it.
 
     Parameters are grouped in registration order (each bucket keeps that
@@ -150,9 +166,16 @@ def initial_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> li
     gradients come last, and a small bucket for them leaves little to reduce
     after backward.
     """
-    buckets = assign_buckets(params, range(len(params)), limits)
+    buckets = assign_buckets(params, range(len(params)), limits, sparse)
     buckets.sort(key=lambda b: b[0])
     return buckets[::-1]
+
+
+def _sparse_zeros(param: torch.Tensor) -> torch.Tensor:
+    """An empty sparse gradient for ``param``, laid out as an embedding's (one sparse dimension, rows dense)."""
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=param.device),
+                                   torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device),
+                                   param.shape, check_invariants=False)
 
 
 class Reducer:
@@ -179,6 +202,9 @@ class Reducer:
             no error.
         complete_at_end_of_backward: ``False`` to defer the wait and the
             write-back to :meth:`complete` (see the module notes).
+        expect_sparse: per parameter, whether its gradient is sparse (torch's
+            ``expect_sparse_gradient``): it gets a bucket of its own, and the
+            sparse gradient itself is averaged.
     """
 
     def __init__(
@@ -193,9 +219,11 @@ class Reducer:
         static_graph: bool = False,
         reduce_missing: bool = False,
         complete_at_end_of_backward: bool = True,
+        expect_sparse: Sequence[bool] | None = None,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        self.sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self.params)
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.div_factor = self.world_size
@@ -231,7 +259,8 @@ class Reducer:
         # torch's first assignment: one bucket per dtype and device unless
         # unused parameters are searched for (the rebuild then never comes).
         one = static_graph or not find_unused_parameters
-        self._build(initial_buckets(self.params, [_UNBOUNDED] if one and not bucket_caps_mb else self.limits))
+        self._build(initial_buckets(self.params, [_UNBOUNDED] if one and not bucket_caps_mb else self.limits,
+                                    self.sparse))
         self._arrival: list[int] = []
         self._step = 0
         """Synchronised backwards so far (named in the stall inspector's reports)."""
@@ -261,7 +290,8 @@ class Reducer:
     def _build(self, indices: list[list[int]]) -> None:
         old = list(self._slot)
         self.buckets = [
-            GradBucket(k, [self.params[i] for i in idx], idx) for k, idx in enumerate(indices)
+            GradBucket(k, [self.params[i] for i in idx], idx, sparse=len(idx) == 1 and self.sparse[idx[0]])
+            for k, idx in enumerate(indices)
         ]
         self.buckets[-1]._is_last = True
         self._slot = [None] * len(self.params)  # type: ignore[list-item]
@@ -283,6 +313,8 @@ class Reducer:
             # Gradients living in the old buckets move to the new ones.
             for i, p in enumerate(self.params):
                 bucket, s = old[i]
+                if bucket.sparse or self._slot[i][0].sparse:
+                    continue
                 if p.grad is not None and p.grad.data_ptr() == bucket.views[s].data_ptr():
                     view = self._slot[i][0].views[self._slot[i][1]]
                     view.copy_(p.grad)
@@ -306,9 +338,9 @@ class Reducer:
         self._arrival = []
         if os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1":
             # torch's switch: the small first limit goes to the bucket reduced last instead.
-            indices = assign_buckets(self.params, order[::-1], self.limits)[::-1]
+            indices = assign_buckets(self.params, order[::-1], self.limits, self.sparse)[::-1]
         else:
-            indices = assign_buckets(self.params, order, self.limits)
+            indices = assign_buckets(self.params, order, self.limits, self.sparse)
         if indices != self.bucket_indices():
             self._build(indices)
 
@@ -489,6 +521,9 @@ class Reducer:
         did not arrive in this backward contributes the gradient it holds
         (accumulated under ``no_sync``), as torch's reducer does.
         """
+        if bucket.sparse:
+            self._stage_sparse(bucket)
+            return
         factor = self._factor()
         params = bucket._params
         if len(params) == 1 and not self.as_view:
@@ -518,6 +553,25 @@ class Reducer:
             if s not in bucket.staged:
                 self._stage_one(bucket, s, factor)
 
+    def _stage_sparse(self, bucket: GradBucket) -> None:
+        """A sparse gradient is reduced itself, divided first when no comm hook averages it (torch's rule).
+
+        A parameter without a gradient contributes an empty sparse tensor (zeros), where torch's reducer
+        would stop with "Expected sparse gradient to be defined".
+        """
+        param, index = bucket._params[0], bucket.indices[0]
+        grad = param.grad
+        if grad is None:
+            grad = _sparse_zeros(param)
+        elif not grad.is_sparse:
+            raise RuntimeError(
+                f"parameter {self.names[index]!r} belongs to an embedding with sparse=True but got a dense "
+                "gradient: keep its gradients sparse, or construct the embedding with sparse=False"
+            )
+        elif self.comm_hook is None and self.div_factor != 1:
+            grad.div_(self.div_factor)
+        bucket.target = bucket._buffer = grad
+
     def _factor(self) -> float | None:
         """What staging scales gradients by: ``1 / div_factor`` without a comm hook."""
         return 1.0 / self.div_factor if self.comm_hook is None and self.div_factor != 1 else None
@@ -531,9 +585,9 @@ class Reducer:
             return
         if grad.is_sparse:
             raise RuntimeError(
-                f"parameter {self.names[bucket.indices[s]]!r} has a sparse gradient, which "
-                "ddpkit's DistributedDataParallel does not reduce: use a dense layer "
-                "(e.g. nn.Embedding(sparse=False))"
+                f"parameter {self.names[bucket.indices[s]]!r} has a sparse gradient, but DDP expects sparse "
+                "gradients only from nn.Embedding / nn.EmbeddingBag(sparse=True) (torch's rule): make the "
+                "gradient dense, or produce it with one of those"
             )
         if grad.data_ptr() == view.data_ptr():
             if factor is not None:
@@ -710,6 +764,11 @@ class Reducer:
                 i = bucket.indices[s]
                 if i in saved:
                     self.params[i].grad.copy_(saved[i])  # type: ignore[union-attr]
+            if bucket.sparse:
+                param = bucket._params[0]
+                if not skip and param.grad is None:
+                    param.grad = bucket.target  # it had none: the zeros it sent came back as the average
+                continue
             if bucket.target is not bucket.flat:
                 continue  # reduced in place: .grad holds the average already
             if not self.as_view and not skip:
@@ -739,7 +798,10 @@ class Reducer:
             result = bucket.future.wait()
             if isinstance(result, (list, tuple)):
                 result = result[0]
-            if result.data_ptr() != bucket.target.data_ptr():
+            if bucket.sparse:
+                if result is not bucket.target:
+                    bucket.target.copy_(result)
+            elif result.data_ptr() != bucket.target.data_ptr():
                 bucket.target.copy_(result.view(-1))
         elif bucket.work is not None:
             bucket.work.wait()
@@ -756,7 +818,10 @@ class Reducer:
         if not self._rebuilt and not self._arrival:
             self._arrival = list(range(len(self.params)))  # torch's joined rank offers every parameter in order
         for bucket in self.buckets:
-            bucket._buffer = bucket.target = torch.zeros_like(bucket.flat)
+            if bucket.sparse:
+                bucket._buffer = bucket.target = _sparse_zeros(bucket._params[0])
+            else:
+                bucket._buffer = bucket.target = torch.zeros_like(bucket.flat)
             self._launch(bucket)
         first_static = self.static_graph and self._expected is None
         if ((self.find_unused and not self.static_graph) or first_static) and self.world_size > 1:
