@@ -139,6 +139,8 @@ def _bad_inputs() -> list[str]:
         lambda: C.all_reduce(torch.ones(3), algorithm="butterfly"),
         lambda: C.all_reduce(torch.ones(3), op="median"),
         lambda: C.all_reduce(torch.ones(3, dtype=torch.int64), op="avg"),
+        lambda: C.all_reduce(torch.ones(3, dtype=torch.complex64), op="min", algorithm="naive"),
+        lambda: C.all_reduce(torch.ones(3).to_sparse(), algorithm="tree"),
     ):
         try:
             call()
@@ -170,6 +172,25 @@ def test_bad_inputs_are_named_on_every_rank_without_hanging(dist2):
         assert "algorithm='butterfly' is not known" in errors[2]
         assert "op='median' is not a reduction" in errors[3]
         assert "op='avg' on a torch.int64 tensor" in errors[4]
+        assert "op='min' is not defined for complex tensors" in errors[5]  # torch.distributed: ValueError too
+        assert "a torch.sparse_coo tensor is not supported" in errors[6]
+
+
+def _leaf_and_reduce_op(algorithm: str) -> list[torch.Tensor]:
+    # A leaf that requires grad is reduced in place, as dist.all_reduce does it; torch's ReduceOp works as op.
+    leaf = torch.full((5,), dist.get_rank() + 1.0, requires_grad=True)
+    C.all_reduce(leaf, algorithm=algorithm)
+    other = torch.full((3,), dist.get_rank() + 2.0, requires_grad=True)
+    C.all_reduce(other, op=dist.ReduceOp.MAX, algorithm=algorithm)
+    avg = torch.full((4,), dist.get_rank() + 1.0, requires_grad=True)
+    C.all_reduce(avg, op="avg", algorithm=algorithm, async_op=True).wait()
+    return [leaf.detach(), other.detach(), avg.detach()]
+
+
+@pytest.mark.parametrize("algorithm", ["native", "naive", "ring", "tree"])
+def test_leaves_that_require_grad_and_torchs_reduce_ops(dist2, algorithm):
+    for leaf, other, avg in dist2.run(_leaf_and_reduce_op, algorithm):
+        assert leaf.eq(3).all() and other.eq(3).all() and avg.eq(1.5).all()
 
 
 def _train_with(algorithm: str) -> dict:

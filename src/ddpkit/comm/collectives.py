@@ -17,7 +17,10 @@
 Every rank of the group calls each function with a tensor of the same shape
 and dtype (checked first, with one small all-gather, unless ``check=False``):
 a mismatch raises on every rank instead of hanging or mixing garbage.
-Tensors are reduced in place, non-contiguous ones included. Integer tensors
+Arguments that are wrong on their own (an op, a dtype, a layout) raise on
+every rank before any message goes out, so no rank is left waiting.
+Tensors are reduced in place outside autograd (a leaf that requires grad
+included, as with torch.distributed), non-contiguous ones too. Integer tensors
 are exact; floating sums depend on the order of additions, which differs
 between algorithms (a few ulps).
 
@@ -56,6 +59,7 @@ class Handle:
         self._tensor, self._work, self._after = tensor, work, after
         self._done = work is None
 
+    @torch.no_grad()
     def wait(self) -> bool:
         if not self._done:
             self._work.wait()
@@ -73,6 +77,7 @@ class Handle:
             fut.set_result([self._tensor])
             return fut
 
+        @torch.no_grad()
         def finish(f: torch.futures.Future) -> list[torch.Tensor]:
             f.wait()
             if self._after is not None and not self._done:
@@ -86,15 +91,32 @@ class Handle:
 # ---------------------------------------------------------------- checks
 
 
-def _check(op: str, algorithm: str, tensor: torch.Tensor) -> None:
+_FROM_REDUCE_OP = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod",
+                   dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
+
+
+def _check(op: str | dist.ReduceOp, algorithm: str, tensor: torch.Tensor) -> str:
+    """Everything that can be wrong with the arguments on their own, before any message is sent: every rank
+    given the same arguments raises the same error, none is left waiting. Returns the op's name."""
+    if isinstance(op, dist.ReduceOp.RedOpType) or type(op) is dist.ReduceOp:
+        if op not in _FROM_REDUCE_OP:
+            raise ValueError(f"op={op!r} is not supported: use sum, avg, prod, min or max")
+        op = _FROM_REDUCE_OP[op]
     if op not in OPS:
-        raise ValueError(f"op={op!r} is not a reduction: choose one of {', '.join(OPS)}")
+        raise ValueError(f"op={op!r} is not a reduction: choose one of {', '.join(OPS)} (or a dist.ReduceOp)")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not known: choose one of {', '.join(ALGORITHMS)}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"a {tensor.layout} tensor is not supported by ddpkit.collectives: pass a dense tensor "
+                         "(t.to_dense()), or use torch.distributed's own collective")
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"op='avg' on a {tensor.dtype} tensor cannot hold the mean in place: use a floating dtype")
+    if tensor.is_complex() and op in ("min", "max", "prod"):
+        raise ValueError(f"op={op!r} is not defined for complex tensors ({tensor.dtype}), as in torch.distributed: "
+                         "use sum or avg")
+    return op
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -253,6 +275,7 @@ def _in_place(tensor: torch.Tensor, run: Callable[[torch.Tensor], None]) -> None
         tensor.copy_(flat.view(tensor.shape))
 
 
+@torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
                group: dist.ProcessGroup | None = None, async_op: bool = False, *,
                local_size: int | None = None, check: bool = True) -> Handle | None:
@@ -272,7 +295,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
             disagree on the tensor, a rank outside ``group``.
         RuntimeError: no process group.
     """
-    _check(op, algorithm, tensor)
+    op = _check(op, algorithm, tensor)
     group = _group(group)
     world = dist.get_world_size(group)
     if world > 1:
@@ -312,6 +335,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
     return Handle(tensor) if async_op else None
 
 
+@torch.no_grad()
 def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
               group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
     """Overwrite ``tensor`` with rank ``src``'s (group rank) in place; ``tree`` or ``native``/``naive``."""
@@ -339,10 +363,11 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
         _in_place(tensor, lambda f: _tree_broadcast(f, members, me, group))
 
 
+@torch.no_grad()
 def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "native",
            group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
     """Reduce onto rank ``dst`` (group rank) in place; the others' tensors are left as scratch."""
-    _check(op, algorithm, tensor)
+    op = _check(op, algorithm, tensor)
     group = _group(group)
     world = dist.get_world_size(group)
     if world > 1:
@@ -362,6 +387,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str =
         tensor.div_(world)
 
 
+@torch.no_grad()
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
                    group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
     """``output`` gets this rank's part of the reduction of ``tensor`` (its ``tensor_split`` chunk).
@@ -369,7 +395,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     ``tensor`` (same on every rank) is consumed as scratch. ``ring`` is the
     point-to-point algorithm; ``native`` reduces all and keeps the chunk.
     """
-    _check(op, algorithm, tensor)
+    op = _check(op, algorithm, tensor)
     group = _group(group)
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if world > 1:
@@ -397,6 +423,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
         output.div_(world)
 
 
+@torch.no_grad()
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "ring",
                group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
     """``output`` (``world`` times ``tensor``'s elements) gets every rank's ``tensor``, in rank order."""
