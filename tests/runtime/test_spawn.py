@@ -47,6 +47,31 @@ def test_spawn_reraises_the_failing_rank_with_its_traceback_and_stops_the_rest()
     assert isinstance(err.__cause__, KeyError)
 
 
+def _exits(rank: int, how: str) -> None:
+    import sys
+
+    if how == "exit-0":
+        sys.exit(0)
+    if how == "exit-none" and rank == 0:
+        sys.exit()
+    if how == "interrupt" and rank == 1:
+        raise KeyboardInterrupt
+    if how == "exit-3" and rank == 1:
+        sys.exit(3)
+    time.sleep(0.5)
+
+
+@pytest.mark.parametrize("how", ["exit-0", "exit-none", "interrupt"])
+def test_sys_exit_0_and_keyboard_interrupt_in_a_worker_are_success_as_under_torch(how):
+    ddpkit.spawn(_exits, 2, args=(how,))
+
+
+def test_sys_exit_n_in_a_worker_fails_with_exit_code_n():
+    with pytest.raises(ddpkit.WorkerError, match="rank 1 failed: SystemExit: 3") as info:
+        ddpkit.spawn(_exits, 2, args=("exit-3",))
+    assert info.value.exitcode == 3
+
+
 @pytest.mark.parametrize("nprocs", [0, -1, 1.5])
 def test_spawn_rejects_a_bad_process_count(nprocs):
     with pytest.raises(ValueError, match="nprocs"):

@@ -75,6 +75,17 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         fn(rank, *args)
+    except KeyboardInterrupt:
+        pass  # torch's rule: a worker stopped by SIGINT (the parent stopping it) has not failed
+    except SystemExit as exc:
+        # As a process would exit (torch's spawn too): sys.exit() and sys.exit(0) succeed, sys.exit(3)
+        # fails with exit code 3, sys.exit("message") prints it and fails with 1.
+        if exc.code is None or exc.code == 0:
+            _exit_now(0)
+        if not isinstance(exc.code, int):
+            sys.stderr.write(f"{exc.code}\n")
+        conn.send(_encode_failure(exc))
+        _exit_now(exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
         conn.send(_encode_failure(exc))
         _exit_now(1)
@@ -107,7 +118,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     Raises:
         ValueError: ``nprocs`` is smaller than 1.
         WorkerError: a child raised or died; the first failure, with its rank
-            and traceback. The other children are terminated.
+            and traceback. The other children are terminated. As under
+            torch's spawn, ``sys.exit()`` / ``sys.exit(0)`` in a child is
+            success, ``sys.exit(N)`` a failure with exit code N, and a
+            ``KeyboardInterrupt`` in a child is not a failure.
         ddpkit.runtime.process.Interrupted: SIGINT or SIGTERM reached this
             process (main thread): every child and its children were stopped
             (the same signal, SIGKILL after 5 s). A ``KeyboardInterrupt``.
