@@ -117,5 +117,27 @@ def test_world_of_one_is_batchnorm_and_convert_keeps_everything():
     for _ in range(2):
         torch.testing.assert_close(sync(x.repeat(1, 2, 1, 1)), bn(x.repeat(1, 2, 1, 1)), rtol=0, atol=0)
     torch.testing.assert_close(sync.running_var, bn.running_var, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="3 channels"):
+    with pytest.raises(RuntimeError, match="3 channels"):  # torch's batch norm: RuntimeError (a ValueError too)
         sync(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="number of input channels should be non-zero"):
+        ddpkit.SyncBatchNorm(0)(torch.randn(2, 0, 4))
+    # An existing SyncBatchNorm is rebuilt on the group given, as torch's convert does.
+    again = ddpkit.SyncBatchNorm.convert_sync_batchnorm(converted, process_group="marker")
+    assert again[1].process_group == "marker" and again[1].weight is converted[1].weight
+
+
+def _eval_without_running_stats() -> tuple[torch.Tensor, torch.Tensor]:
+    # torch's rule: eval mode never synchronises; without running statistics each rank normalises its
+    # own batch. Rank 0 alone evaluating must not wait for the others.
+    torch.manual_seed(0)
+    sync = ddpkit.SyncBatchNorm(4, track_running_stats=False).eval()
+    local = nn.BatchNorm1d(4, track_running_stats=False).eval()
+    x = torch.randn(6, 4) * 3 + 5 * dist.get_rank()
+    if dist.get_rank() == 0:
+        sync(torch.randn(3, 4))
+    return sync(x).detach(), local(x).detach()
+
+
+def test_eval_without_running_stats_uses_the_local_batch_and_no_collective(dist2):
+    for ours, local in dist2.run(_eval_without_running_stats, timeout=60):
+        torch.testing.assert_close(ours, local, rtol=0, atol=0)

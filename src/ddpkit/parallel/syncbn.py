@@ -78,6 +78,11 @@ class _SyncNorm(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
+class ChannelMismatchError(ValueError, RuntimeError):
+    """An input whose channel count is not the layer's: a ``RuntimeError`` as torch's batch norm raises, and a
+    ``ValueError`` as earlier ddpkit versions did."""
+
+
 class SyncBatchNorm(_BatchNorm):
     """Drop-in for ``BatchNorm1d/2d/3d`` that normalises over the global batch of the group.
 
@@ -113,6 +118,8 @@ class SyncBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
+        if input.shape[1] == 0:
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero (dimension 1 is empty)")
 
     def _group_size(self) -> int:
         if not (dist.is_available() and dist.is_initialized()):
@@ -122,12 +129,13 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if input.shape[1] != self.num_features:
-            raise ValueError(
-                f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} channels (dimension 1)"
+            raise ChannelMismatchError(
+                f"SyncBatchNorm({self.num_features}) got an input with {input.shape[1]} channels (dimension 1): "
+                f"give it {self.num_features} channels, or build the layer for {input.shape[1]}"
             )
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or self._group_size() == 1:
-            # Exactly BatchNorm: evaluation, or nobody to synchronise with.
+        if not self.training or self._group_size() == 1:
+            # Exactly BatchNorm: evaluation (torch's rule: never synchronised, batch statistics without
+            # running ones are this rank's own), or nobody to synchronise with.
             return self._plain(input)
         mean, var, total = self._global_stats(input)
         if total <= 1:
@@ -194,7 +202,7 @@ class SyncBatchNorm(_BatchNorm):
         kept), buffers are carried over, and so is training mode.
         """
         out = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        if isinstance(module, _BatchNorm):  # a SyncBatchNorm too, rebuilt on process_group (torch's rule)
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, process_group)
             if module.affine:
