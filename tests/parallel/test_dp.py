@@ -92,6 +92,10 @@ def test_no_devices_runs_the_module_and_bad_input_is_named():
     if not torch.cuda.is_available():
         plain = ddpkit.DataParallel(net)  # no GPU: unwrapped, as torch does
         torch.testing.assert_close(plain(torch.ones(1, 2)), net(torch.ones(1, 2)))
+        for ids in ([0, 1], ["cuda:0"]):  # GPU ids on a machine without GPUs: ignored, as torch ignores them
+            ignored = ddpkit.DataParallel(net, device_ids=ids, output_device=0)
+            assert ignored.device_ids == [] and ignored.output_device is None
+            torch.testing.assert_close(ignored(torch.ones(3, 2)), net(torch.ones(3, 2)), rtol=0, atol=0)
     dp = ddpkit.DataParallel(net, device_ids=["cpu", "cpu"])
     with pytest.raises(ValueError, match="nothing to split"):
         dp(torch.ones(0, 2))

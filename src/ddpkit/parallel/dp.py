@@ -156,8 +156,9 @@ class DataParallel(nn.Module):
         module: the model, on ``device_ids[0]``.
         device_ids: the devices (CUDA indices, ``torch.device`` or strings such
             as ``"cpu"``). Default: every visible GPU; with none, the module
-            runs unwrapped. A list of CPU devices (``["cpu", "cpu"]``) runs
-            that many replicas in threads on the CPU.
+            runs unwrapped (GPU ids given on a machine without GPUs are
+            ignored, as torch ignores them). A list of CPU devices
+            (``["cpu", "cpu"]``) runs that many replicas in threads on the CPU.
         output_device: where outputs are gathered; default ``device_ids[0]``.
         dim: the batch dimension to split and gather along. Default 0.
 
@@ -183,6 +184,9 @@ class DataParallel(nn.Module):
         if device_ids is None:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         self.device_ids = [_as_device(d) for d in device_ids]
+        if not torch.cuda.is_available() and any(d.type == "cuda" for d in self.device_ids):
+            # torch's rule: on a machine without GPUs DataParallel ignores GPU device ids and runs the module.
+            self.device_ids, output_device = [], None
         self.output_device = (_as_device(output_device) if output_device is not None
                               else self.device_ids[0] if self.device_ids else None)
         if self.device_ids:
