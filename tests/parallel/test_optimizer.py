@@ -224,6 +224,9 @@ def _bad_inputs() -> dict:
         "op": lambda: ddpkit.DistributedOptimizer(sgd, op="adasum"),
         "predivide": lambda: ddpkit.DistributedOptimizer(sgd, op="sum", gradient_predivide_factor=2.0),
         "compression": lambda: ddpkit.DistributedOptimizer(sgd, compression="fp16"),
+        "adasum": lambda: ddpkit.DistributedOptimizer(sgd, op=2),
+        "num_groups": lambda: ddpkit.DistributedOptimizer(sgd, num_groups=-1),
+        "groups": lambda: ddpkit.DistributedOptimizer(sgd, groups=[[torch.zeros(2)]]),
         "root": lambda: ddpkit.broadcast_parameters(model.state_dict(), root_rank=5),
         "params_type": lambda: ddpkit.broadcast_parameters(torch.zeros(3)),
         "lbfgs": lambda: ddpkit.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters())),
@@ -248,6 +251,50 @@ def test_bad_inputs(dist2):
     assert "root_rank=5" in errors["root"] and "0..1" in errors["root"]
     assert "invalid params of type Tensor" in errors["params_type"]
     assert "LBFGS" in errors["lbfgs"]
+    assert "op=2 (Horovod's Adasum) is not implemented" in errors["adasum"]
+    assert "num_groups=-1 must be an integer >= 0" in errors["num_groups"]
+    assert "every entry must be a parameter of the optimizer" in errors["groups"]
+
+
+def _horovod_style() -> dict:
+    from ddp_models import SparseEmbeddings
+
+    torch.manual_seed(dist.get_rank())  # different weights: broadcast_parameters must even them out
+    model = SparseEmbeddings()
+    ddpkit.broadcast_parameters(list(model.parameters()), root_rank=0)  # bare tensors, as Horovod takes them
+    start = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randint(0, 50, (4, 5), generator=g), torch.randint(0, 30, (4, 3), generator=g)
+    # Horovod's positional order: optimizer, named_parameters, compression, backward_passes_per_step, op.
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                      ddpkit.Compression.none, 1, 1, sparse_as_dense=True)  # 1: hvd.Sum
+    model(x, y).square().sum().backward()
+    opt.synchronize()
+    summed = [p.grad.clone() for p in model.parameters()]
+    ref = SparseEmbeddings()
+    ref.load_state_dict(dict(zip(ref.state_dict(), start)))
+    ref(x, y).square().sum().backward()
+    local = [p.grad.to_dense() for p in ref.parameters()]
+    for t in local:
+        dist.all_reduce(t)  # the sum over ranks
+    refused = ddpkit.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), ref.named_parameters())
+    ref.zero_grad()
+    try:
+        ref(x, y).square().sum().backward()
+        refused.synchronize()
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    return {"start": start, "summed": summed, "local": local, "error": error}
+
+
+def test_horovods_argument_order_op_values_sparse_as_dense_and_broadcast_of_a_list(dist2):
+    r0, r1 = dist2.run(_horovod_style)
+    assert all(torch.equal(a, b) for a, b in zip(r0["start"], r1["start"]))
+    for r in (r0, r1):
+        assert all(not g.is_sparse for g in r["summed"])
+        assert all(torch.equal(g, t) for g, t in zip(r["summed"], r["local"]))
+        assert "parameter 'emb.weight' has a sparse gradient" in r["error"] and "sparse_as_dense=True" in r["error"]
 
 
 def _mismatched() -> str:

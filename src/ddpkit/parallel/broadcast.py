@@ -136,8 +136,9 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     """Overwrite every rank's tensors with ``root_rank``'s, in place (Horovod's ``broadcast_parameters``).
 
     Args:
-        params: ``model.state_dict()`` or ``model.named_parameters()``: the
-            same names, shapes and dtypes on every rank (checked).
+        params: ``model.state_dict()``, ``model.named_parameters()`` or a
+            list of tensors (``list(model.parameters())``): the same names,
+            shapes and dtypes on every rank (checked).
         root_rank: the rank whose values everyone takes.
         process_group: default the world.
 
@@ -148,10 +149,11 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     if isinstance(params, Mapping):
         items = sorted(params.items())
     elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
-        items = list(params)
-        if not all(isinstance(x, tuple) and len(x) == 2 for x in items):
-            raise ValueError("params must be a state_dict or a sequence of (name, tensor) pairs, as "
-                             "model.named_parameters() gives")
+        # Horovod's rule: (name, tensor) pairs, or bare tensors (list(model.parameters())).
+        items = [x if isinstance(x, tuple) else (f"params[{i}]", x) for i, x in enumerate(params)]
+        if not all(len(x) == 2 for x in items):
+            raise ValueError("params must be a state_dict, a sequence of (name, tensor) pairs as "
+                             "model.named_parameters() gives, or a list of tensors")
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}: pass model.state_dict() or "
                          "model.named_parameters()")

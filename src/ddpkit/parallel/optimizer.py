@@ -43,6 +43,8 @@ from ddpkit.parallel.reducer import Reducer
 __all__ = ["DistributedOptimizer"]
 
 OPS = ("avg", "sum")
+HOROVOD_AVERAGE, HOROVOD_SUM, HOROVOD_ADASUM = 0, 1, 2
+"""The values of Horovod's ``hvd.Average``, ``hvd.Sum`` and ``hvd.Adasum`` (its C++ ``ReduceOp``)."""
 
 
 class _ScaledReduce:
@@ -77,6 +79,19 @@ def _check_compression(compression: Any) -> Any:
             "or a class with compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx) -> tensor"
         )
     return compression
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, num_groups: Any, groups: Any) -> None:
+    """Horovod's ``num_groups`` / ``groups``, validated as Horovod does (they only shape message fusion)."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups={num_groups!r} must be an integer >= 0")
+    if groups is None or (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 0):
+        return
+    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+        raise ValueError(f"groups={groups!r} must be an integer >= 0 or a list of lists of parameters")
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if any(not isinstance(p, torch.Tensor) or id(p) not in mine for g in groups for p in g):
+        raise ValueError("groups: every entry must be a parameter of the optimizer")
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tuple[str, torch.Tensor]]:
@@ -125,7 +140,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """The engine doing the all-reduces (the same as ``DistributedDataParallel.reducer``)."""
 
     def _setup(self, named: list[tuple[str, torch.Tensor]], passes: int, compression: Any, op: str,
-               predivide: float, group: dist.ProcessGroup | None, bucket_cap_mb: float | None) -> None:
+               predivide: float, group: dist.ProcessGroup | None, bucket_cap_mb: float | None,
+               sparse_as_dense: bool) -> None:
         self.backward_passes_per_step = passes
         self.op = op
         self.gradient_predivide_factor = predivide
@@ -138,7 +154,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if world > 1:
             _verify_same_parameters(named, group, "DistributedOptimizer")
         reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
-                          complete_at_end_of_backward=False)
+                          complete_at_end_of_backward=False, sparse_as_dense=sparse_as_dense)
         compression = _check_compression(compression)
         if op == "sum":
             reducer.div_factor = 1
@@ -243,10 +259,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that returns an optimizer
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    backward_passes_per_step: int = 1,
     compression: Any = None,
-    op: str = "avg",
+    backward_passes_per_step: int = 1,
+    op: str | int = "avg",
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
     *,
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float | None = None,
@@ -259,14 +278,24 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
         named_parameters: ``model.named_parameters()``: names every parameter
             (in errors and the stall inspector); each of the optimizer's
             parameters must be in it. Default: numbered names.
-        backward_passes_per_step: backward passes accumulated locally in
-            ``.grad`` per step; the last one is reduced. Default 1.
         compression: ``ddpkit.Compression.none`` (default), ``.fp16``, ``.bf16``
             or a Horovod-style compressor class.
-        op: ``"avg"`` (default) or ``"sum"`` over ranks.
+        backward_passes_per_step: backward passes accumulated locally in
+            ``.grad`` per step; the last one is reduced. Default 1.
+        op: ``"avg"`` (default) or ``"sum"`` over ranks; Horovod's values
+            ``hvd.Average`` (0) and ``hvd.Sum`` (1) are accepted too.
         gradient_predivide_factor: with ``"avg"``, divide by this before the
             sum and by ``world_size / factor`` after (Horovod's split, for
             low-precision range). Default 1: divide by the world size first.
+        num_groups, groups: Horovod's explicit grouping of the all-reduces
+            into fused messages (a count, or lists of parameters). They only
+            change how messages are fused, never a result; ddpkit fuses by
+            bucket size (``bucket_cap_mb``), so they are checked and have no
+            other effect.
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``)
+            dense before reducing them, as Horovod's option does; ``.grad``
+            then holds the dense average. Without it a sparse gradient is an
+            error naming the parameter.
         process_group: the group to reduce over; default the world.
         bucket_cap_mb: bucket size cap in MiB, as in ``DistributedDataParallel``:
             default 25 with a first bucket of 1 MiB; a value given caps the
@@ -300,8 +329,13 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an integer >= 1")
+    if not isinstance(op, bool) and isinstance(op, int):
+        if op == HOROVOD_ADASUM:
+            raise ValueError(f"op={op} (Horovod's Adasum) is not implemented: use 'avg' or 'sum'")
+        op = {HOROVOD_AVERAGE: "avg", HOROVOD_SUM: "sum"}.get(op, op)
     if op not in OPS:
         raise ValueError(f"op={op!r} is not supported: choose one of {', '.join(OPS)} (Adasum is not implemented)")
+    _check_groups(optimizer, num_groups, groups)
     if not (isinstance(gradient_predivide_factor, (int, float)) and gradient_predivide_factor > 0):
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a positive number")
     if gradient_predivide_factor != 1.0 and op != "avg":
@@ -317,5 +351,5 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
     wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hooks
     wrapped._patch_step_function()  # step pre/post hooks and profiling, as torch's constructor sets up
     wrapped._setup(named, backward_passes_per_step, compression, op, float(gradient_predivide_factor),
-                   world_group(process_group), bucket_cap_mb)
+                   world_group(process_group), bucket_cap_mb, bool(sparse_as_dense))
     return wrapped

@@ -205,6 +205,8 @@ class Reducer:
         expect_sparse: per parameter, whether its gradient is sparse (torch's
             ``expect_sparse_gradient``): it gets a bucket of its own, and the
             sparse gradient itself is averaged.
+        sparse_as_dense: a sparse gradient where a dense one is expected is
+            made dense in ``.grad`` and reduced as such (Horovod's option).
     """
 
     def __init__(
@@ -220,10 +222,12 @@ class Reducer:
         reduce_missing: bool = False,
         complete_at_end_of_backward: bool = True,
         expect_sparse: Sequence[bool] | None = None,
+        sparse_as_dense: bool = False,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self.params)
+        self.sparse_as_dense = sparse_as_dense
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.div_factor = self.world_size
@@ -583,11 +587,17 @@ class Reducer:
         if grad is None:
             view.zero_()
             return
-        if grad.is_sparse:
+        if grad.is_sparse and self.sparse_as_dense:
+            grad = param.grad = grad.to_dense()
+        elif grad.is_sparse:
+            name = self.names[bucket.indices[s]]
+            if self.owner != "DDP":
+                raise RuntimeError(f"parameter {name!r} has a sparse gradient, which {self.owner} reduces only "
+                                   "made dense: pass sparse_as_dense=True (Horovod's option)")
             raise RuntimeError(
-                f"parameter {self.names[bucket.indices[s]]!r} has a sparse gradient, but DDP expects sparse "
-                "gradients only from nn.Embedding / nn.EmbeddingBag(sparse=True) (torch's rule): make the "
-                "gradient dense, or produce it with one of those"
+                f"parameter {name!r} has a sparse gradient, but DDP expects sparse gradients only from "
+                "nn.Embedding / nn.EmbeddingBag(sparse=True) (torch's rule): make the gradient dense, or "
+                "produce it with one of those"
             )
         if grad.data_ptr() == view.data_ptr():
             if factor is not None:
