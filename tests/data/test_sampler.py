@@ -37,6 +37,25 @@ def test_parity_with_torch_for_every_combination() -> None:
                 assert len(ours) == len(ref) == len(got)
 
 
+def test_a_dataset_that_changes_size_after_construction_behaves_as_under_torch() -> None:
+    # Where torch's shards sized at construction no longer fit (grown without drop_last, shrunk with it),
+    # torch fails with an AssertionError and so does ddpkit, saying why; elsewhere both go on alike.
+    for n, grown, drop_last in itertools.product((5, 6, 10), (-2, 1, 3), (False, True)):
+        for rank in range(2):
+            data = _Sized(n)
+            ours, ref = DistributedSampler(data, 2, rank, True, 0, drop_last), TorchSampler(data, 2, rank, True, 0,
+                                                                                           drop_last)
+            data.n = n + grown
+            try:
+                want = list(ref)
+            except AssertionError:
+                with pytest.raises(AssertionError, match=f"has {n + grown} samples now, but this Distributed"
+                                                         f"Sampler was built for {n}"):
+                    list(ours)
+                continue
+            assert list(ours) == want, (n, grown, drop_last, rank)
+
+
 def test_eval_mode_counts_every_sample_once() -> None:
     for n, replicas, shuffle in itertools.product(range(0, 12), range(1, 5), (False, True)):
         shards = [

@@ -124,7 +124,8 @@ class DistributedSampler(Sampler[int]):
 
     def _size(self) -> None:
         """``num_samples`` (this rank's) and ``total_size`` of the epoch's rest from the offset (torch's rule)."""
-        n, replicas = max(0, len(self.dataset) - self._offset), self.num_replicas
+        self._built_for = len(self.dataset)
+        n, replicas = max(0, self._built_for - self._offset), self.num_replicas
         if self.drop_last and n % replicas != 0:
             self.num_samples = math.ceil((n - replicas) / replicas)
         else:
@@ -153,6 +154,12 @@ class DistributedSampler(Sampler[int]):
             padding = self.total_size - len(indices)
             if padding > 0:
                 indices += (order * math.ceil(padding / n))[:padding]
+        if len(indices) != self.total_size:
+            # torch's sampler fails here too (an AssertionError): the shards were sized at construction.
+            raise AssertionError(
+                f"the dataset has {n} samples now, but this DistributedSampler was built for {self._built_for}: "
+                "build a new sampler after the dataset changes size"
+            )
         return indices[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
