@@ -311,6 +311,46 @@ def test_a_sparse_parameter_unused_everywhere_keeps_its_gradient(dist2):
         assert seen[1][1] == (False, None) and seen[0][1][0] and seen[2][1][0]  # bag.weight: None at step 1
 
 
+class _DropSecond(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple:
+        return g, None  # b's branch gets no gradient: its parameters' hooks run with none
+
+
+class _NoGradBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DropSecond.apply(self.a(x), self.b(x))
+
+
+def _hooks_without_gradient(engine: str, kwargs: dict) -> list:
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = _NoGradBranch()
+    model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, **kwargs)
+    seen = []
+    for step in range(3):
+        model(torch.randn(4, 3) + dist.get_rank() + step).sum().backward()
+        seen.append([None if p.grad is None else p.grad.clone() for p in module.parameters()])
+    return seen
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"find_unused_parameters": True}, {"static_graph": True}])
+def test_a_hook_that_runs_without_a_gradient_counts_as_torch_counts_it(dist2, kwargs):
+    # Plain DDP reduces zeros for it (and writes the average back); with a used-map it is ready but unused.
+    ours = dist2.run(_hooks_without_gradient, "ddpkit", kwargs)
+    theirs = dist2.run(_hooks_without_gradient, "torch", kwargs)
+    assert _same(ours, theirs)
+
+
 def _construction_broadcast() -> list[torch.Tensor]:
     torch.manual_seed(dist.get_rank())  # different initial weights on each rank
     net = make("convbn", seed=dist.get_rank())

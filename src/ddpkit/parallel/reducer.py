@@ -422,7 +422,9 @@ class Reducer:
             # left out passes None through DDP's sink): the parameter is ready
             # but, as torch counts it, used only if it holds a gradient.
             if self._armed:
-                if param.grad is None and (self.find_unused or self._expected is None):
+                # Counted only where torch keeps a used-map: unused parameters searched for, or a
+                # static graph's first backward. Plain DDP reduces zeros for it and writes them back.
+                if (self.find_unused or self.static_graph) and self._expected is None and param.grad is None:
                     self._undefined.add(index)
                 self._on_ready(index)
                 return
