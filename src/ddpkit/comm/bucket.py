@@ -52,12 +52,10 @@ class GradBucket:
         """Each parameter's place in the bucket, with the parameter's strides where its memory is dense (as
         torch's reducer lays them out: a channels_last weight's gradient is copied in memory order, and under
         ``gradient_as_bucket_view`` ``.grad`` keeps the parameter's layout)."""
-        self._slices: list[torch.Tensor] = []
         offset = 0
         for p in [] if sparse else params:
-            piece = self.flat[offset : offset + p.numel()].view(p.shape)
-            self._slices.append(piece)
-            self.views.append(self.flat.as_strided(p.shape, p.stride(), offset) if _dense(p) else piece)
+            self.views.append(self.flat.as_strided(p.shape, p.stride(), offset) if _dense(p)
+                              else self.flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self._buffer = self.flat
         self.target = self.flat
@@ -93,7 +91,11 @@ class GradBucket:
             return [self.target]
         if self.target is not self.flat:
             return [self.target.view(self.views[0].shape)]
-        return list(self._slices)
+        pieces, offset = [], 0
+        for view in self.views:  # made on each call, as torch's are
+            pieces.append(self.flat[offset : offset + view.numel()].view(view.shape))
+            offset += view.numel()
+        return pieces
 
     def parameters(self) -> list[torch.Tensor]:
         """The bucket's parameters, in bucket order."""
