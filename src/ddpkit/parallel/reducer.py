@@ -705,7 +705,8 @@ class Reducer:
             self._started = True
             self._mark_static_unused()
         undefined = self._undefined
-        local_used = [(r and i not in undefined) or u for i, (r, u) in enumerate(zip(self._ready, self._used_since_sync))]
+        local_used = [(r and i not in undefined) or u
+                      for i, (r, u) in enumerate(zip(self._ready, self._used_since_sync))]
         self._used_since_sync = [False] * len(self.params)
         missing = [i for i, r in enumerate(self._ready) if not r]
         if not self.reduce_missing:
