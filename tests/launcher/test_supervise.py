@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import SCRIPTS, base_env, launch, script
+from procs import ROOT, SCRIPTS, base_env, launch, script
 
 from ddpkit.launcher import LaunchConfig, plan_workers
 from ddpkit.launcher.job import standalone_addr
@@ -159,6 +159,24 @@ def test_two_nodes_on_one_machine_get_global_ranks():
     reports = [line for out, _ in outs for line in out.splitlines() if "REPORT" in line]
     assert '"rank": 0' in reports[0] and '"node_rank": 0' in reports[0]
     assert '"rank": 1' in reports[1] and '"node_rank": 1' in reports[1] and '"world_size": 2' in reports[1]
+
+
+def test_a_console_reader_that_goes_away_ends_the_job_instead_of_hanging(tmp_path):
+    # `ddpkit launch ... | head -1`: torchrun's workers write to the closed pipe themselves and fail; the
+    # launcher must not leave them blocked on a full pipe and wait forever.
+    spew = tmp_path / "spew.py"
+    spew.write_text("for i in range(1_000_000):\n    print('line', i)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--standalone",
+                             str(spew)], env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout.readline().startswith(b"line")
+    proc.stdout.close()
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 1
+    assert b"Broken pipe" in err
 
 
 def test_busy_master_port_is_reported_before_starting():

@@ -57,22 +57,32 @@ class Pump(threading.Thread):
 
     def run(self) -> None:
         pending = b""
-        while chunk := self.src.read1(65536):
-            pending += chunk
-            end = 0
-            for match in SEGMENT.finditer(pending):
-                self._emit(match.group())
-                end = match.end()
-            pending = pending[end:]
-        if pending:
-            self._emit(pending + b"\n")
+        try:
+            while chunk := self.src.read1(65536):
+                pending += chunk
+                end = 0
+                for match in SEGMENT.finditer(pending):
+                    self._emit(match.group())
+                    end = match.end()
+                pending = pending[end:]
+            if pending:
+                self._emit(pending + b"\n")
+        except _ConsoleGone:
+            # The reader of the console went away (``ddpkit launch ... | head``). Under torchrun the worker
+            # writes to that pipe itself and fails there; closing its pipe here does the same to it, rather
+            # than leave it blocked on a full pipe while the launcher waits forever.
+            self.src.close()
 
     def _emit(self, segment: bytes) -> None:
         if self.dst is not None:
             prefix = b"" if segment.startswith(self.prefix) else self.prefix
             with write_lock:
-                self.dst.write(prefix + segment)
-                self.dst.flush()
+                try:
+                    self.dst.write(prefix + segment)
+                    self.dst.flush()
+                except BrokenPipeError:
+                    _silence(self.dst)
+                    raise _ConsoleGone from None
         if self.log is not None:
             self.log.write(segment)
             self.log.flush()
@@ -82,6 +92,22 @@ class Pump(threading.Thread):
                 self.duplicate[0].flush()
         if self.tail is not None:
             self.tail.append(segment.decode("utf-8", "replace").rstrip("\r\n"))
+
+
+class _ConsoleGone(Exception):
+    """The console stream a pump writes to was closed by its reader."""
+
+
+def _silence(stream: BinaryIO) -> None:
+    """Point a closed console stream at /dev/null, so later writes (and the exit-time flush) don't fail."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _filters(text: str) -> list[bytes]:
