@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,9 @@ def test_tee_redirects_filter_and_duplicates_write_torchruns_layout(tmp_path):
     # Rank 0 is teed (console, prefixed as torchrun's tee), 1 redirected, 2 redirected and filtered out.
     assert done.stdout.splitlines() == ["[default0]:SHELL-WORKER RANK=0 ROLE=default ARGS="]
     (run_dir,) = tmp_path.iterdir()
-    assert run_dir.name.startswith("job7_") and f"worker logs in {run_dir}" in done.stderr
+    # torchrun's --standalone replaces --rdzv-id by a fresh uuid, which names the run directory.
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}_\w+", run_dir.name), run_dir
+    assert f"worker logs in {run_dir}" in done.stderr
     attempt = run_dir / "attempt_0"
     for rank in range(3):
         assert (attempt / str(rank) / "stdout.log").read_text() == f"SHELL-WORKER RANK={rank} ROLE=default ARGS=\n"
@@ -160,3 +163,50 @@ def test_the_mpi_backend_is_checked_before_any_worker_starts():
     done = launch("--nproc-per-node", "2", str(SCRIPTS / "report_env.py"), env=base_env(DDPKIT_BACKEND="mpi"))
     assert done.returncode == 2 and "REPORT" not in done.stdout
     assert done.stderr.startswith("ddpkit launch: error: DDPKIT_BACKEND=mpi needs a torch built with MPI")
+
+
+def test_worker_command_lines_as_torchrun_builds_them(monkeypatch):
+    # ${local_rank} in the arguments becomes the local rank and $$ a $; --local-rank-arg passes torch 2's
+    # --local-rank=N; PYTHON_EXEC names the interpreter; TORCHELASTIC_SIGNALS_TO_HANDLE is set.
+    monkeypatch.setenv("PYTHON_EXEC", "/opt/python3")
+    cfg = LaunchConfig(program=str(SCRIPTS / "report_env.py"), args=["--lr=${local_rank}", "$$x", "${other}"],
+                       nproc_per_node=2, local_rank_arg=True, master_port=29555)
+    workers = plan_workers(cfg, master_port=29555, restart_count=0, base_env={})
+    for w in workers:
+        assert w.argv == ["/opt/python3", "-u", str(SCRIPTS / "report_env.py"), f"--local-rank={w.local_rank}",
+                          f"--lr={w.local_rank}", "$x", "${other}"]
+        assert w.env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_one_node_without_a_port_runs_standalone_as_torch_2_13s_torchrun(tmp_path):
+    # Two such jobs at once on one machine: each takes a free port and a fresh run id (torch 2.13 does the
+    # same); with --master-port given the static rendezvous and run id "none" stay.
+    script = tmp_path / "ids.py"
+    script.write_text("import os, time\ntime.sleep(1)\n"
+                      "print('IDS', os.environ['MASTER_PORT'], os.environ['TORCHELASTIC_RUN_ID'])\n")
+    procs = [subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "1", str(script)],
+                              env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    ids = [out.split("IDS ")[1].split() for out, _ in outs]
+    assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1] and all(len(run) == 36 for _, run in ids)
+    fixed = launch("--nproc-per-node", "1", "--master-port", "29573", str(script))
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.stdout.split("IDS ")[1].split() == ["29573", "none"]
+
+
+def test_stdin_reaches_the_workers_and_background_children_outlive_a_successful_job(tmp_path):
+    script = tmp_path / "w.py"
+    marker = tmp_path / "marker"
+    script.write_text("import os, subprocess, sys\n"
+                      "print('READ', repr(sys.stdin.read()), flush=True)\n"
+                      f"subprocess.Popen(['sh', '-c', 'sleep 1; touch {marker}'])\n")
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "1", str(script)],
+                          env=base_env(), input="hello\n", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "READ 'hello\\n'" in done.stdout
+    deadline = time.monotonic() + 10
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists()  # torchrun leaves what a successful worker started in the background

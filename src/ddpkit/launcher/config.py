@@ -229,6 +229,10 @@ class LaunchConfig:
             if self.rdzv_endpoint and not self.standalone:
                 # torchrun's static backend: the endpoint is node 0's address and port.
                 self.master_addr, self.master_port = parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
+            elif self.max_nodes == 1 and self.master_port is None and not self.standalone:
+                # torch 2.13's torchrun: one node with no port and no endpoint given runs as --standalone (a free
+                # port, a fresh run id), so two such jobs on a machine do not fight over port 29500.
+                self.standalone = True
         self.redirect_map = parse_std(self.redirects, self.nproc_per_node, "--redirects")
         self.tee_map = parse_std(self.tee, self.nproc_per_node, "--tee")
         self.shown_ranks = self._shown_ranks()

@@ -56,9 +56,9 @@ def run(cfg: LaunchConfig) -> int:
     for note in cfg.notes():
         say(note)
     token = job_token(cfg)
-    # torchrun's run id: --rdzv-id, a fresh one under --standalone, else "none"
-    # (never the random secret, which must not reach logs).
-    run_id = cfg.rdzv_id or (uuid.uuid4().hex if cfg.standalone else "none")
+    # torchrun's run id: a fresh uuid under --standalone (replacing --rdzv-id, as torchrun does), else
+    # --rdzv-id or "none" (never the random secret, which must not reach logs).
+    run_id = str(uuid.uuid4()) if cfg.standalone else cfg.rdzv_id or "none"
     layout = LogLayout(cfg, run_id, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
     if layout.shown_dir is not None:
         say(f"worker logs in {layout.shown_dir}")
@@ -156,7 +156,10 @@ class _Job:
         self.group = WorkerGroup(cfg, self.layout)
         self.group.start(specs, self.signals)
         outcome = self.group.wait(watch=watch)
-        self.group.stop()
+        if outcome is None:
+            self.group.finish()
+        else:
+            self.group.stop()
         if isinstance(outcome, Failure) and self.rdzv is not None:
             # Another node stopped its workers for a membership change before
             # this one looked: the broken connection is that, not a failure.

@@ -5,8 +5,10 @@ Nothing here starts a process, so the whole env contract is unit-tested.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from string import Template
 
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.runtime.process import worker_env
@@ -45,12 +47,18 @@ class WorkerSpec:
 
 
 def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
-    """The command line of one worker (``-u``: unbuffered, so output streams live)."""
-    extra = [f"--local_rank={local_rank}"] if cfg.local_rank_arg else []
+    """The command line of one worker (``-u``: unbuffered, so output streams live).
+
+    As torchrun's: ``--local-rank-arg`` passes ``--local-rank=N`` (torch 2's
+    spelling), ``${local_rank}`` in the arguments becomes the local rank (and
+    ``$$`` a ``$``), and ``PYTHON_EXEC`` names the interpreter when set.
+    """
+    extra = [f"--local-rank={local_rank}"] if cfg.local_rank_arg else []
+    args = [Template(a).safe_substitute(local_rank=str(local_rank)) for a in [*extra, *cfg.args]]
     if cfg.no_python:
-        return [cfg.program, *extra, *cfg.args]
+        return [cfg.program, *args]
     target = ["-m", cfg.program] if cfg.module else [cfg.program]
-    return [cfg.python, "-u", *target, *extra, *cfg.args]
+    return [os.environ.get("PYTHON_EXEC") or cfg.python, "-u", *target, *args]
 
 
 def plan_workers(
@@ -102,6 +110,7 @@ def plan_workers(
         # As torchrun sets them, so that torch.distributed.is_torchelastic_launched()
         # is true and libraries (Lightning) pick their torchelastic environment.
         env["TORCHELASTIC_USE_AGENT_STORE"] = str(agent_store)
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
         env["TORCHELASTIC_RUN_ID"] = run_id
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(cfg, local_rank), env=env))

@@ -129,10 +129,11 @@ class WorkerGroup:
 
     def _start_one(self, spec: WorkerSpec) -> None:
         # start_new_session: the worker leads a process group holding all
-        # its descendants, which killpg can then take down together.
+        # its descendants, which killpg can then take down together. stdin is
+        # the launcher's, as under torchrun (piped input reaches the workers).
         proc = subprocess.Popen(
             spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
         index = len(self.procs)
         self.specs.append(spec)
@@ -186,6 +187,11 @@ class WorkerGroup:
     def stop(self, first_signal: int = signal.SIGTERM) -> None:
         """Stop every worker and its children (see :func:`ddpkit.runtime.process.terminate`)."""
         terminate(self.procs, self.cfg.grace_period_s, first_signal)
+        self.finish()
+
+    def finish(self) -> None:
+        """After every worker exited 0: collect the rest of their output. Processes a worker left running in
+        the background are left alone, as torchrun leaves them."""
         for pump in self.pumps:
             pump.join(timeout=2.0)
         self.layout.close_files()
