@@ -49,7 +49,7 @@ def test_user_thread_setting_is_kept_and_single_worker_untouched():
 def test_local_rank_arg_and_module_argv():
     cfg = LaunchConfig(program=SCRIPT, args=["x"], nproc_per_node=2, local_rank_arg=True)
     argv = plan_workers(cfg, master_port=1, restart_count=0, base_env={})[1].argv
-    assert argv[-3:] == [SCRIPT, "--local_rank=1", "x"]
+    assert argv[-3:] == [SCRIPT, "--local-rank=1", "x"]  # torch 2 spelling, as torch.distributed.launch
     mod = LaunchConfig(program="json.tool", module=True)
     assert plan_workers(mod, master_port=1, restart_count=0, base_env={})[0].argv[-2:] == ["-m", "json.tool"]
 
