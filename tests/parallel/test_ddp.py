@@ -653,6 +653,34 @@ def test_require_forward_param_sync_follows_torch(dist2):
     assert dist2.run(_forward_sync_flag) == [[True, False, True]] * 2
 
 
+def _wrapped_again() -> list[dict]:
+    import gc
+    import weakref
+
+    out = []
+    for engine in (ddpkit.DDP, TorchDDP):
+        net = make("convbn")
+        first = engine(net)
+        train(first, "convbn", 1, 0.9)
+        reducer = weakref.ref(first.reducer) if engine is ddpkit.DDP else None
+        del first
+        gc.collect()
+        if reducer is not None:
+            # Neither the old reducer (and its buckets) nor its hooks outlive the wrapper, as in torch.
+            assert reducer() is None
+            assert all(len(p._post_accumulate_grad_hooks or {}) == 0 for p in net.parameters())
+        second = engine(net)
+        out.append(state(train(second, "convbn", 2, 0.9)))
+        if reducer is not None:
+            assert all(len(p._post_accumulate_grad_hooks) == 1 for p in net.parameters())
+    return out
+
+
+def test_a_dropped_wrapper_leaves_nothing_behind(dist2):
+    # A module wrapped again after its first wrapper is dropped trains as under torch.
+    _assert_same(dist2.run(_wrapped_again))
+
+
 def _pickled_round_trip() -> list[dict]:
     import io
 

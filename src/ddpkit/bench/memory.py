@@ -5,7 +5,9 @@ workload runs in fresh processes (``MEMORY_REPEATS`` times, engines
 alternating, the median reported; glibc's mmap threshold fixed, see
 ``_FIXED_MMAP_THRESHOLD``): the peak is read after the warm-up and
 ``min(--steps, 10)`` training steps, minus the peak before the model was
-built (the interpreter, torch, the process group). What is left is the
+built (the interpreter, torch, the process group, and the some 800 modules,
+about 65 MB, that constructing the first optimizer imports: torch._dynamo and
+its dependencies). What is left is the
 model, its gradients, the optimizer's state, the batch, the activations and
 what the engine adds (buckets, staging); both engines are measured the same
 way, and both engines' code is imported before the baseline, so the
@@ -81,6 +83,9 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
+    # Constructing the first optimizer imports torch._dynamo and its dependencies (some 800 modules, about
+    # 65 MB), whichever engine runs: a one-time cost too, paid before the baseline.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     init(backend="gloo")
     dist.barrier()
     before = _in_use()

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,6 +179,34 @@ def _sparse_zeros(param: torch.Tensor) -> torch.Tensor:
                                    param.shape, check_invariants=False)
 
 
+def _hook_params(reducer: Reducer) -> None:
+    """Call ``reducer._on_hook(index, param)`` each time a parameter's gradient has been accumulated.
+
+    One hook function serves every parameter and holds the reducer weakly, so
+    a model wrapped again (or a wrapper dropped) does not keep the old reducer
+    and its buckets alive through its parameters; once the reducer is gone its
+    hooks are removed, as torch's reducer removes its own when destroyed.
+    """
+    ref = weakref.ref(reducer)
+    index = {id(p): i for i, p in enumerate(reducer.params)}
+
+    def hook(param: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_hook(index[id(param)], param)
+
+    # Only each hook's key is kept (torch's RemovableHandle, a weak reference and a dict per parameter,
+    # would be most of what the reducer holds per parameter on a model of many small ones).
+    keys = [p.register_post_accumulate_grad_hook(hook).id for p in reducer.params]
+    weakref.finalize(reducer, _remove_hooks, reducer.params, keys).atexit = False
+
+
+def _remove_hooks(params: list[torch.Tensor], keys: list[int]) -> None:
+    for param, key in zip(params, keys):
+        if param._post_accumulate_grad_hooks:
+            param._post_accumulate_grad_hooks.pop(key, None)  # what RemovableHandle.remove() does
+
+
 class Reducer:
     """Buckets the gradients of ``named_params`` and all-reduces them during backward.
 
@@ -259,7 +288,9 @@ class Reducer:
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
         self.buckets: list[GradBucket] = []
-        self._slot: list[tuple[GradBucket, int]] = []
+        self._slot: list[GradBucket] = []
+        """Each parameter's bucket, and (``_pos``) its position there."""
+        self._pos: list[int] = []
         # torch's first assignment: one bucket per dtype and device unless
         # unused parameters are searched for (the rebuild then never comes).
         one = static_graph or not find_unused_parameters
@@ -285,23 +316,25 @@ class Reducer:
         self._used_since_sync = [False] * len(self.params)
         self._next_launch = 0
         self._callback_queued = False
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
-        ]
+        _hook_params(self)
 
     # -- buckets -------------------------------------------------------------
 
     def _build(self, indices: list[list[int]]) -> None:
-        old = list(self._slot)
+        # The old buckets go before the new ones are made, so there is one set at a time (as in torch), except
+        # under gradient_as_bucket_view, where the gradients in them move to the new ones below.
+        old = (self._slot, self._pos) if self.as_view and self._slot else None
+        self.buckets, self._slot = [], []
         self.buckets = [
             GradBucket(k, [self.params[i] for i in idx], idx, sparse=len(idx) == 1 and self.sparse[idx[0]])
             for k, idx in enumerate(indices)
         ]
         self.buckets[-1]._is_last = True
         self._slot = [None] * len(self.params)  # type: ignore[list-item]
+        self._pos = [0] * len(self.params)
         for bucket in self.buckets:
             for s, i in enumerate(bucket.indices):
-                self._slot[i] = (bucket, s)
+                self._slot[i], self._pos[i] = bucket, s
             # Small parameters are staged together when the bucket completes,
             # one fused copy for all of them (the Python cost per parameter
             # would dominate); large ones as soon as they are ready, while
@@ -313,14 +346,14 @@ class Reducer:
             )
             # A bucket of one is reduced in place instead (see _stage).
             bucket._eager = frozenset(bucket._fused[2] if len(bucket._params) > 1 and not self.as_view else ())
-        if self.as_view and old:
+        if old is not None:
             # Gradients living in the old buckets move to the new ones.
             for i, p in enumerate(self.params):
-                bucket, s = old[i]
-                if bucket.sparse or self._slot[i][0].sparse:
+                was, now = old[0][i].views, self._slot[i]
+                if old[0][i].sparse or now.sparse:
                     continue
-                if p.grad is not None and p.grad.data_ptr() == bucket.views[s].data_ptr():
-                    view = self._slot[i][0].views[self._slot[i][1]]
+                if p.grad is not None and p.grad.data_ptr() == was[old[1][i]].data_ptr():
+                    view = now.views[self._pos[i]]
                     view.copy_(p.grad)
                     p.grad = view
 
@@ -416,32 +449,30 @@ class Reducer:
             b.future = None
             b._buffer = b.target = b.flat
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            # Autograd also calls the hook with no gradient (an output the loss
-            # left out passes None through DDP's sink): the parameter is ready
-            # but, as torch counts it, used only if it holds a gradient.
-            if self._armed:
-                # Counted only where torch keeps a used-map: unused parameters searched for, or a
-                # static graph's first backward. Plain DDP reduces zeros for it and writes them back.
-                if (self.find_unused or self.static_graph) and self._expected is None and param.grad is None:
-                    self._undefined.add(index)
-                self._on_ready(index)
-                return
-            if self.in_flight:
-                self._overrun(index)
-            if self.find_unused and param.grad is not None:
-                # Used in a no_sync() backward: its accumulated gradient must
-                # be reduced by the next synchronised backward even if that one
-                # does not use it (torch records local use the same way).
-                self._used_since_sync[index] = True
-            if self.on_local_backward is not None:
-                task = torch._C._current_graph_task_id()
-                if task != self._local_task:  # once per backward
-                    self._local_task = task
-                    Variable._execution_engine.queue_callback(self.on_local_backward)
-
-        return hook
+    def _on_hook(self, index: int, param: torch.Tensor) -> None:
+        """Parameter ``index``'s gradient has been accumulated (see :func:`_hook_params`)."""
+        # Autograd also calls the hook with no gradient (an output the loss
+        # left out passes None through DDP's sink): the parameter is ready
+        # but, as torch counts it, used only if it holds a gradient.
+        if self._armed:
+            # Counted only where torch keeps a used-map: unused parameters searched for, or a
+            # static graph's first backward. Plain DDP reduces zeros for it and writes them back.
+            if (self.find_unused or self.static_graph) and self._expected is None and param.grad is None:
+                self._undefined.add(index)
+            self._on_ready(index)
+            return
+        if self.in_flight:
+            self._overrun(index)
+        if self.find_unused and param.grad is not None:
+            # Used in a no_sync() backward: its accumulated gradient must
+            # be reduced by the next synchronised backward even if that one
+            # does not use it (torch records local use the same way).
+            self._used_since_sync[index] = True
+        if self.on_local_backward is not None:
+            task = torch._C._current_graph_task_id()
+            if task != self._local_task:  # once per backward
+                self._local_task = task
+                Variable._execution_engine.queue_callback(self.on_local_backward)
 
     def _overrun(self, index: int) -> None:
         if self.on_overrun is not None:
@@ -500,7 +531,7 @@ class Reducer:
     def _mark_ready(self, index: int) -> bool:
         """Count ``index`` in; stage its bucket if that completes it (returns whether it did)."""
         self._ready[index] = True
-        bucket, s = self._slot[index]
+        bucket, s = self._slot[index], self._pos[index]
         if s in bucket._eager:
             self._stage_one(bucket, s, self._factor())
             bucket.staged.add(s)
