@@ -653,6 +653,32 @@ def test_require_forward_param_sync_follows_torch(dist2):
     assert dist2.run(_forward_sync_flag) == [[True, False, True]] * 2
 
 
+def _two_forwards_then_backward() -> list:
+    out = []
+    for engine in (ddpkit.DDP, TorchDDP):
+        model = engine(make("convbn"))
+        tensors = [*model.module.buffers(), *model.module.parameters()]
+        versions = [[t._version for t in tensors]]
+        x, y = batch("convbn", dist.get_rank())
+        for _ in range(2):
+            # A second forward before backward re-broadcasts the BatchNorm buffers the first one saved for
+            # backward: torch leaves their version counters alone, so backward still runs.
+            first = model(x)
+            with torch.no_grad():
+                target = model(x.flip(0)).softmax(1)
+            nn.functional.cross_entropy(first, target).backward()
+            (model(x).sum() + model(x[:3]).sum()).backward()
+            versions.append([t._version for t in tensors])
+        out.append((state(model), versions))
+    return out
+
+
+def test_a_second_forward_before_backward_works_as_under_torch(dist2):
+    for (ours, ours_versions), (theirs, theirs_versions) in dist2.run(_two_forwards_then_backward):
+        assert ours_versions == theirs_versions
+        _assert_same([(ours, theirs)])
+
+
 def _wrapped_again() -> list[dict]:
     import gc
     import weakref

@@ -11,6 +11,7 @@ as it is instead of first stepping a fresh optimizer with zero gradients
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,8 +55,15 @@ class PackedBroadcast:
             pairs = [(t, packed[o : o + _nbytes(t)].view(t.dtype).view(t.shape)) for t, o in zip(members, offsets)]
             self.packs.append((packed, pairs))
 
-    def __call__(self, src: int = 0) -> None:
-        """Broadcast from group rank ``src``."""
+    def __call__(self, src: int = 0, keep_versions: bool = False) -> None:
+        """Broadcast from group rank ``src``.
+
+        As torch's broadcasts count: each tensor's version counter (what
+        autograd checks before using a saved tensor) goes up by one on every
+        rank, the root's too; with ``keep_versions`` it stays as it was (the
+        buffer broadcast before a forward, so a graph that saved a buffer, as
+        BatchNorm does, still runs backward after a second forward).
+        """
         # Same devices, tensors and sizes in the same order on every rank (the
         # parameters were verified identical), so the broadcasts match up.
         is_src = self.rank == src
@@ -66,9 +74,14 @@ class PackedBroadcast:
                         view.copy_(t)
                 stall.enter("DDP broadcast {} from group rank {}", self.what, src)
                 dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
-                if not is_src:
-                    for t, view in pairs:
-                        t.copy_(view)
+                tensors = tuple(t for t, _ in pairs)
+                with torch.autograd._unsafe_preserve_version_counter(tensors) if keep_versions \
+                        else contextlib.nullcontext():
+                    if not is_src:
+                        for t, view in pairs:
+                            t.copy_(view)
+                    elif not keep_versions:
+                        torch.autograd.graph.increment_version(tensors)
 
 
 _ALIGN = 16

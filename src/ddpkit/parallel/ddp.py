@@ -525,7 +525,7 @@ class DistributedDataParallel(nn.Module):
             # Same structure on every rank, so every rank rebuilds here together.
             self._buffer_broadcast = PackedBroadcast(buffers, self.process_group, "buffers")
             self._buffer_ids = ids
-        self._buffer_broadcast(src)
+        self._buffer_broadcast(src, keep_versions=True)
 
     # -- join: uneven inputs ---------------------------------------------------
 
