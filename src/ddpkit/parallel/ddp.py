@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.bucket import CommHook
-from ddpkit.parallel.broadcast import PackedBroadcast, broadcast_once
+from ddpkit.parallel.broadcast import _BROADCAST_CHUNK_BYTES, PackedBroadcast, broadcast_once
+from ddpkit.parallel.dp import _gather, _scatter
 from ddpkit.parallel.join import DISABLED, Join, JoinConfig
 from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from ddpkit.runtime import stall
@@ -85,7 +87,13 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class _Sink(torch.autograd.Function):
+def _padded(inputs: list[Any], kwargs: list[Any]) -> tuple[tuple, tuple]:
+    """Per-device inputs and kwargs of equal length, ``()`` and ``{}`` filling in (torch's scatter_kwargs)."""
+    n = max(len(inputs), len(kwargs))
+    return tuple(inputs) + ((),) * (n - len(inputs)), tuple(kwargs) + ({},) * (n - len(kwargs))
+
+
+class _DDPSink(torch.autograd.Function):
     """torch's ``_DDPSink``: the forward's outputs pass through it (copies when
     ``clone``, so in-place changes to them stay legal); its backward, the first
     step of any backward through them, queues the reducer's end-of-backward
@@ -114,13 +122,13 @@ def _graph_outputs(output: Any) -> tuple[list[Any], Any, list[int]]:
 
 
 def _through_sink(output: Any, reducer: Reducer, clone: bool) -> Any:
-    """``output`` with each tensor that has a ``grad_fn`` passed through :class:`_Sink`, the structure kept."""
+    """``output`` with each tensor that has a ``grad_fn`` passed through :class:`_DDPSink`, the structure kept."""
     from torch.utils._pytree import tree_unflatten
 
     leaves, spec, at = _graph_outputs(output)
     if not at:
         return output
-    passed = _Sink.apply(reducer, clone, *(leaves[i] for i in at))
+    passed = _DDPSink.apply(reducer, clone, *(leaves[i] for i in at))
     for i, t in zip(at, passed):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
@@ -249,7 +257,12 @@ class DistributedDataParallel(nn.Module):
         if check_reduction:
             warnings.warn("The `check_reduction` argument of DistributedDataParallel is deprecated (torch's) and "
                           "has no effect: leave it out", FutureWarning, stacklevel=2)
-        del batched_grad_copy  # a speed knob of torch's C++ reducer
+        # torch's attributes for these: what it would do, or (refused above) their defaults.
+        self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
+        self.mixed_precision = None
+        self.skip_all_reduce_unused_params = False
+        self.broadcast_bucket_size = _BROADCAST_CHUNK_BYTES
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group={process_group!r} is not a torch.distributed.ProcessGroup: pass "
                             "None (the world) or a group from torch.distributed.new_group()")
@@ -450,7 +463,7 @@ class DistributedDataParallel(nn.Module):
         had_group = state.pop("_had_group", True)
         grouped = dist.is_available() and dist.is_initialized()
         if had_group and not grouped:
-            raise RuntimeError(
+            raise DDPConfigError(  # torch raises ValueError here; RuntimeError as ddpkit did
                 "this DistributedDataParallel was pickled in a job with a process group, and none "
                 "exists here: call ddpkit.init() before loading it, or load the plain module "
                 "(save ddpkit.unwrap(model) instead)"
@@ -504,6 +517,27 @@ class DistributedDataParallel(nn.Module):
         elif sync and self.static_graph:
             _anchor_end_of_backward(output, self.reducer)
         return output
+
+    # torch's helpers for placing inputs and outputs, kept for code written against them (ddpkit's forward
+    # moves inputs to the module's device itself).
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int | None) -> tuple[tuple, tuple]:
+        """``inputs`` and ``kwargs`` moved to ``device_id`` of this model's device type, as ``((inputs,), (kwargs,))``."""
+        device = torch.device(self.device_type, device_id)
+        return _padded([_to_device(tuple(inputs), device)] if inputs else [],
+                       [_to_device(dict(kwargs), device)] if kwargs else [])
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> tuple[tuple, tuple]:
+        """``inputs`` and ``kwargs`` split along ``dim`` over ``device_ids``: one ``(inputs, kwargs)`` per device."""
+        devices = [torch.device(self.device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+        return _padded(_scatter(tuple(inputs), devices, self.dim) if inputs else [],
+                       _scatter(dict(kwargs), devices, self.dim) if kwargs else [])
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
+        """The replicas' ``outputs`` joined along ``dim`` on ``output_device`` (scalars stacked)."""
+        device = torch.device(self.device_type, output_device) if isinstance(output_device, int) \
+            else torch.device(output_device)
+        return _gather(list(outputs), device, self.dim)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Whether the outputs passed through the sink are copies (torch's switch; default True)."""

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -205,6 +206,22 @@ def _remove_hooks(params: list[torch.Tensor], keys: list[int]) -> None:
     for param, key in zip(params, keys):
         if param._post_accumulate_grad_hooks:
             param._post_accumulate_grad_hooks.pop(key, None)  # what RemovableHandle.remove() does
+
+
+_warned_nothing_unused = False
+
+
+def _warn_nothing_unused() -> None:
+    """torch's warning, once per process, that ``find_unused_parameters=True`` found nothing unused."""
+    global _warned_nothing_unused
+    if not _warned_nothing_unused:
+        _warned_nothing_unused = True
+        warnings.warn(
+            "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters "
+            "in the forward pass. This flag results in an extra traversal of the autograd graph every iteration,  "
+            "which can adversely affect performance. If your model indeed never has any unused parameters in the "
+            "forward pass, consider turning this flag off. Note that this warning may be a false positive if your "
+            "model has flow control causing later iterations to have unused parameters.", stacklevel=2)
 
 
 class Reducer:
@@ -655,7 +672,15 @@ class Reducer:
         if self.world_size > 1:
             stall.enter("{} bucket {} all-reduce", self.owner, bucket._index, step=self._step)
         if self.comm_hook is not None:
-            bucket.future = self.comm_hook(self.comm_state, bucket)
+            future = self.comm_hook(self.comm_state, bucket)
+            if not isinstance(future, torch._C.Future):  # torch.futures.Future, or a collective's own
+                hook = getattr(self.comm_hook, "__qualname__", None) or repr(self.comm_hook)
+                raise RuntimeError(
+                    f"comm hook {hook} returned {type(future).__name__} for bucket {bucket._index}; a comm hook "
+                    "must return a torch.futures.Future object holding the reduced bucket, e.g. "
+                    "dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])"
+                )
+            bucket.future = future
         elif self.world_size > 1:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
 
@@ -755,6 +780,8 @@ class Reducer:
         if self.reduce_missing:
             used = [True] * len(self.params)
         elif (self.find_unused and not self.static_graph) or first_static:
+            if not first_static and all(local_used):
+                _warn_nothing_unused()
             if self.group is not None and self.world_size > 1:
                 # Every rank issues it, whether or not it missed a gradient itself,
                 # and after all of its buckets: the collectives line up everywhere.
@@ -840,8 +867,16 @@ class Reducer:
     def _wait(self, bucket: GradBucket) -> None:
         if bucket.future is not None:
             result = bucket.future.wait()
-            if isinstance(result, (list, tuple)):
-                result = result[0]
+            if isinstance(result, (list, tuple)) and len(result) == 1:
+                result = result[0]  # all_reduce's own future, returned as it is
+            size = bucket.target.numel()
+            if not isinstance(result, torch.Tensor) or (not bucket.sparse and result.numel() != size):
+                what = f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else \
+                    type(result).__name__
+                raise RuntimeError(
+                    f"the comm hook's future for bucket {bucket._index} holds {what}; it must hold the reduced "
+                    f"bucket, a tensor of {size} elements (bucket.buffer() after the reduction)"
+                )
             if bucket.sparse:
                 if result is not bucket.target:
                     bucket.target.copy_(result)
@@ -883,7 +918,7 @@ class Reducer:
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Let ``hook(state, bucket)`` reduce each bucket; see :mod:`ddpkit.hooks`."""
         if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook() may be called only once per model")
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. (torch's rule: one comm hook per model; to combine two, call one from the other)")
         if not callable(hook):
             raise TypeError(f"comm hook {hook!r} is not callable: pass hook(state, bucket) -> Future")
         self.comm_hook = hook
