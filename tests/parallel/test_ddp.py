@@ -728,6 +728,35 @@ def test_a_second_forward_before_backward_works_as_under_torch(dist2):
         _assert_same([(ours, theirs)])
 
 
+def _gradient_penalty(kwargs: dict) -> list:
+    # torch.autograd.grad through the model (WGAN-GP, R1), then backward of loss + penalty: only the second
+    # pass accumulates parameter gradients, and it is the one that must be averaged.
+    out = []
+    for engine in (ddpkit.DDP, TorchDDP):
+        torch.manual_seed(0)
+        model = engine(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), **kwargs)
+        for step in range(2):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            x.requires_grad_(True)
+            loss = model(x).pow(2).mean()
+            gx, = torch.autograd.grad(loss, x, create_graph=True)
+            (loss + gx.pow(2).sum()).backward()
+        out.append(state(model))
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"find_unused_parameters": True}, {"static_graph": True}])
+def test_a_gradient_penalty_is_averaged(dist2, kwargs):
+    results = dist2.run(_gradient_penalty, kwargs)
+    if "static_graph" in kwargs:
+        # torch's static graph counts the autograd.grad pass as the first backward and never averages
+        # after it (the replicas drift apart); ddpkit averages, so both ranks agree.
+        _assert_same([(results[0][0], results[1][0])])
+        assert any(not torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
+    else:
+        _assert_same(results)
+
+
 def _wrapped_again() -> list[dict]:
     import gc
     import weakref

@@ -87,3 +87,52 @@ def _without_static_graph() -> str:
 def test_gradient_twice_without_static_graph_names_the_fix(dist2):
     for msg in dist2.run(_without_static_graph):
         assert "twice" in msg and "static_graph=True" in msg
+
+
+def _changed_on_one_rank() -> list:
+    # From step 2 rank 1 alone uses a branch the first backward did not: it must raise there, and rank 0,
+    # whose graph is unchanged, must not be left waiting in an all-reduce (torch raises on both ranks).
+    torch.manual_seed(0)
+    net = Checkpointed(False)
+    model = ddpkit.DDP(net, static_graph=True)
+    seen = []
+    for step in range(3):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        out = model(x)
+        if step == 2 and dist.get_rank() == 1:
+            out = out + net.unused(x)[:, :3]
+        try:
+            out.sum().backward()
+            seen.append("ok")
+        except RuntimeError as exc:
+            seen.append(str(exc)[:200])
+        dist.barrier()  # reached by both ranks: nothing is left hanging
+    return seen
+
+
+def test_a_graph_that_changes_on_one_rank_raises_there_without_a_hang(dist2):
+    ours = dist2.run(_changed_on_one_rank)
+    assert ours[0] == ["ok"] * 3
+    assert ours[1][:2] == ["ok", "ok"] and "parameter 'unused." in ours[1][2] and "got gradient #1" in ours[1][2]
+
+
+def _frozen_after_wrapping() -> tuple:
+    torch.manual_seed(0)
+    net = Checkpointed(False)
+    del net.unused
+    model = ddpkit.DDP(net, static_graph=True)
+    for step in range(3):
+        if step == 2:
+            net.a[0].weight.requires_grad_(False)  # fewer gradients than in the first backward
+        model.zero_grad(set_to_none=True)
+        try:
+            model(torch.randn(6, 8)).sum().backward()
+        except RuntimeError as exc:
+            return str(exc)[:200], net.a[0].weight.grad
+    return "no error", None
+
+
+def test_a_parameter_frozen_after_wrapping_keeps_no_gradient(dist2):
+    # The backward raises; the frozen weight is not handed the zeros it sent (momentum would move it).
+    for message, grad in dist2.run(_frozen_after_wrapping):
+        assert "fewer gradients than in the first backward for 'a.0.weight'" in message and grad is None

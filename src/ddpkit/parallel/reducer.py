@@ -459,6 +459,8 @@ class Reducer:
         self._saved: dict[int, torch.Tensor] = {}
         self._undefined: set[int] = set()
         """Parameters whose hook ran without a gradient in this backward (see the hook)."""
+        self._overcounted: dict[int, int] = {}
+        """Static graph: parameters that got more gradients than in the first backward (index: how many)."""
         for b in self.buckets:
             b.pending = len(b.indices)
             b.staged = set()
@@ -502,9 +504,10 @@ class Reducer:
     def expect_backward(self) -> None:
         """Queue the end-of-backward callback on the backward now running.
 
-        Called from the output of the forward (static graph), so the callback
-        belongs to the outer backward even when the first gradients arrive
-        inside a reentrant (checkpointing) backward nested in it.
+        Called from the output of the forward (the sink, a static graph's
+        anchors), so the callback belongs to the outer backward even when the
+        first gradients arrive inside a reentrant (checkpointing) backward
+        nested in it.
         """
         if self._armed and not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
@@ -523,13 +526,10 @@ class Reducer:
                 self._started = True
                 self._mark_static_unused()
             if hits > self._expected[index]:
-                raise RuntimeError(
-                    f"DistributedDataParallel(static_graph=True): parameter {self.names[index]!r} got "
-                    f"gradient #{hits} in this backward but {self._expected[index]} in the first one. Your "
-                    "training graph has changed in this iteration, e.g., one parameter is unused in first "
-                    "iteration, but then got used in this iteration. this is not compatible with "
-                    "static_graph set to True"
-                )
+                # Raised at the end of this backward, once every bucket is out: the other ranks, whose graph
+                # may not have changed, are waiting in those all-reduces.
+                self._overcounted.setdefault(index, hits)
+                return
             if hits < self._expected[index]:
                 return
         elif self._ready[index]:
@@ -685,7 +685,16 @@ class Reducer:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
 
     def _finish_backward(self) -> None:
-        """End of backward: launch the rest; unless deferred, wait and write ``.grad``."""
+        """End of backward: launch the rest; unless deferred, wait and write ``.grad``.
+
+        A pass through the outputs in which no parameter's hook ran (a
+        ``torch.autograd.grad`` through the model for a gradient penalty, which
+        accumulates nothing) is not the synchronised backward: the reducer
+        stays armed for the ``backward()`` that follows, as torch's does.
+        """
+        if not self._undefined and not any(self._ready) and not any(self._hits):
+            self._callback_queued = False
+            return
         if not self.complete_at_end_of_backward:
             self._launch_deferred()
             return
@@ -807,9 +816,20 @@ class Reducer:
         if self.static_graph and not first_static:
             unused_here.update(i for i, n in enumerate(self._expected) if n == 0)  # type: ignore[arg-type]
             unused_here.update(i for i, u in enumerate(self._static_used or ()) if not u)
+        short = [i for i in missing if self._expected[i] > 0] if self.static_graph and not first_static else []  # type: ignore[index]
+        if short and used is not None:
+            # The backward raises below: a parameter that got no gradient here keeps none (not the zeros it sent).
+            used = [u and not (i in short and self.params[i].grad is None) for i, u in enumerate(used)]
         self._write_back(unused_here, used, self._saved)
+        for index, hits in self._overcounted.items():
+            raise RuntimeError(
+                f"DistributedDataParallel(static_graph=True): parameter {self.names[index]!r} got "
+                f"gradient #{hits} in this backward but {self._expected[index]} in the first one. Your "  # type: ignore[index]
+                "training graph has changed in this iteration, e.g., one parameter is unused in first "
+                "iteration, but then got used in this iteration. this is not compatible with "
+                "static_graph set to True"
+            )
         if self.static_graph and not first_static:
-            short = [i for i in missing if self._expected[i] > 0]  # type: ignore[index]
             if short:
                 names = ", ".join(f"{self.names[i]!r} ({self._hits[i]} of {self._expected[i]})" for i in short)  # type: ignore[index]
                 raise RuntimeError(
