@@ -821,7 +821,8 @@ class Reducer:
             # The backward raises below: a parameter that got no gradient here keeps none (not the zeros it sent).
             used = [u and not (i in short and self.params[i].grad is None) for i, u in enumerate(used)]
         self._write_back(unused_here, used, self._saved)
-        for index, hits in self._overcounted.items():
+        if self._overcounted:
+            index, hits = next(iter(self._overcounted.items()))  # the first to get one gradient too many
             raise RuntimeError(
                 f"DistributedDataParallel(static_graph=True): parameter {self.names[index]!r} got "
                 f"gradient #{hits} in this backward but {self._expected[index]} in the first one. Your "  # type: ignore[index]
