@@ -74,14 +74,13 @@ class PackedBroadcast:
                         view.copy_(t)
                 stall.enter("DDP broadcast {} from group rank {}", self.what, src)
                 dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
-                tensors = tuple(t for t, _ in pairs)
-                with torch.autograd._unsafe_preserve_version_counter(tensors) if keep_versions \
-                        else contextlib.nullcontext():
-                    if not is_src:
-                        for t, view in pairs:
-                            t.copy_(view)
-                    elif not keep_versions:
-                        torch.autograd.graph.increment_version(tensors)
+                if not is_src:
+                    tensors = [t for t, _ in pairs]
+                    with torch.autograd._unsafe_preserve_version_counter(tuple(tensors)) if keep_versions \
+                            else contextlib.nullcontext():
+                        torch._foreach_copy_(tensors, [view for _, view in pairs])
+                elif not keep_versions:
+                    torch.autograd.graph.increment_version([t for t, _ in pairs])
 
 
 _ALIGN = 16
