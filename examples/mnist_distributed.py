@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 import ddpkit
 from ddpkit.data.datasets import load_dataset
 from ddpkit.runtime.discovery import discover
-from ddpkit.train.models import ConvNet  # the tutorial's ConvNet, layer for layer
+from ddpkit.models import ConvNet  # the tutorial's ConvNet, layer for layer
 
 
 def train(rank, args):

@@ -3,9 +3,10 @@
 The engines alternate step by step (the one going first alternates too) with
 a barrier before each step, so skew between ranks and drift in the machine's
 speed are left out. Printed, for rank 0: the median forward, backward and
-optimizer times of each engine, the plain model's backward, and the time
-per step inside the main methods of ddpkit's reducer (a method's figure
-includes the methods it calls).
+optimizer times of each engine, the plain model's backward, and then, from
+extra ddpkit steps run under ``cProfile`` (which slows every Python call, so
+these figures are relative), the time per step inside the main functions of
+ddpkit's engine (a function's figure includes the functions it calls).
 
 Run: .venv/bin/python scripts/phase_times.py [--workload transformer] [--steps 150] [--mlp-hidden 660]
 [--ddpkit-bucket-cap-mb 4]   (OMP_NUM_THREADS=1 is set for the ranks)
@@ -15,26 +16,27 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
 PHASES = ("forward", "backward", "optimizer", "step")
-REDUCER_METHODS = ("_on_ready", "_stage_one", "_stage", "_launch", "_wait_all", "_write_back", "_finish_backward")
+ENGINE_FUNCTIONS = (("reducer.py", "_on_ready"), ("staging.py", "stage_one"), ("staging.py", "stage"),
+                    ("reducer.py", "launch"), ("reducer.py", "wait_all"), ("staging.py", "write_back"),
+                    ("reducer.py", "_finish_backward"))
+"""(file, function) of ddpkit's engine whose cumulative time is reported."""
 
 
-def _timed(cls: type, name: str, spent: dict[str, float]) -> None:
-    """Wrap ``cls.name`` so that its time accumulates in ``spent[name]``."""
-    method = getattr(cls, name)
-
-    def wrapper(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-
-    setattr(cls, name, wrapper)
+def _engine_times(profile: cProfile.Profile, steps: int) -> dict[str, float]:
+    """Milliseconds per step inside each of :data:`ENGINE_FUNCTIONS`, from ``profile``."""
+    found = dict.fromkeys((f for _, f in ENGINE_FUNCTIONS), 0.0)
+    for (path, _, function), row in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        for file, name in ENGINE_FUNCTIONS:
+            if function == name and path.endswith(os.path.join("parallel", file)):
+                found[name] += row[3]  # cumulative seconds
+    return {name: 1000.0 * seconds / steps for name, seconds in found.items()}
 
 
 def _worker(rank: int, opts: argparse.Namespace) -> None:
@@ -45,15 +47,11 @@ def _worker(rank: int, opts: argparse.Namespace) -> None:
     import ddpkit
     from ddpkit._reference import torch_ddp
     from ddpkit.bench.config import BenchConfig
-    from ddpkit.bench.engines import _workload
-    from ddpkit.parallel.reducer import Reducer
+    from ddpkit.bench.workloads import workload
 
     torch.set_num_threads(1)
     ddpkit.init(backend="gloo")
-    spent: dict[str, float] = {}
-    for name in REDUCER_METHODS:
-        _timed(Reducer, name, spent)
-    base, x, y = _workload(opts.workload, BenchConfig(workloads=(opts.workload,), mlp_hidden=opts.mlp_hidden))
+    base, x, y = workload(opts.workload, BenchConfig(workloads=(opts.workload,), mlp_hidden=opts.mlp_hidden))
     models = {"ddpkit": ddpkit.DDP(copy.deepcopy(base), bucket_cap_mb=opts.ddpkit_bucket_cap_mb),
               "torch": torch_ddp(copy.deepcopy(base)), "plain": copy.deepcopy(base)}
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in models.items()}
@@ -61,8 +59,6 @@ def _worker(rank: int, opts: argparse.Namespace) -> None:
     warmup = 5
     for step in range(warmup + opts.steps):
         engines = ["ddpkit", "torch"] if step % 2 == 0 else ["torch", "ddpkit"]
-        if step == warmup:
-            spent.clear()
         for engine in engines + ["plain"]:
             model, opt = models[engine], optimizers[engine]
             dist.barrier()
@@ -77,15 +73,25 @@ def _worker(rank: int, opts: argparse.Namespace) -> None:
             if step >= warmup:
                 for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                     times[engine][phase].append(1000.0 * seconds)
+    profile = cProfile.Profile()
+    model, opt = models["ddpkit"], optimizers["ddpkit"]
+    for _ in range(opts.steps):
+        dist.barrier()
+        profile.enable()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        profile.disable()
+    spent = _engine_times(profile, opts.steps)
     if rank == 0:
         print(f"{opts.workload}, world size {dist.get_world_size()}, {opts.steps} steps per engine, medians in ms")
         print(f"{'phase':<10} {'ddpkit':>8} {'torch':>8} {'diff':>7} {'plain':>8}")
         for phase in PHASES:
             a, b, c = (statistics.median(times[k][phase]) for k in ("ddpkit", "torch", "plain"))
             print(f"{phase:<10} {a:8.2f} {b:8.2f} {a - b:+7.2f} {c:8.2f}")
-        print("ddpkit's reducer, ms per step (a method includes what it calls):")
-        for name in REDUCER_METHODS:
-            print(f"  {name:<18} {1000.0 * spent.get(name, 0.0) / opts.steps:7.2f}")
+        print("ddpkit's engine under cProfile, ms per step (a function includes what it calls):")
+        for name, ms in spent.items():
+            print(f"  {name:<18} {ms:7.2f}")
     ddpkit.shutdown()
 
 

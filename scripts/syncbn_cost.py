@@ -10,7 +10,7 @@ import time
 import torch
 
 import ddpkit
-from ddpkit.train.models import build_model
+from ddpkit.models import build_model
 
 STEPS, WARMUP = 60, 5
 

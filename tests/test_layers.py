@@ -1,4 +1,10 @@
-"""The package's layers: imports run only downward, and the launcher path stays torch-free."""
+"""The package's structure: imports run only downward, no import cycles, no private names across modules,
+and the launcher path stays torch-free.
+
+The checker reads every module's imports (module level and inside functions
+alike: a lazy import is still an arrow) and is itself tested on synthetic
+trees that break each rule, so it cannot pass by seeing nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,73 +13,185 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from procs import SCRIPTS, base_env
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpkit"
 
-# ../shared/docs/architecture.md: cli -> train/bench/launcher -> parallel -> comm -> runtime.
-LAYER = {"runtime": 0, "comm": 1, "data": 1, "launcher": 1, "parallel": 2, "train": 3, "bench": 3}
-TOP = 4  # ddpkit/__init__, cli, __main__, the public facades (hooks, collectives)
-# The torch references are imported only where the point is comparison.
+# ../shared/docs/architecture.md: data flows down,
+# cli -> bench -> train -> launcher/parallel -> comm/data/models -> runtime.
+LAYER = {"runtime": 0, "comm": 1, "data": 1, "models": 1, "launcher": 2, "parallel": 2, "train": 3,
+         "integrations": 3, "bench": 4}
+TOP = 5
+"""ddpkit/__init__, cli, __main__ and the public facades (hooks, collectives) sit above everything."""
+TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
+REFERENCE = "_reference"
+"""torch's implementations: imported only where the point is comparison."""
 REFERENCE_USERS = {"train", "bench"}
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every ddpkit import in ``path``."""
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    package = list(parts[:-1]) if parts[-1] != "__init__" else list(parts[:-1])
-    found = []
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, root: Path) -> list[tuple[int, str, str | None]]:
+    """``(line, module, name)`` for every import of the package in ``path``.
+
+    ``from a.b import c`` gives ``(line, "a.b.c", None)`` when ``a.b.c`` is a
+    module of the package, else ``(line, "a.b", "c")``.
+    """
+    here = module_name(path, root)
+    package = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
+    modules = {module_name(p, root) for p in root.rglob("*.py")}
+    found: list[tuple[int, str, str | None]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
+            found += [(node.lineno, a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
+                source = ".".join(base + ([node.module] if node.module else []))
             else:
-                module = node.module or ""
-            if module == "ddpkit":
-                found += [(node.lineno, f"ddpkit.{a.name}") for a in node.names]
-            else:
-                found.append((node.lineno, module))
-    return [(line, m) for line, m in found if m == "ddpkit" or m.startswith("ddpkit.")]
+                source = node.module or ""
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                found.append((node.lineno, full, None) if full in modules else (node.lineno, source, alias.name))
+    top = root.name
+    return [(line, m, n) for line, m, n in found if m == top or m.startswith(top + ".")]
 
 
-def _layer(module_parts: list[str]) -> int:
-    if len(module_parts) < 2:
+def layer(module: str) -> int | None:
+    """The layer of a module of the package (``None``: a package the rules do not know)."""
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] in TOP_MODULES):
         return TOP
-    return LAYER.get(module_parts[1], TOP)
+    if parts[1] == REFERENCE:
+        return LAYER["runtime"]
+    return LAYER.get(parts[1])
 
 
-def test_imports_run_only_downward() -> None:
+def graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports."""
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    return {m: {target for _, target, _ in imports(p, root) if target in modules and target != m}
+            for m, p in modules.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: strongly connected groups of two or more modules (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every breach of the layering rules in the package at ``root`` (see the module notes)."""
     wrong = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent)
-        here = _layer(list(rel.parts))
-        if here == TOP:
+    for path in sorted(root.rglob("*.py")):
+        here = module_name(path, root)
+        mine = layer(here)
+        if mine is None:
+            wrong.append(f"{here}: its package is in no layer: give it one in tests/test_layers.py")
             continue
-        for line, module in _imports(path):
+        for line, module, name in imports(path, root):
+            where = f"{path.relative_to(root.parent)}:{line}"
             parts = module.split(".")
-            if parts[:2] == ["ddpkit", "_reference"]:
-                if rel.parts[1] not in REFERENCE_USERS:
-                    wrong.append(f"{rel}:{line} imports {module} (torch's references: bench and train only)")
+            if len(parts) > 1 and parts[1] == REFERENCE:
+                if (here.split(".") + [""])[1] not in REFERENCE_USERS:
+                    wrong.append(f"{where} imports {module} (torch's references: bench and train only)")
                 continue
-            if _layer(parts) > here:
-                wrong.append(f"{rel}:{line} imports {module}, a layer above")
+            if mine != TOP and (layer(module) or 0) > mine:
+                wrong.append(f"{where} imports {module}, a layer above")
+            private_module = next((p for p in parts[1:] if p.startswith("_") and not p.startswith("__")), None)
+            if private_module and module.rsplit(".", 1)[0] != here.rsplit(".", 1)[0]:
+                wrong.append(f"{where} imports {module}, a private module of another package")
+            if name and name.startswith("_") and not name.startswith("__") and module != here:
+                wrong.append(f"{where} imports {name} from {module}: a private name of another module")
+    wrong += [f"import cycle: {' -> '.join(group)}" for group in cycles(graph(root))]
+    return wrong
+
+
+def test_the_package_keeps_its_layers() -> None:
+    wrong = violations(PACKAGE)
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
-    # The layer test above must be able to fail: feed it a runtime module that
-    # imports the engine and the top-level facade.
-    fake = PACKAGE / "runtime" / "_layer_probe_tmp.py"
-    fake.write_text("from ddpkit.parallel import ddp\nimport ddpkit\nfrom ..train import loop\n")
-    try:
-        modules = [m for _, m in _imports(fake)]
-        assert modules == ["ddpkit.parallel", "ddpkit", "ddpkit.train"]
-        assert [_layer(m.split(".")) for m in modules] == [2, TOP, 3]
-    finally:
-        fake.unlink()
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "ddpkit"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "parallel/__init__.py": "",
+        "parallel/a.py": "from ddpkit.parallel import b\n",
+        "parallel/b.py": "def f():\n    from .c import g  # lazy: still an arrow\n",
+        "parallel/c.py": "import ddpkit.parallel.a\n",
+        "parallel/d.py": "from ddpkit.parallel.a import x\n",
+    })
+    assert violations(root) == ["import cycle: ddpkit.parallel.a -> ddpkit.parallel.b -> ddpkit.parallel.c"]
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"runtime/__init__.py": "", "runtime/x.py": "from ddpkit.parallel import ddp\n",
+      "parallel/__init__.py": "", "parallel/ddp.py": ""},
+     "ddpkit/runtime/x.py:1 imports ddpkit.parallel.ddp, a layer above"),
+    ({"comm/__init__.py": "", "comm/x.py": "from ddpkit.parallel.y import _hidden\n",
+      "parallel/__init__.py": "", "parallel/y.py": ""},
+     "ddpkit/comm/x.py:1 imports ddpkit.parallel.y, a layer above"),
+    ({"parallel/__init__.py": "", "parallel/x.py": "from ddpkit.parallel.y import _hidden\n", "parallel/y.py": ""},
+     "ddpkit/parallel/x.py:1 imports _hidden from ddpkit.parallel.y: a private name of another module"),
+    ({"parallel/__init__.py": "", "parallel/x.py": "from ddpkit._reference import torch_ddp\n", "_reference.py": ""},
+     "ddpkit/parallel/x.py:1 imports ddpkit._reference (torch's references: bench and train only)"),
+    ({"newthing/__init__.py": "", "newthing/x.py": ""},
+     "ddpkit.newthing: its package is in no layer: give it one in tests/test_layers.py"),
+])
+def test_the_checker_finds_each_breach(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    assert expected in violations(_tree(tmp_path, files))
+
+
+def test_the_checker_passes_a_clean_tree(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "runtime/__init__.py": "", "runtime/group.py": "import os\n",
+        "parallel/__init__.py": "", "parallel/ddp.py": "from ddpkit.runtime.group import init\nfrom . import sink\n",
+        "parallel/sink.py": "from ddpkit.runtime import group\n",
+        "bench/__init__.py": "", "bench/run.py": "from ddpkit._reference import torch_ddp\nfrom ddpkit.parallel import ddp\n",
+        "_reference.py": "", "cli.py": "from ddpkit.bench import run\nfrom ddpkit import __version__\n",
+    })
+    assert violations(root) == []
 
 
 def test_launch_never_imports_torch_in_the_launcher() -> None:

@@ -124,7 +124,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddpkit.bench.engines import BenchConfig, run
+    from ddpkit.bench.run import BenchConfig, run
 
     run(_build(BenchConfig, args))
     return 0

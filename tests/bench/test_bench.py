@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.engines import WorkloadResult, _bench_workload, format_results, quartiles, relative_spread
+from ddpkit.bench.engines import WorkloadResult, bench_workload, format_results
+from ddpkit.bench.stats import quartiles, relative_spread
 from ddpkit.cli import main
 
 TOY = dict(steps=3, warmup=1, block=1, samples_per_rank=4, mlp_hidden=16, mlp_batch=4, resnet_batch=4)
@@ -18,7 +19,7 @@ PARAMS = {"convnet": 29_034, "mlp": 784 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10,
 
 
 def _measure(name: str) -> WorkloadResult:
-    return _bench_workload(name, BenchConfig(**TOY))
+    return bench_workload(name, BenchConfig(**TOY))
 
 
 @pytest.mark.parametrize("name", ["convnet", "mlp", "resnet"])
@@ -46,7 +47,7 @@ def test_format_results_has_one_row_per_workload():
 def test_median_confidence_interval_covers_the_median_and_narrows():
     import random
 
-    from ddpkit.bench.engines import median_ci, verdict
+    from ddpkit.bench.stats import median_ci, verdict
 
     assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)  # few samples: the whole range
     r = random.Random(0)
@@ -95,7 +96,7 @@ def test_an_unwritable_json_path_fails_before_the_benchmark(tmp_path, capsys, wh
 
 
 def _measure_until(spread: float) -> WorkloadResult:
-    return _bench_workload("convnet", BenchConfig(**{**TOY, "steps": 2}, target_spread=spread, time_budget=5))
+    return bench_workload("convnet", BenchConfig(**{**TOY, "steps": 2}, target_spread=spread, time_budget=5))
 
 
 def test_target_spread_adds_rounds_until_tight_or_out_of_time(dist2):
@@ -156,7 +157,7 @@ def test_trace_is_chrome_json_with_every_span_per_rank(tmp_path):
 
 
 def test_overlap_is_the_share_of_communication_inside_the_gradient_computation():
-    from ddpkit.bench.trace import merge, overlap
+    from ddpkit.parallel.trace import merge, overlap
 
     assert merge([(3, 4), (0, 2), (1, 2.5)]) == [(0, 2.5), (3, 4)]
     # All-reduce runs 0-2 and 3-4 (3 s in all); gradients are computed 1-3.5: 1 s + 0.5 s inside.

@@ -13,7 +13,7 @@ from ddpkit.cli import main
 
 @pytest.mark.parametrize("params", [1e5, 1e6, 5e6, 25e6, 100e6])
 def test_mlp_hidden_for_hits_the_parameter_count(params):
-    from ddpkit.train.models import MLP
+    from ddpkit.models import MLP
 
     h = mlp_hidden_for(params)
     got = sum(p.numel() for p in MLP(hidden=h).parameters()) if params <= 1e6 else h * h + 796 * h + 10

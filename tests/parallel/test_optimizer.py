@@ -11,6 +11,7 @@ from ddp_models import MODELS, batch
 from torch import nn
 
 import ddpkit
+from ddpkit.parallel.observer import BucketEvent, Observer
 
 # At world size 2 both engines pre-scale by 1/2 (exact in binary) and gloo adds
 # two values (one rounding, commutative): bitwise equal. The fp16 and
@@ -357,26 +358,35 @@ def test_broadcast_optimizer_state_of_a_fresh_optimizer(dist2):
     assert dist2.run(_fresh_state_stays_fresh) == [(0, True), (0, True)]
 
 
+class _ReadyAtLaunch(Observer):
+    """How many buckets were ready at each launch."""
+
+    def __init__(self) -> None:
+        self.ready = 0
+        self.at_launch: list[int] = []
+
+    def on_bucket_ready(self, event: BucketEvent) -> None:
+        self.ready += 1
+
+    def on_launch(self, event: BucketEvent) -> None:
+        self.at_launch.append(self.ready)
+
+
 def _launch_points() -> tuple[list[int], list[bool]]:
     model = _model("plain")
     opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=1e-6)
     reducer = opt.reducer
-    ready_at_launch: list[int] = []
+    counts = _ReadyAtLaunch()
+    opt.register_observer(counts)
     done_after_backward: list[bool] = []
-    launch = reducer._launch
-
-    def spy(bucket):
-        ready_at_launch.append(sum(reducer._ready))
-        launch(bucket)
-
-    reducer._launch = spy
     for step in range(3):
         x, y = batch("plain", 100 * step + 10 * dist.get_rank())
         nn.functional.cross_entropy(model(x), y).backward()
         done_after_backward.append(reducer.in_flight)  # backward returned with the reductions in flight
+        counts.ready = 0
         opt.step()
         opt.zero_grad()
-    return ready_at_launch, done_after_backward
+    return counts.at_launch, done_after_backward
 
 
 def test_buckets_go_out_during_backward_and_complete_in_step(dist2):

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.reducer import assign_buckets, initial_buckets
+from ddpkit.parallel.buckets import assign_buckets, initial_buckets
+from ddpkit.parallel.observer import BucketEvent, Observer
 
 MIB = 1024 * 1024
 
@@ -253,17 +254,26 @@ def _rebuild() -> list:
     model = ddpkit.DDP(_Crossed(), bucket_cap_mb=1e-6)  # one parameter per bucket
     names = [n for n, _ in model.module.named_parameters()]
     before = model.reducer.bucket_indices()
-    launched: list[int] = []
-
-    def spy(state, bucket):
-        launched.append(sum(model.reducer._ready))  # how many gradients were ready at launch
-        return ddpkit.hooks.allreduce_hook(state, bucket)
-
-    model.register_comm_hook(None, spy)
+    timeline = _Timeline()
+    model.register_observer(timeline)
+    model.register_comm_hook(None, ddpkit.hooks.allreduce_hook)
     for _ in range(3):
         model(torch.ones(2, 4)).backward()
     after = [names[b[0]] for b in model.reducer.bucket_indices()]
-    return [[[names[i] for i in b] for b in before], after, launched[-6:]]
+    return [[[names[i] for i in b] for b in before], after, timeline.seen[-12:]]
+
+
+class _Timeline(Observer):
+    """The engine's bucket events in the order they came."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def on_bucket_ready(self, event: BucketEvent) -> None:
+        self.seen.append(("ready", event.bucket))
+
+    def on_launch(self, event: BucketEvent) -> None:
+        self.seen.append(("launch", event.bucket))
 
 
 def test_rebuild_follows_rank0_arrival_order_and_overlaps(dist2):
@@ -272,9 +282,9 @@ def test_rebuild_follows_rank0_arrival_order_and_overlaps(dist2):
     assert before0 == before1 == [["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]]
     # Rank 0 runs a, b, c forward, so backward produces c's gradients first.
     assert after0 == after1 and after0[:2] in (["c.weight", "c.bias"], ["c.bias", "c.weight"])
-    # After the rebuild on rank 0, bucket k is launched as soon as k+1
-    # gradients are ready: communication starts during backward.
-    assert launched0 == [1, 2, 3, 4, 5, 6]
+    # After the rebuild on rank 0, bucket k is launched the moment its gradient
+    # is ready, before the next one is: communication starts during backward.
+    assert launched0 == [(kind, k) for k in range(6) for kind in ("ready", "launch")]
 
 
 class _TwiceThroughCheckpoint(nn.Module):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import ddpkit
 from ddpkit.train.checkpoint import CheckpointError, load_model_state, save_weights
-from ddpkit.train.models import build_model
+from ddpkit.models import build_model
 
 
 def _state() -> dict:

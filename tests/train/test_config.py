@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from ddpkit.data import datasets as data
-from ddpkit.train import models
+from ddpkit import models
 from ddpkit.train.config import DATASETS, MODELS, TrainConfig
 
 

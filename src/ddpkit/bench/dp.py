@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.engines import _stepper
+from ddpkit.bench.workloads import stepper
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.dp import DataParallel
-from ddpkit.train.models import ConvNet
+from ddpkit.models import ConvNet
 
 __all__ = ["DPResult", "bench_dp_vs_ddp", "format_dp"]
 
@@ -48,8 +48,8 @@ def bench_dp_vs_ddp(cfg: BenchConfig) -> DPResult:
     y = torch.randint(0, 10, (len(x),), generator=g)
     torch.manual_seed(0)
     base = ConvNet()
-    ddp = _stepper(DistributedDataParallel(copy.deepcopy(base)), x.chunk(world)[rank], y.chunk(world)[rank])
-    dp = _stepper(DataParallel(copy.deepcopy(base), device_ids=["cpu"] * world), x, y) if rank == 0 else None
+    ddp = stepper(DistributedDataParallel(copy.deepcopy(base)), x.chunk(world)[rank], y.chunk(world)[rank])
+    dp = stepper(DataParallel(copy.deepcopy(base), device_ids=["cpu"] * world), x, y) if rank == 0 else None
     times: dict[str, list[float]] = {"dp": [], "ddp": []}
     rounds = cfg.warmup + cfg.steps
     for r in range(rounds):

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.engines import BATCH_FIELD
+from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.bench.report import memory_ratio
 
 MEMORY_STEPS = 10
@@ -78,7 +78,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     # Both engines' code is loaded before the baseline (torch's DDP comes with ``import torch``):
     # the one-time cost of importing a module is not memory the engine needs per model.
     from ddpkit._reference import torch_ddp
-    from ddpkit.bench.engines import _stepper, _workload
+    from ddpkit.bench.workloads import stepper, workload
     from ddpkit.parallel.ddp import DistributedDataParallel
     from ddpkit.runtime.group import init, shutdown
 
@@ -89,12 +89,12 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     init(backend="gloo")
     dist.barrier()
     before = _in_use()
-    model, x, y = _workload(name, cfg)
+    model, x, y = workload(name, cfg)
     if engine == "ddpkit":
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     else:
         model = torch_ddp(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    step = _stepper(model, x, y)
+    step = stepper(model, x, y)
     for _ in range(cfg.warmup + min(cfg.steps, MEMORY_STEPS)):
         step()
     grown = torch.tensor([after - first for after, first in zip(_peaks(), before)])

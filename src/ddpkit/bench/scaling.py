@@ -1,6 +1,6 @@
 """``ddpkit bench --scaling``: how both engines scale with the world size and with the model size.
 
-Each point is one :func:`ddpkit.bench.engines._bench_workload` measurement
+Each point is one :func:`ddpkit.bench.engines.bench_workload` measurement
 (both engines interleaved, medians with quartiles) in fresh processes at
 that world size:
 
@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.engines import BATCH_FIELD, machine
+from ddpkit.bench.engines import bench_workload
+from ddpkit.bench.progress import machine, say
+from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.runtime.options import plain
 
 
@@ -59,7 +61,7 @@ class ScalingPoint:
 
 
 def mlp_hidden_for(params: float) -> int:
-    """The hidden width of :class:`ddpkit.train.models.MLP` (784-h-h-10) closest to ``params`` parameters."""
+    """The hidden width of :class:`ddpkit.models.MLP` (784-h-h-10) closest to ``params`` parameters."""
     # 784h + h + h*h + h + 10h + 10 parameters: solve h^2 + 796h + 10 = params.
     return max(1, round((-796 + math.sqrt(796**2 + 4 * max(0.0, params - 10))) / 2))
 
@@ -85,15 +87,14 @@ def plan(cfg: BenchConfig) -> dict[int, list[tuple[str, str, BenchConfig]]]:
 def _worker(rank: int, jobs: list[tuple[str, str, BenchConfig]], out: str) -> None:
     import torch
 
-    from ddpkit.bench.engines import _bench_workload, _say
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
     ctx = init(backend="gloo")
     points = []
     for sweep, name, cfg in jobs:
-        _say(cfg, f"scaling: {sweep} {name}, world size {ctx.world_size}")
-        r = _bench_workload(name, cfg)
+        say(cfg, f"scaling: {sweep} {name}, world size {ctx.world_size}")
+        r = bench_workload(name, cfg)
         points.append(asdict(ScalingPoint(
             sweep=sweep, workload=name, world_size=ctx.world_size, params=r.params,
             batch_per_rank=getattr(cfg, BATCH_FIELD[name]), ddpkit_ms=r.ddpkit_ms, torch_ms=r.torch_ms,

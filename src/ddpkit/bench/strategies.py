@@ -33,12 +33,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.engines import _workload, quartiles
-from ddpkit.bench.trace import ByteCounter
+from ddpkit.bench.stats import quartiles
+from ddpkit.bench.workloads import workload
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.optimizer import DistributedOptimizer
+from ddpkit.runtime.events import ByteCounter
 
 __all__ = ["STRATEGIES", "StrategyResult", "bench_strategies", "format_strategies"]
 
@@ -88,7 +89,7 @@ def _steppers(base: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: BenchConfi
 
 
 def _bench_one(name: str, cfg: BenchConfig) -> list[StrategyResult]:
-    base, x, y = _workload(name, cfg)
+    base, x, y = workload(name, cfg)
     steps = _steppers(base, x, y, cfg)
     block = cfg.local_sgd_period
     for _ in range(max(cfg.warmup, 2)):  # PowerSGD compresses from its third step

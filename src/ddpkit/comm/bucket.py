@@ -8,12 +8,14 @@ that hooks, which sit below the engine, never import the engine.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["CommHook", "GradBucket"]
+__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_signature"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 """``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""
@@ -39,7 +41,8 @@ class GradBucket:
 
     def __init__(self, index: int, params: list[torch.Tensor], indices: list[int], sparse: bool = False) -> None:
         self._index = index
-        self._params = params
+        self.params = params
+        """The bucket's parameters, in bucket order (the engine's list; hooks use :meth:`parameters`)."""
         self.indices = indices
         """Indices of the bucket's parameters in the reducer's parameter list."""
         self.sparse = sparse
@@ -61,7 +64,8 @@ class GradBucket:
         self.target = self.flat
         """Where the reduced result must end up: ``flat``, or the gradient itself
         for a one-parameter bucket reduced in place."""
-        self._is_last = False
+        self.last = False
+        """Whether the bucket is launched last in an iteration (:meth:`is_last`)."""
         self.pending = len(params)
         self.staged: set[int] = set()
         """Positions already copied into the bucket in this backward (the reducer's bookkeeping)."""
@@ -99,8 +103,39 @@ class GradBucket:
 
     def parameters(self) -> list[torch.Tensor]:
         """The bucket's parameters, in bucket order."""
-        return list(self._params)
+        return list(self.params)
 
     def is_last(self) -> bool:
         """Whether this is the last bucket launched in an iteration."""
-        return self._is_last
+        return self.last
+
+
+class CommHookSignatureError(KeyError, ValueError):
+    """A comm hook without a parameter named ``bucket``: a ``KeyError`` as torch raises, and a ``ValueError``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def check_hook_signature(hook: Callable[..., Any]) -> None:
+    """torch's checks of a comm hook's signature, with messages that say what to change."""
+    try:
+        sig = inspect.signature(hook, eval_str=True)  # string annotations (``from __future__ import annotations``)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to read
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate: read the names only
+        sig = inspect.signature(hook)
+    if "bucket" not in sig.parameters:
+        raise CommHookSignatureError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} has no parameter named 'bucket' (torch looks it up by "
+            "name): define it as hook(state, bucket)"
+        )
+    annotation = sig.parameters["bucket"].annotation
+    if annotation is not inspect.Parameter.empty and annotation not in (dist.GradBucket, GradBucket) \
+            and not isinstance(annotation, str):
+        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket, not {annotation!r}")
+    returned = sig.return_annotation
+    if returned is not inspect.Signature.empty and returned != torch.futures.Future[torch.Tensor] \
+            and not isinstance(returned, str):
+        raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor], "
+                         f"not {returned!r}")

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import stall
+from ddpkit.runtime import events
 
 __all__ = ["ALGORITHMS", "OPS", "Handle", "all_gather", "all_reduce", "broadcast", "reduce", "reduce_scatter"]
 
@@ -299,7 +299,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
     group = _group(group)
     world = dist.get_world_size(group)
     if world > 1:
-        stall.enter("collectives.all_reduce (op {}, {} algorithm)", op, algorithm)
+        events.collective("collectives.all_reduce (op {}, {} algorithm)", op, algorithm,
+                          nbytes=tensor.numel() * tensor.element_size())
     if check and world > 1:
         _same_everywhere(tensor, group, "all_reduce")
     if world == 1:
@@ -343,7 +344,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
     group = _group(group)
     world = dist.get_world_size(group)
     if world > 1:
-        stall.enter("collectives.broadcast (from group rank {}, {} algorithm)", src, algorithm)
+        events.collective("collectives.broadcast (from group rank {}, {} algorithm)", src, algorithm,
+                          nbytes=tensor.numel() * tensor.element_size())
     if check and world > 1:
         _same_everywhere(tensor, group, "broadcast")
     if world == 1:
@@ -371,7 +373,8 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str =
     group = _group(group)
     world = dist.get_world_size(group)
     if world > 1:
-        stall.enter("collectives.reduce (op {}, to group rank {}, {} algorithm)", op, dst, algorithm)
+        events.collective("collectives.reduce (op {}, to group rank {}, {} algorithm)", op, dst, algorithm,
+                          nbytes=tensor.numel() * tensor.element_size())
     if check and world > 1:
         _same_everywhere(tensor, group, "reduce")
     if world > 1:
@@ -399,7 +402,8 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
     group = _group(group)
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if world > 1:
-        stall.enter("collectives.reduce_scatter (op {}, {} algorithm)", op, algorithm)
+        events.collective("collectives.reduce_scatter (op {}, {} algorithm)", op, algorithm,
+                          nbytes=tensor.numel() * tensor.element_size())
     if check and world > 1:
         _same_everywhere(tensor, group, "reduce_scatter")
     flat = tensor.contiguous().view(-1)
@@ -435,7 +439,8 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "rin
             f"all_gather: output has {output.numel()} elements, {world} ranks x {tensor.numel()} are needed"
         )
     if world > 1:
-        stall.enter("collectives.all_gather ({} algorithm)", algorithm)
+        events.collective("collectives.all_gather ({} algorithm)", algorithm,
+                          nbytes=tensor.numel() * tensor.element_size())
     if check and world > 1:
         _same_everywhere(tensor, group, "all_gather")
     flat = output.view(-1) if output.is_contiguous() else output.contiguous().view(-1)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.collectives import ALGORITHMS, all_reduce
+from ddpkit.runtime import events
 
 __all__ = ["AllReduceState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
@@ -59,6 +60,7 @@ def _group(state: dist.ProcessGroup | AllReduceState | None) -> dist.ProcessGrou
 def average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Divide ``tensor`` by the group's size, then sum it over the group, in place (a future of it)."""
     tensor.div_(dist.get_world_size(group))
+    events.collective("comm hook: all-reduce the bucket", nbytes=tensor.numel() * tensor.element_size())
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
@@ -87,6 +89,8 @@ def _compress_hook(
     group = _group(state)
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+    events.collective("comm hook: all-reduce the bucket in {}", str(dtype).removeprefix("torch."),
+                      nbytes=compressed.numel() * compressed.element_size())
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:

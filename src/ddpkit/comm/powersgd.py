@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.hooks import average
+from ddpkit.runtime import events
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
 
@@ -305,11 +306,16 @@ def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.
         # needs nothing from the others); the Q stage runs when the reducer
         # collects this bucket, in bucket order, so every rank issues the
         # collectives of all buckets in one order.
-        plain_work, p_work = all_reduce(plain_flat), all_reduce(state.p_memory_dict[index])
+        p_memory = state.p_memory_dict[index]
+        events.collective("PowerSGD bucket {}: all-reduce the uncompressed part and P", index,
+                          nbytes=(plain_flat.numel() + p_memory.numel()) * flat.element_size())
+        plain_work, p_work = all_reduce(plain_flat), all_reduce(p_memory)
 
         def finish() -> torch.Tensor:
             unpack_plain(plain_work.wait()[0])
-            return decompress(all_reduce(compute_qs(p_work.wait()[0])).wait()[0])
+            qs_flat = compute_qs(p_work.wait()[0])
+            events.collective("PowerSGD bucket {}: all-reduce Q", index, nbytes=qs_flat.numel() * qs_flat.element_size())
+            return decompress(all_reduce(qs_flat).wait()[0])
 
         return _OnWait(finish)
     # torch's reducer (one bucket per step on gloo): torch's chain of callbacks.

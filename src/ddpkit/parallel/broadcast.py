@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import stall
+from ddpkit.runtime import events
 from ddpkit.runtime.objects import broadcast_object
 
-__all__ = ["PackedBroadcast", "broadcast_once", "broadcast_optimizer_state", "broadcast_parameters", "world_group"]
+__all__ = ["BROADCAST_CHUNK_BYTES", "PackedBroadcast", "broadcast_once", "broadcast_optimizer_state", "broadcast_parameters", "world_group"]
 
-_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 """Largest message of a coalesced broadcast."""
 
 
@@ -72,7 +72,7 @@ class PackedBroadcast:
                 if is_src:
                     for t, view in pairs:
                         view.copy_(t)
-                stall.enter("DDP broadcast {} from group rank {}", self.what, src)
+                events.collective("DDP broadcast {} from group rank {}", self.what, src)
                 dist.broadcast(packed, src=dist.get_global_rank(self.group, src), group=self.group)
                 if not is_src:
                     tensors = [t for t, _ in pairs]
@@ -96,7 +96,7 @@ def broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, wh
     chunk: list[torch.Tensor] = []
     size = 0
     for t in list(tensors) + [None]:  # type: ignore[list-item]
-        if t is not None and (not chunk or size + _nbytes(t) <= _BROADCAST_CHUNK_BYTES):
+        if t is not None and (not chunk or size + _nbytes(t) <= BROADCAST_CHUNK_BYTES):
             chunk.append(t)
             size += _nbytes(t)
             continue
@@ -130,7 +130,7 @@ def _same_layout(layout: list[tuple[str, tuple[int, ...], str]], group: dist.Pro
     mismatch = next((i for i, (a, b) in enumerate(zip(layout, theirs)) if a != b), None)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     bad = torch.tensor([0 if mismatch is None and len(layout) == len(theirs) else 1], device=device)
-    stall.enter("{}: compare the ranks' tensors", what)
+    events.collective("{}: compare the ranks' tensors", what)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if not bad.item():
         return

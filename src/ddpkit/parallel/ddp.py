@@ -11,140 +11,32 @@ autograd is still running, and leaves the average in ``.grad``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.comm.bucket import CommHook
-from ddpkit.parallel.broadcast import _BROADCAST_CHUNK_BYTES, PackedBroadcast, broadcast_once
-from ddpkit.parallel.dp import _gather, _scatter
-from ddpkit.parallel.join import DISABLED, Join, JoinConfig
-from ddpkit.parallel.reducer import DEFAULT_BUCKET_CAP_MB, Reducer
-from ddpkit.runtime import stall
+from ddpkit.comm.bucket import CommHook, check_hook_signature
+from ddpkit.parallel import ddp_args
+from ddpkit.parallel.bucket_caps import DEFAULT_BUCKET_CAP_MB
+from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, PackedBroadcast, broadcast_once
+from ddpkit.parallel.join import DISABLED, DDPJoinHook, Join, JoinConfig
+from ddpkit.parallel.observer import Observer, ObserverHandle
+from ddpkit.parallel.reducer import Reducer
+from ddpkit.parallel.replicas import DDPConfigError, verify_same_parameters
+from ddpkit.parallel.scatter import gather, padded, scatter, to_device
+from ddpkit.parallel.sink import anchor_end_of_backward, through_sink
+from ddpkit.runtime import events
+
+__all__ = ["DDP", "DDPConfigError", "DistributedDataParallel", "unwrap"]
 
 _MIB = 1024 * 1024
 _IGNORED = "_ddp_params_and_buffers_to_ignore"
 """The module attribute naming what DDP leaves alone (torch's; see ``_set_params_and_buffers_to_ignore_for_model``)."""
-
-
-class DDPConfigError(ValueError, RuntimeError):
-    """The model cannot be wrapped as given (nothing to train, ranks that differ).
-
-    A ``RuntimeError``, as torch raises for these mistakes, and a ``ValueError``
-    as earlier ddpkit versions did: either ``except`` catches it.
-    """
-
-
-def _verify_same_parameters(
-    named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup, owner: str = "DistributedDataParallel"
-) -> None:
-    """Raise on every rank if the ranks' parameters differ, naming the first difference (``owner`` says who checks)."""
-    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in named]
-    world = dist.get_world_size(group)
-    # A digest first (a few bytes from each rank); the lists themselves only to name a difference.
-    digests: list[Any] = [None] * world
-    stall.enter("{} construction: compare parameter shapes", owner)
-    dist.all_gather_object(digests, hashlib.sha256(repr(mine).encode()).hexdigest(), group=group)
-    if len(set(digests)) == 1:
-        return
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    longest = max(len(e) for e in everyone)
-    for k in range(longest):
-        entries = [e[k] if k < len(e) else None for e in everyone]
-        if any(x != entries[0] for x in entries):
-            name = next(x[0] for x in entries if x is not None)
-
-            def describe(x: Any) -> str:
-                if x is None:
-                    return "no such parameter"
-                return f"{x[0]!r} shape {list(x[1])} {x[2]}" + ("" if x[3] else " (frozen)")
-
-            what = "; ".join(f"rank {r} has {describe(x)}" for r, x in enumerate(entries))
-            counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
-            raise DDPConfigError(
-                f"{owner}: the ranks hold different parameters (counts {counts}); "
-                f"first difference at parameter #{k} {name!r}: {what}. Build the same model with "
-                "the same arguments and the same requires_grad flags on every rank before wrapping it"
-            )
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    return obj
-
-
-def _padded(inputs: list[Any], kwargs: list[Any]) -> tuple[tuple, tuple]:
-    """Per-device inputs and kwargs of equal length, ``()`` and ``{}`` filling in (torch's scatter_kwargs)."""
-    n = max(len(inputs), len(kwargs))
-    return tuple(inputs) + ((),) * (n - len(inputs)), tuple(kwargs) + ({},) * (n - len(kwargs))
-
-
-class _DDPSink(torch.autograd.Function):
-    """torch's ``_DDPSink``: the forward's outputs pass through it (copies when
-    ``clone``, so in-place changes to them stay legal); its backward, the first
-    step of any backward through them, queues the reducer's end-of-backward
-    callback on that (outer) backward. Gradients left ``None`` stay ``None``,
-    so a branch whose output the loss does not use gets none."""
-
-    @staticmethod
-    def forward(ctx: Any, reducer: Reducer, clone: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        ctx.reducer = reducer
-        return tuple(t.clone() for t in tensors) if clone else tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        ctx.reducer.expect_backward()
-        return (None, None, *grads)
-
-
-def _graph_outputs(output: Any) -> tuple[list[Any], Any, list[int]]:
-    """``output`` flattened as torch's DDP does (its pytree: tuples, lists, dicts, namedtuples, ...), and
-    where the tensors that have a ``grad_fn`` are among the leaves."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves, spec = tree_flatten(output)
-    return leaves, spec, [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-
-
-def _through_sink(output: Any, reducer: Reducer, clone: bool) -> Any:
-    """``output`` with each tensor that has a ``grad_fn`` passed through :class:`_DDPSink`, the structure kept."""
-    from torch.utils._pytree import tree_unflatten
-
-    leaves, spec, at = _graph_outputs(output)
-    if not at:
-        return output
-    passed = _DDPSink.apply(reducer, clone, *(leaves[i] for i in at))
-    for i, t in zip(at, passed):
-        leaves[i] = t
-    return tree_unflatten(leaves, spec)
-
-
-def _anchor_end_of_backward(output: Any, reducer: Reducer) -> None:
-    """Queue the reducer's end-of-backward callback when backward reaches the nodes that made ``output``:
-    what the sink's backward does, with the outputs left as they are (no copies)."""
-    leaves, _, at = _graph_outputs(output)
-    nodes = {id(leaves[i].grad_fn): leaves[i].grad_fn for i in at}
-
-    def arrived(grads: Any) -> None:
-        reducer.expect_backward()
-
-    for node in nodes.values():
-        node.register_prehook(arrived)
 
 
 class DistributedDataParallel(nn.Module):
@@ -240,101 +132,34 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         # torch's arguments in torch's order, so a call written for torch's DDP
         # (positional ones included) means the same here or fails by name.
-        unsupported = {
-            "delay_all_reduce_named_params": delay_all_reduce_named_params,
-            "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
-            "device_mesh": device_mesh, "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
-        }
-        given = [k for k, v in unsupported.items() if v not in (None, False)]
-        if given:
-            raise ValueError(
-                f"DistributedDataParallel({', '.join(f'{k}=...' for k in given)}): not supported by ddpkit's "
-                "DDP yet; leave it at its default (use a process_group instead of a device_mesh, "
-                "torch.autocast instead of mixed_precision)"
-            )
-        if not isinstance(dim, int):
-            raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
-        if check_reduction:
-            warnings.warn("The `check_reduction` argument of DistributedDataParallel is deprecated (torch's) and "
-                          "has no effect: leave it out", FutureWarning, stacklevel=2)
+        settled = ddp_args.settle(
+            module, device_ids=device_ids, output_device=output_device, dim=dim,
+            broadcast_buffers=broadcast_buffers, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
+            check_reduction=check_reduction, bucket_cap_mb_list=bucket_cap_mb_list,
+            forward_sync_buffers=forward_sync_buffers,
+            unsupported={
+                "delay_all_reduce_named_params": delay_all_reduce_named_params,
+                "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
+                "device_mesh": device_mesh, "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+            },
+        )
+        ddp_args.issue(settled.warnings, stacklevel=2)
         # torch's attributes for these: what it would do, or (refused above) their defaults.
         self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
         self.mixed_precision = None
         self.skip_all_reduce_unused_params = False
-        self.broadcast_bucket_size = _BROADCAST_CHUNK_BYTES
+        self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group={process_group!r} is not a torch.distributed.ProcessGroup: pass "
-                            "None (the world) or a group from torch.distributed.new_group()")
-        if broadcast_buffers is not None:
-            warnings.warn(
-                "`broadcast_buffers` is deprecated (torch 2.13) and ignored when `forward_sync_buffers` is given"
-                if forward_sync_buffers is not None else
-                "`broadcast_buffers` is deprecated (torch 2.13): use `forward_sync_buffers`. Unlike "
-                "`broadcast_buffers=False`, `forward_sync_buffers=False` still broadcasts buffers at construction",
-                FutureWarning, stacklevel=2,
-            )
-        # torch's rule: forward_sync_buffers wins; the construction broadcast skips buffers only
-        # under the old broadcast_buffers=False.
-        if forward_sync_buffers is None:
-            forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
-        else:
-            init_sync_buffers = True
-        caps = list(bucket_cap_mb_list or ())
-        named_caps = [("bucket_cap_mb", bucket_cap_mb)] + [(f"bucket_cap_mb_list[{i}]", c) for i, c in enumerate(caps)]
-        for name, cap in named_caps:
-            if cap is not None and not (isinstance(cap, (int, float)) and cap >= 0):
-                raise ValueError(f"{name}={cap!r} must be a number of MiB >= 0 (0: a bucket per parameter): "
-                                 "the default is 25")
-        if device_ids is not None and len(device_ids) == 0:
-            device_ids = None  # torch's: an empty list means none
-        if device_ids is not None and len(device_ids) != 1:
-            raise ValueError(
-                f"device_ids={list(device_ids)}: ddpkit drives one device per process; "
-                "pass device_ids=[local_rank] or None"
-            )
-        devices = {p.device for p in module.parameters()}
-        if len({d.type for d in devices}) > 1:
-            raise ValueError(
-                "DistributedDataParallel's input module must be on the same type of devices, but its "
-                f"parameters are on {sorted(str(d) for d in devices)}: move the whole module with .to(device)"
-            )
-        if device_ids is not None and any(d.type == "cpu" for d in devices):
-            raise ValueError(
-                f"DistributedDataParallel(device_ids={list(device_ids)}) only works with a GPU module, but "
-                f"this module's parameters are on {sorted(str(d) for d in devices)}: pass device_ids=None "
-                "for a CPU module, or move the module to the GPU first"
-            )
-        if device_ids is None and output_device and (any(d.type == "cpu" for d in devices) or len(devices) > 1):
-            raise ValueError(
-                f"DistributedDataParallel(output_device={output_device!r}) only works with a single-device GPU "
-                f"module, but this module's parameters are on {sorted(str(d) for d in devices)}: leave "
-                "output_device out (the module itself decides where its outputs go)"
-            )
-        if any(d.type == "meta" for d in devices):
-            raise RuntimeError(
-                "DistributedDataParallel: the module has parameters on the meta device (no data to broadcast or "
-                "reduce): materialise them first, e.g. module.to_empty(device=...) and initialise, then wrap"
-            )
-        if any(d.type == "cpu" for d in devices) and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
-            raise ValueError(
-                "torch's SyncBatchNorm layers only work with GPU modules (as under torch's DDP): on CPU use "
-                "ddpkit.SyncBatchNorm.convert_sync_batchnorm(model), which synchronises over gloo"
-            )
-        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
-            raise RuntimeError(
-                "DistributedDataParallel: the module has uninitialized (lazy) parameters: run a dummy "
-                "forward pass to initialise them before wrapping"
-            )
+        devices, caps = settled.devices, settled.bucket_caps
         self.module = module
         self.dim = dim
-        self.device_ids = list(device_ids) if device_ids is not None else None
-        self.output_device = (device_ids[0] if output_device is None else output_device) if device_ids else None
+        self.device_ids = settled.device_ids
+        self.output_device = settled.output_device
         self.is_multi_device_module = len(devices) > 1
         self.device_type = next(iter(devices)).type if devices else "cpu"
         self.device = next(iter(module.parameters())).device if devices else torch.device("cpu")
         """Where the module's (first) parameter lives, as torch's DDP keeps it."""
-        self.forward_sync_buffers = bool(forward_sync_buffers)
+        self.forward_sync_buffers = settled.forward_sync_buffers
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -366,8 +191,8 @@ class DistributedDataParallel(nn.Module):
         """Whether the next forward broadcasts buffers: the previous forward was
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
         if self.world_size > 1 and init_sync:
-            _verify_same_parameters(named, process_group)
-            states = [p.detach() for _, p in named] + (buffers if init_sync_buffers else [])
+            verify_same_parameters(named, process_group)
+            states = [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
             broadcast_once(states, process_group, "parameters and buffers")
         # torch's bucket configuration and the attributes it exposes for it.
         self.bucket_cap_mb = max(caps) if caps else (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
@@ -488,14 +313,14 @@ class DistributedDataParallel(nn.Module):
             # Tell the ranks that have joined whether this step reduces gradients
             # and whether its forward has grad enabled (it may rebuild the buckets).
             flags = torch.tensor([float(sync), float(grad)], device=self.join_device)
-            stall.enter("DDP join: does this step reduce gradients")
+            events.collective("DDP join: does this step reduce gradients", nbytes=flags.numel() * flags.element_size())
             dist.all_reduce(flags, group=self.process_group, async_op=True)
         # torch's rule: buffers go out from rank 0 when the previous forward
         # was a synchronised one, so the first synchronised forward after a
         # no_sync() block keeps each rank's own statistics. Under join(), from
         # the highest rank still training (rank 0 may have stopped).
         if self.require_forward_param_sync and self.forward_sync_buffers and self.world_size > 1:
-            self._sync_buffers(self._common_rank(True) if joining and self._has_buffers() else 0)
+            self.sync_module_buffers(self.join_source_rank(True) if joining and self._has_buffers() else 0)
         self.reducer.div_factor = div_factor
         if grad:
             self.reducer.rebuild_if_due()  # torch's rule: at any forward with grad enabled, no_sync() too
@@ -505,17 +330,17 @@ class DistributedDataParallel(nn.Module):
             self.reducer.disarm()
         if self.device_ids is not None:
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else torch.device(self.device_ids[0])
-            args, kwargs = _to_device(args, device), _to_device(kwargs, device)
+            args, kwargs = to_device(args, device), to_device(kwargs, device)
         output = self.module(*args, **kwargs)
         self.require_forward_param_sync = sync
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
         # forwards until its first backward. Later, a static graph's synchronised backward is anchored on
         # the output's nodes instead (reentrant checkpointing), the outputs untouched as under torch.
-        first_static = self.static_graph and not self.reducer.static_counted
+        first_static = self.static_graph and not self.reducer.static.counted
         if (self.find_unused_parameters and not self.static_graph) or first_static:
-            output = _through_sink(output, self.reducer, self._ddp_sink_clone)
+            output = through_sink(output, self.reducer, self._ddp_sink_clone)
         elif sync and self.static_graph:
-            _anchor_end_of_backward(output, self.reducer)
+            anchor_end_of_backward(output, self.reducer)
         return output
 
     # torch's helpers for placing inputs and outputs, kept for code written against them (ddpkit's forward
@@ -524,20 +349,20 @@ class DistributedDataParallel(nn.Module):
     def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int | None) -> tuple[tuple, tuple]:
         """``inputs`` and ``kwargs`` moved to ``device_id`` of this model's device type, as ``((inputs,), (kwargs,))``."""
         device = torch.device(self.device_type, device_id)
-        return _padded([_to_device(tuple(inputs), device)] if inputs else [],
-                       [_to_device(dict(kwargs), device)] if kwargs else [])
+        return padded([to_device(tuple(inputs), device)] if inputs else [],
+                      [to_device(dict(kwargs), device)] if kwargs else [])
 
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> tuple[tuple, tuple]:
         """``inputs`` and ``kwargs`` split along ``dim`` over ``device_ids``: one ``(inputs, kwargs)`` per device."""
         devices = [torch.device(self.device_type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
-        return _padded(_scatter(tuple(inputs), devices, self.dim) if inputs else [],
-                       _scatter(dict(kwargs), devices, self.dim) if kwargs else [])
+        return padded(scatter(tuple(inputs), devices, self.dim) if inputs else [],
+                      scatter(dict(kwargs), devices, self.dim) if kwargs else [])
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         """The replicas' ``outputs`` joined along ``dim`` on ``output_device`` (scalars stacked)."""
         device = torch.device(self.device_type, output_device) if isinstance(output_device, int) \
             else torch.device(output_device)
-        return _gather(list(outputs), device, self.dim)
+        return gather(list(outputs), device, self.dim)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Whether the outputs passed through the sink are copies (torch's switch; default True)."""
@@ -546,8 +371,10 @@ class DistributedDataParallel(nn.Module):
     def _has_buffers(self) -> bool:
         return self._buffer_count > 0
 
-    def _sync_buffers(self, src: int = 0) -> None:
-        """Broadcast group rank ``src``'s buffers; collected again each time, in case the model reassigned one."""
+    def sync_module_buffers(self, src: int = 0) -> None:
+        """Broadcast group rank ``src``'s buffers (a collective); collected again each time, in case the model
+        reassigned one. The forward does it (torch's rule, see :attr:`forward_sync_buffers`); so does a joined
+        rank's :class:`~ddpkit.parallel.join.DDPJoinHook`."""
         if not self._buffer_count:
             return
         buffers = self._buffers_synced()
@@ -591,12 +418,12 @@ class DistributedDataParallel(nn.Module):
         """
         return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
-    def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> _DDPJoinHook:
+    def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> DDPJoinHook:
         """The hook a ``Join`` context runs on this rank once it has joined."""
         # Other keywords belong to the other joinables of the same Join (torch's Join passes them to all).
         del kwargs
         self._divide_by_initial_world_size = divide_by_initial_world_size
-        return _DDPJoinHook(self)
+        return DDPJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:
@@ -607,11 +434,11 @@ class DistributedDataParallel(nn.Module):
     def join_process_group(self) -> Any:
         return self.process_group
 
-    def _common_rank(self, candidate: bool) -> int:
-        """The highest group rank among those where ``candidate`` holds (a collective)."""
+    def join_source_rank(self, candidate: bool) -> int:
+        """Under ``join()``: the highest group rank among those where ``candidate`` holds (a collective)."""
         rank = dist.get_rank(self.process_group)
         t = torch.tensor([rank if candidate else -1], device=self.join_device)
-        stall.enter("DDP join: choose the source rank")
+        events.collective("DDP join: choose the source rank", nbytes=t.numel() * t.element_size())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         if t.item() < 0:
             raise RuntimeError("join: no rank qualifies as the source of the model (internal error)")
@@ -651,8 +478,17 @@ class DistributedDataParallel(nn.Module):
         ``torch.futures.Future[torch.Tensor]`` (``ValueError`` otherwise).
         """
         if callable(hook):
-            _check_hook_signature(hook)
+            check_hook_signature(hook)
         self.reducer.register_comm_hook(state, hook)
+
+    def register_observer(self, observer: Observer) -> ObserverHandle:
+        """Call ``observer`` at the engine's events: a bucket ready, launched, reduced, and the wait at the end
+        of backward, with bucket index, bytes and times (see :mod:`ddpkit.parallel.observer`).
+
+        Returns:
+            A handle whose ``remove()`` detaches the observer.
+        """
+        return self.reducer.add_observer(observer)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hooks by type: ``dist.BuiltinCommHookType.ALLREDUCE`` or ``FP16_COMPRESS``."""
@@ -684,72 +520,6 @@ class DistributedDataParallel(nn.Module):
         for param in module.named_parameters() if named_params else module.parameters():
             if not hasattr(param[1] if named_params else param, "_ddp_ignored"):
                 yield param
-
-
-class CommHookSignatureError(KeyError, ValueError):
-    """A comm hook without a parameter named ``bucket``: a ``KeyError`` as torch raises, and a ``ValueError``."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-def _check_hook_signature(hook: Callable[..., Any]) -> None:
-    """torch's checks of a comm hook's signature, with messages that say what to change."""
-    import inspect
-
-    from ddpkit.comm.bucket import GradBucket
-
-    try:
-        sig = inspect.signature(hook, eval_str=True)  # string annotations (``from __future__ import annotations``)
-    except (TypeError, ValueError):
-        return  # a builtin or C callable: nothing to read
-    except Exception:  # noqa: BLE001 - an annotation that does not evaluate: read the names only
-        sig = inspect.signature(hook)
-    if "bucket" not in sig.parameters:
-        raise CommHookSignatureError(
-            f"comm hook {getattr(hook, '__name__', hook)!r} has no parameter named 'bucket' (torch looks it up by "
-            "name): define it as hook(state, bucket)"
-        )
-    annotation = sig.parameters["bucket"].annotation
-    if annotation is not inspect.Parameter.empty and annotation not in (dist.GradBucket, GradBucket) \
-            and not isinstance(annotation, str):
-        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket, not {annotation!r}")
-    returned = sig.return_annotation
-    if returned is not inspect.Signature.empty and returned != torch.futures.Future[torch.Tensor] \
-            and not isinstance(returned, str):
-        raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor], "
-                         f"not {returned!r}")
-
-
-class _DDPJoinHook:
-    """DDP's side of ``Join``: shadow the others' steps, then agree on one model."""
-
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
-
-    def main_hook(self) -> None:
-        """One step of the ranks still training: the same collectives as their forward and backward."""
-        ddp = self.ddp
-        flags = torch.zeros(2, device=ddp.join_device)
-        stall.enter("DDP join: does this step reduce gradients")
-        dist.all_reduce(flags, group=ddp.process_group)
-        should_sync, grad = (bool(f) for f in flags.tolist())
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp._has_buffers():
-            ddp._sync_buffers(ddp._common_rank(False))
-        if grad:
-            ddp.reducer.rebuild_if_due()
-        ddp.require_forward_param_sync = should_sync
-        if should_sync:
-            ddp.reducer.shadow_backward()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the model of the last rank to finish (the highest, on a tie)."""
-        ddp = self.ddp
-        src = ddp._common_rank(is_last_joiner)
-        tensors = [p.detach() for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
-        if ddp.forward_sync_buffers:
-            tensors += ddp._buffers_synced()
-        broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
 
 
 DDP = DistributedDataParallel

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.parallel.scatter import gather, scatter
+
 __all__ = ["DataParallel"]
 
 
@@ -50,43 +52,6 @@ def _find_tensor(obj: Any) -> bool:
     if isinstance(obj, (list, tuple)):
         return any(_find_tensor(v) for v in obj)
     return False
-
-
-def _scatter(obj: Any, devices: Sequence[torch.device], dim: int) -> list[Any]:
-    """One piece of ``obj`` per replica; the shortest split decides how many there are."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[dim] == 0:
-            raise ValueError(
-                f"DataParallel got an input of shape {tuple(obj.shape)} with nothing to split along dim={dim}: "
-                "pass a non-empty batch (or call the module itself for a single sample)"
-            )
-        return [chunk.to(device) for chunk, device in zip(obj.chunk(len(devices), dim), devices)]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return [type(obj)(*parts) for parts in zip(*(_scatter(v, devices, dim) for v in obj))]
-    if isinstance(obj, (list, tuple)) and obj:
-        return [type(obj)(parts) for parts in zip(*(_scatter(v, devices, dim) for v in obj))]
-    if isinstance(obj, Mapping) and obj:
-        keys = list(obj)
-        return [type(obj)(zip(keys, parts)) for parts in zip(*(_scatter(obj[k], devices, dim) for k in keys))]
-    return [obj for _ in devices]
-
-
-def _gather(outputs: list[Any], device: torch.device, dim: int) -> Any:
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            # Scalars (a loss per replica) become a vector, one entry per replica.
-            return torch.stack([o.to(device) for o in outputs])
-        return torch.cat([o.to(device) for o in outputs], dim)
-    if first is None:
-        return None
-    if isinstance(first, Mapping):
-        return type(first)((k, _gather([o[k] for o in outputs], device, dim)) for k in first)
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(_gather(list(parts), device, dim) for parts in zip(*outputs)))
-    if isinstance(first, (list, tuple)):
-        return type(first)(_gather(list(parts), device, dim) for parts in zip(*outputs))
-    return first
 
 
 def _replicate(module: nn.Module, device: torch.device, first: bool) -> nn.Module:
@@ -210,12 +175,12 @@ class DataParallel(nn.Module):
                 "DataParallel: no input holds a tensor, so there is no batch to split: pass the batch "
                 "as a tensor (or call the module itself)"
             )
-        arg_pieces = _scatter(tuple(args), self.device_ids, self.dim)
-        kwarg_pieces = _scatter(dict(kwargs), self.device_ids, self.dim) if kwargs else [{}] * len(arg_pieces)
+        arg_pieces = scatter(tuple(args), self.device_ids, self.dim)
+        kwarg_pieces = scatter(dict(kwargs), self.device_ids, self.dim) if kwargs else [{}] * len(arg_pieces)
         n = min(len(arg_pieces), len(kwarg_pieces))
         pieces = list(zip(arg_pieces[:n], kwarg_pieces[:n]))
         devices = self.device_ids[:n]
         if len(self.device_ids) == 1:
             return self.module(*pieces[0][0], **pieces[0][1])
         replicas = [_replicate(self.module, d, first=i == 0) for i, d in enumerate(devices)]
-        return _gather(_run(replicas, pieces, devices), self.output_device, self.dim)
+        return gather(_run(replicas, pieces, devices), self.output_device, self.dim)

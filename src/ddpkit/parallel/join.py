@@ -15,6 +15,14 @@ reads its ``_join_config``; ddpkit's DDP also works under torch's ``Join``.
 Every step a rank that has not joined all-reduces a one (see
 :meth:`Join.notify_join_context`) and a joined rank a zero, so the sum is the
 number of ranks still training.
+
+DDP's side (:class:`DDPJoinHook`): each step the ranks still training take, a
+joined rank learns whether it synchronises gradients and whether its forward
+has grad enabled (it may rebuild the buckets), takes part in the buffer
+broadcast, and runs :func:`shadow_backward`: the same collectives, in the same
+order, as a training rank's backward, with zeros, leaving its own gradients
+alone. When all have joined, every rank takes the parameters (and synced
+buffers) of the last rank to finish (the highest, on a tie).
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import stall
+from ddpkit.parallel.broadcast import broadcast_once
+from ddpkit.parallel.buckets import sparse_zeros
+from ddpkit.runtime import events
 
-__all__ = ["Join", "JoinConfig", "JoinHook"]
+__all__ = ["DDPJoinHook", "Join", "JoinConfig", "JoinHook", "shadow_backward"]
 
 SKEW_WARNING = 1000
 """Steps a joined rank shadows before warning that the inputs are badly skewed."""
@@ -120,13 +130,13 @@ class Join:
     def _count_training(self) -> int:
         """How many ranks have not joined (this one contributes a zero)."""
         count = torch.zeros(1, device=self._device)
-        stall.enter("join: count the ranks still training")
+        events.collective("join: count the ranks still training", nbytes=4)
         dist.all_reduce(count, group=self._group)
         return int(count.item())
 
     def _tell_others_to_stop(self) -> None:
         ones = torch.ones(1, device=self._device)
-        stall.enter("join: count the ranks still training")
+        events.collective("join: count the ranks still training", nbytes=4)
         dist.all_reduce(ones, group=self._group)
         raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
 
@@ -147,12 +157,70 @@ class Join:
             return None
         device, group = joinable.join_device, joinable.join_process_group
         ones = torch.ones(1, device=device)
-        stall.enter("join: count the ranks still training")
+        events.collective("join: count the ranks still training", nbytes=4)
         work = dist.all_reduce(ones, group=group, async_op=True)
         if config.throw_on_early_termination:
             zeros = torch.zeros(1, device=device)
-            stall.enter("join: count the ranks still training")
+            events.collective("join: count the ranks still training", nbytes=4)
             dist.all_reduce(zeros, group=group)
             if zeros.item():
                 raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
         return work, ones
+
+
+def shadow_backward(reducer: Any) -> None:
+    """A joined rank's side of a synchronised backward that the other ranks run.
+
+    Issues the same collectives in the same order as the reducer of a rank
+    that trains (its buckets, then the used-parameter map where one is
+    searched for), contributing zeros (``Join``'s contract), and leaves this
+    rank's gradients alone. ``reducer``: a :class:`ddpkit.parallel.reducer.Reducer`.
+    """
+    reducer.begin_shadow()
+    for bucket in reducer.buckets:
+        zeros = sparse_zeros(bucket.params[0]) if bucket.sparse else torch.zeros_like(bucket.flat)
+        bucket.target = zeros
+        bucket.set_buffer(zeros)
+        reducer.launch(bucket)
+    if reducer.searches_unused() and reducer.world_size > 1:
+        # torch's joined rank sends the used-map of its own last backward.
+        flags = reducer.last_used_flags
+        if flags is None:
+            flags = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.comm_device())
+        reducer.all_reduce_used_map(flags)
+    reducer.end_shadow()
+
+
+class DDPJoinHook:
+    """DDP's side of ``Join``: shadow the others' steps, then agree on one model (see the module notes).
+
+    ``ddp``: a :class:`ddpkit.DistributedDataParallel`.
+    """
+
+    def __init__(self, ddp: Any) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        """One step of the ranks still training: the same collectives as their forward and backward."""
+        ddp = self.ddp
+        flags = torch.zeros(2, device=ddp.join_device)
+        events.collective("DDP join: does this step reduce gradients", nbytes=flags.numel() * flags.element_size())
+        dist.all_reduce(flags, group=ddp.process_group)
+        should_sync, grad = (bool(f) for f in flags.tolist())
+        if ddp.will_sync_module_buffers():
+            ddp.sync_module_buffers(ddp.join_source_rank(False))
+        if grad:
+            ddp.reducer.rebuild_if_due()
+        ddp.require_forward_param_sync = should_sync
+        if should_sync:
+            shadow_backward(ddp.reducer)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to finish (the highest, on a tie)."""
+        ddp = self.ddp
+        src = ddp.join_source_rank(is_last_joiner)
+        tensors = [p.detach() for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        if ddp.forward_sync_buffers:
+            tensors += ddp.modules_buffers
+        broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
+

@@ -34,7 +34,7 @@ from torch import nn
 
 from ddpkit.comm.collectives import ALGORITHMS, all_reduce
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.runtime import stall
+from ddpkit.runtime import events
 
 __all__ = ["LocalSGD", "average_parameters"]
 
@@ -52,7 +52,7 @@ def average_parameters(params: list[torch.Tensor], group: dist.ProcessGroup, alg
         for members in by_kind.values():
             flat = torch.cat([p.detach().reshape(-1) for p in members])
             flat /= size
-            stall.enter("LocalSGD: average {} parameters", len(members))
+            events.collective("LocalSGD: average {} parameters", len(members))
             all_reduce(flat, "sum", algorithm, group, check=False)
             at = 0
             for p in members:

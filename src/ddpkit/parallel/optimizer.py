@@ -37,8 +37,10 @@ import torch.distributed as dist
 from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.compression import Compression
 from ddpkit.parallel.broadcast import world_group
-from ddpkit.parallel.ddp import _verify_same_parameters
+from ddpkit.parallel.bucket_caps import check_bucket_cap
+from ddpkit.parallel.observer import Observer, ObserverHandle
 from ddpkit.parallel.reducer import Reducer
+from ddpkit.parallel.replicas import verify_same_parameters
 
 __all__ = ["DistributedOptimizer"]
 
@@ -152,9 +154,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         world = 1 if group is None else dist.get_world_size(group)
         if world > 1:
-            _verify_same_parameters(named, group, "DistributedOptimizer")
+            verify_same_parameters(named, group, "DistributedOptimizer")
         reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
-                          complete_at_end_of_backward=False, sparse_as_dense=sparse_as_dense)
+                          complete_at_end_of_backward=False, sparse_as_dense=sparse_as_dense,
+                          owner="DistributedOptimizer")
         compression = _check_compression(compression)
         if op == "sum":
             reducer.div_factor = 1
@@ -162,7 +165,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Horovod's split of the average: sum(g / f) * f / world.
             post = predivide / world if op == "avg" else 1.0
             reducer.register_comm_hook(_ScaledReduce(group, compression, 1.0 / predivide, post), _ScaledReduce.hook)
-        reducer.owner = "DistributedOptimizer"
         reducer.on_local_backward = self._end_of_local_pass
         reducer.on_overrun = self._overrun
         self.reducer = reducer
@@ -186,6 +188,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             f"{self.backward_passes_per_step} backward pass(es), or raise backward_passes_per_step to "
             "accumulate more gradients locally"
         )
+
+    def register_observer(self, observer: Observer) -> ObserverHandle:
+        """Call ``observer`` at the engine's events, as :meth:`ddpkit.DistributedDataParallel.register_observer`."""
+        return self.reducer.add_observer(observer)
 
     def _pending(self) -> bool:
         return self._passes > 0 or self.reducer.in_flight
@@ -340,8 +346,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a positive number")
     if gradient_predivide_factor != 1.0 and op != "avg":
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with op='avg'")
-    if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive: the default is 25")
+    check_bucket_cap(bucket_cap_mb)
     named = _named(optimizer, named_parameters)
     if not named:
         raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")

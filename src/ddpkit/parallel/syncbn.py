@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpkit.runtime import stall
+from ddpkit.runtime import events
 
 __all__ = ["SyncBatchNorm"]
 
@@ -68,7 +68,7 @@ class _SyncNorm(torch.autograd.Function):
         sums = local.clone()
         # Every rank of the group reaches this, including one with no samples
         # (its sums are zeros): the layers' backward collectives line up.
-        stall.enter("SyncBatchNorm backward: all-reduce gradient sums")
+        events.collective("SyncBatchNorm backward: all-reduce gradient sums", nbytes=sums.numel() * sums.element_size())
         dist.all_reduce(sums, group=ctx.group)
         mean_g, mean_gx = (sums / ctx.total).unbind(0)
         scale = invstd if weight is None else invstd * weight
@@ -175,7 +175,7 @@ class SyncBatchNorm(_BatchNorm):
             mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), mean, var * n])
             device = x.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
             parts = [torch.empty_like(mine, device=device) for _ in range(self._group_size())]
-            stall.enter("SyncBatchNorm forward: all-gather batch statistics")
+            events.collective("SyncBatchNorm forward: all-gather batch statistics", nbytes=mine.numel() * mine.element_size())
             dist.all_gather(parts, mine.to(device), group=self.process_group)
             table = torch.stack(parts).to(x.device)
         counts, means, m2s = table[:, :1], table[:, 1 : 1 + x.shape[1]], table[:, 1 + x.shape[1] :]

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import stall
+from ddpkit.runtime import events, stall
 from ddpkit.runtime.discovery import Placement, discover
 from ddpkit.runtime.network import route_interface
 from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
@@ -308,7 +308,7 @@ def barrier() -> None:
         raise RuntimeError("ddpkit.barrier() needs the process group: call ddpkit.init() first")
     if ctx.world_size == 1:
         return
-    stall.enter("barrier")
+    events.collective("barrier")
     if ctx.backend == "nccl":
         dist.barrier(device_ids=[ctx.device.index])
     else:

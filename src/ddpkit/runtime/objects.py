@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import stall
+from ddpkit.runtime import events
 
 __all__ = ["all_gather_object", "broadcast_object", "gather", "gather_for_metrics", "reduce_value"]
 
@@ -50,7 +50,7 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     if world == 1:
         return [obj]
     out: list[Any] = [None] * world
-    stall.enter("all_gather_object")
+    events.collective("all_gather_object")
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -60,7 +60,7 @@ def broadcast_object(obj: Any = None, src: int = 0, group: dist.ProcessGroup | N
     if _world(group) == 1:
         return obj
     box = [obj]
-    stall.enter("broadcast_object from rank {}", src)
+    events.collective("broadcast_object from rank {}", src)
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
@@ -95,7 +95,7 @@ def _gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torc
     row = torch.zeros(8, dtype=torch.int64)
     row[: len(mine)] = mine
     rows = [torch.zeros(8, dtype=torch.int64, device=device) for _ in range(world)]
-    stall.enter("gather (tensors)")
+    events.collective("gather (tensors)", nbytes=row.numel() * row.element_size())
     dist.all_gather(rows, row.to(device), group=group)
     meta = torch.stack([r.cpu() for r in rows])
     for r in range(world):
@@ -190,7 +190,7 @@ def reduce_value(value: float | int | torch.Tensor, op: str = "mean", group: dis
     if world > 1:
         device = _comm_device(group)
         t = t.to(device).clone()
-        stall.enter("reduce_value (op {})", op)
+        events.collective("reduce_value (op {})", op, nbytes=t.numel() * t.element_size())
         dist.all_reduce(t, op=_OPS[op], group=group)
         if op == "mean":
             t /= world

@@ -1,9 +1,10 @@
 """The stall inspector: which collective each rank is in, and who keeps the others waiting.
 
-Every collective ddpkit issues first calls :func:`enter` with a name (``"DDP
-bucket {} all-reduce, step {}"`` and its arguments, formatted only when
-shown). That is the whole cost on the training path: a counter, a clock read
-and two tuple stores, no I/O.
+Every collective ddpkit issues first announces itself
+(:func:`ddpkit.runtime.events.collective`: a name such as ``"DDP bucket {}
+all-reduce"``, its arguments and step, formatted only when shown). The
+inspector reads that record; the training path pays for the announcement
+alone, no I/O.
 
 A daemon thread per rank (the *inspector*, started by :func:`ddpkit.init` in
 a world of two or more) publishes this rank's state to the rendezvous store
@@ -43,14 +44,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.runtime import events
 from ddpkit.runtime.network import BoundedStore
 
 DEFAULT_WARN_S = 60.0
@@ -59,8 +59,6 @@ INTERVAL_S = 1.0
 """How often each rank publishes its state at least (its heartbeat)."""
 _TICK_S = 0.25
 """How often the inspector looks: a new collective is published within this."""
-HISTORY = 8
-"""How many recent collectives each rank publishes (to name a mismatch)."""
 PREFIX = "ddpkit stall: "
 """Every line of a report starts with this (``ddpkit launch`` looks for it)."""
 _KEY = "ddpkit-stall/"
@@ -69,55 +67,6 @@ _CALL_TIMEOUT_S = 3.0
 REFUSED_KEY = "ddpkit/refused"
 """Counter, at the store's root, of processes the rendezvous refused (no or wrong job secret);
 ``REFUSED_KEY/N`` describes the N-th. Rank 0's inspector reports each one."""
-
-
-class _Progress:
-    """This rank's collectives so far; written by the training thread, read by the inspector."""
-
-    def __init__(self) -> None:
-        self.current: tuple[int, str, tuple, int | None, float] = (0, "", (), None, time.time())
-        self.recent: list[tuple[int, str, tuple, int | None] | None] = [None] * HISTORY
-
-
-_progress = _Progress()
-
-
-def enter(name: str, *args: Any, step: int | None = None) -> None:
-    """Record that this rank is entering its next collective.
-
-    Args:
-        name: a ``str.format`` template naming the operation.
-        args: its arguments (formatted only when a report shows them).
-        step: the training step it belongs to, shown after the name (ranks
-            that count steps differently have issued different collectives).
-    """
-    seq = _progress.current[0] + 1
-    _progress.current = (seq, name, args, step, time.time())
-    _progress.recent[seq % HISTORY] = (seq, name, args, step)
-
-
-def _fmt(name: str, args: tuple, step: int | None = None) -> str:
-    try:
-        text = name.format(*args)
-    except (IndexError, KeyError, ValueError):
-        text = name
-    return text if step is None else f"{text}, step {step}"
-
-
-def snapshot() -> dict[str, Any]:
-    """This rank's state as published: sequence number, recent collectives, times."""
-    seq, name, args, step, since = _progress.current
-    recent = sorted([s, _fmt(n, a, st)] for s, n, a, st in [r for r in list(_progress.recent) if r])
-    return {"seq": seq, "op": _fmt(name, args, step) if seq else "", "since": since, "wall": time.time(),
-            "recent": recent, "host": socket.gethostname(), "pid": os.getpid()}
-
-
-@dataclass
-class _View:
-    """Another rank's state as read from the store (``None`` fields: never published)."""
-
-    rank: int
-    state: dict[str, Any] | None
 
 
 def _op(state: dict[str, Any], seq: int | None = None) -> str:
@@ -227,7 +176,7 @@ class Inspector(threading.Thread):
                 "it, is stopped, hung or gone"])
 
     def publish(self) -> dict[str, Any]:
-        state = snapshot()
+        state = events.snapshot()
         self.store.set(f"{_KEY}{self.rank}", json.dumps(state))
         self._published = (state["seq"], state["wall"])
         return state
@@ -241,7 +190,7 @@ class Inspector(threading.Thread):
         return {r: (json.loads(next(it)) if p else None) for r, p in enumerate(present)}
 
     def tick(self) -> None:
-        seq, now = _progress.current[0], time.time()
+        seq, now = events.sequence(), time.time()
         if seq == self._published[0] and now - self._published[1] < INTERVAL_S:
             return
         mine = self.publish()

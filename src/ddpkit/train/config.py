@@ -15,7 +15,7 @@ from typing import Any
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 MODELS = ("convnet", "mlp", "resnet")
-"""Names of :data:`ddpkit.train.models.MODELS` (a test keeps the two in step)."""
+"""Names of :data:`ddpkit.models.MODELS` (a test keeps the two in step)."""
 DATASETS = ("digits", "mnist", "synthetic")
 """Names of :data:`ddpkit.data.DATASETS` (a test keeps the two in step)."""
 ENGINES = ("ddpkit", "torch", "single", "dp")

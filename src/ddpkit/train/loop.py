@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ddpkit.bench.trace import ByteCounter
+from ddpkit.runtime.events import ByteCounter
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.runtime.discovery import discover
@@ -170,7 +170,7 @@ class _Run:
     trained: int = 0
     """Samples trained in this attempt, summed over ranks."""
     recorder: Any = None
-    """``--trace``: the spans of this rank (:class:`ddpkit.bench.trace.Recorder`)."""
+    """``--trace``: the spans of this rank (:class:`ddpkit.parallel.trace.Recorder`)."""
     traced_until: int = 0
     """``--trace``: the optimizer step after the last one recorded."""
     local_sgd: Any = None
@@ -376,7 +376,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, restart: int) -> tup
     model = wrap(state.model, config, ctx.device)
     run.local_sgd = strategy(state, model, config)
     if config.trace is not None:
-        from ddpkit.bench.trace import instrument
+        from ddpkit.parallel.trace import instrument
 
         owner = state.optimizer if config.engine == "ddpkit" and config.strategy == "optimizer" else model
         run.recorder = instrument(model, config.engine, ctx.rank, reducer_owner=owner)
@@ -434,7 +434,7 @@ def _worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, restart:
             )
     bar.close()
     if run.recorder is not None:
-        from ddpkit.bench.trace import write
+        from ddpkit.parallel.trace import write
 
         write(config.trace, [run.recorder])
         print0(f"ddpkit train: trace of {len(run.recorder.overlaps)} backward passes in {config.trace}")

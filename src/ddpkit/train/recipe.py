@@ -18,7 +18,7 @@ from ddpkit.data.sampler import DistributedSampler
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.models import build_model
+from ddpkit.models import build_model
 from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "dp_devices", "replicas", "strategy", "wrap"]

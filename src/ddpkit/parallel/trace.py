@@ -16,9 +16,11 @@ One track group per rank (``pid`` = rank), with these spans (``tid``):
 ``ddpkit wait``
     ddpkit's end-of-backward wait for its buckets.
 
-torch's DDP is traced through a comm hook that does what its default hook
-does (divide, all-reduce) and records the same two moments, so both engines'
-spans mean the same thing. Tracing perturbs the steps it records, so
+ddpkit's engine is traced as an observer of its reducer
+(:meth:`ddpkit.DistributedDataParallel.register_observer`: each bucket's
+launch and completion, and the wait); torch's DDP through a comm hook that
+does what its default hook does (divide, all-reduce) and records the same two
+moments, so both engines' spans mean the same thing. Tracing perturbs the steps it records, so
 ``ddpkit bench`` traces extra steps after its timed ones.
 
 Overlap, per step: the time an all-reduce was running while gradients were
@@ -42,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ddpkit.parallel.observer import BucketEvent, Observer, WaitEvent
 
 _OFFSET = time.time() - time.perf_counter()
 """Maps this process's monotonic clock to wall-clock seconds, shared by the ranks of one machine."""
@@ -72,8 +76,12 @@ def overlap(comm: list[tuple[float, float]], compute: tuple[float, float]) -> fl
     return inside / total
 
 
-class Recorder:
-    """The spans of one engine on this rank; :meth:`step` runs and records one training step."""
+class Recorder(Observer):
+    """The spans of one engine on this rank; :meth:`step` runs and records one training step.
+
+    Attached to ddpkit's engine as an observer, it records each bucket's
+    all-reduce from its launch to its completion, and the end-of-backward wait.
+    """
 
     def __init__(self, engine: str, model: nn.Module, rank: int) -> None:
         self.engine, self.rank = engine, rank
@@ -82,15 +90,30 @@ class Recorder:
         self.enabled = True
         """False: record nothing more (the traced steps are over)."""
         self._comm: list[tuple[float, float]] = []
-        self.pending: list[Any] = []
-        """Futures of the recording callbacks, waited for before a step's overlap is computed."""
         self._last_grad = 0.0
+        self._launched: dict[int, float] = {}
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_done)
 
     def _grad_done(self, _: torch.Tensor) -> None:
         self._last_grad = now()
+
+    # ddpkit's engine, observed (perf_counter times, mapped to the trace's clock).
+
+    def on_launch(self, event: BucketEvent) -> None:
+        self._launched[event.bucket] = event.time + _OFFSET
+
+    def on_done(self, event: BucketEvent) -> None:
+        start = self._launched.pop(event.bucket, None)
+        if start is None or not self.enabled:
+            return
+        end = event.time + _OFFSET
+        self._comm.append((start, end))
+        self.span(f"all-reduce bucket {event.bucket}", f"bucket {event.bucket}", start, end)
+
+    def on_wait(self, event: WaitEvent) -> None:
+        self.span("wait for buckets", "wait", event.start + _OFFSET, event.end + _OFFSET)
 
     def span(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
         if not self.enabled:
@@ -116,14 +139,15 @@ class Recorder:
         self.span(name, "step", start, now())
 
     def backward(self, run: Callable[[], None]) -> None:
-        """Run one backward (``run``) as the ``backward`` phase; record its gradient span and overlap."""
+        """Run one backward (``run``) as the ``backward`` phase; record its gradient span and overlap.
+
+        Every bucket's completion is recorded by the time ``run`` returns: ddpkit's engine reports them before
+        its wait ends, and torch's waits for the comm hook's future, whose last callback records it.
+        """
         self._comm = []
         start = now()
         with self.phase("backward"):
             run()
-        for fut in self.pending:  # callbacks run on the backend's thread, maybe just after the wait
-            fut.wait()
-        self.pending = []
         self.span("computing gradients", "gradients", start, self._last_grad)
         if (share := overlap(self._comm, (start, self._last_grad))) is not None:
             self.overlaps.append(share)
@@ -136,56 +160,6 @@ class Recorder:
         self.backward(loss.backward)
         with self.phase("optimizer"):
             opt.step()
-
-
-class ByteCounter:
-    """Counts the payload (bytes) of the all-reduces and broadcasts this process issues while ``counting()``."""
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    @contextmanager
-    def counting(self) -> Iterator[None]:
-        real = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
-
-        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                self.total += tensor.numel() * tensor.element_size()
-                return fn(tensor, *args, **kwargs)
-
-            return counted
-
-        for name, fn in real.items():
-            setattr(dist, name, wrap(fn))
-        try:
-            yield
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
-
-
-def trace_ddpkit(owner: Any, recorder: Recorder) -> None:
-    """Record each bucket's all-reduce and the wait for them of the reducer of ``owner`` (ddpkit's DDP, or a
-    DistributedOptimizer), this instance only."""
-    reducer = owner.reducer
-    launch, wait_all = reducer._launch, reducer._wait_all
-
-    def traced_launch(bucket: Any) -> None:
-        start = now()
-        launch(bucket)
-        if not recorder.enabled:
-            return
-        pending = bucket.future if bucket.future is not None else (
-            bucket.work.get_future() if bucket.work is not None else None)
-        if pending is not None:
-            recorder.pending.append(pending.then(recorder.all_reduce_done(bucket._index, start)))
-
-    def traced_wait() -> None:
-        start = now()
-        wait_all()
-        recorder.span("wait for buckets", "wait", start, now())
-
-    reducer._launch, reducer._wait_all = traced_launch, traced_wait
 
 
 def trace_torch(model: Any, recorder: Recorder) -> None:
@@ -204,11 +178,11 @@ def trace_torch(model: Any, recorder: Recorder) -> None:
 def instrument(model: nn.Module, engine: str, rank: int, reducer_owner: Any = None) -> Recorder:
     """A recorder for ``model`` wrapped by ``engine`` (``ddpkit``, ``torch``, else phases only).
 
-    ``reducer_owner``: what holds ddpkit's reducer, when not ``model`` (a DistributedOptimizer).
+    ``reducer_owner``: what drives ddpkit's engine, when not ``model`` (a DistributedOptimizer).
     """
     recorder = Recorder(engine, model, rank)
     if engine == "ddpkit":
-        trace_ddpkit(reducer_owner if reducer_owner is not None else model, recorder)
+        (reducer_owner if reducer_owner is not None else model).register_observer(recorder)
     elif engine == "torch":
         trace_torch(model, recorder)
     return recorder

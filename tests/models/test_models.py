@@ -1,11 +1,11 @@
-"""ddpkit.train.models: the registry and the tutorial's ConvNet."""
+"""ddpkit.models: the registry and the tutorial's ConvNet."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddpkit.train.models import MODELS, build_model
+from ddpkit.models import MODELS, build_model
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

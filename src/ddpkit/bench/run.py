@@ -1,0 +1,142 @@
+"""``ddpkit bench``: ddpkit's DistributedDataParallel side by side with torch's.
+
+For each workload, every rank runs the same SGD training steps (zero_grad,
+forward, loss, backward, step) on two copies of one model, one wrapped in
+ddpkit's DDP and one in torch's, alternating blocks of steps between the two
+engines (the first engine of a block alternates too) so that drift in the
+machine's speed hits both alike. Each step is timed on rank 0; the report is
+the median step time of each engine and the ratio ddpkit / torch, taken as the
+median over pairs of steps run back to back (one of each engine), which
+cancels most of the drift a shared machine adds; each with its quartiles
+(IQR) and the number of steps. The ratio can fall on the other side of 1
+than the two medians suggest when the pairs disagree; the IQR then shows it.
+``--target-spread F`` keeps adding rounds until the ratio's IQR is at most
+``F`` times its median, or ``--time-budget`` seconds have passed.
+
+Progress goes to stderr: a bar on a terminal, one line per workload
+otherwise. ``--json`` (checked writable before anything runs) holds the
+results, the settings, the torch/ddpkit/Python versions, the CPU count and
+the load average at start and end, so two runs can be compared by a script.
+
+Overlap: how much of the gradient all-reduce is hidden behind backward.
+
+* ``compute``: median step of the plain module, no communication at all;
+* ``comm``: median time to all-reduce the gradients alone (ddpkit's buckets,
+  launched back to back, then waited for);
+* ``hidden`` = ``(compute + comm - step) / comm``, clipped to [0, 1]: the part
+  of the communication that did not add to the step time;
+* ``exposed`` (ddpkit only, measured directly): how long the end of
+  backward stayed blocked on communication (the bench times the reducer's
+  wait for its buckets from outside; the engine keeps no such figure). A rank
+  that finishes backward early also waits for the slower one, so each step
+  counts the wait of the rank that arrived last (the minimum over ranks),
+  which is communication alone; then the median over steps. ``direct`` =
+  ``1 - exposed / comm``. On a shared machine the estimate above is the
+  noisier of the two: it subtracts medians taken at different moments and
+  charges rank skew to communication.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.engines import WorkloadResult, bench_workload, format_results
+from ddpkit.bench.progress import machine, say
+from ddpkit.runtime.options import plain
+
+__all__ = ["BenchConfig", "run"]
+
+
+def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
+    from ddpkit.runtime.group import init, shutdown
+
+    torch.set_num_threads(1)
+    init(backend="gloo")
+    from ddpkit.bench.dp import bench_dp_vs_ddp
+
+    results, dp, strategies = [], None, None
+    for i, name in enumerate(cfg.workloads, 1):
+        say(cfg, f"{name} ({i}/{len(cfg.workloads)}): {cfg.steps} steps per engine"
+             + (f", more until the ratio's IQR is within {cfg.target_spread:g} of it" if cfg.target_spread else ""))
+        start = time.monotonic()
+        if name == "dp":
+            dp = asdict(bench_dp_vs_ddp(cfg))
+            say(cfg, f"dp done in {time.monotonic() - start:.0f} s")
+            continue
+        if name == "strategies":
+            from ddpkit.bench.strategies import bench_strategies
+
+            strategies = [asdict(r) for r in bench_strategies(cfg)]
+            say(cfg, f"strategies done in {time.monotonic() - start:.0f} s")
+            continue
+        result = bench_workload(name, cfg)
+        results.append(asdict(result))
+        say(cfg, f"{name} done in {time.monotonic() - start:.0f} s: {result.steps} steps per engine, ratio "
+             f"{result.ratio:.3f} (IQR {result.ratio_iqr[0]:.3f}-{result.ratio_iqr[1]:.3f})")
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ddp": results, "dp": dp, "strategies": strategies}))
+    shutdown()
+
+
+def run(cfg: BenchConfig) -> list[WorkloadResult]:
+    """Run the benchmarks in ``cfg.world_size`` fresh processes and print the table (``--scaling``: the sweeps
+    of :mod:`ddpkit.bench.scaling` instead, returning no rows).
+
+    Returns:
+        One :class:`WorkloadResult` per workload (rank 0's timings).
+
+    Raises:
+        ddpkit.WorkerError: a rank failed.
+    """
+    from ddpkit.runtime.spawn import spawn
+
+    if cfg.scaling:
+        from ddpkit.bench.scaling import run_scaling
+
+        run_scaling(cfg)
+        return []
+    before = machine()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        spawn(_worker, cfg.world_size, args=(cfg, out), backend="gloo")
+        raw = json.loads(Path(out).read_text())
+    if cfg.memory:
+        from ddpkit.bench.memory import measure_memory
+
+        raw["memory"] = measure_memory(cfg)
+    after = machine()
+    results = [WorkloadResult(**r) for r in raw["ddp"]]
+    if results:
+        print(format_results(results, cfg.world_size), flush=True)
+    if raw["dp"] is not None:
+        from ddpkit.bench.dp import DPResult, format_dp
+
+        print(format_dp(DPResult(**raw["dp"])), flush=True)
+    if raw.get("strategies"):
+        from ddpkit.bench.strategies import StrategyResult, format_strategies
+
+        print(format_strategies([StrategyResult(**r) for r in raw["strategies"]], cfg), flush=True)
+    if raw.get("memory"):
+        from ddpkit.bench.memory import format_memory
+
+        print(format_memory(raw["memory"]), flush=True)
+    print(f"load average (1 min) {before['load_average'][0]:.2f} at start, {after['load_average'][0]:.2f} at end, "
+          f"{before['cpu_count']} CPUs" if before["load_average"] else "", flush=True)
+    if cfg.json_path is not None:
+        settings = plain(cfg)
+        report = {"settings": settings, "world_size": cfg.world_size, "backend": "gloo", "threads_per_rank": 1,
+                  "machine_at_start": before, "machine_at_end": after, **raw}
+        cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        if cfg.report is not None:
+            from ddpkit.bench.report import write_report
+
+            print(f"report: {write_report(cfg, report)}", flush=True)
+    return results

@@ -1,0 +1,171 @@
+"""Gradient buckets: which parameters share one, in what order, and how each is laid out in memory.
+
+Definitions
+-----------
+bucket
+    A flat tensor holding the gradients of several parameters of one dtype and
+    device, reduced with a single collective (:class:`ddpkit.comm.bucket.GradBucket`).
+    The assignment is torch's DDP's (:func:`assign_buckets`): a bucket closes
+    once it holds at least its limit (:func:`ddpkit.parallel.bucket_caps.bucket_limits`).
+initial assignment
+    Before any gradient has been seen (:func:`initial_buckets`): registration
+    order, buckets reversed so the last parameters, whose gradients come
+    first, are in bucket 0. Until the rebuild torch puts every parameter in
+    one bucket per dtype and device (unless it searches for unused
+    parameters), which the reducer asks for with an unbounded limit.
+rebuild
+    After the first synchronised backward the buckets are assigned again in
+    the order gradients actually arrived (see the reducer), which is what
+    lets communication overlap the rest of backward.
+sparse bucket
+    A parameter that expects a sparse gradient (``nn.Embedding(sparse=True)``)
+    has a bucket of its own with no memory: its gradient itself is reduced.
+staging plan
+    How a bucket's gradients get in (:class:`BucketSet`): parameters up to
+    :data:`FUSED_MAX_BYTES` together by one fused copy when the bucket is
+    complete (the Python cost per parameter would dominate), larger ones as
+    soon as each is ready, while its gradient is still in cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ddpkit.comm.bucket import GradBucket
+
+__all__ = ["FUSED_MAX_BYTES", "BucketSet", "StagingPlan", "assign_buckets", "initial_buckets", "sparse_zeros"]
+
+FUSED_MAX_BYTES = 64 * 1024
+"""Parameters up to this size are staged into their bucket by one fused copy per bucket."""
+
+
+def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int],
+                   sparse: Sequence[bool] | None = None) -> list[list[int]]:
+    """Group parameters into buckets, walking them in ``order``: torch's ``compute_bucket_assignment_by_size``.
+
+    Each (dtype, device) has its own open bucket. A parameter joins its open
+    bucket, and the bucket closes once it holds at least its limit: the first
+    bucket of each key ``limits[0]``, the second ``limits[1]``, and so on, the
+    last limit for every bucket after. So a bucket may end larger than its
+    limit by its last parameter, and a parameter larger than the limit shares
+    its bucket with those before it.
+
+    Args:
+        params: the parameters; only their numel, element size, dtype and
+            device are read.
+        order: indices into ``params``: the order to fill buckets in.
+        limits: bucket size limits in bytes, in the order buckets close.
+        sparse: per parameter, whether its gradient is sparse: such a
+            parameter gets a bucket of its own, closed at once.
+
+    Returns:
+        The buckets (lists of indices into ``params``) in the order they
+        closed, then the ones left open, the key seen last first (torch's
+        order).
+    """
+    open_buckets: dict[tuple, list[int]] = {}
+    open_bytes: dict[tuple, int] = {}
+    closed: dict[tuple, int] = {}
+    done: list[list[int]] = []
+    for i in order:
+        if sparse and sparse[i]:
+            done.append([i])
+            continue
+        p = params[i]
+        key = (p.dtype, p.device)
+        open_buckets.setdefault(key, []).append(i)
+        open_bytes[key] = open_bytes.get(key, 0) + p.numel() * p.element_size()
+        if open_bytes[key] >= limits[min(closed.get(key, 0), len(limits) - 1)]:
+            done.append(open_buckets.pop(key))
+            open_bytes[key] = 0
+            closed[key] = closed.get(key, 0) + 1
+    # torch emits the buckets left open by walking its hash map of keys, which
+    # (libstdc++) holds them newest key first.
+    done.extend(open_buckets[k] for k in reversed(list(open_bytes)) if open_buckets.get(k))
+    return done
+
+
+def initial_buckets(params: Sequence[torch.Tensor], limits: Sequence[int],
+                    sparse: Sequence[bool] | None = None) -> list[list[int]]:
+    """The assignment before any gradient has been seen, as torch's DDP makes it.
+
+    Parameters are grouped in registration order (each bucket keeps that
+    order inside), and the buckets are then reversed, so the last parameters,
+    whose gradients usually come first, are in bucket 0. The first limit
+    therefore applies to the bucket of the *first* parameters: their
+    gradients come last, and a small bucket for them leaves little to reduce
+    after backward.
+    """
+    buckets = assign_buckets(params, range(len(params)), limits, sparse)
+    buckets.sort(key=lambda b: b[0])
+    return buckets[::-1]
+
+
+def sparse_zeros(param: torch.Tensor) -> torch.Tensor:
+    """An empty sparse gradient for ``param``, laid out as an embedding's (one sparse dimension, rows dense)."""
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=param.device),
+                                   torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device),
+                                   param.shape, check_invariants=False)
+
+
+class StagingPlan:
+    """How one bucket's gradients are copied in (see the module notes)."""
+
+    __slots__ = ("fused_params", "fused_views", "each", "eager")
+
+    def __init__(self, bucket: GradBucket, as_view: bool) -> None:
+        small = [p.numel() * p.element_size() <= FUSED_MAX_BYTES for p in bucket.params]
+        self.fused_params = [p for p, f in zip(bucket.params, small) if f]
+        self.fused_views = [v for v, f in zip(bucket.views, small) if f]
+        self.each = [s for s, f in enumerate(small) if not f]
+        """Positions staged one by one."""
+        # A bucket of one is reduced in place instead (see the staging), and under
+        # gradient_as_bucket_view the gradients already live in the bucket.
+        self.eager = frozenset(self.each if len(bucket.params) > 1 and not as_view else ())
+        """Positions staged the moment their gradient is ready."""
+
+
+class BucketSet:
+    """The buckets of one assignment, and for each parameter its bucket and its position there.
+
+    Args:
+        params: every parameter the reducer manages.
+        indices: the assignment (lists of indices into ``params``), in launch order.
+        sparse: per parameter, whether it expects a sparse gradient.
+        as_view: ``gradient_as_bucket_view``: with ``previous``, gradients
+            living in the previous set's buckets move into this one's.
+        previous: the set this one replaces (a rebuild).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], indices: list[list[int]], sparse: Sequence[bool],
+                 as_view: bool, previous: BucketSet | None = None) -> None:
+        self.buckets = [GradBucket(k, [params[i] for i in idx], idx, sparse=len(idx) == 1 and sparse[idx[0]])
+                        for k, idx in enumerate(indices)]
+        self.buckets[-1].last = True
+        self.plans = [StagingPlan(b, as_view) for b in self.buckets]
+        self.slot: list[GradBucket] = [None] * len(params)  # type: ignore[list-item]
+        """Each parameter's bucket."""
+        self.pos = [0] * len(params)
+        """Each parameter's position in its bucket."""
+        for bucket in self.buckets:
+            for s, i in enumerate(bucket.indices):
+                self.slot[i], self.pos[i] = bucket, s
+        if previous is not None and as_view:
+            self._adopt(params, previous)
+
+    def _adopt(self, params: Sequence[torch.Tensor], previous: BucketSet) -> None:
+        """Gradients living in ``previous``'s buckets move into this set's."""
+        for i, p in enumerate(params):
+            was, now = previous.slot[i], self.slot[i]
+            if was.sparse or now.sparse:
+                continue
+            if p.grad is not None and p.grad.data_ptr() == was.views[previous.pos[i]].data_ptr():
+                view = now.views[self.pos[i]]
+                view.copy_(p.grad)
+                p.grad = view
+
+    def indices(self) -> list[list[int]]:
+        """The assignment: for each bucket, the indices of its parameters."""
+        return [list(b.indices) for b in self.buckets]

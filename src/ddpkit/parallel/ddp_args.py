@@ -1,0 +1,167 @@
+"""``DistributedDataParallel``'s arguments checked and settled, as torch 2.13 settles them: one pure function.
+
+:func:`settle` reads the module and the arguments, communicates nothing and
+changes nothing; it returns what the wrapper keeps (:class:`DDPSettings`),
+with the warnings torch gives for deprecated arguments, for the wrapper to
+issue at its caller's line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.parallel.bucket_caps import check_bucket_cap
+
+__all__ = ["DDPSettings", "settle"]
+
+
+@dataclass(frozen=True)
+class DDPSettings:
+    """What ``DistributedDataParallel`` keeps of its arguments."""
+
+    device_ids: list[Any] | None
+    """One device id, or None (a CPU module, or a module that places itself)."""
+    output_device: Any
+    devices: frozenset[torch.device]
+    """Where the module's parameters are."""
+    forward_sync_buffers: bool
+    """Broadcast buffers before each forward that follows a synchronised one."""
+    init_sync_buffers: bool
+    """Include buffers in the construction broadcast (all but torch's old ``broadcast_buffers=False``)."""
+    bucket_caps: list[float]
+    """``bucket_cap_mb_list``, or empty."""
+    warnings: list[tuple[str, type[Warning]]] = field(default_factory=list)
+    """Warnings to issue at the caller's line (deprecated arguments)."""
+
+
+def settle(
+    module: nn.Module,
+    *,
+    device_ids: Sequence[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    dim: Any,
+    broadcast_buffers: bool | None,
+    process_group: Any,
+    bucket_cap_mb: float | None,
+    check_reduction: bool,
+    bucket_cap_mb_list: Any,
+    forward_sync_buffers: bool | None,
+    unsupported: dict[str, Any],
+) -> DDPSettings:
+    """Check ``DistributedDataParallel``'s arguments against ``module``; settle the defaults.
+
+    Args:
+        unsupported: torch's arguments ddpkit does not implement, by name:
+            any set to something other than ``None``/``False`` is refused.
+
+    Raises:
+        ValueError: an unsupported argument; a bad bucket cap; ``device_ids``
+            with more than one device or for a CPU module; ``output_device``
+            without a single-device GPU module; parameters on several device
+            types; torch's ``nn.SyncBatchNorm`` in a CPU module.
+        TypeError: ``dim`` is not an int; ``process_group`` is not a group.
+        RuntimeError: parameters on the meta device, or uninitialised (lazy) ones.
+    """
+    given = [k for k, v in unsupported.items() if v not in (None, False)]
+    if given:
+        raise ValueError(
+            f"DistributedDataParallel({', '.join(f'{k}=...' for k in given)}): not supported by ddpkit's "
+            "DDP yet; leave it at its default (use a process_group instead of a device_mesh, "
+            "torch.autocast instead of mixed_precision)"
+        )
+    if not isinstance(dim, int):
+        raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
+    notes: list[tuple[str, type[Warning]]] = []
+    if check_reduction:
+        notes.append(("The `check_reduction` argument of DistributedDataParallel is deprecated (torch's) and "
+                      "has no effect: leave it out", FutureWarning))
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group={process_group!r} is not a torch.distributed.ProcessGroup: pass "
+                        "None (the world) or a group from torch.distributed.new_group()")
+    if broadcast_buffers is not None:
+        notes.append((
+            "`broadcast_buffers` is deprecated (torch 2.13) and ignored when `forward_sync_buffers` is given"
+            if forward_sync_buffers is not None else
+            "`broadcast_buffers` is deprecated (torch 2.13): use `forward_sync_buffers`. Unlike "
+            "`broadcast_buffers=False`, `forward_sync_buffers=False` still broadcasts buffers at construction",
+            FutureWarning,
+        ))
+    # torch's rule: forward_sync_buffers wins; the construction broadcast skips buffers only
+    # under the old broadcast_buffers=False.
+    if forward_sync_buffers is None:
+        forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
+    else:
+        init_sync_buffers = True
+    caps = list(bucket_cap_mb_list or ())
+    check_bucket_cap(bucket_cap_mb)
+    for i, cap in enumerate(caps):
+        check_bucket_cap(cap, f"bucket_cap_mb_list[{i}]")
+    device_ids = _device_ids(device_ids)
+    devices = frozenset(p.device for p in module.parameters())
+    _check_devices(module, devices, device_ids, output_device)
+    output = (device_ids[0] if output_device is None else output_device) if device_ids else None
+    return DDPSettings(device_ids=device_ids, output_device=output, devices=devices,
+                       forward_sync_buffers=bool(forward_sync_buffers), init_sync_buffers=init_sync_buffers,
+                       bucket_caps=caps, warnings=notes)
+
+
+def _device_ids(device_ids: Sequence[int | torch.device] | None) -> list[Any] | None:
+    if device_ids is not None and len(device_ids) == 0:
+        return None  # torch's: an empty list means none
+    if device_ids is not None and len(device_ids) != 1:
+        raise ValueError(
+            f"device_ids={list(device_ids)}: ddpkit drives one device per process; "
+            "pass device_ids=[local_rank] or None"
+        )
+    return list(device_ids) if device_ids is not None else None
+
+
+def _check_devices(module: nn.Module, devices: frozenset[torch.device], device_ids: list[Any] | None,
+                   output_device: Any) -> None:
+    where = sorted(str(d) for d in devices)
+    on_cpu = any(d.type == "cpu" for d in devices)
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(
+            "DistributedDataParallel's input module must be on the same type of devices, but its "
+            f"parameters are on {where}: move the whole module with .to(device)"
+        )
+    if device_ids is not None and on_cpu:
+        raise ValueError(
+            f"DistributedDataParallel(device_ids={device_ids}) only works with a GPU module, but "
+            f"this module's parameters are on {where}: pass device_ids=None "
+            "for a CPU module, or move the module to the GPU first"
+        )
+    if device_ids is None and output_device and (on_cpu or len(devices) > 1):
+        raise ValueError(
+            f"DistributedDataParallel(output_device={output_device!r}) only works with a single-device GPU "
+            f"module, but this module's parameters are on {where}: leave "
+            "output_device out (the module itself decides where its outputs go)"
+        )
+    if any(d.type == "meta" for d in devices):
+        raise RuntimeError(
+            "DistributedDataParallel: the module has parameters on the meta device (no data to broadcast or "
+            "reduce): materialise them first, e.g. module.to_empty(device=...) and initialise, then wrap"
+        )
+    if on_cpu and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        raise ValueError(
+            "torch's SyncBatchNorm layers only work with GPU modules (as under torch's DDP): on CPU use "
+            "ddpkit.SyncBatchNorm.convert_sync_batchnorm(model), which synchronises over gloo"
+        )
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
+        raise RuntimeError(
+            "DistributedDataParallel: the module has uninitialized (lazy) parameters: run a dummy "
+            "forward pass to initialise them before wrapping"
+        )
+
+
+def issue(notes: list[tuple[str, type[Warning]]], stacklevel: int) -> None:
+    """Issue the settled warnings; ``stacklevel`` as for :func:`warnings.warn` from the caller."""
+    for message, category in notes:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
