@@ -34,7 +34,7 @@ _EXPORTS = {
     "DDP": "ddpkit.parallel.ddp",
     "DistributedDataParallel": "ddpkit.parallel.ddp",
     "unwrap": "ddpkit.parallel.ddp",
-    "UnusedParametersError": "ddpkit.parallel.reducer",
+    "UnusedParametersError": "ddpkit.parallel.unused",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "DataParallel": "ddpkit.parallel.dp",
     "DistributedOptimizer": "ddpkit.parallel.optimizer",
@@ -92,7 +92,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.dp import DataParallel
     from ddpkit.parallel.local_sgd import LocalSGD
     from ddpkit.parallel.optimizer import DistributedOptimizer
-    from ddpkit.parallel.reducer import UnusedParametersError
+    from ddpkit.parallel.unused import UnusedParametersError
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (
         DistContext,

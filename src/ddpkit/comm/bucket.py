@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_signature"]
+__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_future", "check_hook_signature"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 """``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""
@@ -139,3 +139,20 @@ def check_hook_signature(hook: Callable[..., Any]) -> None:
             and not isinstance(returned, str):
         raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor], "
                          f"not {returned!r}")
+
+
+def check_hook_future(hook: CommHook, future: Any, bucket: GradBucket) -> torch.futures.Future:
+    """``future``, what ``hook`` returned for ``bucket``, if it is a future (torch's, or a collective's own).
+
+    Raises:
+        RuntimeError: anything else, naming the hook and the bucket (torch crashes, or fails deep in its reducer).
+    """
+    if not isinstance(future, torch._C.Future):
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        raise RuntimeError(
+            f"comm hook {name} returned {type(future).__name__} for bucket {bucket.index()}; a comm hook "
+            "must return a torch.futures.Future object holding the reduced bucket, e.g. "
+            "dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])"
+        )
+    return future
+

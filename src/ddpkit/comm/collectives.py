@@ -38,6 +38,16 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ddpkit.comm.algorithms import (
+    exchange,
+    hierarchical_all_reduce,
+    naive_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    tree_broadcast,
+    tree_reduce,
+)
 from ddpkit.runtime import events
 
 __all__ = ["ALGORITHMS", "OPS", "Handle", "all_gather", "all_reduce", "broadcast", "reduce", "reduce_scatter"]
@@ -46,10 +56,6 @@ ALGORITHMS = ("native", "naive", "ring", "tree", "hierarchical")
 OPS = ("sum", "avg", "prod", "min", "max")
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
                "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
-_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
-    "sum": lambda a, b: a.add_(b), "avg": lambda a, b: a.add_(b), "prod": lambda a, b: a.mul_(b),
-    "min": lambda a, b: torch.minimum(a, b, out=a), "max": lambda a, b: torch.maximum(a, b, out=a),
-}
 
 
 class Handle:
@@ -151,96 +157,6 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 
 
-# ---------------------------------------------------------------- point-to-point pieces
-
-
-def _exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int,
-              group: dist.ProcessGroup) -> None:
-    """Send and receive at once (group ranks); empty messages are skipped on both sides."""
-    ops = []
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group))
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-def _tree_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
-    """Binomial tree: the result ends on members[0]."""
-    i, n = members.index(me), len(members)
-    scratch = torch.empty_like(flat)
-    mask = 1
-    while mask < n:
-        if i & mask:
-            _exchange(flat, members[i - mask], None, 0, group)
-            return
-        if i + mask < n:
-            _exchange(None, 0, scratch, members[i + mask], group)
-            _COMBINE[op](flat, scratch)
-        mask <<= 1
-
-
-def _tree_broadcast(flat: torch.Tensor, members: list[int], me: int, group: dist.ProcessGroup) -> None:
-    """Binomial tree from members[0] to all."""
-    i, n = members.index(me), len(members)
-    mask = 1
-    while mask < n:
-        mask <<= 1
-    mask >>= 1
-    while mask:
-        if i % (2 * mask) == 0 and i + mask < n:
-            _exchange(flat, members[i + mask], None, 0, group)
-        elif i % (2 * mask) == mask:
-            _exchange(None, 0, flat, members[i - mask], group)
-        mask >>= 1
-
-
-def _ring_reduce_scatter(chunks: list[torch.Tensor], members: list[int], me: int, op: str,
-                         group: dist.ProcessGroup) -> int:
-    """After it, this member holds the full reduction of chunk ``(i + 1) % n``; returns that index."""
-    i, n = members.index(me), len(members)
-    right, left = members[(i + 1) % n], members[(i - 1) % n]
-    for s in range(n - 1):
-        send_k, recv_k = (i - s) % n, (i - s - 1) % n
-        incoming = torch.empty_like(chunks[recv_k])
-        _exchange(chunks[send_k], right, incoming, left, group)
-        _COMBINE[op](chunks[recv_k], incoming)
-    return (i + 1) % n
-
-
-def _ring_all_gather(chunks: list[torch.Tensor], members: list[int], me: int, group: dist.ProcessGroup,
-                     owned: int) -> None:
-    """Member ``i`` starts owning chunk ``owned``; afterwards everyone has every chunk."""
-    i, n = members.index(me), len(members)
-    right, left = members[(i + 1) % n], members[(i - 1) % n]
-    offset = owned - i
-    for s in range(n - 1):
-        send_k, recv_k = (i + offset - s) % n, (i + offset - s - 1) % n
-        _exchange(chunks[send_k], right, chunks[recv_k], left, group)
-
-
-def _ring_all_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
-    chunks = list(flat.tensor_split(len(members)))
-    owned = _ring_reduce_scatter(chunks, members, me, op, group)
-    _ring_all_gather(chunks, members, me, group, owned)
-
-
-def _naive_all_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
-    root = members[0]
-    if me == root:
-        scratch = torch.empty_like(flat)
-        for m in members[1:]:  # rank order: the same result on every run
-            _exchange(None, 0, scratch, m, group)
-            _COMBINE[op](flat, scratch)
-        for m in members[1:]:
-            _exchange(flat, m, None, 0, group)
-    else:
-        _exchange(flat, root, None, 0, group)
-        _exchange(None, 0, flat, root, group)
-
-
 def _local_size(local_size: int | None) -> int:
     if local_size is not None:
         return local_size
@@ -250,19 +166,6 @@ def _local_size(local_size: int | None) -> int:
     if ctx is not None:
         return ctx.local_world_size
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def _hierarchical_all_reduce(flat: torch.Tensor, members: list[int], me: int, op: str,
-                             group: dist.ProcessGroup, local_size: int) -> None:
-    if local_size < 1:
-        raise ValueError(f"local_size={local_size} must be at least 1 (ranks per node)")
-    i = members.index(me)
-    node = [m for k, m in enumerate(members) if k // local_size == i // local_size]
-    leaders = members[::local_size]
-    _tree_reduce(flat, node, me, op, group)
-    if me in leaders:
-        _ring_all_reduce(flat, leaders, me, op, group)
-    _tree_broadcast(flat, node, me, group)
 
 
 # ---------------------------------------------------------------- public API
@@ -326,10 +229,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
         return None
     members, me = list(range(world)), dist.get_rank(group)
     run = {
-        "naive": lambda f: _naive_all_reduce(f, members, me, op, group),
-        "ring": lambda f: _ring_all_reduce(f, members, me, op, group),
-        "tree": lambda f: (_tree_reduce(f, members, me, op, group), _tree_broadcast(f, members, me, group)),
-        "hierarchical": lambda f: _hierarchical_all_reduce(f, members, me, op, group, _local_size(local_size)),
+        "naive": lambda f: naive_all_reduce(f, members, me, op, group),
+        "ring": lambda f: ring_all_reduce(f, members, me, op, group),
+        "tree": lambda f: (tree_reduce(f, members, me, op, group), tree_broadcast(f, members, me, group)),
+        "hierarchical": lambda f: hierarchical_all_reduce(f, members, me, op, group, _local_size(local_size)),
     }[algorithm]
     _in_place(tensor, run)
     average()
@@ -359,10 +262,10 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
     members = [src] + [r for r in range(world) if r != src]
     me = dist.get_rank(group)
     if algorithm == "naive":
-        _in_place(tensor, lambda f: [_exchange(f, m, None, 0, group) for m in members[1:]] if me == src
-                  else _exchange(None, 0, f, src, group))
+        _in_place(tensor, lambda f: [exchange(f, m, None, 0, group) for m in members[1:]] if me == src
+                  else exchange(None, 0, f, src, group))
     else:
-        _in_place(tensor, lambda f: _tree_broadcast(f, members, me, group))
+        _in_place(tensor, lambda f: tree_broadcast(f, members, me, group))
 
 
 @torch.no_grad()
@@ -385,7 +288,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str =
                 tensor.copy_(flat)
         else:
             members = [dst] + [r for r in range(world) if r != dst]
-            _in_place(tensor, lambda f: _tree_reduce(f, members, dist.get_rank(group), op, group))
+            _in_place(tensor, lambda f: tree_reduce(f, members, dist.get_rank(group), op, group))
     if op == "avg" and (world == 1 or dist.get_rank(group) == dst):
         tensor.div_(world)
 
@@ -418,7 +321,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
             # The ring leaves member i owning chunk i + 1: shift the ring by one
             # so that each rank ends with its own chunk.
             members = [(r + 1) % world for r in range(world)]
-            _ring_reduce_scatter(chunks, members, me, op, group)
+            ring_reduce_scatter(chunks, members, me, op, group)
         else:
             all_reduce(flat, "sum" if op == "avg" else op, "native" if algorithm == "native" else algorithm,
                        group, check=False)
@@ -451,6 +354,6 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "rin
             dist.all_gather(chunks, tensor.contiguous().view(-1), group=group)
         else:
             members = list(range(world))
-            _ring_all_gather(chunks, members, me, group, owned=me)
+            ring_all_gather(chunks, members, me, group, owned=me)
     if flat.data_ptr() != output.data_ptr() or not output.is_contiguous():
         output.copy_(flat.view(output.shape))

@@ -196,6 +196,62 @@ def _log_stats(state: Any, bucket: GradBucket) -> None:
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
 
 
+def _error_feedback(state: Any, index: int, flat: torch.Tensor) -> torch.Tensor | None:
+    """Add the bucket's kept error to it; return a copy of the corrected bucket (None without error feedback)."""
+    if not state.use_error_feedback:
+        return None
+    if index in state.error_dict:
+        flat.add_(state.error_dict[index])
+    else:
+        state.error_dict[index] = torch.zeros(flat.shape[0], device=flat.device, dtype=flat.dtype)
+    return flat.detach().clone()
+
+
+def _batch(matrices: list[torch.Tensor], stack: bool) -> tuple[dict[torch.Size, list[torch.Tensor]], list[torch.Tensor]]:
+    """Same-shaped matrices grouped in first-seen order, and one (1, n, m) view each, or (``stack``) stacked."""
+    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+    for matrix in matrices:
+        by_shape.setdefault(matrix.shape, []).append(matrix)
+    batches: list[torch.Tensor] = []
+    for same in by_shape.values():
+        if stack:
+            batches.append(same[0].unsqueeze(0) if len(same) == 1 else torch.stack(same))
+        else:
+            batches.extend(m.unsqueeze(0) for m in same)
+    return by_shape, batches
+
+
+def _factors(state: Any, index: int, batches: list[torch.Tensor], device: torch.device,
+             dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each batch's P and Q, views into the bucket's P and Q memory; the Qs orthonormalised (fresh: drawn)."""
+    ranks = [min(b.shape[1], b.shape[2], state.matrix_approximation_rank) for b in batches]
+    p_size = sum(b.shape[0] * b.shape[1] * r for b, r in zip(batches, ranks))
+    q_size = sum(b.shape[0] * b.shape[2] * r for b, r in zip(batches, ranks))
+    fresh = not state.warm_start or index not in state.p_memory_dict
+    if fresh:
+        state.p_memory_dict[index] = torch.empty(p_size, device=device, dtype=dtype)
+        state.q_memory_dict[index] = torch.empty(q_size, device=device, dtype=dtype)
+    ps, qs = [], []
+    p_at = q_at = 0
+    for b, r in zip(batches, ranks):
+        k, n, m = b.shape
+        ps.append(state.p_memory_dict[index][p_at : p_at + k * n * r].view(k, n, r))
+        qs.append(state.q_memory_dict[index][q_at : q_at + k * m * r].view(k, m, r))
+        p_at += k * n * r
+        q_at += k * m * r
+    if fresh:
+        # Every rank draws the same Qs: the state's generator, seeded alike, on the CPU.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(state.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
+                _orthonormalise(q, state.orthogonalization_epsilon)
+    else:
+        for q in qs:
+            _orthonormalise(q, state.orthogonalization_epsilon)
+    return ps, qs
+
+
 def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket with PowerSGD (see the module notes); for ``register_comm_hook``.
 
@@ -212,55 +268,12 @@ def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.
     index = bucket.index()
     device, dtype = flat.device, flat.dtype
 
-    kept = None
-    if state.use_error_feedback:
-        if index in state.error_dict:
-            flat.add_(state.error_dict[index])
-        else:
-            state.error_dict[index] = torch.zeros(flat.shape[0], device=device, dtype=dtype)
-        kept = flat.detach().clone()
-
+    kept = _error_feedback(state, index, flat)
     matrices, plain = _split(state, bucket.gradients())
     _log_stats(state, bucket)
     plain_flat = torch.cat([t.view(-1) for t in plain]) if plain else torch.tensor([], device=device, dtype=dtype)
-
-    # Same-shaped matrices, grouped in first-seen order; one (1, n, m) view each, or stacked.
-    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
-    for matrix in matrices:
-        by_shape.setdefault(matrix.shape, []).append(matrix)
-    batches: list[torch.Tensor] = []
-    for same in by_shape.values():
-        if state.batch_tensors_with_same_shape:
-            batches.append(same[0].unsqueeze(0) if len(same) == 1 else torch.stack(same))
-        else:
-            batches.extend(m.unsqueeze(0) for m in same)
-
-    ranks = [min(b.shape[1], b.shape[2], state.matrix_approximation_rank) for b in batches]
-    p_size = sum(b.shape[0] * b.shape[1] * r for b, r in zip(batches, ranks))
-    q_size = sum(b.shape[0] * b.shape[2] * r for b, r in zip(batches, ranks))
-    fresh = not state.warm_start or index not in state.p_memory_dict
-    if fresh:
-        state.p_memory_dict[index] = torch.empty(p_size, device=device, dtype=dtype)
-        state.q_memory_dict[index] = torch.empty(q_size, device=device, dtype=dtype)
-    ps, qs = [], []
-    p_at = q_at = 0
-    for b, r in zip(batches, ranks):
-        k, n, m = b.shape
-        ps.append(state.p_memory_dict[index][p_at : p_at + k * n * r].view(k, n, r))
-        qs.append(state.q_memory_dict[index][q_at : q_at + k * m * r].view(k, m, r))
-        p_at += k * n * r
-        q_at += k * m * r
-
-    if fresh:
-        # Every rank draws the same Qs: the state's generator, seeded alike, on the CPU.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(state.rng.randint(1_000_000_000))
-            for q in qs:
-                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
-                _orthonormalise(q, state.orthogonalization_epsilon)
-    else:
-        for q in qs:
-            _orthonormalise(q, state.orthogonalization_epsilon)
+    by_shape, batches = _batch(matrices, state.batch_tensors_with_same_shape)
+    ps, qs = _factors(state, index, batches, device, dtype)
     for b, q, p in zip(batches, qs, ps):
         torch.bmm(b, q, out=p)
 

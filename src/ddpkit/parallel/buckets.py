@@ -32,10 +32,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
+from ddpkit.runtime import events
 
-__all__ = ["FUSED_MAX_BYTES", "BucketSet", "StagingPlan", "assign_buckets", "initial_buckets", "sparse_zeros"]
+__all__ = ["FUSED_MAX_BYTES", "BucketLayout", "BucketSet", "StagingPlan", "assign_buckets", "initial_buckets", "payload",
+           "sparse_zeros"]
 
 FUSED_MAX_BYTES = 64 * 1024
 """Parameters up to this size are staged into their bucket by one fused copy per bucket."""
@@ -169,3 +172,92 @@ class BucketSet:
     def indices(self) -> list[list[int]]:
         """The assignment: for each bucket, the indices of its parameters."""
         return [list(b.indices) for b in self.buckets]
+
+    def reset(self) -> None:
+        """Every bucket back to its state before a backward: nothing staged, launched or reduced."""
+        for b in self.buckets:
+            b.pending = len(b.indices)
+            b.staged = set()
+            b.work = None
+            b.future = None
+            b.target = b.flat
+            b.set_buffer(b.flat)
+
+    def check_unchanged(self, names: Sequence[str]) -> None:
+        """Raise if a parameter changed dtype or device since its bucket was made (a model cast or moved after
+        wrapping: its bucket would convert its gradient, and torch's DDP stops averaging it without a word)."""
+        for bucket in self.buckets:
+            for p, i in zip(bucket.params, bucket.indices):
+                if p.dtype != bucket.flat.dtype or p.device != bucket.flat.device:
+                    raise RuntimeError(
+                        f"DistributedDataParallel: parameter {names[i]!r} is {p.dtype} on {p.device}, but was "
+                        f"{bucket.flat.dtype} on {bucket.flat.device} when the model was wrapped: cast or move the "
+                        "model (.double(), .to(...)) before wrapping it, not after"
+                    )
+
+
+class BucketLayout:
+    """A reducer's buckets over time: torch's first assignment, then (once) the rebuild in arrival order.
+
+    Args:
+        params: every parameter the reducer manages.
+        sparse: per parameter, whether it expects a sparse gradient.
+        as_view: ``gradient_as_bucket_view`` (gradients move with a rebuild).
+        limits: bucket size limits in bytes of the rebuild (see :func:`assign_buckets`).
+        first_limits: the limits of the first assignment.
+        final: the first assignment is final (no rebuild comes).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], sparse: Sequence[bool], as_view: bool, limits: list[int],
+                 first_limits: list[int], final: bool) -> None:
+        self.params, self.sparse, self.as_view, self.limits = params, sparse, as_view, limits
+        self.set: BucketSet | None = None
+        self.arrival: list[int] = []
+        """Parameter indices in the order their gradients arrived, until the rebuild."""
+        self.final = final
+        """Whether the buckets are final: after the rebuild, or from the start when none comes."""
+        self.build(initial_buckets(params, first_limits, sparse))
+
+    def build(self, indices: list[list[int]]) -> BucketSet:
+        """Make the buckets of ``indices``, the old ones freed first (one set at a time, as in torch), except
+        under ``gradient_as_bucket_view``, where the gradients in them move to the new ones."""
+        previous = self.set if self.as_view else None
+        self.set = None
+        self.set = BucketSet(self.params, indices, self.sparse, self.as_view, previous)
+        return self.set
+
+    def order(self) -> list[int]:
+        """The rebuild's order as this rank saw it: the arrivals, then the rest, last parameters first."""
+        seen = set(self.arrival)
+        return self.arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+
+    def agreed_order(self, group: dist.ProcessGroup, owner: str, step: int, device: torch.device) -> list[int]:
+        """Rank 0's :meth:`order`, broadcast so every rank agrees (a collective over ``group``)."""
+        t = torch.tensor(self.order(), dtype=torch.int64, device=device)
+        events.collective("{} bucket rebuild: broadcast rank 0's gradient order", owner, step=step,
+                          nbytes=t.numel() * t.element_size())
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+        return t.tolist()
+
+    def rebuild(self, order: list[int], last_bucket_cap: bool = False) -> BucketSet:
+        """Assign again in ``order`` (every rank's: rank 0's, broadcast); the buckets are final from now on.
+
+        ``last_bucket_cap``: torch's ``DDP_SET_LAST_BUCKET_CAP=1``, buckets filled from the last gradient
+        backwards, so the small first limit lands on the bucket reduced last.
+        """
+        self.final = True
+        self.arrival = []
+        if last_bucket_cap:
+            indices = assign_buckets(self.params, order[::-1], self.limits, self.sparse)[::-1]
+        else:
+            indices = assign_buckets(self.params, order, self.limits, self.sparse)
+        assert self.set is not None
+        return self.set if indices == self.set.indices() else self.build(indices)
+
+
+def payload(bucket: GradBucket) -> int:
+    """Bytes the bucket's reduction hands to the collective."""
+    t = bucket.target
+    if t.is_sparse:
+        return t._values().numel() * t.element_size() + t._indices().numel() * t._indices().element_size()
+    return t.numel() * t.element_size()

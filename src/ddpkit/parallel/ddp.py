@@ -23,23 +23,21 @@ from torch import nn
 from ddpkit.comm.bucket import CommHook, check_hook_signature
 from ddpkit.parallel import ddp_args
 from ddpkit.parallel.bucket_caps import DEFAULT_BUCKET_CAP_MB
-from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, PackedBroadcast, broadcast_once
-from ddpkit.parallel.join import DISABLED, DDPJoinHook, Join, JoinConfig
+from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
+from ddpkit.parallel.ddp_buffers import IGNORED_ATTRIBUTE, DDPBuffers
+from ddpkit.parallel.join import DDPJoinable
 from ddpkit.parallel.observer import Observer, ObserverHandle
 from ddpkit.parallel.reducer import Reducer
 from ddpkit.parallel.replicas import DDPConfigError, verify_same_parameters
 from ddpkit.parallel.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.sink import anchor_end_of_backward, through_sink
-from ddpkit.runtime import events
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel", "unwrap"]
 
 _MIB = 1024 * 1024
-_IGNORED = "_ddp_params_and_buffers_to_ignore"
-"""The module attribute naming what DDP leaves alone (torch's; see ``_set_params_and_buffers_to_ignore_for_model``)."""
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
     """Data parallelism: same model on every rank, gradients averaged during backward.
 
     Args:
@@ -144,22 +142,10 @@ class DistributedDataParallel(nn.Module):
             },
         )
         ddp_args.issue(settled.warnings, stacklevel=2)
-        # torch's attributes for these: what it would do, or (refused above) their defaults.
-        self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
-        self.mixed_precision = None
-        self.skip_all_reduce_unused_params = False
-        self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
-        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
-        devices, caps = settled.devices, settled.bucket_caps
         self.module = module
         self.dim = dim
-        self.device_ids = settled.device_ids
-        self.output_device = settled.output_device
-        self.is_multi_device_module = len(devices) > 1
-        self.device_type = next(iter(devices)).type if devices else "cpu"
-        self.device = next(iter(module.parameters())).device if devices else torch.device("cpu")
-        """Where the module's (first) parameter lives, as torch's DDP keeps it."""
-        self.forward_sync_buffers = settled.forward_sync_buffers
+        self._keep_settings(settled, bucket_cap_mb)
+        self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -168,11 +154,12 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        """Whether the next forward broadcasts buffers: the previous forward was
+        a synchronised one (torch's rule; Accelerate reads and sets it)."""
         self._ddp_sink_clone = True
-        self._join_config: JoinConfig = DISABLED
-        self._divide_by_initial_world_size = True
-
-        self.parameters_to_ignore: set[str] = set(getattr(module, _IGNORED, ()))
+        self._init_join()
+        self.parameters_to_ignore: set[str] = set(getattr(module, IGNORED_ATTRIBUTE, ()))
         """Names of parameters and buffers DDP leaves alone (torch's
         ``_set_params_and_buffers_to_ignore_for_model``)."""
         named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
@@ -181,54 +168,34 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel: the module has no parameter that requires grad, so "
                 "there is nothing to synchronise; wrap a trainable module"
             )
-        buffers = self._buffers_synced()
-        self._buffer_broadcast: PackedBroadcast | None = None
-        self._buffer_ids: tuple[int, ...] = ()
-        self._buffer_count = len(buffers)
-        """Buffers at the last collection; none means no broadcast (as torch's
-        cached ``modules_buffers``), and no walk over the modules per forward."""
-        self.require_forward_param_sync = True
-        """Whether the next forward broadcasts buffers: the previous forward was
-        a synchronised one (torch's rule; Accelerate reads and sets it)."""
+        buffers = self._init_buffers()
         if self.world_size > 1 and init_sync:
             verify_same_parameters(named, process_group)
             states = [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
             broadcast_once(states, process_group, "parameters and buffers")
-        # torch's bucket configuration and the attributes it exposes for it.
+        self.reducer = self._make_reducer()
+
+    def _keep_settings(self, settled: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
+        """The settled arguments, and the attributes torch's DDP exposes for them."""
+        devices, caps = settled.devices, settled.bucket_caps
+        self.device_ids = settled.device_ids
+        self.output_device = settled.output_device
+        self.is_multi_device_module = len(devices) > 1
+        self.device_type = next(iter(devices)).type if devices else "cpu"
+        self.device = next(iter(self.module.parameters())).device if devices else torch.device("cpu")
+        """Where the module's (first) parameter lives, as torch's DDP keeps it."""
+        self.forward_sync_buffers = settled.forward_sync_buffers
+        # torch's bucket configuration.
         self.bucket_cap_mb = max(caps) if caps else (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
         self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
         self.bucket_bytes_cap_list = [int(c * _MIB) for c in caps]
         self.bucket_bytes_cap_default = bucket_cap_mb is None and not caps  # the 1 MiB first bucket
         self._bucket_caps = (bucket_cap_mb, caps)
-        self.reducer = self._make_reducer()
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        """torch's older name for :attr:`forward_sync_buffers` (reads and sets it)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
-        """Name parameters and buffers of ``module`` that DDP must leave alone, before wrapping (torch's API).
-
-        They are not broadcast, not reduced and not checked across ranks. As in
-        torch, a parameter of the root module itself is still reduced (torch
-        matches those against ``".name"``), only not broadcast or checked.
-        """
-        setattr(module, _IGNORED, params_and_buffers_to_ignore)
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if name in params_and_buffers_to_ignore:
-                tensor._ddp_ignored = True
-
-    def _buffers_synced(self) -> list[torch.Tensor]:
-        """The buffers DDP broadcasts: all of the module's, less the ignored ones."""
-        if not self.parameters_to_ignore:
-            return list(self.module.buffers())
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+        # What torch's DDP would do for these, or (refused by the check) their defaults.
+        self.mixed_precision = None
+        self.skip_all_reduce_unused_params = False
+        self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
     def _make_reducer(self) -> Reducer:
         # torch's filter names a parameter "<module>.<name>", so the root's own are ".<name>".
@@ -303,18 +270,7 @@ class DistributedDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         sync = self.require_backward_grad_sync and grad
         joining = self._join_config.enable and self.world_size > 1
-        div_factor = self.world_size
-        if joining:
-            notified = Join.notify_join_context(self)
-            if notified is not None and not self._divide_by_initial_world_size:
-                work, still_training = notified
-                work.wait()
-                div_factor = int(still_training.item())
-            # Tell the ranks that have joined whether this step reduces gradients
-            # and whether its forward has grad enabled (it may rebuild the buckets).
-            flags = torch.tensor([float(sync), float(grad)], device=self.join_device)
-            events.collective("DDP join: does this step reduce gradients", nbytes=flags.numel() * flags.element_size())
-            dist.all_reduce(flags, group=self.process_group, async_op=True)
+        div_factor = self._join_step(sync, grad) if joining else self.world_size
         # torch's rule: buffers go out from rank 0 when the previous forward
         # was a synchronised one, so the first synchronised forward after a
         # no_sync() block keeps each rank's own statistics. Under join(), from
@@ -367,82 +323,6 @@ class DistributedDataParallel(nn.Module):
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """Whether the outputs passed through the sink are copies (torch's switch; default True)."""
         self._ddp_sink_clone = val
-
-    def _has_buffers(self) -> bool:
-        return self._buffer_count > 0
-
-    def sync_module_buffers(self, src: int = 0) -> None:
-        """Broadcast group rank ``src``'s buffers (a collective); collected again each time, in case the model
-        reassigned one. The forward does it (torch's rule, see :attr:`forward_sync_buffers`); so does a joined
-        rank's :class:`~ddpkit.parallel.join.DDPJoinHook`."""
-        if not self._buffer_count:
-            return
-        buffers = self._buffers_synced()
-        self._buffer_count = len(buffers)
-        if not buffers:
-            return
-        ids = tuple(id(b) for b in buffers)
-        if ids != self._buffer_ids:
-            # Same structure on every rank, so every rank rebuilds here together.
-            self._buffer_broadcast = PackedBroadcast(buffers, self.process_group, "buffers")
-            self._buffer_ids = ids
-        self._buffer_broadcast(src, keep_versions=True)
-
-    # -- join: uneven inputs ---------------------------------------------------
-
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """Context manager for ranks with different numbers of batches.
-
-        A rank that leaves the block early takes part, with zero gradients,
-        in the collectives of every step the others still run, so nothing
-        hangs; when all have left, every rank takes the parameters (and
-        buffers, with ``broadcast_buffers``) of the last rank to finish, so the
-        replicas end identical.
-
-        Args:
-            divide_by_initial_world_size: average over the full world size
-                (default: a joined rank counts as a zero gradient); ``False``
-                averages over the ranks still training.
-            enable: ``False`` for inputs known to be even (no extra cost).
-            throw_on_early_termination: raise ``RuntimeError`` on every rank
-                as soon as one runs out of inputs, instead.
-
-        Example::
-
-            with model.join():
-                for x, y in loader:            # a different length on each rank
-                    loss_fn(model(x), y).backward()
-                    opt.step(); opt.zero_grad()
-        """
-        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> DDPJoinHook:
-        """The hook a ``Join`` context runs on this rank once it has joined."""
-        # Other keywords belong to the other joinables of the same Join (torch's Join passes them to all).
-        del kwargs
-        self._divide_by_initial_world_size = divide_by_initial_world_size
-        return DDPJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        """Where the join context's bookkeeping tensors live (the module's device)."""
-        return next(self.module.parameters()).device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group
-
-    def join_source_rank(self, candidate: bool) -> int:
-        """Under ``join()``: the highest group rank among those where ``candidate`` holds (a collective)."""
-        rank = dist.get_rank(self.process_group)
-        t = torch.tensor([rank if candidate else -1], device=self.join_device)
-        events.collective("DDP join: choose the source rank", nbytes=t.numel() * t.element_size())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        if t.item() < 0:
-            raise RuntimeError("join: no rank qualifies as the source of the model (internal error)")
-        return int(t.item())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -500,27 +380,6 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"comm_hook_type={comm_hook_type!r}: use dist.BuiltinCommHookType.ALLREDUCE or "
                              "FP16_COMPRESS, or register a hook with register_comm_hook()")
         self.reducer.register_comm_hook(None, hooks[name])
-
-    @property
-    def modules_buffers(self) -> list[torch.Tensor]:
-        """The buffers DDP broadcasts before a forward (the module's, less the ignored ones), as torch's."""
-        return self._buffers_synced()
-
-    @property
-    def named_module_buffers(self) -> dict[str, torch.Tensor]:
-        return {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
-
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward broadcasts buffers (torch's)."""
-        return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers()
-
-    @staticmethod
-    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator[Any]:
-        """The parameters DDP manages: all but those marked ``_ddp_ignored`` (torch's)."""
-        for param in module.named_parameters() if named_params else module.parameters():
-            if not hasattr(param[1] if named_params else param, "_ddp_ignored"):
-                yield param
-
 
 DDP = DistributedDataParallel
 

@@ -37,9 +37,10 @@ import torch.distributed as dist
 
 from ddpkit.parallel.broadcast import broadcast_once
 from ddpkit.parallel.buckets import sparse_zeros
+from ddpkit.parallel.unused import all_reduce_used_map
 from ddpkit.runtime import events
 
-__all__ = ["DDPJoinHook", "Join", "JoinConfig", "JoinHook", "shadow_backward"]
+__all__ = ["DDPJoinHook", "DDPJoinable", "Join", "JoinConfig", "JoinHook", "shadow_backward"]
 
 SKEW_WARNING = 1000
 """Steps a joined rank shadows before warning that the inputs are badly skewed."""
@@ -187,7 +188,7 @@ def shadow_backward(reducer: Any) -> None:
         flags = reducer.last_used_flags
         if flags is None:
             flags = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.comm_device())
-        reducer.all_reduce_used_map(flags)
+        all_reduce_used_map(flags, reducer.group, reducer.step)
     reducer.end_shadow()
 
 
@@ -224,3 +225,86 @@ class DDPJoinHook:
             tensors += ddp.modules_buffers
         broadcast_once(tensors, ddp.process_group, "join: the last joiner's model", src)
 
+
+class DDPJoinable:
+    """DDP's side of the join protocol (see the module notes); a part of :class:`ddpkit.DistributedDataParallel`.
+
+    Reads the wrapper's ``module``, ``process_group``, ``world_size`` and ``reducer``.
+    """
+
+    module: Any
+    process_group: Any
+    world_size: int
+
+    def _init_join(self) -> None:
+        self._join_config: JoinConfig = DISABLED
+        self._divide_by_initial_world_size = True
+
+    def _join_step(self, sync: bool, grad: bool) -> int:
+        """At the start of a forward under ``join()``: say this rank still trains, tell the joined ranks what
+        this step does; returns what gradients are averaged over."""
+        div_factor = self.world_size
+        notified = Join.notify_join_context(self)
+        if notified is not None and not self._divide_by_initial_world_size:
+            work, still_training = notified
+            work.wait()
+            div_factor = int(still_training.item())
+        # Whether this step reduces gradients, and whether its forward has grad enabled (it may rebuild buckets).
+        flags = torch.tensor([float(sync), float(grad)], device=self.join_device)
+        events.collective("DDP join: does this step reduce gradients", nbytes=flags.numel() * flags.element_size())
+        dist.all_reduce(flags, group=self.process_group, async_op=True)
+        return div_factor
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Context manager for ranks with different numbers of batches.
+
+        A rank that leaves the block early takes part, with zero gradients,
+        in the collectives of every step the others still run, so nothing
+        hangs; when all have left, every rank takes the parameters (and
+        buffers, with ``broadcast_buffers``) of the last rank to finish, so the
+        replicas end identical.
+
+        Args:
+            divide_by_initial_world_size: average over the full world size
+                (default: a joined rank counts as a zero gradient); ``False``
+                averages over the ranks still training.
+            enable: ``False`` for inputs known to be even (no extra cost).
+            throw_on_early_termination: raise ``RuntimeError`` on every rank
+                as soon as one runs out of inputs, instead.
+
+        Example::
+
+            with model.join():
+                for x, y in loader:            # a different length on each rank
+                    loss_fn(model(x), y).backward()
+                    opt.step(); opt.zero_grad()
+        """
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> DDPJoinHook:
+        """The hook a ``Join`` context runs on this rank once it has joined."""
+        # Other keywords belong to the other joinables of the same Join (torch's Join passes them to all).
+        del kwargs
+        self._divide_by_initial_world_size = divide_by_initial_world_size
+        return DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's bookkeeping tensors live (the module's device)."""
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def join_source_rank(self, candidate: bool) -> int:
+        """Under ``join()``: the highest group rank among those where ``candidate`` holds (a collective)."""
+        rank = dist.get_rank(self.process_group)
+        t = torch.tensor([rank if candidate else -1], device=self.join_device)
+        events.collective("DDP join: choose the source rank", nbytes=t.numel() * t.element_size())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        if t.item() < 0:
+            raise RuntimeError("join: no rank qualifies as the source of the model (internal error)")
+        return int(t.item())

@@ -143,12 +143,21 @@ class Observers:
         for observer in list(self.ready):
             observer.on_bucket_ready(event)
 
-    def launched(self, bucket: int, nbytes: int, step: int) -> None:
-        event = BucketEvent(self.owner, bucket, nbytes, step, time.perf_counter())
-        for observer in list(self.launch):
-            observer.on_launch(event)
+    def launched(self, bucket: Any, nbytes: int, step: int) -> None:
+        """``bucket`` (a :class:`~ddpkit.comm.bucket.GradBucket`) was launched: ``on_launch`` now, ``on_done`` when
+        its reduction completes."""
+        index = bucket.index()
+        if self.launch:
+            event = BucketEvent(self.owner, index, nbytes, step, time.perf_counter())
+            for observer in list(self.launch):
+                observer.on_launch(event)
+        if self.done:
+            pending = bucket.future if bucket.future is not None else (
+                bucket.work.get_future() if bucket.work is not None else None)
+            if pending is not None:
+                self._watch(pending, index, nbytes, step)
 
-    def watch(self, future: Any, bucket: int, nbytes: int, step: int) -> None:
+    def _watch(self, future: Any, bucket: int, nbytes: int, step: int) -> None:
         """Call ``on_done`` when ``future`` (a bucket's reduction) completes, on the thread that completes it."""
         def done(_: Any) -> None:
             event = BucketEvent(self.owner, bucket, nbytes, step, time.perf_counter())

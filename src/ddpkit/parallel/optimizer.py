@@ -39,7 +39,7 @@ from ddpkit.comm.compression import Compression
 from ddpkit.parallel.broadcast import world_group
 from ddpkit.parallel.bucket_caps import check_bucket_cap
 from ddpkit.parallel.observer import Observer, ObserverHandle
-from ddpkit.parallel.reducer import Reducer
+from ddpkit.parallel.deferred import DeferredReducer
 from ddpkit.parallel.replicas import verify_same_parameters
 
 __all__ = ["DistributedOptimizer"]
@@ -138,7 +138,7 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tupl
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods a :func:`DistributedOptimizer` adds to the wrapped optimizer's class."""
 
-    reducer: Reducer
+    reducer: DeferredReducer
     """The engine doing the all-reduces (the same as ``DistributedDataParallel.reducer``)."""
 
     def _setup(self, named: list[tuple[str, torch.Tensor]], passes: int, compression: Any, op: str,
@@ -155,9 +155,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         world = 1 if group is None else dist.get_world_size(group)
         if world > 1:
             verify_same_parameters(named, group, "DistributedOptimizer")
-        reducer = Reducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
-                          complete_at_end_of_backward=False, sparse_as_dense=sparse_as_dense,
-                          owner="DistributedOptimizer")
+        reducer = DeferredReducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
+                                  sparse_as_dense=sparse_as_dense, owner="DistributedOptimizer")
         compression = _check_compression(compression)
         if op == "sum":
             reducer.div_factor = 1
