@@ -1,4 +1,7 @@
-"""Launch planning and configuration, pure: no process is started."""
+"""Launch planning and configuration, pure: no process is started.
+
+What was typed is a ``LaunchConfig`` (checked on its own); what the launch runs with is ``resolve(config)``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launcher import LaunchConfig, plan_workers
+from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.runtime.options import ConfigError
 
 SCRIPT = __file__
@@ -15,7 +18,7 @@ SCRIPT = __file__
 def test_multi_node_ranks_and_env_contract():
     cfg = LaunchConfig(program=SCRIPT, args=["--lr", "0.1"], nproc_per_node=4, nnodes=3, node_rank=2,
                        master_addr="node0", master_port=1234, max_restarts=2)
-    workers = plan_workers(cfg, master_port=1234, restart_count=1, base_env={"PATH": "/bin"})
+    workers = plan_workers(resolve(cfg), master_port=1234, restart_count=1, base_env={"PATH": "/bin"})
     assert [w.rank for w in workers] == [8, 9, 10, 11]
     env = workers[1].env
     assert env["RANK"] == "9" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "12"
@@ -28,10 +31,10 @@ def test_multi_node_ranks_and_env_contract():
 
 def test_workers_get_the_torchelastic_variables_torchrun_sets():
     cfg = LaunchConfig(program=SCRIPT, nproc_per_node=2)
-    env = plan_workers(cfg, master_port=1, restart_count=0, base_env={}, run_id="job7", job_token="s")[0].env
+    env = plan_workers(resolve(cfg), master_port=1, restart_count=0, base_env={}, run_id="job7", job_token="s")[0].env
     assert env["TORCHELASTIC_RUN_ID"] == "job7" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["DDPKIT_JOB_TOKEN"] == "s"
-    many = plan_workers(cfg, master_port=1, restart_count=0, base_env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+    many = plan_workers(resolve(cfg), master_port=1, restart_count=0, base_env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
                         agent_store=True)[0].env
     # torch compares with str(True): a raw torch script then connects to the launchers' store.
     assert many["TORCHELASTIC_USE_AGENT_STORE"] == "True" and many["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
@@ -40,18 +43,18 @@ def test_workers_get_the_torchelastic_variables_torchrun_sets():
 
 def test_user_thread_setting_is_kept_and_single_worker_untouched():
     cfg = LaunchConfig(program=SCRIPT, nproc_per_node=2)
-    assert plan_workers(cfg, master_port=1, restart_count=0, base_env={"OMP_NUM_THREADS": "4"})[0].env[
+    assert plan_workers(resolve(cfg), master_port=1, restart_count=0, base_env={"OMP_NUM_THREADS": "4"})[0].env[
         "OMP_NUM_THREADS"] == "4"
     one = LaunchConfig(program=SCRIPT, nproc_per_node=1)
-    assert "OMP_NUM_THREADS" not in plan_workers(one, master_port=1, restart_count=0, base_env={})[0].env
+    assert "OMP_NUM_THREADS" not in plan_workers(resolve(one), master_port=1, restart_count=0, base_env={})[0].env
 
 
 def test_local_rank_arg_and_module_argv():
     cfg = LaunchConfig(program=SCRIPT, args=["x"], nproc_per_node=2, local_rank_arg=True)
-    argv = plan_workers(cfg, master_port=1, restart_count=0, base_env={})[1].argv
+    argv = plan_workers(resolve(cfg), master_port=1, restart_count=0, base_env={})[1].argv
     assert argv[-3:] == [SCRIPT, "--local-rank=1", "x"]  # torch 2 spelling, as torch.distributed.launch
     mod = LaunchConfig(program="json.tool", module=True)
-    assert plan_workers(mod, master_port=1, restart_count=0, base_env={})[0].argv[-2:] == ["-m", "json.tool"]
+    assert plan_workers(resolve(mod), master_port=1, restart_count=0, base_env={})[0].argv[-2:] == ["-m", "json.tool"]
 
 
 def test_nproc_words_count_as_torchrun_does():
@@ -61,18 +64,22 @@ def test_nproc_words_count_as_torchrun_does():
     from torch.distributed.run import determine_local_world_size
 
     cores = len(os.sched_getaffinity(0))
-    assert LaunchConfig(program=SCRIPT, nproc_per_node="cpu").nproc_per_node == cores
+    assert resolve(LaunchConfig(program=SCRIPT, nproc_per_node="cpu")).nproc == cores
     for word in ("cpu", "auto"):
-        assert LaunchConfig(program=SCRIPT, nproc_per_node=word).nproc_per_node == determine_local_world_size(word)
+        assert resolve(LaunchConfig(program=SCRIPT, nproc_per_node=word)).nproc == determine_local_world_size(word)
     if torch.cuda.is_available():
-        assert LaunchConfig(program=SCRIPT, nproc_per_node="gpu").nproc_per_node == torch.cuda.device_count()
+        assert resolve(LaunchConfig(program=SCRIPT, nproc_per_node="gpu")).nproc == torch.cuda.device_count()
     else:
         with pytest.raises(ConfigError, match="--nproc-per-node gpu: CUDA is not available"):
-            LaunchConfig(program=SCRIPT, nproc_per_node="gpu")
+            resolve(LaunchConfig(program=SCRIPT, nproc_per_node="gpu"))
 
 
 def test_standalone_binds_loopback():
-    assert LaunchConfig(program=SCRIPT, standalone=True, master_addr="10.0.0.1").master_addr == "127.0.0.1"
+    assert resolve(LaunchConfig(program=SCRIPT, standalone=True, master_addr="10.0.0.1")).master_addr == "127.0.0.1"
+    # One node with no port and no endpoint runs as --standalone (torch 2.13's torchrun); the config keeps
+    # what was typed.
+    typed = LaunchConfig(program=SCRIPT, nproc_per_node="auto")
+    assert typed.standalone is False and typed.nproc_per_node == "auto" and resolve(typed).standalone is True
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -88,32 +95,39 @@ def test_standalone_binds_loopback():
 ])
 def test_bad_configuration_names_the_value_and_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LaunchConfig(**{"program": SCRIPT, **kwargs})
+        resolve(LaunchConfig(**{"program": SCRIPT, **kwargs}))
+
+
+def test_the_typed_config_does_no_io():
+    # A script that is not there, a word that needs torch to count GPUs: the typed config takes both, and
+    # only resolve() looks at the machine.
+    cfg = LaunchConfig(program="no/such/script.py", nproc_per_node="gpu")
+    with pytest.raises(ConfigError, match="no/such/script.py|CUDA is not available"):
+        resolve(cfg)
 
 
 def test_torchrun_flags_no_python_role_shutdown_timeout_and_accepted_ones():
     sh = str(Path(__file__).parents[1] / "scripts" / "print_env.sh")
     cfg = LaunchConfig(program=sh, args=["a"], no_python=True, role="trainer", grace_period_s=2.5, nproc_per_node=2)
-    worker = plan_workers(cfg, master_port=1, restart_count=0, base_env={})[1]
+    launch = resolve(cfg)
+    worker = plan_workers(launch, master_port=1, restart_count=0, base_env={})[1]
     assert worker.argv == [sh, "a"] and worker.env["ROLE_NAME"] == "trainer"
-    assert cfg.grace_period_s == 2.5 and cfg.notes() == []
-    noted = LaunchConfig(program=SCRIPT, monitor_interval=5, start_method="fork").notes()
+    assert launch.grace_period_s == 2.5 and launch.notes() == []
+    noted = resolve(LaunchConfig(program=SCRIPT, monitor_interval=5, start_method="fork")).notes()
     assert noted[0].startswith("--monitor-interval 5: not needed") and noted[1].startswith("--start-method fork:")
     for kwargs, message in (({"no_python": True, "module": True}, "--no-python and -m cannot go together"),
                             ({"monitor_interval": 0}, "--monitor-interval 0 must be a positive"),
                             ({"grace_period_s": -1}, "--shutdown-timeout -1 must be 0 or more"),
                             ({"role": " "}, "--role is empty")):
         with pytest.raises(ConfigError, match=message):
-            LaunchConfig(program=SCRIPT, **kwargs)
+            resolve(LaunchConfig(program=SCRIPT, **kwargs))
     # torchrun's grace: TORCH_ELASTIC_SHUTDOWN_TIMEOUT when the flag is not given, else 30 s.
-    assert LaunchConfig(program=SCRIPT).grace_period_s == 30
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
-        assert LaunchConfig(program=SCRIPT).grace_period_s == 7
-        assert LaunchConfig(program=SCRIPT, grace_period_s=2.5).grace_period_s == 2.5
-        env.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
-        with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon' is not a number of seconds"):
-            LaunchConfig(program=SCRIPT)
+    assert resolve(LaunchConfig(program=SCRIPT)).grace_period_s == 30
+    assert resolve(LaunchConfig(program=SCRIPT), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).grace_period_s == 7
+    assert resolve(LaunchConfig(program=SCRIPT, grace_period_s=2.5), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) \
+        .grace_period_s == 2.5
+    with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon' is not a number of seconds"):
+        resolve(LaunchConfig(program=SCRIPT), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"})
     with pytest.raises(ConfigError, match="neither a file nor a command on PATH"):
-        LaunchConfig(program="no-such-binary-xyz", no_python=True)
-    assert LaunchConfig(program="true", no_python=True).program == "true"
+        resolve(LaunchConfig(program="no-such-binary-xyz", no_python=True))
+    assert resolve(LaunchConfig(program="true", no_python=True)).config.program == "true"

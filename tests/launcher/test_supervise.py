@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from procs import ROOT, SCRIPTS, base_env, launch, script
 
-from ddpkit.launcher import LaunchConfig, plan_workers
+from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.job import standalone_addr
 from ddpkit.launcher.output import LogLayout, Pump
 from ddpkit.launcher.supervise import WorkerGroup, extract_traceback
@@ -250,7 +250,7 @@ def test_output_pump_prefixes_every_segment_and_keeps_carriage_returns():
 def test_a_signal_while_workers_start_still_stops_every_started_worker(monkeypatch, tmp_path):
     # SIGTERM lands right after the first worker is forked: the launcher must
     # finish its bookkeeping, start no more, and tear down the one it started.
-    cfg = LaunchConfig(program=script("sleeper.py"), nproc_per_node=3, standalone=True)
+    cfg = resolve(LaunchConfig(program=script("sleeper.py"), nproc_per_node=3, standalone=True))
     specs = plan_workers(cfg, master_port=free_port(), restart_count=0, base_env=base_env())
     signals = SignalCatcher()
     previous = signal.signal(signal.SIGTERM, signals)

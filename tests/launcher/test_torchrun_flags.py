@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launcher import LaunchConfig, plan_workers
+from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.output import read_error_file
 from tests.procs import SCRIPTS, base_env, launch
 
@@ -142,7 +142,7 @@ def test_a_listed_signal_is_forwarded_and_ends_the_launcher():
 
 
 def test_virtual_local_rank_gives_each_worker_its_own_gpu_as_device_0():
-    cfg = LaunchConfig(program=SHELL, no_python=True, nproc_per_node=2, virtual_local_rank=True)
+    cfg = resolve(LaunchConfig(program=SHELL, no_python=True, nproc_per_node=2, virtual_local_rank=True))
     specs = plan_workers(cfg, master_port=29500, restart_count=0, base_env={"CUDA_VISIBLE_DEVICES": "4,6"})
     assert [(s.env["LOCAL_RANK"], s.env["CUDA_VISIBLE_DEVICES"], s.env["RANK"]) for s in specs] == [
         ("0", "4", "0"), ("0", "6", "1")]
@@ -171,7 +171,7 @@ def test_worker_command_lines_as_torchrun_builds_them(monkeypatch):
     monkeypatch.setenv("PYTHON_EXEC", "/opt/python3")
     cfg = LaunchConfig(program=str(SCRIPTS / "report_env.py"), args=["--lr=${local_rank}", "$$x", "${other}"],
                        nproc_per_node=2, local_rank_arg=True, master_port=29555)
-    workers = plan_workers(cfg, master_port=29555, restart_count=0, base_env={})
+    workers = plan_workers(resolve(cfg), master_port=29555, restart_count=0, base_env={})
     for w in workers:
         assert w.argv == ["/opt/python3", "-u", str(SCRIPTS / "report_env.py"), f"--local-rank={w.local_rank}",
                           f"--lr={w.local_rank}", "$x", "${other}"]

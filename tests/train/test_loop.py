@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import ddpkit
 from ddpkit.cli import main
-from ddpkit.train.loop import TrainConfig, _worker, train
+from ddpkit.train.loop import TrainConfig, train, worker
 
 ROOT = Path(__file__).resolve().parents[2]
 # Tiny and fast: 192 synthetic images, 6 steps per epoch and rank.
@@ -24,7 +24,7 @@ SMALL = dict(dataset="synthetic", synthetic_samples=192, batch_size=16, progress
 def _run(cfg: TrainConfig) -> dict:
     # out=None: rank 0 claims the directory and tells the others, the path
     # taken under a launcher.
-    return _worker(0, cfg, None)
+    return worker(0, cfg, None)
 
 
 def _train(pool, cfg: TrainConfig) -> dict:

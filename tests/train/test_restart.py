@@ -16,7 +16,7 @@ from procs import children as _children
 from procs import wait_for as _wait_for
 from safetensors.torch import load_file
 
-from ddpkit.train.loop import TrainConfig, _worker
+from ddpkit.train.loop import TrainConfig, worker
 
 # 384 images per rank, 24 steps per epoch, a checkpoint every 5 steps.
 FLAGS = ["--dataset", "synthetic", "--synthetic-samples", "768", "--batch-size", "16", "--epochs", "2",
@@ -45,7 +45,7 @@ def _kill_worker_and_finish(cmd: list[str], out: Path, when: Callable[[], bool],
 @pytest.fixture(scope="module")
 def reference(dist2, tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    dist2.run(_worker, 0, TrainConfig(**CONFIG, output_dir=out), None)
+    dist2.run(worker, 0, TrainConfig(**CONFIG, output_dir=out), None)
     return load_file(out / "model.safetensors")
 
 

@@ -84,7 +84,7 @@ def _worker(rank: int, cfg: CollectivesBenchConfig, out: str) -> None:
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
-    init(backend="gloo")
+    init()  # the backend spawn() gave these ranks (gloo)
     rows = []
     for nbytes in cfg.sizes:
         t = torch.ones(nbytes // 4)

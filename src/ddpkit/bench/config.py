@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.parallel.bucket_caps import check_bucket_cap
 from ddpkit.runtime.options import ConfigError, option, writable_file
 
 WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200", "dp", "strategies")
@@ -97,8 +98,10 @@ class BenchConfig:
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value} must be {'0 or more' if name == 'warmup' else 'at least 1'}")
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ConfigError(f"--bucket-cap-mb {self.bucket_cap_mb} must be positive")
+        try:
+            check_bucket_cap(self.bucket_cap_mb, "--bucket-cap-mb")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.target_spread < 0:
             raise ConfigError(f"--target-spread {self.target_spread} must be 0 (off) or a positive fraction")
         if not self.time_budget > 0:

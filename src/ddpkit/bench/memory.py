@@ -86,7 +86,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     # Constructing the first optimizer imports torch._dynamo and its dependencies (some 800 modules, about
     # 65 MB), whichever engine runs: a one-time cost too, paid before the baseline.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    init(backend="gloo")
+    init()  # the backend spawn() gave these ranks (gloo)
     dist.barrier()
     before = _in_use()
     model, x, y = workload(name, cfg)

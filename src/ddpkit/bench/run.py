@@ -59,7 +59,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
-    init(backend="gloo")
+    init()  # the backend spawn() gave these ranks (gloo)
     from ddpkit.bench.dp import bench_dp_vs_ddp
 
     results, dp, strategies = [], None, None

@@ -90,7 +90,7 @@ def _worker(rank: int, jobs: list[tuple[str, str, BenchConfig]], out: str) -> No
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
-    ctx = init(backend="gloo")
+    ctx = init()  # the backend spawn() gave these ranks (gloo)
     points = []
     for sweep, name, cfg in jobs:
         say(cfg, f"scaling: {sweep} {name}, world size {ctx.world_size}")

@@ -37,5 +37,6 @@ node 0, an address that does not resolve) are reported before any worker starts.
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.job import run
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
+from ddpkit.launcher.settings import LaunchSettings, resolve
 
-__all__ = ["LaunchConfig", "WorkerSpec", "plan_workers", "run"]
+__all__ = ["LaunchConfig", "LaunchSettings", "WorkerSpec", "plan_workers", "resolve", "run"]

@@ -1,10 +1,15 @@
-"""The launch configuration: one typed, validated dataclass shared by CLI and API."""
+"""What the user typed to ``ddpkit launch``: one typed dataclass shared by the command line and the API.
+
+:class:`LaunchConfig` holds the flags as given (``--nproc-per-node auto``,
+``--nnodes 1:4``) and checks, in ``__post_init__``, every rule that needs
+nothing but the values themselves. What is derived from them, with the
+environment, the file system and (for ``gpu``/``auto``) torch, is
+:class:`ddpkit.launcher.settings.LaunchSettings`, made by
+:func:`ddpkit.launcher.settings.resolve` before any worker starts.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -14,9 +19,9 @@ from ddpkit.runtime.discovery import DEFAULT_PORT, LOOPBACK
 from ddpkit.runtime.options import ConfigError, option
 
 ENDPOINT_PORT = 29400
+"""torchrun's default port for ``--rdzv-endpoint``."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """torchrun's grace between SIGTERM and SIGKILL: time for a worker's SIGTERM handler to save a checkpoint."""
-"""torchrun's default port for ``--rdzv-endpoint``."""
 
 RDZV_CONF = {
     # key: (default, converter); torchrun's c10d and dynamic rendezvous settings.
@@ -71,28 +76,6 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST[:PORT] with a port in 0..65535")
     return host, int(port)
-
-
-def nproc_for(kind: str) -> int:
-    """Workers for ``--nproc-per-node cpu|gpu|auto``, as torchrun counts them.
-
-    ``cpu``: one per CPU core this process may use; ``gpu``: one per visible
-    GPU (an error without CUDA); ``auto``: one per GPU, else one per core.
-
-    Raises:
-        ConfigError: ``gpu`` without CUDA, or another word.
-    """
-    if kind == "cpu":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if kind not in ("gpu", "auto"):
-        raise ConfigError(f"--nproc-per-node {kind!r} is not a number: use a positive integer, cpu, gpu or auto")
-    import torch  # only here: the launcher itself needs no torch otherwise
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    if kind == "gpu":
-        raise ConfigError("--nproc-per-node gpu: CUDA is not available here; use a number, cpu or auto")
-    return nproc_for("cpu")
 
 
 @dataclass(kw_only=True)
@@ -205,206 +188,114 @@ class LaunchConfig:
     python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
 
     def __post_init__(self) -> None:
-        try:
-            self.nproc_per_node = int(self.nproc_per_node)
-        except (TypeError, ValueError):
-            self.nproc_per_node = nproc_for(str(self.nproc_per_node))
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must be at least 1 (or cpu, gpu, auto)")
-        self.min_nodes, self.max_nodes = self._node_range()
+        # Every rule that needs nothing but the values; the rest is resolve()'s (settings.py).
+        text = str(self.nproc_per_node).strip()
+        if text.lstrip("-").isdigit():
+            if int(text) < 1:
+                raise ConfigError(f"--nproc-per-node {text} must be at least 1 (or cpu, gpu, auto)")
+        elif text not in ("cpu", "gpu", "auto"):
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node!r} is not a number: use a positive integer, "
+                              "cpu, gpu or auto")
+        low, high = node_range(self.nnodes)
         if self.rdzv_backend not in ("static", "c10d"):
             raise ConfigError(f"--rdzv-backend {self.rdzv_backend!r} is not supported: use c10d (nodes agree on "
                               "their ranks at --rdzv-endpoint) or static (--node-rank on each node)")
-        self.conf = self._rendezvous_conf()
-        if self.dynamic and not self.standalone:
+        rendezvous_conf(self.rdzv_conf)
+        if self.rdzv_backend == "c10d" and not self.standalone:
             if not self.rdzv_endpoint:
                 raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT], the same on every node")
-            self.endpoint = parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
-            self.nnodes = self.max_nodes
-        elif self.min_nodes != self.max_nodes:
+            parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
+        elif low != high and not self.standalone:
             raise ConfigError(f"--nnodes {self.nnodes} is a range, which needs the nodes to agree on their ranks: "
                               "add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT]")
-        else:
-            self.nnodes = self.max_nodes
-            if self.rdzv_endpoint and not self.standalone:
-                # torchrun's static backend: the endpoint is node 0's address and port.
-                self.master_addr, self.master_port = parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
-            elif self.max_nodes == 1 and self.master_port is None and not self.standalone:
-                # torch 2.13's torchrun: one node with no port and no endpoint given runs as --standalone (a free
-                # port, a fresh run id), so two such jobs on a machine do not fight over port 29500.
-                self.standalone = True
-        self.redirect_map = parse_std(self.redirects, self.nproc_per_node, "--redirects")
-        self.tee_map = parse_std(self.tee, self.nproc_per_node, "--tee")
-        self.shown_ranks = self._shown_ranks()
-        self.signals = self._signals()
-        if self.run_path:
-            self.no_python = False  # torchrun: --run-path takes precedence over --no-python
-        if not self.dynamic and not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(
-                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
-                f"use 0..{self.nnodes - 1}"
-            )
+        elif self.rdzv_endpoint and not self.standalone:
+            parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
+        signal_numbers(self.signals_to_handle)
+        dynamic = self.rdzv_backend == "c10d" and not self.standalone
+        if not dynamic and not 0 <= self.node_rank < high:
+            raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nnodes {high}: use 0..{high - 1}")
+        self._check_numbers()
+        if self.standalone and high != 1:
+            raise ConfigError(f"--standalone runs a single node, but --nnodes is {self.nnodes}: drop one of them")
+        if self.rdzv_id is not None and not self.rdzv_id.strip():
+            raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
+        if self.no_python and self.module and not self.run_path:
+            raise ConfigError("--no-python and -m cannot go together: -m runs a module with python")
+        if not self.role.strip():
+            raise ConfigError("--role is empty: give the workers' role a name (default: default)")
+
+    def _check_numbers(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts} must be 0 or more")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port: use 1..65535")
-        if self.standalone:
-            if self.nnodes != 1:
-                raise ConfigError(f"--standalone runs a single node, but --nnodes is {self.nnodes}: drop one of them")
-            self.master_addr = LOOPBACK
-        if self.rdzv_id is not None and not self.rdzv_id.strip():
-            raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
-        if self.grace_period_s is None:
-            raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
-            try:
-                self.grace_period_s = float(raw) if raw.strip() else SHUTDOWN_TIMEOUT_S
-            except ValueError:
-                raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds "
-                                  "(the grace between SIGTERM and SIGKILL): unset it or give e.g. 30") from None
-        if self.grace_period_s < 0:
+        if self.grace_period_s is not None and self.grace_period_s < 0:
             raise ConfigError(f"--shutdown-timeout {self.grace_period_s} must be 0 or more seconds")
         if not self.monitor_interval > 0:
             raise ConfigError(f"--monitor-interval {self.monitor_interval} must be a positive number of seconds")
-        if self.no_python and self.module:
-            raise ConfigError("--no-python and -m cannot go together: -m runs a module with python")
-        if not self.role.strip():
-            raise ConfigError("--role is empty: give the workers' role a name (default: default)")
-        if self.log_dir is not None:
-            self.log_dir = Path(self.log_dir)
-            if self.log_dir.is_file():
-                raise ConfigError(f"--log-dir {str(self.log_dir)!r} is a file: give a directory")
-        self._check_program()
 
-    def _node_range(self) -> tuple[int, int]:
-        text = str(self.nnodes)
-        low, sep, high = text.partition(":")
+
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as ``(MIN, MAX)``.
+
+    Raises:
+        ConfigError: not a number, or not 1 <= MIN <= MAX.
+    """
+    text = str(nnodes)
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r} is not a number of nodes: use N or MIN:MAX") from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"--nnodes {text} must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX (e.g. 2 or 1:4)")
+    return lo, hi
+
+
+def rendezvous_conf(text: str) -> tuple[dict[str, object], list[str]]:
+    """``--rdzv-conf key=value,...`` with torchrun's defaults filled in, and the keys ddpkit does not read.
+
+    Raises:
+        ConfigError: a malformed pair, a bad value, or a store type other than tcp.
+    """
+    conf = {key: default for key, (default, _) in RDZV_CONF.items()}
+    unknown: list[str] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"--rdzv-conf {text!r}: {part!r} is not KEY=VALUE")
+        if key not in RDZV_CONF:
+            unknown.append(key)
+            continue
         try:
-            lo, hi = int(low), int(high if sep else low)
-        except ValueError:
-            raise ConfigError(f"--nnodes {text!r} is not a number of nodes: use N or MIN:MAX") from None
-        if lo < 1 or hi < lo:
-            raise ConfigError(f"--nnodes {text} must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX (e.g. 2 or 1:4)")
-        return lo, hi
+            conf[key] = RDZV_CONF[key][1](value.strip())
+        except (KeyError, ValueError):
+            raise ConfigError(f"--rdzv-conf {key}={value!r} is not a valid value for {key}") from None
+    if "timeout" in text and "join_timeout" not in text:
+        conf["join_timeout"] = conf["timeout"]  # torchrun's older name
+    if conf["store_type"] != "tcp":
+        raise ConfigError(f"--rdzv-conf store_type={conf['store_type']}: ddpkit's rendezvous is a TCP store; "
+                          "leave store_type out")
+    for key in ("join_timeout", "last_call_timeout", "read_timeout", "keep_alive_interval"):
+        if not conf[key] > 0:  # type: ignore[operator]
+            raise ConfigError(f"--rdzv-conf {key}={conf[key]} must be a positive number of seconds")
+    if conf["keep_alive_max_attempt"] < 1:  # type: ignore[operator]
+        raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']} must be 1 or more")
+    return conf, unknown
 
-    def _rendezvous_conf(self) -> dict[str, object]:
-        conf = {key: default for key, (default, _) in RDZV_CONF.items()}
-        self.unknown_conf: list[str] = []
-        for part in filter(None, (p.strip() for p in self.rdzv_conf.split(","))):
-            key, sep, value = part.partition("=")
-            key = key.strip()
-            if not sep:
-                raise ConfigError(f"--rdzv-conf {self.rdzv_conf!r}: {part!r} is not KEY=VALUE")
-            if key not in RDZV_CONF:
-                self.unknown_conf.append(key)
-                continue
-            try:
-                conf[key] = RDZV_CONF[key][1](value.strip())
-            except (KeyError, ValueError):
-                raise ConfigError(f"--rdzv-conf {key}={value!r} is not a valid value for {key}") from None
-        if "timeout" in self.rdzv_conf and "join_timeout" not in self.rdzv_conf:
-            conf["join_timeout"] = conf["timeout"]  # torchrun's older name
-        if conf["store_type"] != "tcp":
-            raise ConfigError(f"--rdzv-conf store_type={conf['store_type']}: ddpkit's rendezvous is a TCP store; "
-                              "leave store_type out")
-        for key in ("join_timeout", "last_call_timeout", "read_timeout", "keep_alive_interval"):
-            if not conf[key] > 0:  # type: ignore[operator]
-                raise ConfigError(f"--rdzv-conf {key}={conf[key]} must be a positive number of seconds")
-        if conf["keep_alive_max_attempt"] < 1:  # type: ignore[operator]
-            raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']} must be 1 or more")
-        return conf
 
-    def _shown_ranks(self) -> set[int] | None:
-        if not self.local_ranks_filter.strip():
-            return None
-        try:
-            shown = {int(r) for r in self.local_ranks_filter.split(",")}
-        except ValueError:
-            raise ConfigError(f"--local-ranks-filter {self.local_ranks_filter!r}: list local ranks like 0 or 0,1,2") \
-                from None
-        if outside := sorted(r for r in shown if not 0 <= r < int(self.nproc_per_node)):
-            raise ConfigError(f"--local-ranks-filter {self.local_ranks_filter!r}: local rank(s) {outside} do not exist "
-                              f"on this node (0..{int(self.nproc_per_node) - 1})")
-        return shown
+def signal_numbers(names: str) -> tuple[int, ...]:
+    """``--signals-to-handle SIGTERM,SIGINT,...`` as signal numbers.
 
-    def _signals(self) -> tuple[int, ...]:
-        found = []
-        for name in filter(None, (n.strip().upper() for n in self.signals_to_handle.split(","))):
-            sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-            if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
-                raise ConfigError(f"--signals-to-handle {self.signals_to_handle!r}: {name!r} is not a signal the "
-                                  "launcher can catch (e.g. SIGTERM,SIGINT,SIGUSR1)")
-            found.append(int(sig))
-        return tuple(found)
-
-    @property
-    def dynamic(self) -> bool:
-        """Nodes agree on their ranks at a rendezvous endpoint (``--rdzv-backend c10d``)."""
-        return self.rdzv_backend == "c10d" and not self.standalone
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_nodes != self.max_nodes
-
-    def notes(self) -> list[str]:
-        """One line for each torchrun flag given here that changes nothing in ddpkit."""
-        notes = []
-        if self.standalone and (self.rdzv_endpoint or self.rdzv_backend != "static"):
-            notes.append("--standalone: --rdzv-backend and --rdzv-endpoint are ignored, as torchrun ignores them")
-        if self.dynamic and self.node_rank:
-            notes.append(f"--node-rank {self.node_rank}: ignored with --rdzv-backend c10d, where the nodes agree "
-                         "on their ranks at the rendezvous (as torchrun)")
-        if self.unknown_conf:
-            notes.append(f"--rdzv-conf: {', '.join(self.unknown_conf)} not used by ddpkit's rendezvous "
-                         f"(it reads {', '.join(k for k in RDZV_CONF if k != 'timeout')})")
-        if self.run_path:
-            notes.append("--run-path: each worker runs the script as __main__ in its own interpreter, which is "
-                         "what runpy.run_path gives torchrun's workers")
-        if self.numa_binding:
-            notes.append(f"--numa-binding {self.numa_binding}: not done by ddpkit; workers run where the OS puts "
-                         "them (bind them yourself with numactl and --no-python)")
-        if self.logs_specs:
-            notes.append(f"--logs-specs {self.logs_specs}: ddpkit has no log plugins; --log-dir, --tee and "
-                         "--redirects choose where output goes")
-        if self.event_log_handler != "null":
-            notes.append(f"--event-log-handler {self.event_log_handler}: ddpkit writes no event log")
-        if self.monitor_interval != 0.1:
-            notes.append(f"--monitor-interval {self.monitor_interval:g}: not needed, ddpkit learns of a worker's "
-                         "exit the moment it happens")
-        if self.start_method != "spawn":
-            notes.append(f"--start-method {self.start_method}: every worker is a new process running the program "
-                         "(torchrun's start method matters only for function entry points)")
-        return notes
-
-    def _check_program(self) -> None:
-        if self.no_python:
-            if not (Path(self.program).is_file() or shutil.which(self.program)):
-                raise ConfigError(f"--no-python: {self.program!r} is neither a file nor a command on PATH")
-            return
-        if self.module:
-            # Workers run `python -m`, which puts the working directory first on sys.path.
-            sys.path.insert(0, os.getcwd())
-            try:
-                found = importlib.util.find_spec(self.program) is not None
-            except (ImportError, ValueError):
-                found = False
-            finally:
-                sys.path.pop(0)
-            if not found:
-                raise ConfigError(f"module {self.program!r} cannot be found: check the name and PYTHONPATH")
-        elif not Path(self.program).is_file():
-            raise ConfigError(
-                f"script {self.program!r} does not exist (looked in {os.getcwd()}): check the path, "
-                "or pass -m to run a module"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return int(self.nproc_per_node) * self.nnodes
-
-    @property
-    def hosts_rendezvous(self) -> bool:
-        """Node 0's rank 0 serves the store, so this launcher must find its port free."""
-        return self.node_rank == 0
-
-    def port(self) -> int:
-        return self.master_port if self.master_port is not None else DEFAULT_PORT
+    Raises:
+        ConfigError: a name that is no signal, or one the launcher cannot catch.
+    """
+    found = []
+    for name in filter(None, (n.strip().upper() for n in names.split(","))):
+        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise ConfigError(f"--signals-to-handle {names!r}: {name!r} is not a signal the "
+                              "launcher can catch (e.g. SIGTERM,SIGINT,SIGUSR1)")
+        found.append(int(sig))
+    return tuple(found)

@@ -40,7 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.plan import NodeSlot
 from ddpkit.launcher.rendezvous import POLL_S, NodeRendezvous, RemoteFailure
 from ddpkit.runtime.network import is_local
@@ -68,13 +68,13 @@ class Round:
 class DynamicRendezvous(NodeRendezvous):
     """This launcher's part in a c10d-style rendezvous: rounds of nodes agreed at the endpoint."""
 
-    def __init__(self, cfg: LaunchConfig, token: str | None) -> None:
-        host, port = cfg.endpoint
-        self.cfg = cfg
-        self.conf = cfg.conf
-        self.node, self.nnodes = -1, cfg.max_nodes
+    def __init__(self, launch: LaunchSettings, token: str | None) -> None:
+        host, port = launch.endpoint
+        self.launch = launch
+        self.conf = launch.conf
+        self.node, self.nnodes = -1, launch.max_nodes
         self.node_id = uuid.uuid4().hex[:12]
-        self.addr = cfg.local_addr or socket.getfqdn()
+        self.addr = launch.config.local_addr or socket.getfqdn()
         self.stale_s = float(self.conf["keep_alive_interval"]) * int(self.conf["keep_alive_max_attempt"])
         serve = self.conf["is_host"] if self.conf["is_host"] is not None else is_local(host)
         self._connect(host, port, serve=bool(serve), token=token, timeout_s=float(self.conf["read_timeout"]),
@@ -123,7 +123,7 @@ class DynamicRendezvous(NodeRendezvous):
                 continue
             with self._lock:
                 ticket = self.store.add(f"r/{round_}/count", 1) - 1
-                me = {"id": self.node_id, "addr": self.addr, "nproc": int(self.cfg.nproc_per_node)}
+                me = {"id": self.node_id, "addr": self.addr, "nproc": self.launch.nproc}
                 self.store.set(f"r/{round_}/node/{ticket}", json.dumps(me))
             closed = self._close(round_) if ticket == 0 else self._wait_closed(round_)
             if "over" in closed:
@@ -135,27 +135,28 @@ class DynamicRendezvous(NodeRendezvous):
 
     def _close(self, round_: int) -> dict:
         """Ticket 0: wait for ``MIN`` nodes, then the last call; publish who is in the round."""
-        cfg, conf = self.cfg, self.conf
+        launch, conf = self.launch, self.conf
         deadline = time.monotonic() + float(conf["join_timeout"])
         last_call = None
         while True:
             with self._lock:
                 count = int(self.store.add(f"r/{round_}/count", 0))
-            if count >= cfg.min_nodes and last_call is None:
+            if count >= launch.min_nodes and last_call is None:
                 last_call = time.monotonic() + float(conf["last_call_timeout"])
-            if count >= cfg.max_nodes or (last_call is not None and time.monotonic() >= last_call):
+            if count >= launch.max_nodes or (last_call is not None and time.monotonic() >= last_call):
                 break
             if last_call is None and time.monotonic() >= deadline:
                 raise ConfigError(
-                    f"rendezvous round {round_}: {count} of the {cfg.min_nodes} nodes needed (--nnodes "
-                    f"{cfg.min_nodes}:{cfg.max_nodes}) joined within join_timeout {conf['join_timeout']:g} s: start "
+                    f"rendezvous round {round_}: {count} of the {launch.min_nodes} nodes needed (--nnodes "
+                    f"{launch.min_nodes}:{launch.max_nodes}) joined within join_timeout {conf['join_timeout']:g} s: start "
                     "the other nodes' launchers with the same --rdzv-endpoint and --rdzv-id, or raise join_timeout "
                     "in --rdzv-conf")
             time.sleep(0.05)
         restarts = self._restarts_before(round_)
-        closed: dict = {"n": min(count, cfg.max_nodes), "restarts": restarts}
-        if restarts > cfg.max_restarts:
-            closed = {"n": 0, "over": f"the job failed and no restart is left (--max-restarts {cfg.max_restarts})"}
+        closed: dict = {"n": min(count, launch.max_nodes), "restarts": restarts}
+        if restarts > launch.config.max_restarts:
+            closed = {"n": 0, "over": f"the job failed and no restart is left (--max-restarts "
+                                      f"{launch.config.max_restarts})"}
         with self._lock:
             self.store.set(f"r/{round_}/closed", json.dumps(closed))
         return closed
@@ -184,7 +185,7 @@ class DynamicRendezvous(NodeRendezvous):
         with self._lock:
             nodes = [json.loads(self.store.get(f"r/{round_}/node/{i}")) for i in range(closed["n"])]
         self._members[round_] = {i: node["id"] for i, node in enumerate(nodes)}
-        host, port = self.cfg.endpoint
+        host, port = self.launch.endpoint
         slot = NodeSlot(node_rank=ticket, nnodes=len(nodes), rank_base=sum(n["nproc"] for n in nodes[:ticket]),
                         world_size=sum(n["nproc"] for n in nodes), master_addr=host, master_port=port, round=round_)
         self.node = ticket
@@ -241,9 +242,9 @@ class DynamicRendezvous(NodeRendezvous):
             return change
         with self._lock:
             waiting = int(self.store.add(f"waiting/{round_}", 0))
-            if waiting and len(self.members(round_)) < self.cfg.max_nodes:
+            if waiting and len(self.members(round_)) < self.launch.max_nodes:
                 why = (f"{waiting} node(s) arrived and the job has room "
-                       f"(--nnodes {self.cfg.min_nodes}:{self.cfg.max_nodes})")
+                       f"(--nnodes {self.launch.min_nodes}:{self.launch.max_nodes})")
                 self.store.set(f"change/{round_}", why)
                 return why
         return None

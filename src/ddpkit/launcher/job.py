@@ -16,7 +16,6 @@ next round (see :mod:`ddpkit.launcher.elastic`).
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import time
@@ -24,12 +23,13 @@ import uuid
 from collections.abc import Callable
 
 from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
-from ddpkit.runtime.discovery import LOOPBACK
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token
 from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import Interrupted, SignalCatcher, describe_exit, free_port
@@ -39,43 +39,46 @@ def run(cfg: LaunchConfig) -> int:
     """Start, supervise and (re)start this node's workers; return the exit code.
 
     Raises:
-        ConfigError: the rendezvous cannot work (unresolvable address, busy port).
+        ConfigError: the launch cannot work: a setting :func:`~ddpkit.launcher.settings.resolve` refuses, an
+            unresolvable address, a busy port.
     """
+    launch = resolve(cfg)
     check_backend(os.environ.get("DDPKIT_BACKEND", ""))
-    if cfg.standalone:
+    master_addr = launch.master_addr
+    if launch.standalone:
         port = free_port()
-        cfg.master_addr = standalone_addr(cfg.local_addr)
-    elif cfg.dynamic:
-        port = cfg.endpoint[1]
+        master_addr = standalone_addr(cfg.local_addr)
+    elif launch.dynamic:
+        port = launch.endpoint[1]  # type: ignore[index]
     else:
-        port = cfg.port()
-        check_rendezvous(cfg, port)
-    if int(cfg.nproc_per_node) > 1 and "OMP_NUM_THREADS" not in os.environ:
-        say(f"setting OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers so they do not "
+        port = launch.port()
+        check_rendezvous(launch, port)
+    if launch.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        say(f"setting OMP_NUM_THREADS=1 for each of the {launch.nproc} workers so they do not "
             "oversubscribe the CPU; set it yourself to tune")
-    for note in cfg.notes():
+    for note in launch.notes():
         say(note)
-    token = job_token(cfg)
+    token = job_token(launch)
     # torchrun's run id: a fresh uuid under --standalone (replacing --rdzv-id, as torchrun does), else
     # --rdzv-id or "none" (never the random secret, which must not reach logs).
-    run_id = str(uuid.uuid4()) if cfg.standalone else cfg.rdzv_id or "none"
-    layout = LogLayout(cfg, run_id, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
+    run_id = str(uuid.uuid4()) if launch.standalone else cfg.rdzv_id or "none"
+    layout = LogLayout(launch, run_id, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
     if layout.shown_dir is not None:
         say(f"worker logs in {layout.shown_dir}")
-    signals = SignalCatcher(cfg.signals)
-    job = _Job(cfg, port, signals, token, run_id, layout)
+    signals = SignalCatcher(launch.signals)
+    job = _Job(launch, master_addr, port, signals, token, run_id, layout)
     try:
         with signals.installed():
             try:
                 with signals.deferred():
-                    if cfg.dynamic:
-                        job.rdzv = DynamicRendezvous(cfg, token)
+                    if launch.dynamic:
+                        job.rdzv = DynamicRendezvous(launch, token)
                         if job.rdzv.serving:
                             say(f"serving the rendezvous at {job.rdzv.where}: the job ends if this launcher stops")
-                    elif cfg.nnodes > 1:
-                        job.rdzv = NodeRendezvous(host=cfg.master_addr, port=port, node=cfg.node_rank,
-                                                  nnodes=cfg.nnodes, token=token, timeout_s=rendezvous_timeout())
-                return job.elastic_rounds() if cfg.dynamic else job.attempts()
+                    elif launch.nnodes > 1:
+                        job.rdzv = NodeRendezvous(host=master_addr, port=port, node=cfg.node_rank,
+                                                  nnodes=launch.nnodes, token=token, timeout_s=rendezvous_timeout())
+                return job.elastic_rounds() if launch.dynamic else job.attempts()
             except Interrupted as e:
                 say(f"received {signal.Signals(e.signum).name}: stopping all workers")
                 signals.deferring = True  # a second Ctrl-C must not cut the teardown short
@@ -120,17 +123,17 @@ def standalone_addr(local_addr: str | None) -> str:
     return LOOPBACK
 
 
-def job_token(cfg: LaunchConfig) -> str | None:
+def job_token(launch: LaunchSettings) -> str | None:
     """The job's secret: ``--rdzv-id``, else ``DDPKIT_JOB_TOKEN``, else a random one on a single node.
 
     Several nodes must share one, so none is made up for them: the job then
     runs without, and the launcher says so.
     """
-    token = cfg.rdzv_id or os.environ.get("DDPKIT_JOB_TOKEN") or None
-    if token is None and cfg.nnodes == 1:
-        token = secrets.token_hex(16)
+    token = launch.config.rdzv_id or os.environ.get(JOB_TOKEN_ENV) or None
+    if token is None and launch.nnodes == 1:
+        token = mint_job_token()
     if token is None:
-        say("no job secret (--rdzv-id or DDPKIT_JOB_TOKEN, the same on every node): any process that reaches the "
+        say(f"no job secret (--rdzv-id or {JOB_TOKEN_ENV}, the same on every node): any process that reaches the "
             "rendezvous can join this job as a rank")
     return token
 
@@ -138,22 +141,22 @@ def job_token(cfg: LaunchConfig) -> str | None:
 class _Job:
     """One launcher's run: its rounds of workers, the failures between them, and the node rendezvous."""
 
-    def __init__(self, cfg: LaunchConfig, port: int, signals: SignalCatcher, token: str | None, run_id: str,
-                 layout: LogLayout):
-        self.cfg, self.port, self.signals, self.token, self.run_id, self.layout = (
-            cfg, port, signals, token, run_id, layout)
+    def __init__(self, launch: LaunchSettings, master_addr: str, port: int, signals: SignalCatcher,
+                 token: str | None, run_id: str, layout: LogLayout):
+        self.launch, self.master_addr, self.port, self.signals, self.token, self.run_id, self.layout = (
+            launch, master_addr, port, signals, token, run_id, layout)
         self.rdzv: NodeRendezvous | None = None
         self.group: WorkerGroup | None = None
 
     def _round(self, attempt: int, restart_count: int, slot: NodeSlot,
                watch: Callable[[], RemoteFailure | str | None] | None) -> Failure | RemoteFailure | str | None:
         """Run this node's workers for one round; the outcome of :meth:`WorkerGroup.wait`, reported."""
-        cfg = self.cfg
-        errors = self.layout.start_attempt(attempt, int(cfg.nproc_per_node))
-        specs = plan_workers(cfg, master_port=slot.master_port, restart_count=restart_count, base_env=os.environ,
+        launch = self.launch
+        errors = self.layout.start_attempt(attempt, launch.nproc)
+        specs = plan_workers(launch, master_port=slot.master_port, restart_count=restart_count, base_env=os.environ,
                              job_token=self.token, agent_store=self.rdzv is not None, run_id=self.run_id,
                              slot=slot, error_files=errors)
-        self.group = WorkerGroup(cfg, self.layout)
+        self.group = WorkerGroup(launch, self.layout)
         self.group.start(specs, self.signals)
         outcome = self.group.wait(watch=watch)
         if outcome is None:
@@ -183,12 +186,13 @@ class _Job:
 
     def attempts(self) -> int:
         """Static rendezvous: every node knows its rank; all restart together."""
-        cfg, rdzv, port = self.cfg, self.rdzv, self.port
+        launch, rdzv, port = self.launch, self.rdzv, self.port
+        max_restarts = launch.config.max_restarts
         first = rdzv.current_round() if rdzv else 0
         if first:
             say(f"joining the job in progress at restart round {first}")
-        for attempt in range(first, cfg.max_restarts + 1):
-            if attempt and cfg.standalone:
+        for attempt in range(first, max_restarts + 1):
+            if attempt and launch.standalone:
                 port = free_port()
             if rdzv:
                 try:
@@ -197,12 +201,12 @@ class _Job:
                     say(f"node 0's rendezvous stopped answering ({type(e).__name__}) before restart round {attempt}: "
                         "node 0 is down, its launcher was killed, or the network to it is cut")
                     return 1
-            outcome = self._round(attempt, attempt, NodeSlot.static(cfg, port),
+            outcome = self._round(attempt, attempt, NodeSlot.static(launch, port, self.master_addr),
                                   (lambda a=attempt: rdzv.watch(a)) if rdzv else None)
             if outcome is None:
                 return self._succeeded(attempt)
-            if attempt < cfg.max_restarts:
-                say(f"restarting the worker group (restart {attempt + 1} of {cfg.max_restarts})"
+            if attempt < max_restarts:
+                say(f"restarting the worker group (restart {attempt + 1} of {max_restarts})"
                     + (", every node together" if rdzv else ""))
             elif rdzv:
                 rdzv.finish(attempt, ok=False)
@@ -210,7 +214,8 @@ class _Job:
 
     def elastic_rounds(self) -> int:
         """Dynamic rendezvous: each round's nodes agree on ranks; failures and arrivals form the next round."""
-        cfg, rdzv = self.cfg, self.rdzv
+        launch, rdzv = self.launch, self.rdzv
+        max_restarts = launch.config.max_restarts
         assert isinstance(rdzv, DynamicRendezvous)
         round_ = rdzv.current_round()
         while True:
@@ -227,7 +232,7 @@ class _Job:
             round_, slot = formed.number, formed.slot
             say(f"rendezvous round {round_}: node {slot.node_rank} of {slot.nnodes} ("
                 + ", ".join(f"{n['addr']} x{n['nproc']}" for n in formed.nodes)
-                + f"), ranks {slot.rank_base}..{slot.rank_base + int(cfg.nproc_per_node) - 1} of {slot.world_size}"
+                + f"), ranks {slot.rank_base}..{slot.rank_base + launch.nproc - 1} of {slot.world_size}"
                 + (f", after {formed.restarts} restart(s)" if formed.restarts else ""))
 
             def watch(r: int = round_) -> RemoteFailure | str | None:
@@ -245,29 +250,29 @@ class _Job:
                     f"{round_ + 1} (not counted as a restart)")
             elif isinstance(outcome, RemoteFailure) and outcome.node < 0:
                 return 1  # the store is gone: no next round can form
-            elif formed.restarts >= cfg.max_restarts:
+            elif formed.restarts >= max_restarts:
                 rdzv.finish(round_, ok=False)
                 return 1
             else:
-                say(f"restarting with the nodes still here (restart {formed.restarts + 1} of {cfg.max_restarts}), "
+                say(f"restarting with the nodes still here (restart {formed.restarts + 1} of {max_restarts}), "
                     f"rendezvous round {round_ + 1}")
             round_ += 1
 
 
-def check_rendezvous(cfg: LaunchConfig, port: int) -> None:
+def check_rendezvous(launch: LaunchSettings, port: int) -> None:
     """Fail fast on a master address that does not resolve or a busy port on node 0.
 
     Raises:
         ConfigError: with the offending value and the fix.
     """
     try:
-        socket.getaddrinfo(cfg.master_addr, port)
+        socket.getaddrinfo(launch.master_addr, port)
     except socket.gaierror as e:
         raise ConfigError(
-            f"--master-addr {cfg.master_addr!r} does not resolve ({e.strerror}): "
+            f"--master-addr {launch.master_addr!r} does not resolve ({e.strerror}): "
             "use a host name or IP address of node 0"
         ) from None
-    if not cfg.hosts_rendezvous:
+    if not launch.hosts_rendezvous:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR as the store itself uses: a port in TIME_WAIT is fine,

@@ -36,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.settings import LaunchSettings
 
 SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
 write_lock = threading.Lock()
@@ -118,15 +118,16 @@ def _filters(text: str) -> list[bytes]:
 class LogLayout:
     """The files of one launch: per attempt and rank, as described in the module docstring."""
 
-    def __init__(self, cfg: LaunchConfig, run_id: str, prefix_template: str | None = None):
-        self.cfg = cfg
+    def __init__(self, launch: LaunchSettings, run_id: str, prefix_template: str | None = None):
+        self.launch = launch
         self.template = prefix_template
-        self.torchrun_layout = any(cfg.redirect_map.values()) or any(cfg.tee_map.values())
-        self.filters = {"stdout": _filters(cfg.duplicate_stdout_filters),
-                        "stderr": _filters(cfg.duplicate_stderr_filters)}
+        self.torchrun_layout = any(launch.redirect_map.values()) or any(launch.tee_map.values())
+        self.filters = {"stdout": _filters(launch.config.duplicate_stdout_filters),
+                        "stderr": _filters(launch.config.duplicate_stderr_filters)}
         self._private: Path | None = None
         if self.torchrun_layout or any(self.filters.values()):
-            base = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="ddpkit_logs_"))
+            log_dir = launch.config.log_dir
+            base = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="ddpkit_logs_"))
             base.mkdir(parents=True, exist_ok=True)
             self.run_dir = Path(tempfile.mkdtemp(prefix=f"{run_id}_", dir=base))
         else:
@@ -150,25 +151,25 @@ class LogLayout:
         self._attempt_dir = attempt_dir
         self._duplicates = {name: self._file(attempt_dir / f"filtered_{name}.log")
                             for name, words in self.filters.items() if words}
-        if self.cfg.log_dir and not self.torchrun_layout:
-            (Path(self.cfg.log_dir) / f"attempt_{attempt}").mkdir(parents=True, exist_ok=True)
+        if self.launch.config.log_dir and not self.torchrun_layout:
+            (Path(self.launch.config.log_dir) / f"attempt_{attempt}").mkdir(parents=True, exist_ok=True)
         self._attempt = attempt
         return files
 
     def streams(self, rank: int, local_rank: int, console: dict[str, BinaryIO]) -> list[tuple]:
         """For each stream of one worker: ``(name, console or None, prefix, log file or None, duplicate)``."""
-        cfg = self.cfg
-        shown = cfg.shown_ranks is None or local_rank in cfg.shown_ranks
+        launch = self.launch
+        shown = launch.shown_ranks is None or local_rank in launch.shown_ranks
         combined = None
-        if cfg.log_dir and not self.torchrun_layout:
-            combined = self._file(Path(cfg.log_dir) / f"attempt_{self._attempt}" / f"rank{rank}.log")
+        if launch.config.log_dir and not self.torchrun_layout:
+            combined = self._file(Path(launch.config.log_dir) / f"attempt_{self._attempt}" / f"rank{rank}.log")
         out = []
         for name in ("stdout", "stderr"):
-            teed = name in cfg.tee_map[local_rank]
-            redirected = teed or name in cfg.redirect_map[local_rank]
+            teed = name in launch.tee_map[local_rank]
+            redirected = teed or name in launch.redirect_map[local_rank]
             log = self._file(self._attempt_dir / str(local_rank) / f"{name}.log") if redirected else combined
             to_console = shown and (teed or not redirected)
-            if cfg.prefix_output:
+            if launch.config.prefix_output:
                 prefix = f"[rank{rank}]: "
             elif teed:
                 prefix = self._tee_prefix(rank, local_rank)
@@ -181,8 +182,8 @@ class LogLayout:
     def _tee_prefix(self, rank: int, local_rank: int) -> str:
         if self.template:
             return string.Template(self.template).safe_substitute(
-                role_name=self.cfg.role, rank=rank, local_rank=local_rank)
-        return f"[{self.cfg.role}{local_rank}]:"
+                role_name=self.launch.config.role, rank=rank, local_rank=local_rank)
+        return f"[{self.launch.config.role}{local_rank}]:"
 
     def _file(self, path: Path) -> BinaryIO:
         f = open(path, "ab")  # noqa: SIM115 - closed by close_files()

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from string import Template
 
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.settings import LaunchSettings
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV
 from ddpkit.runtime.process import worker_env
 
 
@@ -30,10 +31,12 @@ class NodeSlot:
     membership change starts a new round without counting a restart."""
 
     @classmethod
-    def static(cls, cfg: LaunchConfig, master_port: int) -> NodeSlot:
-        nproc = int(cfg.nproc_per_node)
-        return cls(node_rank=cfg.node_rank, nnodes=cfg.nnodes, rank_base=cfg.node_rank * nproc,
-                   world_size=cfg.world_size, master_addr=cfg.master_addr, master_port=master_port)
+    def static(cls, launch: LaunchSettings, master_port: int, master_addr: str | None = None) -> NodeSlot:
+        """This node's slot in a static job (``master_addr``: the launch's unless given)."""
+        node = launch.config.node_rank
+        return cls(node_rank=node, nnodes=launch.nnodes, rank_base=node * launch.nproc,
+                   world_size=launch.world_size, master_addr=master_addr or launch.master_addr,
+                   master_port=master_port)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,23 +49,24 @@ class WorkerSpec:
     env: dict[str, str]
 
 
-def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
+def worker_argv(launch: LaunchSettings, local_rank: int) -> list[str]:
     """The command line of one worker (``-u``: unbuffered, so output streams live).
 
     As torchrun's: ``--local-rank-arg`` passes ``--local-rank=N`` (torch 2's
     spelling), ``${local_rank}`` in the arguments becomes the local rank (and
     ``$$`` a ``$``), and ``PYTHON_EXEC`` names the interpreter when set.
     """
+    cfg = launch.config
     extra = [f"--local-rank={local_rank}"] if cfg.local_rank_arg else []
     args = [Template(a).safe_substitute(local_rank=str(local_rank)) for a in [*extra, *cfg.args]]
-    if cfg.no_python:
+    if launch.no_python:
         return [cfg.program, *args]
     target = ["-m", cfg.program] if cfg.module else [cfg.program]
     return [os.environ.get("PYTHON_EXEC") or cfg.python, "-u", *target, *args]
 
 
 def plan_workers(
-    cfg: LaunchConfig, *, master_port: int, restart_count: int, base_env: Mapping[str, str],
+    launch: LaunchSettings, *, master_port: int, restart_count: int, base_env: Mapping[str, str],
     job_token: str | None = None, agent_store: bool = False, run_id: str = "none",
     slot: NodeSlot | None = None, error_files: Mapping[int, str] | None = None,
 ) -> list[WorkerSpec]:
@@ -73,7 +77,7 @@ def plan_workers(
     scripts run unchanged.
 
     Args:
-        cfg: the validated launch configuration.
+        launch: the launch's settings (:func:`ddpkit.launcher.settings.resolve`).
         master_port: the rendezvous port of this attempt (when no ``slot``).
         restart_count: how many times the group was restarted before.
         base_env: the environment to extend (usually ``os.environ``).
@@ -81,11 +85,11 @@ def plan_workers(
         agent_store: the launchers serve the store (multi-node), so rank 0
             connects to it like every other worker (torchrun's contract).
         run_id: ``TORCHELASTIC_RUN_ID`` (torchrun: ``--rdzv-id``, default ``none``).
-        slot: this node's place in the round (default: the static one from ``cfg``).
+        slot: this node's place in the round (default: the static one from ``launch``).
         error_files: ``TORCHELASTIC_ERROR_FILE`` per local rank (torch's ``@record`` writes there).
     """
-    nproc = int(cfg.nproc_per_node)
-    slot = slot or NodeSlot.static(cfg, master_port)
+    cfg, nproc = launch.config, launch.nproc
+    slot = slot or NodeSlot.static(launch, master_port)
     workers = []
     for local_rank in range(nproc):
         rank = slot.rank_base + local_rank
@@ -106,12 +110,12 @@ def plan_workers(
             env["LOCAL_RANK"] = "0"
             env["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
         if job_token:
-            env["DDPKIT_JOB_TOKEN"] = job_token
+            env[JOB_TOKEN_ENV] = job_token
         # As torchrun sets them, so that torch.distributed.is_torchelastic_launched()
         # is true and libraries (Lightning) pick their torchelastic environment.
         env["TORCHELASTIC_USE_AGENT_STORE"] = str(agent_store)
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
         env["TORCHELASTIC_RUN_ID"] = run_id
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(cfg, local_rank), env=env))
+        workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(launch, local_rank), env=env))
     return workers

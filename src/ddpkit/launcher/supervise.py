@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.rendezvous import POLL_S, RemoteFailure
@@ -110,8 +110,8 @@ class WorkerGroup:
     in time, not the first in rank order.
     """
 
-    def __init__(self, cfg: LaunchConfig, layout: LogLayout):
-        self.cfg = cfg
+    def __init__(self, launch: LaunchSettings, layout: LogLayout):
+        self.launch = launch
         self.layout = layout
         self.specs: list[WorkerSpec] = []
         self.procs: list[subprocess.Popen] = []
@@ -186,7 +186,7 @@ class WorkerGroup:
 
     def stop(self, first_signal: int = signal.SIGTERM) -> None:
         """Stop every worker and its children (see :func:`ddpkit.runtime.process.terminate`)."""
-        terminate(self.procs, self.cfg.grace_period_s, first_signal)
+        terminate(self.procs, self.launch.grace_period_s, first_signal)
         self.finish()
 
     def finish(self) -> None:

@@ -33,6 +33,7 @@ train --trace`` records its first optimizer steps the same way, with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -160,6 +161,21 @@ class Recorder(Observer):
         self.backward(loss.backward)
         with self.phase("optimizer"):
             opt.step()
+
+
+class Untraced:
+    """What a training loop records with when it is not tracing: every phase runs as it is, unrecorded."""
+
+    enabled = False
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def backward(self, run: Callable[[], None]) -> None:
+        run()
+
+
+UNTRACED = Untraced()
 
 
 def trace_torch(model: Any, recorder: Recorder) -> None:

@@ -32,6 +32,7 @@ rank 0's host.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,6 +40,15 @@ DEFAULT_PORT = 29500
 """Rendezvous port used under MPI/SLURM when ``MASTER_PORT`` is not set."""
 
 LOOPBACK = "127.0.0.1"
+
+JOB_TOKEN_ENV = "DDPKIT_JOB_TOKEN"
+"""The job's secret, the same in every rank: only processes that present it may join the rendezvous (set by
+``ddpkit launch`` and ``ddpkit.spawn``; give every rank the same one when you start ranks by hand)."""
+
+
+def mint_job_token() -> str:
+    """A fresh job secret (128 random bits, hex): for a job whose ranks all start from this process."""
+    return secrets.token_hex(16)
 
 
 @dataclass(frozen=True, kw_only=True)

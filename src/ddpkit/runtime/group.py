@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.runtime import events, stall
-from ddpkit.runtime.discovery import Placement, discover
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, discover
 from ddpkit.runtime.network import route_interface
 from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
 
@@ -174,7 +174,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             # One deadline for the whole rendezvous: reaching the store and the census.
             deadline = time.monotonic() + join_timeout
             store = open_store(place, join_timeout, deadline)
-            token = os.environ.get("DDPKIT_JOB_TOKEN") or None
+            token = os.environ.get(JOB_TOKEN_ENV) or None
             admit(store, place, token)
             # Keys live under a per-attempt prefix: a store that outlives one
             # attempt (torchrun's agent store) must not see the last one's census.

@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddpkit.runtime import stall
-from ddpkit.runtime.discovery import Placement
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement
 from ddpkit.runtime.network import loopback_listener
 
 _POLL_S = 0.01
@@ -126,12 +126,12 @@ def admit(store: dist.Store, place: Placement, token: str | None) -> None:
                                     f"{place.rank} {'without the job' if not token else 'with another job'}'s secret")
     if not token:
         why = ("the job there has a secret and this process presents none: start ranks with ddpkit launch, or "
-               "give every rank the job's DDPKIT_JOB_TOKEN (--rdzv-id)")
+               f"give every rank the job's {JOB_TOKEN_ENV} (--rdzv-id)")
     elif theirs == "none":
-        why = ("this process presents a secret (DDPKIT_JOB_TOKEN) but the job there has none: unset it, or start "
+        why = (f"this process presents a secret ({JOB_TOKEN_ENV}) but the job there has none: unset it, or start "
                "rank 0 with the same one")
     else:
-        why = "its DDPKIT_JOB_TOKEN is not the job's secret: give every rank the same --rdzv-id / DDPKIT_JOB_TOKEN"
+        why = f"its {JOB_TOKEN_ENV} is not the job's secret: give every rank the same --rdzv-id / {JOB_TOKEN_ENV}"
     raise RendezvousError(f"rank {place.rank} was refused by the rendezvous at {where}: {why}")
 
 

@@ -16,7 +16,6 @@ import multiprocessing as mp
 import multiprocessing.util
 import os
 import pickle
-import secrets
 import signal
 import sys
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV, mint_job_token
 from ddpkit.runtime.process import (
     GRACE_S,
     Interrupted,
@@ -138,7 +138,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
     ctx = mp.get_context("spawn")
     port = free_port()
-    token = secrets.token_hex(16)  # only these children may join (see ddpkit.init)
+    token = mint_job_token()  # only these children may join (see ddpkit.init)
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, tuple[int, Connection]] = {}
     signals = SignalCatcher()
@@ -171,7 +171,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
 
 def _env(rank: int, nprocs: int, port: int, backend: str | None, token: str) -> dict[str, str]:
     env = worker_env(rank=rank, local_rank=rank, world_size=nprocs, local_world_size=nprocs, master_port=port)
-    env["DDPKIT_JOB_TOKEN"] = token
+    env[JOB_TOKEN_ENV] = token
     if backend:
         env["DDPKIT_BACKEND"] = backend
     return env

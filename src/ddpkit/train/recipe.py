@@ -21,7 +21,7 @@ from ddpkit.train.config import TrainConfig
 from ddpkit.models import build_model
 from ddpkit.train.state import TrainState
 
-__all__ = ["autocast_for", "build_state", "dp_devices", "replicas", "strategy", "wrap"]
+__all__ = ["autocast_for", "build_state", "dp_devices", "replicas", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -43,25 +43,6 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     if config.engine == "dp":
         return DataParallel(model, device_ids=dp_devices(config))
     return model
-
-
-def strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig) -> Any:
-    """Set up ``--strategy``: the LocalSGD driver for ``local-sgd`` (else None); ``optimizer`` wraps
-    ``state.optimizer`` in a DistributedOptimizer (same param groups and state, so checkpoints are unchanged)."""
-    if config.engine != "ddpkit" or config.strategy == "ddp":
-        return None
-    if config.strategy == "optimizer":
-        from ddpkit.parallel.optimizer import DistributedOptimizer
-
-        state.optimizer = DistributedOptimizer(
-            state.optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=config.grad_accum
-        )
-        return None
-    from ddpkit.parallel.local_sgd import LocalSGD
-
-    local = LocalSGD(model, period=config.local_sgd, warmup_steps=config.local_sgd_warmup)
-    local.load_state_dict({"step_count": state.step})  # one local step per optimizer step, resumed ones too
-    return local
 
 
 def dp_devices(config: TrainConfig) -> list[int] | list[str]:

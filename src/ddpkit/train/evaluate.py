@@ -1,0 +1,46 @@
+"""Loss and accuracy over the whole test split, each sample counted exactly once across ranks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddpkit.data.datasets import TensorDataset
+from ddpkit.data.sampler import DistributedSampler
+from ddpkit.runtime import events
+
+__all__ = ["evaluate"]
+
+
+def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
+             autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float, int]:
+    """``(loss, accuracy, samples)`` of the plain ``model`` over ``test`` (a collective).
+
+    An unpadded sampler gives every sample to exactly one rank, so the shards
+    differ in length by one: no per-batch collective (DDP's buffer broadcast)
+    may run here, hence the plain module. The sums are reduced across ranks in
+    float64.
+    """
+    sampler = DistributedSampler(test, shuffle=False, pad=False)
+    idx = torch.tensor(list(sampler), dtype=torch.long)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(idx), 256):
+            b = idx[start : start + 256]
+            xb, yb = test.images[b].to(device), test.labels[b].to(device)
+            with autocast():
+                out = model(xb)
+            totals[0] += F.cross_entropy(out.float(), yb, reduction="sum").double()
+            totals[1] += (out.argmax(1) == yb).sum()
+            totals[2] += len(b)
+    model.train()
+    totals = totals.cpu()
+    events.collective("train: sum the evaluation's loss and accuracy", nbytes=totals.numel() * totals.element_size())
+    dist.all_reduce(totals)
+    loss_sum, correct, n = totals.tolist()
+    return loss_sum / n, correct / n, int(n)

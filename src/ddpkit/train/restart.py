@@ -1,0 +1,134 @@
+"""Attempts of a ``ddpkit train`` run: the workers started, restarted after a failure, resumed where they stopped.
+
+Two ways a run is started:
+
+* ``ddpkit train`` on its own starts ``nproc_per_node`` workers (one process
+  when that is 1 and no restarts are asked for) and, after a worker fails,
+  restarts all of them up to ``--max-restarts`` times. Every attempt claims
+  the output directory again (:func:`ddpkit.train.rundir.claim`) and resumes
+  from its newest valid checkpoint.
+* Inside a launcher (``ddpkit launch``, ``torchrun``, ``mpirun``, ``srun``)
+  this process is one rank of the job; the launcher restarts it, and
+  ``TORCHELASTIC_RESTART_COUNT`` (or, for an elastic launcher's new round,
+  ``DDPKIT_RDZV_ROUND``) says which attempt this is. Rank 0 claims the
+  directory and tells the others.
+
+A checkpoint written at another world size (an elastic job that lost or
+gained ranks) is continued by :func:`rescale`: not bit-identical to an
+uninterrupted run, and said so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.runtime.discovery import discover
+from ddpkit.runtime.group import print0, shutdown
+from ddpkit.runtime.options import ConfigError
+from ddpkit.runtime.spawn import WorkerError, spawn
+from ddpkit.train import rundir
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.state import TrainState
+
+__all__ = ["Worker", "agree_on_claim", "attempts", "rescale"]
+
+Worker = Callable[[int, TrainConfig, "rundir.Claim | None", int], dict[str, Any]]
+"""``worker(rank, config, claim, restart)``: one rank's training; returns the summary."""
+
+
+def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """Run ``worker`` on every rank until the run ends, restarting it as the module notes say.
+
+    ``check`` runs before this process starts workers of its own (not under a launcher), so bad data reads
+    as a usage error, not as a worker's traceback.
+
+    Raises:
+        ConfigError: ``--engine single`` or ``dp`` under a launcher with several processes.
+        ddpkit.WorkerError: a worker failed and no restart was left.
+    """
+    place = discover(os.environ)
+    if place.scheme != "single":
+        if config.engine in ("single", "dp") and place.world_size > 1:
+            raise ConfigError(
+                f"--engine {config.engine} trains in one process, but the launcher started "
+                f"{place.world_size}: run it without a launcher"
+            )
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        # An elastic launcher's new round (nodes came or went) is not counted
+        # as a restart, but continues the run all the same.
+        restart = max(restart, int(os.environ.get("DDPKIT_RDZV_ROUND") or 0))
+        try:
+            return worker(place.rank, config, None, restart)
+        finally:
+            # Destroy the group before the interpreter exits, also on an error:
+            # a gloo group torn down during interpreter exit aborts the process.
+            shutdown()
+    nproc = 1 if config.engine in ("single", "dp") else config.nproc_per_node or (
+        torch.cuda.device_count() if torch.cuda.is_available() else 2
+    )
+    check()
+    claim = rundir.claim(config.to_dict(), nproc)
+    for attempt in range(config.max_restarts + 1):
+        if attempt:
+            claim = rundir.claim({**config.to_dict(), "output_dir": str(claim.out)}, nproc, restart=True)
+        try:
+            if nproc == 1 and not config.max_restarts:
+                try:
+                    worker(0, config, claim, attempt)
+                finally:
+                    shutdown()
+            else:
+                spawn(worker, nproc, args=(config, claim, attempt))  # the config names the backend
+            break
+        except WorkerError as e:
+            if attempt == config.max_restarts:
+                raise
+            print(f"ddpkit train: rank {e.rank} failed; restarting the workers "
+                  f"(restart {attempt + 1} of {config.max_restarts})", flush=True)
+    return json.loads((claim.out / "summary.json").read_text())
+
+
+def agree_on_claim(config: TrainConfig, claim: rundir.Claim | None, world: int, restart: int) -> rundir.Claim:
+    """Under a launcher, rank 0 claims the directory and tells the others (or its error); else ``claim``."""
+    if claim is not None:
+        return claim
+    msg: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            msg = [rundir.claim(config.to_dict(), world, restart=restart > 0), None]
+        except ConfigError as e:
+            msg = [None, str(e)]
+    # Every rank reaches this broadcast, rank 0 even after a failed claim,
+    # so an error is raised everywhere instead of leaving ranks waiting.
+    dist.broadcast_object_list(msg, src=0)
+    if msg[1] is not None:
+        raise ConfigError(msg[1])
+    return msg[0]
+
+
+def rescale(state: TrainState, world: int, lr: float) -> None:
+    """Continue a run saved at another world size (an elastic job that lost or gained ranks).
+
+    The sampler re-shards the rest of the epoch (it restored the saved
+    position); the epoch's partial loss sums move to rank 0's row, so the
+    epoch's mean stays right; the learning rate becomes ``lr`` (the linear
+    scaling rule at the new world size); ranks the checkpoint had no RNG state
+    for got fresh ones (see :meth:`TrainState.load`).
+    """
+    before = state.extra["world_size"]
+    partial = state.extra["partial"]
+    state.extra["partial"] = torch.zeros(world, 2, dtype=torch.float64)
+    state.extra["partial"][0] = partial.sum(0)
+    state.extra["world_size"] = world
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    rest = (f"the rest of epoch {state.extra['epoch'] + 1} is re-sharded over {world}, "
+            if state.extra["batches_done"] else "")
+    print0(f"ddpkit train: the checkpoint was written by {before} process(es), this attempt has {world}: {rest}"
+           f"lr is now {lr:g} (linear scaling; not bit-identical to an uninterrupted run)")
