@@ -18,10 +18,3 @@ def torch_ddp(module: nn.Module, **kwargs: Any) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, **kwargs)
-
-
-def torch_default_hooks() -> Any:
-    """torch's ``ddp_comm_hooks.default_hooks`` module (allreduce / fp16 / bf16 hooks)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks

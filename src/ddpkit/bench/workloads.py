@@ -2,12 +2,12 @@
 
 Workloads:
 
-* ``convnet``: the tutorial's MNIST ConvNet (:class:`ddpkit.train.models.ConvNet`),
+* ``convnet``: the tutorial's MNIST ConvNet (:class:`ddpkit.models.ConvNet`),
   ``samples_per_rank`` 28x28 images per rank and step; compute-bound;
-* ``mlp``: :class:`ddpkit.train.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
+* ``mlp``: :class:`ddpkit.models.MLP` with ``mlp_hidden`` 4640 (about 25 M
   parameters, 100 MB of float32 gradients) on ``mlp_batch`` images per rank;
   communication-bound;
-* ``resnet``: :class:`ddpkit.train.models.ResNet` (ResNet-8, BatchNorm after every
+* ``resnet``: :class:`ddpkit.models.ResNet` (ResNet-8, BatchNorm after every
   convolution, 16/32/64 channels) on ``resnet_batch`` 28x28 images per rank: both
   engines broadcast its BatchNorm buffers from rank 0 before every forward;
 * ``transformer``: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 8 heads,
