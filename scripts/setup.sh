@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with torch==2.13.0 (the CPU
 # build this machine carries; any other torch spec pulls several GB of CUDA
-# wheels), then ddpkit itself in editable mode with its test extras.
+# wheels), then ddpkit itself in editable mode with its test and docs extras
+# (the suite builds the docs site with mkdocs --strict).
 # A second run only checks that everything imports and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ find_links=()
 if [ -d /opt/wheels ]; then
     find_links=(--find-links /opt/wheels)
 fi
-if ! .venv/bin/python -c "import torch, ddpkit, pytest, tqdm, safetensors, sklearn, matplotlib" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, ddpkit, pytest, tqdm, safetensors, sklearn, matplotlib, mkdocs, mkdocstrings, material" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet "${find_links[@]}" torch==2.13.0
-    .venv/bin/python -m pip install --quiet "${find_links[@]}" -e ".[test]"
+    .venv/bin/python -m pip install --quiet "${find_links[@]}" -e ".[test,docs]"
 fi

@@ -292,11 +292,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
         gradient_predivide_factor: with ``"avg"``, divide by this before the
             sum and by ``world_size / factor`` after (Horovod's split, for
             low-precision range). Default 1: divide by the world size first.
-        num_groups, groups: Horovod's explicit grouping of the all-reduces
-            into fused messages (a count, or lists of parameters). They only
-            change how messages are fused, never a result; ddpkit fuses by
-            bucket size (``bucket_cap_mb``), so they are checked and have no
-            other effect.
+        num_groups: Horovod's count of fused groups of all-reduces. It only
+            changes how messages are fused, never a result; ddpkit fuses by
+            bucket size (``bucket_cap_mb``), so it is checked and has no other
+            effect.
+        groups: Horovod's explicit grouping (lists of parameters); checked,
+            as ``num_groups``, and otherwise without effect.
         sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``)
             dense before reducing them, as Horovod's option does; ``.grad``
             then holds the dense average. Without it a sparse gradient is an

@@ -77,9 +77,8 @@ class Reducer:
             identical in order and shape on every rank.
         process_group: the group to reduce over; ``None`` for a world of one
             without a process group (no communication).
-        bucket_cap_mb, bucket_caps_mb: the caps in MiB (see
-            :func:`ddpkit.parallel.bucket_caps.bucket_limits`); a list
-            replaces the cap, before the rebuild too.
+        bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.bucket_caps.bucket_limits`).
+        bucket_caps_mb: one cap per bucket in MiB; replaces ``bucket_cap_mb``, before the rebuild too.
         find_unused_parameters: see :mod:`ddpkit.parallel.unused`.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
         static_graph: see :mod:`ddpkit.parallel.static_graph`.
