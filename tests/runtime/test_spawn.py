@@ -102,3 +102,37 @@ def test_spawn_gives_each_worker_one_thread_unless_the_user_chose(tmp_path, monk
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     ddpkit.spawn(_threads, 2, args=(str(tmp_path),))
     assert sorted(p.read_text() for p in tmp_path.glob("*.threads")) == ["1", "1"]
+
+
+def test_workers_die_with_a_parent_killed_outright(tmp_path):
+    # The parent (ddpkit train's own workers have one) killed with SIGKILL cannot stop its children; the
+    # kernel must, or they train on, orphaned, writing into the run directory.
+    import subprocess
+    import sys
+
+    from procs import base_env
+
+    code = ("import time, ddpkit\n"
+            "def worker(rank, out):\n"
+            "    open(f'{out}/{rank}.pid', 'w').write(str(__import__('os').getpid()))\n"
+            "    time.sleep(120)\n"
+            "if __name__ == '__main__':\n"
+            f"    ddpkit.spawn(worker, 2, args=({str(tmp_path)!r},))\n")
+    script = tmp_path / "parent.py"
+    script.write_text(code)
+    parent = subprocess.Popen([sys.executable, str(script)], env=base_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        parent.kill()  # SIGKILL to the parent alone: its workers lead their own process groups
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "a worker outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()

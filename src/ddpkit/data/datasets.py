@@ -22,6 +22,7 @@ A malformed IDX file raises :class:`DatasetError` naming the file and the defect
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import math
 import struct
@@ -302,6 +303,28 @@ def load_synthetic(
         TensorDataset(x[:samples], y[:samples], num_classes),
         TensorDataset(x[samples:], y[samples:], num_classes),
     )
+
+
+def source_files(name: str, data_dir: str | Path | None) -> list[Path]:
+    """The files a data set is read from (none for ``synthetic``, made from its settings)."""
+    if name == "digits":
+        return [_digits_csv()]
+    if name == "mnist" and data_dir is not None:
+        stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+        return [f for f in (_find(Path(data_dir), s) for s in stems) if f is not None]
+    return []
+
+
+def fingerprint(name: str, data_dir: str | Path | None) -> str:
+    """A digest of a data set's source files (their names and bytes): the same data under another path has the
+    same fingerprint, other data has another."""
+    digest = hashlib.blake2b(name.encode(), digest_size=16)
+    for path in source_files(name, data_dir):
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def load_dataset(

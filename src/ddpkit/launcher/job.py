@@ -29,6 +29,7 @@ from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
+from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token
 from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError
@@ -43,6 +44,10 @@ def run(cfg: LaunchConfig) -> int:
             unresolvable address, a busy port.
     """
     launch = resolve(cfg)
+    try:
+        variables.check_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check_backend(os.environ.get("DDPKIT_BACKEND", ""))
     master_addr = launch.master_addr
     if launch.standalone:

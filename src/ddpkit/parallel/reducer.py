@@ -165,7 +165,8 @@ class Reducer:
         """Rebuild the buckets if due (a collective: at every forward with grad enabled, as torch's DDP)."""
         if self._rebuild_due:
             self._rebuild_due = False
-            self.buckets = []  # the old set goes before the new one is made (see BucketLayout.build)
+            # The old set goes before the new one is made (see BucketLayout.build): no reference is left here.
+            self.buckets, self._slot, self._plans = [], [], []
             order = self.layout.order()
             if self.world_size > 1:
                 order = self.layout.agreed_order(self.group, self.owner, self.step, self.comm_device())

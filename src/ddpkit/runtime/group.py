@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import events, stall
+from ddpkit.runtime import events, stall, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, discover
 from ddpkit.runtime.network import route_interface
 from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
@@ -78,12 +78,8 @@ def timeouts(timeout: float | None = None) -> tuple[float, float]:
     Raises:
         ValueError: ``DDPKIT_TIMEOUT`` is not a number, or a timeout is not positive.
     """
-    if timeout is None and os.environ.get("DDPKIT_TIMEOUT"):
-        raw = os.environ["DDPKIT_TIMEOUT"]
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"DDPKIT_TIMEOUT={raw!r} is not a number of seconds") from None
+    if timeout is None:
+        timeout = variables.timeout_seconds(os.environ)
     if timeout is None:
         return DEFAULT_JOIN_TIMEOUT_S, DEFAULT_TIMEOUT_S
     if timeout <= 0:
@@ -97,7 +93,7 @@ def choose_backend(backend: str | None) -> str:
     Raises:
         ValueError: an unknown backend, or one this torch or machine cannot run.
     """
-    backend = backend or os.environ.get("DDPKIT_BACKEND") or None
+    backend = backend or variables.backend(os.environ)
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl", "mpi"):
@@ -180,9 +176,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             # attempt (torchrun's agent store) must not see the last one's census.
             # Under an elastic launcher a membership change starts a new round
             # without counting a restart, so the round names the attempt there.
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            if rdzv_round := os.environ.get("DDPKIT_RDZV_ROUND"):
-                attempt = f"round{rdzv_round}"
+            attempt = str(variables.count(os.environ, "TORCHELASTIC_RESTART_COUNT"))
+            if os.environ.get("DDPKIT_RDZV_ROUND"):
+                attempt = f"round{variables.count(os.environ, 'DDPKIT_RDZV_ROUND')}"
             prefix = f"{job_keys(token)[1]}{attempt}/"
             store = dist.PrefixStore(prefix, store)
             census(store, place, join_timeout, deadline)

@@ -30,6 +30,7 @@ from ddpkit.runtime.process import (
     Interrupted,
     SignalCatcher,
     describe_exit,
+    die_with_parent,
     free_port,
     terminate,
     worker_env,
@@ -61,7 +62,14 @@ def _encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
     return time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc(), payload
 
 
-def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str, str], conn: Connection) -> None:
+def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str, str], conn: Connection,
+           parent: int) -> None:
+    # A parent killed outright (kill -9, the OOM killer) cannot stop its children: the kernel does, as for the
+    # launcher's workers (torch's spawn asks for SIGINT, which a rank blocked in a collective would not see
+    # until the collective's timeout). A parent already gone before this line means: exit at once.
+    die_with_parent()
+    if os.getppid() != parent:
+        _exit_now(1)
     # Own process group, so the parent can take down grandchildren too (a
     # DataLoader worker is one) with a single killpg.
     os.setpgid(0, 0)
@@ -151,7 +159,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
                         break
                     parent_conn, child_conn = ctx.Pipe(duplex=False)
                     proc = ctx.Process(
-                        target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend, token), child_conn),
+                        target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend, token), child_conn,
+                                            os.getpid()),
                         name=f"ddpkit-rank{rank}",
                     )
                     proc.start()

@@ -50,7 +50,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ddpkit.runtime import events
+from ddpkit.runtime import events, variables
 from ddpkit.runtime.network import BoundedStore
 
 DEFAULT_WARN_S = 60.0
@@ -264,17 +264,8 @@ _COLLECTIVE_ERRORS = ("gloo", "Gloo", "NCCL", "nccl", "Connection closed", "Conn
 
 
 def warn_seconds() -> float:
-    """``DDPKIT_STALL_WARN`` in seconds (0: off), validated."""
-    raw = os.environ.get("DDPKIT_STALL_WARN", "")
-    if not raw:
-        return DEFAULT_WARN_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"DDPKIT_STALL_WARN={raw!r} is not a number of seconds (0 turns the stall report off)") from None
-    if value < 0:
-        raise ValueError(f"DDPKIT_STALL_WARN={raw!r} must be 0 (off) or a positive number of seconds")
-    return value
+    """``DDPKIT_STALL_WARN`` in seconds (0: off), validated (:mod:`ddpkit.runtime.variables`)."""
+    return variables.stall_warn_seconds(os.environ, DEFAULT_WARN_S)
 
 
 def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout_s: float) -> Inspector | None:

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.parallel.trace import UNTRACED, Recorder, Untraced, instrument, write
-from ddpkit.runtime import events
+from ddpkit.runtime import events, variables
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
 from ddpkit.runtime.options import ConfigError
@@ -71,7 +71,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if config.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
     try:
-        choose_backend(config.backend)  # before any worker starts, not as a worker's traceback
+        variables.check_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        choose_backend(config.backend)
     except ValueError as e:
         raise ConfigError(f"--backend / DDPKIT_BACKEND: {e}") from None
     return restart.attempts(config, worker, check=lambda: _load_data(config))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import print0, shutdown
 from ddpkit.runtime.options import ConfigError
@@ -59,13 +60,14 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
                 f"--engine {config.engine} trains in one process, but the launcher started "
                 f"{place.world_size}: run it without a launcher"
             )
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         # An elastic launcher's new round (nodes came or went) is not counted
         # as a restart, but continues the run all the same.
-        restart = max(restart, int(os.environ.get("DDPKIT_RDZV_ROUND") or 0))
+        restart = max(variables.count(os.environ, "TORCHELASTIC_RESTART_COUNT"),
+                      variables.count(os.environ, "DDPKIT_RDZV_ROUND"))
         try:
             return worker(place.rank, config, None, restart)
         finally:
+            rundir.release()  # rank 0 holds the run directory's lock
             # Destroy the group before the interpreter exits, also on an error:
             # a gloo group torn down during interpreter exit aborts the process.
             shutdown()
@@ -74,6 +76,15 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
     )
     check()
     claim = rundir.claim(config.to_dict(), nproc)
+    try:
+        _own_attempts(config, worker, claim, nproc)
+    finally:
+        rundir.release()
+    return json.loads((claim.out / "summary.json").read_text())
+
+
+def _own_attempts(config: TrainConfig, worker: Worker, claim: rundir.Claim, nproc: int) -> None:
+    """This process's workers, restarted after a failure up to ``--max-restarts`` times."""
     for attempt in range(config.max_restarts + 1):
         if attempt:
             claim = rundir.claim({**config.to_dict(), "output_dir": str(claim.out)}, nproc, restart=True)
@@ -91,7 +102,6 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
                 raise
             print(f"ddpkit train: rank {e.rank} failed; restarting the workers "
                   f"(restart {attempt + 1} of {config.max_restarts})", flush=True)
-    return json.loads((claim.out / "summary.json").read_text())
 
 
 def agree_on_claim(config: TrainConfig, claim: rundir.Claim | None, world: int, restart: int) -> rundir.Claim:

@@ -15,8 +15,15 @@ Rules that keep data safe:
   A directory holding only a ``config.json`` (a run that died before its
   first checkpoint) or nothing at all may be used.
 * ``--resume`` continues from the newest *valid* checkpoint (a damaged newer
-  one is skipped with a warning and left on disk) and refuses a run whose
-  settings differ (other than ``epochs``) or a different world size.
+  one is skipped with a warning and left on disk). It refuses settings that
+  would change the result (model, data, seed, batch, learning rate,
+  optimizer, precision, strategy, ...), listing each difference, and a
+  different world size. Operational settings may change (:data:`OPERATIONAL`:
+  ``--epochs``, ``--checkpoint-every``, ``--keep-checkpoints``, progress,
+  tracing, restarts), and the run says in one line what changed. The data
+  folder is compared resolved, and by the content of its files when the path
+  differs (:func:`ddpkit.data.datasets.fingerprint`, recorded in
+  ``config.json`` when the run starts).
 * A restarted attempt (``TORCHELASTIC_RESTART_COUNT`` > 0, or ``ddpkit train
   --max-restarts``) resumes by itself: from the newest valid checkpoint of
   its output directory, or from scratch in that directory when the first
@@ -24,28 +31,42 @@ Rules that keep data safe:
   directory is the newest unfinished ``runs/<dataset>-<model>[-N]`` with the
   same settings.
 * Without ``--output-dir``, a fresh run picks a new ``runs/<dataset>-<model>[-N]``.
+* One job writes a directory at a time: :mod:`ddpkit.train.lock`. A second job
+  started on it, or ``--resume`` into it while its job runs, is refused with an
+  error naming that job; a restarted attempt, or a new job after a crash,
+  takes the lock over.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ddpkit.data.datasets import fingerprint
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import write_atomic
 from ddpkit.train.config import TrainConfig
+from ddpkit.train.lock import LOCK_FILE, RunLock
 from ddpkit.train.state import checkpoint_files, newest_valid_checkpoint
 
-__all__ = ["CHECKPOINT_DIR", "Claim", "claim", "write_json_atomic", "write_metrics"]
+__all__ = ["CHECKPOINT_DIR", "Claim", "claim", "release", "write_json_atomic", "write_metrics"]
 
 CHECKPOINT_DIR = "checkpoints"
-_SCRATCH = {"config.json", CHECKPOINT_DIR}
-# Fields that may change between a run and its resumption.
-_RESUMABLE_CHANGES = {"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts",
-                      "trace", "trace_steps"}
+_SCRATCH = {"config.json", CHECKPOINT_DIR, LOCK_FILE}
+_locks: dict[Path, RunLock] = {}
+"""The run directories this process holds (one lock each, kept across its attempts)."""
+OPERATIONAL = frozenset({"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts",
+                         "trace", "trace_steps", "checkpoint_every", "keep_checkpoints"})
+"""Settings that may change between a run and its resumption: none of them changes the arithmetic (the world
+size, which does, is checked on its own)."""
+_EXPECTED = {"epochs", "resume", "output_dir", "nproc_per_node"}
+"""Operational settings a resumption is expected to change: not worth a line."""
+FINGERPRINT = "data_fingerprint"
+"""The key of ``config.json`` that holds the data's fingerprint."""
 
 
 @dataclass(frozen=True)
@@ -97,11 +118,39 @@ def _as_saved(saved: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **saved}
 
 
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key == "data_dir" and a is not None and b is not None:
+        return Path(a).resolve() == Path(b).resolve()  # the same folder spelled another way
+    return a == b
+
+
 def _differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The settings that differ and would change the result."""
     saved = _as_saved(saved)
-    return sorted(
-        k for k in set(saved) | set(config) if k not in _RESUMABLE_CHANGES and saved.get(k) != config.get(k)
-    )
+    keys = (set(saved) | set(config)) - OPERATIONAL - {FINGERPRINT}
+    return sorted(k for k in keys if not _same(k, saved.get(k), config.get(k)))
+
+
+def _operational_changes(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    saved = _as_saved(saved)
+    return [f"{k} {saved.get(k)!r} -> {config.get(k)!r}" for k in sorted(OPERATIONAL - _EXPECTED)
+            if saved.get(k) != config.get(k)]
+
+
+def _same_data(out: Path, saved: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether the data at ``config``'s folder is the run's, by content (the run's fingerprint, else the old
+    folder's files when they are still there)."""
+    try:
+        recorded = json.loads((out / "config.json").read_text()).get(FINGERPRINT)
+    except (OSError, json.JSONDecodeError):
+        recorded = None
+    if recorded is None and saved.get("data_dir") and Path(saved["data_dir"]).is_dir():
+        recorded = fingerprint(saved["dataset"], saved["data_dir"])
+    return recorded is not None and recorded == fingerprint(config["dataset"], config["data_dir"])
+
+
+def _write_config(out: Path, config: dict[str, Any]) -> None:
+    write_json_atomic(out / "config.json", {**config, FINGERPRINT: fingerprint(config["dataset"], config["data_dir"])})
 
 
 def _unfinished_default(config: dict[str, Any]) -> Path | None:
@@ -146,11 +195,24 @@ def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> 
         if config["resume"]:
             raise ConfigError("--resume needs --output-dir: the directory of the run to continue")
         out = _fresh_default(Path("runs") / f"{config['dataset']}-{config['model']}")
-        write_json_atomic(out / "config.json", config)
+        _lock(out)
+        _write_config(out, config)
         return Claim(out)
     out = Path(given)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {str(out)!r} is a file: choose a directory")
+    _check_writable(out)
+    fresh_lock = out.resolve() not in _locks
+    _lock(out)
+    try:
+        return _claim_locked(out, config, world_size, restart)
+    except BaseException:
+        if fresh_lock:
+            release(out)  # the directory is not ours after all: leave no lock in it
+        raise
+
+
+def _claim_locked(out: Path, config: dict[str, Any], world_size: int, restart: bool) -> Claim:
     has_checkpoints = bool(checkpoint_files(out / CHECKPOINT_DIR))
     if not config["resume"] and not (restart and has_checkpoints):
         if out.is_dir() and _holds_a_run(out) and not restart:
@@ -160,9 +222,41 @@ def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> 
             )
         out.mkdir(parents=True, exist_ok=True)
         if not (restart and (out / "config.json").is_file()):
-            write_json_atomic(out / "config.json", config)
+            _write_config(out, config)
         return Claim(out)
     return _resume_claim(out, config, world_size, finished_ok=restart)
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse, before anything runs, a run directory this process cannot write (read-only, no permission)."""
+    existing = next((p for p in [out, *out.parents] if p.exists()), None)
+    if existing is None:
+        return
+    try:
+        probe = existing / f".ddpkit-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--output-dir {str(out)!r} cannot be written ({e.strerror}: {existing}): choose a "
+                          "writable directory") from None
+
+
+def _lock(out: Path) -> None:
+    """Hold ``out``'s lock for this process (see :mod:`ddpkit.train.lock`); once per directory."""
+    key = out.resolve()
+    if key in _locks:
+        return
+    lock = RunLock(out)
+    note = lock.acquire()
+    _locks[key] = lock
+    if note:
+        print(f"ddpkit train: {note}", flush=True)
+
+
+def release(out: Path | None = None) -> None:
+    """Give up the lock of ``out`` (all this process holds when None): the run has ended, well or not."""
+    for key in [k for k in _locks if out is None or k == Path(out).resolve()]:
+        _locks.pop(key).release()
 
 
 def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finished_ok: bool) -> Claim:
@@ -184,14 +278,21 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
         )
     path, payload = found
     extra = payload.get("extra", {})
-    differs = _differences(extra.get("config", {}), config)
+    saved = _as_saved(extra.get("config", {}))
+    differs = _differences(saved, config)
+    notes = _operational_changes(saved, config)
+    if "data_dir" in differs and saved.get("dataset") == config["dataset"] and _same_data(out, saved, config):
+        differs.remove("data_dir")
+        notes.append(f"data_dir {saved.get('data_dir')!r} -> {config.get('data_dir')!r} (the same files)")
     if differs:
-        saved = _as_saved(extra.get("config", {}))
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in differs)
         raise ConfigError(
-            f"--resume: the run in {str(out)!r} was started with different settings ({detail}): "
-            "resume with the original settings (only --epochs may change)"
+            f"--resume: the run in {str(out)!r} was started with different settings that would change its "
+            f"result ({detail}): resume with the original values; only operational settings "
+            f"({', '.join(sorted(OPERATIONAL - {'resume', 'output_dir'}))}) may change"
         )
+    if notes:
+        print(f"ddpkit train: resuming {str(out)!r} with changed settings: {', '.join(notes)}", flush=True)
     if extra.get("world_size") != world_size and not finished_ok:
         raise ConfigError(
             f"--resume: {path.name} was written by {extra.get('world_size')} processes, this run has "

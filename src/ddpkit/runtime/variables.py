@@ -1,0 +1,117 @@
+"""ddpkit's environment variables: the rule for each, in one place (torch-free).
+
+The workers read these when they start; ``ddpkit launch`` and ``ddpkit train``
+check them first (:func:`check_environment`), so a bad value is one line
+before any worker starts instead of a traceback from every rank.
+
+==============================  =============================================
+variable                        value
+==============================  =============================================
+``DDPKIT_BACKEND``              ``gloo``, ``nccl`` or ``mpi``
+``DDPKIT_TIMEOUT``              seconds for the rendezvous and each collective, > 0
+``DDPKIT_STALL_WARN``           seconds before a stall report, >= 0 (0: off)
+``DDPKIT_JOB_TOKEN``            the job's secret (any text)
+``DDPKIT_RDZV_ROUND``           set by ``ddpkit launch``: a whole number >= 0
+``TORCHELASTIC_RESTART_COUNT``  set by a launcher: a whole number >= 0
+``GLOO_SOCKET_IFNAME``          network interfaces of this machine, comma-separated
+==============================  =============================================
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+
+__all__ = ["BACKENDS", "backend", "check_environment", "count", "stall_warn_seconds", "timeout_seconds"]
+
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def timeout_seconds(environ: Mapping[str, str]) -> float | None:
+    """``DDPKIT_TIMEOUT`` in seconds (None when unset).
+
+    Raises:
+        ValueError: not a positive number.
+    """
+    raw = environ.get("DDPKIT_TIMEOUT", "")
+    if not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DDPKIT_TIMEOUT={raw!r} is not a number of seconds: unset it or give e.g. 600") from None
+    if not value > 0:
+        raise ValueError(f"DDPKIT_TIMEOUT={raw!r} must be a positive number of seconds: unset it or give e.g. 600")
+    return value
+
+
+def stall_warn_seconds(environ: Mapping[str, str], default: float) -> float:
+    """``DDPKIT_STALL_WARN`` in seconds (``default`` when unset; 0: the stall inspector is off).
+
+    Raises:
+        ValueError: not a number, or negative.
+    """
+    raw = environ.get("DDPKIT_STALL_WARN", "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DDPKIT_STALL_WARN={raw!r} is not a number of seconds (0 turns the stall report off): "
+                         "unset it or give e.g. 60") from None
+    if not value >= 0:
+        raise ValueError(f"DDPKIT_STALL_WARN={raw!r} must be 0 (off) or a positive number of seconds")
+    return value
+
+
+def backend(environ: Mapping[str, str]) -> str | None:
+    """``DDPKIT_BACKEND`` (None when unset).
+
+    Raises:
+        ValueError: not one of :data:`BACKENDS`.
+    """
+    raw = environ.get("DDPKIT_BACKEND", "")
+    if not raw.strip():
+        return None
+    if raw not in BACKENDS:
+        raise ValueError(f"DDPKIT_BACKEND={raw!r} is not a backend: use one of {', '.join(BACKENDS)}, or unset it")
+    return raw
+
+
+def count(environ: Mapping[str, str], name: str) -> int:
+    """A whole number >= 0 a launcher sets (``TORCHELASTIC_RESTART_COUNT``, ``DDPKIT_RDZV_ROUND``); 0 when unset.
+
+    Raises:
+        ValueError: not a whole number >= 0.
+    """
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return 0
+    if not raw.strip().isdigit():
+        raise ValueError(f"{name}={raw!r} is not a whole number >= 0: it is set by the launcher; unset it")
+    return int(raw)
+
+
+def _interfaces(environ: Mapping[str, str]) -> None:
+    raw = environ.get("GLOO_SOCKET_IFNAME", "")
+    if not raw.strip():
+        return
+    have = {name for _, name in socket.if_nameindex()}
+    missing = [n for n in (n.strip() for n in raw.split(",")) if n and n not in have]
+    if missing:
+        raise ValueError(f"GLOO_SOCKET_IFNAME={raw!r}: this machine has no interface {', '.join(missing)} "
+                         f"(it has {', '.join(sorted(have))}): unset it to let ddpkit choose, or name one of those")
+
+
+def check_environment(environ: Mapping[str, str], stall_default: float = 60.0) -> None:
+    """Check every variable of the module's table that is set.
+
+    Raises:
+        ValueError: the first bad one, naming the variable, its value and the fix.
+    """
+    backend(environ)
+    timeout_seconds(environ)
+    stall_warn_seconds(environ, stall_default)
+    count(environ, "DDPKIT_RDZV_ROUND")
+    count(environ, "TORCHELASTIC_RESTART_COUNT")
+    _interfaces(environ)
