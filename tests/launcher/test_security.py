@@ -88,3 +88,42 @@ def test_job_keys_hide_the_prefix_behind_the_verifier():
     assert verifier != job_keys("other")[0] and "s3cret" not in verifier + prefix
     assert prefix.startswith("ddpkit/") and prefix[7:-1] not in verifier
     assert job_keys(None) == ("none", "ddpkit/")
+
+
+def test_a_node_with_another_rdzv_id_is_refused_before_any_worker_and_the_job_goes_on():
+    import os
+    import signal
+
+    port = free_port()
+
+    def node(rank: int, job: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", job,
+             str(SCRIPTS / "nodes.py"), "crash"],
+            env=base_env(CRASH_RANK="9"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+
+    first = node(0, "job-a")
+    procs = [first]
+    try:
+        time.sleep(2)
+        intruder = node(1, "job-b")
+        procs.append(intruder)
+        out, err = intruder.communicate(timeout=60)
+        assert intruder.returncode == 2, err
+        assert err.strip().splitlines() == [
+            f"ddpkit launch: error: the job at 127.0.0.1:{port} refused this node: it was started with another "
+            "--rdzv-id (the job's secret): give every node the same --rdzv-id, or choose another --master-port / "
+            "--rdzv-endpoint for a job of its own"]
+        assert "PID" not in out  # no worker started
+        second = node(1, "job-a")
+        procs.append(second)
+        results = [p.communicate(timeout=120) for p in (first, second)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert first.returncode == 0 and second.returncode == 0, results
+    assert "DONE 0 round 0" in results[0][0] and "DONE 1 round 0" in results[1][0]
+    assert "refused a launcher on " in results[0][1] and "joining as node 1 with another job's --rdzv-id" in results[0][1]

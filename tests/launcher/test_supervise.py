@@ -272,3 +272,29 @@ def test_a_signal_while_workers_start_still_stops_every_started_worker(monkeypat
         assert all(p.poll() is not None for p in group.procs)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_launcher_killed_outright_takes_its_workers_with_it():
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", script("sleeper.py")],
+                            env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, proc.stderr.read()
+            if line.startswith("SLEEPING"):
+                pids.append(int(line.split()[1]))
+        proc.send_signal(signal.SIGKILL)  # the launcher alone: it cannot stop anything now
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "a worker outlived its launcher"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -19,7 +19,11 @@ heartbeat
     a node failed when its heartbeat is :data:`STALE_S` old (killed, cut off),
     and the others declare node 0 failed when the store stops answering.
 
-Keys live under the job's secret prefix (see :func:`ddpkit.runtime.group.job_keys`).
+Keys live under the job's secret prefix (see :func:`ddpkit.runtime.rendezvous.job_keys`).
+The serving launcher publishes the job's verifier; a launcher started with
+another ``--rdzv-id`` (or none) is refused before it starts any worker, with
+one line naming the fix, and the running job only notes it (rank 0 prints a
+line) and goes on.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ STALE_S = 6.0
 """A node whose launcher has not written a heartbeat for this long has failed."""
 OP_TIMEOUT_S = 5.0
 """Longest a store operation may take: over a cut link a request is never answered."""
+_VERIFIER_KEY = "ddpkit/launch-job"
+"""Where the serving launcher publishes the job's verifier (outside the job's secret prefix)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class NodeRendezvous:
                 raise self._unreachable(serving, e, timeout_s) from None
         self.serving = serving
         self.raw = raw
+        self._check_secret(raw, token, serving, timeout_s)
         self._store = dist.PrefixStore(f"{job_keys(token)[1]}launch/", raw)
         self.store = BoundedStore(self._store, OP_TIMEOUT_S)
         self._lock = threading.Lock()
@@ -101,6 +108,35 @@ class NodeRendezvous:
         self._beat()
         self._beater = threading.Thread(target=self._beat_loop, name="ddpkit-launch-heartbeat", daemon=True)
         self._beater.start()
+
+    def _check_secret(self, raw: object, token: str | None, serving: bool, timeout_s: float) -> None:
+        """The serving launcher publishes the job's verifier; every other one must present the same secret."""
+        import socket
+
+        from ddpkit.runtime.rendezvous import job_keys
+        from ddpkit.runtime.stall import REFUSED_KEY
+
+        verifier = job_keys(token)[0]
+        store = BoundedStore(raw, max(OP_TIMEOUT_S, timeout_s))
+        if serving:
+            store.set(_VERIFIER_KEY, verifier)
+            return
+        try:
+            store.wait([_VERIFIER_KEY])
+            theirs = store.get(_VERIFIER_KEY).decode()
+        except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by torch version
+            raise ConfigError(f"node {self.node} reached the rendezvous at {self.where}, but no job opened there "
+                              f"within {timeout_s:g} s ({type(e).__name__}): start the job's first node") from None
+        if theirs == verifier:
+            return
+        n = store.add(REFUSED_KEY, 1)
+        store.set(f"{REFUSED_KEY}/{n}", f"a launcher on {socket.gethostname()} joining as node {self.node} "
+                                        f"{'without the job' if not token else 'with another job'}'s --rdzv-id")
+        raise ConfigError(
+            f"the job at {self.where} refused this node: it was started with another --rdzv-id (the job's secret)"
+            f"{' and this node has none' if not token else ''}: give every node the same --rdzv-id, or choose "
+            "another --master-port / --rdzv-endpoint for a job of its own"
+        )
 
     def _unreachable(self, serving: bool, error: Exception, timeout_s: float) -> ConfigError:
         if serving:

@@ -13,13 +13,16 @@ every rank calls it, rank 0 writes the file to a temporary name beside the
 target, fsyncs it, renames it over the target and fsyncs the folder, and then
 all ranks meet (one all-reduce that also carries rank 0's success), so every
 rank returns only once the file is on disk, and a failed write raises on
-every rank instead of leaving the others waiting. A crash at any point leaves
-either the old file or the new one, never a torn one.
+every rank instead of leaving the others waiting, with one message naming
+the file and the cause (no space left, a read-only file system, a folder
+removed, ...). A crash at any point leaves either the old file or the new
+one, never a torn one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -41,7 +44,9 @@ __all__ = [
     "CheckpointError",
     "load_checkpoint",
     "load_model_state",
+    "describe_write_error",
     "save_checkpoint",
+    "save_json",
     "save_weights",
     "strip_prefix",
 ]
@@ -53,7 +58,33 @@ _FORMAT = 2
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be read (corrupt, truncated, not a checkpoint) or written."""
+    """A checkpoint cannot be read (corrupt, truncated, not a checkpoint) or written.
+
+    ``gone`` is True when the folder it was to be written in no longer exists (removed while the run was going on).
+    """
+
+    def __init__(self, message: str, gone: bool = False) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EFBIG: "the file is larger than this process may write (ulimit -f)",
+    errno.ENOENT: "its folder no longer exists (removed while the run was going on)",
+    errno.EISDIR: "a folder is in the way",
+}
+
+
+def describe_write_error(error: BaseException) -> str:
+    """Why a write failed, in words: the cause behind an ``OSError``'s number, else the error itself."""
+    if isinstance(error, OSError) and error.errno in _CAUSES:
+        return _CAUSES[error.errno]
+    return f"{type(error).__name__}: {error}"
 
 
 # ---------------------------------------------------------------- encoding
@@ -226,16 +257,24 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _collective_write(path: str | os.PathLike, make_bytes) -> None:
+def _collective_write(path: str | os.PathLike, make_bytes, within: str | os.PathLike | None = None) -> None:
+    """Rank 0 writes ``make_bytes()`` to ``path`` (atomically); every rank returns once it is on disk, or raises.
+
+    ``within``: a folder that must still exist (a run directory): when it is gone, the write fails (``gone``)
+    instead of creating it again.
+    """
     path = Path(path)
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     is_writer = not group or dist.get_rank() == 0
     error: BaseException | None = None
     if is_writer:
         try:
+            if within is not None and not Path(within).is_dir():
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(within))
             write_atomic(path, make_bytes())
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             error = e
+    failed = error is not None
     if group:
         # Reached by every rank whatever happened on rank 0: it is the barrier
         # that says "on disk", and it carries rank 0's success so that a failed
@@ -243,17 +282,24 @@ def _collective_write(path: str | os.PathLike, make_bytes) -> None:
         device = torch.device("cuda", torch.cuda.current_device()) if (
             dist.get_backend() == "nccl"
         ) else torch.device("cpu")
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
+        ok = torch.tensor([0 if failed else 1], dtype=torch.int32, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if error is None and ok.item() == 0:
-            raise CheckpointError(
-                f"rank 0 failed to write checkpoint {path}: see rank 0's error for the cause"
-            )
+        failed = ok.item() == 0
+        if failed:
+            # Only on failure, on every rank: rank 0's cause, so every rank raises the same error.
+            cause = [(describe_write_error(error), _gone(error)) if error is not None else None]
+            dist.broadcast_object_list(cause, src=0)
+            text, gone = cause[0]
+            raise CheckpointError(f"could not write {path}: {text}", gone=gone) from error
     if error is not None:
-        raise CheckpointError(f"could not write checkpoint {path}: {error}") from error
+        raise CheckpointError(f"could not write {path}: {describe_write_error(error)}", gone=_gone(error)) from error
 
 
-def save_checkpoint(path: str | os.PathLike, state: Any) -> None:
+def _gone(error: BaseException | None) -> bool:
+    return isinstance(error, OSError) and error.errno == errno.ENOENT
+
+
+def save_checkpoint(path: str | os.PathLike, state: Any, *, within: str | os.PathLike | None = None) -> None:
     """Write ``state`` to ``path`` atomically from rank 0; every rank returns once it is on disk.
 
     Every rank must call it (it holds one collective); only rank 0's ``state``
@@ -266,7 +312,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any) -> None:
     Raises:
         CheckpointError: on every rank, when rank 0 could not write the file:
             ``state`` holds an object that is not plain data (the original
-            ``TypeError`` is chained on rank 0), or the disk refused the write.
+            ``TypeError`` is chained on rank 0), or the disk refused the write
+            (the message names the file and the cause). With ``within`` (a
+            folder that must exist), its ``gone`` says that folder was removed.
 
     Example::
 
@@ -274,7 +322,12 @@ def save_checkpoint(path: str | os.PathLike, state: Any) -> None:
                                {"model": ddpkit.unwrap(model).state_dict(),
                                 "optimizer": optimizer.state_dict(), "epoch": epoch})
     """
-    _collective_write(path, lambda: _to_bytes(state))
+    _collective_write(path, lambda: _to_bytes(state), within)
+
+
+def save_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` from rank 0, atomically; a collective, raising on every rank on failure."""
+    _collective_write(path, lambda: (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def save_weights(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:

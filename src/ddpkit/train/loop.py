@@ -15,8 +15,17 @@ worker:
    ``checkpoint_every`` steps;
 3. after every epoch evaluates on the test split (:mod:`ddpkit.train.evaluate`),
    rewrites ``metrics.jsonl`` and writes a checkpoint;
+   ``metrics.jsonl`` also says how often the epoch trained each sample
+   (``min_seen``, ``max_seen``: counted per sample, across ranks, restarts
+   included, so a run stopped and resumed anywhere shows every sample once);
 4. at the end writes ``model.safetensors`` (plain module names) and
    ``summary.json``.
+
+A checkpoint that cannot be written (no space left, a read-only file system)
+is a warning naming the file and the cause, and training goes on: the newest
+good checkpoint stays where it was, and a restart resumes from it. The final
+weights and summary must be written: failing there fails the run. A run
+directory removed while the run goes on stops it.
 
 Resuming (``resume=True``, or any restarted attempt) restores model,
 optimizer, grad scaler, sampler position (mid-epoch too), step, the partial
@@ -33,7 +42,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +58,11 @@ from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train import restart, rundir
-from ddpkit.train.checkpoint import load_checkpoint, save_weights
+from ddpkit.train.checkpoint import CheckpointError, describe_write_error, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate
 from ddpkit.train.recipe import autocast_for, build_state, replicas, wrap
-from ddpkit.train.state import TrainState
+from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy, make_strategy
 
 __all__ = ["TrainConfig", "train", "worker"]
@@ -107,6 +116,8 @@ class Run:
     evaluation: tuple[float, float, int] = (float("nan"), float("nan"), 0)
     trained: int = 0
     """Samples trained in this attempt, summed over ranks."""
+    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    """How often this rank trained each sample since the counts were last settled (on the device)."""
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -142,7 +153,39 @@ class Run:
         events.collective("train: gather the epoch's partial loss sums", nbytes=mine.numel() * mine.element_size())
         dist.all_gather(parts, mine)
         self.progress["partial"] = torch.stack(parts)
-        self.state.save(self.out / rundir.CHECKPOINT_DIR, self.state.step, sampler_consumed=consumed)
+        self.settle_seen()
+        self.save(consumed)
+
+    def settle_seen(self) -> None:
+        """Add every rank's count of the samples trained since the last settling to the run's (a collective)."""
+        seen = self.seen.to("cpu" if self.device.type == "cpu" else self.device)
+        events.collective("train: sum the samples trained", nbytes=seen.numel() * seen.element_size())
+        dist.all_reduce(seen)
+        self.progress["seen"] = self.progress.get("seen", torch.zeros_like(seen.cpu())) + seen.cpu()
+        self.seen.zero_()
+
+    def save(self, consumed: int) -> None:
+        """A checkpoint of now; one that cannot be written warns and training goes on (see the module notes)."""
+        try:
+            self.state.save(self.out / rundir.CHECKPOINT_DIR, self.state.step, sampler_consumed=consumed,
+                            within=self.out)
+        except CheckpointError as e:
+            if e.gone:
+                raise CheckpointError(f"the run directory {self.out} was removed while the run was going on: "
+                                      "stopping here; restore it and --resume, or start again", gone=True) from e
+            kept = checkpoint_files(self.out / rundir.CHECKPOINT_DIR)
+            print0(f"ddpkit train: warning: {e}; training goes on (a restart would resume from "
+                   f"{kept[-1][1] if kept else 'the start'}), but the final weights must be written")
+
+    def write_metrics(self) -> None:
+        """Rank 0 rewrites ``metrics.jsonl``; a failure warns (the history is in every checkpoint too)."""
+        if dist.get_rank() != 0:
+            return
+        try:
+            rundir.write_metrics(self.out, self.progress["history"])
+        except OSError as e:
+            print(f"ddpkit train: warning: could not write {self.out / 'metrics.jsonl'}: {describe_write_error(e)}; "
+                  "training goes on", flush=True)
 
 
 def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
@@ -163,6 +206,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
     idx = torch.tensor(list(state.sampler), dtype=torch.long, device=run.device)
     batches = [idx[i : i + run.batch] for i in range(0, len(idx), run.batch)]
     x, y = run.train_data
+    ones = torch.ones(run.batch, dtype=torch.int32, device=run.device)
     autocast = autocast_for(config, run.device)
     for s in range(0, len(batches), config.grad_accum):
         group = batches[s : s + config.grad_accum]
@@ -178,6 +222,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
                     loss = F.cross_entropy(logits.float(), yb)
                 tracer.backward(state.scaler.scale(loss / len(group)).backward)
             loss_sum += loss.detach().double() * len(b)
+            run.seen.index_add_(0, b, ones[: len(b)])
             count += len(b)
             consumed += len(b)
         with tracer.phase("optimizer"):
@@ -205,18 +250,21 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
         dist.broadcast(buf, src=0)
     run.evaluation = evaluate(run.state.model, run.test, run.device, autocast_for(run.config, run.device))
     progress = run.progress
+    run.settle_seen()
+    seen = progress["seen"]
     record = {
         "epoch": progress["epoch"] + 1, "step": run.state.step, "train_loss": loss_sum / samples,
         "test_loss": run.evaluation[0], "test_accuracy": run.evaluation[1], "lr": run.lr,
         "epoch_time_s": round(epoch_time, 4), "samples_per_s": round(trained / epoch_time, 1),
+        "min_seen": int(seen.min()), "max_seen": int(seen.max()),
     }
     progress["history"].append(record)
     progress["epoch"] += 1
     progress["batches_done"] = 0
     progress["partial"] = torch.zeros(run.world, 2, dtype=torch.float64)
-    run.state.save(run.out / rundir.CHECKPOINT_DIR, run.state.step, sampler_consumed=0)
-    if dist.get_rank() == 0:
-        rundir.write_metrics(run.out, progress["history"])
+    progress["seen"] = torch.zeros_like(seen)
+    run.save(0)
+    run.write_metrics()
     return record
 
 
@@ -232,7 +280,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         data = _load_data(config)
     state = build_state(config, data, ctx.world_size, ctx.device)
     if claim.checkpoint is not None:
-        state.load(load_checkpoint(claim.checkpoint))
+        state.load(load_checkpoint(claim.checkpoint), source=claim.checkpoint)
         print0(f"ddpkit train: {'restart ' + str(attempt) + ': ' if attempt else ''}resuming from "
                f"{claim.checkpoint} (epoch {state.extra['epoch']}, step {state.step})")
         if state.extra["world_size"] != ctx.world_size:
@@ -243,8 +291,9 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     run = Run(state=state, config=config, model=model, strategy=make_strategy(state, model, config),
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)
-    if ctx.rank == 0 and claim.checkpoint is not None:
-        rundir.write_metrics(run.out, run.progress["history"])  # epochs after the checkpoint are trained again
+    run.seen = torch.zeros(len(data.train), dtype=torch.int32, device=ctx.device)
+    if claim.checkpoint is not None:
+        run.write_metrics()  # epochs after the checkpoint are trained again
     print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
         f"engine {config.engine}, {run.world} process(es) x {run.scale // run.world} replica(s), global batch "
@@ -261,6 +310,14 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
 def worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, attempt: int = 0) -> dict[str, Any]:
     """One rank of the run (see the module notes); returns the summary once every rank has finished."""
     del rank  # the process group says which rank this is
+    try:
+        return _train(config, claim, attempt)
+    finally:
+        if claim is None:
+            rundir.release()  # under a launcher rank 0 claimed the run directory (its lock) itself
+
+
+def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dict[str, Any]:
     run = _start(config, claim, attempt)
     progress = run.progress
     first_epoch = progress["epoch"]
@@ -295,7 +352,7 @@ def worker(rank: int, config: TrainConfig, claim: rundir.Claim | None, attempt: 
 def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None) -> dict[str, Any]:
     """Final weights and ``summary.json``; every rank returns once they are on disk."""
     config, world = run.config, run.world
-    save_weights(run.out / "model.safetensors", run.state.model.state_dict())
+    save_weights(run.out / "model.safetensors", run.state.model.state_dict())  # must be written: it raises
     if run.evaluation[2] == 0 and run.progress["history"]:
         # A restart after the last epoch's checkpoint: nothing left to train.
         last = run.progress["history"][-1]
@@ -314,8 +371,8 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
         "sent_mb_per_step": None if sent_per_step is None else round(sent_per_step / 1e6, 6),
         **run.strategy.summary(),
     }
+    save_json(run.out / "summary.json", summary)  # a collective: a failure raises on every rank
     if dist.get_rank() == 0:
-        rundir.write_json_atomic(run.out / "summary.json", summary)
         ran = config.epochs - first_epoch
         epochs = f"{ran} epoch{'s' if ran != 1 else ''}" + (
             f" (epochs {first_epoch + 1}-{config.epochs}, resumed)" if first_epoch else "")

@@ -79,7 +79,8 @@ def build_state(config: TrainConfig, data: Any, world: int, device: torch.device
         scaler=torch.amp.GradScaler("cuda", enabled=config.amp == "fp16"),
         sampler=DistributedSampler(train_set, shuffle=True, seed=config.seed),
         extra={"epoch": 0, "batches_done": 0, "history": [], "partial": torch.zeros(world, 2, dtype=torch.float64),
-               "world_size": world, "config": config.to_dict()},
+               "world_size": world, "config": config.to_dict(),
+               "seen": torch.zeros(len(train_set), dtype=torch.int32)},
         keep=config.keep_checkpoints,
         count_steps=False,  # the loop counts its steps itself (an fp16 step skipped for inf still counts)
     )

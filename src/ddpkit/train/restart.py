@@ -67,7 +67,6 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
         try:
             return worker(place.rank, config, None, restart)
         finally:
-            rundir.release()  # rank 0 holds the run directory's lock
             # Destroy the group before the interpreter exits, also on an error:
             # a gloo group torn down during interpreter exit aborts the process.
             shutdown()

@@ -214,6 +214,10 @@ def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> 
 
 def _claim_locked(out: Path, config: dict[str, Any], world_size: int, restart: bool) -> Claim:
     has_checkpoints = bool(checkpoint_files(out / CHECKPOINT_DIR))
+    if config["resume"] and not has_checkpoints and _died_before_a_checkpoint(out, config):
+        print(f"ddpkit train: {str(out)!r} holds this run's settings but no checkpoint yet (it stopped before its "
+              "first): starting it again from the start", flush=True)
+        return Claim(out)
     if not config["resume"] and not (restart and has_checkpoints):
         if out.is_dir() and _holds_a_run(out) and not restart:
             raise ConfigError(
@@ -225,6 +229,15 @@ def _claim_locked(out: Path, config: dict[str, Any], world_size: int, restart: b
             _write_config(out, config)
         return Claim(out)
     return _resume_claim(out, config, world_size, finished_ok=restart)
+
+
+def _died_before_a_checkpoint(out: Path, config: dict[str, Any]) -> bool:
+    """``out`` holds only the ``config.json`` of a run with these settings (it stopped before its first checkpoint)."""
+    try:
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return not _holds_a_run(out) and not _differences(saved, config)
 
 
 def _check_writable(out: Path) -> None:
@@ -287,8 +300,8 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
     if differs:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in differs)
         raise ConfigError(
-            f"--resume: the run in {str(out)!r} was started with different settings that would change its "
-            f"result ({detail}): resume with the original values; only operational settings "
+            f"--resume: the run in {str(out)!r} ({path.name}) was started with different settings that would "
+            f"change its result ({detail}): resume with the original values; only operational settings "
             f"({', '.join(sorted(OPERATIONAL - {'resume', 'output_dir'}))}) may change"
         )
     if notes:
@@ -300,7 +313,8 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
             "learning rate and per-rank RNG states depend on the world size)"
         )
     epoch = int(extra.get("epoch", 0))
-    if epoch >= config["epochs"] and not finished_ok:
+    # A run that trained every epoch but stopped before its final weights and summary may finish with --resume.
+    if epoch >= config["epochs"] and not finished_ok and (out / "summary.json").exists():
         raise ConfigError(
             f"--resume: the run in {str(out)!r} has already finished {epoch} epochs: "
             f"pass --epochs greater than {epoch} to train further"

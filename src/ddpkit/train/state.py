@@ -137,8 +137,14 @@ class TrainState:
             out["sampler"] = self.sampler.state_dict(consumed=sampler_consumed)
         return out
 
-    def load(self, payload: dict[str, Any]) -> int:
-        """Put a :meth:`payload` back (this rank takes its own RNG state); return its step."""
+    def load(self, payload: dict[str, Any], source: str | os.PathLike | None = None) -> int:
+        """Put a :meth:`payload` back (this rank takes its own RNG state); return its step.
+
+        Raises:
+            CheckpointError: the payload is another model's (a tensor missing, extra, or of another shape),
+                naming the first such tensor and ``source`` (the file it came from).
+        """
+        _same_model(self._plain_model(), payload["model"], source)
         load_model_state(self._plain_model(), payload["model"])
         for name in ("optimizer", "scaler", "sampler"):
             target = getattr(self, name)
@@ -155,7 +161,7 @@ class TrainState:
     # -- files ------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike, step: int | None = None, *,
-             sampler_consumed: int | None = None) -> Path:
+             sampler_consumed: int | None = None, within: str | os.PathLike | None = None) -> Path:
         """Save to ``directory/step-NNNNNNNN.safetensors`` (rank 0 writes; all return once on disk).
 
         Args:
@@ -165,13 +171,19 @@ class TrainState:
             sampler_consumed: samples of the current epoch this rank has used,
                 when a ``DataLoader`` prefetches ahead of the loop (see
                 :meth:`ddpkit.DistributedSampler.state_dict`).
+            within: a folder that must still exist (the run directory): if it
+                was removed, the save fails instead of creating it again.
+
+        Raises:
+            CheckpointError: on every rank, naming the file and the cause;
+                the checkpoints already written are left as they were.
 
         Returns:
             The file written.
         """
         step = self.step if step is None else int(step)
         path = Path(directory) / checkpoint_name(step)
-        save_checkpoint(path, self.payload(step, sampler_consumed=sampler_consumed))
+        save_checkpoint(path, self.payload(step, sampler_consumed=sampler_consumed), within=within)
         self.step = step
         if _is_writer():
             for _, old in checkpoint_files(directory)[: -self.keep]:
@@ -190,6 +202,24 @@ class TrainState:
             return 0
         payload = found[1] if found is not None else load_checkpoint(chosen[0])
         return self.load(payload)
+
+
+def _same_model(model: nn.Module, saved: dict[str, Any], source: str | os.PathLike | None) -> None:
+    """Raise :class:`CheckpointError` unless ``saved`` holds exactly ``model``'s tensors, in its shapes."""
+    where = f"checkpoint {source}" if source is not None else "the checkpoint"
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k.removeprefix("module."): tuple(getattr(v, "shape", ())) for k, v in saved.items()}
+    for name, shape in mine.items():
+        if name not in theirs:
+            raise CheckpointError(f"{where} is not of this model: it has no tensor {name!r} (this model's is "
+                                  f"{list(shape)}): resume from a checkpoint of the same model")
+        if theirs[name] != shape:
+            raise CheckpointError(f"{where} is not of this model: its tensor {name!r} has shape "
+                                  f"{list(theirs[name])}, this model's {list(shape)}: resume from a checkpoint "
+                                  "of the same model")
+    if extra := sorted(set(theirs) - set(mine)):
+        raise CheckpointError(f"{where} is not of this model: it has tensors this model lacks ({', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}): resume from a checkpoint of the same model")
 
 
 def _grouped() -> bool:

@@ -1,0 +1,118 @@
+"""Storage faults under ddpkit train: a full disk, a read-only folder, the run directory removed, a foreign file.
+
+The disk faults are real: small tmpfs mounts (root is needed to mount; the
+tests skip with the reason elsewhere). The last good checkpoint must never be
+lost or overwritten, and every error names the file and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from procs import base_env
+from torch import nn
+
+import ddpkit
+from ddpkit.train.checkpoint import CheckpointError
+from ddpkit.train.state import TrainState, checkpoint_files
+
+TRAIN = ["--dataset", "synthetic", "--synthetic-samples", "1024", "--no-progress"]
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    where.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}): needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _train(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpkit", "train", "--output-dir", str(out), *TRAIN, *extra],
+                          env=base_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_full_disk_warns_per_checkpoint_keeps_the_last_good_one_and_fails_at_the_final_save(tmp_path: Path):
+    with _tmpfs(tmp_path / "disk", "600k") as disk:
+        out = disk / "run"
+        done = _train(out, "--epochs", "3", "--checkpoint-every", "10")
+        assert done.returncode != 0, done.stdout
+        warnings = [line for line in done.stdout.splitlines() if line.startswith("ddpkit train: warning:")]
+        assert warnings and all("no space left on the device" in w and "training goes on" in w for w in warnings)
+        assert f"could not write {out / 'model.safetensors'}: no space left on the device" in done.stderr
+        kept = checkpoint_files(out / "checkpoints")
+        assert kept and all(f"a restart would resume from {kept[-1][1]}" in w for w in warnings[-1:])
+        payload = ddpkit.load_checkpoint(kept[-1][1])  # verifies every checksum
+        assert payload["step"] == kept[-1][0]
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [p.name for _, p in kept]  # no temporary
+        assert "epoch 3/3" in done.stdout  # training went on to the end
+
+
+def test_a_read_only_output_directory_is_refused_before_any_worker(tmp_path: Path) -> None:
+    with _tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+        done = _train(ro / "run", "--epochs", "1")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"ddpkit train: error: --output-dir {str(ro / 'run')!r} cannot be written (Read-only file system: {ro}): "
+        "choose a writable directory"]
+
+
+def test_a_run_directory_removed_mid_run_stops_the_run_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--output-dir", str(out), *TRAIN,
+                             "--epochs", "40", "--checkpoint-every", "5"], env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not checkpoint_files(out / "checkpoints"):
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
+            time.sleep(0.1)
+        shutil.rmtree(out)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert f"the run directory {out} was removed while the run was going on: stopping here" in err
+    assert not out.exists()  # nothing made it again
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "step-00000009.safetensors"
+    other = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    TrainState(model=other, optimizer=None).save(tmp_path, 9)
+    state = TrainState(model=nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), optimizer=None)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path} is not of this model: its tensor '0.weight' "
+                                              r"has shape \[8, 4\], this model's \[3, 4\]"):
+        state.load(ddpkit.load_checkpoint(path), source=path)
+    missing = TrainState(model=nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(2, 2)), optimizer=None)
+    with pytest.raises(CheckpointError, match="it has no tensor '2.weight'"):
+        missing.load(ddpkit.load_checkpoint(path), source=path)
+    assert torch.equal(ddpkit.load_checkpoint(path)["model"]["0.weight"], other[0].weight.detach())  # untouched
+
+
+def test_resume_over_a_foreign_newest_checkpoint_names_the_file(tmp_path: Path) -> None:
+    run, stranger = tmp_path / "run", tmp_path / "stranger"
+    assert _train(run, "--epochs", "1").returncode == 0
+    assert _train(stranger, "--epochs", "1", "--model", "mlp").returncode == 0
+    newest = checkpoint_files(stranger / "checkpoints")[-1][1]
+    planted = run / "checkpoints" / "step-99999999.safetensors"
+    shutil.copy(newest, planted)
+    done = _train(run, "--epochs", "2", "--resume")
+    assert done.returncode == 2
+    assert f"({planted.name}) was started with different settings that would change its result" in done.stderr
+    assert "model: 'mlp' -> 'convnet'" in done.stderr
