@@ -2,7 +2,8 @@
 # Idempotent set-up: a virtual environment in .venv with torch==2.13.0 (the CPU
 # build this machine carries; any other torch spec pulls several GB of CUDA
 # wheels), then ddpkit itself in editable mode with its test and docs extras
-# (the suite builds the docs site with mkdocs --strict).
+# (the suite builds the docs site with mkdocs --strict) and the optional
+# integrations' (lightning, tensorboard), so that their tests run.
 # A second run only checks that everything imports and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ find_links=()
 if [ -d /opt/wheels ]; then
     find_links=(--find-links /opt/wheels)
 fi
-if ! .venv/bin/python -c "import torch, ddpkit, pytest, tqdm, safetensors, sklearn, matplotlib, mkdocs, mkdocstrings, material" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, ddpkit, pytest, tqdm, safetensors, sklearn, matplotlib, mkdocs, mkdocstrings, material, lightning, tensorboard" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet "${find_links[@]}" torch==2.13.0
-    .venv/bin/python -m pip install --quiet "${find_links[@]}" -e ".[test,docs]"
+    .venv/bin/python -m pip install --quiet "${find_links[@]}" -e ".[test,docs,lightning,tensorboard]"
 fi

@@ -99,6 +99,29 @@ def _measure_until(spread: float) -> WorkloadResult:
     return bench_workload("convnet", BenchConfig(**{**TOY, "steps": 2}, target_spread=spread, time_budget=5))
 
 
+def _measure_compiled(name: str) -> tuple[WorkloadResult, int]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    result = bench_workload(name, BenchConfig(**TOY, compile=True, compile_backend="aot_eager"))
+    return result, counters["stats"]["unique_graphs"]
+
+
+def test_compile_times_compiled_models(dist2):
+    r, graphs = dist2.run(_measure_compiled, "convnet")[0]
+    assert r.ddpkit_ms > 0 and r.torch_ms > 0 and r.steps == TOY["steps"]
+    assert graphs >= 1  # the models were really compiled (one graph serves the three copies of one class)
+
+
+def test_compile_config_is_checked():
+    with pytest.raises(ValueError, match="--compile-backend aot_eager: add --compile"):
+        BenchConfig(compile_backend="aot_eager")
+    with pytest.raises(ValueError, match="drop --memory"):
+        BenchConfig(compile=True, memory=True)
+
+
 def test_target_spread_adds_rounds_until_tight_or_out_of_time(dist2):
     tight = dist2.run(_measure_until, 1e-9)[0]  # never tight enough: rounds until the time budget
     assert tight.steps > 2

@@ -103,6 +103,7 @@ def test_engine_single_equals_ddp_on_one_process(tmp_path: Path) -> None:
     single = train(TrainConfig(**one, engine="single", output_dir=tmp_path / "single"))
     ddp = train(TrainConfig(**one, engine="ddpkit", output_dir=tmp_path / "ddp"))
     assert single["engine"] == "single" and single["world_size"] == 1 and single["lr"] == pytest.approx(0.02)
+    assert ddp["engine"] == "ddpkit" and ddp["world_size"] == 1
     a, b = _weights(tmp_path / "single"), _weights(tmp_path / "ddp")
     assert sorted(a) == sorted(b)
     for k in a:

@@ -35,6 +35,14 @@ class BenchConfig:
         None, "bucket cap of both engines, in MiB (default: their default, 25 MiB with a first bucket of 1 MiB; "
         "a value given caps the first bucket too, as in torch)"
     )
+    compile: bool = option(
+        False, "run each engine's model under torch.compile (and the plain module the overlap compares with); "
+        "the warm-up steps, at least 3, compile; the dp and strategies workloads are skipped"
+    )
+    compile_backend: str = option(
+        "inductor", "torch.compile's backend with --compile (inductor needs a C++ compiler; aot_eager does not)",
+        metavar="NAME",
+    )
     strategy_workloads: tuple[str, ...] = option(
         ("convnet", "mlp"), "the models the strategies workload trains", metavar="NAME"
     )
@@ -98,6 +106,11 @@ class BenchConfig:
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value} must be {'0 or more' if name == 'warmup' else 'at least 1'}")
+        if self.compile and (self.scaling or self.memory):
+            raise ConfigError(f"--compile times the DDP workloads' steps; drop {'--scaling' if self.scaling else '--memory'}"
+                              ", which it does not apply to")
+        if self.compile_backend != "inductor" and not self.compile:
+            raise ConfigError(f"--compile-backend {self.compile_backend}: add --compile, or leave the backend out")
         try:
             check_bucket_cap(self.bucket_cap_mb, "--bucket-cap-mb")
         except ValueError as e:

@@ -102,6 +102,11 @@ class ExposedWaits(Observer):
         self.last = event.end - event.start
 
 
+def compiled(model: nn.Module, backend: str) -> nn.Module:
+    """``model`` under ``torch.compile`` with ``backend``; the first calls compile it."""
+    return torch.compile(model, backend=backend)  # type: ignore[return-value]
+
+
 def comm_only(buffers: list[torch.Tensor]) -> float:
     """Seconds to all-reduce ``buffers`` back to back with nothing else running."""
     start = time.perf_counter()
@@ -119,8 +124,11 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
     theirs = torch_ddp(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
     plain = copy.deepcopy(base)
-    steps = {"ddpkit": stepper(ours, x, y), "torch": stepper(theirs, x, y), "compute": stepper(plain, x, y)}
-    for _ in range(cfg.warmup):
+    run = {"ddpkit": ours, "torch": theirs, "compute": plain}
+    if cfg.compile:
+        run = {k: compiled(m, cfg.compile_backend) for k, m in run.items()}
+    steps = {k: stepper(m, x, y) for k, m in run.items()}
+    for _ in range(max(cfg.warmup, 3) if cfg.compile else cfg.warmup):
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -147,7 +155,7 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         bar.update(cfg.block)
         r += 1
     bar.close()
-    overlaps = traced_steps(name, cfg, ours, theirs, x, y)
+    overlaps = traced_steps(name, cfg, ours, theirs, x, y, run=(run["ddpkit"], run["torch"]))
     waits = [torch.zeros(len(exposed), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(waits, torch.tensor(exposed, dtype=torch.float64))
     exposed = torch.stack(waits).min(dim=0).values.tolist()
@@ -176,13 +184,16 @@ TRACED_STEPS = 10
 
 
 def traced_steps(name: str, cfg: BenchConfig, ours: nn.Module, theirs: nn.Module, x: torch.Tensor,
-                  y: torch.Tensor) -> tuple[float | None, float | None]:
-    """Trace a few more steps of each engine: their overlap, and (``--trace``) their spans on file."""
+                  y: torch.Tensor, run: tuple[nn.Module, nn.Module] | None = None) -> tuple[float | None, float | None]:
+    """Trace a few more steps of each engine: their overlap, and (``--trace``) their spans on file.
+
+    ``run``: what each step calls, when not the wrappers themselves (the compiled models of ``--compile``).
+    """
     rank = dist.get_rank()
     recorders = [trace.instrument(ours, "ddpkit", rank), trace.instrument(theirs, "torch", rank)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, theirs)]
     for _ in range(min(cfg.steps, TRACED_STEPS)):
-        for recorder, model, opt in zip(recorders, (ours, theirs), optimizers):
+        for recorder, model, opt in zip(recorders, run or (ours, theirs), optimizers):
             dist.barrier()
             recorder.step(model, opt, x, y)
     if cfg.trace is not None:
@@ -204,10 +215,11 @@ def more_rounds(times: dict[str, list[float]], cfg: BenchConfig, started: float)
     return bool(go.item())
 
 
-def format_results(results: list[WorkloadResult], world_size: int) -> str:
+def format_results(results: list[WorkloadResult], world_size: int, compile_backend: str | None = None) -> str:
     """A plain-text table of the results, its columns as the README defines them."""
+    compiled_note = f", models under torch.compile (backend {compile_backend})" if compile_backend else ""
     lines = [
-        f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank; median step times in ms",
+        f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank{compiled_note}; median step times in ms",
         f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
         f"{'95% CI':>11} {'ddpkit is':>9}  "
         f"{'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "

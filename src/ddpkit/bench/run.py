@@ -67,6 +67,9 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
         say(cfg, f"{name} ({i}/{len(cfg.workloads)}): {cfg.steps} steps per engine"
              + (f", more until the ratio's IQR is within {cfg.target_spread:g} of it" if cfg.target_spread else ""))
         start = time.monotonic()
+        if cfg.compile and name in ("dp", "strategies"):
+            say(cfg, f"{name} skipped: --compile times the DDP workloads")
+            continue
         if name == "dp":
             dp = asdict(bench_dp_vs_ddp(cfg))
             say(cfg, f"dp done in {time.monotonic() - start:.0f} s")
@@ -115,7 +118,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     after = machine()
     results = [WorkloadResult(**r) for r in raw["ddp"]]
     if results:
-        print(format_results(results, cfg.world_size), flush=True)
+        print(format_results(results, cfg.world_size, cfg.compile_backend if cfg.compile else None), flush=True)
     if raw["dp"] is not None:
         from ddpkit.bench.dp import DPResult, format_dp
 

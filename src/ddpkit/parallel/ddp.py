@@ -25,6 +25,7 @@ from ddpkit.parallel import ddp_args
 from ddpkit.parallel.bucket_caps import DEFAULT_BUCKET_CAP_MB
 from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
 from ddpkit.parallel.ddp_buffers import IGNORED_ATTRIBUTE, DDPBuffers
+from ddpkit.parallel.ddp_logging import DDPLogging
 from ddpkit.parallel.join import DDPJoinable
 from ddpkit.parallel.observer import Observer, ObserverHandle
 from ddpkit.parallel.reducer import Reducer
@@ -174,6 +175,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             states = [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
             broadcast_once(states, process_group, "parameters and buffers")
         self.reducer = self._make_reducer()
+        self._logging = DDPLogging(self)
 
     def _keep_settings(self, settled: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
         """The settled arguments, and the attributes torch's DDP exposes for them."""
@@ -227,6 +229,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             return
         self.reducer.set_static_graph()
         self.static_graph = True
+        self._logging.static_graph()
         if self.find_unused_parameters:
             warnings.warn(
                 "find_unused_parameters=True is not needed with _set_static_graph(): a static graph finds its "
@@ -245,7 +248,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         state = dict(state)
         # The group, the reducer (its gradient hooks and buckets) and the comm
         # hook belong to this process: rebuilt on load, the hook dropped.
-        for key in ("process_group", "reducer", "_buffer_broadcast"):
+        for key in ("process_group", "reducer", "_buffer_broadcast", "_logging"):
             state.pop(key, None)
         state["_buffer_ids"] = ()
         state["_had_group"] = self.process_group is not None
@@ -265,10 +268,23 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
         self._buffer_broadcast = None
         self.reducer = self._make_reducer()
+        self._logging = DDPLogging(self)
 
+    # Under torch.compile, Dynamo skips this frame and the bookkeeping before and after the module (collectives,
+    # hooks, the stall record's clock), with no graph break, and compiles the module as a frame of its own, as
+    # under torch's DDP.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._pre_forward(args, kwargs)
+        return self._post_forward(self.module(*args, **kwargs))
+
+    @torch.compiler.disable
+    def _pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Buffers out, the buckets rebuilt when due, inputs to the device."""
         grad = torch.is_grad_enabled()
         sync = self.require_backward_grad_sync and grad
+        if sync:
+            self._logging.forward_start()
         joining = self._join_config.enable and self.world_size > 1
         div_factor = self._join_step(sync, grad) if joining else self.world_size
         # torch's rule: buffers go out from rank 0 when the previous forward
@@ -280,14 +296,26 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.reducer.div_factor = div_factor
         if grad:
             self.reducer.rebuild_if_due()  # torch's rule: at any forward with grad enabled, no_sync() too
-        if sync:
-            self.reducer.prepare_for_backward()
-        elif grad:
-            self.reducer.disarm()
         if self.device_ids is not None:
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else torch.device(self.device_ids[0])
             args, kwargs = to_device(args, device), to_device(kwargs, device)
-        output = self.module(*args, **kwargs)
+        return args, kwargs
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any) -> Any:
+        """Arm the reducer (or not) and pass the output through the sink where torch's DDP does.
+
+        As torch's DDP, whether the backward synchronises is read after the module ran: Lightning's
+        manual optimisation turns ``require_backward_grad_sync`` off inside the forward and arms the
+        reducer itself before each backward (``model.reducer.prepare_for_backward``).
+        """
+        grad = torch.is_grad_enabled()
+        sync = self.require_backward_grad_sync and grad
+        if sync:
+            self.reducer.prepare_for_backward()
+            self._logging.forward_end()
+        elif grad:
+            self.reducer.disarm()
         self.require_forward_param_sync = sync
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
         # forwards until its first backward. Later, a static graph's synchronised backward is anchored on
@@ -360,6 +388,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         if callable(hook):
             check_hook_signature(hook)
         self.reducer.register_comm_hook(state, hook)
+        self._logging.comm_hook(getattr(hook, "__qualname__", repr(hook)))
 
     def register_observer(self, observer: Observer) -> ObserverHandle:
         """Call ``observer`` at the engine's events: a bucket ready, launched, reduced, and the wait at the end
@@ -380,6 +409,16 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             raise ValueError(f"comm_hook_type={comm_hook_type!r}: use dist.BuiltinCommHookType.ALLREDUCE or "
                              "FP16_COMPRESS, or register a hook with register_comm_hook()")
         self.reducer.register_comm_hook(None, hooks[name])
+        self._logging.comm_hook(str(comm_hook_type))
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's logging data of this model: settings, environment and sampled runtime figures (see
+        :mod:`ddpkit.parallel.ddp_logging`). Like torch's, a prototype interface: print it to see how DDP runs."""
+        return self._logging.data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """After the first 10 synchronised iterations, sample the runtime figures once every ``sample_rate``."""
+        self._logging.set_sample_rate(sample_rate)
 
 DDP = DistributedDataParallel
 

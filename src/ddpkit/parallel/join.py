@@ -200,6 +200,7 @@ class DDPJoinHook:
 
     def __init__(self, ddp: Any) -> None:
         self.ddp = ddp
+        ddp._logging.uneven_input_join()  # torch's logging data records that join() was used
 
     def main_hook(self) -> None:
         """One step of the ranks still training: the same collectives as their forward and backward."""

@@ -138,6 +138,11 @@ class Reducer:
         self.step = 0
         """Synchronised backwards so far (named in the stall inspector's reports and in events)."""
         self._rebuild_due = False
+        self.rebuilt = False
+        self.ready_order: list[int] | None = None
+        """When a list, the indices of parameters as their gradients become ready (DDP's logging data)."""
+        self.unused_here: list[int] = []
+        """Parameters this rank did not use in the last backward that searched for them."""
         self.static = sg.StaticGraph()
         self.last_used_flags: torch.Tensor | None = None
         """The used-parameter map of the last backward (a joined rank sends it while it shadows)."""
@@ -172,6 +177,7 @@ class Reducer:
                 order = self.layout.agreed_order(self.group, self.owner, self.step, self.comm_device())
             self.layout.rebuild(order, last_bucket_cap=os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1")
             self._adopt_buckets()
+            self.rebuilt = True
 
     # -- observers -----------------------------------------------------------
 
@@ -195,6 +201,16 @@ class Reducer:
             self.layout.set.check_unchanged(self.names)  # type: ignore[union-attr]
         self._reset()
         self._armed = True
+
+    def _rebuild_buckets(self) -> bool:
+        """torch's name, called by Lightning and Accelerate: rebuild if due (a collective); whether it did."""
+        due = self._rebuild_due
+        self.rebuild_if_due()
+        return due
+
+    def _delay_all_reduce(self) -> None:
+        """torch's flush of a static graph's first backward (Lightning calls it after a manual backward):
+        nothing to do here, where that backward reduced at its own end."""
 
     def disarm(self) -> None:
         """Let the next backward accumulate locally (``no_sync``)."""
@@ -265,6 +281,8 @@ class Reducer:
             )
         if not self.layout.final:
             self.layout.arrival.append(index)
+        if self.ready_order is not None:
+            self.ready_order.append(index)
         if self._mark_ready(index):
             self._launch_ready()
 
@@ -370,6 +388,8 @@ class Reducer:
         local_used = [(r and i not in undefined) or u
                       for i, (r, u) in enumerate(zip(self._ready, self._used_since_sync))]
         self._used_since_sync = [False] * len(self.params)
+        if searched and not first_static:
+            self.unused_here = [i for i, u in enumerate(local_used) if not u]
         missing = [i for i, r in enumerate(self._ready) if not r]
         if not self.reduce_missing:
             for i in missing:

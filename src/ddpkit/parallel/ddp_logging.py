@@ -1,0 +1,215 @@
+"""What ``DistributedDataParallel._get_ddp_logging_data()`` returns: torch's DDP logging data, from ddpkit's engine.
+
+torch's DDP keeps a C++ logger whose data is one dictionary of strings and
+integers; Lightning reads it at teardown (``can_set_static_graph``) and users
+print it to see how DDP was set up and how an iteration went. ddpkit fills
+the same keys with the same meaning:
+
+construction
+    ``module_name``, ``device_ids``, ``output_device``, ``world_size``,
+    ``rank``, ``backend_name``, ``bucket_cap_bytes``, ``bucket_sizes`` (bytes
+    of each bucket), ``find_unused_parameters``, ``gradient_as_bucket_view``,
+    ``broadcast_buffers`` (buffers synchronised at each forward),
+    ``has_sync_bn``, ``is_multi_device_module``, ``num_parameter_tensors``,
+    ``total_parameter_size_bytes``, ``dtypes``, ``static_graph`` (when set),
+    ``comm_hook`` (when registered), ``join_uneven_inputs`` (under join), and
+    the environment (``master_addr``, ``master_port``, ``gloo_*`` or
+    ``nccl_*``, ``cuda_visible_devices``, ``torch_distributed_debug``;
+    ``N/A`` when unset).
+runtime
+    Sampled as torch samples them: the synchronised iterations 1 to 10, then
+    every 100th (:meth:`DDPLogging.set_sample_rate`). A synchronised forward
+    records the figures of the previous sampled iteration: ``iteration``,
+    ``has_rebuilt_buckets`` (then ``rebuilt_bucket_sizes`` and
+    ``rebuilt_per_bucket_param_indices``), ``prev_iteration_grad_ready_order_indices``,
+    ``num_buckets_reduced``, ``unused_parameter_size`` (bytes of the
+    parameters this rank did not use, with ``find_unused_parameters``), and the
+    times in nanoseconds since the epoch: ``forward_compute_time_start``,
+    ``backward_compute_time_start`` / ``_end`` (the last gradient),
+    ``backward_comm_time_start`` (the first bucket launched) / ``_end`` (the
+    last reduction waited for), their durations ``forward_compute_time``,
+    ``backward_compute_time``, ``backward_comm_time``,
+    ``backward_compute_comm_overlap_time``, and ``avg_`` of each duration over
+    the sampled iterations.
+
+``can_set_static_graph`` is not among them: torch's logger writes it only when
+it is destroyed, so a live model never reports it (Lightning's ``.get`` then
+gives ``None``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.parallel.observer import BucketEvent, Observer, ObserverHandle, WaitEvent
+
+__all__ = ["DEFAULT_SAMPLE_RATE", "DDPLogging"]
+
+DEFAULT_SAMPLE_RATE = 100
+"""torch's ``kDDPRuntimeLoggingSampleRate``: after the first 10 iterations, one in this many is sampled."""
+
+# How torch's logger names element types (caffe2's type names).
+_DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+                torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int", torch.bool: "bool",
+                torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int",
+                torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>"}
+_ENV = {"master_port": "MASTER_PORT", "master_addr": "MASTER_ADDR", "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
+        "cuda_visible_devices": "CUDA_VISIBLE_DEVICES"}
+_BACKEND_ENV = {
+    "gloo": {"gloo_socket_ifname": "GLOO_SOCKET_IFNAME", "gloo_device_transport": "GLOO_DEVICE_TRANSPORT"},
+    "nccl": {"nccl_socket_ifname": "NCCL_SOCKET_IFNAME", "nccl_blocking_wait": "TORCH_NCCL_BLOCKING_WAIT",
+             "nccl_async_error_handling": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "nccl_debug": "NCCL_DEBUG",
+             "nccl_nthreads": "NCCL_NTHREADS", "nccl_ib_timeout": "NCCL_IB_TIMEOUT"},
+}
+_DURATIONS = {"forward_compute_time": ("forward_compute_time_start", "backward_compute_time_start"),
+              "backward_compute_time": ("backward_compute_time_start", "backward_compute_time_end"),
+              "backward_comm_time": ("backward_comm_time_start", "backward_comm_time_end"),
+              "backward_compute_comm_overlap_time": ("backward_comm_time_start", "backward_compute_time_end")}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DDPLogging(Observer):
+    """The logging data of one ``DistributedDataParallel``; it observes the reducer in sampled iterations only."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.ddp = ddp
+        self.strs: dict[str, str] = {}
+        self.ints: dict[str, int] = {}
+        self.sample_rate = DEFAULT_SAMPLE_RATE
+        self.iterations = 0
+        """Synchronised forwards so far (torch's ``num_iterations_``)."""
+        self.recorded = 0
+        self.times: dict[str, int] = {}
+        self.buckets_reduced = 0
+        self.handle: ObserverHandle | None = None
+        self._construction()
+
+    def _construction(self) -> None:
+        ddp, reducer = self.ddp, self.ddp.reducer
+        group = ddp.process_group
+        backend = dist.get_backend(group) if group is not None else "undefined"
+        params = reducer.params
+        self.strs.update({
+            "module_name": type(ddp.module).__name__, "backend_name": backend,
+            "device_ids": ", ".join(str(d) for d in (ddp.device_ids or [])),
+            "dtypes": ", ".join(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
+            "bucket_sizes": ", ".join(str(n) for n in self._bucket_sizes()),
+        })
+        for key, name in {**_ENV, **_BACKEND_ENV.get(backend, {})}.items():
+            self.strs[key] = os.environ.get(name) or "N/A"
+        sync_bn = any(type(m).__name__ == "SyncBatchNorm" for m in ddp.module.modules())
+        output = ddp.output_device
+        self.ints.update({
+            "world_size": ddp.world_size, "rank": dist.get_rank(group) if group is not None else 0,
+            "output_device": -1 if output is None else int(getattr(output, "index", output) or 0),
+            "broadcast_buffers": int(ddp.forward_sync_buffers), "has_sync_bn": int(sync_bn),
+            "bucket_cap_bytes": ddp.bucket_bytes_cap, "find_unused_parameters": int(ddp.find_unused_parameters),
+            "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+            "is_multi_device_module": int(ddp.is_multi_device_module),
+            "num_parameter_tensors": len(params), "total_parameter_size_bytes": sum(_nbytes(p) for p in params),
+            "iteration": 0,
+        })
+        if backend == "gloo":
+            self.ints["gloo_num_threads"] = 2  # torch's default; ddpkit's groups keep it
+        if ddp.static_graph:
+            self.static_graph()
+
+    def _bucket_sizes(self) -> list[int]:
+        params = self.ddp.reducer.params
+        return [sum(_nbytes(params[i]) for i in bucket) for bucket in self.ddp.reducer.bucket_indices()]
+
+    # -- what the wrapper tells it ---------------------------------------------
+
+    def static_graph(self) -> None:
+        self.ints["static_graph"] = 1
+
+    def comm_hook(self, name: str) -> None:
+        self.strs["comm_hook"] = name
+
+    def uneven_input_join(self) -> None:
+        self.ints["join_uneven_inputs"] = 1
+
+    def set_sample_rate(self, rate: int) -> None:
+        """torch's ``_set_ddp_runtime_logging_sample_rate``: after the first 10, one iteration in ``rate``."""
+        if rate < 1:
+            raise ValueError(f"DDP runtime logging sample rate should be equal or greater than 1 (got {rate})")
+        self.sample_rate = rate
+
+    def _sampled(self, iteration: int) -> bool:
+        return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
+
+    def forward_start(self) -> None:
+        """A synchronised forward begins: record the last sampled iteration, then time this one if sampled."""
+        if self._sampled(self.iterations):
+            self._record()
+        self.iterations += 1
+        reducer = self.ddp.reducer
+        if self._sampled(self.iterations):
+            self.times = {"forward_compute_time_start": time.time_ns()}
+            self.buckets_reduced = 0
+            reducer.ready_order = []
+            if self.handle is None:
+                self.handle = reducer.add_observer(self)
+        elif self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+            reducer.ready_order = None
+
+    def forward_end(self) -> None:
+        if self.handle is not None:
+            self.times["backward_compute_time_start"] = time.time_ns()
+
+    # -- what the reducer tells it, in sampled iterations ------------------------
+
+    def on_bucket_ready(self, event: BucketEvent) -> None:
+        self.times["backward_compute_time_end"] = time.time_ns()
+        self.buckets_reduced += 1
+
+    def on_launch(self, event: BucketEvent) -> None:
+        self.times.setdefault("backward_comm_time_start", time.time_ns())
+
+    def on_wait(self, event: WaitEvent) -> None:
+        self.times["backward_comm_time_end"] = time.time_ns()
+        reducer = self.ddp.reducer
+        if reducer.static_graph and event.step == 0:
+            self.buckets_reduced = 0  # torch reduces a static graph's first backward all at once, uncounted
+
+    def _record(self) -> None:
+        """torch's ``set_runtime_stats_and_log``: the figures of the iteration sampled last."""
+        reducer = self.ddp.reducer
+        self.recorded += 1
+        self.ints["iteration"] = self.iterations
+        self.ints["unused_parameter_size"] = sum(_nbytes(reducer.params[i]) for i in reducer.unused_here)
+        changed = self.ints.get("has_rebuilt_buckets", 0) != int(reducer.rebuilt)
+        self.ints["has_rebuilt_buckets"] = int(reducer.rebuilt)
+        if changed:
+            self.strs["rebuilt_bucket_sizes"] = ", ".join(str(n) for n in self._bucket_sizes())
+            self.strs["rebuilt_per_bucket_param_indices"] = ", ".join(
+                " ".join(str(i) for i in bucket) for bucket in reducer.bucket_indices())
+        if reducer.ready_order:
+            self.strs["prev_iteration_grad_ready_order_indices"] = ", ".join(str(i) for i in reducer.ready_order)
+            reducer.ready_order = []
+        self.ints["num_buckets_reduced"] = self.buckets_reduced
+        times = self.times
+        if "backward_comm_time_end" not in times:
+            return  # no synchronised backward followed the sampled forward
+        times.setdefault("backward_comm_time_start", times["backward_comm_time_end"])
+        times.setdefault("backward_compute_time_end", times.get("backward_compute_time_start", 0))
+        self.ints.update(times)
+        for name, (start, end) in _DURATIONS.items():
+            value = max(0, times.get(end, 0) - times.get(start, 0))
+            self.ints[name] = value
+            avg = self.ints.get(f"avg_{name}", 0)
+            self.ints[f"avg_{name}"] = (avg * (self.recorded - 1) + value) // self.recorded
+
+    def data(self) -> dict[str, Any]:
+        """The dictionary torch's ``_get_ddp_logging_data()`` returns: strings, then integers."""
+        return {**self.strs, **self.ints}
