@@ -29,7 +29,11 @@ which is what a user or a cluster's scheduler does; the report says which
 faults the job survived by itself and which needed that. When a run finishes
 before the faults are all sent, the next run starts, and each run is checked.
 
-Run: ``.venv/bin/python scripts/chaos.py --faults 50 --seed 7 [--mode launch] [--json report.json]``
+``--zero 2`` runs the faulted jobs with ZeRO stage 2 (sharded gradients and
+optimizer state; the checkpoints hold the unsharded state), against the same
+stage-0 reference: at two ranks the stages train the same bits.
+
+Run: ``.venv/bin/python scripts/chaos.py --faults 50 --seed 7 [--mode launch] [--zero 2] [--json report.json]``
 (prints one line per fault and a summary; exit code 0 when every check passed).
 """
 
@@ -84,6 +88,13 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -95,16 +106,20 @@ def _workers(mark: str) -> dict[int, int]:
     """Rank -> pid of the run's training processes.
 
     A launcher's workers carry ``RANK`` in the environment they were started
-    with; ``ddpkit train``'s own workers (``ddpkit.spawn``) set theirs after
-    start, where /proc does not show it: they are numbered in pid order.
+    with; ``ddpkit train``'s own workers (forked from its forkserver, or
+    started by ``ddpkit.spawn``) set theirs after start, where /proc does not
+    show it: they are numbered in pid order.
     """
-    found, spawned = {}, []
+    found, spawned, servers = {}, [], {}
     for pid in sorted(_marked(mark)):
         env, cmd = _environ(pid), _cmdline(pid)
         if "spawn_main" in cmd:
             spawned.append(pid)
+        elif "forkserver import main" in cmd:
+            servers[pid] = _parent(pid)  # the server, and the workers forked from it
         elif "RANK" in env and " launch " not in cmd:
             found[int(env["RANK"])] = pid
+    spawned += sorted(pid for pid, parent in servers.items() if parent in servers)
     found.update({k: pid for k, pid in enumerate(spawned, start=len(found))})
     return found
 
@@ -151,9 +166,12 @@ class Job:
     current: dict = field(default_factory=dict)
     """The newest process of each node (None: the single launcher or ddpkit train)."""
     starts: int = 0
+    zero: int = 0
+    """``--zero``: the ZeRO stage of the runs (the reference is stage 0, which trains the same bits at world 2)."""
 
     def command(self, node: int | None, resume: bool, port: int) -> list[str]:
-        train = ["--output-dir", str(self.out), "--epochs", str(self.epochs), *TRAIN] + (["--resume"] if resume else [])
+        train = ["--output-dir", str(self.out), "--epochs", str(self.epochs), *TRAIN, "--zero", str(self.zero)] + (
+            ["--resume"] if resume else [])
         py = [sys.executable, "-m", "ddpkit"]
         if self.mode == "train":
             return [*py, "train", "--max-restarts", str(self.max_restarts), *train]
@@ -336,7 +354,8 @@ def chaos(args: argparse.Namespace) -> Report:
     chaos_wall = 0.0
     run = 0
     while sent < args.faults:
-        job = Job(args.mode, work / f"run{run}", args.epochs, max_restarts=args.faults + 5, mark=f"{args.seed}-{run}")
+        job = Job(args.mode, work / f"run{run}", args.epochs, max_restarts=args.faults + 5, mark=f"{args.seed}-{run}",
+                  zero=args.zero)
         run_start = time.monotonic()
         watcher = Inotify(job.out / "checkpoints")
         job.start(work / f"run{run}.log")
@@ -409,6 +428,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
     parser.add_argument("--mode", choices=("launch", "train", "nodes"), default="launch")
     parser.add_argument("--epochs", type=int, default=12, help="epochs of each run (default 12)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                        help="ZeRO stage of the faulted runs (ddpkit train --zero; default 0)")
     parser.add_argument("--workdir", help="where the runs go (default: a new temporary folder, removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, runs)")
     parser.add_argument("--json", help="write the report as JSON here")

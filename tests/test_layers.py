@@ -21,13 +21,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpkit"
 # ../shared/docs/architecture.md: data flows down,
 # cli -> bench -> train -> launcher/parallel -> comm/data/models -> runtime.
 LAYER = {"runtime": 0, "comm": 1, "data": 1, "models": 1, "launcher": 2, "parallel": 2, "train": 3,
-         "integrations": 3, "bench": 4}
+         "integrations": 3, "bench": 4, "doctor": 4}
 TOP = 5
 """ddpkit/__init__, cli, __main__ and the public facades (hooks, collectives) sit above everything."""
 TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
 REFERENCE = "_reference"
 """torch's implementations: imported only where the point is comparison."""
-REFERENCE_USERS = {"train", "bench"}
+REFERENCE_USERS = {"train", "bench", "doctor"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -127,7 +127,7 @@ def violations(root: Path) -> list[str]:
             parts = module.split(".")
             if len(parts) > 1 and parts[1] == REFERENCE:
                 if (here.split(".") + [""])[1] not in REFERENCE_USERS:
-                    wrong.append(f"{where} imports {module} (torch's references: bench and train only)")
+                    wrong.append(f"{where} imports {module} (torch's references: bench, train and doctor only)")
                 continue
             if mine != TOP and (layer(module) or 0) > mine:
                 wrong.append(f"{where} imports {module}, a layer above")
@@ -175,7 +175,7 @@ def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
     ({"parallel/__init__.py": "", "parallel/x.py": "from ddpkit.parallel.y import _hidden\n", "parallel/y.py": ""},
      "ddpkit/parallel/x.py:1 imports _hidden from ddpkit.parallel.y: a private name of another module"),
     ({"parallel/__init__.py": "", "parallel/x.py": "from ddpkit._reference import torch_ddp\n", "_reference.py": ""},
-     "ddpkit/parallel/x.py:1 imports ddpkit._reference (torch's references: bench and train only)"),
+     "ddpkit/parallel/x.py:1 imports ddpkit._reference (torch's references: bench, train and doctor only)"),
     ({"newthing/__init__.py": "", "newthing/x.py": ""},
      "ddpkit.newthing: its package is in no layer: give it one in tests/test_layers.py"),
 ])
@@ -194,15 +194,19 @@ def test_the_checker_passes_a_clean_tree(tmp_path: Path) -> None:
     assert violations(root) == []
 
 
-def test_launch_never_imports_torch_in_the_launcher() -> None:
-    # The launcher process reports which torch modules it holds once its
-    # workers (which do import torch and join a group) have finished.
+def test_launch_starts_its_workers_before_it_imports_torch() -> None:
+    # The launcher needs torch only to serve the job's store (torchrun's agent store): it imports it on a
+    # thread after the workers have been started. An audit hook records, at each process the launcher starts,
+    # whether torch is loaded yet.
     probe = (
         "import sys\n"
+        "seen = []\n"
+        "sys.addaudithook(lambda event, args: seen.append('torch' in sys.modules) if event == 'subprocess.Popen' "
+        "else None)\n"
         "sys.argv = ['ddpkit', 'launch', '--standalone', '--nproc-per-node', '2', sys.argv[1]]\n"
         "from ddpkit.cli import main\n"
         "code = main()\n"
-        "print('TORCH_IN_LAUNCHER', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        "print('TORCH_AT_WORKER_START', seen[:2], 'torch' in sys.modules)\n"
         "sys.exit(code)\n"
     )
     proc = subprocess.run(
@@ -211,8 +215,8 @@ def test_launch_never_imports_torch_in_the_launcher() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("REPORT ") == 2, proc.stdout  # the workers really ran
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("TORCH_IN_LAUNCHER"))
-    assert line == "TORCH_IN_LAUNCHER []", line
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("TORCH_AT_WORKER_START"))
+    assert line == "TORCH_AT_WORKER_START [False, False] True", line
 
 
 def test_test_file_names_are_unique() -> None:

@@ -42,6 +42,7 @@ _EXPORTS = {
     "broadcast_optimizer_state": "ddpkit.parallel.broadcast",
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
+    "ZeroRedundancyOptimizer": "ddpkit.parallel.zero",
     "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.local_sgd import LocalSGD
     from ddpkit.parallel.optimizer import DistributedOptimizer
     from ddpkit.parallel.unused import UnusedParametersError
+    from ddpkit.parallel.zero import ZeroRedundancyOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (
         DistContext,

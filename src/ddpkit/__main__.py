@@ -1,6 +1,6 @@
 """``python -m ddpkit`` is the same as the ``ddpkit`` console script."""
 
-from ddpkit.cli import main
+from ddpkit.cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

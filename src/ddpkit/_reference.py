@@ -1,9 +1,10 @@
 """torch's own implementations, for side-by-side comparison only.
 
-The one module of ddpkit's source allowed to import ``torch.nn.parallel`` and
-``torch.distributed.algorithms``: ``ddpkit bench`` and ``ddpkit train
---engine torch`` measure ddpkit against them. Nothing else may use them to do
-ddpkit's job.
+The one module of ddpkit's source allowed to import ``torch.nn.parallel``,
+``torch.distributed.algorithms`` and ``torch.distributed.optim``, and to build
+torch's ``nn.SyncBatchNorm``: ``ddpkit bench``, ``ddpkit train --engine
+torch`` and ``ddpkit doctor`` measure or check ddpkit against them. Nothing
+else may use them to do ddpkit's job.
 """
 
 from __future__ import annotations
@@ -18,3 +19,15 @@ def torch_ddp(module: nn.Module, **kwargs: Any) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, **kwargs)
+
+
+def torch_zero(params: Any, optimizer_class: type, **kwargs: Any) -> Any:
+    """``torch.distributed.optim.ZeroRedundancyOptimizer`` over ``params`` (ZeRO stage 1, torch's)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class, **kwargs)
+
+
+def torch_sync_batchnorm(num_features: int) -> nn.Module:
+    """torch's ``nn.SyncBatchNorm`` (CUDA only)."""
+    return nn.SyncBatchNorm(num_features)

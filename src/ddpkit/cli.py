@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ddpkit.runtime.options import ConfigError
 
@@ -117,9 +117,13 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from ddpkit.train.config import TrainConfig
+    from ddpkit.train.preload import start_early
+
+    config = _build(TrainConfig, args)
+    start_early(config)  # the workers' imports start now, beside this process's own
     from ddpkit.train.loop import train
 
-    train(_build(TrainConfig, args))
+    train(config)
     return 0
 
 
@@ -128,6 +132,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     run(_build(BenchConfig, args))
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ddpkit.doctor.config import DoctorConfig
+    from ddpkit.doctor.run import run
+
+    return run(_build(DoctorConfig, args))
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
@@ -167,6 +178,10 @@ def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[ar
         from ddpkit.bench.config import BenchConfig
         return BenchConfig
 
+    def doctor_config() -> type:
+        from ddpkit.doctor.config import DoctorConfig
+        return DoctorConfig
+
     return [
         ("launch", "start a training script on N processes (torchrun-compatible)",
          "Start one node's workers of a data-parallel job; torchrun's flags and env contract.",
@@ -178,6 +193,11 @@ def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[ar
          "Median step times of ddpkit's and torch's DDP on the same steps (gloo, one thread per rank, "
          "alternating engines), their ratio, and how much all-reduce hides behind backward.",
          bench_config, _bench),
+        ("doctor", "check this machine: environment, backends, and a self-test of ddpkit on each",
+         "Report Python, torch, CUDA/NCCL, GPUs, backends, the network interface and the relevant environment; "
+         "then start ranks and test every collective, a DDP step against torch's, SyncBatchNorm and all-reduce "
+         "bandwidth on each backend and device. Exit 1 on any failure, naming the backend and the fix.",
+         doctor_config, _doctor),
     ]
 
 
@@ -218,5 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signum
 
 
+def run() -> NoReturn:
+    """The console script: :func:`main`, then an exit without the interpreter's teardown (seconds with torch
+    loaded, after the work is done)."""
+    from ddpkit.runtime.process import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -269,3 +269,28 @@ def test_phase_times_script_reports_both_engines_and_the_reducer():
     assert set(rows) == {"forward", "backward", "optimizer", "step"}
     assert all(float(v) > 0 for k, row in rows.items() for v in (row[0], row[1], row[3]))
     assert any(line.strip().startswith("_finish_backward") for line in lines)
+
+
+def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
+    out = tmp_path / "z.json"
+    assert main(["bench", "--zero", "--workloads", "mlp", "--steps", "2", "--warmup", "1", "--mlp-hidden", "512",
+                 "--json", str(out), "--no-progress"]) == 0
+    found = json.loads(out.read_text())["zero"]
+    assert sorted(found) == ["mlp world 2", "mlp world 3"]
+    for key, world in (("mlp world 2", 2), ("mlp world 3", 3)):
+        row = found[key]
+        ddp, zero1, zero2, torch1 = row["ddp"], row["zero1"], row["zero2"], row["torch zero1"]
+        assert ddp["params"] == row["torch ddp"]["params"] == zero2["params"]
+        assert ddp["grads"] == ddp["params"] and ddp["state"] == 2 * ddp["params"]  # AdamW: two tensors each
+        assert zero1["state"] == torch1["state"] < ddp["state"]  # torch's partition, the fullest rank
+        assert zero2["state"] <= ddp["state"] / world * 1.01 + 0.01  # elements: 1/W
+        assert zero2["grads"] <= ddp["grads"] / world * 1.01 + 0.01
+        assert all(m["peak"] > 0 and m["step_s"] > 0 for m in row.values())
+    assert "ZeRO: MB per rank" in capfd.readouterr().out
+
+
+def test_zero_config_is_checked():
+    with pytest.raises(ValueError, match="--zero runs the transformer and the MLP"):
+        BenchConfig(zero=True, workloads=("convnet",))
+    with pytest.raises(ValueError, match="--zero measures its own table; drop --scaling"):
+        BenchConfig(zero=True, scaling=True)

@@ -85,8 +85,11 @@ def test_a_killed_node_leaves_and_a_new_one_joins_while_ddpkit_train_continues(t
     port, out = free_port(), tmp_path / "run"
     # --shutdown-timeout 5: the surviving node's workers, stuck in a collective with the lost node's, are killed
     # 5 s after their SIGTERM instead of torchrun's 30 (the scenario is the same; the test is 25 s shorter).
-    train = ["--max-restarts", "2", "--shutdown-timeout", "5", "-m", "ddpkit", "train", "--output-dir", str(out), "--dataset", "synthetic",
-             "--synthetic-samples", "4096", "--epochs", "30", "--checkpoint-every", "5", "--no-progress"]
+    # --zero 2: the sharded gradients and optimizer state are re-sharded at each new world size (2, 1, 2) from
+    # the checkpoints' unsharded state.
+    train = ["--max-restarts", "2", "--shutdown-timeout", "5", "-m", "ddpkit", "train", "--output-dir", str(out),
+             "--dataset", "synthetic", "--synthetic-samples", "4096", "--epochs", "30", "--checkpoint-every", "5",
+             "--no-progress", "--zero", "2"]
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
     a = _launcher(port, "elastic", *train, nnodes="1:3", log=logs[0])
     # A serves the store (the node that does cannot leave the job): B is the one to lose.

@@ -89,7 +89,7 @@ def test_standalone_binds_loopback():
     ({"nnodes": 0}, "--nnodes 0"),
     ({"max_restarts": -1}, "--max-restarts -1"),
     ({"master_port": 0}, "--master-port 0"),
-    ({"standalone": True, "nnodes": 2}, "--standalone runs a single node"),
+    ({"standalone": True, "nnodes": 2}, "--standalone runs this node alone"),
     ({"program": "no/such/script.py"}, "script 'no/such/script.py' does not exist"),
     ({"program": "no_such_module_xyz", "module": True}, "module 'no_such_module_xyz' cannot be found"),
 ])

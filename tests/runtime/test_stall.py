@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
 from ddpkit.launcher.supervise import extract_stall_report
 from ddpkit.runtime import stall
+from ddpkit.runtime.process import free_port
 from tests.procs import SCRIPTS, base_env, launch
 
 
@@ -66,8 +69,8 @@ def test_a_healthy_job_prints_nothing_and_warn_zero_turns_it_off():
 
 def test_a_bad_stall_setting_names_the_value():
     done, _ = _job("ok", DDPKIT_STALL_WARN="soon")
-    assert done.returncode == 1
-    assert "DDPKIT_STALL_WARN='soon' is not a number of seconds" in done.stderr
+    assert done.returncode == 2  # refused by the launcher before any worker starts
+    assert "DDPKIT_STALL_WARN='soon' is not a number of seconds" in done.stderr and "Traceback" not in done.stderr
 
 
 def _state(seq, recent, since=0.0, wall=100.0):
@@ -104,11 +107,33 @@ def test_warn_seconds_rejects_bad_values(monkeypatch, raw):
         stall.warn_seconds()
 
 
-def test_a_stopped_rank_0_which_serves_the_store_is_named_and_nothing_hangs():
+def test_a_stopped_rank_0_is_named_while_the_launcher_serves_the_store():
+    # Under ddpkit launch the store is the launcher's (torchrun's agent store): it outlives rank 0.
     done, took = _job("stop", DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3", STALL_RANK="0")
     assert done.returncode == 1, done.stderr
     verdict = done.stderr.split("ddpkit launch: ")[-1]
-    assert verdict.startswith("the rendezvous store stopped answering"), verdict
-    assert "rank 0, which serves it, is stopped, hung or gone" in verdict
-    assert "rank 1 (local rank 1) then failed first" in verdict
+    assert verdict.startswith("rank 0 stalled: collective #"), verdict
+    assert "Root cause (stall inspector, reported by rank 1)" in verdict
     assert took < 60
+
+
+def test_a_stopped_rank_0_which_serves_the_store_is_named_and_nothing_hangs():
+    # Ranks started by hand: rank 0 serves the store, and stopping it stops the store too.
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "stall.py"), "stop"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=base_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DDPKIT_JOB_TOKEN="stall",
+                                           DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3", STALL_RANK="0"))
+             for r in (0, 1)]
+    start = time.monotonic()
+    try:
+        _, err = procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert procs[1].returncode != 0
+    assert "the rendezvous store stopped answering" in err, err
+    assert "rank 0, which serves it, is stopped, hung or gone" in err
+    assert time.monotonic() - start < 60

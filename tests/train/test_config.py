@@ -30,6 +30,11 @@ def test_building_the_cli_does_not_import_torch():
     ({"local_sgd": 0}, "--local-sgd 0 must be at least 1"),
     ({"local_sgd": 4, "strategy": "optimizer"}, "--local-sgd 4 does not fit --strategy optimizer"),
     ({"local_sgd_warmup": -1}, "--local-sgd-warmup -1 must be 0 or more"),
+    ({"zero": 3}, "--zero 3 is not a ZeRO stage: choose 0, 1 or 2"),
+    ({"zero": 1, "engine": "torch"}, "--zero 1 needs --engine ddpkit --strategy ddp"),
+    ({"zero": 2, "strategy": "local-sgd"}, "--zero 2 needs --engine ddpkit --strategy ddp"),
+    ({"zero": 2, "amp": "fp16"}, "--zero 2 does not fit --amp fp16"),
+    ({"tensorboard": "/dev/null"}, "--tensorboard '/dev/null' is a file"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):

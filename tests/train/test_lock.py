@@ -35,7 +35,7 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
 
 def test_a_second_job_is_refused_and_a_crashed_jobs_lock_is_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    first = _train(out, "--epochs", "30")
+    first = _train(out, "--epochs", "400")  # long enough to outlive both attempts below; killed after
     try:
         _wait_for(out / "checkpoints")  # running, and holding the directory
         held = json.loads((out / LOCK_FILE).read_text())

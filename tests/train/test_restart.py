@@ -25,6 +25,12 @@ CONFIG = dict(dataset="synthetic", synthetic_samples=768, batch_size=16, epochs=
               progress=False)
 
 
+def _train_workers(pid: int) -> list[int]:
+    """``ddpkit train``'s own workers: the children of its forkserver (a child of ``pid``)."""
+    servers = [child for child, line in _children(pid) if "forkserver import main" in line]
+    return sorted(worker for server in servers for worker, _ in _children(server))
+
+
 def _kill_worker_and_finish(cmd: list[str], out: Path, when: Callable[[], bool], is_worker: Callable[[str], bool],
                             index: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -32,7 +38,7 @@ def _kill_worker_and_finish(cmd: list[str], out: Path, when: Callable[[], bool],
                             cwd=out.parent)
     try:
         _wait_for(when)
-        workers = sorted(pid for pid, line in _children(proc.pid) if is_worker(line))
+        workers = sorted(pid for pid, line in _children(proc.pid) if is_worker(line)) + _train_workers(proc.pid)
         assert len(workers) == 2, _children(proc.pid)
         os.kill(workers[index], signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=180)
@@ -82,7 +88,7 @@ def test_kill_under_ddpkit_launch_resumes_bit_identical(tmp_path: Path, referenc
 def test_kill_under_ddpkit_train_max_restarts_resumes_bit_identical(tmp_path: Path, reference) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddpkit", "train", *FLAGS, "--max-restarts", "1", "--output-dir", str(out)]
-    done = _kill_worker_and_finish(cmd, out, _checkpointed(out, 15), lambda line: "spawn_main" in line, 1)
+    done = _kill_worker_and_finish(cmd, out, _checkpointed(out, 15), lambda line: False, 1)
     assert done.returncode == 0, done.stderr
     assert "restarting the workers (restart 1 of 1)" in done.stdout
     assert "restart 1: resuming from" in done.stdout
@@ -96,7 +102,7 @@ def test_sigterm_to_ddpkit_train_stops_every_worker_and_writes_nothing_after(tmp
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         _wait_for(_checkpointed(out, 5))
-        workers = [pid for pid, line in _children(proc.pid) if "spawn_main" in line]
+        workers = _train_workers(proc.pid)
         assert len(workers) == 2
         proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
@@ -115,3 +121,15 @@ def test_sigterm_to_ddpkit_train_stops_every_worker_and_writes_nothing_after(tmp
     time.sleep(1.0)
     assert snapshot() == before
     assert not (out / "summary.json").exists()
+
+
+def test_a_killed_zero2_run_restarts_bit_identical_to_plain_ddp(tmp_path: Path, reference) -> None:
+    # At world 2 stages 0, 1 and 2 train the same bits, and the checkpoint holds the unsharded optimizer
+    # state: the uninterrupted stage-0 run is the reference.
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "launch", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+           "-m", "ddpkit", "train", *FLAGS, "--zero", "2", "--output-dir", str(out)]
+    done = _kill_worker_and_finish(cmd, out, _checkpointed(out, 10), lambda line: "ddpkit train" in line, 1)
+    assert done.returncode == 0, done.stderr
+    assert "restarting the worker group (restart 1 of 1)" in done.stderr
+    _assert_same_weights(out, reference)

@@ -78,6 +78,16 @@ class BenchConfig:
     memory: bool = option(
         False, "also measure each engine's peak memory per rank, each engine and workload in processes of its own"
     )
+    device: str = option(
+        "cpu", "cpu (gloo, one thread per rank) or cuda (NCCL, one GPU per rank: --world-size at most the GPU "
+        "count); with cuda only the DDP workloads run (dp and strategies are CPU benchmarks)",
+        choices=["cpu", "cuda"],
+    )
+    zero: bool = option(
+        False, "instead of the engine table: ZeRO's table, per-rank MB of parameters, gradients and optimizer "
+        "state, peak memory and step time of DDP and ZeRO stages 1 and 2, ddpkit's and torch's, AdamW, at world "
+        "2 and 3, on the transformer and the MLP of --workloads"
+    )
     trace: Path | None = option(
         None, "write a Chrome trace (Perfetto, chrome://tracing) of extra traced steps of both engines: forward, "
         "backward, each bucket's all-reduce, the wait, the optimizer, one track per rank", metavar="FILE",
@@ -106,6 +116,16 @@ class BenchConfig:
             if value < (0 if name == "warmup" else 1):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value} must be {'0 or more' if name == 'warmup' else 'at least 1'}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r}: use cpu or cuda")
+        if self.device == "cuda" and (self.scaling or self.memory or self.zero):
+            what = "--scaling" if self.scaling else "--memory" if self.memory else "--zero"
+            raise ConfigError(f"{what} measures CPU processes (gloo, resident memory); drop it with --device cuda")
+        if self.zero and (self.scaling or self.compile):
+            raise ConfigError(f"--zero measures its own table; drop {'--scaling' if self.scaling else '--compile'}")
+        if self.zero and not any(w in ("transformer", "mlp") for w in self.workloads):
+            raise ConfigError(f"--zero runs the transformer and the MLP, and --workloads {' '.join(self.workloads)} "
+                              "has neither: add one")
         if self.compile and (self.scaling or self.memory):
             raise ConfigError(f"--compile times the DDP workloads' steps; drop {'--scaling' if self.scaling else '--memory'}"
                               ", which it does not apply to")

@@ -54,7 +54,7 @@ from torch import nn
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.progress import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
-from ddpkit.bench.workloads import stepper, workload
+from ddpkit.bench.workloads import settle, stepper, workload
 from ddpkit.parallel import trace
 from ddpkit.parallel.observer import Observer, WaitEvent
 
@@ -109,10 +109,12 @@ def compiled(model: nn.Module, backend: str) -> nn.Module:
 
 def comm_only(buffers: list[torch.Tensor]) -> float:
     """Seconds to all-reduce ``buffers`` back to back with nothing else running."""
+    settle(buffers[0])
     start = time.perf_counter()
     works = [dist.all_reduce(b, async_op=True) for b in buffers]
     for w in works:
         w.wait()
+    settle(buffers[0])
     return time.perf_counter() - start
 
 

@@ -3,7 +3,7 @@
 A process's peak resident set (``ru_maxrss``) only grows, so each engine and
 workload runs in fresh processes (``MEMORY_REPEATS`` times, engines
 alternating, the median reported; glibc's mmap threshold fixed, see
-``_FIXED_MMAP_THRESHOLD``): the peak is read after the warm-up and
+``FIXED_MMAP_THRESHOLD``): the peak is read after the warm-up and
 ``min(--steps, 10)`` training steps, minus the peak before the model was
 built (the interpreter, torch, the process group, and the some 800 modules,
 about 65 MB, that constructing the first optimizer imports: torch._dynamo and
@@ -42,6 +42,7 @@ from typing import Any
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.bench.report import memory_ratio
+from ddpkit.runtime.process import environment
 
 MEMORY_STEPS = 10
 """Training steps after the warm-up before the peak is read."""
@@ -60,12 +61,12 @@ def _status_mb(*fields: str) -> float:
         return 0.0
 
 
-def _in_use() -> tuple[float, float]:
+def in_use() -> tuple[float, float]:
     """(resident set, private memory) in use now, in MB: the baseline."""
     return _status_mb("VmRSS"), _status_mb("RssAnon")
 
 
-def _peaks() -> tuple[float, float]:
+def peaks() -> tuple[float, float]:
     """(peak resident set, peak private memory) so far, in MB (see the module notes)."""
     peak = _peak_mb()
     return peak, peak - _status_mb("RssFile", "RssShmem")
@@ -88,7 +89,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     init()  # the backend spawn() gave these ranks (gloo)
     dist.barrier()
-    before = _in_use()
+    before = in_use()
     model, x, y = workload(name, cfg)
     if engine == "ddpkit":
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
@@ -97,7 +98,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     step = stepper(model, x, y)
     for _ in range(cfg.warmup + min(cfg.steps, MEMORY_STEPS)):
         step()
-    grown = torch.tensor([after - first for after, first in zip(_peaks(), before)])
+    grown = torch.tensor([after - first for after, first in zip(peaks(), before)])
     dist.all_reduce(grown, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(json.dumps(dict(zip(("rss", "private"), grown.tolist()))))
@@ -107,7 +108,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
 MEMORY_REPEATS = 3
 """Fresh-process measurements per engine and workload (engines alternating); the median is reported."""
 
-_FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc: every allocation above 64 KiB is its own mapping, returned on free. Without it glibc raises the
 threshold as large blocks are freed and serves later tensors from its heap, where the peak then depends
 on the order of allocations and frees (measured: the same engine and workload 128 MB in one run, 136 MB in
@@ -125,9 +126,7 @@ def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     from ddpkit.runtime.spawn import spawn
 
     found: dict[str, dict[str, Any]] = {}
-    saved = {k: os.environ.get(k) for k in _FIXED_MMAP_THRESHOLD}
-    os.environ.update(_FIXED_MMAP_THRESHOLD)  # read by each new process at start
-    try:
+    with environment(FIXED_MMAP_THRESHOLD):  # read by each new process at start
         for name in (w for w in cfg.workloads if w in BATCH_FIELD):  # the DDP workloads, not dp or strategies
             runs: dict[str, list[dict[str, float]]] = {"ddpkit": [], "torch": []}
             for r in range(MEMORY_REPEATS):
@@ -142,12 +141,6 @@ def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
                     values = [run[kind] for run in v]
                     found[name][f"{e}{suffix}_mb"] = statistics.median(values)
                     found[name][f"{e}{suffix}_runs"] = values
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return found
 
 

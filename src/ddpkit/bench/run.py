@@ -59,7 +59,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
-    init()  # the backend spawn() gave these ranks (gloo)
+    init()  # the backend spawn() gave these ranks (gloo; nccl with --device cuda, which also picks each GPU)
     from ddpkit.bench.dp import bench_dp_vs_ddp
 
     results, dp, strategies = [], None, None
@@ -67,8 +67,8 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
         say(cfg, f"{name} ({i}/{len(cfg.workloads)}): {cfg.steps} steps per engine"
              + (f", more until the ratio's IQR is within {cfg.target_spread:g} of it" if cfg.target_spread else ""))
         start = time.monotonic()
-        if cfg.compile and name in ("dp", "strategies"):
-            say(cfg, f"{name} skipped: --compile times the DDP workloads")
+        if (cfg.compile or cfg.device == "cuda") and name in ("dp", "strategies"):
+            say(cfg, f"{name} skipped: {'--compile' if cfg.compile else '--device cuda'} times the DDP workloads")
             continue
         if name == "dp":
             dp = asdict(bench_dp_vs_ddp(cfg))
@@ -106,10 +106,28 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
 
         run_scaling(cfg)
         return []
+    if cfg.zero:
+        from ddpkit.bench.zero import format_zero, measure_zero
+
+        found = measure_zero(cfg)
+        print(format_zero(found), flush=True)
+        if cfg.json_path is not None:
+            cfg.json_path.write_text(json.dumps({"settings": plain(cfg), "zero": found}, indent=2) + "\n")
+        return []
     before = machine()
+    backend = "gloo"
+    if cfg.device == "cuda":
+        from ddpkit.runtime.options import ConfigError
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if cfg.world_size > gpus:
+            raise ConfigError(f"--device cuda runs one rank per GPU, and --world-size {cfg.world_size} is more than "
+                              f"the {gpus} GPU(s) here: use --world-size {max(gpus, 1)}" if gpus else
+                              "--device cuda: CUDA is not available here; use --device cpu")
+        backend = "nccl"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        spawn(_worker, cfg.world_size, args=(cfg, out), backend="gloo")
+        spawn(_worker, cfg.world_size, args=(cfg, out), backend=backend)
         raw = json.loads(Path(out).read_text())
     if cfg.memory:
         from ddpkit.bench.memory import measure_memory

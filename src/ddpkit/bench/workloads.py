@@ -47,7 +47,19 @@ def workload(name: str, cfg: BenchConfig) -> tuple[nn.Module, torch.Tensor, torc
     torch.manual_seed(0)
     models = {"convnet": ConvNet, "mlp": lambda: MLP(hidden=cfg.mlp_hidden), "transformer": TransformerClassifier,
               "linear200": DeepLinear, "resnet": ResNet}
-    return models[name](), x, y
+    device = bench_device(cfg)
+    return models[name]().to(device), x.to(device), y.to(device)
+
+
+def bench_device(cfg: BenchConfig) -> torch.device:
+    """Where this rank's models and batches live: the CPU, or under ``--device cuda`` the rank's GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+
+
+def settle(x: torch.Tensor) -> None:
+    """Wait for the GPU's queued work (a CUDA step is timed to its end, not to its launch); nothing on the CPU."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
 
 
 def stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
@@ -55,10 +67,12 @@ def stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> float:
+        settle(x)
         start = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        settle(x)
         return time.perf_counter() - start
 
     return step

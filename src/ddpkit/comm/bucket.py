@@ -39,7 +39,8 @@ class GradBucket:
     ``bf16_compress_hook``, the compress wrappers) run on ddpkit unchanged.
     """
 
-    def __init__(self, index: int, params: list[torch.Tensor], indices: list[int], sparse: bool = False) -> None:
+    def __init__(self, index: int, params: list[torch.Tensor], indices: list[int], sparse: bool = False,
+                 materialize: bool = True) -> None:
         self._index = index
         self.params = params
         """The bucket's parameters, in bucket order (the engine's list; hooks use :meth:`parameters`)."""
@@ -48,15 +49,18 @@ class GradBucket:
         self.sparse = sparse
         """A bucket of one parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): it has no memory
         of its own, the gradient itself is reduced (torch's rule)."""
-        numel = 0 if sparse else sum(p.numel() for p in params)
+        self.numel = 0 if sparse else sum(p.numel() for p in params)
+        """Elements of the bucket's gradients."""
+        numel = self.numel if materialize else 0
         self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        """The bucket's own memory; reduced results always end up here (empty for a sparse bucket)."""
+        """The bucket's own memory; reduced results always end up here (empty for a sparse bucket, and for a
+        bucket made with ``materialize=False``, whose engine gives it memory only while it is reduced)."""
         self.views: list[torch.Tensor] = []
         """Each parameter's place in the bucket, with the parameter's strides where its memory is dense (as
         torch's reducer lays them out: a channels_last weight's gradient is copied in memory order, and under
         ``gradient_as_bucket_view`` ``.grad`` keeps the parameter's layout)."""
         offset = 0
-        for p in [] if sparse else params:
+        for p in [] if sparse or not materialize else params:
             self.views.append(self.flat.as_strided(p.shape, p.stride(), offset) if _dense(p)
                               else self.flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()

@@ -215,8 +215,10 @@ class LaunchConfig:
         if not dynamic and not 0 <= self.node_rank < high:
             raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nnodes {high}: use 0..{high - 1}")
         self._check_numbers()
-        if self.standalone and high != 1:
-            raise ConfigError(f"--standalone runs a single node, but --nnodes is {self.nnodes}: drop one of them")
+        if self.standalone and low != 1:
+            raise ConfigError(f"--standalone runs this node alone, but --nnodes {self.nnodes} needs at least {low} "
+                              "nodes, which could never join a rendezvous on this host's loopback: drop --standalone "
+                              "and give --rdzv-backend c10d --rdzv-endpoint HOST[:PORT] on every node")
         if self.rdzv_id is not None and not self.rdzv_id.strip():
             raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
         if self.no_python and self.module and not self.run_path:

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from ddpkit.launcher.agent_store import AgentStore
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
@@ -83,6 +84,8 @@ def run(cfg: LaunchConfig) -> int:
                     elif launch.nnodes > 1:
                         job.rdzv = NodeRendezvous(host=master_addr, port=port, node=cfg.node_rank,
                                                   nnodes=launch.nnodes, token=token, timeout_s=rendezvous_timeout())
+                    else:
+                        job.store = AgentStore(master_addr, port, rendezvous_timeout)
                 return job.elastic_rounds() if launch.dynamic else job.attempts()
             except Interrupted as e:
                 say(f"received {signal.Signals(e.signum).name}: stopping all workers")
@@ -93,6 +96,8 @@ def run(cfg: LaunchConfig) -> int:
     finally:
         if job.rdzv is not None:
             job.rdzv.close()
+        if job.store is not None:
+            job.store.close()
         layout.close()
 
 
@@ -151,6 +156,8 @@ class _Job:
         self.launch, self.master_addr, self.port, self.signals, self.token, self.run_id, self.layout = (
             launch, master_addr, port, signals, token, run_id, layout)
         self.rdzv: NodeRendezvous | None = None
+        self.store: AgentStore | None = None
+        """One node: the store the launcher serves for every round (see :mod:`ddpkit.launcher.agent_store`)."""
         self.group: WorkerGroup | None = None
 
     def _round(self, attempt: int, restart_count: int, slot: NodeSlot,
@@ -159,10 +166,12 @@ class _Job:
         launch = self.launch
         errors = self.layout.start_attempt(attempt, launch.nproc)
         specs = plan_workers(launch, master_port=slot.master_port, restart_count=restart_count, base_env=os.environ,
-                             job_token=self.token, agent_store=self.rdzv is not None, run_id=self.run_id,
+                             job_token=self.token, agent_store=True, run_id=self.run_id,
                              slot=slot, error_files=errors)
         self.group = WorkerGroup(launch, self.layout)
         self.group.start(specs, self.signals)
+        if self.store is not None:
+            self.store.start()  # torch for the store, imported while the workers import theirs
         outcome = self.group.wait(watch=watch)
         if outcome is None:
             self.group.finish()
@@ -189,6 +198,10 @@ class _Job:
         say(f"{remote.describe()}\n(this node's workers had finished)")
         return 1
 
+    def _store_failure(self) -> RemoteFailure | None:
+        error = self.store.wait_ready(0) if self.store else None
+        return RemoteFailure(-1, None, error) if error else None
+
     def attempts(self) -> int:
         """Static rendezvous: every node knows its rank; all restart together."""
         launch, rdzv, port = self.launch, self.rdzv, self.port
@@ -197,8 +210,6 @@ class _Job:
         if first:
             say(f"joining the job in progress at restart round {first}")
         for attempt in range(first, max_restarts + 1):
-            if attempt and launch.standalone:
-                port = free_port()
             if rdzv:
                 try:
                     rdzv.begin(attempt)
@@ -207,9 +218,11 @@ class _Job:
                         "node 0 is down, its launcher was killed, or the network to it is cut")
                     return 1
             outcome = self._round(attempt, attempt, NodeSlot.static(launch, port, self.master_addr),
-                                  (lambda a=attempt: rdzv.watch(a)) if rdzv else None)
+                                  (lambda a=attempt: rdzv.watch(a)) if rdzv else self._store_failure)
             if outcome is None:
                 return self._succeeded(attempt)
+            if isinstance(outcome, RemoteFailure) and outcome.node < 0:
+                return 1  # no store, no next round
             if attempt < max_restarts:
                 say(f"restarting the worker group (restart {attempt + 1} of {max_restarts})"
                     + (", every node together" if rdzv else ""))

@@ -90,6 +90,10 @@ class LaunchSettings:
         """One line for each torchrun flag given here that changes nothing in ddpkit."""
         cfg = self.config
         notes = []
+        if self.standalone and node_range(cfg.nnodes)[1] > 1:
+            notes.append(f"--standalone --nnodes {cfg.nnodes}: no other node can reach a standalone rendezvous, so "
+                         "this node runs alone, at once (torchrun first waits its last-call timeout, 30 s, "
+                         "for nodes that cannot come)")
         if self.standalone and (cfg.rdzv_endpoint or cfg.rdzv_backend != "static"):
             notes.append("--standalone: --rdzv-backend and --rdzv-endpoint are ignored, as torchrun ignores them")
         if self.dynamic and cfg.node_rank:
@@ -145,7 +149,9 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str] | None = None) -> Laun
         # fresh run id), so two such jobs on a machine do not fight over port 29500.
         standalone = True
     if standalone:
-        master_addr = LOOPBACK
+        # torchrun's --standalone is a c10d rendezvous on localhost at a free port: no other node can reach it,
+        # so an elastic --nnodes 1:MAX runs this node alone (see notes()).
+        master_addr, min_nodes, max_nodes = LOOPBACK, 1, 1
     if cfg.log_dir is not None and Path(cfg.log_dir).is_file():
         raise ConfigError(f"--log-dir {str(cfg.log_dir)!r} is a file: give a directory")
     no_python = cfg.no_python and not cfg.run_path  # torchrun: --run-path takes precedence over --no-python

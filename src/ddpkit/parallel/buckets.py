@@ -140,14 +140,16 @@ class BucketSet:
         as_view: ``gradient_as_bucket_view``: with ``previous``, gradients
             living in the previous set's buckets move into this one's.
         previous: the set this one replaces (a rebuild).
+        materialize: give each bucket its memory now (else its engine does, and no staging plans are made).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], indices: list[list[int]], sparse: Sequence[bool],
-                 as_view: bool, previous: BucketSet | None = None) -> None:
-        self.buckets = [GradBucket(k, [params[i] for i in idx], idx, sparse=len(idx) == 1 and sparse[idx[0]])
+                 as_view: bool, previous: BucketSet | None = None, materialize: bool = True) -> None:
+        self.buckets = [GradBucket(k, [params[i] for i in idx], idx, sparse=len(idx) == 1 and sparse[idx[0]],
+                                   materialize=materialize)
                         for k, idx in enumerate(indices)]
         self.buckets[-1].last = True
-        self.plans = [StagingPlan(b, as_view) for b in self.buckets]
+        self.plans = [StagingPlan(b, as_view) for b in self.buckets] if materialize else []
         self.slot: list[GradBucket] = [None] * len(params)  # type: ignore[list-item]
         """Each parameter's bucket."""
         self.pos = [0] * len(params)
@@ -206,11 +208,13 @@ class BucketLayout:
         limits: bucket size limits in bytes of the rebuild (see :func:`assign_buckets`).
         first_limits: the limits of the first assignment.
         final: the first assignment is final (no rebuild comes).
+        materialize: see :class:`BucketSet`.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], sparse: Sequence[bool], as_view: bool, limits: list[int],
-                 first_limits: list[int], final: bool) -> None:
+                 first_limits: list[int], final: bool, materialize: bool = True) -> None:
         self.params, self.sparse, self.as_view, self.limits = params, sparse, as_view, limits
+        self.materialize = materialize
         self.set: BucketSet | None = None
         self.arrival: list[int] = []
         """Parameter indices in the order their gradients arrived, until the rebuild."""
@@ -223,7 +227,7 @@ class BucketLayout:
         under ``gradient_as_bucket_view``, where the gradients in them move to the new ones."""
         previous = self.set if self.as_view else None
         self.set = None
-        self.set = BucketSet(self.params, indices, self.sparse, self.as_view, previous)
+        self.set = BucketSet(self.params, indices, self.sparse, self.as_view, previous, self.materialize)
         return self.set
 
     def order(self) -> list[int]:

@@ -32,6 +32,7 @@ from ddpkit.parallel.reducer import Reducer
 from ddpkit.parallel.replicas import DDPConfigError, verify_same_parameters
 from ddpkit.parallel.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.sink import anchor_end_of_backward, through_sink
+from ddpkit.parallel.zero_reducer import ShardedReducer
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel", "unwrap"]
 
@@ -69,6 +70,13 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         forward_sync_buffers: broadcast buffers (BatchNorm statistics) from
             rank 0 before each forward that follows a synchronised one. The
             construction broadcast includes buffers either way. Default True.
+        zero_stage: ddpkit's own, keyword only. ``2``: ZeRO stage 2, each
+            bucket reduce-scattered during backward so that each rank keeps
+            only its shard of the averaged gradients; train with
+            :class:`ddpkit.ZeroRedundancyOptimizer` over the model's
+            parameters (see :mod:`ddpkit.parallel.zero_reducer`). Default
+            ``0``: every rank gets every average (stage 1 is the optimizer
+            alone, over this).
 
     Parameters and buffers named with torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``
@@ -127,6 +135,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         bucket_cap_mb_list: Any = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        *,
+        zero_stage: int = 0,
     ) -> None:
         super().__init__()
         # torch's arguments in torch's order, so a call written for torch's DDP
@@ -150,6 +160,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.zero_stage = ddp_args.check_zero_stage(zero_stage, static_graph, gradient_as_bucket_view)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.process_group = process_group
@@ -211,6 +222,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                 owner.setdefault(id(p), m)
         sparse = [isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse)
                   for _, p in trainable]
+        if self.zero_stage == 2:
+            return ShardedReducer(trainable, expect_sparse=sparse, process_group=self.process_group,
+                                  bucket_cap_mb=self._bucket_caps[0], bucket_caps_mb=self._bucket_caps[1],
+                                  find_unused_parameters=self.find_unused_parameters)
         return Reducer(
             trainable,
             expect_sparse=sparse,

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddpkit.parallel.bucket_caps import check_bucket_cap
 
-__all__ = ["DDPSettings", "settle"]
+__all__ = ["DDPSettings", "check_zero_stage", "settle"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +165,22 @@ def issue(notes: list[tuple[str, type[Warning]]], stacklevel: int) -> None:
     """Issue the settled warnings; ``stacklevel`` as for :func:`warnings.warn` from the caller."""
     for message, category in notes:
         warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def check_zero_stage(stage: Any, static_graph: bool, gradient_as_bucket_view: bool) -> int:
+    """``zero_stage`` as an int, refused with the reason where it cannot work.
+
+    Raises:
+        ValueError: a stage other than 0 and 2, or stage 2 with ``static_graph`` or ``gradient_as_bucket_view``.
+    """
+    if stage not in (0, 2) or isinstance(stage, bool):
+        hint = (" (stage 1 shards the optimizer state only: ddpkit.ZeroRedundancyOptimizer over a model with "
+                "zero_stage=0)" if stage == 1 else "")
+        raise ValueError(f"zero_stage={stage!r}: use 0 (every rank gets every averaged gradient) or 2 (each rank "
+                         f"keeps its shard){hint}")
+    if stage == 2 and static_graph:
+        raise ValueError("zero_stage=2 does not support static_graph=True: drop one of them")
+    if stage == 2 and gradient_as_bucket_view:
+        raise ValueError("zero_stage=2 with gradient_as_bucket_view=True: the buckets of stage 2 exist only while "
+                         "they are reduced, so no gradient can live in them; drop gradient_as_bucket_view")
+    return int(stage)

@@ -236,6 +236,7 @@ class DDPJoinable:
     module: Any
     process_group: Any
     world_size: int
+    zero_stage: int
 
     def _init_join(self) -> None:
         self._join_config: JoinConfig = DISABLED
@@ -282,6 +283,9 @@ class DDPJoinable:
                     loss_fn(model(x), y).backward()
                     opt.step(); opt.zero_grad()
         """
+        if enable and self.zero_stage:
+            raise RuntimeError(f"join() is not supported with zero_stage={self.zero_stage}: give every rank the "
+                               "same number of batches (DistributedSampler(drop_last=True)), or use zero_stage=0")
         return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> DDPJoinHook:

@@ -127,13 +127,8 @@ class Reducer:
         """Attached with :meth:`add_observer`; see :mod:`ddpkit.parallel.observer`."""
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
-        # torch's first assignment: one bucket per dtype and device unless unused parameters are
-        # searched for, and then no rebuild ever comes (without a static graph).
-        one = static_graph or not find_unused_parameters
         sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self.params)
-        self.layout = BucketLayout(self.params, sparse, gradient_as_bucket_view, self.limits,
-                                   [_UNBOUNDED] if one and not bucket_caps_mb else self.limits,
-                                   final=find_unused_parameters and not static_graph)
+        self.layout = self._make_layout(sparse, gradient_as_bucket_view, bool(bucket_caps_mb))
         self._adopt_buckets()
         self.step = 0
         """Synchronised backwards so far (named in the stall inspector's reports and in events)."""
@@ -151,6 +146,14 @@ class Reducer:
         hook_gradients(self, self.params)
 
     # -- buckets -------------------------------------------------------------
+
+    def _make_layout(self, sparse: list[bool], as_view: bool, caps_given: bool) -> BucketLayout:
+        """torch's first assignment: one bucket per dtype and device unless unused parameters are searched
+        for, and then no rebuild ever comes (without a static graph)."""
+        one = self.static_graph or not self.find_unused
+        return BucketLayout(self.params, sparse, as_view, self.limits,
+                            [_UNBOUNDED] if one and not caps_given else self.limits,
+                            final=self.find_unused and not self.static_graph)
 
     def _adopt_buckets(self) -> None:
         """Read the layout's current buckets into the fields the gradient hooks use."""

@@ -108,16 +108,19 @@ def choose_backend(backend: str | None) -> str:
     return backend
 
 
-def _choose_device(place: Placement) -> torch.device:
+def _choose_device(place: Placement, backend: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` with CUDA, else the CPU. Under gloo, ranks beyond the GPU count share the GPUs
+    (``cuda:LOCAL_RANK % count``); NCCL refuses two ranks on one GPU, so it is refused here with the fix."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    if place.local_rank >= count:
+    if place.local_rank >= count and backend == "nccl":
         raise ValueError(
-            f"local rank {place.local_rank} has no GPU: only {count} visible on this node; "
-            f"start at most {count} processes per node (--nproc-per-node {count})"
+            f"NCCL needs one GPU per rank, and local rank {place.local_rank} has none: {count} visible on this "
+            f"node; start at most {count} processes per node (--nproc-per-node {count}), or use the gloo backend "
+            "(DDPKIT_BACKEND=gloo), whose ranks may share a GPU"
         )
-    device = torch.device("cuda", place.local_rank)
+    device = torch.device("cuda", place.local_rank % count)
     torch.cuda.set_device(device)
     return device
 
@@ -162,7 +165,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         backend = str(dist.get_backend())
     else:
         backend = choose_backend(backend)
-    device = _choose_device(place)
+    device = _choose_device(place, backend)
     if not dist.is_initialized():
         if place.world_size == 1:
             store: dist.Store = dist.HashStore()

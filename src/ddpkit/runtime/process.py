@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ddpkit.runtime.discovery import LOOPBACK
 
@@ -120,6 +122,46 @@ def signal_groups(processes: Sequence[Any], sig: int) -> None:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block (the processes it starts read them), then put back what was."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process now: flush what it printed and logged, then exit without the interpreter's teardown.
+
+    With torch loaded the teardown takes a second or two and does nothing
+    useful at the end of a worker or of a command. multiprocessing's own exit
+    step still runs (its finalizers unlink the semaphores this process made).
+    """
+    logging.shutdown()
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def die_with_parent() -> None:

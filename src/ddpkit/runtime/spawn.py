@@ -7,13 +7,19 @@ every child: the first one to raise (or die) has its traceback sent home, the
 others are terminated at once (they would otherwise wait in a collective
 until the timeout), and :class:`WorkerError` is raised in the parent with that
 rank and traceback.
+
+Start methods: ``spawn`` (the default, as torch's) starts a fresh interpreter
+per child, which imports torch and the function's module again;
+``forkserver`` forks each child from a server process that imported them
+once, started early with :func:`start_forkserver` so that its imports run
+while the parent does its own work (``ddpkit train`` does this). Children
+die with the parent either way: a forkserver exits when its parent does,
+and takes its children with it.
 """
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
-import multiprocessing.util
 import os
 import pickle
 import signal
@@ -31,7 +37,9 @@ from ddpkit.runtime.process import (
     SignalCatcher,
     describe_exit,
     die_with_parent,
+    exit_now,
     free_port,
+    pid_alive,
     terminate,
     worker_env,
 )
@@ -62,14 +70,33 @@ def _encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
     return time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc(), payload
 
 
+START_METHODS = ("spawn", "forkserver")
+
+
+def start_forkserver(preload: Sequence[str]) -> None:
+    """Start this process's forkserver now, importing ``preload`` (module names) once for every child after.
+
+    The imports run in the server while this process goes on. Call it before
+    anything else starts the forkserver (its preload is fixed when it starts);
+    later calls do nothing. A module that fails to import is left out (the
+    child imports it then, and fails there with its own traceback).
+    """
+    import multiprocessing.forkserver as forkserver
+
+    # The server's own exit first (see ddpkit.runtime.server_exit), then what the caller asks for.
+    forkserver.set_forkserver_preload(["ddpkit.runtime.server_exit", *preload])
+    forkserver.ensure_running()
+
+
 def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str, str], conn: Connection,
            parent: int) -> None:
     # A parent killed outright (kill -9, the OOM killer) cannot stop its children: the kernel does, as for the
     # launcher's workers (torch's spawn asks for SIGINT, which a rank blocked in a collective would not see
-    # until the collective's timeout). A parent already gone before this line means: exit at once.
+    # until the collective's timeout). A parent already gone before this line means: exit at once. Under a
+    # forkserver the kernel's parent is the server, which exits when ``parent`` does.
     die_with_parent()
-    if os.getppid() != parent:
-        _exit_now(1)
+    if os.getppid() != parent and (os.getppid() == 1 or not pid_alive(parent)):
+        exit_now(1)
     # Own process group, so the parent can take down grandchildren too (a
     # DataLoader worker is one) with a single killpg.
     os.setpgid(0, 0)
@@ -89,30 +116,19 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
         # As a process would exit (torch's spawn too): sys.exit() and sys.exit(0) succeed, sys.exit(3)
         # fails with exit code 3, sys.exit("message") prints it and fails with 1.
         if exc.code is None or exc.code == 0:
-            _exit_now(0)
+            exit_now(0)
         if not isinstance(exc.code, int):
             sys.stderr.write(f"{exc.code}\n")
         conn.send(_encode_failure(exc))
-        _exit_now(exc.code if isinstance(exc.code, int) else 1)
+        exit_now(exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
         conn.send(_encode_failure(exc))
-        _exit_now(1)
-    _exit_now(0)
+        exit_now(1)
+    exit_now(0)
 
 
-def _exit_now(code: int) -> None:
-    # Interpreter teardown with torch and gloo loaded takes 1-2 s per child and
-    # does nothing useful here: flush what the user printed and logged, then go.
-    logging.shutdown()
-    # multiprocessing's own exit step: finalizers unlink the semaphores that
-    # locks made in this child (tqdm has one), which os._exit would leak.
-    multiprocessing.util._exit_function()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str | None = None) -> None:
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str | None = None,
+          start_method: str = "spawn") -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes and wait for all of them.
 
     Args:
@@ -122,9 +138,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         nprocs: number of processes (the world size).
         args: extra positional arguments for ``fn``.
         backend: sets ``DDPKIT_BACKEND`` for the children (default: ddpkit's choice).
+        start_method: ``spawn`` (default) or ``forkserver`` (see the module notes).
 
     Raises:
-        ValueError: ``nprocs`` is smaller than 1.
+        ValueError: ``nprocs`` is smaller than 1, or an unknown ``start_method``.
         WorkerError: a child raised or died; the first failure, with its rank
             and traceback. The other children are terminated. As under
             torch's spawn, ``sys.exit()`` / ``sys.exit(0)`` in a child is
@@ -144,7 +161,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
-    ctx = mp.get_context("spawn")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r}: use one of {', '.join(START_METHODS)}")
+    ctx = mp.get_context(start_method)
     port = free_port()
     token = mint_job_token()  # only these children may join (see ddpkit.init)
     procs: list[mp.process.BaseProcess] = []

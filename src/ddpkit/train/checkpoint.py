@@ -40,6 +40,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from ddpkit.runtime.process import pid_alive
+
 __all__ = [
     "CheckpointError",
     "load_checkpoint",
@@ -201,14 +203,6 @@ def _verify(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Ten
 _TMP = re.compile(r"^\..+\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)$")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
@@ -224,7 +218,7 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
     host = socket.gethostname().replace("-", "_")
     for entry in folder.iterdir():
         m = _TMP.match(entry.name)
-        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
             with contextlib.suppress(FileNotFoundError):
                 entry.unlink()
                 removed.append(entry)

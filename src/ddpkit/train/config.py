@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpkit.integrations import tensorboard
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 MODELS = ("convnet", "mlp", "resnet")
@@ -55,6 +56,11 @@ class TrainConfig:
         "wrapped instead of the model), local-sgd (ddpkit.LocalSGD: each process steps alone, parameters "
         "averaged every --local-sgd steps)", choices=STRATEGIES,
     )
+    zero: int = option(
+        0, "ZeRO stage with --strategy ddp: 0 (every rank keeps everything), 1 (each rank keeps the optimizer "
+        "state of its share of the parameters: ddpkit.ZeroRedundancyOptimizer), 2 (also only its share of the "
+        "averaged gradients: DistributedDataParallel(zero_stage=2))", choices=[0, 1, 2],
+    )
     local_sgd: int | None = option(
         None, "average the parameters every H optimizer steps (implies --strategy local-sgd; default 4 with it)",
         metavar="H",
@@ -80,6 +86,11 @@ class TrainConfig:
         "forward, backward, each bucket's all-reduce, the wait, the optimizer, one track per rank", metavar="FILE",
     )
     trace_steps: int = option(50, "optimizer steps --trace records")
+    tensorboard: Path | None = option(
+        None, "also write TensorBoard event files to DIR: each epoch's train/test loss, test accuracy, lr and "
+        "throughput, at its optimizer step (needs the tensorboard package: pip install 'ddpkit[tensorboard]')",
+        metavar="DIR",
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -100,6 +111,13 @@ class TrainConfig:
             self.local_sgd = 4
         need(self.strategy == "ddp" or self.engine == "ddpkit", "strategy",
              f"needs --engine ddpkit (it runs on ddpkit's engine), not --engine {self.engine}")
+        need(self.zero in (0, 1, 2), "zero", "is not a ZeRO stage: choose 0, 1 or 2")
+        need(not self.zero or (self.engine == "ddpkit" and self.strategy == "ddp"), "zero",
+             f"needs --engine ddpkit --strategy ddp (ddpkit's DDP), not --engine {self.engine} "
+             f"--strategy {self.strategy}")
+        need(self.zero != 2 or self.amp != "fp16", "zero",
+             "does not fit --amp fp16: the grad scaler checks whole gradients, which stage 2 does not keep; use "
+             "--amp bf16, or --zero 1")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"is not an optimizer: choose {' or '.join(OPTIMIZERS)}")
         need(self.amp in AMP_MODES, "amp", f"is not an autocast mode: choose one of {', '.join(AMP_MODES)}")
         need(self.epochs >= 1, "epochs", "must be at least 1")
@@ -130,6 +148,9 @@ class TrainConfig:
         need(self.trace_steps >= 1, "trace_steps", "must be at least 1")
         if self.trace is not None:
             self.trace = writable_file(self.trace, "--trace")
+        if self.tensorboard is not None:
+            self.tensorboard = Path(self.tensorboard)
+            tensorboard.check(self.tensorboard)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (paths as strings), as saved in ``config.json`` and checkpoints."""

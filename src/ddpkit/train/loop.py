@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
+from ddpkit.integrations.tensorboard import EpochBoard
 from ddpkit.parallel.trace import UNTRACED, Recorder, Untraced, instrument, write
 from ddpkit.runtime import events, variables
 from ddpkit.runtime.events import ByteCounter
@@ -118,6 +119,8 @@ class Run:
     """Samples trained in this attempt, summed over ranks."""
     seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
     """How often this rank trained each sample since the counts were last settled (on the device)."""
+    board: EpochBoard | None = None
+    """``--tensorboard``, on rank 0."""
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -176,6 +179,16 @@ class Run:
             kept = checkpoint_files(self.out / rundir.CHECKPOINT_DIR)
             print0(f"ddpkit train: warning: {e}; training goes on (a restart would resume from "
                    f"{kept[-1][1] if kept else 'the start'}), but the final weights must be written")
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Rank 0 adds a finished epoch to the TensorBoard files (``--tensorboard``); a failure warns."""
+        if self.board is None:
+            return
+        try:
+            self.board.write(record)
+        except OSError as e:
+            print(f"ddpkit train: warning: could not write TensorBoard events to {self.board.directory}: "
+                  f"{describe_write_error(e)}; training goes on", flush=True)
 
     def write_metrics(self) -> None:
         """Rank 0 rewrites ``metrics.jsonl``; a failure warns (the history is in every checkpoint too)."""
@@ -265,6 +278,7 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
     progress["seen"] = torch.zeros_like(seen)
     run.save(0)
     run.write_metrics()
+    run.publish(record)
     return record
 
 
@@ -294,6 +308,10 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     run.seen = torch.zeros(len(data.train), dtype=torch.int32, device=ctx.device)
     if claim.checkpoint is not None:
         run.write_metrics()  # epochs after the checkpoint are trained again
+    if config.tensorboard is not None and ctx.rank == 0:
+        run.board = EpochBoard(config.tensorboard)
+        if claim.checkpoint is not None or attempt:
+            run.board.rewrite(run.progress["history"])  # and hides what the attempt before wrote after it
     print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
         f"engine {config.engine}, {run.world} process(es) x {run.scale // run.world} replica(s), global batch "
@@ -353,6 +371,8 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
     """Final weights and ``summary.json``; every rank returns once they are on disk."""
     config, world = run.config, run.world
     save_weights(run.out / "model.safetensors", run.state.model.state_dict())  # must be written: it raises
+    if run.board is not None:
+        run.board.close()
     if run.evaluation[2] == 0 and run.progress["history"]:
         # A restart after the last epoch's checkpoint: nothing left to train.
         last = run.progress["history"][-1]

@@ -35,7 +35,7 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     if config.engine == "ddpkit":
         from ddpkit.parallel.ddp import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=ids)
+        return DistributedDataParallel(model, device_ids=ids, zero_stage=2 if config.zero == 2 else 0)
     if config.engine == "torch":
         from ddpkit._reference import torch_ddp
 

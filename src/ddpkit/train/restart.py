@@ -32,9 +32,10 @@ from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import print0, shutdown
 from ddpkit.runtime.options import ConfigError
-from ddpkit.runtime.spawn import WorkerError, spawn
+from ddpkit.runtime.spawn import WorkerError, spawn, start_forkserver
 from ddpkit.train import rundir
 from ddpkit.train.config import TrainConfig
+from ddpkit.train.preload import PRELOAD
 from ddpkit.train.state import TrainState
 
 __all__ = ["Worker", "agree_on_claim", "attempts", "rescale"]
@@ -94,7 +95,8 @@ def _own_attempts(config: TrainConfig, worker: Worker, claim: rundir.Claim, npro
                 finally:
                     shutdown()
             else:
-                spawn(worker, nproc, args=(config, claim, attempt))  # the config names the backend
+                start_forkserver(PRELOAD)  # started already by the CLI, else now
+                spawn(worker, nproc, args=(config, claim, attempt), start_method="forkserver")
             break
         except WorkerError as e:
             if attempt == config.max_restarts:

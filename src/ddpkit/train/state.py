@@ -130,12 +130,21 @@ class TrainState:
         out: dict[str, Any] = {"step": int(step), "extra": self.extra,
                                "model": self._plain_model().state_dict(), "rng": _gather_rng_states()}
         if self.optimizer is not None:
-            out["optimizer"] = self.optimizer.state_dict()
+            out["optimizer"] = self._optimizer_state()
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         if self.sampler is not None:
             out["sampler"] = self.sampler.state_dict(consumed=sampler_consumed)
         return out
+
+    def _optimizer_state(self) -> dict[str, Any] | None:
+        """The optimizer's state dict; a sharded optimizer's (``ddpkit.ZeroRedundancyOptimizer``) is gathered on
+        the writing rank first (a collective), in the unsharded format, so it loads at any world size."""
+        consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
+        if consolidate is None:
+            return self.optimizer.state_dict()  # type: ignore[union-attr]
+        consolidate(to=0)
+        return self.optimizer.state_dict() if _is_writer() else None  # type: ignore[union-attr]
 
     def load(self, payload: dict[str, Any], source: str | os.PathLike | None = None) -> int:
         """Put a :meth:`payload` back (this rank takes its own RNG state); return its step.

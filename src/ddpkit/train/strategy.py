@@ -32,6 +32,7 @@ import torch
 
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.optimizer import DistributedOptimizer
+from ddpkit.parallel.zero import ZeroRedundancyOptimizer
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.state import TrainState
 
@@ -102,6 +103,8 @@ def make_strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig
     """
     if config.engine in ("single", "dp"):
         return Strategy(model, accumulates=False)
+    if config.zero:
+        state.optimizer = _sharded(state.optimizer)
     if config.engine != "ddpkit" or config.strategy == "ddp":
         return Strategy(model, accumulates=True)
     if config.strategy == "optimizer":
@@ -112,3 +115,15 @@ def make_strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig
     local = LocalSGD(model, period=config.local_sgd, warmup_steps=config.local_sgd_warmup)
     local.load_state_dict({"step_count": state.step})  # one local step per optimizer step, resumed ones too
     return LocalSGDStrategy(model, local, config)
+
+
+def _sharded(plain: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
+    """``--zero``: the same optimizer (class, groups, settings and state) sharded over the ranks.
+
+    The state comes through the unsharded format, which is what checkpoints
+    hold, so a run resumes at any world size and under any stage.
+    """
+    groups = [dict(g) for g in plain.param_groups]  # every setting is in the groups
+    zero = ZeroRedundancyOptimizer(groups, type(plain), lr=plain.defaults["lr"])
+    zero.load_state_dict(plain.state_dict())
+    return zero

@@ -1,0 +1,176 @@
+"""``ddpkit bench --zero``: what ZeRO saves per rank, and what it costs per step, next to torch's.
+
+Five setups train each workload with AdamW (two state tensors per parameter):
+
+==================  ===========================================================================
+``ddp``             ddpkit's DDP and ``torch.optim.AdamW`` (stage 0: the baseline)
+``torch ddp``       torch's DDP and ``torch.optim.AdamW``
+``zero1``           ddpkit's DDP and ``ddpkit.ZeroRedundancyOptimizer``
+``torch zero1``     torch's DDP and ``torch.distributed.optim.ZeroRedundancyOptimizer``
+``zero2``           ``ddpkit.DDP(zero_stage=2)`` and ``ddpkit.ZeroRedundancyOptimizer``
+==================  ===========================================================================
+
+Bytes per rank (the largest over ranks), counted from the tensors alive
+between a backward and its step: *parameters*; *gradients*, every ``.grad``
+plus the gradient shards stage 2 keeps (the buckets that exist only while
+they are reduced are in the peak, not here); *optimizer state*, the tensors
+of the (local) optimizer's state. *Peak*: the peak private memory of a rank
+above its baseline, in processes of its own per setup (as ``--memory``
+measures it, see :mod:`ddpkit.bench.memory`). *Step*: the median step time,
+the five setups stepping in turn in one group of processes (``--steps``
+rounds after ``--warmup``), and its ratio to ``ddp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.memory import FIXED_MMAP_THRESHOLD, MEMORY_STEPS, in_use, peaks
+from ddpkit.runtime.process import environment
+
+SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2")
+ZERO_WORKLOADS = ("transformer", "mlp")
+"""The workloads ``--zero`` runs (of ``--workloads``): the two with the most optimizer state."""
+WORLDS = (2, 3)
+
+
+def _build(setup: str, model: Any, bucket_cap_mb: float | None) -> tuple[Any, Any]:
+    """``setup``'s wrapped model and optimizer around ``model``."""
+    import torch
+
+    from ddpkit._reference import torch_ddp, torch_zero
+    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.zero import ZeroRedundancyOptimizer
+
+    adamw = torch.optim.AdamW
+    if setup.startswith("torch"):
+        wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb)
+        opt = torch_zero(model.parameters(), adamw, lr=1e-4) if "zero" in setup else adamw(model.parameters(), lr=1e-4)
+        return wrapped, opt
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, zero_stage=2 if setup == "zero2" else 0)
+    opt = ZeroRedundancyOptimizer(model.parameters(), adamw, lr=1e-4) if "zero" in setup else \
+        adamw(model.parameters(), lr=1e-4)
+    return wrapped, opt
+
+
+def _bytes(model: Any, wrapped: Any, opt: Any) -> dict[str, float]:
+    """Parameters, gradients and optimizer state of this rank, in MB (see the module notes)."""
+    import torch
+
+    def size(tensors: Any) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+    local = getattr(opt, "optim", opt)
+    state = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    shards = getattr(getattr(wrapped, "reducer", None), "grad_shards", [])
+    return {"params": size(model.parameters()),
+            "grads": size([p.grad for p in model.parameters() if p.grad is not None]) + size(shards),
+            "state": size(state)}
+
+
+def _step(wrapped: Any, opt: Any, x: Any, y: Any) -> Any:
+    import torch
+
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+    return opt
+
+
+def _time_worker(rank: int, cfg: BenchConfig, name: str, out: str) -> None:
+    """All five setups in one group of processes, stepping in turn; step times and bytes per setup."""
+    import copy
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.bench.workloads import workload
+    from ddpkit.runtime.group import init, shutdown
+
+    torch.set_num_threads(1)
+    init()
+    base, x, y = workload(name, cfg)
+    built = {s: (model := copy.deepcopy(base), *_build(s, model, cfg.bucket_cap_mb)) for s in SETUPS}
+    times: dict[str, list[float]] = {s: [] for s in SETUPS}
+    sizes: dict[str, dict[str, float]] = {}
+    for r in range(cfg.warmup + cfg.steps):
+        for s in SETUPS if r % 2 == 0 else SETUPS[::-1]:
+            model, wrapped, opt = built[s]
+            dist.barrier()
+            start = time.perf_counter()
+            _step(wrapped, opt, x, y)
+            if r == cfg.warmup and s not in sizes:
+                sizes[s] = _bytes(model, wrapped, opt)  # between the backward and the step
+            opt.step()
+            if r >= cfg.warmup:
+                times[s].append(time.perf_counter() - start)
+    result = torch.tensor([[sizes[s][k] for k in ("params", "grads", "state")] + [statistics.median(times[s])]
+                           for s in SETUPS], dtype=torch.float64)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(json.dumps({s: dict(zip(("params", "grads", "state", "step_s"), row))
+                                         for s, row in zip(SETUPS, result.tolist())}))
+    shutdown()
+
+
+def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -> None:
+    """One setup in processes of its own: the peak private memory above the baseline (see ddpkit.bench.memory)."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.bench.workloads import workload
+    from ddpkit.runtime.group import init, shutdown
+
+    torch.set_num_threads(1)
+    init()
+    # Every setup's code imported (and the first optimizer built) before the baseline, as --memory does.
+    probe = torch.nn.Linear(2, 2)
+    _build("torch zero1", probe, None)
+    dist.barrier()
+    before = in_use()
+    model, x, y = workload(name, cfg)
+    wrapped, opt = _build(setup, model, cfg.bucket_cap_mb)
+    for _ in range(cfg.warmup + min(cfg.steps, MEMORY_STEPS)):
+        _step(wrapped, opt, x, y).step()
+    grown = torch.tensor([peaks()[1] - before[1]])
+    dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"peak": grown.item()}))
+    shutdown()
+
+
+def measure_zero(cfg: BenchConfig) -> dict[str, Any]:
+    """``{f"{workload} world {W}": {setup: {"params", "grads", "state", "step_s", "peak"}}}`` in MB and seconds."""
+    from ddpkit.runtime.spawn import spawn
+
+    found: dict[str, Any] = {}
+    with environment(FIXED_MMAP_THRESHOLD):
+        for name in (w for w in cfg.workloads if w in ZERO_WORKLOADS):
+            for world in WORLDS:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "zero.json")
+                    spawn(_time_worker, world, args=(cfg, name, out), backend="gloo")
+                    row = json.loads(Path(out).read_text())
+                    for setup in SETUPS:
+                        spawn(_peak_worker, world, args=(cfg, name, setup, out), backend="gloo")
+                        row[setup]["peak"] = json.loads(Path(out).read_text())["peak"]
+                found[f"{name} world {world}"] = row
+    return found
+
+
+def format_zero(found: dict[str, Any]) -> str:
+    lines = ["ZeRO: MB per rank (the largest over ranks) and step time; AdamW; ratio = step / ddp's step",
+             f"{'workload':<18} {'setup':<12} {'params':>8} {'grads':>8} {'optim':>8} {'peak':>8} {'step ms':>8} "
+             f"{'ratio':>6}"]
+    for key, row in found.items():
+        base = row["ddp"]["step_s"]
+        for setup, m in row.items():
+            lines.append(f"{key:<18} {setup:<12} {m['params']:>8.1f} {m['grads']:>8.1f} {m['state']:>8.1f} "
+                         f"{m.get('peak', float('nan')):>8.1f} {1e3 * m['step_s']:>8.1f} {m['step_s'] / base:>6.3f}")
+    return "\n".join(lines)

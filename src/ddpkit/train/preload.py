@@ -1,0 +1,37 @@
+"""Workers that start with torch imported: ``ddpkit train`` forks its own from a forkserver started first thing.
+
+A worker started fresh spends seconds importing torch and the training
+code (torch, then ``torch._dynamo`` that the first optimizer, and DDP's
+compile support, pull in) before it trains. Started by
+:func:`start_early`, a forkserver does those imports once, in parallel with
+the parent's own checks (settings, data, run directory); each worker is then
+a fork of it, ready at once. Torch-free: the CLI calls it before importing
+anything heavy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ddpkit.runtime.discovery import discover
+from ddpkit.runtime.spawn import start_forkserver
+from ddpkit.train.config import TrainConfig
+
+__all__ = ["PRELOAD", "start_early", "starts_workers"]
+
+PRELOAD = ("torch", "ddpkit.train.loop")
+"""What the forkserver imports for every worker."""
+
+
+def starts_workers(config: TrainConfig, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``ddpkit train`` with ``config`` will start worker processes of its own (not under a launcher)."""
+    if discover(environ).scheme != "single" or config.engine in ("single", "dp"):
+        return False
+    return config.nproc_per_node != 1 or config.max_restarts > 0
+
+
+def start_early(config: TrainConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """Start the forkserver the workers will be forked from, if there will be workers (see the module notes)."""
+    if starts_workers(config, environ):
+        start_forkserver(PRELOAD)

@@ -1,0 +1,75 @@
+"""ddpkit doctor on this CPU machine: the report, the gloo self-test on real ranks, and each failure named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from procs import ROOT, base_env
+
+from ddpkit.doctor.config import DoctorConfig
+from ddpkit.doctor.run import format_report
+from ddpkit.doctor.selftest import plan
+from ddpkit.runtime.options import ConfigError
+
+
+def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpkit", "doctor", *args], cwd=ROOT, env=base_env(**env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_self_test_passes_on_gloo_and_reports_everything():
+    done = _doctor("--json", "--nproc-per-node", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    env = report["environment"]
+    assert env["torch"]["version"] and env["python"]["version"] and env["backends"]["gloo"]["available"]
+    assert env["network"]["interface"] == "lo" and env["env"]["OMP_NUM_THREADS"] == "1"
+    assert report["problems"] == [] and report["ok"] and report["seconds"] < 60
+    [group] = [g for g in report["selftest"] if g["device"] == "cpu"]
+    assert group["backend"] == "gloo" and group["world"] == 3 and group["ok"]
+    assert [c["check"] for c in group["checks"]] == ["collectives", "DDP step", "SyncBatchNorm",
+                                                     "all-reduce bandwidth"]
+    assert all(c["ok"] for c in group["checks"])
+    assert "hierarchical" in group["checks"][0]["detail"] and "torch's DDP" in group["checks"][1]["detail"]
+    assert sorted(group["bus_gbps"]) == ["1 MiB", "16 MiB", "64 MiB"] and min(group["bus_gbps"].values()) > 0
+    text = format_report(report)
+    assert "gloo / cpu: ok" in text and "result: ok" in text and "DDPKIT_JOB_TOKEN" not in text
+
+
+def test_a_backend_that_is_not_here_fails_with_the_reason():
+    done = _doctor("--backends", "gloo", "nccl", "--nproc-per-node", "2")
+    assert done.returncode == 1
+    assert "nccl / -: FAILED: nccl is not available here: this torch has no NCCL" in done.stdout
+    assert "gloo / cpu: ok" in done.stdout and "result: FAILED (nccl / -)" in done.stdout
+
+
+def test_a_bad_interface_is_a_problem_and_fails_the_ranks_with_the_fix():
+    done = _doctor("--nproc-per-node", "2", GLOO_SOCKET_IFNAME="nosuchif0")
+    assert done.returncode == 1
+    assert "PROBLEM  GLOO_SOCKET_IFNAME='nosuchif0': this machine has no interface nosuchif0" in done.stdout
+    assert "gloo / cpu: FAILED" in done.stdout and "Unable to find address for: nosuchif0" in done.stdout
+    assert "fix: gloo cannot use the interface GLOO_SOCKET_IFNAME names" in done.stdout
+    assert "Traceback" not in done.stdout
+
+
+def test_nccl_is_planned_one_gpu_per_rank():
+    backends = {"gloo": {"available": True, "why": ""}, "nccl": {"available": True, "why": ""},
+                "mpi": {"available": False, "why": "no MPI"}}
+    groups = plan(backends, gpus=1, nproc=2, asked=None)
+    assert [(g["backend"], g["device"]) for g in groups] == [("gloo", "cpu"), ("gloo", "cuda"), ("nccl", "cuda")]
+    assert "NCCL needs one GPU per rank" in groups[2]["skip"]
+    assert "skip" not in plan(backends, gpus=2, nproc=2, asked=("nccl",))[0]
+    assert "fail" in plan(backends, gpus=0, nproc=2, asked=("mpi",))[0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc_per_node": 0}, "--nproc-per-node 0 must be at least 1"),
+    ({"backends": ("tcp",)}, "--backends tcp: choose among gloo, nccl, mpi"),
+    ({"timeout": 0}, "--timeout 0 must be a positive number of seconds"),
+])
+def test_bad_flags_name_the_value(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        DoctorConfig(**kwargs)
