@@ -28,6 +28,20 @@ checkpoint loads at any world size or into a plain optimizer; it needs a
 ``consolidate_state_dict(to)`` on every rank first, and is then available on
 rank ``to``. ``load_state_dict`` takes that format, from any world size.
 
+Stage 2
+    Over the parameters of ``DistributedDataParallel(model, zero_stage=2)``
+    the optimizer finds the model's sharded reducer
+    (:mod:`ddpkit.parallel.zero_reducer`) and shards by elements instead: its
+    local optimizer steps this rank's segments of the buckets (views of the
+    reducer's parameter shards, with the averaged gradient shards), and the
+    step ends with the reducer's all-gather of the parameters. It must hold
+    every trainable parameter of that model (one optimizer per model, groups
+    given at construction), its optimizer's state must be elementwise (SGD,
+    Adam, AdamW, ...: one value per element, or a scalar such as Adam's
+    step), and ``state_dict`` puts each parameter's state together from its
+    segments: the same unsharded format, which loads at any world size and
+    under any stage.
+
 Differences from torch's, on purpose: ``load_state_dict`` leaves the given
 dict as it is (torch's sets the entries of parameters this rank does not own
 to ``None``) and keeps no second copy of the loaded state in ``self.state``;
@@ -49,84 +63,20 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ddpkit.parallel.join import DISABLED, Join
+from ddpkit.parallel.zero_partition import (
+    checked_params,
+    copy_settings,
+    load_segment_state,
+    merge_segment_state,
+    partition,
+    to_device,
+)
 from ddpkit.parallel.zero_reducer import Segment, ShardedReducer, sharded_reducer
 from ddpkit.runtime import events
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
 
 log = logging.getLogger(__name__)
-
-
-def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[dict[str, Any]]]:
-    """torch's ZeRO partition of ``param_groups`` over ``world_size`` ranks (see the module notes).
-
-    Returns:
-        For each rank, one group per group of ``param_groups``: a shallow copy
-        of the group with ``params`` the parameters that rank owns.
-    """
-    sizes = [0] * world_size
-    per_rank: list[list[dict[str, Any]]] = [[] for _ in range(world_size)]
-    for group in param_groups:
-        owned: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
-        for param in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-            rank = sizes.index(min(sizes))
-            owned[rank].append(param)
-            sizes[rank] += param.numel()
-        for rank, params in enumerate(owned):
-            part = copy.copy(group)
-            part["params"] = params
-            per_rank[rank].append(part)
-    return per_rank
-
-
-def _checked_params(params: Any) -> list[Any]:
-    """``params`` as a list (of tensors, or of groups), with torch's checks and a clearer word."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(f"params should be an iterable of Tensors or dicts, but got {torch.typename(params)}: "
-                        "pass model.parameters() or a list of parameter groups")
-    try:
-        items = list(params)
-    except TypeError:
-        raise TypeError(f"params should be an iterable of Tensors or dicts, but got {torch.typename(params)}") from None
-    if not items:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list: pass the model's parameters")
-    if all(isinstance(p, dict) for p in items):
-        for group in items:
-            if "params" not in group:
-                raise ValueError(f"a parameter group without a 'params' key: {sorted(group)}; each group is a dict "
-                                 "with 'params' and, optionally, its own settings")
-        tensors = [p for g in items for p in ([g["params"]] if isinstance(g["params"], torch.Tensor)
-                                               else list(g["params"]))]
-    elif all(isinstance(p, torch.Tensor) for p in items):
-        tensors = items
-    else:
-        raise TypeError("params should be an iterable of Tensors or an iterable of dicts (parameter groups), "
-                        "not a mix of both")
-    kinds = {torch.typename(p) for p in tensors}
-    if any(p.is_sparse for p in tensors) or len(kinds) > 1:
-        raise ValueError(f"ZeroRedundancyOptimizer only supports parameters of one dense type, got "
-                         f"{', '.join(sorted(kinds))}{' (sparse)' if any(p.is_sparse for p in tensors) else ''}: "
-                         "give each dtype/device its own optimizer")
-    return items
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """A copy of ``value`` (tensors, dicts, lists, tuples) with every tensor on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def _copy_settings(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
-    """Every setting but ``params`` of each group of ``source`` into the same group of ``target``."""
-    for src, dst in zip(source, target, strict=True):
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -169,7 +119,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"optimizer_class={optimizer_class!r} is not an optimizer class: pass the class, "
                             "e.g. torch.optim.AdamW, and its settings as keywords (lr=...)")
-        items = _checked_params(params)
+        items = checked_params(params)
         self._initialized = False
         super().__init__(items, defaults)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -188,7 +138,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             self.optim = optimizer_class(self._segment_groups(), **defaults)
         else:
             self.optim = optimizer_class(self._partition[self.rank], **defaults)
-        _copy_settings(self.optim.param_groups, self.param_groups)
+        copy_settings(self.optim.param_groups, self.param_groups)
         self._trainable = self._trainability()
         self._buckets: list[list[torch.Tensor]] = []
         self._build_buckets()
@@ -262,13 +212,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         for seg, view in self._segments:
             view.grad = (reducer.segment_view(reducer.grad_shards, seg)
                          if used is not None and used[seg.param] else None)
-        _copy_settings(self.param_groups, self.optim.param_groups)
+        copy_settings(self.param_groups, self.optim.param_groups)
         try:
             loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         finally:
             for _, view in self._segments:
                 view.grad = None
-        _copy_settings(self.optim.param_groups, self.param_groups)
+        copy_settings(self.optim.param_groups, self.param_groups)
         reducer.gather_params()
         return loss
 
@@ -285,7 +235,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             return
         self._partition = partition(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
-        _copy_settings(self.optim.param_groups, self.param_groups)
+        copy_settings(self.optim.param_groups, self.param_groups)
         self._build_buckets()
 
     # -- parameters as bucket views --------------------------------------------------------------
@@ -337,9 +287,9 @@ class ZeroRedundancyOptimizer(Optimizer):
                         "ZeroRedundancyOptimizer: the trainable parameters changed")
             self._build_buckets()
             self._trainable = trainable
-        _copy_settings(self.param_groups, self.optim.param_groups)
+        copy_settings(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
-        _copy_settings(self.optim.param_groups, self.param_groups)
+        copy_settings(self.optim.param_groups, self.param_groups)
         self.sync_params()
         return loss
 
@@ -363,8 +313,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Gather every rank's optimizer state on rank ``to`` (of the group) for :meth:`state_dict`; on every rank."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict(to={to}): not a rank of the group; use 0..{self.world_size - 1}")
-        _copy_settings(self.param_groups, self.optim.param_groups)
-        mine = (_to_device(self.optim.state_dict(), torch.device("cpu")), self._segment_map())
+        copy_settings(self.param_groups, self.optim.param_groups)
+        mine = (to_device(self.optim.state_dict(), torch.device("cpu")), self._segment_map())
         parts: list[Any] = [None] * self.world_size if self.rank == to else []
         events.collective("ZeroRedundancyOptimizer: gather the optimizer state on rank {}", to, nbytes=0)
         dist.gather_object(mine, parts if self.rank == to else None, dst=self._global_ranks[to],
@@ -395,7 +345,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def _merged_state(self) -> dict[int, Any]:
         """Every rank's local state, gathered by :meth:`consolidate_state_dict`, keyed by global index."""
         if self.sharded is not None:
-            return self._merged_segments()
+            return merge_segment_state(self._consolidated, self._all_params())
         index = {id(p): i for i, p in enumerate(self._all_params())}
         state: dict[int, Any] = {}
         for rank, (local, _) in enumerate(self._consolidated):
@@ -407,35 +357,6 @@ class ZeroRedundancyOptimizer(Optimizer):
                 for local_index, param in zip(local_group["params"], group["params"], strict=True):
                     if local_index in local["state"]:
                         state[index[id(param)]] = local["state"][local_index]
-        return state
-
-    def _merged_segments(self) -> dict[int, Any]:
-        """Stage 2: each parameter's state put together from its segments' (elementwise state concatenated)."""
-        params = self._all_params()
-        pieces: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
-        for local, segments in self._consolidated:
-            for k, (i, start, stop) in enumerate(segments):
-                if k in local["state"]:
-                    pieces.setdefault(i, []).append((start, stop, local["state"][k]))
-        state: dict[int, Any] = {}
-        for i, parts in pieces.items():
-            parts.sort(key=lambda part: part[0])
-            param = params[i]
-            if sum(stop - start for start, stop, _ in parts) != param.numel():
-                raise RuntimeError(f"parameter {i}: optimizer state for part of it only (an optimizer step on "
-                                   "some ranks only?); every rank must step together")
-            merged = {}
-            for key, first in parts[0][2].items():
-                values = [part[2][key] for part in parts]
-                if isinstance(first, torch.Tensor) and first.dim() > 0:
-                    if any(v.numel() != stop - start for v, (start, stop, _) in zip(values, parts)):
-                        raise ValueError(f"optimizer state {key!r} is not elementwise (one value per element of "
-                                         "its parameter), so it cannot be sharded by zero_stage=2: use zero_stage=0 "
-                                         "with ZeroRedundancyOptimizer (stage 1) for this optimizer")
-                    merged[key] = torch.cat([v.reshape(-1) for v in values]).view(param.shape)
-                else:
-                    merged[key] = first
-            state[i] = merged
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -455,9 +376,16 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"{[len(g['params']) for g in self.param_groups]}: load the state of the same model and groups")
         by_saved_id = dict(zip(chain.from_iterable(g["params"] for g in groups), self._all_params(), strict=True))
         if self.sharded is not None:
-            self._load_segments(state_dict["state"], {id(p): k for k, p in by_saved_id.items()})
-            _copy_settings(groups, self.param_groups)
-            _copy_settings(self.param_groups, self.optim.param_groups)
+            saved_id = {id(p): k for k, p in by_saved_id.items()}
+            for seg, view in self._segments:
+                param = self.sharded.params[seg.param]
+                value = state_dict["state"].get(saved_id[id(param)])
+                if value is None:
+                    self.optim.state.pop(view, None)
+                else:
+                    self.optim.state[view] = load_segment_state(value, param, seg.start, seg.stop, view.device)
+            copy_settings(groups, self.param_groups)
+            copy_settings(self.param_groups, self.optim.param_groups)
             return
         mine = {id(p) for g in self._partition[self.rank] for p in g["params"]}
         for saved_id, value in state_dict["state"].items():
@@ -465,37 +393,15 @@ class ZeroRedundancyOptimizer(Optimizer):
             if param is None:
                 raise ValueError(f"load_state_dict: state for parameter index {saved_id}, which no group has")
             if id(param) in mine:
-                loaded = _to_device(value, param.device)
+                loaded = to_device(value, param.device)
                 for key, item in loaded.items():
                     if isinstance(item, torch.Tensor) and item.dim() == 0:
                         loaded[key] = item.cpu()  # as torch's: scalar state (Adam's step) on the CPU
                 self.optim.state[param] = loaded
             else:
                 self.optim.state.pop(param, None)
-        _copy_settings(groups, self.param_groups)
-        _copy_settings(self.param_groups, self.optim.param_groups)
-
-    def _load_segments(self, saved: dict[Any, Any], saved_id: dict[int, Any]) -> None:
-        """Stage 2: each segment takes its part of its parameter's saved state."""
-        assert self.sharded is not None
-        for seg, view in self._segments:
-            param = self.sharded.params[seg.param]
-            value = saved.get(saved_id[id(param)])
-            if value is None:
-                self.optim.state.pop(view, None)
-                continue
-            loaded = {}
-            for key, item in value.items():
-                if isinstance(item, torch.Tensor) and item.dim() > 0:
-                    if item.numel() != param.numel():
-                        raise ValueError(f"load_state_dict: optimizer state {key!r} has {item.numel()} elements, "
-                                         f"its parameter {param.numel()}: not the state of this model")
-                    loaded[key] = item.detach().reshape(-1)[seg.start : seg.stop].to(view.device, copy=True)
-                elif isinstance(item, torch.Tensor):
-                    loaded[key] = item.detach().cpu().clone()
-                else:
-                    loaded[key] = copy.deepcopy(item)
-            self.optim.state[view] = loaded
+        copy_settings(groups, self.param_groups)
+        copy_settings(self.param_groups, self.optim.param_groups)
 
     # -- join ------------------------------------------------------------------------------------
 

@@ -70,15 +70,12 @@ from ddpkit.parallel.buckets import BucketLayout, payload
 from ddpkit.parallel.reducer import Reducer
 from ddpkit.parallel.unused import refuse_unused
 from ddpkit.runtime import events
+from ddpkit.runtime.compat import all_gather_tensor, reduce_scatter_tensor
 
 __all__ = ["IN_FLIGHT", "Segment", "ShardedReducer", "sharded_reducer"]
 
 IN_FLIGHT = 2
 """Bucket buffers that may exist at once (being reduce-scattered, or all-gathered after the step)."""
-
-# torch 2.13's names (the *_tensor ones warn there); torch before 2.12 has only the *_tensor ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _BY_PARAM: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 """id(parameter) -> (the parameter, its stage-2 reducer), both held weakly (a tensor cannot be a dict key)."""
@@ -220,7 +217,7 @@ class ShardedReducer(Reducer):
             elif self.native:
                 events.collective("{} bucket {} all-gather of the parameters", self.owner, k,
                                   nbytes=self.param_shards[k].numel() * self.param_shards[k].element_size())
-                work = _all_gather(full, self.param_shards[k], group=self.group, async_op=True)
+                work = all_gather_tensor(full, self.param_shards[k], group=self.group, async_op=True)
             else:
                 all_gather(full, self.param_shards[k], algorithm="ring", group=self.group, check=False)
             pending.append((b, full, work))
@@ -284,7 +281,7 @@ class ShardedReducer(Reducer):
             self.grad_shards[k].copy_(bucket.flat)
         elif self.native:
             events.collective("{} bucket {} reduce-scatter", self.owner, k, step=self.step, nbytes=payload(bucket))
-            bucket.work = _reduce_scatter(self.grad_shards[k], bucket.flat, group=self.group, async_op=True)
+            bucket.work = reduce_scatter_tensor(self.grad_shards[k], bucket.flat, group=self.group, async_op=True)
         else:
             events.collective("{} bucket {} all-reduce (kept: this rank's chunk)", self.owner, k, step=self.step,
                               nbytes=payload(bucket))
