@@ -281,7 +281,8 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
         row = found[key]
         ddp, zero1, zero2, torch1 = row["ddp"], row["zero1"], row["zero2"], row["torch zero1"]
         assert ddp["params"] == row["torch ddp"]["params"] == zero2["params"]
-        assert ddp["grads"] == ddp["params"] and ddp["state"] == 2 * ddp["params"]  # AdamW: two tensors each
+        # AdamW: two tensors per parameter, and a scalar step each
+        assert ddp["grads"] == ddp["params"] and ddp["state"] == pytest.approx(2 * ddp["params"], abs=1e-3)
         assert zero1["state"] == torch1["state"] < ddp["state"]  # torch's partition, the fullest rank
         assert zero2["state"] <= ddp["state"] / world * 1.01 + 0.01  # elements: 1/W
         assert zero2["grads"] <= ddp["grads"] / world * 1.01 + 0.01
