@@ -78,18 +78,9 @@ class AgentStore:
 def _listen(host: str, port: int) -> int:
     """A listening socket for the store: on loopback alone for a loopback host, else on every interface."""
     try:
-        fd = loopback_listener(host, port)
-        if fd is not None:
-            return fd
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-            sock.listen(1024)
-        except OSError:
-            sock.close()
-            raise
-        return sock.detach()
+        fd = loopback_listener(host, port, or_any=True)
+        assert fd is not None
+        return fd
     except OSError as e:
         raise ConfigError(f"the rendezvous port {port} is busy on this node ({e.strerror}): choose a free one "
                           "with --master-port, or use --standalone to pick one") from None

@@ -79,20 +79,24 @@ def is_local(host: str) -> bool:
     return False
 
 
-def loopback_listener(host: str, port: int) -> int | None:
+def loopback_listener(host: str, port: int, *, or_any: bool = False) -> int | None:
     """A listening socket's descriptor for a store at ``host:port`` when ``host`` is a loopback address.
 
     Only processes on this machine could reach such a store, so it listens
     on loopback alone instead of on every interface (the store's default).
-    Returns ``None`` for other hosts; the caller then owns the descriptor.
+    Returns ``None`` for other hosts, or with ``or_any`` a socket listening on
+    every interface (IPv4) there; the caller then owns the descriptor.
 
     Raises:
         OSError: the port is busy.
     """
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    if not all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos):
+    if all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos):
+        family, address = infos[0][0], infos[0][4]
+    elif or_any:
+        family, address = socket.AF_INET, ("", port)
+    else:
         return None
-    family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
