@@ -43,6 +43,8 @@ _EXPORTS = {
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
     "ZeroRedundancyOptimizer": "ddpkit.parallel.zero",
+    "ParameterServerOptimizer": "ddpkit.parallel.ps",
+    "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
@@ -94,6 +96,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.local_sgd import LocalSGD
     from ddpkit.parallel.optimizer import DistributedOptimizer
     from ddpkit.parallel.unused import UnusedParametersError
+    from ddpkit.parallel.ps import ParameterServerOptimizer
+    from ddpkit.parallel.ssp import StaleSynchronousOptimizer
     from ddpkit.parallel.zero import ZeroRedundancyOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.runtime.group import (

@@ -148,9 +148,17 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_strategies(args: argparse.Namespace) -> int:
+    from ddpkit.bench.consistency import ConsistencyBenchConfig, run
+
+    run(_build(ConsistencyBenchConfig, args))
+    return 0
+
+
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
-    """``ddpkit bench collectives``: a second suite under ``bench`` (plain ``ddpkit bench`` stays DDP's)."""
+    """``ddpkit bench collectives`` and ``strategies``: suites under ``bench`` (plain ``ddpkit bench`` stays DDP's)."""
     from ddpkit.bench.collectives import CollectivesBenchConfig
+    from ddpkit.bench.consistency import ConsistencyBenchConfig
 
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
     p = suites.add_parser(
@@ -161,6 +169,15 @@ def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     )
     _add_config_flags(p, CollectivesBenchConfig)
     p.set_defaults(handler=_bench_collectives, parser=p)
+    p = suites.add_parser(
+        "strategies", help="train with each consistency model (DDP, local SGD, parameter servers, SSP) and compare",
+        description="The seed's consistency models side by side: one ddpkit train run per strategy and world size "
+                    "(optionally with a straggler); time per epoch and to a target accuracy, final accuracy, bytes "
+                    "per step, time waiting, staleness; JSON and a PNG of accuracy against time.",
+        allow_abbrev=False,
+    )
+    _add_config_flags(p, ConsistencyBenchConfig)
+    p.set_defaults(handler=_bench_strategies, parser=p)
 
 
 def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:

@@ -185,6 +185,11 @@ class LaunchConfig:
         "spawn", "accepted for torchrun's command lines; every worker is a new process running PROGRAM",
         choices=["spawn", "fork", "forkserver"],
     )
+    num_servers: int = option(
+        0, "parameter server processes to start on node 0 beside the workers (python -m ddpkit.parallel.ps_server: "
+        "ddpkit.ParameterServerOptimizer, ddpkit train --strategy ps-sync|ps-async); their channel listens on "
+        "MASTER_PORT + 1 unless DDPKIT_PS_PORT says; they stop when every worker has finished", metavar="K",
+    )
     python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
 
     def __post_init__(self) -> None:
@@ -197,6 +202,11 @@ class LaunchConfig:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node!r} is not a number: use a positive integer, "
                               "cpu, gpu or auto")
         low, high = node_range(self.nnodes)
+        if self.num_servers < 0:
+            raise ConfigError(f"--num-servers {self.num_servers} must be 0 (none) or more")
+        if self.num_servers and low != high:
+            raise ConfigError(f"--num-servers {self.num_servers} does not fit an elastic --nnodes {self.nnodes}: the "
+                              "servers hold one world's state; give a fixed number of nodes")
         if self.rdzv_backend not in ("static", "c10d"):
             raise ConfigError(f"--rdzv-backend {self.rdzv_backend!r} is not supported: use c10d (nodes agree on "
                               "their ranks at --rdzv-endpoint) or static (--node-rank on each node)")

@@ -12,7 +12,7 @@ from string import Template
 
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV
-from ddpkit.runtime.process import worker_env
+from ddpkit.runtime.process import NUM_SERVERS_ENV, SERVER_MODULE, server_env, worker_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +44,12 @@ class WorkerSpec:
     """One worker process to start."""
 
     rank: int
+    """The worker's global rank; a parameter server's is the world size + its index."""
     local_rank: int
     argv: list[str]
     env: dict[str, str]
+    server: int | None = None
+    """The parameter server's index, None for a worker."""
 
 
 def worker_argv(launch: LaunchSettings, local_rank: int) -> list[str]:
@@ -70,7 +73,7 @@ def plan_workers(
     job_token: str | None = None, agent_store: bool = False, run_id: str = "none",
     slot: NodeSlot | None = None, error_files: Mapping[int, str] | None = None,
 ) -> list[WorkerSpec]:
-    """The workers of this node for one attempt.
+    """The workers of this node for one attempt (and, on node 0, ``--num-servers`` parameter servers after them).
 
     Global rank = the node's first rank + local_rank (static: node_rank x
     nproc_per_node). Each worker gets torchrun's variables, so torchrun
@@ -117,5 +120,14 @@ def plan_workers(
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
         env["TORCHELASTIC_RUN_ID"] = run_id
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if cfg.num_servers:
+            env[NUM_SERVERS_ENV] = str(cfg.num_servers)
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(launch, local_rank), env=env))
+    if cfg.num_servers and slot.node_rank == 0:
+        python = os.environ.get("PYTHON_EXEC") or cfg.python
+        for k in range(cfg.num_servers):
+            env = server_env(workers[0].env, k)
+            env.pop("CUDA_VISIBLE_DEVICES", None) if cfg.virtual_local_rank else None
+            workers.append(WorkerSpec(rank=slot.world_size + k, local_rank=nproc + k, server=k, env=env,
+                                      argv=[python, "-u", "-m", SERVER_MODULE]))
     return workers

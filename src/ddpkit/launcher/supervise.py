@@ -98,7 +98,12 @@ class Failure:
     """A stall report some rank printed (naming the ranks that stalled): the real root cause then."""
     stall_reporter: int | None = None
 
+    server: int | None = None
+    """The parameter server's index when a server failed."""
+
     def describe(self) -> str:
+        if self.server is not None:
+            return f"parameter server {self.server} failed first: {describe_exit(self.exitcode)}"
         return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
 
 
@@ -141,7 +146,11 @@ class WorkerGroup:
         self.tails[spec.rank] = collections.deque(maxlen=_TAIL_LINES)
         console = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
         sources = {"stdout": proc.stdout, "stderr": proc.stderr}
-        for name, dst, prefix, log, dup in self.layout.streams(spec.rank, spec.local_rank, console):
+        streams = self.layout.streams(spec.rank, spec.local_rank, console) if spec.server is None else [
+            # A parameter server's output goes to the console, marked (it has no local rank of its own).
+            (name, console[name], f"[server{spec.server}]: ".encode(), None, None) for name in ("stdout", "stderr")
+        ]
+        for name, dst, prefix, log, dup in streams:
             pump = Pump(sources[name], dst, prefix, log, self.tails[spec.rank] if name == "stderr" else None, dup)
             pump.start()
             self.pumps.append(pump)
@@ -157,7 +166,8 @@ class WorkerGroup:
         """
         done = 0
         next_look = time.monotonic() + POLL_S
-        while done < len(self.procs):
+        workers = sum(spec.server is None for spec in self.specs)
+        while done < workers:
             if watch is not None and time.monotonic() >= next_look:
                 next_look = time.monotonic() + POLL_S
                 if remote := watch():
@@ -168,11 +178,11 @@ class WorkerGroup:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
-            done += 1
+            done += self.specs[index].server is None
             if code != 0:
                 spec = self.specs[index]
                 self.stop()
-                failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code,
+                failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code, server=spec.server,
                                   traceback=extract_traceback(list(self.tails[spec.rank]))
                                   or read_error_file(spec.env.get("TORCHELASTIC_ERROR_FILE", "")),
                                   last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
@@ -182,6 +192,10 @@ class WorkerGroup:
                         failure.stall, failure.stall_reporter = stall, rank
                         break
                 return failure
+        if workers < len(self.procs):
+            # Every worker finished: the parameter servers have nobody left to serve.
+            terminate([p for p, spec in zip(self.procs, self.specs) if spec.server is not None],
+                      self.launch.grace_period_s, signal.SIGTERM)
         return None
 
     def stop(self, first_signal: int = signal.SIGTERM) -> None:
@@ -210,4 +224,5 @@ def report(failure: Failure) -> None:
             + f"\n\nrank {failure.rank} (local rank {failure.local_rank}) then failed first: "
             f"{describe_exit(failure.exitcode)}\n  {error}\n{rule}")
         return
-    say(f"{failure.describe()}\n{rule}\nRoot cause: rank {failure.rank}\n{body}\n{rule}")
+    who = f"parameter server {failure.server}" if failure.server is not None else f"rank {failure.rank}"
+    say(f"{failure.describe()}\n{rule}\nRoot cause: {who}\n{body}\n{rule}")

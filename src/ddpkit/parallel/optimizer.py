@@ -354,7 +354,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hooks
-    wrapped._patch_step_function()  # step pre/post hooks and profiling, as torch's constructor sets up
+    # Not patched for step hooks: the wrapped class's own step (which ours calls) runs them, once per step.
     wrapped._setup(named, backward_passes_per_step, compression, op, float(gradient_predivide_factor),
                    world_group(process_group), bucket_cap_mb, bool(sparse_as_dense))
     return wrapped

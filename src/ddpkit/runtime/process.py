@@ -45,6 +45,26 @@ def free_port(host: str = LOOPBACK) -> int:
         return sock.getsockname()[1]
 
 
+NUM_SERVERS_ENV = "DDPKIT_NUM_SERVERS"
+"""How many parameter servers the job has (every process of a job with servers)."""
+ROLE_ENV = "DDPKIT_ROLE"
+"""``server`` in a parameter server process."""
+SERVER_RANK_ENV = "DDPKIT_SERVER_RANK"
+PS_PORT_ENV = "DDPKIT_PS_PORT"
+"""Port of the parameter servers' store on ``MASTER_ADDR`` (default ``MASTER_PORT + 1``)."""
+SERVER_MODULE = "ddpkit.parallel.ps_server"
+"""What a parameter server process runs (``python -m``)."""
+
+
+def server_env(worker: Mapping[str, str], index: int) -> dict[str, str]:
+    """The environment of parameter server ``index``, from a worker's (``WORLD_SIZE`` stays the workers')."""
+    env = {k: v for k, v in worker.items()
+           if k not in ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "TORCHELASTIC_ERROR_FILE")}
+    env.update({ROLE_ENV: "server", SERVER_RANK_ENV: str(index), "ROLE_NAME": "server", "OMP_NUM_THREADS":
+                worker.get("OMP_NUM_THREADS", "1")})
+    return env
+
+
 def worker_env(
     *,
     rank: int,

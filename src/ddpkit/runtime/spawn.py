@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import sys
+import importlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -38,8 +39,12 @@ from ddpkit.runtime.process import (
     describe_exit,
     die_with_parent,
     exit_now,
+    NUM_SERVERS_ENV,
+    PS_PORT_ENV,
+    SERVER_MODULE,
     free_port,
     pid_alive,
+    server_env,
     terminate,
     worker_env,
 )
@@ -52,12 +57,16 @@ class WorkerError(RuntimeError):
     ``__cause__``, so ``except`` clauses can still inspect the original.
     """
 
-    def __init__(self, rank: int, message: str, traceback_text: str = "", exitcode: int | None = None):
+    def __init__(self, rank: int, message: str, traceback_text: str = "", exitcode: int | None = None,
+                 who: str | None = None):
         self.rank = rank
         self.traceback = traceback_text
         self.exitcode = exitcode
-        detail = f"\n\n--- traceback of rank {rank} ---\n{traceback_text}" if traceback_text else ""
-        super().__init__(f"rank {rank} failed: {message}{detail}")
+        who = who or f"rank {rank}"
+        self.who = who
+        """``rank N``, or ``parameter server K``."""
+        detail = f"\n\n--- traceback of {who} ---\n{traceback_text}" if traceback_text else ""
+        super().__init__(f"{who} failed: {message}{detail}")
 
 
 def _encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
@@ -127,8 +136,14 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     exit_now(0)
 
 
+def serve_module(_index: int, module: str) -> None:
+    """A process that runs ``module``'s ``main()`` as ``python -m module`` would (a parameter server:
+    :data:`SERVER_MODULE`); its return value is the exit code."""
+    sys.exit(importlib.import_module(module).main())
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str | None = None,
-          start_method: str = "spawn") -> None:
+          start_method: str = "spawn", *, num_servers: int = 0) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes and wait for all of them.
 
     Args:
@@ -139,6 +154,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         args: extra positional arguments for ``fn``.
         backend: sets ``DDPKIT_BACKEND`` for the children (default: ddpkit's choice).
         start_method: ``spawn`` (default) or ``forkserver`` (see the module notes).
+        num_servers: parameter server processes to start beside the workers
+            (:class:`ddpkit.ParameterServerOptimizer`); they are stopped once
+            every worker has finished, and one that fails fails the run
+            (its rank in the error is ``nprocs + k``).
 
     Raises:
         ValueError: ``nprocs`` is smaller than 1, or an unknown ``start_method``.
@@ -161,11 +180,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 0:
+        raise ValueError(f"num_servers={num_servers!r} must be a whole number >= 0")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r}: use one of {', '.join(START_METHODS)}")
     ctx = mp.get_context(start_method)
     port = free_port()
     token = mint_job_token()  # only these children may join (see ddpkit.init)
+    ps_port = str(free_port()) if num_servers else ""
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, tuple[int, Connection]] = {}
     signals = SignalCatcher()
@@ -173,20 +195,25 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         first_signal = signal.SIGTERM
         try:
             with signals.deferred():
-                for rank in range(nprocs):
+                for rank in range(nprocs + num_servers):
                     if signals.received is not None:
                         break
                     parent_conn, child_conn = ctx.Pipe(duplex=False)
+                    env = _env(min(rank, nprocs - 1), nprocs, port, backend, token)
+                    if num_servers:
+                        env.update({NUM_SERVERS_ENV: str(num_servers), PS_PORT_ENV: ps_port})
+                    target, child_args, name = fn, tuple(args), f"ddpkit-rank{rank}"
+                    if rank >= nprocs:
+                        env = server_env(env, rank - nprocs)
+                        target, child_args, name = serve_module, (SERVER_MODULE,), f"ddpkit-server{rank - nprocs}"
                     proc = ctx.Process(
-                        target=_child, args=(fn, rank, tuple(args), _env(rank, nprocs, port, backend, token), child_conn,
-                                            os.getpid()),
-                        name=f"ddpkit-rank{rank}",
+                        target=_child, args=(target, rank, child_args, env, child_conn, os.getpid()), name=name,
                     )
                     proc.start()
                     child_conn.close()
                     procs.append(proc)
                     conns[proc.sentinel] = (rank, parent_conn)
-            _watch(procs, conns)
+            _watch(procs, conns, nprocs)
         except Interrupted as e:
             first_signal = e.signum
             raise
@@ -205,22 +232,24 @@ def _env(rank: int, nprocs: int, port: int, backend: str | None, token: str) -> 
     return env
 
 
-def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Connection]]) -> None:
+def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Connection]], workers: int) -> None:
+    """Until every worker (the first ``workers`` processes) succeeded, or one process failed (raised)."""
     pending = {p.sentinel: p for p in procs}
-    while pending:
+    while any(conns[s][0] < workers for s in pending):
         failures = []
         for sentinel in wait(list(pending)):
             proc = pending.pop(sentinel)  # type: ignore[call-overload]
             proc.join()
             if proc.exitcode != 0:
                 rank, conn = conns[sentinel]
-                failures.append(_failure(rank, proc.exitcode, conn))
+                failures.append(_failure(rank, proc.exitcode, conn,
+                                         f"parameter server {rank - workers}" if rank >= workers else None))
         if failures:
             _, error = min(failures, key=lambda f: f[0])
             raise error
 
 
-def _failure(rank: int, exitcode: int | None, conn: Connection) -> tuple[float, WorkerError]:
+def _failure(rank: int, exitcode: int | None, conn: Connection, who: str | None) -> tuple[float, WorkerError]:
     try:
         report = conn.recv() if conn.poll() else None
     except EOFError:  # died (a signal, os._exit) before reporting anything
@@ -228,9 +257,9 @@ def _failure(rank: int, exitcode: int | None, conn: Connection) -> tuple[float, 
     if report is None:
         how = describe_exit(exitcode)
         how = how if how.startswith("killed") else f"ended with {how}"
-        return time.time(), WorkerError(rank, f"process {how} without a Python exception", exitcode=exitcode)
+        return time.time(), WorkerError(rank, f"process {how} without a Python exception", exitcode=exitcode, who=who)
     when, message, text, payload = report
-    error = WorkerError(rank, message, text, exitcode=exitcode)
+    error = WorkerError(rank, message, text, exitcode=exitcode, who=who)
     if payload is not None:
         try:
             error.__cause__ = pickle.loads(payload)

@@ -22,8 +22,12 @@ DATASETS = ("digits", "mnist", "synthetic")
 ENGINES = ("ddpkit", "torch", "single", "dp")
 """Engines that start one process: ``single`` and ``dp`` (DataParallel over the devices)."""
 OPTIMIZERS = ("sgd", "adamw")
-STRATEGIES = ("ddp", "optimizer", "local-sgd")
+STRATEGIES = ("ddp", "optimizer", "local-sgd", "ps-sync", "ps-async", "ssp")
 """How ``--engine ddpkit`` synchronises the replicas."""
+SERVER_STRATEGIES = ("ps-sync", "ps-async")
+"""Strategies whose parameters live on parameter servers (``--num-servers``)."""
+SSP_STALENESS = 2
+"""``--strategy ssp``'s staleness bound when ``--staleness`` is not given."""
 AMP_MODES = ("off", "bf16", "fp16")
 
 
@@ -54,7 +58,21 @@ class TrainConfig:
         "ddp", "how --engine ddpkit keeps the replicas together: ddp (DistributedDataParallel: gradients averaged "
         "every step), optimizer (ddpkit.DistributedOptimizer, Horovod's way: the same averages, the optimizer "
         "wrapped instead of the model), local-sgd (ddpkit.LocalSGD: each process steps alone, parameters "
-        "averaged every --local-sgd steps)", choices=STRATEGIES,
+        "averaged every --local-sgd steps), ps-sync (parameter servers: every step waits for all workers' "
+        "gradients), ps-async (parameter servers apply each gradient as it arrives; --staleness bounds the lead), "
+        "ssp (stale-synchronous, no server: all-reduces in flight, at most --staleness steps old)", choices=STRATEGIES,
+    )
+    staleness: int | None = option(
+        None, "--strategy ps-async: no worker more than S steps ahead of the slowest (default: no bound); "
+        f"--strategy ssp: the same bound, decentralised (default {SSP_STALENESS}); 0 is synchronous", metavar="S",
+    )
+    num_servers: int = option(
+        1, "--strategy ps-sync/ps-async: parameter server processes, the parameters sharded over them by tensor",
+        metavar="K",
+    )
+    straggler: str | None = option(
+        None, "slow one worker down: RANK:FACTOR makes each of its steps FACTOR times as long (a sleep after its "
+        "forward and backward), to see how each strategy copes", metavar="RANK:FACTOR",
     )
     zero: int = option(
         0, "ZeRO stage with --strategy ddp: 0 (every rank keeps everything), 1 (each rank keeps the optimizer "
@@ -111,6 +129,26 @@ class TrainConfig:
             self.local_sgd = 4
         need(self.strategy == "ddp" or self.engine == "ddpkit", "strategy",
              f"needs --engine ddpkit (it runs on ddpkit's engine), not --engine {self.engine}")
+        if self.staleness is not None:
+            need(self.strategy in ("ps-async", "ssp"), "staleness",
+                 f"bounds --strategy ps-async or ssp, not --strategy {self.strategy}")
+            need(self.staleness >= 0, "staleness", "must be 0 (synchronous) or more")
+        elif self.strategy == "ssp":
+            self.staleness = SSP_STALENESS
+        need(self.num_servers >= 1, "num_servers", "must be at least 1")
+        need(self.num_servers == 1 or self.strategy in SERVER_STRATEGIES, "num_servers",
+             f"needs --strategy ps-sync or ps-async, not --strategy {self.strategy}")
+        need(self.strategy not in (*SERVER_STRATEGIES, "ssp") or self.amp != "fp16", "amp",
+             f"does not fit --strategy {self.strategy}: the grad scaler needs the optimizer in this process; use "
+             "--amp bf16")
+        if self.straggler is not None:
+            self.straggler = str(self.straggler)
+            rank, _, factor = self.straggler.partition(":")
+            try:
+                ok = int(rank) >= 0 and float(factor) >= 1 and math.isfinite(float(factor))
+            except ValueError:
+                ok = False
+            need(ok, "straggler", "is not RANK:FACTOR with a rank >= 0 and a factor >= 1 (e.g. 1:3)")
         need(self.zero in (0, 1, 2), "zero", "is not a ZeRO stage: choose 0, 1 or 2")
         need(not self.zero or (self.engine == "ddpkit" and self.strategy == "ddp"), "zero",
              f"needs --engine ddpkit --strategy ddp (ddpkit's DDP), not --engine {self.engine} "
@@ -146,11 +184,21 @@ class TrainConfig:
         if self.output_dir is not None:
             self.output_dir = Path(self.output_dir)
         need(self.trace_steps >= 1, "trace_steps", "must be at least 1")
+        need(self.trace is None or self.strategy not in (*SERVER_STRATEGIES, "ssp"), "trace",
+             f"records DDP's buckets; --strategy {self.strategy} has none: drop --trace")
         if self.trace is not None:
             self.trace = writable_file(self.trace, "--trace")
         if self.tensorboard is not None:
             self.tensorboard = Path(self.tensorboard)
             tensorboard.check(self.tensorboard)
+
+    @property
+    def slow(self) -> tuple[int, float] | None:
+        """``--straggler`` as ``(rank, factor)``."""
+        if self.straggler is None:
+            return None
+        rank, _, factor = self.straggler.partition(":")
+        return int(rank), float(factor)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (paths as strings), as saved in ``config.json`` and checkpoints."""

@@ -221,9 +221,11 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
     x, y = run.train_data
     ones = torch.ones(run.batch, dtype=torch.int32, device=run.device)
     autocast = autocast_for(config, run.device)
+    slow = config.slow[1] if config.slow is not None and config.slow[0] == rank else None
     for s in range(0, len(batches), config.grad_accum):
         group = batches[s : s + config.grad_accum]
         tracer = run.tracer()
+        began = time.perf_counter()
         state.optimizer.zero_grad(set_to_none=True)
         for j, b in enumerate(group):
             with run.strategy.micro_batch(last=j == len(group) - 1):
@@ -238,6 +240,10 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
             run.seen.index_add_(0, b, ones[: len(b)])
             count += len(b)
             consumed += len(b)
+        if slow is not None:  # --straggler: this rank's forward and backward take `slow` times as long
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)
+            time.sleep((slow - 1) * (time.perf_counter() - began))
         with tracer.phase("optimizer"):
             run.strategy.step(state.scaler, state.optimizer)
         state.step += 1
@@ -249,7 +255,9 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
     totals = torch.tensor([0.0, count, count - resumed_with], dtype=torch.float64)
     totals[0] = loss_sum.cpu()
     events.collective("train: sum the epoch's loss and samples", nbytes=totals.numel() * totals.element_size())
-    dist.all_reduce(totals)
+    start = time.perf_counter()
+    dist.all_reduce(totals)  # where every rank waits for the last to finish its shard
+    run.strategy.epoch_end_s += time.perf_counter() - start
     return totals[0].item(), int(totals[1].item()), int(totals[2].item())
 
 
@@ -364,7 +372,9 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
         write(config.trace, [run.recorder])
         print0(f"ddpkit train: trace of {len(run.recorder.overlaps)} backward passes in {config.trace}")
     steps = run.state.step - first_step
-    return _finish(run, time.perf_counter() - start, first_epoch, sent.total / steps if steps else None)
+    summary = _finish(run, time.perf_counter() - start, first_epoch, sent.total / steps if steps else None)
+    run.strategy.close()
+    return summary
 
 
 def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.spawn import start_forkserver
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 
 __all__ = ["PRELOAD", "start_early", "starts_workers"]
 
@@ -28,7 +28,7 @@ def starts_workers(config: TrainConfig, environ: Mapping[str, str] = os.environ)
     """Whether ``ddpkit train`` with ``config`` will start worker processes of its own (not under a launcher)."""
     if discover(environ).scheme != "single" or config.engine in ("single", "dp"):
         return False
-    return config.nproc_per_node != 1 or config.max_restarts > 0
+    return config.nproc_per_node != 1 or config.max_restarts > 0 or config.strategy in SERVER_STRATEGIES
 
 
 def start_early(config: TrainConfig, environ: Mapping[str, str] = os.environ) -> None:

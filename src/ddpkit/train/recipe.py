@@ -17,7 +17,7 @@ import torch
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.parallel.syncbn import SyncBatchNorm
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.models import build_model
 from ddpkit.train.state import TrainState
 
@@ -25,9 +25,12 @@ __all__ = ["autocast_for", "build_state", "dp_devices", "replicas", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """``model`` in the engine ``config.engine`` names (``single``, and ``--strategy optimizer``: as it is)."""
+    """``model`` in the engine ``config.engine`` names (``single`` and the strategies that keep the replicas
+    together in the optimizer, ``optimizer``, ``ps-*`` and ``ssp``: as it is)."""
     ids = [device.index] if device.type == "cuda" else None
-    if config.engine == "ddpkit" and config.strategy == "optimizer":
+    if config.engine == "ddpkit" and config.strategy in SERVER_STRATEGIES:
+        return model  # every worker starts from the parameters worker 0 gives the servers
+    if config.engine == "ddpkit" and config.strategy in ("optimizer", "ssp"):
         from ddpkit.parallel.broadcast import broadcast_parameters
 
         broadcast_parameters(model.state_dict(), root_rank=0)  # what DDP's constructor does, Horovod's way

@@ -32,9 +32,10 @@ from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import print0, shutdown
 from ddpkit.runtime.options import ConfigError
+from ddpkit.runtime.process import NUM_SERVERS_ENV
 from ddpkit.runtime.spawn import WorkerError, spawn, start_forkserver
 from ddpkit.train import rundir
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.preload import PRELOAD
 from ddpkit.train.state import TrainState
 
@@ -65,6 +66,7 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
         # as a restart, but continues the run all the same.
         restart = max(variables.count(os.environ, "TORCHELASTIC_RESTART_COUNT"),
                       variables.count(os.environ, "DDPKIT_RDZV_ROUND"))
+        _check_servers(config, os.environ)
         try:
             return worker(place.rank, config, None, restart)
         finally:
@@ -89,20 +91,36 @@ def _own_attempts(config: TrainConfig, worker: Worker, claim: rundir.Claim, npro
         if attempt:
             claim = rundir.claim({**config.to_dict(), "output_dir": str(claim.out)}, nproc, restart=True)
         try:
-            if nproc == 1 and not config.max_restarts:
+            servers = config.num_servers if config.strategy in SERVER_STRATEGIES else 0
+            if nproc == 1 and not config.max_restarts and not servers:
                 try:
                     worker(0, config, claim, attempt)
                 finally:
                     shutdown()
             else:
                 start_forkserver(PRELOAD)  # started already by the CLI, else now
-                spawn(worker, nproc, args=(config, claim, attempt), start_method="forkserver")
+                spawn(worker, nproc, args=(config, claim, attempt), start_method="forkserver", num_servers=servers)
             break
         except WorkerError as e:
             if attempt == config.max_restarts:
                 raise
-            print(f"ddpkit train: rank {e.rank} failed; restarting the workers "
+            print(f"ddpkit train: {e.who} failed; restarting the workers "
                   f"(restart {attempt + 1} of {config.max_restarts})", flush=True)
+
+
+def _check_servers(config: TrainConfig, environ: Any) -> None:
+    """Under a launcher: the parameter servers ``--strategy ps-*`` needs are the ones the launcher started."""
+    started = environ.get(NUM_SERVERS_ENV, "")
+    if config.strategy in SERVER_STRATEGIES:
+        if not started or started == "0":
+            raise ConfigError(
+                f"--strategy {config.strategy} under a launcher needs parameter servers the launcher starts: "
+                f"ddpkit launch --num-servers {config.num_servers} ... (or run ddpkit train on its own, which "
+                "starts them)"
+            )
+        if started != str(config.num_servers):
+            raise ConfigError(f"--num-servers {config.num_servers} but the launcher started {started} "
+                              f"({NUM_SERVERS_ENV}={started}): give the same number to both")
 
 
 def agree_on_claim(config: TrainConfig, claim: rundir.Claim | None, world: int, restart: int) -> rundir.Claim:

@@ -60,7 +60,8 @@ _SCRATCH = {"config.json", CHECKPOINT_DIR, LOCK_FILE}
 _locks: dict[Path, RunLock] = {}
 """The run directories this process holds (one lock each, kept across its attempts)."""
 OPERATIONAL = frozenset({"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts",
-                         "trace", "trace_steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "zero"})
+                         "trace", "trace_steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "zero",
+                         "num_servers", "straggler"})
 """Settings that may change between a run and its resumption: none of them changes the arithmetic (the world
 size, which does, is checked on its own; ``zero`` shards the same update, and its checkpoints hold the unsharded
 state)."""

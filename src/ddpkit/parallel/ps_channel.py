@@ -1,0 +1,171 @@
+"""The parameter servers' channel: one Gloo process group of workers and servers, beside the workers' own group.
+
+Why point-to-point on a process group (and not ``torch.distributed.rpc``):
+the workers keep their usual group (``RANK``/``WORLD_SIZE`` are the
+workers', so samplers, evaluation, checkpoints and any torchrun script see
+the world they expect), and the servers join a second Gloo group built on
+its own store: worker ranks ``0 .. N-1``, server ``k`` rank ``N + k``. Gloo
+sends CPU tensors straight from their memory, needs nothing beyond what
+``torch.distributed`` always has (RPC's TensorPipe agent is an optional,
+maintenance-mode part of torch), and a dead peer is a failed process the
+supervisor sees, not a timeout inside an RPC future. Servers hold the
+parameters on CPU, so the channel is Gloo under an NCCL job too.
+
+Environment (set by ``ddpkit train`` and ``ddpkit launch --num-servers K``):
+
+``DDPKIT_NUM_SERVERS``   K, in every process of the job
+``DDPKIT_ROLE``          ``server`` in a server process (workers: unset or ``worker``)
+``DDPKIT_SERVER_RANK``   the server's index ``0 .. K-1``
+``DDPKIT_PS_PORT``       the port of the channel's store on ``MASTER_ADDR`` (default ``MASTER_PORT + 1``);
+                         worker rank 0 serves it
+``WORLD_SIZE``           the number of workers, in servers as in workers
+
+Wire format: every request is a header (:data:`HEADER` int64 values) and,
+when the header says so, its payload; every reply likewise. Objects
+(optimizer settings and state) travel as ``torch.save`` bytes and are read
+back with ``weights_only=True``: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.runtime.process import NUM_SERVERS_ENV, ROLE_ENV, SERVER_RANK_ENV
+from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
+
+__all__ = [
+    "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "connect", "from_bytes", "header",
+    "ps_place", "recv_blob", "to_bytes",
+]
+
+HEADER = 8
+"""int64 values in every header: ``[op, a, b, c, d, e, f, g]`` (the op's fields)."""
+
+
+TAG_HEADER, TAG_TO_SERVER, TAG_TO_WORKER = 11, 12, 13
+
+
+class Op:
+    """Request kinds (the first value of a header)."""
+
+    SETUP = 1     # worker 0: [op, bytes]; blob: the optimizer, its groups and this server's parameters
+    PUSH = 2      # [op, clock, version computed on, with mask]; mask (uint8) + gradients; reply: parameters
+    PULL = 3      # reply: header + parameters
+    STATE = 4     # reply: header + blob of this server's optimizer state
+    LOAD = 5      # [op, bytes]; every worker, worker 0 with the blob: replaces the optimizer state
+    SETTINGS = 6  # [op, bytes]; blob: the groups' hyperparameters (a scheduler changed them)
+    STOP = 7      # this worker is done
+
+
+@dataclass(frozen=True)
+class PSPlace:
+    """This process's place in the channel."""
+
+    role: str
+    """``worker`` or ``server``."""
+    index: int
+    """The worker's rank, or the server's index."""
+    workers: int
+    servers: int
+    master_addr: str
+    port: int
+
+    @property
+    def rank(self) -> int:
+        """Rank in the channel's group: workers first, then servers."""
+        return self.index if self.role == "worker" else self.workers + self.index
+
+    def server_rank(self, k: int) -> int:
+        return self.workers + k
+
+
+def ps_place(environ: Mapping[str, str] = os.environ) -> PSPlace | None:
+    """This process's place from the environment, or None when the job has no servers.
+
+    Raises:
+        ValueError: a malformed variable, naming it and the fix.
+    """
+    raw = environ.get(NUM_SERVERS_ENV, "")
+    if not raw or raw == "0":
+        if environ.get(ROLE_ENV, "worker") == "server":
+            raise ValueError(f"{ROLE_ENV}=server without {NUM_SERVERS_ENV}: start servers with ddpkit launch "
+                             "--num-servers K or ddpkit train --num-servers K")
+        return None
+
+    def whole(name: str, value: str, low: int) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise ValueError(f"{name}={value!r} must be a whole number >= {low}")
+        return n
+
+    servers = whole(NUM_SERVERS_ENV, raw, 1)
+    workers = whole("WORLD_SIZE", environ.get("WORLD_SIZE", "1"), 1)
+    role = environ.get(ROLE_ENV, "worker") or "worker"
+    if role not in ("worker", "server"):
+        raise ValueError(f"{ROLE_ENV}={role!r} is not a role: worker or server")
+    if role == "server":
+        index = whole(SERVER_RANK_ENV, environ.get(SERVER_RANK_ENV, ""), 0)
+        if index >= servers:
+            raise ValueError(f"{SERVER_RANK_ENV}={index} is not below {NUM_SERVERS_ENV}={servers}")
+    else:
+        index = whole("RANK", environ.get("RANK", "0"), 0)
+    master_port = whole("MASTER_PORT", environ.get("MASTER_PORT", "29500"), 1)
+    port = whole(PORT_ENV, environ.get(PORT_ENV) or str(master_port + 1), 1)
+    return PSPlace(role=role, index=index, workers=workers, servers=servers,
+                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), port=port)
+
+
+def connect(place: PSPlace, timeout: float = 300.0) -> dist.ProcessGroup:
+    """The channel's Gloo group (see the module notes); worker 0 serves its store.
+
+    Raises:
+        RuntimeError: the channel's members did not meet within ``timeout`` s, naming the address.
+    """
+    try:
+        store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1,
+                              place.role == "worker" and place.index == 0, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        return dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-ps/", store), place.rank,
+                                     place.workers + place.servers, timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        raise RuntimeError(
+            f"{place.role} {place.index} could not join the parameter servers' channel at "
+            f"{place.master_addr}:{place.port} ({e}): worker rank 0 serves it there ({PORT_ENV}, default "
+            "MASTER_PORT + 1); check that the port is free and the same for every process"
+        ) from None
+
+
+def header(op: int, *fields: int) -> torch.Tensor:
+    out = torch.zeros(HEADER, dtype=torch.int64)
+    out[0] = op
+    for i, v in enumerate(fields):
+        out[1 + i] = int(v)
+    return out
+
+
+def to_bytes(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def from_bytes(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def recv_blob(pg: dist.ProcessGroup, src: int, tag: int, nbytes: int) -> torch.Tensor:
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        pg.recv([data], src, tag).wait()
+    return data

@@ -1,0 +1,169 @@
+"""``ddpkit train --strategy ps-sync|ps-async|ssp``: the servers started and torn down with the run, their state in
+the checkpoints, a killed server restarted from the last checkpoint, and the digits trained to the bar."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from procs import base_env, children, wait_for
+from safetensors.torch import load_file
+
+from ddpkit.runtime.options import ConfigError
+from ddpkit.train.checkpoint import load_checkpoint
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.loop import train
+from ddpkit.train.restart import _check_servers
+from ddpkit.train.state import checkpoint_files
+from ddpkit.train.strategy import async_momentum
+
+# 384 images per rank, 24 steps per epoch, a checkpoint every 5 steps (as tests/train/test_restart.py).
+FLAGS = ["--dataset", "synthetic", "--synthetic-samples", "768", "--batch-size", "16", "--epochs", "2",
+         "--checkpoint-every", "5", "--no-progress"]
+CONFIG = dict(dataset="synthetic", synthetic_samples=768, batch_size=16, epochs=2, checkpoint_every=5,
+              progress=False, nproc_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    train(TrainConfig(**CONFIG, output_dir=out))
+    return out
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(x) == sorted(y)
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_ps_sync_trains_ddps_weights_and_checkpoints_the_servers_state(tmp_path: Path, ddp_run: Path,
+                                                                       servers: int) -> None:
+    out = tmp_path / "run"
+    summary = train(TrainConfig(**CONFIG, strategy="ps-sync", num_servers=servers, output_dir=out))
+    _same_weights(out, ddp_run)  # two workers: the servers' sum is gloo's, bit for bit
+    assert summary["num_servers"] == servers and len(summary["per_rank"]) == 2
+    assert all(r["staleness_max"] == 0 and r["steps"] == 48 for r in summary["per_rank"])
+    # The last checkpoint holds the servers' optimizer state, in the local optimizer's format: DDP's, exactly.
+    mine = load_checkpoint(checkpoint_files(out / "checkpoints")[-1][1])["optimizer"]
+    theirs = load_checkpoint(checkpoint_files(ddp_run / "checkpoints")[-1][1])["optimizer"]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) == list(range(10))  # every ConvNet tensor
+    for i in theirs["state"]:
+        assert torch.equal(mine["state"][i]["momentum_buffer"], theirs["state"][i]["momentum_buffer"])
+    assert mine["param_groups"] == theirs["param_groups"]
+
+
+def _digits(tmp_path: Path, strategy: str, **kw) -> dict:
+    return train(TrainConfig(strategy=strategy, output_dir=tmp_path / strategy, progress=False, **kw))
+
+
+@pytest.mark.parametrize("strategy, staleness", [("ps-async", None), ("ssp", None)])
+def test_async_strategies_train_the_digits_to_97_percent_in_the_default_epochs(tmp_path: Path, strategy: str,
+                                                                               staleness: int | None) -> None:
+    summary = _digits(tmp_path, strategy, staleness=staleness)
+    assert summary["test_accuracy"] >= 0.97, summary
+    seen = summary["per_rank"]
+    assert len(seen) == 2 and all(r["staleness_max"] >= 1 for r in seen), seen  # really asynchronous
+    if strategy == "ssp":
+        assert summary["staleness"] == 2 and all(r["staleness_max"] <= 2 for r in seen)
+    saved = json.loads((tmp_path / strategy / "summary.json").read_text())
+    assert saved["per_rank"] == seen and len(saved["wait_s"]) == 2
+
+
+def test_a_straggler_under_ps_async_with_a_bound_holds_the_fast_worker(tmp_path: Path) -> None:
+    summary = train(TrainConfig(**{**CONFIG, "epochs": 1}, strategy="ps-async", staleness=1, straggler="1:4",
+                                output_dir=tmp_path / "run"))
+    fast, slow = summary["per_rank"]
+    assert fast["max_lead"] == 1 and slow["max_lead"] <= 1
+    assert fast["bound_wait_s"] > slow["bound_wait_s"]
+
+
+def _server_pid(parent: int) -> int:
+    """The parameter server of ``ddpkit train`` (``parent``): its forkserver's youngest child."""
+    forkservers = [pid for pid, line in children(parent) if "forkserver import main" in line]
+    return max(pid for server in forkservers for pid, _ in children(server))
+
+
+def _kill_and_finish(cmd: list[str], out: Path, find) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=out.parent)
+    try:
+        wait_for(lambda: (out / "checkpoints" / f"step-{10:08d}.safetensors").is_file())
+        os.kill(find(proc.pid), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def test_a_killed_server_under_ddpkit_train_restarts_from_the_checkpoint_bit_identical(tmp_path: Path,
+                                                                                       ddp_run: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "train", *FLAGS, "--strategy", "ps-sync", "--max-restarts", "1",
+           "--output-dir", str(out)]
+    done = _kill_and_finish(cmd, out, _server_pid)
+    assert done.returncode == 0, done.stderr
+    assert "ddpkit train: parameter server 0 failed; restarting the workers (restart 1 of 1)" in done.stdout
+    assert "restart 1: resuming from" in done.stdout
+    _same_weights(out, ddp_run)
+
+
+def test_a_killed_server_under_ddpkit_launch_is_the_root_cause_and_the_relaunch_is_bit_identical(
+        tmp_path: Path, ddp_run: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "launch", "--standalone", "--nproc-per-node", "2", "--num-servers", "1",
+           "--max-restarts", "1", "-m", "ddpkit", "train", *FLAGS, "--strategy", "ps-sync",
+           "--output-dir", str(out)]
+
+    def server(pid: int) -> int:
+        return next(child for child, line in children(pid) if "ddpkit.parallel.ps_server" in line)
+
+    done = _kill_and_finish(cmd, out, server)
+    assert done.returncode == 0, done.stderr
+    assert "parameter server 0 failed first" in done.stderr
+    assert "restarting the worker group (restart 1 of 1)" in done.stderr
+    _same_weights(out, ddp_run)
+
+
+def test_under_a_launcher_without_servers_the_error_says_how_to_start_them() -> None:
+    config = TrainConfig(strategy="ps-sync", num_servers=2)
+    with pytest.raises(ConfigError, match="ddpkit launch --num-servers 2"):
+        _check_servers(config, {})
+    with pytest.raises(ConfigError, match="--num-servers 2 but the launcher started 1"):
+        _check_servers(config, {"DDPKIT_NUM_SERVERS": "1"})
+    _check_servers(config, {"DDPKIT_NUM_SERVERS": "2"})
+    _check_servers(TrainConfig(), {})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"staleness": 2}, "--staleness 2 bounds --strategy ps-async or ssp, not --strategy ddp"),
+    ({"strategy": "ps-async", "staleness": -1}, "--staleness -1 must be 0"),
+    ({"num_servers": 2}, "--num-servers 2 needs --strategy ps-sync or ps-async"),
+    ({"strategy": "ps-sync", "num_servers": 0}, "--num-servers 0 must be at least 1"),
+    ({"strategy": "ssp", "amp": "fp16"}, "--amp 'fp16' does not fit --strategy ssp"),
+    ({"straggler": "1"}, "--straggler '1' is not RANK:FACTOR"),
+    ({"straggler": "1:0.5"}, "--straggler '1:0.5' is not RANK:FACTOR"),
+    ({"strategy": "ps-sync", "zero": 1}, "--zero 1 needs --engine ddpkit --strategy ddp"),
+    ({"strategy": "ssp", "trace": "t.json"}, "--strategy ssp has none: drop --trace"),
+])
+def test_bad_consistency_settings_name_the_flag(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_ssp_defaults_its_bound_and_async_momentum_leaves_what_asynchrony_adds() -> None:
+    assert TrainConfig(strategy="ssp").staleness == 2
+    assert TrainConfig(strategy="ps-async").staleness is None
+    assert async_momentum(0.9, 2) == pytest.approx(0.4)
+    assert async_momentum(0.9, 4) == pytest.approx(0.15)
+    assert async_momentum(0.5, 4) == 0.0
+    assert async_momentum(0.9, 1) == pytest.approx(0.9)
