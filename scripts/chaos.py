@@ -32,8 +32,13 @@ before the faults are all sent, the next run starts, and each run is checked.
 ``--zero 2`` runs the faulted jobs with ZeRO stage 2 (sharded gradients and
 optimizer state; the checkpoints hold the unsharded state), against the same
 stage-0 reference: at two ranks the stages train the same bits.
+``--strategy ps-sync`` runs them with a parameter server (started by
+``ddpkit train``, or by the launcher with ``--num-servers 1``), which the
+faults may hit like any other process of the job: at two workers ps-sync
+trains DDP's bits too.
 
-Run: ``.venv/bin/python scripts/chaos.py --faults 50 --seed 7 [--mode launch] [--zero 2] [--json report.json]``
+Run: ``.venv/bin/python scripts/chaos.py --faults 50 --seed 7 [--mode launch] [--zero 2 | --strategy ps-sync]
+[--json report.json]``
 (prints one line per fault and a summary; exit code 0 when every check passed).
 """
 
@@ -74,6 +79,10 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
+SERVER_KEY = 1000
+"""Where :func:`_workers` numbers a launcher's parameter servers."""
+
+
 def _marked(mark: str) -> list[int]:
     """Every live process whose environment carries ``MARK=mark`` (zombies left aside)."""
     found = []
@@ -103,7 +112,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _workers(mark: str) -> dict[int, int]:
-    """Rank -> pid of the run's training processes.
+    """Rank -> pid of the run's training processes (a launcher's parameter server k: ``SERVER_KEY + k``).
 
     A launcher's workers carry ``RANK`` in the environment they were started
     with; ``ddpkit train``'s own workers (forked from its forkserver, or
@@ -117,6 +126,8 @@ def _workers(mark: str) -> dict[int, int]:
             spawned.append(pid)
         elif "forkserver import main" in cmd:
             servers[pid] = _parent(pid)  # the server, and the workers forked from it
+        elif "ddpkit.parallel.ps_server" in cmd:  # a launcher's parameter server
+            found[SERVER_KEY + int(env.get("DDPKIT_SERVER_RANK", "0"))] = pid
         elif "RANK" in env and " launch " not in cmd:
             found[int(env["RANK"])] = pid
     spawned += sorted(pid for pid, parent in servers.items() if parent in servers)
@@ -168,17 +179,20 @@ class Job:
     starts: int = 0
     zero: int = 0
     """``--zero``: the ZeRO stage of the runs (the reference is stage 0, which trains the same bits at world 2)."""
+    strategy: str = "ddp"
+    """``--strategy``: ddp, or ps-sync with one parameter server (the same bits at world 2)."""
 
     def command(self, node: int | None, resume: bool, port: int) -> list[str]:
-        train = ["--output-dir", str(self.out), "--epochs", str(self.epochs), *TRAIN, "--zero", str(self.zero)] + (
-            ["--resume"] if resume else [])
+        train = ["--output-dir", str(self.out), "--epochs", str(self.epochs), *TRAIN, "--zero", str(self.zero),
+                 "--strategy", self.strategy] + (["--resume"] if resume else [])
+        servers = ["--num-servers", "1"] if self.strategy == "ps-sync" else []
         py = [sys.executable, "-m", "ddpkit"]
         if self.mode == "train":
             return [*py, "train", "--max-restarts", str(self.max_restarts), *train]
         if self.mode == "launch":
-            return [*py, "launch", "--nproc-per-node", "2", "--max-restarts", str(self.max_restarts),
+            return [*py, "launch", "--nproc-per-node", "2", *servers, "--max-restarts", str(self.max_restarts),
                     "--shutdown-timeout", "3", "-m", "ddpkit", "train", *train]
-        return [*py, "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+        return [*py, "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", *servers,
                 "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", f"chaos-{self.mark}",
                 "--max-restarts", str(self.max_restarts), "--shutdown-timeout", "3", "-m", "ddpkit", "train", *train]
 
@@ -279,6 +293,8 @@ def _send(kind: str, job: Job, rng: random.Random, watcher: Inotify | None, say)
         kind = "sigkill-worker"  # no checkpoint came in time (the run is ending): a plain kill instead
     pid = workers[rank]
     who = f"rank {rank}" if job.mode != "train" else "a worker"  # spawn's ranks are not visible from outside
+    if rank >= SERVER_KEY:
+        who = f"parameter server {rank - SERVER_KEY}"
     if kind == "sigkill-worker":
         os.kill(pid, signal.SIGKILL)
     elif kind == "sigterm-worker":
@@ -355,7 +371,7 @@ def chaos(args: argparse.Namespace) -> Report:
     run = 0
     while sent < args.faults:
         job = Job(args.mode, work / f"run{run}", args.epochs, max_restarts=args.faults + 5, mark=f"{args.seed}-{run}",
-                  zero=args.zero)
+                  zero=args.zero, strategy=args.strategy)
         run_start = time.monotonic()
         watcher = Inotify(job.out / "checkpoints")
         job.start(work / f"run{run}.log")
@@ -430,6 +446,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=12, help="epochs of each run (default 12)")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
                         help="ZeRO stage of the faulted runs (ddpkit train --zero; default 0)")
+    parser.add_argument("--strategy", choices=("ddp", "ps-sync"), default="ddp",
+                        help="ddp, or ps-sync with one parameter server, itself a target of the faults (default ddp)")
     parser.add_argument("--workdir", help="where the runs go (default: a new temporary folder, removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, runs)")
     parser.add_argument("--json", help="write the report as JSON here")

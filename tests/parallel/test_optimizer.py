@@ -397,3 +397,17 @@ def test_buckets_go_out_during_backward_and_complete_in_step(dist2):
     assert len(ready) == 1 + 2 * n
     assert ready[1] < n and ready[1 + n] < n  # the first bucket left before the last gradient was ready
     assert in_flight == [True, True, True]
+
+
+def test_step_hooks_run_once_per_step_through_the_wrapped_optimizer():
+    # The wrapper's step calls the wrapped class's own (hooked) step: a hook must not run a second time there.
+    model = nn.Linear(2, 2)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ddpkit.TrainState(model=model, optimizer=plain)
+    calls = []
+    plain.register_step_pre_hook(lambda *a: calls.append("pre"))
+    plain.register_step_post_hook(lambda *a: calls.append("post"))
+    opt = ddpkit.DistributedOptimizer(plain, named_parameters=model.named_parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert calls == ["pre", "post"] and state.step == 1

@@ -284,3 +284,29 @@ def _more_servers_than_tensors(rank: int, out: str) -> None:
 def test_a_server_without_tensors_still_serves_its_part(tmp_path: Path) -> None:
     ddpkit.spawn(_more_servers_than_tensors, 2, args=(str(tmp_path),), num_servers=3)
     assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == [True, True]
+
+
+def test_ssp_step_hooks_run_once_per_step() -> None:
+    model = nn.Linear(2, 2)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ddpkit.TrainState(model=model, optimizer=plain)
+    opt = ddpkit.StaleSynchronousOptimizer(plain, staleness=1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert state.step == 1
+
+
+def _leaves_early(rank: int) -> None:
+    ddpkit.init()
+    net = _net()
+    opt = ddpkit.ParameterServerOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    for x, y in _batches(rank, 2 if rank == 1 else 4):  # rank 1 takes fewer synchronous steps
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    opt.close()
+
+
+def test_a_worker_that_leaves_a_synchronous_job_early_is_named_not_waited_for() -> None:
+    with pytest.raises(WorkerError, match="worker 1 left .* while worker 0 waits for it in a synchronous request"):
+        ddpkit.spawn(_leaves_early, 2, num_servers=1)

@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from ddpkit.parallel.ps_channel import (
     recv_blob,
     to_bytes,
 )
+from ddpkit.runtime.process import exit_now
 
 __all__ = ["ParameterServer", "main", "optimizer_class"]
 
@@ -225,6 +227,12 @@ class ParameterServer:
             self.lock.notify_all()
             return
         while r.generation == generation and self.failure is None:
+            if gone := [v for v in range(self.workers) if self.stopped[v] and v not in r.arrived]:
+                raise RuntimeError(
+                    f"worker {gone[0]} left (it closed its ParameterServerOptimizer or exited) while worker {w} "
+                    "waits for it in a synchronous request: every worker must take the same steps (or use "
+                    "mode='async')"
+                )
             self.lock.wait(timeout=1.0)
         if self.failure is not None:
             raise RuntimeError("another worker's thread of this parameter server failed") from self.failure
@@ -240,7 +248,14 @@ class ParameterServer:
         pg = self.pg
         while True:
             h = torch.zeros(HEADER, dtype=torch.int64)
-            pg.recv([h], w, TAG_HEADER).wait()
+            try:
+                pg.recv([h], w, TAG_HEADER).wait()
+            except RuntimeError as e:
+                if not any(word in str(e).lower() for word in ("closed", "reset by peer")):
+                    raise
+                # The worker's process ended without a STOP (a script that never closed the optimizer, or a
+                # crash, which its supervisor reports): it no longer takes part.
+                h = header(Op.STOP)
             op = int(h[0])
             if op == Op.SETUP:
                 self.setup(from_bytes(recv_blob(pg, w, TAG_TO_SERVER, int(h[1]))))
@@ -305,7 +320,9 @@ class ParameterServer:
 
 
 def main() -> int:
-    """A server process: join the channel from the environment, serve, exit 0 when every worker is done."""
+    """A server process: join the channel from the environment, serve until every worker is done (a worker
+    whose process ended without closing counts as done; its supervisor reports it if it failed); 0, or 2 for
+    a process that is not a server. A failure raises."""
     try:
         place = ps_place(os.environ)
     except ValueError as e:
@@ -316,10 +333,15 @@ def main() -> int:
               "ddpkit launch --num-servers K and ddpkit train)", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    pg = connect(place)
-    ParameterServer(pg, place).serve()
+    ParameterServer(connect(place), place).serve()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The process ends without the interpreter's teardown: a Gloo group torn down by it would abort the process.
+    try:
+        code = main()
+    except Exception:  # noqa: BLE001 - reported, then the exit code says it
+        traceback.print_exc()
+        code = 1
+    exit_now(code)

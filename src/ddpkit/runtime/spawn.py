@@ -138,7 +138,7 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
 
 def serve_module(_index: int, module: str) -> None:
     """A process that runs ``module``'s ``main()`` as ``python -m module`` would (a parameter server:
-    :data:`SERVER_MODULE`); its return value is the exit code."""
+    :data:`SERVER_MODULE`); its return value is the exit code, its exception the process's failure."""
     sys.exit(importlib.import_module(module).main())
 
 
