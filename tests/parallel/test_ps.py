@@ -197,7 +197,7 @@ def _server_dies(rank: int) -> None:
     net = _net()
     opt = ddpkit.ParameterServerOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
     if rank == 0:
-        os.kill(_youngest_sibling(), signal.SIGKILL)  # the server: spawn starts it after the workers
+        os.kill(_server_pid(), signal.SIGKILL)
     for x, y in _batches(rank, 50):
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
@@ -205,19 +205,22 @@ def _server_dies(rank: int) -> None:
         time.sleep(0.05)
 
 
-def _youngest_sibling() -> int:
+def _server_pid() -> int:
+    """The job's parameter server: the process that names itself ``ddpkit-server0``, a child of our parent."""
     import os
 
-    parent, siblings = os.getppid(), []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
+        if entry.isdigit():
             try:
+                with open(f"/proc/{entry}/comm") as f:
+                    name = f.read().strip()
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
-                        siblings.append(int(entry))
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
-    return max(siblings)
+            if name == "ddpkit-server0" and parent == os.getppid():
+                return int(entry)
+    raise AssertionError("no process named ddpkit-server0 beside this worker")
 
 
 def test_a_killed_server_fails_the_job_naming_it() -> None:

@@ -87,9 +87,15 @@ def test_a_straggler_under_ps_async_with_a_bound_holds_the_fast_worker(tmp_path:
 
 
 def _server_pid(parent: int) -> int:
-    """The parameter server of ``ddpkit train`` (``parent``): its forkserver's youngest child."""
+    """The parameter server of ``ddpkit train`` (``parent``): its forkserver's child named ``ddpkit-server0``."""
     forkservers = [pid for pid, line in children(parent) if "forkserver import main" in line]
-    return max(pid for server in forkservers for pid, _ in children(server))
+    for pid in (pid for server in forkservers for pid, _ in children(server)):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "ddpkit-server0":
+                return pid
+        except OSError:
+            continue
+    raise AssertionError("ddpkit train started no process named ddpkit-server0")
 
 
 def _kill_and_finish(cmd: list[str], out: Path, find) -> subprocess.CompletedProcess:

@@ -57,7 +57,7 @@ from ddpkit.parallel.ps_channel import (
     recv_blob,
     to_bytes,
 )
-from ddpkit.runtime.process import exit_now
+from ddpkit.runtime.process import exit_now, set_process_name
 
 __all__ = ["ParameterServer", "main", "optimizer_class"]
 
@@ -332,6 +332,7 @@ def main() -> int:
         print("ddpkit parameter server: not a server process (DDPKIT_ROLE=server and DDPKIT_NUM_SERVERS are set by "
               "ddpkit launch --num-servers K and ddpkit train)", file=sys.stderr)
         return 2
+    set_process_name(f"ddpkit-server{place.index}")  # what ps and top show (the tests find it so, too)
     torch.set_num_threads(1)
     ParameterServer(connect(place), place).serve()
     return 0

@@ -56,6 +56,18 @@ SERVER_MODULE = "ddpkit.parallel.ps_server"
 """What a parameter server process runs (``python -m``)."""
 
 
+def set_process_name(name: str) -> None:
+    """Show this process as ``name`` (15 characters at most) in ``ps``, ``top`` and ``/proc/PID/comm`` (Linux;
+    elsewhere nothing happens)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME, for the calling (main) thread
+    except (OSError, AttributeError):
+        pass
+
+
 def server_env(worker: Mapping[str, str], index: int) -> dict[str, str]:
     """The environment of parameter server ``index``, from a worker's (``WORLD_SIZE`` stays the workers')."""
     env = {k: v for k, v in worker.items()
