@@ -127,7 +127,8 @@ def plan_workers(
         python = os.environ.get("PYTHON_EXEC") or cfg.python
         for k in range(cfg.num_servers):
             env = server_env(workers[0].env, k)
-            env.pop("CUDA_VISIBLE_DEVICES", None) if cfg.virtual_local_rank else None
+            if cfg.virtual_local_rank:
+                env.pop("CUDA_VISIBLE_DEVICES", None)  # worker 0's one GPU is not the server's
             workers.append(WorkerSpec(rank=slot.world_size + k, local_rank=nproc + k, server=k, env=env,
                                       argv=[python, "-u", "-m", SERVER_MODULE]))
     return workers

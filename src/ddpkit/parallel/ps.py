@@ -51,6 +51,7 @@ from ddpkit.parallel.ps_channel import (
     from_bytes,
     header,
     ps_place,
+    recv_blob,
     to_bytes,
 )
 from ddpkit.parallel.ps_server import optimizer_class as importable_optimizer
@@ -214,21 +215,24 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         share = self.shares[k]
         values = torch.cat([params[i].detach().reshape(-1).cpu() for i in share]) if share \
             else torch.zeros(0, dtype=self.dtype)
-        groups, at = [], 0
-        for g in self.param_groups:
-            ids = list(range(at, at + len(g["params"])))
-            at += len(ids)
-            groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": ids})
         mine = set(share)
         return {
             "optimizer": self.optimizer_name, "mode": self.mode, "staleness": self.staleness,
             "indices": share, "shapes": [list(params[i].shape) for i in share], "values": values,
-            "groups": groups,
+            "groups": self._indexed_groups(),
             "state": {i: s for i, s in state["state"].items() if i in mine} if state else None,
         }
 
     def _current_settings(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _indexed_groups(self) -> list[dict[str, Any]]:
+        """The groups as a state dict numbers them: the settings, and each parameter's index over all groups."""
+        groups, at = [], 0
+        for settings, g in zip(self._current_settings(), self.param_groups):
+            groups.append({**settings, "params": list(range(at, at + len(g["params"])))})
+            at += len(g["params"])
+        return groups
 
     # -- messages ------------------------------------------------------------------------------------------------
 
@@ -328,16 +332,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             self.pg.send([header(Op.STATE)], src, TAG_HEADER).wait()
             head = torch.zeros(HEADER, dtype=torch.int64)
             self.pg.recv([head], src, TAG_TO_WORKER).wait()
-            data = torch.empty(int(head[1]), dtype=torch.uint8)
-            if data.numel():
-                self.pg.recv([data], src, TAG_TO_WORKER).wait()
-            merged.update(from_bytes(data))
-        groups, at = [], 0
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(at, at + len(g["params"])))})
-            at += len(g["params"])
-        return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": groups}
+            merged.update(from_bytes(recv_blob(self.pg, src, TAG_TO_WORKER, int(head[1]))))
+        return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": self._indexed_groups()}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Fetch the servers' optimizer state on worker ``to`` (the others do nothing: not a collective)."""

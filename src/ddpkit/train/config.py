@@ -143,9 +143,9 @@ class TrainConfig:
              "--amp bf16")
         if self.straggler is not None:
             self.straggler = str(self.straggler)
-            rank, _, factor = self.straggler.partition(":")
             try:
-                ok = int(rank) >= 0 and float(factor) >= 1 and math.isfinite(float(factor))
+                rank, factor = self.slow  # type: ignore[misc]
+                ok = rank >= 0 and 1 <= factor < math.inf
             except ValueError:
                 ok = False
             need(ok, "straggler", "is not RANK:FACTOR with a rank >= 0 and a factor >= 1 (e.g. 1:3)")

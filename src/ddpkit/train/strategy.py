@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.parallel.broadcast import PackedBroadcast
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.observer import Observer, WaitEvent
@@ -53,7 +54,6 @@ from ddpkit.parallel.optimizer import DistributedOptimizer
 from ddpkit.parallel.ps import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.parallel.zero import ZeroRedundancyOptimizer
-from ddpkit.runtime import events
 from ddpkit.runtime.objects import all_gather_object
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
@@ -161,15 +161,15 @@ class ServerStrategy(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: ParameterServerOptimizer, config: TrainConfig) -> None:
         super().__init__(model, accumulates=False)
         self.ps, self.config = optimizer, config
-        self.buffers = list(model.buffers()) if config.strategy == "ps-sync" else []
+        buffers = list(model.buffers()) if config.strategy == "ps-sync" else []
+        # DDP's own mechanism for its buffers: every dtype in one message, nothing allocated per forward.
+        self.buffers = PackedBroadcast(buffers, dist.group.WORLD, "train: rank 0's buffers") if buffers else None
         self.broadcast_s = 0.0
 
     @contextlib.contextmanager
     def _buffers_from_rank0(self) -> Iterator[None]:
         start = time.perf_counter()
-        for buf in self.buffers:
-            events.collective("train: broadcast rank 0's buffers", nbytes=buf.numel() * buf.element_size())
-            dist.broadcast(buf, src=0)
+        self.buffers(0)  # type: ignore[misc]
         self.broadcast_s += time.perf_counter() - start
         yield
 
