@@ -34,6 +34,44 @@ def test_each_workload_is_measured_on_real_ranks(dist2, name):
     assert r.hidden_ddpkit_direct == pytest.approx(min(1.0, max(0.0, 1 - r.exposed_ddpkit_ms / r.comm_ms)))
 
 
+def _measure_cost() -> WorkloadResult:
+    return bench_workload("convnet", BenchConfig(**TOY, engine_cost=True))
+
+
+def test_engine_cost_times_both_engines_with_the_noop_hook(dist2):
+    r = dist2.run(_measure_cost)[0]
+    assert r.ddpkit_noop_ms > 0 and r.torch_noop_ms > 0 and r.noop_ratio > 0 and len(r.noop_ratio_iqr) == 2
+    assert r.ddpkit_peak_mib is None and r.torch_peak_mib is None  # GPU memory, on CUDA only
+    table = format_results([r], 2)
+    assert "engine cost: both engines with the same no-op comm hook" in table
+    assert BenchConfig(device="cuda").measures_engine_cost  # on by default on CUDA
+    assert not BenchConfig().measures_engine_cost
+
+
+def _noop_keeps_local_gradients() -> list:
+    import torch
+    import torch.distributed as dist
+
+    from ddp_models import make
+    from ddpkit._reference import torch_ddp
+    from ddpkit.hooks import noop_hook
+    from ddpkit.parallel.ddp import DistributedDataParallel
+
+    out = []
+    for wrap in (DistributedDataParallel, torch_ddp):
+        model = wrap(make("convbn"))
+        model.register_comm_hook(None, noop_hook)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        model(torch.randn(4, 1, 8, 8, generator=g)).sum().backward()
+        out.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return out
+
+
+def test_noop_hook_leaves_each_ranks_own_gradients_on_both_engines(dist2):
+    (ours0, theirs0), (ours1, theirs1) = dist2.run(_noop_keeps_local_gradients)
+    assert ours0.equal(theirs0) and ours1.equal(theirs1) and not ours0.equal(ours1)  # not averaged
+
+
 def test_format_results_has_one_row_per_workload():
     rows = [WorkloadResult(workload=w, params=PARAMS[w], ddpkit_ms=2.0, torch_ms=4.0, ratio=0.5, compute_ms=1.0,
                            comm_ms=1.5, hidden_ddpkit=0.3, hidden_torch=0.1, exposed_ddpkit_ms=0.5,

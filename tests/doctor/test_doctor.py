@@ -73,3 +73,12 @@ def test_nccl_is_planned_one_gpu_per_rank():
 def test_bad_flags_name_the_value(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         DoctorConfig(**kwargs)
+
+
+def test_bandwidth_at_world_1_says_there_is_no_bus_and_gives_the_calls_time():
+    from ddpkit.doctor.selftest import describe_bandwidth
+
+    line = describe_bandwidth({}, {"1 MiB": 12e-6, "16 MiB": 0.0001, "64 MiB": 0.0004})
+    assert line.startswith("no bus at world 1") and "--nproc-per-node" in line and "0 GB/s" not in line
+    assert "1 MiB 12 us, 16 MiB 100 us, 64 MiB 400 us" in line
+    assert describe_bandwidth({"1 MiB": 1.5}, {"1 MiB": 0.001}) == "1 MiB 1.5 GB/s (bus bandwidth)"

@@ -3,10 +3,22 @@
 The CPU suite's rank pool is gloo on the CPU; these start fresh ranks per
 test, on NCCL (one GPU per rank) or on gloo with CUDA tensors (ranks may
 share a GPU), and skip where there is no CUDA.
+
+Every rank runs under deterministic algorithms (:func:`deterministic`):
+cuDNN's default convolution backward adds in a different order from run to
+run, so without them even torch against torch differs after a few steps and
+a bitwise comparison proves nothing.
+
+``DDPKIT_GPU_SUITE_ON_CPU=1`` rehearses the suite on a machine without a
+GPU: it pretends one is there and runs the ``nccl`` ranks on gloo and the
+CPU, so that a test's own logic can be debugged before a GPU machine (whose
+time is scarce) runs it. What needs CUDA itself (autocast on CUDA, CUDA
+memory) still fails there; the commands and the strategies run.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,17 +27,32 @@ from typing import Any
 import pytest
 import torch
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ON_CPU = os.environ.get("DDPKIT_GPU_SUITE_ON_CPU") == "1"
+"""A rehearsal on the CPU (see the module notes)."""
+GPUS = 1 if ON_CPU else torch.cuda.device_count() if torch.cuda.is_available() else 0
 """GPUs on this machine: the NCCL tests run at this world size (users' machines have 8)."""
+NCCL = "gloo" if ON_CPU else "nccl"
+"""The backend of the one-GPU-per-rank tests."""
 NO_CUDA = "needs CUDA: this machine has no GPU (scripts/gpu_check.sh runs this suite on one)"
 needs_cuda = pytest.mark.skipif(GPUS == 0, reason=NO_CUDA)
 needs_two = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs or more (this machine has "
                                                 f"{GPUS}): DataParallel over several GPUs")
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+"""cuBLAS reads it when a process first uses it: set in the environment ranks start with."""
+
+
+def deterministic() -> None:
+    """Deterministic algorithms in this process (what ``ddpkit train --deterministic`` sets)."""
+    os.environ.update(DETERMINISTIC_ENV)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def _rank(rank: int, fn: Callable[..., Any], out: str, args: tuple) -> None:
     import ddpkit
 
+    deterministic()
     ctx = ddpkit.init()
     try:
         result = fn(ctx, *args)
@@ -34,13 +61,14 @@ def _rank(rank: int, fn: Callable[..., Any], out: str, args: tuple) -> None:
         ddpkit.shutdown()
 
 
-def run(fn: Callable[..., Any], world: int, backend: str, *args: Any, env: dict[str, str] | None = None) -> list:
+def run(fn: Callable[..., Any], world: int, backend: str, *args: Any, env: dict[str, str] | None = None,
+        num_servers: int = 0) -> list:
     """``fn(ctx, *args)`` on ``world`` ranks over ``backend``; each rank's return value (tensors to the CPU)."""
     from ddpkit.runtime.process import environment
     from ddpkit.runtime.spawn import spawn
 
-    with environment(env or {}), tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, world, args=(fn, tmp, args), backend=backend)
+    with environment({**DETERMINISTIC_ENV, **(env or {})}), tempfile.TemporaryDirectory() as tmp:
+        spawn(_rank, world, args=(fn, tmp, args), backend=backend, num_servers=num_servers)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -55,3 +83,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = T
     if exact:
         return all(torch.equal(a[k], b[k]) for k in a)
     return all(torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5) for k in a)
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The largest absolute difference per tensor that differs (for a failure's message)."""
+    return {k: (a[k].double() - b[k].double()).abs().max().item() for k in a if not torch.equal(a[k], b[k])}

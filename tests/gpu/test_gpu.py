@@ -1,25 +1,22 @@
 """The GPU path against torch's, on whatever GPUs this machine has (world = GPU count for NCCL).
 
 Skipped, with the reason, where there is no CUDA; ``scripts/gpu_check.sh``
-runs it on a GPU machine with ``ddpkit doctor`` and the GPU bench.
+runs it on a GPU machine with ``ddpkit doctor`` and the GPU bench. Every rank
+runs deterministic algorithms (:mod:`gpu_ranks`): bitwise means bitwise. The
+commands are in ``test_gpu_commands.py``, the strategies after DDP in
+``test_gpu_strategies.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from gpu_ranks import GPUS, cpu_state, needs_cuda, needs_two, run, same
+from gpu_ranks import GPUS, ON_CPU, cpu_state, needs_cuda, needs_two, run, same
 from torch import nn
 
-pytestmark = needs_cuda
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [needs_cuda, pytest.mark.skipif(ON_CPU, reason="rehearsal on the CPU: these need CUDA itself")]
 WORLD = max(GPUS, 1)
 
 
@@ -229,24 +226,3 @@ def _dp(devices: list[int], engine: str) -> dict:
                          ids=["cuda0", "all-gpus"])
 def test_dataparallel_on_cuda_equals_torchs(devices):
     assert same(_dp(devices, "ddpkit"), _dp(devices, "torch"), exact=len(devices) == 1)
-
-
-# -- the commands on the GPU -------------------------------------------------------------------------------------
-
-def test_ddpkit_train_on_gpu_reaches_99_percent(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--no-progress", "--output-dir",
-                           str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert done.returncode == 0, done.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["test_accuracy"] >= 0.99, summary
-
-
-def test_ddpkit_bench_on_gpu_prints_the_table(tmp_path):
-    out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--device", "cuda", "--world-size", str(WORLD),
-                           "--workloads", "convnet", "mlp", "transformer", "resnet", "--steps", "20",
-                           "--no-progress", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert done.returncode == 0, done.stderr
-    assert "ratio" in done.stdout and json.loads(out.read_text())["ddp"]

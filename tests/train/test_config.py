@@ -34,6 +34,12 @@ def test_building_the_cli_does_not_import_torch():
     ({"zero": 1, "engine": "torch"}, "--zero 1 needs --engine ddpkit --strategy ddp"),
     ({"zero": 2, "strategy": "local-sgd"}, "--zero 2 needs --engine ddpkit --strategy ddp"),
     ({"zero": 2, "amp": "fp16"}, "--zero 2 does not fit --amp fp16"),
+    ({"comm_hook": "gzip"}, "--comm-hook 'gzip' is not a comm hook: choose one of none, fp16, bf16, powersgd"),
+    ({"comm_hook": "fp16", "strategy": "ssp"}, "--comm-hook 'fp16' reduces DDP's buckets: it needs --strategy ddp"),
+    ({"comm_hook": "powersgd", "engine": "single"}, "--comm-hook 'powersgd' reduces DDP's buckets"),
+    ({"comm_hook": "bf16", "zero": 2}, "--comm-hook 'bf16' does not fit --zero 2"),
+    ({"powersgd_rank": 0}, "--powersgd-rank 0 must be at least 1"),
+    ({"powersgd_start": 1}, "--powersgd-start 1 must be at least 2"),
     ({"tensorboard": "/dev/null"}, "--tensorboard '/dev/null' is a file"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):

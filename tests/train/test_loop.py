@@ -97,6 +97,35 @@ def test_engines_grad_accum_and_bf16_agree(dist2, tmp_path: Path) -> None:
     assert runs["bf16"]["test_samples"] == 48
 
 
+def _run_and_reset(cfg: TrainConfig) -> dict:
+    try:
+        return _run(cfg)
+    finally:
+        torch.use_deterministic_algorithms(False)  # --deterministic sets it process-wide: the pool's ranks go on
+
+
+def test_comm_hooks_run_on_both_engines_and_deterministic_changes_no_bits_on_the_cpu(dist2, tmp_path: Path) -> None:
+    runs = {
+        "fp16": {"comm_hook": "fp16"},
+        "fp16-torch": {"comm_hook": "fp16", "engine": "torch", "deterministic": True},
+        "powersgd": {"comm_hook": "powersgd", "powersgd_start": 3, "powersgd_rank": 2},
+        "powersgd-torch": {"comm_hook": "powersgd", "powersgd_start": 3, "powersgd_rank": 2, "engine": "torch"},
+        "plain": {},
+    }
+    summaries = {name: dist2.run(_run_and_reset, TrainConfig(**{**SMALL, **extra}, model="mlp", epochs=1,
+                                                             output_dir=tmp_path / name))[0]
+                 for name, extra in runs.items()}
+    for ours, theirs in (("fp16", "fp16-torch"), ("powersgd", "powersgd-torch")):
+        a, b = _weights(tmp_path / ours), _weights(tmp_path / theirs)
+        for k in a:
+            # ddpkit's hooks on both engines, one bucket, gloo's sum of two: the same bits.
+            assert torch.equal(a[k], b[k]), f"{ours}: {k}"
+    plain = _weights(tmp_path / "plain")
+    for name in ("fp16", "powersgd"):  # the hooks really reduced otherwise than a plain all-reduce
+        assert any(not torch.equal(plain[k], v) for k, v in _weights(tmp_path / name).items()), name
+    assert summaries["powersgd"]["test_samples"] == 48
+
+
 def test_engine_single_equals_ddp_on_one_process(tmp_path: Path) -> None:
     # In this process, a world of one: DDP over one rank must be the plain module exactly.
     one = dict(SMALL, nproc_per_node=1, epochs=1)

@@ -81,13 +81,14 @@ def _worker(rank: int, cfg: CollectivesBenchConfig, out: str) -> None:
     import torch.distributed as dist
 
     from ddpkit.comm.collectives import all_reduce
+    from ddpkit.runtime.devices import comm_device, comm_tensor
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
     init()  # the backend spawn() gave these ranks (gloo)
     rows = []
     for nbytes in cfg.sizes:
-        t = torch.ones(nbytes // 4)
+        t = torch.ones(nbytes // 4, device=comm_device())
         times: dict[str, list[float]] = {a: [] for a in cfg.algorithms}
         for r in range(cfg.warmup + cfg.iters):
             order = list(cfg.algorithms[r % len(cfg.algorithms):] + cfg.algorithms[: r % len(cfg.algorithms)])
@@ -95,7 +96,7 @@ def _worker(rank: int, cfg: CollectivesBenchConfig, out: str) -> None:
                 dist.barrier()
                 start = time.perf_counter()
                 all_reduce(t, algorithm=algorithm, check=False)
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                took = comm_tensor([time.perf_counter() - start], torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the round ends with its slowest rank
                 if r >= cfg.warmup:
                     times[algorithm].append(took.item())

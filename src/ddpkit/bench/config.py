@@ -80,8 +80,14 @@ class BenchConfig:
     )
     device: str = option(
         "cpu", "cpu (gloo, one thread per rank) or cuda (NCCL, one GPU per rank: --world-size at most the GPU "
-        "count); with cuda only the DDP workloads run (dp and strategies are CPU benchmarks)",
+        "count; dp runs DataParallel over --world-size GPUs in one process against DDP); also times both engines "
+        "with a no-op comm hook and reports each engine's peak GPU memory",
         choices=["cpu", "cuda"],
+    )
+    engine_cost: bool = option(
+        False, "also time both engines with the same no-op comm hook, so that neither communicates and the ratio is "
+        "the engines' own cost (always on with --device cuda: at world 1 ddpkit skips the all-reduce that torch's "
+        "DDP still runs, so the plain ratio flatters ddpkit there)"
     )
     zero: bool = option(
         False, "instead of the engine table: ZeRO's table, per-rank MB of parameters, gradients and optimizer "
@@ -99,6 +105,11 @@ class BenchConfig:
         None, "write a report to this directory: the JSON, the traces, the plots and summary.md (tables and "
         "pictures to read)", metavar="DIR",
     )
+
+    @property
+    def measures_engine_cost(self) -> bool:
+        """Whether the engines are also timed with the no-op comm hook (``--engine-cost``, or ``--device cuda``)."""
+        return self.engine_cost or self.device == "cuda"
 
     def __post_init__(self) -> None:
         self.workloads = tuple(self.workloads)

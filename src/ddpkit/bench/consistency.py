@@ -68,6 +68,10 @@ class ConsistencyBenchConfig:
     local_sgd: int = option(4, "local-sgd: steps between parameter averages", metavar="H")
     target_accuracy: float = option(0.97, "the test accuracy whose time to reach is reported")
     repeats: int = option(1, "runs of each strategy (their epochs pooled for the time per epoch)")
+    backend: str | None = option(
+        None, "the runs' process group backend (default: nccl with CUDA, one GPU per worker, else gloo); gloo on a "
+        "GPU machine lets more workers than GPUs share them"
+    )
     json_path: Path | None = option(None, "also write every run's results to this JSON file", flags=["--json"])
     plot: Path | None = option(None, "write a PNG of test accuracy against training time, per strategy")
 
@@ -105,7 +109,7 @@ class ConsistencyBenchConfig:
             strategy=name, staleness=staleness, nproc_per_node=world, straggler=self.straggler,
             num_servers=self.num_servers if name in ("ps-sync", "ps-async") else 1,
             local_sgd=self.local_sgd if name == "local-sgd" else None,
-            output_dir=out, progress=False, checkpoint_every=0, keep_checkpoints=1,
+            output_dir=out, progress=False, checkpoint_every=0, keep_checkpoints=1, backend=self.backend,
         )
 
 

@@ -2,8 +2,9 @@
 
 Both train the tutorial's ConvNet on the same global batch, ``samples_per_rank``
 images per replica: DDP with one process per replica (gloo, one thread
-each), DataParallel in rank 0's process with one CPU replica per rank, in
-threads (the other ranks wait meanwhile, so each engine has the machine to
+each; NCCL and one GPU each with ``--device cuda``), DataParallel in rank 0's
+process with one replica per rank, in threads, on the CPU or on the ranks'
+GPUs (the other ranks wait meanwhile, so each engine has the machine to
 itself). Rounds alternate which engine goes first; the ratio DP / DDP is the
 median over rounds, with its interquartile range.
 """
@@ -18,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.workloads import stepper
+from ddpkit.bench.workloads import bench_device, stepper
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.models import ConvNet
+from ddpkit.runtime.group import barrier
 
 __all__ = ["DPResult", "bench_dp_vs_ddp", "format_dp"]
 
@@ -48,13 +50,20 @@ def bench_dp_vs_ddp(cfg: BenchConfig) -> DPResult:
     y = torch.randint(0, 10, (len(x),), generator=g)
     torch.manual_seed(0)
     base = ConvNet()
-    ddp = stepper(DistributedDataParallel(copy.deepcopy(base)), x.chunk(world)[rank], y.chunk(world)[rank])
-    dp = stepper(DataParallel(copy.deepcopy(base), device_ids=["cpu"] * world), x, y) if rank == 0 else None
+    device = bench_device(cfg)
+    ddp = stepper(DistributedDataParallel(copy.deepcopy(base).to(device)), x.chunk(world)[rank].to(device),
+                  y.chunk(world)[rank].to(device))
+    dp = None
+    if rank == 0:
+        # One replica per rank: CPU replicas in threads, or on CUDA the ranks' GPUs, driven from the first.
+        devices = ["cpu"] * world if device.type == "cpu" else list(range(world))
+        first = torch.device("cpu") if device.type == "cpu" else torch.device("cuda", 0)
+        dp = stepper(DataParallel(copy.deepcopy(base).to(first), device_ids=devices), x.to(first), y.to(first))
     times: dict[str, list[float]] = {"dp": [], "ddp": []}
     rounds = cfg.warmup + cfg.steps
     for r in range(rounds):
         for engine in ("dp", "ddp") if r % 2 == 0 else ("ddp", "dp"):
-            dist.barrier()
+            barrier()
             if engine == "ddp":
                 took = ddp()
             elif dp is not None:
@@ -63,7 +72,7 @@ def bench_dp_vs_ddp(cfg: BenchConfig) -> DPResult:
                 continue
             if r >= cfg.warmup and rank == 0:
                 times[engine].append(took)
-    dist.barrier()
+    barrier()
     result = None
     if rank == 0:
         ratios = [a / b for a, b in zip(times["dp"], times["ddp"])]

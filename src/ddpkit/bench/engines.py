@@ -43,8 +43,10 @@ The workloads are :mod:`ddpkit.bench.workloads`; the command's entry is
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +57,13 @@ from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.progress import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
 from ddpkit.bench.workloads import settle, stepper, workload
+from ddpkit.comm.hooks import noop_hook
 from ddpkit.parallel import trace
 from ddpkit.parallel.observer import Observer, WaitEvent
+from ddpkit.runtime.devices import comm_tensor
+from ddpkit.runtime.group import barrier
 
-__all__ = ["TRACED_STEPS", "WorkloadResult", "bench_workload", "format_results"]
+__all__ = ["TRACED_STEPS", "WorkloadResult", "bench_workload", "format_engine_cost", "format_results"]
 
 
 @dataclass(kw_only=True)
@@ -89,6 +94,17 @@ class WorkloadResult:
     overlap_torch: float | None = None
     """Share of all-reduce time that ran while gradients were still being computed, from the traced steps'
     spans (:mod:`ddpkit.parallel.trace`); None without communication (world size 1)."""
+    ddpkit_noop_ms: float | None = None
+    torch_noop_ms: float | None = None
+    noop_ratio: float | None = None
+    noop_ratio_iqr: tuple[float, float] | None = None
+    """Both engines with the same no-op comm hook (``--engine-cost``, always with ``--device cuda``): no
+    communication on either side, so the ratio is the engines' own cost. Fair at world 1 too, where ddpkit
+    skips the all-reduce that torch's DDP still runs."""
+    ddpkit_peak_mib: float | None = None
+    torch_peak_mib: float | None = None
+    """``--device cuda``: peak GPU memory of each engine's steps (its model copy, gradients, optimizer state,
+    activations, buckets) above what was allocated before it was built; the largest over the ranks."""
 
 
 class ExposedWaits(Observer):
@@ -118,15 +134,67 @@ def comm_only(buffers: list[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
+def _engines(cfg: BenchConfig) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """How each engine wraps a copy of the model: the two DDPs, and with ``--engine-cost`` both again with the
+    same no-op comm hook."""
     from ddpkit._reference import torch_ddp
     from ddpkit.parallel.ddp import DistributedDataParallel
 
+    def ours(m: nn.Module) -> nn.Module:
+        return DistributedDataParallel(m, bucket_cap_mb=cfg.bucket_cap_mb)
+
+    def theirs(m: nn.Module) -> nn.Module:
+        return torch_ddp(m, bucket_cap_mb=cfg.bucket_cap_mb)
+
+    def quiet(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
+        def wrapped(m: nn.Module) -> nn.Module:
+            ddp = wrap(m)
+            ddp.register_comm_hook(None, noop_hook)
+            return ddp
+        return wrapped
+
+    engines = {"ddpkit": ours, "torch": theirs}
+    if cfg.measures_engine_cost:
+        engines |= {"ddpkit noop": quiet(ours), "torch noop": quiet(theirs)}
+    return engines
+
+
+def peak_mib(base: nn.Module, wrap: Callable[[nn.Module], nn.Module], x: torch.Tensor, y: torch.Tensor,
+             steps: int) -> float:
+    """Peak CUDA memory (MiB) of building ``wrap`` around a copy of ``base`` and training it ``steps`` steps,
+    above what was allocated before (a collective: the largest over the ranks)."""
+    gc.collect()
+    torch.cuda.synchronize(x.device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    model = wrap(copy.deepcopy(base))
+    step = stepper(model, x, y)
+    for _ in range(steps):
+        step()
+    peak = comm_tensor([(torch.cuda.max_memory_allocated(x.device) - before) / 2**20], torch.float64)
+    del model, step
+    gc.collect()
+    torch.cuda.empty_cache()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
+def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     base, x, y = workload(name, cfg)
-    ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
-    theirs = torch_ddp(copy.deepcopy(base), bucket_cap_mb=cfg.bucket_cap_mb)
-    plain = copy.deepcopy(base)
-    run = {"ddpkit": ours, "torch": theirs, "compute": plain}
+    engines = _engines(cfg)
+    peaks = {}
+    if x.is_cuda:  # before the timed copies exist, one engine at a time
+        # The plain model's steps first, so that what any first step allocates once for good (cuBLAS's and cuDNN's
+        # workspaces) is in the baseline of both engines, not in the first one measured.
+        warm = stepper(copy.deepcopy(base), x, y)
+        for _ in range(max(cfg.warmup, 3)):
+            warm()
+        del warm
+        peaks = {engine: peak_mib(base, engines[engine], x, y, max(cfg.warmup, 3)) for engine in ("ddpkit", "torch")}
+    run = {engine: wrap(copy.deepcopy(base)) for engine, wrap in engines.items()}
+    ours, theirs = run["ddpkit"], run["torch"]
+    run["compute"] = copy.deepcopy(base)
     if cfg.compile:
         run = {k: compiled(m, cfg.compile_backend) for k, m in run.items()}
     steps = {k: stepper(m, x, y) for k, m in run.items()}
@@ -145,21 +213,24 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     r = 0
     while r < rounds or more_rounds(times, cfg, started):
         order = ["ddpkit", "torch"] if r % 2 == 0 else ["torch", "ddpkit"]
+        if "ddpkit noop" in steps:
+            order += [f"{engine} noop" for engine in order]
         for engine in order + ["compute"]:
-            dist.barrier()
+            barrier()
             for _ in range(cfg.block):
                 times[engine].append(steps[engine]())
                 if engine == "ddpkit":
                     exposed.append(waits.last)
-        dist.barrier()
+        barrier()
         for _ in range(cfg.block):
             comm.append(comm_only(buffers))
         bar.update(cfg.block)
         r += 1
     bar.close()
     overlaps = traced_steps(name, cfg, ours, theirs, x, y, run=(run["ddpkit"], run["torch"]))
-    waits = [torch.zeros(len(exposed), dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(waits, torch.tensor(exposed, dtype=torch.float64))
+    mine = comm_tensor(exposed, torch.float64)
+    waits = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(waits, mine)
     exposed = torch.stack(waits).min(dim=0).values.tolist()
     compute, comm_ms = median_ms(times["compute"]), median_ms(comm)
     ddpkit_ms, torch_ms = median_ms(times["ddpkit"]), median_ms(times["torch"])
@@ -168,6 +239,7 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         return min(1.0, max(0.0, (compute + comm_ms - step_ms) / comm_ms))
 
     ratios = pair_ratios(times)
+    quiet = pair_ratios(times, "ddpkit noop", "torch noop") if "ddpkit noop" in times else None
     return WorkloadResult(
         workload=name, params=sum(p.numel() for p in base.parameters()),
         ddpkit_ms=ddpkit_ms, torch_ms=torch_ms, steps=len(times["ddpkit"]),
@@ -178,6 +250,10 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         compute_ms=compute, comm_ms=comm_ms, hidden_ddpkit=hidden(ddpkit_ms), hidden_torch=hidden(torch_ms),
         exposed_ddpkit_ms=median_ms(exposed),
         hidden_ddpkit_direct=min(1.0, max(0.0, 1.0 - median_ms(exposed) / comm_ms)), buckets=len(ours.reducer.buckets),
+        ddpkit_noop_ms=median_ms(times["ddpkit noop"]) if quiet else None,
+        torch_noop_ms=median_ms(times["torch noop"]) if quiet else None,
+        noop_ratio=statistics.median(quiet) if quiet else None, noop_ratio_iqr=quartiles(quiet) if quiet else None,
+        ddpkit_peak_mib=peaks.get("ddpkit"), torch_peak_mib=peaks.get("torch"),
     )
 
 
@@ -196,7 +272,7 @@ def traced_steps(name: str, cfg: BenchConfig, ours: nn.Module, theirs: nn.Module
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, theirs)]
     for _ in range(min(cfg.steps, TRACED_STEPS)):
         for recorder, model, opt in zip(recorders, run or (ours, theirs), optimizers):
-            dist.barrier()
+            barrier()
             recorder.step(model, opt, x, y)
     if cfg.trace is not None:
         path = cfg.trace.with_name(f"{cfg.trace.stem}-{name}{cfg.trace.suffix}") if len(cfg.workloads) > 1 \
@@ -209,19 +285,22 @@ def more_rounds(times: dict[str, list[float]], cfg: BenchConfig, started: float)
     """``--target-spread``: whether to add a round (rank 0 decides, every rank follows)."""
     if not cfg.target_spread:
         return False
-    go = torch.tensor([0])
+    go = 0
     if dist.get_rank() == 0:
         loose = relative_spread(pair_ratios(times)) > cfg.target_spread
-        go[0] = int(loose and time.monotonic() - started < cfg.time_budget)
+        go = int(loose and time.monotonic() - started < cfg.time_budget)
+    go = comm_tensor([go])
     dist.broadcast(go, src=0)
     return bool(go.item())
 
 
-def format_results(results: list[WorkloadResult], world_size: int, compile_backend: str | None = None) -> str:
-    """A plain-text table of the results, its columns as the README defines them."""
+def format_results(results: list[WorkloadResult], world_size: int, compile_backend: str | None = None,
+                   device: str = "cpu") -> str:
+    """A plain-text table of the results, its columns as the README defines them (and the engine-cost table)."""
     compiled_note = f", models under torch.compile (backend {compile_backend})" if compile_backend else ""
+    where = "gloo, 1 thread per rank" if device == "cpu" else "nccl, one GPU per rank"
     lines = [
-        f"ddpkit bench: world size {world_size}, gloo, 1 thread per rank{compiled_note}; median step times in ms",
+        f"ddpkit bench: world size {world_size}, {where}{compiled_note}; median step times in ms",
         f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
         f"{'95% CI':>11} {'ddpkit is':>9}  "
         f"{'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "
@@ -248,5 +327,34 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
         "ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / comm alone; "
         f"overlap = share of all-reduce time that ran while gradients were still being computed, from the spans of "
         f"{TRACED_STEPS} traced steps per engine (see --trace)"
+    )
+    costed = [r for r in results if r.noop_ratio is not None]
+    if costed:
+        lines += ["", format_engine_cost(costed)]
+    return "\n".join(lines)
+
+
+def format_engine_cost(results: list[WorkloadResult]) -> str:
+    """The engines' own cost: both with the same no-op comm hook, and (on CUDA) each one's peak memory."""
+    def mib(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f}"
+
+    lines = [
+        "engine cost: both engines with the same no-op comm hook (no communication on either side)",
+        f"{'workload':<11} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
+        f"{'ratio (defaults)':>16} {'peak MiB ddpkit':>15} {'torch':>7}",
+    ]
+    for r in results:
+        assert r.noop_ratio is not None and r.noop_ratio_iqr is not None
+        lines.append(
+            f"{r.workload:<11} {r.ddpkit_noop_ms:>9.2f} {r.torch_noop_ms:>9.2f} {r.noop_ratio:>6.3f} "
+            f"{r.noop_ratio_iqr[0]:>5.3f}-{r.noop_ratio_iqr[1]:<5.3f} {r.ratio:>16.3f} "
+            f"{mib(r.ddpkit_peak_mib):>15} {mib(r.torch_peak_mib):>7}"
+        )
+    lines.append(
+        "ratio = median over back-to-back pairs of ddpkit / torch, each engine with the no-op hook: the engines' own "
+        "bookkeeping alone (fair at world 1, where ddpkit skips the all-reduce torch's DDP still runs); ratio "
+        "(defaults) = the table above's; peak MiB = peak GPU memory of each engine's steps above what was "
+        "allocated before it was built (largest over ranks; '-' on the CPU)"
     )
     return "\n".join(lines)

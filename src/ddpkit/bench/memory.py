@@ -81,6 +81,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     from ddpkit._reference import torch_ddp
     from ddpkit.bench.workloads import stepper, workload
     from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.runtime.devices import comm_tensor
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
@@ -98,7 +99,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     step = stepper(model, x, y)
     for _ in range(cfg.warmup + min(cfg.steps, MEMORY_STEPS)):
         step()
-    grown = torch.tensor([after - first for after, first in zip(peaks(), before)])
+    grown = comm_tensor([after - first for after, first in zip(peaks(), before)])
     dist.all_reduce(grown, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(json.dumps(dict(zip(("rss", "private"), grown.tolist()))))

@@ -39,4 +39,5 @@ def machine() -> dict[str, Any]:
         ours = "0+unknown"
     return {"torch": torch.__version__, "ddpkit": ours, "python": platform.python_version(),
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}

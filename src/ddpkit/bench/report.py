@@ -47,8 +47,10 @@ def _machine(data: dict[str, Any]) -> list[str]:
     start, end = data["machine_at_start"], data["machine_at_end"]
     load = (f"load average (1 min) {start['load_average'][0]:.2f} at start, {end['load_average'][0]:.2f} at end"
             if start.get("load_average") else "load average unknown")
+    where = "gloo, 1 thread per rank" if data.get("backend", "gloo") == "gloo" else \
+        f"{data['backend']}, one GPU per rank" + (f" ({start['gpu']})" if start.get("gpu") else "")
     return [f"torch {start['torch']}, ddpkit {start['ddpkit']}, Python {start['python']}, {start['platform']}; "
-            f"{start['cpu_count']} CPUs; {load}; gloo, 1 thread per rank."]
+            f"{start['cpu_count']} CPUs; {load}; {where}."]
 
 
 def _share(x: float | None) -> str:
@@ -130,6 +132,20 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
             "the timed ones.",
             f"- Traces (open in https://ui.perfetto.dev): {', '.join(traces) if traces else 'none'}.",
         ]
+    costed = [r for r in rows if r.get("noop_ratio") is not None]
+    if costed:
+        lines += ["", "## The engines' own cost", "",
+                  "Both engines with the same no-op comm hook (`ddpkit.hooks.noop_hook`): neither communicates, so "
+                  "the ratio is each engine's bookkeeping alone, fair at world 1 too (where ddpkit skips the "
+                  "all-reduce that torch's DDP still runs). Peak memory: each engine's steps on the GPU above what "
+                  "was allocated before it was built, the largest over ranks.", "",
+                  "| workload | ddpkit ms | torch ms | ratio (IQR) | ratio with defaults | peak MiB ddpkit | peak MiB "
+                  "torch |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in costed:
+            peak = " | ".join("-" if r.get(k) is None else f"{r[k]:,.0f}" for k in ("ddpkit_peak_mib", "torch_peak_mib"))
+            lines.append(f"| {r['workload']} | {r['ddpkit_noop_ms']:.2f} | {r['torch_noop_ms']:.2f} | "
+                         f"{r['noop_ratio']:.3f} ({r['noop_ratio_iqr'][0]:.3f}-{r['noop_ratio_iqr'][1]:.3f}) | "
+                         f"{r['ratio']:.3f} | {peak} |")
     if data.get("memory"):
         lines += ["", "## Peak memory per rank", "",
                   "Above each process's own baseline (interpreter, torch, process group), each engine and workload "

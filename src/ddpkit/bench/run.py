@@ -67,8 +67,8 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
         say(cfg, f"{name} ({i}/{len(cfg.workloads)}): {cfg.steps} steps per engine"
              + (f", more until the ratio's IQR is within {cfg.target_spread:g} of it" if cfg.target_spread else ""))
         start = time.monotonic()
-        if (cfg.compile or cfg.device == "cuda") and name in ("dp", "strategies"):
-            say(cfg, f"{name} skipped: {'--compile' if cfg.compile else '--device cuda'} times the DDP workloads")
+        if cfg.compile and name in ("dp", "strategies"):
+            say(cfg, f"{name} skipped: --compile times the DDP workloads")
             continue
         if name == "dp":
             dp = asdict(bench_dp_vs_ddp(cfg))
@@ -136,7 +136,8 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     after = machine()
     results = [WorkloadResult(**r) for r in raw["ddp"]]
     if results:
-        print(format_results(results, cfg.world_size, cfg.compile_backend if cfg.compile else None), flush=True)
+        print(format_results(results, cfg.world_size, cfg.compile_backend if cfg.compile else None, cfg.device),
+              flush=True)
     if raw["dp"] is not None:
         from ddpkit.bench.dp import DPResult, format_dp
 
@@ -153,7 +154,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
           f"{before['cpu_count']} CPUs" if before["load_average"] else "", flush=True)
     if cfg.json_path is not None:
         settings = plain(cfg)
-        report = {"settings": settings, "world_size": cfg.world_size, "backend": "gloo", "threads_per_rank": 1,
+        report = {"settings": settings, "world_size": cfg.world_size, "backend": backend, "threads_per_rank": 1,
                   "machine_at_start": before, "machine_at_end": after, **raw}
         cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
         if cfg.report is not None:

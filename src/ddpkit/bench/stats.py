@@ -57,6 +57,6 @@ def relative_spread(xs: list[float]) -> float:
     return (q3 - q1) / statistics.median(xs)
 
 
-def pair_ratios(times: dict[str, list[float]]) -> list[float]:
-    """ddpkit / torch for each pair of steps run back to back (one of each engine)."""
-    return [a / b for a, b in zip(times["ddpkit"], times["torch"])]
+def pair_ratios(times: dict[str, list[float]], ours: str = "ddpkit", theirs: str = "torch") -> list[float]:
+    """``ours`` / ``theirs`` (ddpkit / torch) for each pair of steps run back to back (one of each engine)."""
+    return [a / b for a, b in zip(times[ours], times[theirs])]

@@ -34,12 +34,13 @@ from torch import nn
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.stats import quartiles
-from ddpkit.bench.workloads import workload
+from ddpkit.bench.workloads import settle, workload
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.optimizer import DistributedOptimizer
 from ddpkit.runtime.events import ByteCounter
+from ddpkit.runtime.group import barrier
 
 __all__ = ["STRATEGIES", "StrategyResult", "bench_strategies", "format_strategies"]
 
@@ -102,12 +103,14 @@ def _bench_one(name: str, cfg: BenchConfig) -> list[StrategyResult]:
     for r in range(rounds):
         order = STRATEGIES[r % len(STRATEGIES):] + STRATEGIES[: r % len(STRATEGIES)]
         for strategy in order:
-            dist.barrier()
+            barrier()
             before = counter.total
             with counter.counting():
+                settle(x)
                 start = time.perf_counter()
                 for _ in range(block):
                     steps[strategy]()
+                settle(x)  # on CUDA, the block's queued work done
                 took = time.perf_counter() - start
             times[strategy].append(took / block)
             sent[strategy] += counter.total - before

@@ -91,6 +91,7 @@ def _time_worker(rank: int, cfg: BenchConfig, name: str, out: str) -> None:
     import torch.distributed as dist
 
     from ddpkit.bench.workloads import workload
+    from ddpkit.runtime.devices import comm_tensor
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
@@ -110,8 +111,8 @@ def _time_worker(rank: int, cfg: BenchConfig, name: str, out: str) -> None:
             opt.step()
             if r >= cfg.warmup:
                 times[s].append(time.perf_counter() - start)
-    result = torch.tensor([[sizes[s][k] for k in ("params", "grads", "state")] + [statistics.median(times[s])]
-                           for s in SETUPS], dtype=torch.float64)
+    result = comm_tensor([[sizes[s][k] for k in ("params", "grads", "state")] + [statistics.median(times[s])]
+                          for s in SETUPS], torch.float64)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(json.dumps({s: dict(zip(("params", "grads", "state", "step_s"), row))
@@ -125,6 +126,7 @@ def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -
     import torch.distributed as dist
 
     from ddpkit.bench.workloads import workload
+    from ddpkit.runtime.devices import comm_tensor
     from ddpkit.runtime.group import init, shutdown
 
     torch.set_num_threads(1)
@@ -138,7 +140,7 @@ def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -
     wrapped, opt = _build(setup, model, cfg.bucket_cap_mb)
     for _ in range(cfg.warmup + min(cfg.steps, MEMORY_STEPS)):
         _step(wrapped, opt, x, y).step()
-    grown = torch.tensor([peaks()[1] - before[1]])
+    grown = comm_tensor([peaks()[1] - before[1]])
     dist.all_reduce(grown, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(json.dumps({"peak": grown.item()}))

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime.devices import comm_device
+
 __all__ = ["COMBINE", "exchange", "hierarchical_all_reduce", "naive_all_reduce", "ring_all_gather",
            "ring_all_reduce", "ring_reduce_scatter", "tree_broadcast", "tree_reduce"]
 
@@ -27,15 +29,26 @@ COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
 
 def exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int,
               group: dist.ProcessGroup) -> None:
-    """Send and receive at once (group ranks); empty messages are skipped on both sides."""
+    """Send and receive at once (group ranks); empty messages are skipped on both sides.
+
+    gloo's point-to-point messages take CPU tensors only (handed a CUDA
+    tensor it writes from a device address and fails, "Bad address", or
+    aborts): CUDA tensors on such a group go through the CPU.
+    """
     ops = []
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group))
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm), group))
+    send = send if send is not None and send.numel() else None
+    recv = recv if recv is not None and recv.numel() else None
+    device = comm_device(group, like=send if send is not None else recv)
+    staged = torch.empty_like(recv, device=device) if recv is not None and recv.device != device else recv
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send.to(device), dist.get_global_rank(group, to), group))
+    if staged is not None:
+        ops.append(dist.P2POp(dist.irecv, staged, dist.get_global_rank(group, frm), group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    if staged is not recv:
+        recv.copy_(staged)  # type: ignore[union-attr]
 
 
 def tree_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:

@@ -49,6 +49,7 @@ from ddpkit.comm.algorithms import (
     tree_reduce,
 )
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device
 
 __all__ = ["ALGORITHMS", "OPS", "Handle", "all_gather", "all_reduce", "broadcast", "reduce", "reduce_scatter"]
 
@@ -140,7 +141,7 @@ def _same_everywhere(tensor: torch.Tensor, group: dist.ProcessGroup, what: str) 
         raise ValueError(f"{what}: dtype {tensor.dtype} is not supported")
     shape = list(tensor.shape[:5]) + [0] * (5 - min(5, tensor.dim()))
     meta = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
-    device = tensor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = comm_device(group, like=tensor)
     parts = [torch.empty_like(meta, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, meta.to(device), group=group)
     for r, p in enumerate(parts):

@@ -17,7 +17,11 @@ Example::
     model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: torch's DDP compares a hook's
+# annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``
+# at ``register_comm_hook`` and refuses strings, so the public hooks carry
+# those very objects (ddpkit's own bucket has the same methods) and run on
+# torch's DDP as well as on ddpkit's.
 
 from dataclasses import dataclass
 
@@ -28,7 +32,7 @@ from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.collectives import ALGORITHMS, all_reduce
 from ddpkit.runtime import events
 
-__all__ = ["AllReduceState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = ["AllReduceState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "noop_hook"]
 
 
 @dataclass
@@ -65,7 +69,7 @@ def average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Fut
 
 
 def allreduce_hook(
-    state: dist.ProcessGroup | AllReduceState | None, bucket: GradBucket
+    state: dist.ProcessGroup | AllReduceState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group: the same numbers as no hook at all with ``native``.
 
@@ -101,7 +105,8 @@ def _compress_hook(
     return fut.then(decompress)
 
 
-def fp16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def fp16_compress_hook(state: dist.ProcessGroup | None,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in float16: half the bytes on the wire, ~3 decimal digits kept.
 
     Warning:
@@ -110,6 +115,22 @@ def fp16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> t
     return _compress_hook(torch.float16, state, bucket)
 
 
-def bf16_compress_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_compress_hook(state: dist.ProcessGroup | None,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in bfloat16: half the bytes, float32's range, ~2 decimal digits kept."""
     return _compress_hook(torch.bfloat16, state, bucket)
+
+
+def noop_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce nothing: the bucket comes back as it went in (torch's ``debugging_hooks.noop_hook``).
+
+    For measuring an engine's own cost: with this hook on both, ddpkit's DDP
+    and torch's do all their bookkeeping and no communication, so a step-time
+    difference is the engines' alone (``ddpkit bench`` uses it).
+
+    Warning:
+        The replicas' gradients are not averaged: they drift apart. Never train with it.
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut

@@ -33,7 +33,8 @@ Example::
     model.register_comm_hook(state, ddpkit.hooks.powersgd_hook)
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: torch's DDP checks the hook's annotations as objects (see
+# ddpkit.comm.hooks), and powersgd_hook runs on torch's DDP too.
 
 import logging
 from typing import Any
@@ -252,7 +253,7 @@ def _factors(state: Any, index: int, batches: list[torch.Tensor], device: torch.
     return ps, qs
 
 
-def powersgd_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket with PowerSGD (see the module notes); for ``register_comm_hook``.
 
     ``state`` is a :class:`PowerSGDState` (or torch's, which has the same

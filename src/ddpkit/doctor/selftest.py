@@ -21,7 +21,8 @@ SyncBatchNorm
     ``nn.SyncBatchNorm`` on NCCL);
 bandwidth
     all-reduce bus bandwidth at 1, 16 and 64 MiB (median of three; bus
-    bandwidth counts the 2(n-1)/n of the data a ring moves per rank).
+    bandwidth counts the 2(n-1)/n of the data a ring moves per rank). A
+    world of one has no bus: it says so, with the time of the call alone.
 
 A group whose ranks cannot start or meet fails with the error and the likely
 fix; a timeout bounds every wait, so nothing hangs.
@@ -178,9 +179,11 @@ def _syncbn(torch: Any, dist: Any, device: Any, backend: str) -> str:
     return detail
 
 
-def _bandwidth(torch: Any, dist: Any, device: Any) -> dict[str, float]:
+def _bandwidth(torch: Any, dist: Any, device: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """``(bus GB/s, median seconds)`` of an all-reduce per size; no bus figure in a world of one, which moves
+    no data (its all-reduce is a local no-op or copy): the time alone is what is meaningful there."""
     world = dist.get_world_size()
-    found = {}
+    bus, took = {}, {}
     for mib in SIZES_MIB:
         t = torch.ones(mib * 2**20 // 4, device=device)
         times = []
@@ -194,8 +197,19 @@ def _bandwidth(torch: Any, dist: Any, device: Any) -> dict[str, float]:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
-        found[f"{mib} MiB"] = round(mib * 2**20 * 2 * (world - 1) / world / seconds / 1e9, 3)
-    return found
+        took[f"{mib} MiB"] = seconds
+        if world > 1:
+            bus[f"{mib} MiB"] = round(mib * 2**20 * 2 * (world - 1) / world / seconds / 1e9, 3)
+    return bus, took
+
+
+def describe_bandwidth(bus: dict[str, float], took: dict[str, float]) -> str:
+    """The bandwidth check's line: bus bandwidth per size, or at world 1 why there is none and the call's time."""
+    if bus:
+        return ", ".join(f"{size} {gbps:g} GB/s" for size, gbps in bus.items()) + " (bus bandwidth)"
+    times = ", ".join(f"{size} {seconds * 1e6:.0f} us" for size, seconds in took.items())
+    return (f"no bus at world 1 (one rank's all-reduce moves nothing; start 2 or more ranks, "
+            f"--nproc-per-node, to measure one); the call alone takes {times}")
 
 
 def _rank(rank: int, group: dict[str, Any], out_dir: str) -> None:
@@ -217,8 +231,9 @@ def _rank(rank: int, group: dict[str, Any], out_dir: str) -> None:
     bandwidth: dict[str, float] = {}
 
     def measure() -> str:
-        bandwidth.update(_bandwidth(torch, dist, device))
-        return ", ".join(f"{size} {gbps:g} GB/s" for size, gbps in bandwidth.items()) + " (bus bandwidth)"
+        bus, took = _bandwidth(torch, dist, device)
+        bandwidth.update(bus)
+        return describe_bandwidth(bus, took)
 
     _check(results, "all-reduce bandwidth", measure)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"checks": results, "bus_gbps": bandwidth}))

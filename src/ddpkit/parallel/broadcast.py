@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.objects import broadcast_object
 
 __all__ = ["BROADCAST_CHUNK_BYTES", "PackedBroadcast", "broadcast_once", "broadcast_optimizer_state", "broadcast_parameters", "world_group"]
@@ -128,8 +129,7 @@ def _same_layout(layout: list[tuple[str, tuple[int, ...], str]], group: dist.Pro
     """Raise on every rank when this rank's tensors differ from the root's (names, shapes, dtypes)."""
     theirs = broadcast_object(layout, src=dist.get_global_rank(group, root), group=group)
     mismatch = next((i for i, (a, b) in enumerate(zip(layout, theirs)) if a != b), None)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    bad = torch.tensor([0 if mismatch is None and len(layout) == len(theirs) else 1], device=device)
+    bad = comm_tensor([0 if mismatch is None and len(layout) == len(theirs) else 1], group=group)
     events.collective("{}: compare the ranks' tensors", what)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if not bad.item():

@@ -62,6 +62,7 @@ from ddpkit.parallel.observer import Observer, ObserverHandle, Observers
 from ddpkit.parallel.staging import Staging
 from ddpkit.parallel.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device
 from ddpkit.runtime.group import settle_at_exit
 
 __all__ = ["Reducer", "UnusedParametersError"]
@@ -167,7 +168,7 @@ class Reducer:
 
     def comm_device(self) -> torch.device:
         """Where small bookkeeping tensors go for a collective: NCCL needs the GPU."""
-        return self.params[0].device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        return comm_device(self.group, like=self.params[0])
 
     def rebuild_if_due(self) -> None:
         """Rebuild the buckets if due (a collective: at every forward with grad enabled, as torch's DDP)."""

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device
 
 __all__ = ["SyncBatchNorm"]
 
@@ -173,7 +174,7 @@ class SyncBatchNorm(_BatchNorm):
             else:
                 mean = var = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
             mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), mean, var * n])
-            device = x.device if dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+            device = comm_device(self.process_group, like=x)
             parts = [torch.empty_like(mine, device=device) for _ in range(self._group_size())]
             events.collective("SyncBatchNorm forward: all-gather batch statistics", nbytes=mine.numel() * mine.element_size())
             dist.all_gather(parts, mine.to(device), group=self.process_group)

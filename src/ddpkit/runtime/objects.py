@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device, comm_tensor
 
 __all__ = ["all_gather_object", "broadcast_object", "gather", "gather_for_metrics", "reduce_value"]
 
@@ -31,13 +32,6 @@ def _world(group: dist.ProcessGroup | None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
-
-
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL moves device tensors only; gloo and mpi take CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -88,7 +82,7 @@ def _gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torc
         raise ValueError(f"gather: a {t.dim()}-dimensional {t.dtype} tensor is not supported (at most 6 "
                          "dimensions, a standard dtype)")
     world = _world(group)
-    device = _comm_device(group)
+    device = comm_device(group)
     # One small all-gather of (rows, dims, trailing shape, dtype) first: the
     # rows may differ between ranks, everything else must not.
     mine = torch.tensor([t.shape[0], t.dim(), *t.shape[1:], _DTYPES.index(t.dtype)], dtype=torch.int64)
@@ -185,11 +179,10 @@ def reduce_value(value: float | int | torch.Tensor, op: str = "mean", group: dis
     if op not in _OPS:
         raise ValueError(f"reduce_value(op={op!r}): choose one of {', '.join(_OPS)}")
     is_tensor = isinstance(value, torch.Tensor)
-    t = value.detach().to(torch.float64) if is_tensor else torch.tensor(float(value), dtype=torch.float64)
     world = _world(group)
+    t = value.detach().to(torch.float64) if is_tensor else torch.tensor(float(value), dtype=torch.float64)
     if world > 1:
-        device = _comm_device(group)
-        t = t.to(device).clone()
+        t = comm_tensor(t, group=group)
         events.collective("reduce_value (op {})", op, nbytes=t.numel() * t.element_size())
         dist.all_reduce(t, op=_OPS[op], group=group)
         if op == "mean":

@@ -40,6 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.process import pid_alive
 
 __all__ = [
@@ -273,10 +274,7 @@ def _collective_write(path: str | os.PathLike, make_bytes, within: str | os.Path
         # Reached by every rank whatever happened on rank 0: it is the barrier
         # that says "on disk", and it carries rank 0's success so that a failed
         # write raises everywhere instead of hanging the other ranks.
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            dist.get_backend() == "nccl"
-        ) else torch.device("cpu")
-        ok = torch.tensor([0 if failed else 1], dtype=torch.int32, device=device)
+        ok = comm_tensor([0 if failed else 1], torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         failed = ok.item() == 0
         if failed:

@@ -29,6 +29,8 @@ SERVER_STRATEGIES = ("ps-sync", "ps-async")
 SSP_STALENESS = 2
 """``--strategy ssp``'s staleness bound when ``--staleness`` is not given."""
 AMP_MODES = ("off", "bf16", "fp16")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+"""``--comm-hook``: DDP's gradient reduction (:mod:`ddpkit.hooks`), on ddpkit's engine or torch's."""
 
 
 @dataclass(kw_only=True)
@@ -73,6 +75,21 @@ class TrainConfig:
     straggler: str | None = option(
         None, "slow one worker down: RANK:FACTOR makes each of its steps FACTOR times as long (a sleep after its "
         "forward and backward), to see how each strategy copes", metavar="RANK:FACTOR",
+    )
+    comm_hook: str = option(
+        "none", "how --strategy ddp reduces each gradient bucket (ddpkit.hooks, on --engine ddpkit or torch): none "
+        "(all-reduce in the gradients' dtype), fp16 or bf16 (averaged in half precision: half the bytes), powersgd "
+        "(low-rank compression at --powersgd-rank from step --powersgd-start; a resumed run starts its compression "
+        "state afresh)", choices=COMM_HOOKS,
+    )
+    powersgd_rank: int = option(1, "--comm-hook powersgd: rank of the approximation (torch's default 1)", metavar="R")
+    powersgd_start: int = option(
+        10, "--comm-hook powersgd: optimizer steps averaged exactly before compression starts (at least 2)",
+        metavar="STEPS",
+    )
+    deterministic: bool = option(
+        False, "deterministic algorithms (torch.use_deterministic_algorithms, cuDNN's deterministic kernels, "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8): two runs on a GPU give the same bits (slower; on the CPU they do anyway)",
     )
     zero: int = option(
         0, "ZeRO stage with --strategy ddp: 0 (every rank keeps everything), 1 (each rank keeps the optimizer "
@@ -156,6 +173,16 @@ class TrainConfig:
         need(self.zero != 2 or self.amp != "fp16", "zero",
              "does not fit --amp fp16: the grad scaler checks whole gradients, which stage 2 does not keep; use "
              "--amp bf16, or --zero 1")
+        need(self.comm_hook in COMM_HOOKS, "comm_hook", f"is not a comm hook: choose one of {', '.join(COMM_HOOKS)}")
+        if self.comm_hook != "none":
+            need(self.strategy == "ddp" and self.engine in ("ddpkit", "torch"), "comm_hook",
+                 f"reduces DDP's buckets: it needs --strategy ddp with --engine ddpkit or torch, not --engine "
+                 f"{self.engine} --strategy {self.strategy}")
+            need(self.zero != 2, "comm_hook", "does not fit --zero 2, whose buckets are reduce-scattered into "
+                 "shards: drop one of them")
+        need(self.powersgd_rank >= 1, "powersgd_rank", "must be at least 1")
+        need(self.powersgd_start >= 2, "powersgd_start", "must be at least 2 (PowerSGD's error feedback and warm "
+             "start need exact steps first, as torch's PowerSGDState)")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"is not an optimizer: choose {' or '.join(OPTIMIZERS)}")
         need(self.amp in AMP_MODES, "amp", f"is not an autocast mode: choose one of {', '.join(AMP_MODES)}")
         need(self.epochs >= 1, "epochs", "must be at least 1")

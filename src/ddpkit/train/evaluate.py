@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ddpkit.data.datasets import TensorDataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_tensor
 
 __all__ = ["evaluate"]
 
@@ -39,7 +40,7 @@ def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
             totals[1] += (out.argmax(1) == yb).sum()
             totals[2] += len(b)
     model.train()
-    totals = totals.cpu()
+    totals = comm_tensor(totals)
     events.collective("train: sum the evaluation's loss and accuracy", nbytes=totals.numel() * totals.element_size())
     dist.all_reduce(totals)
     loss_sum, correct, n = totals.tolist()

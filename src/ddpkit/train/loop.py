@@ -55,6 +55,7 @@ from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.integrations.tensorboard import EpochBoard
 from ddpkit.parallel.trace import UNTRACED, Recorder, Untraced, instrument, write
 from ddpkit.runtime import events, variables
+from ddpkit.runtime.devices import comm_device, comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
 from ddpkit.runtime.options import ConfigError
@@ -62,7 +63,7 @@ from ddpkit.train import restart, rundir
 from ddpkit.train.checkpoint import CheckpointError, describe_write_error, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate
-from ddpkit.train.recipe import autocast_for, build_state, replicas, wrap
+from ddpkit.train.recipe import autocast_for, build_state, make_deterministic, replicas, wrap
 from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy, make_strategy
 
@@ -88,6 +89,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
         choose_backend(config.backend)
     except ValueError as e:
         raise ConfigError(f"--backend / DDPKIT_BACKEND: {e}") from None
+    if config.engine == "torch" and config.comm_hook == "bf16" and not (torch.version.cuda and dist.is_nccl_available()):
+        raise ConfigError("--engine torch --comm-hook bf16: torch's DDP takes the bf16 hook only from a torch built "
+                          "with CUDA and NCCL, and this one has neither: use --engine ddpkit, which runs it on gloo "
+                          "too, or --comm-hook fp16")
     return restart.attempts(config, worker, check=lambda: _load_data(config))
 
 
@@ -151,17 +156,18 @@ class Run:
     def checkpoint(self, consumed: int, loss_sum: torch.Tensor, count: int) -> None:
         """Save the whole state now (a collective), with each rank's partial loss sums of the epoch."""
         self.strategy.consensus(self.state.optimizer)
-        mine = torch.stack([loss_sum.detach().cpu(), torch.tensor(float(count), dtype=torch.float64)])
+        mine = comm_tensor(torch.stack([loss_sum.detach().double().cpu(),
+                                        torch.tensor(float(count), dtype=torch.float64)]))
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         events.collective("train: gather the epoch's partial loss sums", nbytes=mine.numel() * mine.element_size())
         dist.all_gather(parts, mine)
-        self.progress["partial"] = torch.stack(parts)
+        self.progress["partial"] = torch.stack(parts).cpu()
         self.settle_seen()
         self.save(consumed)
 
     def settle_seen(self) -> None:
         """Add every rank's count of the samples trained since the last settling to the run's (a collective)."""
-        seen = self.seen.to("cpu" if self.device.type == "cpu" else self.device)
+        seen = self.seen.to(comm_device(like=self.seen), copy=True)
         events.collective("train: sum the samples trained", nbytes=seen.numel() * seen.element_size())
         dist.all_reduce(seen)
         self.progress["seen"] = self.progress.get("seen", torch.zeros_like(seen.cpu())) + seen.cpu()
@@ -252,8 +258,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
         more_this_epoch = s + config.grad_accum < len(batches)
         if config.checkpoint_every and state.step % config.checkpoint_every == 0 and more_this_epoch:
             run.checkpoint(consumed, loss_sum, count)
-    totals = torch.tensor([0.0, count, count - resumed_with], dtype=torch.float64)
-    totals[0] = loss_sum.cpu()
+    totals = comm_tensor([loss_sum.item(), count, count - resumed_with], torch.float64)
     events.collective("train: sum the epoch's loss and samples", nbytes=totals.numel() * totals.element_size())
     start = time.perf_counter()
     dist.all_reduce(totals)  # where every rank waits for the last to finish its shard
@@ -293,6 +298,8 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
 def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run:
     """Join the group, load the data, build or restore the state, wrap the model."""
     ctx = init(backend=config.backend)
+    if config.deterministic:
+        make_deterministic()
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks that share a node's cores must not each spin up a thread per
         # core: oversubscribed, a step runs several times slower.

@@ -9,6 +9,7 @@ learning rate are those of DDP at the same number of replicas).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.models import build_model
 from ddpkit.train.state import TrainState
 
-__all__ = ["autocast_for", "build_state", "dp_devices", "replicas", "wrap"]
+__all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -38,14 +39,43 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     if config.engine == "ddpkit":
         from ddpkit.parallel.ddp import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=ids, zero_stage=2 if config.zero == 2 else 0)
+        return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=2 if config.zero == 2 else 0),
+                              config)
     if config.engine == "torch":
         from ddpkit._reference import torch_ddp
 
-        return torch_ddp(model, device_ids=ids)
+        return with_comm_hook(torch_ddp(model, device_ids=ids), config)
     if config.engine == "dp":
         return DataParallel(model, device_ids=dp_devices(config))
     return model
+
+
+def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """``ddp`` (ddpkit's DDP or torch's) reducing its buckets with ``--comm-hook`` (ddpkit's hooks run on both)."""
+    from ddpkit.comm import hooks, powersgd
+
+    if config.comm_hook == "none":
+        return ddp
+    if config.comm_hook == "powersgd":
+        state = powersgd.PowerSGDState(None, matrix_approximation_rank=config.powersgd_rank,
+                                       start_powerSGD_iter=config.powersgd_start)
+        ddp.register_comm_hook(state, powersgd.powersgd_hook)
+    else:
+        ddp.register_comm_hook(None, {"fp16": hooks.fp16_compress_hook, "bf16": hooks.bf16_compress_hook}[
+            config.comm_hook])
+    return ddp
+
+
+def make_deterministic() -> None:
+    """``--deterministic``: only kernels that give the same bits every run (cuDNN's and cuBLAS's included).
+
+    cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when this process first uses it,
+    which is after this call: the worker has run no matrix product yet.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def dp_devices(config: TrainConfig) -> list[int] | list[str]:

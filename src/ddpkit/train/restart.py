@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import discover
-from ddpkit.runtime.group import print0, shutdown
+from ddpkit.runtime.group import choose_backend, print0, shutdown
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import NUM_SERVERS_ENV
 from ddpkit.runtime.spawn import WorkerError, spawn, start_forkserver
@@ -76,6 +76,11 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
     nproc = 1 if config.engine in ("single", "dp") else config.nproc_per_node or (
         torch.cuda.device_count() if torch.cuda.is_available() else 2
     )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc > gpus and choose_backend(config.backend) == "nccl":
+        raise ConfigError(f"--nproc-per-node {nproc}: NCCL needs one GPU per process, and this machine has {gpus}: "
+                          f"start at most {gpus} (--nproc-per-node {gpus}), or use --backend gloo, whose processes "
+                          "may share a GPU")
     check()
     claim = rundir.claim(config.to_dict(), nproc)
     try:

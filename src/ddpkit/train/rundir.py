@@ -61,10 +61,10 @@ _locks: dict[Path, RunLock] = {}
 """The run directories this process holds (one lock each, kept across its attempts)."""
 OPERATIONAL = frozenset({"epochs", "resume", "output_dir", "progress", "nproc_per_node", "download", "max_restarts",
                          "trace", "trace_steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "zero",
-                         "num_servers", "straggler"})
+                         "num_servers", "straggler", "deterministic"})
 """Settings that may change between a run and its resumption: none of them changes the arithmetic (the world
 size, which does, is checked on its own; ``zero`` shards the same update, and its checkpoints hold the unsharded
-state)."""
+state; ``deterministic`` picks among kernels that compute the same thing)."""
 _EXPECTED = {"epochs", "resume", "output_dir", "nproc_per_node"}
 """Operational settings a resumption is expected to change: not worth a line."""
 FINGERPRINT = "data_fingerprint"

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.runtime.devices import comm_tensor
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
 
 __all__ = ["TrainState", "checkpoint_files", "newest_valid_checkpoint"]
@@ -252,16 +253,10 @@ def _gather_rng_states() -> dict[str, torch.Tensor]:
         return {name: s.unsqueeze(0) for name, s in states.items()}
     out = {}
     for name, s in states.items():
-        parts = [torch.empty_like(s) for _ in range(dist.get_world_size())]
-        if dist.get_backend() == "nccl":
-            # NCCL moves device tensors only.
-            device = torch.device("cuda", torch.cuda.current_device())
-            gathered = [p.to(device) for p in parts]
-            dist.all_gather(gathered, s.to(device))
-            parts = [g.cpu() for g in gathered]
-        else:
-            dist.all_gather(parts, s)
-        out[name] = torch.stack(parts)
+        mine = comm_tensor(s)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        out[name] = torch.stack(parts).cpu()
     return out
 
 
