@@ -5,9 +5,11 @@ dataclass (made with :func:`ddpkit.runtime.options.option`), so defaults and
 validation live in one place. The parsed flags build the dataclass, which
 the library runs. A :class:`~ddpkit.runtime.options.ConfigError` (a bad
 setting, found before any work starts) is shown as
-``ddpkit <cmd>: error: ...`` with exit code 2; every other exception keeps
-its traceback, so a failure inside training is never mistaken for a usage
-error.
+``ddpkit <cmd>: error: ...`` with exit code 2, a
+:class:`~ddpkit.runtime.options.RunError` (a run stopped by its
+surroundings, a full disk, with the message saying what to do) the same way
+with exit code 1; every other exception keeps its traceback, so a bug is
+never mistaken for either.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ddpkit.runtime.options import ConfigError
+from ddpkit.runtime.options import ConfigError, RunError
 
 _KINDS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float, "Path": Path}
 
@@ -247,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ddpkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"ddpkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         # ddpkit.spawn's Interrupted says which signal; a plain Ctrl-C is SIGINT.
         signum = getattr(e, "signum", signal.SIGINT)

@@ -173,3 +173,35 @@ def test_ssp_defaults_its_bound_and_async_momentum_leaves_what_asynchrony_adds()
     assert async_momentum(0.9, 4) == pytest.approx(0.15)
     assert async_momentum(0.5, 4) == 0.0
     assert async_momentum(0.9, 1) == pytest.approx(0.9)
+
+
+def test_a_straggler_rank_beyond_the_world_is_refused_alike_by_train_and_the_bench(capsys, tmp_path: Path) -> None:
+    from ddpkit.cli import main
+
+    assert main(["train", "--strategy", "ps-async", "--straggler", "5:3", "--nproc-per-node", "2",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == ("ddpkit train: error: --straggler 5:3: rank 5 does not exist at world "
+                                               "size 2: choose a rank in 0..1")
+    assert not (tmp_path / "run").exists()  # refused before the run directory was claimed
+    assert main(["bench", "strategies", "--straggler", "9:2", "--world-sizes", "2", "4"]) == 2
+    assert capsys.readouterr().err.strip() == ("ddpkit bench: error: --straggler 9:2: rank 9 does not exist at world "
+                                               "size 2: choose a rank in 0..1")
+    TrainConfig(straggler="3:2").check_world(4)  # a rank that exists
+
+
+def test_bench_strategies_warms_the_larger_worlds_up_says_so_and_takes_no_progress(capsys) -> None:
+    from ddpkit.bench.consistency import ConsistencyBenchConfig, RunResult, format_runs
+    from ddpkit.cli import main
+
+    cfg = ConsistencyBenchConfig(world_sizes=(2, 4, 8))
+    assert [cfg.warmup_at(w) for w in (2, 4, 8)] == [0.0, 2.0, 4.0]
+    assert cfg.train_config("ddp", 4, Path("x")).warmup_epochs == 2.0
+    assert ConsistencyBenchConfig(epochs=4, world_sizes=(8,)).warmup_at(8) == 2.0  # at most half the epochs
+    assert ConsistencyBenchConfig(warmup_epochs=1.5).warmup_at(2) == 1.5
+    row = RunResult(strategy="ddp", world_size=4, epoch_s=1.0, epoch_iqr=(1.0, 1.0), time_to_target_s=None,
+                    final_accuracy=0.99, mb_per_step=0.1, wait_ms_per_step=1.0, max_wait_ms_per_step=1.0,
+                    staleness_mean=None, staleness_max=None, max_lead=None, steps=96, warmup_epochs=2.0)
+    assert ("learning rates (the same for every strategy of a world size): world 4: lr 0.02 x 4 = 0.08, reached "
+            "over 2 epochs of warm-up") in format_runs([row], cfg)
+    assert main(["bench", "strategies", "--no-progress", "--epochs", "0"]) == 2  # the flag is taken
+    assert "--repeats 1 and --epochs 0" in capsys.readouterr().err

@@ -126,6 +126,22 @@ def test_comm_hooks_run_on_both_engines_and_deterministic_changes_no_bits_on_the
     assert summaries["powersgd"]["test_samples"] == 48
 
 
+def test_warm_up_ramps_the_rate_per_step_and_resumes_bit_identically_inside_it(dist2, tmp_path: Path) -> None:
+    # 6 steps an epoch; the rate climbs from 0.02 to 0.04 over 2 epochs (12 steps), then stays.
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    _train(dist2, TrainConfig(**SMALL, epochs=3, warmup_epochs=2, output_dir=whole))
+    _train(dist2, TrainConfig(**SMALL, epochs=1, warmup_epochs=2, output_dir=part))
+    _train(dist2, TrainConfig(**SMALL, epochs=3, warmup_epochs=2, output_dir=part, resume=True))
+    a, b = _weights(whole), _weights(part)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rates = [json.loads(x)["lr"] for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert rates == pytest.approx([0.02 + 0.02 * 5 / 12, 0.02 + 0.02 * 11 / 12, 0.04])  # each epoch's last step
+    plain = tmp_path / "plain"  # the same run without warm-up: the optimizer really took the lower rates
+    _train(dist2, TrainConfig(**SMALL, epochs=3, output_dir=plain))
+    assert any(not torch.equal(v, _weights(plain)[k]) for k, v in a.items())
+
+
 def test_engine_single_equals_ddp_on_one_process(tmp_path: Path) -> None:
     # In this process, a world of one: DDP over one rank must be the plain module exactly.
     one = dict(SMALL, nproc_per_node=1, epochs=1)

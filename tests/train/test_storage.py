@@ -46,16 +46,23 @@ def _train(out: Path, *extra: str, timeout: float = 300) -> subprocess.Completed
                           env=base_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_full_disk_warns_per_checkpoint_keeps_the_last_good_one_and_fails_at_the_final_save(tmp_path: Path):
+def test_a_full_disk_warns_once_keeps_the_last_good_one_and_fails_at_the_final_save_in_one_line(tmp_path: Path):
     with _tmpfs(tmp_path / "disk", "600k") as disk:
         out = disk / "run"
         done = _train(out, "--epochs", "3", "--checkpoint-every", "10")
-        assert done.returncode != 0, done.stdout
+        assert done.returncode == 1, done.stdout
         warnings = [line for line in done.stdout.splitlines() if line.startswith("ddpkit train: warning:")]
-        assert warnings and all("no space left on the device" in w and "training goes on" in w for w in warnings)
-        assert f"could not write {out / 'model.safetensors'}: no space left on the device" in done.stderr
         kept = checkpoint_files(out / "checkpoints")
-        assert kept and all(f"a restart would resume from {kept[-1][1]}" in w for w in warnings[-1:])
+        # One warning for the first checkpoint that could not be written, then a count at the end.
+        assert len(warnings) == 1 and "no space left on the device" in warnings[0], done.stdout
+        assert "training goes on" in warnings[0] and f"a restart would resume from {kept[-1][1]}" in warnings[0]
+        counted = [line for line in done.stdout.splitlines() if "checkpoint(s) of this run could not be written" in line]
+        assert len(counted) == 1 and int(counted[0].split()[2]) > 1 and str(kept[-1][1]) in counted[0]
+        # The final save fails in one line: the file, the cause, the newest checkpoint; no traceback.
+        assert done.stderr.strip().splitlines() == [
+            f"ddpkit train: error: could not write {out / 'model.safetensors'}: no space left on the device; the "
+            f"newest checkpoint is {kept[-1][1]}: make room, then the same command with --resume finishes the run "
+            "from it"], done.stderr
         payload = ddpkit.load_checkpoint(kept[-1][1])  # verifies every checksum
         assert payload["step"] == kept[-1][0]
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [p.name for _, p in kept]  # no temporary

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ class CollectivesBenchConfig:
     warmup: int = option(1, "untimed rounds first")
     json_path: Path | None = option(None, "also write the results to this JSON file", flags=["--json"])
     plot: Path | None = option(None, "write a PNG of bus bandwidth against size, one line per algorithm")
+    progress: bool = option(True, "print a line to stderr as each world size starts", negate="--no-progress",
+                            negate_only=True)
 
     def __post_init__(self) -> None:
         self.sizes, self.world_sizes, self.algorithms = tuple(self.sizes), tuple(self.world_sizes), tuple(self.algorithms)
@@ -153,7 +156,10 @@ def run(cfg: CollectivesBenchConfig) -> list[dict]:
 
     rows: list[dict] = []
     fits = {}
-    for p in cfg.world_sizes:
+    for i, p in enumerate(cfg.world_sizes, 1):
+        if cfg.progress:
+            print(f"ddpkit bench collectives: world size {p} ({i}/{len(cfg.world_sizes)}), {len(cfg.sizes)} sizes x "
+                  f"{len(cfg.algorithms)} algorithms", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             spawn(_worker, p, args=(cfg, out), backend="gloo")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, field
 from typing import Any
 
-__all__ = ["ConfigError", "option"]
+__all__ = ["ConfigError", "RunError", "option"]
 
 
 class ConfigError(ValueError):
@@ -19,6 +19,16 @@ class ConfigError(ValueError):
 
     The command line shows it as a usage error (exit code 2) without a
     traceback; any other exception keeps its traceback.
+    """
+
+
+class RunError(RuntimeError):
+    """A run failed for a reason outside the program (a full disk at the final save); the message names what
+    failed, the cause and what to do.
+
+    The command line shows it as one line, ``ddpkit <cmd>: error: ...``, with
+    exit code 1 (a worker's is re-raised so in the command that started it):
+    a traceback would only hide the one line that matters.
     """
 
 

@@ -45,6 +45,11 @@ class TrainConfig:
     epochs: int = option(8, "epochs to train (in total, when resuming)")
     batch_size: int = option(32, "batch size per process")
     lr: float = option(0.02, "learning rate for one process; multiplied by the world size")
+    warmup_epochs: float = option(
+        0.0, "reach the scaled learning rate gradually: from --lr (one process's) linearly to --lr x world size over "
+        "this many epochs, step by step (Goyal et al.'s gradual warm-up for large global batches); 0: the scaled "
+        "rate from the first step", metavar="EPOCHS",
+    )
     optimizer: str = option("sgd", "sgd (with momentum) or adamw", choices=OPTIMIZERS)
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "weight decay")
@@ -189,6 +194,8 @@ class TrainConfig:
         need(self.batch_size >= 1, "batch_size", "must be at least 1 (it is per process)")
         need(self.grad_accum >= 1, "grad_accum", "must be at least 1")
         need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
+        need(self.warmup_epochs >= 0 and math.isfinite(self.warmup_epochs), "warmup_epochs",
+             "must be 0 (no warm-up) or a positive number of epochs")
         need(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
         need(self.weight_decay >= 0, "weight_decay", "must be non-negative")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be 0 (epoch ends only) or more")
@@ -218,6 +225,17 @@ class TrainConfig:
         if self.tensorboard is not None:
             self.tensorboard = Path(self.tensorboard)
             tensorboard.check(self.tensorboard)
+
+    def check_world(self, world: int) -> None:
+        """The settings that depend on the number of workers, once it is known (``ddpkit train`` before it starts
+        them, or from its launcher's environment; ``ddpkit bench strategies`` for each of its world sizes).
+
+        Raises:
+            ConfigError: ``--straggler`` names a rank the job does not have.
+        """
+        if self.slow is not None and self.slow[0] >= world:
+            raise ConfigError(f"--straggler {self.straggler}: rank {self.slow[0]} does not exist at world size "
+                              f"{world}: choose a rank in 0..{world - 1}")
 
     @property
     def slow(self) -> tuple[int, float] | None:

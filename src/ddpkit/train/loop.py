@@ -23,9 +23,12 @@ worker:
 
 A checkpoint that cannot be written (no space left, a read-only file system)
 is a warning naming the file and the cause, and training goes on: the newest
-good checkpoint stays where it was, and a restart resumes from it. The final
-weights and summary must be written: failing there fails the run. A run
-directory removed while the run goes on stops it.
+good checkpoint stays where it was, and a restart resumes from it. Only the
+first of a run of such failures warns; the run says at its end how many were
+skipped. The final weights and summary must be written: failing there fails
+the run with one line (a :class:`~ddpkit.runtime.options.RunError`) naming
+the file, the cause and the newest checkpoint. A run directory removed while
+the run goes on stops it.
 
 Resuming (``resume=True``, or any restarted attempt) restores model,
 optimizer, grad scaler, sampler position (mid-epoch too), step, the partial
@@ -58,7 +61,7 @@ from ddpkit.runtime import events, variables
 from ddpkit.runtime.devices import comm_device, comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
-from ddpkit.runtime.options import ConfigError
+from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import restart, rundir
 from ddpkit.train.checkpoint import CheckpointError, describe_write_error, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
@@ -89,7 +92,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         choose_backend(config.backend)
     except ValueError as e:
         raise ConfigError(f"--backend / DDPKIT_BACKEND: {e}") from None
-    if config.engine == "torch" and config.comm_hook == "bf16" and not (torch.version.cuda and dist.is_nccl_available()):
+    nccl_build = torch.version.cuda is not None and dist.is_nccl_available()
+    if config.engine == "torch" and config.comm_hook == "bf16" and not nccl_build:
         raise ConfigError("--engine torch --comm-hook bf16: torch's DDP takes the bf16 hook only from a torch built "
                           "with CUDA and NCCL, and this one has neither: use --engine ddpkit, which runs it on gloo "
                           "too, or --comm-hook fp16")
@@ -126,6 +130,10 @@ class Run:
     """How often this rank trained each sample since the counts were last settled (on the device)."""
     board: EpochBoard | None = None
     """``--tensorboard``, on rank 0."""
+    unwritten: int = 0
+    """Checkpoints of this attempt that could not be written."""
+    failing: bool = False
+    """Whether the newest checkpoint could not be written (one warning per run of failures, not one each)."""
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -140,6 +148,19 @@ class Run:
     @property
     def lr(self) -> float:
         return self.config.lr * self.scale
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in an epoch of this rank's shard."""
+        return math.ceil(math.ceil(self.state.sampler.num_samples / self.batch) / self.config.grad_accum)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (from 0): :attr:`lr`, reached linearly from one process's
+        over ``--warmup-epochs`` (a function of the step alone, so a resumed run takes the same rates)."""
+        ramp = self.config.warmup_epochs * self.steps_per_epoch
+        if step >= ramp:
+            return self.lr
+        return self.config.lr + (self.lr - self.config.lr) * step / ramp
 
     @property
     def batch(self) -> int:
@@ -174,7 +195,11 @@ class Run:
         self.seen.zero_()
 
     def save(self, consumed: int) -> None:
-        """A checkpoint of now; one that cannot be written warns and training goes on (see the module notes)."""
+        """A checkpoint of now; one that cannot be written warns and training goes on (see the module notes).
+
+        The first of a run of failures warns; the ones after it are counted, and a checkpoint written again
+        says how many were skipped.
+        """
         try:
             self.state.save(self.out / rundir.CHECKPOINT_DIR, self.state.step, sampler_consumed=consumed,
                             within=self.out)
@@ -182,9 +207,21 @@ class Run:
             if e.gone:
                 raise CheckpointError(f"the run directory {self.out} was removed while the run was going on: "
                                       "stopping here; restore it and --resume, or start again", gone=True) from e
-            kept = checkpoint_files(self.out / rundir.CHECKPOINT_DIR)
-            print0(f"ddpkit train: warning: {e}; training goes on (a restart would resume from "
-                   f"{kept[-1][1] if kept else 'the start'}), but the final weights must be written")
+            self.unwritten += 1
+            if not self.failing:
+                print0(f"ddpkit train: warning: {e}; training goes on (a restart would resume from "
+                       f"{self.last_good()}), but the final weights must be written; the checkpoints after this "
+                       "one that cannot be written either are counted, not each reported")
+            self.failing = True
+            return
+        if self.failing:
+            print0(f"ddpkit train: checkpoints are written again ({self.unwritten} could not be written so far)")
+        self.failing = False
+
+    def last_good(self) -> str:
+        """The newest checkpoint on disk, which a restart would resume from."""
+        kept = checkpoint_files(self.out / rundir.CHECKPOINT_DIR)
+        return str(kept[-1][1]) if kept else "the start (no checkpoint was written)"
 
     def publish(self, record: dict[str, Any]) -> None:
         """Rank 0 adds a finished epoch to the TensorBoard files (``--tensorboard``); a failure warns."""
@@ -250,6 +287,9 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)
             time.sleep((slow - 1) * (time.perf_counter() - began))
+        if config.warmup_epochs:
+            for group in state.optimizer.param_groups:
+                group["lr"] = run.lr_at(state.step)
         with tracer.phase("optimizer"):
             run.strategy.step(state.scaler, state.optimizer)
         state.step += 1
@@ -280,7 +320,7 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
     seen = progress["seen"]
     record = {
         "epoch": progress["epoch"] + 1, "step": run.state.step, "train_loss": loss_sum / samples,
-        "test_loss": run.evaluation[0], "test_accuracy": run.evaluation[1], "lr": run.lr,
+        "test_loss": run.evaluation[0], "test_accuracy": run.evaluation[1], "lr": run.lr_at(run.state.step - 1),
         "epoch_time_s": round(epoch_time, 4), "samples_per_s": round(trained / epoch_time, 1),
         "min_seen": int(seen.min()), "max_seen": int(seen.max()),
     }
@@ -330,7 +370,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
         f"engine {config.engine}, {run.world} process(es) x {run.scale // run.world} replica(s), global batch "
-        f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}, "
+        f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}"
+        f"{f' (reached over {config.warmup_epochs:g} epochs of warm-up)' if config.warmup_epochs else ''}, "
         f"output {run.out}"
     )
     if config.trace is not None:
@@ -354,8 +395,7 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
     run = _start(config, claim, attempt)
     progress = run.progress
     first_epoch = progress["epoch"]
-    steps_per_epoch = math.ceil(math.ceil(run.state.sampler.num_samples / run.batch) / config.grad_accum)
-    left = steps_per_epoch * (config.epochs - first_epoch) - progress["batches_done"]
+    left = run.steps_per_epoch * (config.epochs - first_epoch) - progress["batches_done"]
     bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
                # A bar redraws with carriage returns: on a terminal only, never
                # into a redirected log (the epoch lines are printed either way).
@@ -387,7 +427,16 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
 def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None) -> dict[str, Any]:
     """Final weights and ``summary.json``; every rank returns once they are on disk."""
     config, world = run.config, run.world
-    save_weights(run.out / "model.safetensors", run.state.model.state_dict())  # must be written: it raises
+    if run.unwritten:
+        print0(f"ddpkit train: {run.unwritten} checkpoint(s) of this run could not be written; the newest on disk "
+               f"is {run.last_good()}")
+    try:
+        save_weights(run.out / "model.safetensors", run.state.model.state_dict())  # must be written
+    except CheckpointError as e:
+        if e.gone:
+            raise
+        raise RunError(f"{e}; the newest checkpoint is {run.last_good()}: make room, then the same command with "
+                       "--resume finishes the run from it") from e
     if run.board is not None:
         run.board.close()
     if run.evaluation[2] == 0 and run.progress["history"]:
@@ -408,7 +457,12 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
         "sent_mb_per_step": None if sent_per_step is None else round(sent_per_step / 1e6, 6),
         **run.strategy.summary(),
     }
-    save_json(run.out / "summary.json", summary)  # a collective: a failure raises on every rank
+    try:
+        save_json(run.out / "summary.json", summary)  # a collective: a failure raises on every rank
+    except CheckpointError as e:
+        if e.gone:
+            raise
+        raise RunError(f"{e}; the final weights are in {run.out / 'model.safetensors'}") from e
     if dist.get_rank() == 0:
         ran = config.epochs - first_epoch
         epochs = f"{ran} epoch{'s' if ran != 1 else ''}" + (

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import choose_backend, print0, shutdown
-from ddpkit.runtime.options import ConfigError
+from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.runtime.process import NUM_SERVERS_ENV
 from ddpkit.runtime.spawn import WorkerError, spawn, start_forkserver
 from ddpkit.train import rundir
@@ -53,6 +53,8 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
 
     Raises:
         ConfigError: ``--engine single`` or ``dp`` under a launcher with several processes.
+        RunError: the workers stopped for a reason they name in one line (the final weights could not be
+            written), and no restart was left.
         ddpkit.WorkerError: a worker failed and no restart was left.
     """
     place = discover(os.environ)
@@ -67,6 +69,7 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
         restart = max(variables.count(os.environ, "TORCHELASTIC_RESTART_COUNT"),
                       variables.count(os.environ, "DDPKIT_RDZV_ROUND"))
         _check_servers(config, os.environ)
+        config.check_world(place.world_size)
         try:
             return worker(place.rank, config, None, restart)
         finally:
@@ -76,6 +79,7 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
     nproc = 1 if config.engine in ("single", "dp") else config.nproc_per_node or (
         torch.cuda.device_count() if torch.cuda.is_available() else 2
     )
+    config.check_world(nproc)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if nproc > gpus and choose_backend(config.backend) == "nccl":
         raise ConfigError(f"--nproc-per-node {nproc}: NCCL needs one GPU per process, and this machine has {gpus}: "
@@ -108,6 +112,8 @@ def _own_attempts(config: TrainConfig, worker: Worker, claim: rundir.Claim, npro
             break
         except WorkerError as e:
             if attempt == config.max_restarts:
+                if isinstance(e.__cause__, RunError):
+                    raise e.__cause__ from None  # said in one line by every rank: no traceback
                 raise
             print(f"ddpkit train: {e.who} failed; restarting the workers "
                   f"(restart {attempt + 1} of {config.max_restarts})", flush=True)
