@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import RankPool  # noqa: E402
 
+pytest_plugins = ["budget"]  # the suite's time budget (tests/budget.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 
