@@ -126,7 +126,7 @@ def _workers(mark: str) -> dict[int, int]:
             spawned.append(pid)
         elif "forkserver import main" in cmd:
             servers[pid] = _parent(pid)  # the server, and the workers forked from it
-        elif "ddpkit.parallel.ps_server" in cmd:  # a launcher's parameter server
+        elif "ddpkit.parallel.ps.server" in cmd:  # a launcher's parameter server
             found[SERVER_KEY + int(env.get("DDPKIT_SERVER_RANK", "0"))] = pid
         elif "RANK" in env and " launch " not in cmd:
             found[int(env["RANK"])] = pid

@@ -88,10 +88,13 @@ def _aliases(tree: ast.Module) -> tuple[set[str], set[str]]:
     return modules, functions
 
 
-def _collective(call: ast.Call, modules: set[str], functions: set[str]) -> str | None:
+def _collective(call: ast.Call, modules: set[str], functions: set[str],
+                wrapped: dict[str, set[int]] | None = None) -> str | None:
     f = call.func
-    if isinstance(f, ast.Name) and f.id in functions:
+    if isinstance(f, ast.Name) and (f.id in functions or f.id in (wrapped or {})):
         return f.id
+    if isinstance(f, ast.Attribute) and f.attr in (wrapped or {}) and f.attr not in COLLECTIVES:
+        return f.attr
     if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
         base = ast.unparse(f.value)
         if base in modules or base == "torch.distributed":
@@ -279,33 +282,82 @@ def _element(node: ast.expr) -> ast.expr | None:
     return node
 
 
-def check_source(source: str, path: str = "<source>") -> list[Finding]:
-    """Every collective in ``source`` handed a tensor made off the group's device."""
+def wrappers(sources: list[str], known: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
+    """The package's own functions that hand an argument straight to a collective: name -> those positions.
+
+    ``all_reduce_used_map(flags, group, step)`` calls ``dist.all_reduce(flags, ...)``: a call of it is a
+    collective on its first argument, and a tensor made for it is checked as one made for the collective.
+    """
+    found = dict(known or {})
+    for source in sources:
+        tree = ast.parse(source)
+        modules, functions = _aliases(tree)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            params = [a.arg for a in fn.args.args]
+            for node in _walk_own(fn):
+                if isinstance(node, ast.Call) and _collective(node, modules, functions, found) is not None:
+                    handed = [_base(a) for a in _tensor_args(node, found)]
+                    positions = {params.index(name) for name in handed if name in params and name not in NOT_TENSORS}
+                    if positions:
+                        found.setdefault(fn.name, set()).update(positions)
+    return found
+
+
+NOT_TENSORS = {"self", "group", "process_group", "pg", "src", "dst", "op", "tag", "members", "me", "to", "frm",
+               "step", "owner", "async_op"}
+"""Parameter names that are never the tensors a wrapper hands on."""
+
+
+def _base(node: ast.expr) -> str | None:
+    """The name a tensor expression starts from through device-keeping methods (``t.contiguous().view(-1)``)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in KEEPS | {"view"}:
+        node = node.func.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _tensor_args(call: ast.Call, wrapped: dict[str, set[int]]) -> list[ast.expr]:
+    """The arguments of a collective that may be tensors (for one of the package's wrappers: the ones it hands on)."""
+    name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
+    if name in wrapped and name not in COLLECTIVES:
+        return [a for i, a in enumerate(call.args) if i in wrapped[name]]
+    return list(call.args) + [k.value for k in call.keywords
+                              if k.arg not in ("src", "dst", "op", "group", "async_op", "tag")]
+
+
+def check_source(source: str, path: str = "<source>", wrapped: dict[str, set[int]] | None = None) -> list[Finding]:
+    """Every collective in ``source`` (and call of one of ``wrapped``, see :func:`wrappers`) handed a tensor made
+    off the group's device."""
     tree = ast.parse(source)
     lines = source.splitlines()
     modules, functions = _aliases(tree)
+    wrapped = wrappers([source], wrapped)
     findings: list[Finding] = []
     scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     for scope_node in scopes:
         scope = _Scope(scope_node)
         for stmt, blocks in _statements(scope_node):
             for node in _own_expressions(stmt):
-                if not isinstance(node, ast.Call) or (name := _collective(node, modules, functions)) is None:
+                if not isinstance(node, ast.Call) or (name := _collective(node, modules, functions, wrapped)) is None:
                     continue
                 if any(EXEMPT in lines[i - 1] for i in range(node.lineno, getattr(node, "end_lineno", node.lineno) + 1)):
                     continue
-                tensors = list(node.args) + [k.value for k in node.keywords
-                                             if k.arg not in ("src", "dst", "op", "group", "async_op", "tag")]
-                for arg in tensors:
+                for arg in _tensor_args(node, wrapped):
                     if (why := scope.why(arg, (node.lineno, blocks))) is not None:
                         findings.append(Finding(path, node.lineno, name, why))
                         break
     return sorted(findings, key=lambda f: (f.path, f.line))
 
 
+def package_wrappers(root: Path) -> dict[str, set[int]]:
+    """:func:`wrappers` of every module under ``root`` (twice: a wrapper of a wrapper counts too)."""
+    sources = [path.read_text() for path in sorted(root.rglob("*.py"))]
+    return wrappers(sources, wrappers(sources))
+
+
 def check_tree(root: Path) -> list[Finding]:
     """:func:`check_source` over every module under ``root``."""
+    wrapped = package_wrappers(root)
     found: list[Finding] = []
     for path in sorted(root.rglob("*.py")):
-        found += check_source(path.read_text(), str(path.relative_to(root.parent)))
+        found += check_source(path.read_text(), str(path.relative_to(root.parent)), wrapped)
     return found

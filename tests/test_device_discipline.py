@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from device_lint import check_source, check_tree
+from device_lint import check_source, check_tree, package_wrappers
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpkit"
 
@@ -102,6 +102,7 @@ def _sites() -> list[tuple[str, int]]:
 
 
 SITES = _sites()
+WRAPPED = package_wrappers(PACKAGE)
 
 
 def test_the_package_uses_the_device_rule_at_its_collectives():
@@ -114,11 +115,11 @@ def test_the_package_uses_the_device_rule_at_its_collectives():
 @pytest.mark.parametrize("relative, index", SITES, ids=[f"{s}#{i}" for s, i in SITES])
 def test_each_site_of_the_device_rule_is_seen_by_the_check(relative, index):
     source = (PACKAGE / relative).read_text()
-    before = check_source(source, relative)
+    before = check_source(source, relative, WRAPPED)
     mutant = _OneSiteOffDevice(index)
     tree = mutant.visit(ast.parse(source))
     assert mutant.done
-    after = check_source(ast.unparse(ast.fix_missing_locations(tree)), relative)
+    after = check_source(ast.unparse(ast.fix_missing_locations(tree)), relative, WRAPPED)
     assert len(after) > len(before), f"{relative}: use #{index} of comm_tensor/comm_device turned into a CPU " \
                                      "tensor, and the check did not see it"
 

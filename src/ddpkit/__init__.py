@@ -31,10 +31,10 @@ _EXPORTS = {
     "gather_for_metrics": "ddpkit.runtime.objects",
     "reduce_value": "ddpkit.runtime.objects",
     "spawn": "ddpkit.runtime.spawn",
-    "DDP": "ddpkit.parallel.ddp",
-    "DistributedDataParallel": "ddpkit.parallel.ddp",
-    "unwrap": "ddpkit.parallel.ddp",
-    "UnusedParametersError": "ddpkit.parallel.unused",
+    "DDP": "ddpkit.parallel.ddp.wrapper",
+    "DistributedDataParallel": "ddpkit.parallel.ddp.wrapper",
+    "unwrap": "ddpkit.parallel.unwrap",
+    "UnusedParametersError": "ddpkit.parallel.ddp.unused",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "DataParallel": "ddpkit.parallel.dp",
     "DistributedOptimizer": "ddpkit.parallel.optimizer",
@@ -42,8 +42,8 @@ _EXPORTS = {
     "broadcast_optimizer_state": "ddpkit.parallel.broadcast",
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
-    "ZeroRedundancyOptimizer": "ddpkit.parallel.zero",
-    "ParameterServerOptimizer": "ddpkit.parallel.ps",
+    "ZeroRedundancyOptimizer": "ddpkit.parallel.zero.stage1",
+    "ParameterServerOptimizer": "ddpkit.parallel.ps.optimizer",
     "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
     "DistributedSampler": "ddpkit.data.sampler",
@@ -91,15 +91,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.data.datasets import DatasetError
     from ddpkit.data.sampler import DistributedSampler
     from ddpkit.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
-    from ddpkit.parallel.ddp import DDP, DistributedDataParallel, unwrap
+    from ddpkit.parallel.ddp.wrapper import DDP, DistributedDataParallel
     from ddpkit.parallel.dp import DataParallel
     from ddpkit.parallel.local_sgd import LocalSGD
     from ddpkit.parallel.optimizer import DistributedOptimizer
-    from ddpkit.parallel.unused import UnusedParametersError
-    from ddpkit.parallel.ps import ParameterServerOptimizer
+    from ddpkit.parallel.ddp.unused import UnusedParametersError
+    from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
     from ddpkit.parallel.ssp import StaleSynchronousOptimizer
-    from ddpkit.parallel.zero import ZeroRedundancyOptimizer
+    from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
+    from ddpkit.parallel.unwrap import unwrap
     from ddpkit.runtime.group import (
         DistContext,
         barrier,

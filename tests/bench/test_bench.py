@@ -55,7 +55,7 @@ def _noop_keeps_local_gradients() -> list:
     from ddp_models import make
     from ddpkit._reference import torch_ddp
     from ddpkit.hooks import noop_hook
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     out = []
     for wrap in (DistributedDataParallel, torch_ddp):
@@ -218,7 +218,7 @@ def test_trace_is_chrome_json_with_every_span_per_rank(tmp_path):
 
 
 def test_overlap_is_the_share_of_communication_inside_the_gradient_computation():
-    from ddpkit.parallel.trace import merge, overlap
+    from ddpkit.parallel.ddp.trace import merge, overlap
 
     assert merge([(3, 4), (0, 2), (1, 2.5)]) == [(0, 2.5), (3, 4)]
     # All-reduce runs 0-2 and 3-4 (3 s in all); gradients are computed 1-3.5: 1 s + 0.5 s inside.

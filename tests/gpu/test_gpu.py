@@ -89,7 +89,7 @@ DDP_CASES = {
 
 def _ddp_case(ctx, case: dict, engine: str) -> dict:
     from ddpkit._reference import torch_ddp
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     device = ctx.device
     model = _net(case.get("model", "conv")).to(device)
@@ -143,7 +143,7 @@ def test_streams_overlap_without_a_race():
 def _amp(ctx, dtype_name: str, hook: str | None, engine: str) -> dict:
     from ddpkit import hooks
     from ddpkit._reference import torch_ddp
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     device = ctx.device
     model = _net().to(device)

@@ -205,7 +205,7 @@ def test_async_parameter_servers_with_cuda_workers_train():
 def _powersgd(ctx, engine: str) -> dict:
     from ddpkit import hooks
     from ddpkit._reference import torch_ddp
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     model = _net().to(ctx.device)
     wrapped = (DistributedDataParallel if engine == "ddpkit" else torch_ddp)(model)

@@ -22,7 +22,7 @@ def test_servers_are_planned_on_node_0_after_the_workers_with_their_role():
     assert env["DDPKIT_ROLE"] == "server" and env["DDPKIT_SERVER_RANK"] == "1" and env["DDPKIT_NUM_SERVERS"] == "2"
     assert env["WORLD_SIZE"] == "4" and env["MASTER_ADDR"] == "node0" and env["MASTER_PORT"] == "1234"
     assert "RANK" not in env and "LOCAL_RANK" not in env and env["ROLE_NAME"] == "server"
-    assert servers[0].argv[-3:] == ["-u", "-m", "ddpkit.parallel.ps_server"]
+    assert servers[0].argv[-3:] == ["-u", "-m", "ddpkit.parallel.ps.server"]
     other = LaunchConfig(program=__file__, nproc_per_node=2, nnodes=2, node_rank=1, master_addr="node0",
                          master_port=1234, num_servers=2)
     on_node_1 = plan_workers(resolve(other), master_port=1234, restart_count=0, base_env={})
@@ -54,6 +54,6 @@ def _servers_running() -> list[str]:
             line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode() if entry.name.isdigit() else ""
         except OSError:
             continue
-        if "ddpkit.parallel.ps_server" in line:
+        if "ddpkit.parallel.ps.server" in line:
             found.append(line)
     return found

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.buckets import assign_buckets, initial_buckets
-from ddpkit.parallel.observer import BucketEvent, Observer
+from ddpkit.parallel.ddp.buckets import assign_buckets, initial_buckets
+from ddpkit.parallel.ddp.observer import BucketEvent, Observer
 
 MIB = 1024 * 1024
 
@@ -253,13 +253,13 @@ def _rebuild() -> list:
     torch.manual_seed(0)
     model = ddpkit.DDP(_Crossed(), bucket_cap_mb=1e-6)  # one parameter per bucket
     names = [n for n, _ in model.module.named_parameters()]
-    before = model.reducer.bucket_indices()
+    before = model.reducer.layout.set.indices()
     timeline = _Timeline()
     model.register_observer(timeline)
     model.register_comm_hook(None, ddpkit.hooks.allreduce_hook)
     for _ in range(3):
         model(torch.ones(2, 4)).backward()
-    after = [names[b[0]] for b in model.reducer.bucket_indices()]
+    after = [names[b[0]] for b in model.reducer.layout.set.indices()]
     return [[[names[i] for i in b] for b in before], after, timeline.seen[-12:]]
 
 

@@ -131,7 +131,7 @@ def test_a_killed_server_under_ddpkit_launch_is_the_root_cause_and_the_relaunch_
            "--output-dir", str(out)]
 
     def server(pid: int) -> int:
-        return next(child for child, line in children(pid) if "ddpkit.parallel.ps_server" in line)
+        return next(child for child, line in children(pid) if "ddpkit.parallel.ps.server" in line)
 
     done = _kill_and_finish(cmd, out, server)
     assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.workloads import bench_device, stepper
-from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.models import ConvNet
 from ddpkit.runtime.group import barrier

@@ -58,8 +58,8 @@ from ddpkit.bench.progress import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
 from ddpkit.bench.workloads import settle, stepper, workload
 from ddpkit.comm.hooks import noop_hook
-from ddpkit.parallel import trace
-from ddpkit.parallel.observer import Observer, WaitEvent
+from ddpkit.parallel.ddp import trace
+from ddpkit.parallel.ddp.observer import Observer, WaitEvent
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.group import barrier
 
@@ -93,7 +93,7 @@ class WorkloadResult:
     overlap_ddpkit: float | None = None
     overlap_torch: float | None = None
     """Share of all-reduce time that ran while gradients were still being computed, from the traced steps'
-    spans (:mod:`ddpkit.parallel.trace`); None without communication (world size 1)."""
+    spans (:mod:`ddpkit.parallel.ddp.trace`); None without communication (world size 1)."""
     ddpkit_noop_ms: float | None = None
     torch_noop_ms: float | None = None
     noop_ratio: float | None = None
@@ -138,7 +138,7 @@ def _engines(cfg: BenchConfig) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """How each engine wraps a copy of the model: the two DDPs, and with ``--engine-cost`` both again with the
     same no-op comm hook."""
     from ddpkit._reference import torch_ddp
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     def ours(m: nn.Module) -> nn.Module:
         return DistributedDataParallel(m, bucket_cap_mb=cfg.bucket_cap_mb)

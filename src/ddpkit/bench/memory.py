@@ -80,7 +80,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     # the one-time cost of importing a module is not memory the engine needs per model.
     from ddpkit._reference import torch_ddp
     from ddpkit.bench.workloads import stepper, workload
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
     from ddpkit.runtime.devices import comm_tensor
     from ddpkit.runtime.group import init, shutdown
 

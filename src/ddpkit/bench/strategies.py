@@ -36,7 +36,7 @@ from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.stats import quartiles
 from ddpkit.bench.workloads import settle, workload
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
-from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.optimizer import DistributedOptimizer
 from ddpkit.runtime.events import ByteCounter

@@ -45,8 +45,8 @@ def _build(setup: str, model: Any, bucket_cap_mb: float | None) -> tuple[Any, An
     import torch
 
     from ddpkit._reference import torch_ddp, torch_zero
-    from ddpkit.parallel.ddp import DistributedDataParallel
-    from ddpkit.parallel.zero import ZeroRedundancyOptimizer
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
+    from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
 
     adamw = torch.optim.AdamW
     if setup.startswith("torch"):

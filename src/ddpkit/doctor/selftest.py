@@ -122,7 +122,7 @@ def _ddp(torch: Any, dist: Any, device: Any) -> str:
     import copy
 
     from ddpkit._reference import torch_ddp
-    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     base = _model(torch).to(device)
     ids = [device.index] if device.type == "cuda" else None

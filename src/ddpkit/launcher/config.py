@@ -186,7 +186,7 @@ class LaunchConfig:
         choices=["spawn", "fork", "forkserver"],
     )
     num_servers: int = option(
-        0, "parameter server processes to start on node 0 beside the workers (python -m ddpkit.parallel.ps_server: "
+        0, "parameter server processes to start on node 0 beside the workers (python -m ddpkit.parallel.ps.server: "
         "ddpkit.ParameterServerOptimizer, ddpkit train --strategy ps-sync|ps-async); their channel listens on "
         "MASTER_PORT + 1 unless DDPKIT_PS_PORT says; they stop when every worker has finished", metavar="K",
     )

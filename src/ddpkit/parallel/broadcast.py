@@ -1,6 +1,6 @@
 """Broadcasts of model state from one rank to all: coalesced tensors, and Horovod's two helpers.
 
-Used by :class:`ddpkit.parallel.ddp.DistributedDataParallel` at construction
+Used by :class:`ddpkit.parallel.ddp.wrapper.DistributedDataParallel` at construction
 (parameters and buffers), before forwards (buffers) and at the end of
 ``join()`` (the last joiner's model). ``broadcast_parameters`` and
 ``broadcast_optimizer_state`` are Horovod's, for :func:`ddpkit.DistributedOptimizer`

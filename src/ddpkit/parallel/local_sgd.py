@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.collectives import ALGORITHMS, all_reduce
-from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import events
 
 __all__ = ["LocalSGD", "average_parameters"]

@@ -2,7 +2,7 @@
 
 ``DistributedOptimizer(optimizer)`` returns an optimizer of the same class
 (``isinstance`` holds, ``state_dict`` is the same) whose parameters' gradients
-are all-reduced by ddpkit's reducer (:mod:`ddpkit.parallel.reducer`): in
+are all-reduced by ddpkit's reducer (:mod:`ddpkit.parallel.ddp.reducer`): in
 buckets, launched as gradients become ready during backward, so that
 communication overlaps the rest of backward as in DDP. The reductions run on
 after ``backward()`` returns; ``step()`` (or ``synchronize()``) waits for them,
@@ -37,10 +37,10 @@ import torch.distributed as dist
 from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.compression import Compression
 from ddpkit.parallel.broadcast import world_group
-from ddpkit.parallel.bucket_caps import check_bucket_cap
-from ddpkit.parallel.observer import Observer, ObserverHandle
-from ddpkit.parallel.deferred import DeferredReducer
-from ddpkit.parallel.replicas import verify_same_parameters
+from ddpkit.parallel.ddp.bucket_caps import check_bucket_cap
+from ddpkit.parallel.ddp.observer import Observer, ObserverHandle
+from ddpkit.parallel.ddp.deferred import DeferredReducer
+from ddpkit.parallel.ddp.replicas import verify_same_parameters
 
 __all__ = ["DistributedOptimizer"]
 

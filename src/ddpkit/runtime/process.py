@@ -52,7 +52,7 @@ ROLE_ENV = "DDPKIT_ROLE"
 SERVER_RANK_ENV = "DDPKIT_SERVER_RANK"
 PS_PORT_ENV = "DDPKIT_PS_PORT"
 """Port of the parameter servers' store on ``MASTER_ADDR`` (default ``MASTER_PORT + 1``)."""
-SERVER_MODULE = "ddpkit.parallel.ps_server"
+SERVER_MODULE = "ddpkit.parallel.ps.server"
 """What a parameter server process runs (``python -m``)."""
 
 

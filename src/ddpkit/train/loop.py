@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from ddpkit.data.datasets import TensorDataset, load_dataset
 from ddpkit.integrations.tensorboard import EpochBoard
-from ddpkit.parallel.trace import UNTRACED, Recorder, Untraced, instrument, write
+from ddpkit.parallel.ddp.trace import UNTRACED, Recorder, Untraced, instrument, write
 from ddpkit.runtime import events, variables
 from ddpkit.runtime.devices import comm_device, comm_tensor
 from ddpkit.runtime.events import ByteCounter

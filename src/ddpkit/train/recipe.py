@@ -37,7 +37,7 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
         broadcast_parameters(model.state_dict(), root_rank=0)  # what DDP's constructor does, Horovod's way
         return model
     if config.engine == "ddpkit":
-        from ddpkit.parallel.ddp import DistributedDataParallel
+        from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
         return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=2 if config.zero == 2 else 0),
                               config)

@@ -47,13 +47,13 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.parallel.broadcast import PackedBroadcast
-from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
-from ddpkit.parallel.observer import Observer, WaitEvent
+from ddpkit.parallel.ddp.observer import Observer, WaitEvent
 from ddpkit.parallel.optimizer import DistributedOptimizer
-from ddpkit.parallel.ps import ParameterServerOptimizer
+from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
-from ddpkit.parallel.zero import ZeroRedundancyOptimizer
+from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from ddpkit.runtime.objects import all_gather_object
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState

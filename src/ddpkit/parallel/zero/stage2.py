@@ -66,9 +66,9 @@ import torch.distributed as dist
 
 from ddpkit.comm.bucket import CommHook, GradBucket
 from ddpkit.comm.collectives import all_gather
-from ddpkit.parallel.buckets import BucketLayout, payload
-from ddpkit.parallel.reducer import Reducer
-from ddpkit.parallel.unused import refuse_unused
+from ddpkit.parallel.ddp.buckets import BucketLayout, payload
+from ddpkit.parallel.ddp.reducer import Reducer
+from ddpkit.parallel.ddp.unused import refuse_unused
 from ddpkit.runtime import events
 from ddpkit.runtime.compat import all_gather_tensor, reduce_scatter_tensor
 

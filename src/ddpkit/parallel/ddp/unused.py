@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device
 
 __all__ = ["UnusedParametersError", "all_ranks_used", "all_reduce_used_map", "refuse_unused", "warn_nothing_unused"]
 
@@ -50,9 +51,10 @@ def all_reduce_used_map(flags: torch.Tensor, group: dist.ProcessGroup, step: int
 
 
 def all_ranks_used(local_used: list[bool], group: dist.ProcessGroup, step: int,
-                   device: torch.device) -> tuple[list[bool], torch.Tensor]:
-    """Which parameters some rank used, from every rank's ``local_used`` (a collective), and the summed map."""
-    flags = torch.tensor(local_used, dtype=torch.int32, device=device)
+                   like: torch.Tensor) -> tuple[list[bool], torch.Tensor]:
+    """Which parameters some rank used, from every rank's ``local_used`` (a collective), and the summed map;
+    on the device of the group's collectives for tensors ``like`` the parameters."""
+    flags = torch.tensor(local_used, dtype=torch.int32, device=comm_device(group, like=like))
     all_reduce_used_map(flags, group, step)
     return flags.bool().tolist(), flags
 

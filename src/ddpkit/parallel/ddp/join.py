@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.parallel.broadcast import broadcast_once
-from ddpkit.parallel.buckets import sparse_zeros
-from ddpkit.parallel.unused import all_reduce_used_map
+from ddpkit.parallel.ddp.buckets import sparse_zeros
+from ddpkit.parallel.ddp.unused import all_reduce_used_map
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device
 
 __all__ = ["DDPJoinHook", "DDPJoinable", "Join", "JoinConfig", "JoinHook", "shadow_backward"]
 
@@ -175,7 +176,7 @@ def shadow_backward(reducer: Any) -> None:
     Issues the same collectives in the same order as the reducer of a rank
     that trains (its buckets, then the used-parameter map where one is
     searched for), contributing zeros (``Join``'s contract), and leaves this
-    rank's gradients alone. ``reducer``: a :class:`ddpkit.parallel.reducer.Reducer`.
+    rank's gradients alone. ``reducer``: a :class:`ddpkit.parallel.ddp.reducer.Reducer`.
     """
     reducer.begin_shadow()
     for bucket in reducer.buckets:
@@ -187,7 +188,8 @@ def shadow_backward(reducer: Any) -> None:
         # torch's joined rank sends the used-map of its own last backward.
         flags = reducer.last_used_flags
         if flags is None:
-            flags = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.comm_device())
+            flags = torch.zeros(len(reducer.params), dtype=torch.int32,
+                                device=comm_device(reducer.group, like=reducer.params[0]))
         all_reduce_used_map(flags, reducer.group, reducer.step)
     reducer.end_shadow()
 

@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.parallel.reducer.Reducer`.
+"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.parallel.ddp.reducer.Reducer`.
 
 Construction checks that every rank holds the same parameters, broadcasts
 parameters and buffers from rank 0 (coalesced), and hands the parameters that
@@ -21,20 +21,20 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.bucket import CommHook, check_hook_signature
-from ddpkit.parallel import ddp_args
-from ddpkit.parallel.bucket_caps import DEFAULT_BUCKET_CAP_MB
+from ddpkit.parallel.ddp import args as ddp_args
+from ddpkit.parallel.ddp.bucket_caps import DEFAULT_BUCKET_CAP_MB
 from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
-from ddpkit.parallel.ddp_buffers import IGNORED_ATTRIBUTE, DDPBuffers
-from ddpkit.parallel.ddp_logging import DDPLogging
-from ddpkit.parallel.join import DDPJoinable
-from ddpkit.parallel.observer import Observer, ObserverHandle
-from ddpkit.parallel.reducer import Reducer
-from ddpkit.parallel.replicas import DDPConfigError, verify_same_parameters
+from ddpkit.parallel.ddp.buffers import IGNORED_ATTRIBUTE, DDPBuffers
+from ddpkit.parallel.ddp.logging_data import DDPLogging
+from ddpkit.parallel.ddp.join import DDPJoinable
+from ddpkit.parallel.ddp.observer import Observer, ObserverHandle
+from ddpkit.parallel.ddp.reducer import Reducer
+from ddpkit.parallel.ddp.replicas import DDPConfigError, verify_same_parameters
 from ddpkit.parallel.scatter import gather, padded, scatter, to_device
-from ddpkit.parallel.sink import anchor_end_of_backward, through_sink
-from ddpkit.parallel.zero_reducer import ShardedReducer
+from ddpkit.parallel.ddp.sink import anchor_end_of_backward, through_sink
+from ddpkit.parallel.zero.stage2 import ShardedReducer
 
-__all__ = ["DDP", "DDPConfigError", "DistributedDataParallel", "unwrap"]
+__all__ = ["DDP", "DDPConfigError", "DistributedDataParallel"]
 
 _MIB = 1024 * 1024
 
@@ -74,7 +74,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             bucket reduce-scattered during backward so that each rank keeps
             only its shard of the averaged gradients; train with
             :class:`ddpkit.ZeroRedundancyOptimizer` over the model's
-            parameters (see :mod:`ddpkit.parallel.zero_reducer`). Default
+            parameters (see :mod:`ddpkit.parallel.zero.stage2`). Default
             ``0``: every rank gets every average (stage 1 is the optimizer
             alone, over this).
 
@@ -98,7 +98,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             CPU module; parameters on several device types; an unsupported
             argument.
         RuntimeError: uninitialised (lazy) parameters.
-        ddpkit.parallel.reducer.UnusedParametersError: from ``backward``, see
+        ddpkit.parallel.ddp.reducer.UnusedParametersError: from ``backward``, see
             ``find_unused_parameters``.
 
     Warning:
@@ -407,7 +407,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def register_observer(self, observer: Observer) -> ObserverHandle:
         """Call ``observer`` at the engine's events: a bucket ready, launched, reduced, and the wait at the end
-        of backward, with bucket index, bytes and times (see :mod:`ddpkit.parallel.observer`).
+        of backward, with bucket index, bytes and times (see :mod:`ddpkit.parallel.ddp.observer`).
 
         Returns:
             A handle whose ``remove()`` detaches the observer.
@@ -428,7 +428,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging data of this model: settings, environment and sampled runtime figures (see
-        :mod:`ddpkit.parallel.ddp_logging`). Like torch's, a prototype interface: print it to see how DDP runs."""
+        :mod:`ddpkit.parallel.ddp.logging_data`). Like torch's, a prototype interface: print it to see how DDP runs."""
         return self._logging.data()
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
@@ -436,24 +436,3 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self._logging.set_sample_rate(sample_rate)
 
 DDP = DistributedDataParallel
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """Return the plain module inside DDP / DataParallel / ``torch.compile`` wrappers.
-
-    Works for ddpkit's and torch's wrappers, nested in any order; a plain
-    module is returned as is.
-
-    Example::
-
-        torch.save(ddpkit.unwrap(model).state_dict(), "model.pt")
-    """
-    while True:
-        if isinstance(model, nn.Module) and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
-            getattr(model, "module", None), nn.Module
-        ):
-            model = model.module
-        else:
-            return model

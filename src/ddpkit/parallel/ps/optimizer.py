@@ -8,7 +8,7 @@ servers that own them and pulls the new parameters back, so the worker holds
 no optimizer state at all. ``mode="sync"`` is mathematically DDP's update
 with the same optimizer; ``mode="async"`` applies each worker's gradient as
 it arrives, with an optional staleness bound (see
-:mod:`ddpkit.parallel.ps_server` for both, and for why the channel is a Gloo
+:mod:`ddpkit.parallel.ps.server` for both, and for why the channel is a Gloo
 process group).
 
 The job's servers are processes of their own, started by ``ddpkit train
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.ps_channel import (
+from ddpkit.parallel.ps.channel import (
     HEADER,
     TAG_HEADER,
     TAG_TO_SERVER,
@@ -54,7 +54,7 @@ from ddpkit.parallel.ps_channel import (
     recv_blob,
     to_bytes,
 )
-from ddpkit.parallel.ps_server import optimizer_class as importable_optimizer
+from ddpkit.parallel.ps.server import optimizer_class as importable_optimizer
 from ddpkit.runtime import events
 
 __all__ = ["PSStats", "ParameterServerOptimizer", "partition"]

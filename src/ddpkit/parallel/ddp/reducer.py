@@ -1,12 +1,12 @@
 """The gradient-synchronisation engine behind :class:`ddpkit.DistributedDataParallel`: one backward's state machine.
 
 Each part it drives has a module: buckets and their assignment
-(:mod:`~ddpkit.parallel.buckets`, :mod:`~ddpkit.parallel.bucket_caps`),
-gradients into buckets and back (:mod:`~ddpkit.parallel.staging`), unused
-parameters (:mod:`~ddpkit.parallel.unused`), ``static_graph``
-(:mod:`~ddpkit.parallel.static_graph`), a joined rank's side
-(:mod:`~ddpkit.parallel.join`), deferred completion
-(:mod:`~ddpkit.parallel.deferred`) and observers (:mod:`~ddpkit.parallel.observer`).
+(:mod:`~ddpkit.parallel.ddp.buckets`, :mod:`~ddpkit.parallel.ddp.bucket_caps`),
+gradients into buckets and back (:mod:`~ddpkit.parallel.ddp.staging`), unused
+parameters (:mod:`~ddpkit.parallel.ddp.unused`), ``static_graph``
+(:mod:`~ddpkit.parallel.ddp.static_graph`), a joined rank's side
+(:mod:`~ddpkit.parallel.ddp.join`), deferred completion
+(:mod:`~ddpkit.parallel.ddp.deferred`) and observers (:mod:`~ddpkit.parallel.ddp.observer`).
 
 States of one synchronised backward
 -----------------------------------
@@ -35,7 +35,7 @@ rebuild
     next forward with grad enabled (``no_sync()`` ones too). Never with
     ``find_unused_parameters`` and no static graph (torch's rules).
 
-Failure modes: a parameter without a gradient (see :mod:`~ddpkit.parallel.unused`);
+Failure modes: a parameter without a gradient (see :mod:`~ddpkit.parallel.ddp.unused`);
 one ready twice in one backward without ``static_graph`` (RuntimeError); a
 sparse gradient where none is expected, or the reverse; a model cast or moved
 after wrapping (RuntimeError at its first backwards). Each names the parameter.
@@ -44,7 +44,6 @@ after wrapping (RuntimeError at its first backwards). Each names the parameter.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -54,20 +53,17 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
-from ddpkit.parallel import static_graph as sg
-from ddpkit.parallel.bucket_caps import bucket_limits
-from ddpkit.parallel.buckets import BucketLayout, payload
-from ddpkit.parallel.grad_hooks import hook_gradients
-from ddpkit.parallel.observer import Observer, ObserverHandle, Observers
-from ddpkit.parallel.staging import Staging
-from ddpkit.parallel.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
+from ddpkit.parallel.ddp import static_graph as sg
+from ddpkit.parallel.ddp.bucket_caps import bucket_limits
+from ddpkit.parallel.ddp.buckets import BucketLayout, payload
+from ddpkit.parallel.ddp.grad_hooks import hook_gradients
+from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
+from ddpkit.parallel.ddp.staging import Staging
+from ddpkit.parallel.ddp.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
 from ddpkit.runtime import events
-from ddpkit.runtime.devices import comm_device
 from ddpkit.runtime.group import settle_at_exit
 
 __all__ = ["Reducer", "UnusedParametersError"]
-
-_UNBOUNDED = sys.maxsize
 
 
 class Reducer:
@@ -78,11 +74,11 @@ class Reducer:
             identical in order and shape on every rank.
         process_group: the group to reduce over; ``None`` for a world of one
             without a process group (no communication).
-        bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.bucket_caps.bucket_limits`).
+        bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.ddp.bucket_caps.bucket_limits`).
         bucket_caps_mb: one cap per bucket in MiB; replaces ``bucket_cap_mb``, before the rebuild too.
-        find_unused_parameters: see :mod:`ddpkit.parallel.unused`.
+        find_unused_parameters: see :mod:`ddpkit.parallel.ddp.unused`.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
-        static_graph: see :mod:`ddpkit.parallel.static_graph`.
+        static_graph: see :mod:`ddpkit.parallel.ddp.static_graph`.
         reduce_missing: a parameter without a gradient is reduced as zeros and
             gets the average as ``.grad`` (Horovod's rule), with no search and
             no error.
@@ -119,22 +115,19 @@ class Reducer:
         ``join(divide_by_initial_world_size=False)`` the ranks not yet joined."""
         self.limits = bucket_limits(bucket_cap_mb, bucket_caps_mb)
         """Bucket size limits in bytes of the rebuild, in the order buckets close."""
-        self.find_unused = find_unused_parameters
-        self.static_graph = static_graph
-        self.reduce_missing = reduce_missing
+        self.find_unused, self.static_graph, self.reduce_missing = find_unused_parameters, static_graph, reduce_missing
         self.owner = owner
         self.staging = Staging(self.names, owner, gradient_as_bucket_view, sparse_as_dense)
         self.observers = Observers(owner)
-        """Attached with :meth:`add_observer`; see :mod:`ddpkit.parallel.observer`."""
+        """Attached with :meth:`add_observer`; see :mod:`ddpkit.parallel.ddp.observer`."""
         self.comm_hook: CommHook | None = None
-        self.comm_state: Any = None
+        self.comm_state: Any = None  # what register_comm_hook gave the hook
         sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self.params)
         self.layout = self._make_layout(sparse, gradient_as_bucket_view, bool(bucket_caps_mb))
         self._adopt_buckets()
         self.step = 0
         """Synchronised backwards so far (named in the stall inspector's reports and in events)."""
-        self._rebuild_due = False
-        self.rebuilt = False
+        self._rebuild_due = self.rebuilt = False
         self.ready_order: list[int] | None = None
         """When a list, the indices of parameters as their gradients become ready (DDP's logging data)."""
         self.unused_here: list[int] = []
@@ -149,12 +142,9 @@ class Reducer:
     # -- buckets -------------------------------------------------------------
 
     def _make_layout(self, sparse: list[bool], as_view: bool, caps_given: bool) -> BucketLayout:
-        """torch's first assignment: one bucket per dtype and device unless unused parameters are searched
-        for, and then no rebuild ever comes (without a static graph)."""
-        one = self.static_graph or not self.find_unused
-        return BucketLayout(self.params, sparse, as_view, self.limits,
-                            [_UNBOUNDED] if one and not caps_given else self.limits,
-                            final=self.find_unused and not self.static_graph)
+        """torch's first assignment (:meth:`BucketLayout.for_ddp`); ZeRO stage 2's reducer makes its own."""
+        return BucketLayout.for_ddp(self.params, sparse, as_view, self.limits, caps_given, self.find_unused,
+                                    self.static_graph)
 
     def _adopt_buckets(self) -> None:
         """Read the layout's current buckets into the fields the gradient hooks use."""
@@ -162,31 +152,22 @@ class Reducer:
         assert current is not None
         self.buckets, self._slot, self._pos, self._plans = current.buckets, current.slot, current.pos, current.plans
 
-    def bucket_indices(self) -> list[list[int]]:
-        """The current assignment: for each bucket, the indices of its parameters."""
-        return self.layout.set.indices()  # type: ignore[union-attr]
-
-    def comm_device(self) -> torch.device:
-        """Where small bookkeeping tensors go for a collective: NCCL needs the GPU."""
-        return comm_device(self.group, like=self.params[0])
-
-    def rebuild_if_due(self) -> None:
-        """Rebuild the buckets if due (a collective: at every forward with grad enabled, as torch's DDP)."""
-        if self._rebuild_due:
-            self._rebuild_due = False
-            # The old set goes before the new one is made (see BucketLayout.build): no reference is left here.
-            self.buckets, self._slot, self._plans = [], [], []
-            order = self.layout.order()
-            if self.world_size > 1:
-                order = self.layout.agreed_order(self.group, self.owner, self.step, self.comm_device())
-            self.layout.rebuild(order, last_bucket_cap=os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1")
-            self._adopt_buckets()
-            self.rebuilt = True
-
-    # -- observers -----------------------------------------------------------
+    def rebuild_if_due(self) -> bool:
+        """Rebuild the buckets if due (a collective: at every forward with grad enabled, as torch's DDP); whether
+        it did."""
+        if not self._rebuild_due:
+            return False
+        self._rebuild_due = False
+        # The old set goes before the new one is made (see BucketLayout.build): no reference is left here.
+        self.buckets, self._slot, self._plans = [], [], []
+        order = self.layout.agreed_order(self.group, self.owner, self.step)
+        self.layout.rebuild(order, last_bucket_cap=os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1")
+        self._adopt_buckets()
+        self.rebuilt = True
+        return True
 
     def add_observer(self, observer: Observer) -> ObserverHandle:
-        """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.observer`)."""
+        """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.ddp.observer`)."""
         return self.observers.add(observer)
 
     # -- iteration -----------------------------------------------------------
@@ -208,9 +189,7 @@ class Reducer:
 
     def _rebuild_buckets(self) -> bool:
         """torch's name, called by Lightning and Accelerate: rebuild if due (a collective); whether it did."""
-        due = self._rebuild_due
-        self.rebuild_if_due()
-        return due
+        return self.rebuild_if_due()
 
     def _delay_all_reduce(self) -> None:
         """torch's flush of a static graph's first backward (Lightning calls it after a manual backward):
@@ -255,15 +234,17 @@ class Reducer:
             self._used_since_sync[index] = True
 
     def expect_backward(self) -> None:
-        """Queue the end-of-backward callback on the backward now running (see :mod:`ddpkit.parallel.sink`)."""
-        if self._armed and not self._callback_queued:
+        """Queue the end-of-backward callback on the backward now running (see :mod:`ddpkit.parallel.ddp.sink`)."""
+        if self._armed:
+            self._queue_finish()
+
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
 
     def _on_ready(self, index: int) -> None:
-        if not self._callback_queued:
-            Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+        self._queue_finish()
         if self.static_graph:
             self._hits[index] += 1
             if not self.static.counted:
@@ -358,12 +339,8 @@ class Reducer:
 
     def _end_step(self) -> None:
         self.step += 1
-        self._rebuild_due = self._wants_rebuild()
+        self._rebuild_due = self.layout.rebuild_due(self.step, self.static_graph)
         self._reset()
-
-    def _wants_rebuild(self) -> bool:
-        """Whether the next synchronised forward rebuilds: after the first backward, a static graph's second."""
-        return not self.layout.final and self.step >= (2 if self.static_graph else 1)
 
     def set_static_graph(self) -> None:
         """Turn on ``static_graph`` before the first synchronised backward (torch's ``_set_static_graph``)."""
@@ -376,7 +353,7 @@ class Reducer:
         self.layout.final = False  # a static graph is rebuilt, even with find_unused_parameters
 
     def searches_unused(self) -> bool:
-        """Whether this backward all-reduces a used-parameter map (see :mod:`ddpkit.parallel.unused`)."""
+        """Whether this backward all-reduces a used-parameter map (see :mod:`ddpkit.parallel.ddp.unused`)."""
         return (self.find_unused and not self.static_graph) or (self.static_graph and not self.static.counted)
 
     def _launch_rest(self) -> None:
@@ -413,7 +390,7 @@ class Reducer:
             if not first_static and all(local_used):
                 warn_nothing_unused()
             if self.world_size > 1:  # every rank, after all of its buckets: the collectives line up
-                used, self.last_used_flags = all_ranks_used(local_used, self.group, self.step, self.comm_device())
+                used, self.last_used_flags = all_ranks_used(local_used, self.group, self.step, self.params[0])
             else:
                 used = local_used
             if first_static:
@@ -451,12 +428,11 @@ class Reducer:
             self.observers.waited(start, time.perf_counter(), self.step)
 
     def begin_shadow(self) -> None:
-        """A joined rank's side of a backward begins (see :func:`ddpkit.parallel.join.shadow_backward`)."""
+        """A joined rank's side of a backward begins (see :func:`ddpkit.parallel.ddp.join.shadow_backward`)."""
         self.rebuild_if_due()
         self._reset()
         if not self.layout.final and not self.layout.arrival:
-            # torch's joined rank offers every parameter in order
-            self.layout.arrival = list(range(len(self.params)))
+            self.layout.arrival = list(range(len(self.params)))  # torch's joined rank offers every one in order
 
     def end_shadow(self) -> None:
         """A joined rank's side of a backward is over: count it as this rank's step."""

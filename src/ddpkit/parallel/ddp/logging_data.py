@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.observer import BucketEvent, Observer, ObserverHandle, WaitEvent
+from ddpkit.parallel.ddp.observer import BucketEvent, Observer, ObserverHandle, WaitEvent
 
 __all__ = ["DEFAULT_SAMPLE_RATE", "DDPLogging"]
 
@@ -124,7 +124,7 @@ class DDPLogging(Observer):
 
     def _bucket_sizes(self) -> list[int]:
         params = self.ddp.reducer.params
-        return [sum(_nbytes(params[i]) for i in bucket) for bucket in self.ddp.reducer.bucket_indices()]
+        return [sum(_nbytes(params[i]) for i in bucket) for bucket in self.ddp.reducer.layout.set.indices()]
 
     # -- what the wrapper tells it ---------------------------------------------
 
@@ -193,7 +193,7 @@ class DDPLogging(Observer):
         if changed:
             self.strs["rebuilt_bucket_sizes"] = ", ".join(str(n) for n in self._bucket_sizes())
             self.strs["rebuilt_per_bucket_param_indices"] = ", ".join(
-                " ".join(str(i) for i in bucket) for bucket in reducer.bucket_indices())
+                " ".join(str(i) for i in bucket) for bucket in reducer.layout.set.indices())
         if reducer.ready_order:
             self.strs["prev_iteration_grad_ready_order_indices"] = ", ".join(str(i) for i in reducer.ready_order)
             reducer.ready_order = []

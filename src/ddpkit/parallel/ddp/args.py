@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.parallel.bucket_caps import check_bucket_cap
+from ddpkit.parallel.ddp.bucket_caps import check_bucket_cap
 
 __all__ = ["DDPSettings", "check_zero_stage", "settle"]
 

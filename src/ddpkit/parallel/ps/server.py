@@ -4,8 +4,8 @@ A server knows nothing of the model until worker 0 sends it its share (the
 parameters' indices, shapes and values, the optimizer class, its groups'
 settings and, when resuming, their state): servers are generic processes,
 started by ``ddpkit train`` or ``ddpkit launch --num-servers K`` as
-``python -m ddpkit.parallel.ps_server``. One thread per worker receives its
-requests (:class:`ddpkit.parallel.ps_channel.Op`).
+``python -m ddpkit.parallel.ps.server``. One thread per worker receives its
+requests (:class:`ddpkit.parallel.ps.channel.Op`).
 
 Consistency (chosen by the workers' :class:`ddpkit.ParameterServerOptimizer`):
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.ps_channel import (
+from ddpkit.parallel.ps.channel import (
     HEADER,
     TAG_HEADER,
     TAG_TO_SERVER,

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ddpkit.comm.bucket import GradBucket
-from ddpkit.parallel.buckets import StagingPlan, sparse_zeros
+from ddpkit.parallel.ddp.buckets import StagingPlan, sparse_zeros
 
 __all__ = ["Staging"]
 

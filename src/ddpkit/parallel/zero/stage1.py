@@ -31,7 +31,7 @@ rank ``to``. ``load_state_dict`` takes that format, from any world size.
 Stage 2
     Over the parameters of ``DistributedDataParallel(model, zero_stage=2)``
     the optimizer finds the model's sharded reducer
-    (:mod:`ddpkit.parallel.zero_reducer`) and shards by elements instead: its
+    (:mod:`ddpkit.parallel.zero.stage2`) and shards by elements instead: its
     local optimizer steps this rank's segments of the buckets (views of the
     reducer's parameter shards, with the averaged gradient shards), and the
     step ends with the reducer's all-gather of the parameters. It must hold
@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ddpkit.parallel.join import DISABLED, Join
-from ddpkit.parallel.zero_partition import (
+from ddpkit.parallel.ddp.join import DISABLED, Join
+from ddpkit.parallel.zero.partition import (
     checked_params,
     copy_settings,
     load_segment_state,
@@ -71,7 +71,7 @@ from ddpkit.parallel.zero_partition import (
     partition,
     to_device,
 )
-from ddpkit.parallel.zero_reducer import Segment, ShardedReducer, sharded_reducer
+from ddpkit.parallel.zero.stage2 import Segment, ShardedReducer, sharded_reducer
 from ddpkit.runtime import events
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]

@@ -6,7 +6,7 @@ bucket
     A flat tensor holding the gradients of several parameters of one dtype and
     device, reduced with a single collective (:class:`ddpkit.comm.bucket.GradBucket`).
     The assignment is torch's DDP's (:func:`assign_buckets`): a bucket closes
-    once it holds at least its limit (:func:`ddpkit.parallel.bucket_caps.bucket_limits`).
+    once it holds at least its limit (:func:`ddpkit.parallel.ddp.bucket_caps.bucket_limits`).
 initial assignment
     Before any gradient has been seen (:func:`initial_buckets`): registration
     order, buckets reversed so the last parameters, whose gradients come
@@ -29,6 +29,7 @@ staging plan
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
 from ddpkit.runtime import events
+from ddpkit.runtime.devices import comm_device
 
 __all__ = ["FUSED_MAX_BYTES", "BucketLayout", "BucketSet", "StagingPlan", "assign_buckets", "initial_buckets", "payload",
            "sparse_zeros"]
@@ -211,6 +213,15 @@ class BucketLayout:
         materialize: see :class:`BucketSet`.
     """
 
+    @classmethod
+    def for_ddp(cls, params: Sequence[torch.Tensor], sparse: Sequence[bool], as_view: bool, limits: list[int],
+                caps_given: bool, find_unused: bool, static_graph: bool) -> BucketLayout:
+        """torch's first assignment: one bucket per dtype and device unless unused parameters are searched
+        for (or caps given), and then no rebuild ever comes (without a static graph)."""
+        one = static_graph or not find_unused
+        return cls(params, sparse, as_view, limits, [sys.maxsize] if one and not caps_given else limits,
+                   final=find_unused and not static_graph)
+
     def __init__(self, params: Sequence[torch.Tensor], sparse: Sequence[bool], as_view: bool, limits: list[int],
                  first_limits: list[int], final: bool, materialize: bool = True) -> None:
         self.params, self.sparse, self.as_view, self.limits = params, sparse, as_view, limits
@@ -230,14 +241,22 @@ class BucketLayout:
         self.set = BucketSet(self.params, indices, self.sparse, self.as_view, previous, self.materialize)
         return self.set
 
+    def rebuild_due(self, step: int, static_graph: bool) -> bool:
+        """Whether the forward after ``step`` synchronised backwards rebuilds: after the first, a static graph's
+        second; never once final."""
+        return not self.final and step >= (2 if static_graph else 1)
+
     def order(self) -> list[int]:
         """The rebuild's order as this rank saw it: the arrivals, then the rest, last parameters first."""
         seen = set(self.arrival)
         return self.arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
 
-    def agreed_order(self, group: dist.ProcessGroup, owner: str, step: int, device: torch.device) -> list[int]:
-        """Rank 0's :meth:`order`, broadcast so every rank agrees (a collective over ``group``)."""
-        t = torch.tensor(self.order(), dtype=torch.int64, device=device)
+    def agreed_order(self, group: dist.ProcessGroup | None, owner: str, step: int) -> list[int]:
+        """Rank 0's :meth:`order`, broadcast so every rank agrees (a collective over ``group``; this rank's own
+        in a world of one)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return self.order()
+        t = torch.tensor(self.order(), dtype=torch.int64, device=comm_device(group, like=self.params[0]))
         events.collective("{} bucket rebuild: broadcast rank 0's gradient order", owner, step=step,
                           nbytes=t.numel() * t.element_size())
         dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
