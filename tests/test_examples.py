@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +27,7 @@ def test_mnist_distributed_example(tmp_path: Path) -> None:
     assert len(found) == 1 and float(found[0]) > 90, proc.stdout
 
 
+@pytest.mark.slow("a reference run, then a run killed with kill -9 and restarted by its launcher")
 def test_resumable_loop_survives_kill_9_bit_identical(tmp_path: Path) -> None:
     from procs import children, wait_for
     from safetensors.torch import load_file

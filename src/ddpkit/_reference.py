@@ -21,6 +21,15 @@ def torch_ddp(module: nn.Module, **kwargs: Any) -> nn.Module:
     return DistributedDataParallel(module, **kwargs)
 
 
+def torch_ddp_accepts(argument: str) -> bool:
+    """Whether this torch's ``DistributedDataParallel`` takes ``argument`` (``batched_grad_copy`` came in 2.12)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return argument in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
 def torch_zero(params: Any, optimizer_class: type, **kwargs: Any) -> Any:
     """``torch.distributed.optim.ZeroRedundancyOptimizer`` over ``params`` (ZeRO stage 1, torch's)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer

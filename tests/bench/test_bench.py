@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,28 @@ def test_engine_cost_times_both_engines_with_the_noop_hook(dist2):
     assert "engine cost: both engines with the same no-op comm hook" in table
     assert BenchConfig(device="cuda").measures_engine_cost  # on by default on CUDA
     assert not BenchConfig().measures_engine_cost
+
+
+def _measure_linear200_cost() -> WorkloadResult:
+    return bench_workload("linear200", BenchConfig(**TOY, engine_cost=True))
+
+
+def test_engine_cost_counts_what_each_engine_dispatches_per_step(dist2):
+    from ddpkit._reference import torch_ddp_accepts
+
+    r = dist2.run(_measure_linear200_cost)[0]
+    assert r.param_tensors == 400 and r.buckets >= 1
+    engines = ["ddpkit", "torch"] + (["torch batched"] if torch_ddp_accepts("batched_grad_copy") else [])
+    assert list(r.engine_ops) == list(r.engine_us) == engines
+    # Machine-independent: ddpkit works per bucket, torch's C++ reducer copies each of the 400 gradients into
+    # its bucket and back (fewer with batched_grad_copy, still more than ddpkit's).
+    assert 0 < r.engine_ops["ddpkit"] <= 8 * r.buckets + 8, r.engine_ops
+    assert r.engine_ops["torch"] >= r.param_tensors, r.engine_ops
+    if "torch batched" in r.engine_ops:
+        assert r.engine_ops["ddpkit"] < r.engine_ops["torch batched"] < r.engine_ops["torch"], r.engine_ops
+    assert all(isinstance(us, float) for us in r.engine_us.values())  # a difference of medians: any sign
+    table = format_results([r], 2)
+    assert "us/param" in table and "ops/step" in table
 
 
 def _noop_keeps_local_gradients() -> list:
@@ -246,6 +269,7 @@ def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
     assert main(["bench", "--report", str(tmp_path / "a-file" / "report")]) == 2
 
 
+@pytest.mark.slow("the engine table, then six groups of fresh processes: three per engine, as --memory measures")
 def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     out = tmp_path / "m.json"
     assert main(["bench", "--workloads", "mlp", "--steps", "2", "--warmup", "1", "--mlp-hidden", "2048",
@@ -309,13 +333,15 @@ def test_phase_times_script_reports_both_engines_and_the_reducer():
     assert any(line.strip().startswith("_finish_backward") for line in lines)
 
 
+@pytest.mark.slow("six groups of fresh processes: the step times, then each setup's peak in processes of its own")
 def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
+    # World 2 alone (the default worlds, 2 and 3, are checked below without processes).
     out = tmp_path / "z.json"
-    assert main(["bench", "--zero", "--workloads", "mlp", "--steps", "2", "--warmup", "1", "--mlp-hidden", "512",
-                 "--json", str(out), "--no-progress"]) == 0
+    assert main(["bench", "--zero", "--workloads", "mlp", "--world-sizes", "2", "--steps", "2", "--warmup", "1",
+                 "--mlp-hidden", "512", "--json", str(out), "--no-progress"]) == 0
     found = json.loads(out.read_text())["zero"]
-    assert sorted(found) == ["mlp world 2", "mlp world 3"]
-    for key, world in (("mlp world 2", 2), ("mlp world 3", 3)):
+    assert sorted(found) == ["mlp world 2"]
+    for key, world in (("mlp world 2", 2),):
         row = found[key]
         ddp, zero1, zero2, torch1 = row["ddp"], row["zero1"], row["zero2"], row["torch zero1"]
         assert ddp["params"] == row["torch ddp"]["params"] == zero2["params"]
@@ -328,7 +354,30 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
     assert "ZeRO: MB per rank" in capfd.readouterr().out
 
 
+def test_zero_measures_worlds_2_and_3_unless_told(monkeypatch):
+    import ddpkit.runtime.spawn
+    from ddpkit.bench.zero import SETUPS, measure_zero
+
+    worlds = []
+
+    def spawn(fn, nprocs, args, backend):  # records the worlds; writes what a worker would
+        worlds.append((fn.__name__, nprocs))
+        Path(args[-1]).write_text(json.dumps({s: {"peak": 1.0} for s in SETUPS} if fn.__name__ == "_time_worker"
+                                             else {"peak": 1.0}))
+
+    monkeypatch.setattr(ddpkit.runtime.spawn, "spawn", spawn)
+    assert list(measure_zero(BenchConfig(zero=True, workloads=("mlp",)))) == ["mlp world 2", "mlp world 3"]
+    assert worlds == [(name, w) for w in (2, 3) for name in ("_time_worker", *["_peak_worker"] * len(SETUPS))]
+    worlds.clear()
+    assert list(measure_zero(BenchConfig(zero=True, workloads=("mlp",), world_sizes=(4,)))) == ["mlp world 4"]
+    assert {w for _, w in worlds} == {4}
+
+
 def test_zero_config_is_checked():
+    with pytest.raises(ValueError, match="--zero --world-sizes 1 2: each must be at least 2"):
+        BenchConfig(zero=True, workloads=("mlp",), world_sizes=(1, 2))
+    with pytest.raises(ValueError, match="--world-sizes 2 applies to --scaling and --zero"):
+        BenchConfig(world_sizes=(2,))
     with pytest.raises(ValueError, match="--zero runs the transformer and the MLP"):
         BenchConfig(zero=True, workloads=("convnet",))
     with pytest.raises(ValueError, match="--zero measures its own table; drop --scaling"):

@@ -21,8 +21,8 @@ def test_mlp_hidden_for_hits_the_parameter_count(params):
 
 
 def test_plan_keeps_the_batch_per_rank_weak_and_the_global_batch_strong():
-    cfg = BenchConfig(workloads=("convnet", "transformer", "dp"), world_sizes=(1, 2, 4), samples_per_rank=12,
-                      transformer_batch=8, mlp_sizes=(1e4,), world_size=2)
+    cfg = BenchConfig(scaling=True, workloads=("convnet", "transformer", "dp"), world_sizes=(1, 2, 4),
+                      samples_per_rank=12, transformer_batch=8, mlp_sizes=(1e4,), world_size=2)
     jobs = plan(cfg)
     assert sorted(jobs) == [1, 2, 4]
     for world, todo in jobs.items():

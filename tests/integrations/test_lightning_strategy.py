@@ -21,6 +21,9 @@ pytest.importorskip("lightning", reason="Lightning is an optional extra: pip ins
 
 MODELS = "boring,bn,manual"
 
+# The three jobs run once, in the module's fixture, whose time lands on whichever test comes first.
+pytestmark = pytest.mark.slow("three Lightning jobs of two processes each, once for the module's tests")
+
 
 def _start(args: list[str], cwd) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=base_env(PYTHONWARNINGS="ignore"),

@@ -107,6 +107,7 @@ def _weights(path: Path) -> dict:
     return safetensors.load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.slow("five jobs (two Slurm, two Kubernetes, the reference) of a launcher and two workers each, at once")
 def test_every_cluster_template_trains_the_same_weights(tmp_path):
     bin_dir = _bin(tmp_path)
     runs = tmp_path / "runs"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.netns import in_namespace, two_nodes
 from tests.procs import SCRIPTS, base_env, launch
 
@@ -13,6 +15,7 @@ def _checksum(text: str) -> str:
     return next(line.split()[-1] for line in text.splitlines() if "CHECKSUM" in line)
 
 
+@pytest.mark.slow("one job on one node, then the same job on two network namespaces")
 def test_two_namespaces_train_without_gloo_socket_ifname_like_one_node():
     env = base_env()
     env.pop("GLOO_SOCKET_IFNAME", None)

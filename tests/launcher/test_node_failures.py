@@ -6,23 +6,73 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+
+import pytest
 
 from ddpkit.runtime.process import free_port
 from tests.netns import in_namespace, two_nodes, veth_end
 from tests.procs import SCRIPTS, base_env
 
 
+class _Node:
+    """A node's launcher, its output read as it comes, so that a test waits for a line instead of sleeping."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.lines: tuple[list[str], list[str]] = ([], [])
+        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                        for stream, lines in zip((self.proc.stdout, self.proc.stderr), self.lines)]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            lines.append(line)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        """Until ``text`` is in this node's output (stdout or stderr)."""
+        deadline = time.monotonic() + timeout
+
+        def seen() -> bool:
+            return any(text in line for lines in self.lines for line in lines)
+
+        while not seen():
+            if self.proc.poll() is not None:
+                for reader in self.readers:
+                    reader.join(timeout=10)  # what it printed before it ended
+                assert seen(), f"the node ended without {text!r}: {self.lines}"
+                return
+            assert time.monotonic() < deadline, f"{text!r} not within {timeout} s: {self.lines}"
+            time.sleep(0.05)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        self.proc.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return "".join(self.lines[0]), "".join(self.lines[1])
+
+
 def _node(node: int, port: int, mode: str, *flags: str, addr: str = "127.0.0.1", prefix: list[str] | None = None,
-          **env: str) -> subprocess.Popen:
+          **env: str) -> _Node:
     argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
             "1", "--master-addr", addr, "--master-port", str(port), "--rdzv-id", "nodes-test", *flags,
             str(SCRIPTS / "nodes.py"), mode]
-    return subprocess.Popen((prefix or []) + argv, env=base_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return _Node((prefix or []) + argv, base_env(**env))
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+def _finish(procs: list[_Node], timeout: float) -> list[tuple[str, str]]:
     try:
         return [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -57,6 +107,7 @@ def test_a_crash_on_one_node_stops_every_node_and_names_it():
     assert not any(_alive(pid) for pid in _pids(out0))
 
 
+@pytest.mark.slow("two launchers, a crash and a second round of fresh workers on each node")
 def test_max_restarts_restarts_every_node_together():
     port = free_port()
     procs = [_node(n, port, "crash", "--max-restarts", "1", CRASH_RANK="0") for n in (0, 1)]
@@ -72,7 +123,7 @@ def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
     port = free_port()
     procs = [_node(n, port, "long", DDPKIT_TIMEOUT="60") for n in (0, 1)]
     try:
-        time.sleep(5)  # both nodes are training now
+        procs[0].wait_for("TRAINING 0 round 0")  # both nodes are training now
         # Node 1 dies whole: its launcher and its workers (each leads its own process group).
         worker = int(subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "nodes.py"], capture_output=True,
                                     text=True).stdout.split()[0])
@@ -89,13 +140,14 @@ def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
     assert not any(_alive(pid) for pid in _pids(out0))
 
 
+@pytest.mark.slow("two network namespaces, then DDPKIT_TIMEOUT (10 s) of silence before both nodes end")
 def test_a_cut_link_ends_both_nodes_within_the_timeout():
     with two_nodes() as (names, addresses):
         port = 29612
         procs = [_node(n, port, "long", addr=addresses[0], prefix=in_namespace(names[n], []), DDPKIT_TIMEOUT="10")
                  for n in (0, 1)]
         try:
-            time.sleep(6)
+            procs[0].wait_for("TRAINING 0 round 0")
             veth = veth_end(names, 1)
             start = time.monotonic()
             subprocess.run(["ip", "-n", names[1], "link", "set", veth, "down"], check=True)
@@ -112,16 +164,17 @@ def test_a_cut_link_ends_both_nodes_within_the_timeout():
     assert leftovers == [[], []]
 
 
+@pytest.mark.slow("a killed node, 6 s of silence before the other notices, then a relaunched node and a second round")
 def test_a_node_that_comes_back_joins_the_restart_round():
     port = free_port()
     procs = [_node(n, port, "long", "--max-restarts", "1", DDPKIT_TIMEOUT="60") for n in (0, 1)]
     try:
-        time.sleep(5)
+        procs[0].wait_for("TRAINING 0 round 0")
         worker = int(subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "nodes.py"], capture_output=True,
                                     text=True).stdout.split()[0])
         os.killpg(procs[1].pid, signal.SIGKILL)
         os.killpg(worker, signal.SIGKILL)
-        time.sleep(9)  # node 0 notices (6 s of silence) and starts round 1, waiting for node 1
+        procs[0].wait_for("restarting the worker group (restart 1 of 1)")  # node 0 noticed (6 s of silence)
         procs.append(_node(1, port, "long", "--max-restarts", "1", DDPKIT_TIMEOUT="60"))
         outs = [procs[0].communicate(timeout=90), procs[2].communicate(timeout=90)]
     finally:

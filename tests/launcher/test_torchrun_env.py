@@ -36,6 +36,7 @@ def _envs(proc: subprocess.Popen, out: Path, nproc: int) -> list[dict[str, str]]
     return [r["env"] for r in reports]
 
 
+@pytest.mark.slow("four launches, two of ddpkit's and two of torchrun's, each with two workers")
 def test_worker_environment_equals_torchruns(tmp_path):
     port = free_port()
     # (name, ddpkit flags, torchrun flags): a static node on a given port, and --standalone with an elastic node

@@ -19,7 +19,18 @@ from torch import nn
 import ddpkit
 from ddpkit.parallel.ps.optimizer import partition
 from ddpkit.parallel.ps.channel import ps_place
-from ddpkit.runtime.spawn import WorkerError
+from ddpkit.runtime.spawn import WorkerError, start_forkserver
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forkserver() -> None:
+    """Workers and servers fork from one server that imported torch and this module once (``ddpkit train``'s
+    way), instead of each importing them afresh: what the tests check is the processes' conversation."""
+    start_forkserver(["torch", "ddpkit", __name__])
+
+
+def _spawn(fn, nprocs: int, **kw) -> None:  # type: ignore[no-untyped-def]
+    ddpkit.spawn(fn, nprocs, start_method="forkserver", **kw)
 
 
 def _net() -> nn.Module:
@@ -73,7 +84,7 @@ def _sync_vs_ddp(rank: int, out: str, optimizer: str) -> None:
 
 @pytest.mark.parametrize("world, servers, optimizer", [(2, 2, "sgd"), (2, 1, "adamw"), (3, 2, "sgd")])
 def test_sync_parameter_servers_make_ddps_update(tmp_path: Path, world: int, servers: int, optimizer: str) -> None:
-    ddpkit.spawn(_sync_vs_ddp, world, args=(str(tmp_path), optimizer), num_servers=servers)
+    _spawn(_sync_vs_ddp, world, args=(str(tmp_path), optimizer), num_servers=servers)
     for rank in range(world):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got["stats"]["steps"] == 13 and got["stats"]["staleness_max"] == 0
@@ -130,7 +141,7 @@ def _leads(out: Path) -> list[int]:
 def test_a_straggler_makes_the_fast_worker_wait_after_s_steps_never_more(tmp_path: Path, strategy: str) -> None:
     s = 2
     kw = {"num_servers": 1} if strategy == "ps-async" else {}
-    ddpkit.spawn(_straggle, 2, args=(str(tmp_path), strategy, s), **kw)
+    _spawn(_straggle, 2, args=(str(tmp_path), strategy, s), **kw)
     leads = _leads(tmp_path)
     # Finishing step t (and starting to compute step t+1) needs the straggler to have launched step t+1-S-ish:
     # the fast worker ends each step at most S+1 steps of gradients ahead of the straggler's launches.
@@ -147,7 +158,7 @@ def test_a_straggler_makes_the_fast_worker_wait_after_s_steps_never_more(tmp_pat
 
 
 def test_without_a_bound_the_fast_worker_runs_ahead(tmp_path: Path) -> None:
-    ddpkit.spawn(_straggle, 2, args=(str(tmp_path), "ps-async", None), num_servers=1)
+    _spawn(_straggle, 2, args=(str(tmp_path), "ps-async", None), num_servers=1)
     fast = json.loads((tmp_path / "0.json").read_text())
     assert max(_leads(tmp_path)) > 4  # nothing holds it: it runs through its shard
     assert fast["stats"]["bound_wait_s"] == 0.0
@@ -173,7 +184,7 @@ def _ssp_zero(rank: int, out: str) -> None:
 
 
 def test_ssp_with_staleness_zero_is_ddp_bit_for_bit(tmp_path: Path) -> None:
-    ddpkit.spawn(_ssp_zero, 2, args=(str(tmp_path),))
+    _spawn(_ssp_zero, 2, args=(str(tmp_path),))
     for rank in range(2):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got == {"same": True, "steps": 8}  # and a TrainState counts each step once
@@ -186,7 +197,7 @@ def _no_servers(rank: int) -> None:
 
 def test_without_servers_the_optimizer_says_how_to_start_them() -> None:
     with pytest.raises(WorkerError, match="ddpkit launch --num-servers K"):
-        ddpkit.spawn(_no_servers, 1)
+        _spawn(_no_servers, 1)
 
 
 def _server_dies(rank: int) -> None:
@@ -226,7 +237,7 @@ def _server_pid() -> int:
 def test_a_killed_server_fails_the_job_naming_it() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerError, match="parameter server 0 failed: process killed by signal SIGKILL"):
-        ddpkit.spawn(_server_dies, 2, num_servers=1)
+        _spawn(_server_dies, 2, num_servers=1)
     assert time.monotonic() - start < 60
 
 
@@ -285,7 +296,7 @@ def _more_servers_than_tensors(rank: int, out: str) -> None:
 
 
 def test_a_server_without_tensors_still_serves_its_part(tmp_path: Path) -> None:
-    ddpkit.spawn(_more_servers_than_tensors, 2, args=(str(tmp_path),), num_servers=3)
+    _spawn(_more_servers_than_tensors, 2, args=(str(tmp_path),), num_servers=3)
     assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == [True, True]
 
 
@@ -312,4 +323,4 @@ def _leaves_early(rank: int) -> None:
 
 def test_a_worker_that_leaves_a_synchronous_job_early_is_named_not_waited_for() -> None:
     with pytest.raises(WorkerError, match="worker 1 left .* while worker 0 waits for it in a synchronous request"):
-        ddpkit.spawn(_leaves_early, 2, num_servers=1)
+        _spawn(_leaves_early, 2, num_servers=1)

@@ -2,7 +2,8 @@
 
 ``crash``: rank ``CRASH_RANK`` raises at step 3 of round 0 (a restart round succeeds).
 ``long``: trains slowly for a minute in round 0 (to be killed or cut off), briefly after a restart.
-Every rank prints ``PID <rank> <pid>`` first and ``DONE <rank> round <n>`` at the end.
+Every rank prints ``PID <rank> <pid>`` first, ``TRAINING <rank> round <n>`` once its first step's all-reduce
+is done (every rank is in), and ``DONE <rank> round <n>`` at the end.
 """
 
 import os
@@ -28,5 +29,7 @@ for step in range(8 if mode == "crash" or round_ > 0 else 300):
     opt.zero_grad()
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
+    if step == 0:
+        print("TRAINING", ctx.rank, "round", round_, flush=True)
 ddpkit.barrier()
 print("DONE", ctx.rank, "round", round_, flush=True)

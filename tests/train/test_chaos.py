@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from procs import ROOT, base_env
 
 
@@ -25,6 +26,7 @@ def _chaos(tmp_path: Path, *args: str) -> dict:
     return json.loads(report.read_text())
 
 
+@pytest.mark.slow("a reference run, then four faults in one run, each restarting every worker under ZeRO-2")
 def test_worker_faults_under_ddpkit_launch_end_bit_identical(tmp_path: Path) -> None:
     # Under ZeRO stage 2 (sharded gradients and optimizer state), against the stage-0 reference.
     report = _chaos(tmp_path, "--mode", "launch", "--faults", "4", "--seed", "1", "--epochs", "6", "--zero", "2",
@@ -33,6 +35,7 @@ def test_worker_faults_under_ddpkit_launch_end_bit_identical(tmp_path: Path) -> 
     assert all(r["bit_identical"] and not r["epochs_not_once"] and not r["processes_left"] for r in report["runs"])
 
 
+@pytest.mark.slow("a reference run, then a killed run and its relaunch with --resume")
 def test_a_killed_train_process_ends_bit_identical_after_a_relaunch(tmp_path: Path) -> None:
     report = _chaos(tmp_path, "--mode", "train", "--faults", "1", "--seed", "1", "--epochs", "8",
                     "--kinds", "sigkill-launcher")
@@ -40,6 +43,7 @@ def test_a_killed_train_process_ends_bit_identical_after_a_relaunch(tmp_path: Pa
     assert all(r["bit_identical"] and r["step_files"] <= 3 and not r["lock_left"] for r in report["runs"])
 
 
+@pytest.mark.slow("a reference run, then two nodes' launchers killed: a relaunch and a restart round of fresh workers")
 def test_two_nodes_survive_node_1s_launcher_and_are_relaunched_after_node_0s(tmp_path: Path) -> None:
     # Seed 2 kills node 0's launcher (the static rendezvous: the job ends, relaunched with --resume), then
     # node 1's (a new launcher joins the restart round, the job goes on by itself).

@@ -123,6 +123,7 @@ def test_a_killed_server_under_ddpkit_train_restarts_from_the_checkpoint_bit_ide
     _same_weights(out, ddp_run)
 
 
+@pytest.mark.slow("a run whose server is killed, its restart, and the DDP reference (a fixture) to compare with")
 def test_a_killed_server_under_ddpkit_launch_is_the_root_cause_and_the_relaunch_is_bit_identical(
         tmp_path: Path, ddp_run: Path) -> None:
     out = tmp_path / "run"

@@ -33,6 +33,7 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow("a job, two refused ones beside it, a kill -9, then a run that takes the lock over and resumes")
 def test_a_second_job_is_refused_and_a_crashed_jobs_lock_is_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = _train(out, "--epochs", "400")  # long enough to outlive both attempts below; killed after

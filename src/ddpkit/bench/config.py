@@ -53,7 +53,7 @@ class BenchConfig:
         "per rank; strong: the same global batch), and step time and ratio of MLPs of --mlp-sizes parameters"
     )
     world_sizes: tuple[int, ...] = option(
-        (), "world sizes of --scaling (default: 1 to the CPU count)", metavar="N"
+        (), "world sizes of --scaling (default: 1 to the CPU count) and of --zero (default: 2 and 3)", metavar="N"
     )
     mlp_sizes: tuple[float, ...] = option(
         (1e6, 5e6, 25e6, 100e6), "parameter counts of --scaling's MLPs (the model-size sweep, at --world-size)",
@@ -87,12 +87,14 @@ class BenchConfig:
     engine_cost: bool = option(
         False, "also time both engines with the same no-op comm hook, so that neither communicates and the ratio is "
         "the engines' own cost (always on with --device cuda: at world 1 ddpkit skips the all-reduce that torch's "
-        "DDP still runs, so the plain ratio flatters ddpkit there)"
+        "DDP still runs, so the plain ratio flatters ddpkit there); and report what each engine adds to the plain "
+        "model's step, in us per step, per parameter and per bucket, and in aten operations dispatched per step "
+        "(torch's DDP also with batched_grad_copy where this torch has it)"
     )
     zero: bool = option(
         False, "instead of the engine table: ZeRO's table, per-rank MB of parameters, gradients and optimizer "
-        "state, peak memory and step time of DDP and ZeRO stages 1 and 2, ddpkit's and torch's, AdamW, at world "
-        "2 and 3, on the transformer and the MLP of --workloads"
+        "state, peak memory and step time of DDP and ZeRO stages 1 and 2, ddpkit's and torch's, AdamW, at "
+        "--world-sizes (2 and 3), on the transformer and the MLP of --workloads"
     )
     trace: Path | None = option(
         None, "write a Chrome trace (Perfetto, chrome://tracing) of extra traced steps of both engines: forward, "
@@ -154,6 +156,12 @@ class BenchConfig:
         self.mlp_sizes = tuple(self.mlp_sizes)
         if any(w < 1 for w in self.world_sizes):
             raise ConfigError(f"--world-sizes {' '.join(map(str, self.world_sizes))}: each must be at least 1")
+        if self.world_sizes and not (self.scaling or self.zero):
+            raise ConfigError(f"--world-sizes {' '.join(map(str, self.world_sizes))} applies to --scaling and --zero: "
+                              "add one, or set the engine table's ranks with --world-size")
+        if self.zero and min(self.world_sizes, default=2) < 2:
+            raise ConfigError(f"--zero --world-sizes {' '.join(map(str, self.world_sizes))}: each must be at least 2 "
+                              "(ZeRO shards over the ranks; at world 1 there is nothing to shard)")
         if any(not p >= 1e3 for p in self.mlp_sizes):
             raise ConfigError(f"--mlp-sizes {' '.join(f'{p:g}' for p in self.mlp_sizes)}: each must be at least "
                               "1000 parameters")

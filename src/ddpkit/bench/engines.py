@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.dispatch import engine_us, top_level_ops
 from ddpkit.bench.progress import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
 from ddpkit.bench.workloads import settle, stepper, workload
@@ -101,6 +102,13 @@ class WorkloadResult:
     """Both engines with the same no-op comm hook (``--engine-cost``, always with ``--device cuda``): no
     communication on either side, so the ratio is the engines' own cost. Fair at world 1 too, where ddpkit
     skips the all-reduce that torch's DDP still runs."""
+    param_tensors: int = 0
+    """The model's parameter tensors (what per-parameter work is paid for)."""
+    engine_us: dict[str, float] | None = None
+    engine_ops: dict[str, int] | None = None
+    """``--engine-cost``: per engine (``ddpkit``, ``torch``, and ``torch batched`` where torch's DDP takes
+    ``batched_grad_copy``), with the no-op hook, the µs per step beyond the plain model's step and the aten
+    operations dispatched per step beyond the plain model's (see :mod:`ddpkit.bench.dispatch`)."""
     ddpkit_peak_mib: float | None = None
     torch_peak_mib: float | None = None
     """``--device cuda``: peak GPU memory of each engine's steps (its model copy, gradients, optimizer state,
@@ -137,7 +145,7 @@ def comm_only(buffers: list[torch.Tensor]) -> float:
 def _engines(cfg: BenchConfig) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """How each engine wraps a copy of the model: the two DDPs, and with ``--engine-cost`` both again with the
     same no-op comm hook."""
-    from ddpkit._reference import torch_ddp
+    from ddpkit._reference import torch_ddp, torch_ddp_accepts
     from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
     def ours(m: nn.Module) -> nn.Module:
@@ -145,6 +153,9 @@ def _engines(cfg: BenchConfig) -> dict[str, Callable[[nn.Module], nn.Module]]:
 
     def theirs(m: nn.Module) -> nn.Module:
         return torch_ddp(m, bucket_cap_mb=cfg.bucket_cap_mb)
+
+    def batched(m: nn.Module) -> nn.Module:  # one copy per bucket instead of one per parameter (torch >= 2.12)
+        return torch_ddp(m, bucket_cap_mb=cfg.bucket_cap_mb, batched_grad_copy=True)
 
     def quiet(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
         def wrapped(m: nn.Module) -> nn.Module:
@@ -156,6 +167,8 @@ def _engines(cfg: BenchConfig) -> dict[str, Callable[[nn.Module], nn.Module]]:
     engines = {"ddpkit": ours, "torch": theirs}
     if cfg.measures_engine_cost:
         engines |= {"ddpkit noop": quiet(ours), "torch noop": quiet(theirs)}
+        if torch_ddp_accepts("batched_grad_copy"):
+            engines["torch batched noop"] = quiet(batched)
     return engines
 
 
@@ -214,7 +227,7 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     while r < rounds or more_rounds(times, cfg, started):
         order = ["ddpkit", "torch"] if r % 2 == 0 else ["torch", "ddpkit"]
         if "ddpkit noop" in steps:
-            order += [f"{engine} noop" for engine in order]
+            order += [f"{engine} noop" for engine in order] + [e for e in steps if e == "torch batched noop"]
         for engine in order + ["compute"]:
             barrier()
             for _ in range(cfg.block):
@@ -227,6 +240,7 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         bar.update(cfg.block)
         r += 1
     bar.close()
+    costs = engine_costs(steps, times) if "ddpkit noop" in steps else None
     overlaps = traced_steps(name, cfg, ours, theirs, x, y, run=(run["ddpkit"], run["torch"]))
     mine = comm_tensor(exposed, torch.float64)
     waits = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -253,8 +267,20 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
         ddpkit_noop_ms=median_ms(times["ddpkit noop"]) if quiet else None,
         torch_noop_ms=median_ms(times["torch noop"]) if quiet else None,
         noop_ratio=statistics.median(quiet) if quiet else None, noop_ratio_iqr=quartiles(quiet) if quiet else None,
+        param_tensors=sum(1 for _ in base.parameters()),
+        engine_us=costs[0] if costs else None, engine_ops=costs[1] if costs else None,
         ddpkit_peak_mib=peaks.get("ddpkit"), torch_peak_mib=peaks.get("torch"),
     )
+
+
+def engine_costs(steps: dict[str, Callable[[], float]], times: dict[str, list[float]]
+                 ) -> tuple[dict[str, float], dict[str, int]]:
+    """Each no-op-hooked engine's µs per step and aten operations per step beyond the plain model (one more,
+    profiled, step of each; every rank runs them, in the same order)."""
+    plain = top_level_ops(steps["compute"])
+    engines = {e.removesuffix(" noop"): e for e in steps if e.endswith(" noop")}
+    ops = {name: top_level_ops(steps[e]) - plain for name, e in engines.items()}
+    return {name: engine_us(times[e], times["compute"]) for name, e in engines.items()}, ops
 
 
 TRACED_STEPS = 10
@@ -357,4 +383,23 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
         "(defaults) = the table above's; peak MiB = peak GPU memory of each engine's steps above what was "
         "allocated before it was built (largest over ranks; '-' on the CPU)"
     )
+    counted = [r for r in results if r.engine_us and r.engine_ops]
+    if counted:
+        lines += ["", f"{'workload':<11} {'engine':<14} {'tensors':>7} {'buckets':>7} {'us/step':>8} {'us/param':>8} "
+                      f"{'us/bucket':>9} {'ops/step':>8}"]
+        for r in counted:
+            assert r.engine_us is not None and r.engine_ops is not None
+            for engine, us in r.engine_us.items():
+                buckets = r.buckets if engine == "ddpkit" else None
+                lines.append(
+                    f"{r.workload:<11} {engine:<14} {r.param_tensors:>7} {buckets if buckets else '-':>7} "
+                    f"{us:>8.0f} {us / r.param_tensors:>8.2f} {f'{us / buckets:.1f}' if buckets else '-':>9} "
+                    f"{r.engine_ops[engine]:>8}"
+                )
+        lines.append(
+            "beyond the plain model, each engine with the no-op hook: us/step = median over rounds of the engine's "
+            "step minus the plain model's step of the same round (us/param: per parameter tensor; us/bucket: per "
+            "ddpkit bucket); ops/step = aten operations dispatched per step (top level, under torch's profiler) "
+            "minus the plain model's; torch batched = torch's DDP with batched_grad_copy=True"
+        )
     return "\n".join(lines)

@@ -71,7 +71,7 @@ def plan(cfg: BenchConfig) -> dict[int, list[tuple[str, str, BenchConfig]]]:
     worlds = sorted(set(cfg.world_sizes)) or list(range(1, (os.cpu_count() or 1) + 1))
     names = [w for w in cfg.workloads if w != "dp"]
     jobs: dict[int, list[tuple[str, str, BenchConfig]]] = {w: [] for w in worlds}
-    quiet = {"json_path": None, "plot": None, "scaling": False, "report": None, "trace": None}
+    quiet = {"json_path": None, "plot": None, "scaling": False, "world_sizes": (), "report": None, "trace": None}
     for w in worlds:
         for name in names:
             field = BATCH_FIELD[name]

@@ -38,6 +38,7 @@ SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2")
 ZERO_WORKLOADS = ("transformer", "mlp")
 """The workloads ``--zero`` runs (of ``--workloads``): the two with the most optimizer state."""
 WORLDS = (2, 3)
+"""The world sizes ``--zero`` measures when ``--world-sizes`` is not given."""
 
 
 def _build(setup: str, model: Any, bucket_cap_mb: float | None) -> tuple[Any, Any]:
@@ -154,7 +155,7 @@ def measure_zero(cfg: BenchConfig) -> dict[str, Any]:
     found: dict[str, Any] = {}
     with environment(FIXED_MMAP_THRESHOLD):
         for name in (w for w in cfg.workloads if w in ZERO_WORKLOADS):
-            for world in WORLDS:
+            for world in cfg.world_sizes or WORLDS:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "zero.json")
                     spawn(_time_worker, world, args=(cfg, name, out), backend="gloo")
