@@ -330,6 +330,31 @@ def _stage2_errors() -> list[str]:
     ))
 
 
+def _unstepped() -> list[list[str]]:
+    import warnings
+
+    seen = []
+    for zero in (False, True):
+        model = ddpkit.DDP(make("plain"), zero_stage=2)
+        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if zero else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 1, 8, 8)).sum().backward()
+                opt.step()
+        seen.append([str(w.message) for w in caught if "zero_stage=2" in str(w.message)])
+    return seen
+
+
+def test_stage2_warns_once_when_a_backwards_gradients_are_never_stepped_on(dist2):
+    plain, zero = dist2.run(_unstepped)[0]
+    assert len(plain) == 1, plain  # the second forward sees it; once per model
+    assert "were not stepped on" in plain[0] and "only ddpkit.ZeroRedundancyOptimizer" in plain[0]
+    assert zero == []
+
+
 def test_stage2_refuses_what_it_cannot_do(dist2):
     seen = dist2.run(_stage2_errors)[0]
     assert seen[0].startswith("ValueError: zero_stage=1: use 0") and "ZeroRedundancyOptimizer" in seen[0]

@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,6 +158,7 @@ class ShardedReducer(Reducer):
         """Which parameters got a gradient on some rank in the last synchronised backward."""
         self.fresh = False
         """A synchronised backward has filled the gradient shards since the last step."""
+        self._warned_unstepped = False
         self._in_flight: collections.deque[GradBucket] = collections.deque()
         self.native = process_group is not None and dist.get_backend(process_group) == "nccl"
         """Reduce-scatter and all-gather with the backend's own collectives (NCCL), else see the module notes."""
@@ -165,6 +167,19 @@ class ShardedReducer(Reducer):
         for p in self.params:
             _BY_PARAM[id(p)] = (weakref.ref(p), me)
         weakref.finalize(self, _forget, [id(p) for p in self.params], me)
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
+        if self.fresh and not self._warned_unstepped:
+            # Not an error: a step skipped on purpose (a NaN check) is the same loss under any stage.
+            self._warned_unstepped = True
+            warnings.warn(
+                f"{self.owner}(zero_stage=2): the gradients of the last synchronised backward were not stepped on "
+                "before this forward, and the next backward replaces them. Stage 2 keeps only this rank's shard of "
+                "each gradient (every .grad is None), which only ddpkit.ZeroRedundancyOptimizer(model.parameters(), "
+                "optimizer_class, ...) steps on: a torch optimizer over the parameters finds no gradient and does "
+                "nothing. To accumulate over several backwards, run all but the last under no_sync()",
+                RuntimeWarning, stacklevel=3)
+        super().prepare_for_backward(outputs)
 
     def _make_layout(self, sparse: list[bool], as_view: bool, caps_given: bool) -> BucketLayout:
         del as_view, caps_given
