@@ -227,7 +227,8 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     while r < rounds or more_rounds(times, cfg, started):
         order = ["ddpkit", "torch"] if r % 2 == 0 else ["torch", "ddpkit"]
         if "ddpkit noop" in steps:
-            order += [f"{engine} noop" for engine in order] + [e for e in steps if e == "torch batched noop"]
+            order += [f"{engine} noop" for engine in order] + (["torch batched noop"] if "torch batched noop" in steps
+                                                                  else [])
         for engine in order + ["compute"]:
             barrier()
             for _ in range(cfg.block):

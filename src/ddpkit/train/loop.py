@@ -34,19 +34,17 @@ Resuming (``resume=True``, or any restarted attempt) restores model,
 optimizer, grad scaler, sampler position (mid-epoch too), step, the partial
 loss sums of the epoch and every rank's RNG state from the newest valid
 checkpoint, so a run stopped anywhere and resumed ends bit-identical to an
-uninterrupted run. The learning rate is constant for that reason: a schedule
-that depended on the total number of epochs would change when ``epochs``
-grows on resume.
+uninterrupted run. The learning rate depends on the step alone for that
+reason (the ``--warmup-epochs`` ramp, then constant; see
+:class:`~ddpkit.train.run.Run`): a schedule that depended on the total number
+of epochs would change when ``epochs`` grows on resume.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,21 +52,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ddpkit.data.datasets import TensorDataset, load_dataset
+from ddpkit.data.datasets import load_dataset
 from ddpkit.integrations.tensorboard import EpochBoard
-from ddpkit.parallel.ddp.trace import UNTRACED, Recorder, Untraced, instrument, write
+from ddpkit.parallel.ddp.trace import instrument, write
 from ddpkit.runtime import events, variables
-from ddpkit.runtime.devices import comm_device, comm_tensor
+from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import restart, rundir
-from ddpkit.train.checkpoint import CheckpointError, describe_write_error, load_checkpoint, save_json, save_weights
+from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate
 from ddpkit.train.recipe import autocast_for, build_state, make_deterministic, replicas, wrap
-from ddpkit.train.state import TrainState, checkpoint_files
-from ddpkit.train.strategy import Strategy, make_strategy
+from ddpkit.train.run import Run
+from ddpkit.train.strategy import make_strategy
 
 __all__ = ["TrainConfig", "train", "worker"]
 
@@ -103,145 +101,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
 def _load_data(config: TrainConfig) -> Any:
     return load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
                         synthetic_samples=config.synthetic_samples)
-
-
-@dataclass
-class Run:
-    """What one worker trains with: the saved state, its live objects, and the data."""
-
-    state: TrainState
-    config: TrainConfig
-    model: torch.nn.Module
-    """The model as the engine wrapped it."""
-    strategy: Strategy
-    device: torch.device
-    world: int
-    out: Path
-    train_data: tuple[torch.Tensor, torch.Tensor]
-    test: TensorDataset
-    recorder: Recorder | None = None
-    """``--trace``: the spans of this rank."""
-    traced_until: int = 0
-    """``--trace``: the optimizer step after the last one recorded."""
-    evaluation: tuple[float, float, int] = (float("nan"), float("nan"), 0)
-    trained: int = 0
-    """Samples trained in this attempt, summed over ranks."""
-    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
-    """How often this rank trained each sample since the counts were last settled (on the device)."""
-    board: EpochBoard | None = None
-    """``--tensorboard``, on rank 0."""
-    unwritten: int = 0
-    """Checkpoints of this attempt that could not be written."""
-    failing: bool = False
-    """Whether the newest checkpoint could not be written (one warning per run of failures, not one each)."""
-
-    @property
-    def progress(self) -> dict[str, Any]:
-        """Where the run stands (saved in every checkpoint as ``extra``)."""
-        return self.state.extra
-
-    @property
-    def scale(self) -> int:
-        """Model replicas in the job: processes, times DataParallel's replicas in each."""
-        return self.world * replicas(self.config)
-
-    @property
-    def lr(self) -> float:
-        return self.config.lr * self.scale
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in an epoch of this rank's shard."""
-        return math.ceil(math.ceil(self.state.sampler.num_samples / self.batch) / self.config.grad_accum)
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (from 0): :attr:`lr`, reached linearly from one process's
-        over ``--warmup-epochs`` (a function of the step alone, so a resumed run takes the same rates)."""
-        ramp = self.config.warmup_epochs * self.steps_per_epoch
-        if step >= ramp:
-            return self.lr
-        return self.config.lr + (self.lr - self.config.lr) * step / ramp
-
-    @property
-    def batch(self) -> int:
-        """Samples one process takes per micro-batch (all its replicas together)."""
-        return self.config.batch_size * replicas(self.config)
-
-    def tracer(self) -> Recorder | Untraced:
-        """What records this optimizer step: the recorder for the first ``--trace-steps``, else nothing."""
-        if self.recorder is None:
-            return UNTRACED
-        self.recorder.enabled = self.state.step < self.traced_until
-        return self.recorder if self.recorder.enabled else UNTRACED
-
-    def checkpoint(self, consumed: int, loss_sum: torch.Tensor, count: int) -> None:
-        """Save the whole state now (a collective), with each rank's partial loss sums of the epoch."""
-        self.strategy.consensus(self.state.optimizer)
-        mine = comm_tensor(torch.stack([loss_sum.detach().double().cpu(),
-                                        torch.tensor(float(count), dtype=torch.float64)]))
-        parts = [torch.empty_like(mine) for _ in range(self.world)]
-        events.collective("train: gather the epoch's partial loss sums", nbytes=mine.numel() * mine.element_size())
-        dist.all_gather(parts, mine)
-        self.progress["partial"] = torch.stack(parts).cpu()
-        self.settle_seen()
-        self.save(consumed)
-
-    def settle_seen(self) -> None:
-        """Add every rank's count of the samples trained since the last settling to the run's (a collective)."""
-        seen = self.seen.to(comm_device(like=self.seen), copy=True)
-        events.collective("train: sum the samples trained", nbytes=seen.numel() * seen.element_size())
-        dist.all_reduce(seen)
-        self.progress["seen"] = self.progress.get("seen", torch.zeros_like(seen.cpu())) + seen.cpu()
-        self.seen.zero_()
-
-    def save(self, consumed: int) -> None:
-        """A checkpoint of now; one that cannot be written warns and training goes on (see the module notes).
-
-        The first of a run of failures warns; the ones after it are counted, and a checkpoint written again
-        says how many were skipped.
-        """
-        try:
-            self.state.save(self.out / rundir.CHECKPOINT_DIR, self.state.step, sampler_consumed=consumed,
-                            within=self.out)
-        except CheckpointError as e:
-            if e.gone:
-                raise CheckpointError(f"the run directory {self.out} was removed while the run was going on: "
-                                      "stopping here; restore it and --resume, or start again", gone=True) from e
-            self.unwritten += 1
-            if not self.failing:
-                print0(f"ddpkit train: warning: {e}; training goes on (a restart would resume from "
-                       f"{self.last_good()}), but the final weights must be written; the checkpoints after this "
-                       "one that cannot be written either are counted, not each reported")
-            self.failing = True
-            return
-        if self.failing:
-            print0(f"ddpkit train: checkpoints are written again ({self.unwritten} could not be written so far)")
-        self.failing = False
-
-    def last_good(self) -> str:
-        """The newest checkpoint on disk, which a restart would resume from."""
-        kept = checkpoint_files(self.out / rundir.CHECKPOINT_DIR)
-        return str(kept[-1][1]) if kept else "the start (no checkpoint was written)"
-
-    def publish(self, record: dict[str, Any]) -> None:
-        """Rank 0 adds a finished epoch to the TensorBoard files (``--tensorboard``); a failure warns."""
-        if self.board is None:
-            return
-        try:
-            self.board.write(record)
-        except OSError as e:
-            print(f"ddpkit train: warning: could not write TensorBoard events to {self.board.directory}: "
-                  f"{describe_write_error(e)}; training goes on", flush=True)
-
-    def write_metrics(self) -> None:
-        """Rank 0 rewrites ``metrics.jsonl``; a failure warns (the history is in every checkpoint too)."""
-        if dist.get_rank() != 0:
-            return
-        try:
-            rundir.write_metrics(self.out, self.progress["history"])
-        except OSError as e:
-            print(f"ddpkit train: warning: could not write {self.out / 'metrics.jsonl'}: {describe_write_error(e)}; "
-                  "training goes on", flush=True)
 
 
 def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
