@@ -2,7 +2,7 @@
 
 The one module of ddpkit's source allowed to import ``torch.nn.parallel``,
 ``torch.distributed.algorithms`` and ``torch.distributed.optim``, and to build
-torch's ``nn.SyncBatchNorm``: ``ddpkit bench``, ``ddpkit train --engine
+torch's ``nn.SyncBatchNorm`` and FSDP2's ``fully_shard``: ``ddpkit bench``, ``ddpkit train --engine
 torch`` and ``ddpkit doctor`` measure or check ddpkit against them. Nothing
 else may use them to do ddpkit's job.
 """
@@ -35,6 +35,15 @@ def torch_zero(params: Any, optimizer_class: type, **kwargs: Any) -> Any:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(params, optimizer_class, **kwargs)
+
+
+def torch_fsdp2(module: nn.Module, units: list[nn.Module]) -> nn.Module:
+    """``module`` under torch's FSDP2: ``fully_shard`` on each of ``units``, then on ``module`` (the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit)
+    return fully_shard(module)
 
 
 def torch_sync_batchnorm(num_features: int) -> nn.Module:

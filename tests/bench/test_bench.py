@@ -350,6 +350,8 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
         assert zero1["state"] == torch1["state"] < ddp["state"]  # torch's partition, the fullest rank
         assert zero2["state"] <= ddp["state"] / world * 1.01 + 0.01  # elements: 1/W
         assert zero2["grads"] <= ddp["grads"] / world * 1.01 + 0.01
+        for sharded in (row["zero3"], row["torch fsdp2"]):  # parameters, gradients and state: 1/W each
+            assert all(sharded[k] <= ddp[k] / world * 1.01 + 0.01 for k in ("params", "grads", "state"))
         assert all(m["peak"] > 0 and m["step_s"] > 0 for m in row.values())
     assert "ZeRO: MB per rank" in capfd.readouterr().out
 

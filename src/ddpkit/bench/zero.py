@@ -8,16 +8,18 @@ Five setups train each workload with AdamW (two state tensors per parameter):
 ``zero1``           ddpkit's DDP and ``ddpkit.ZeroRedundancyOptimizer``
 ``torch zero1``     torch's DDP and ``torch.distributed.optim.ZeroRedundancyOptimizer``
 ``zero2``           ``ddpkit.DDP(zero_stage=2)`` and ``ddpkit.ZeroRedundancyOptimizer``
+``zero3``           ``ddpkit.DDP(zero_stage=3)`` and ``torch.optim.AdamW`` over its shards
+``torch fsdp2``     torch's FSDP2 (``fully_shard`` on the same units, then the root) and AdamW
 ==================  ===========================================================================
 
 Bytes per rank (the largest over ranks), counted from the tensors alive
-between a backward and its step: *parameters*; *gradients*, every ``.grad``
+between a backward and its step (a sharded tensor counts its local part): *parameters*; *gradients*, every ``.grad``
 plus the gradient shards stage 2 keeps (the buckets that exist only while
 they are reduced are in the peak, not here); *optimizer state*, the tensors
 of the (local) optimizer's state. *Peak*: the peak private memory of a rank
 above its baseline, in processes of its own per setup (as ``--memory``
 measures it, see :mod:`ddpkit.bench.memory`). *Step*: the median step time,
-the five setups stepping in turn in one group of processes (``--steps``
+the setups stepping in turn in one group of processes (``--steps``
 rounds after ``--warmup``), and its ratio to ``ddp``.
 """
 
@@ -34,7 +36,7 @@ from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.memory import FIXED_MMAP_THRESHOLD, MEMORY_STEPS, in_use, peaks
 from ddpkit.runtime.process import environment
 
-SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2")
+SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2", "zero3", "torch fsdp2")
 ZERO_WORKLOADS = ("transformer", "mlp")
 """The workloads ``--zero`` runs (of ``--workloads``): the two with the most optimizer state."""
 WORLDS = (2, 3)
@@ -45,11 +47,18 @@ def _build(setup: str, model: Any, bucket_cap_mb: float | None) -> tuple[Any, An
     """``setup``'s wrapped model and optimizer around ``model``."""
     import torch
 
-    from ddpkit._reference import torch_ddp, torch_zero
+    from ddpkit._reference import torch_ddp, torch_fsdp2, torch_zero
     from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
     from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
+    from ddpkit.parallel.zero.units import find_units
 
     adamw = torch.optim.AdamW
+    if setup == "torch fsdp2":
+        wrapped = torch_fsdp2(model, [unit for _, unit in find_units(model)])
+        return wrapped, adamw(model.parameters(), lr=1e-4)
+    if setup == "zero3":
+        wrapped = DistributedDataParallel(model, zero_stage=3)
+        return wrapped, adamw(model.parameters(), lr=1e-4)
     if setup.startswith("torch"):
         wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb)
         opt = torch_zero(model.parameters(), adamw, lr=1e-4) if "zero" in setup else adamw(model.parameters(), lr=1e-4)
@@ -65,7 +74,8 @@ def _bytes(model: Any, wrapped: Any, opt: Any) -> dict[str, float]:
     import torch
 
     def size(tensors: Any) -> float:
-        return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2's DTensors: this rank's
+        return sum(t.numel() * t.element_size() for t in local) / 1e6
 
     local = getattr(opt, "optim", opt)
     state = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -84,7 +94,7 @@ def _step(wrapped: Any, opt: Any, x: Any, y: Any) -> Any:
 
 
 def _time_worker(rank: int, cfg: BenchConfig, name: str, out: str) -> None:
-    """All five setups in one group of processes, stepping in turn; step times and bytes per setup."""
+    """All the setups in one group of processes, stepping in turn; step times and bytes per setup."""
     import copy
     import time
 

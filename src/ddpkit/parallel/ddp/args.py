@@ -171,16 +171,33 @@ def check_zero_stage(stage: Any, static_graph: bool, gradient_as_bucket_view: bo
     """``zero_stage`` as an int, refused with the reason where it cannot work.
 
     Raises:
-        ValueError: a stage other than 0 and 2, or stage 2 with ``static_graph`` or ``gradient_as_bucket_view``.
+        ValueError: a stage other than 0, 2 and 3, or stage 2 or 3 with ``static_graph`` or
+            ``gradient_as_bucket_view``.
     """
-    if stage not in (0, 2) or isinstance(stage, bool):
+    if stage not in (0, 2, 3) or isinstance(stage, bool):
         hint = (" (stage 1 shards the optimizer state only: ddpkit.ZeroRedundancyOptimizer over a model with "
                 "zero_stage=0)" if stage == 1 else "")
-        raise ValueError(f"zero_stage={stage!r}: use 0 (every rank gets every averaged gradient) or 2 (each rank "
-                         f"keeps its shard){hint}")
-    if stage == 2 and static_graph:
-        raise ValueError("zero_stage=2 does not support static_graph=True: drop one of them")
-    if stage == 2 and gradient_as_bucket_view:
-        raise ValueError("zero_stage=2 with gradient_as_bucket_view=True: the buckets of stage 2 exist only while "
-                         "they are reduced, so no gradient can live in them; drop gradient_as_bucket_view")
+        raise ValueError(f"zero_stage={stage!r}: use 0 (every rank gets every averaged gradient), 2 (each rank "
+                         f"keeps its shard of the gradients) or 3 (of the parameters too){hint}")
+    if stage and static_graph:
+        raise ValueError(f"zero_stage={stage} does not support static_graph=True: drop one of them")
+    if stage and gradient_as_bucket_view:
+        raise ValueError(f"zero_stage={stage} with gradient_as_bucket_view=True: the buckets of stage {stage} exist "
+                         "only while they are reduced, so no gradient can live in them; drop gradient_as_bucket_view")
     return int(stage)
+
+
+def check_stage3(stage: int, units: Any, reshard_after_forward: Any, param_dtype: Any, reduce_dtype: Any,
+                 ) -> dict[str, Any]:
+    """Stage 3's own arguments as :class:`ddpkit.parallel.zero.stage3.ShardedParameters` takes them; refused,
+    naming them, with another stage."""
+    given = {"zero_units": units is not None, "reshard_after_forward": reshard_after_forward is not True,
+             "zero_param_dtype": param_dtype is not None, "zero_reduce_dtype": reduce_dtype is not None}
+    if stage != 3 and any(given.values()):
+        names = ", ".join(n for n, g in given.items() if g)
+        raise ValueError(f"{names} apply to zero_stage=3 only (zero_stage={stage} here): drop them or use zero_stage=3")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward={reshard_after_forward!r}: give True (free a unit's gathered "
+                         "parameters after its forward) or False (keep them until its backward)")
+    return {"units": units, "reshard_after_forward": reshard_after_forward, "param_dtype": param_dtype,
+            "reduce_dtype": reduce_dtype}

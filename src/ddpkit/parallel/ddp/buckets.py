@@ -118,7 +118,7 @@ def sparse_zeros(param: torch.Tensor) -> torch.Tensor:
 class StagingPlan:
     """How one bucket's gradients are copied in (see the module notes)."""
 
-    __slots__ = ("fused_params", "fused_views", "each", "eager")
+    __slots__ = ("each", "eager", "fused_params", "fused_views")
 
     def __init__(self, bucket: GradBucket, as_view: bool) -> None:
         small = [p.numel() * p.element_size() <= FUSED_MAX_BYTES for p in bucket.params]

@@ -46,7 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.ddp.observer import BucketEvent, Observer, ObserverHandle, WaitEvent
+from ddpkit.parallel.ddp.observer import (
+    BucketEvent,
+    Observer,
+    ObserverHandle,
+    WaitEvent,
+)
 
 __all__ = ["DEFAULT_SAMPLE_RATE", "DDPLogging"]
 
@@ -213,3 +218,18 @@ class DDPLogging(Observer):
     def data(self) -> dict[str, Any]:
         """The dictionary torch's ``_get_ddp_logging_data()`` returns: strings, then integers."""
         return {**self.strs, **self.ints}
+
+
+class ShardedLogging(DDPLogging):
+    """The logging data of ``DistributedDataParallel(zero_stage=3)``: the construction figures (the units stand
+    for the buckets) and the iteration count; no runtime figures, as stage 3 has no buckets to observe."""
+
+    def _bucket_sizes(self) -> list[int]:
+        return [u.nbytes for u in self.ddp.reducer.units]
+
+    def forward_start(self) -> None:
+        self.iterations += 1
+        self.ints["iteration"] = self.iterations
+
+    def forward_end(self) -> None:
+        pass

@@ -21,18 +21,21 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.bucket import CommHook, check_hook_signature
+from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
 from ddpkit.parallel.ddp import args as ddp_args
 from ddpkit.parallel.ddp.bucket_caps import DEFAULT_BUCKET_CAP_MB
-from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
 from ddpkit.parallel.ddp.buffers import IGNORED_ATTRIBUTE, DDPBuffers
-from ddpkit.parallel.ddp.logging_data import DDPLogging
+from ddpkit.parallel.ddp.engine import make_engine
 from ddpkit.parallel.ddp.join import DDPJoinable
+from ddpkit.parallel.ddp.logging_data import DDPLogging, ShardedLogging
 from ddpkit.parallel.ddp.observer import Observer, ObserverHandle
 from ddpkit.parallel.ddp.reducer import Reducer
 from ddpkit.parallel.ddp.replicas import DDPConfigError, verify_same_parameters
-from ddpkit.parallel.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.ddp.sink import anchor_end_of_backward, through_sink
+from ddpkit.parallel.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.zero.stage2 import ShardedReducer
+from ddpkit.parallel.zero.stage3 import ShardedParameters
+from ddpkit.parallel.zero.units import clip_grad_norm
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel"]
 
@@ -76,7 +79,11 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             :class:`ddpkit.ZeroRedundancyOptimizer` over the model's
             parameters (see :mod:`ddpkit.parallel.zero.stage2`). Default
             ``0``: every rank gets every average (stage 1 is the optimizer
-            alone, over this).
+            alone, over this). ``3``: ZeRO stage 3, the parameters sharded
+            too and gathered unit by unit; any torch optimizer over the
+            model's parameters steps on this rank's shard (see
+            :mod:`ddpkit.parallel.zero.stage3`, also for ``zero_units``,
+            ``reshard_after_forward``, ``zero_param_dtype`` and ``zero_reduce_dtype``).
 
     Parameters and buffers named with torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``
@@ -137,6 +144,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         forward_sync_buffers: bool | None = None,
         *,
         zero_stage: int = 0,
+        zero_units: Sequence[type[nn.Module]] | None = None,
+        reshard_after_forward: bool = True,
+        zero_param_dtype: torch.dtype | None = None,
+        zero_reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         # torch's arguments in torch's order, so a call written for torch's DDP
@@ -161,6 +172,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.zero_stage = ddp_args.check_zero_stage(zero_stage, static_graph, gradient_as_bucket_view)
+        self.stage3_settings = ddp_args.check_stage3(self.zero_stage, zero_units, reshard_after_forward, zero_param_dtype,
+                                             zero_reduce_dtype)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.process_group = process_group
@@ -186,7 +199,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             states = [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
             broadcast_once(states, process_group, "parameters and buffers")
         self.reducer = self._make_reducer()
-        self._logging = DDPLogging(self)
+        self._logging = DDPLogging(self) if self.zero_stage < 3 else ShardedLogging(self)
 
     def _keep_settings(self, settled: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
         """The settled arguments, and the attributes torch's DDP exposes for them."""
@@ -210,32 +223,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
-    def _make_reducer(self) -> Reducer:
-        # torch's filter names a parameter "<module>.<name>", so the root's own are ".<name>".
-        ignored = self.parameters_to_ignore
-        trainable = [(n, p) for n, p in self.module.named_parameters()
-                     if p.requires_grad and (n if "." in n else f".{n}") not in ignored]
-        # torch's rule: a parameter of an nn.Embedding / nn.EmbeddingBag with sparse=True expects a sparse gradient.
-        owner: dict[int, nn.Module] = {}
-        for m in self.module.modules():
-            for p in m.parameters(recurse=False):
-                owner.setdefault(id(p), m)
-        sparse = [isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse)
-                  for _, p in trainable]
-        if self.zero_stage == 2:
-            return ShardedReducer(trainable, expect_sparse=sparse, process_group=self.process_group,
-                                  bucket_cap_mb=self._bucket_caps[0], bucket_caps_mb=self._bucket_caps[1],
-                                  find_unused_parameters=self.find_unused_parameters)
-        return Reducer(
-            trainable,
-            expect_sparse=sparse,
-            process_group=self.process_group,
-            bucket_cap_mb=self._bucket_caps[0],
-            bucket_caps_mb=self._bucket_caps[1],
-            find_unused_parameters=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            static_graph=self.static_graph,
-        )
+    def _make_reducer(self) -> Reducer | ShardedReducer | ShardedParameters:
+        return make_engine(self)
 
     def _set_static_graph(self) -> None:
         """Turn on ``static_graph`` after construction (torch's older API; Lightning calls it)."""
@@ -254,6 +243,9 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
     # -- pickling (torch.save of the whole wrapper), as torch's DDP allows --------
 
     def __getstate__(self) -> dict[str, Any]:
+        if self.zero_stage == 3:
+            raise RuntimeError("a zero_stage=3 model holds this rank's shard only, and cannot be pickled whole: "
+                               "save its state_dict() (the whole model) instead")
         if self.process_group is not None and self.process_group != dist.group.WORLD:
             raise RuntimeError(
                 "DistributedDataParallel can be pickled only with the default process group: a "
@@ -283,7 +275,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
         self._buffer_broadcast = None
         self.reducer = self._make_reducer()
-        self._logging = DDPLogging(self)
+        self._logging = DDPLogging(self) if self.zero_stage < 3 else ShardedLogging(self)
 
     # Under torch.compile, Dynamo skips this frame and the bookkeeping before and after the module (collectives,
     # hooks, the stall record's clock), with no graph break, and compiles the module as a frame of its own, as
@@ -336,7 +328,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         # forwards until its first backward. Later, a static graph's synchronised backward is anchored on
         # the output's nodes instead (reentrant checkpointing), the outputs untouched as under torch.
         first_static = self.static_graph and not self.reducer.static.counted
-        if (self.find_unused_parameters and not self.static_graph) or first_static:
+        if (self.find_unused_parameters and not self.static_graph and self.zero_stage < 3) or first_static:
             output = through_sink(output, self.reducer, self._ddp_sink_clone)
         elif sync and self.static_graph:
             anchor_end_of_backward(output, self.reducer)
@@ -425,6 +417,12 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                              "FP16_COMPRESS, or register a hook with register_comm_hook()")
         self.reducer.register_comm_hook(None, hooks[name])
         self._logging.comm_hook(str(comm_hook_type))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return that norm
+        (see :func:`ddpkit.parallel.zero.units.clip_grad_norm`: under ``zero_stage=3`` a collective)."""
+        group = self.process_group if self.zero_stage == 3 else None
+        return clip_grad_norm(list(self.module.parameters()), max_norm, norm_type, group, self.zero_stage)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging data of this model: settings, environment and sampled runtime figures (see

@@ -1,0 +1,49 @@
+"""Which engine a ``DistributedDataParallel`` gets for its ``zero_stage``: stage 0's reducer, stage 2's sharded
+reducer, or stage 3's sharded parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ddpkit.parallel.ddp.reducer import Reducer
+from ddpkit.parallel.zero.stage2 import ShardedReducer
+from ddpkit.parallel.zero.stage3 import ShardedParameters, sharded_parameters
+
+__all__ = ["make_engine"]
+
+
+def make_engine(ddp: Any) -> Reducer | ShardedReducer | ShardedParameters:
+    """The engine of ``ddp`` (a ``DistributedDataParallel`` whose settings are kept): the reducer of stage 0, stage
+    2's sharded reducer, or stage 3's sharded parameters."""
+    if ddp.zero_stage == 3:
+        if ddp.parameters_to_ignore:
+            raise ValueError(f"zero_stage=3 shards every parameter of the model, and {sorted(ddp.parameters_to_ignore)} "
+                             "are set to be ignored: use zero_stage=0 or 2 with ignored parameters")
+        return sharded_parameters(ddp.module, ddp.process_group, ddp.find_unused_parameters, ddp.stage3_settings)
+    # torch's filter names a parameter "<module>.<name>", so the root's own are ".<name>".
+    ignored = ddp.parameters_to_ignore
+    trainable = [(n, p) for n, p in ddp.module.named_parameters()
+                 if p.requires_grad and (n if "." in n else f".{n}") not in ignored]
+    # torch's rule: a parameter of an nn.Embedding / nn.EmbeddingBag with sparse=True expects a sparse gradient.
+    owner: dict[int, nn.Module] = {}
+    for m in ddp.module.modules():
+        for p in m.parameters(recurse=False):
+            owner.setdefault(id(p), m)
+    sparse = [isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse)
+              for _, p in trainable]
+    if ddp.zero_stage == 2:
+        return ShardedReducer(trainable, expect_sparse=sparse, process_group=ddp.process_group,
+                              bucket_cap_mb=ddp._bucket_caps[0], bucket_caps_mb=ddp._bucket_caps[1],
+                              find_unused_parameters=ddp.find_unused_parameters)
+    return Reducer(
+        trainable,
+        expect_sparse=sparse,
+        process_group=ddp.process_group,
+        bucket_cap_mb=ddp._bucket_caps[0],
+        bucket_caps_mb=ddp._bucket_caps[1],
+        find_unused_parameters=ddp.find_unused_parameters,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        static_graph=ddp.static_graph,
+    )
