@@ -444,7 +444,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
     parser.add_argument("--mode", choices=("launch", "train", "nodes"), default="launch")
     parser.add_argument("--epochs", type=int, default=12, help="epochs of each run (default 12)")
-    parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                         help="ZeRO stage of the faulted runs (ddpkit train --zero; default 0)")
     parser.add_argument("--strategy", choices=("ddp", "ps-sync"), default="ddp",
                         help="ddp, or ps-sync with one parameter server, itself a target of the faults (default ddp)")

@@ -107,6 +107,7 @@ BITWISE = {
     "ssp-0": ["--strategy", "ssp", "--staleness", "0"],
     "zero-1": ["--zero", "1"],
     "zero-2": ["--zero", "2"],
+    "zero-3": ["--zero", "3"],
     "engine-torch": ["--engine", "torch"],
 }
 

@@ -1,4 +1,4 @@
-"""Every strategy after DDP on CUDA, against its reference: ZeRO 1 and 2, parameter servers, SSP, local SGD,
+"""Every strategy after DDP on CUDA, against its reference: ZeRO 1, 2 and 3, parameter servers, SSP, local SGD,
 Horovod's optimizer, PowerSGD.
 
 Each runs on NCCL at the GPU count of the machine and on gloo with two ranks
@@ -98,6 +98,27 @@ def test_zero2_equals_torchs_ddp(backend, world):
     # Sharded gradients (reduce-scatter on NCCL) and all-gathered parameters: DDP's update. On NCCL with several
     # GPUs the reduce-scatter may add in another order than the all-reduce: equal within float32's rounding there.
     _assert_same(run(_zero2, world, backend), exact=backend == "gloo" or world == 1)
+
+
+def _zero3(ctx) -> tuple[dict, dict]:
+    import ddpkit
+    from ddpkit._reference import torch_ddp
+
+    out = []
+    for stage in (3, 0):
+        model = _net().to(ctx.device)
+        wrapped = ddpkit.DDP(model, zero_stage=3) if stage == 3 else torch_ddp(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        _steps(wrapped, opt, ctx, 5)
+        out.append(cpu_state(model))  # stage 3's state dict is gathered whole (a collective on every rank)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("backend, world", PATHS)
+def test_zero3_equals_torchs_ddp(backend, world):
+    # Sharded parameters gathered layer by layer (NCCL's all-gather and reduce-scatter; gloo through the CPU), any
+    # torch optimizer on the shards: DDP's update, bitwise where the sum's order is DDP's (gloo, or one GPU).
+    _assert_same(run(_zero3, world, backend), exact=backend == "gloo" or world == 1)
 
 
 # -- Horovod's optimizer, SSP, local SGD ------------------------------------------------------------------------

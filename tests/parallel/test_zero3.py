@@ -286,7 +286,6 @@ def _refusals() -> list[str]:
     refused(lambda: ddpkit.DDP(Blocks(), zero_stage=3, static_graph=True))
     model = ddpkit.DDP(Blocks(), zero_stage=3)
     refused(lambda: model.register_comm_hook(None, ddpkit.hooks.noop_hook))
-    refused(lambda: model.register_observer(lambda event: None))
     refused(lambda: model.join().__enter__())
     refused(lambda: ddpkit.DDP(Blocks(), zero_stage=2).clip_grad_norm_(1.0))
     refused(lambda: ddpkit.DDP(Blocks(), zero_stage=3, zero_param_dtype=torch.int8))
@@ -300,9 +299,9 @@ def test_what_stage3_cannot_do_is_refused_by_name(dist2):
     assert "zero_units=('Linear',)" in said[2]
     assert "zero_units apply to zero_stage=3 only" in said[3]
     assert "zero_stage=3 does not support static_graph" in said[4]
-    assert "comm hook" in said[5] and "observers" in said[6]
-    assert "join() is not supported with zero_stage=3" in said[7]
-    assert "zero_stage=2" in said[8] and "zero_param_dtype=torch.int8" in said[9]
+    assert "comm hook" in said[5]
+    assert "join() is not supported with zero_stage=3" in said[6]
+    assert "zero_stage=2" in said[7] and "zero_param_dtype=torch.int8" in said[8]
 
 
 def test_default_units_are_the_container_children_and_named_classes_are_outermost():
@@ -314,3 +313,121 @@ def test_default_units_are_the_container_children_and_named_classes_are_outermos
     assert [n for n, _ in find_units(encoder)] == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
     with pytest.raises(ValueError, match="the whole model is a Blocks"):
         find_units(model, (Blocks,))
+
+
+def _observed() -> dict:
+    from ddpkit.parallel.ddp.observer import Observer
+
+    class Record(Observer):
+        def __init__(self) -> None:
+            self.launched: list[int] = []
+            self.done: list[int] = []
+            self.waits = 0
+
+        def on_launch(self, event) -> None:
+            self.launched.append(event.bucket)
+
+        def on_done(self, event) -> None:
+            self.done.append(event.bucket)
+
+        def on_wait(self, event) -> None:
+            self.waits += 1
+
+    model = ddpkit.DDP(Blocks(), zero_stage=3)
+    record = Record()
+    handle = model.register_observer(record)
+    for step in range(2):
+        x, y = _batch("blocks", step)
+        nn.functional.cross_entropy(model(x), y).backward()
+    handle.remove()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return {"launched": record.launched, "done": sorted(record.done), "waits": record.waits,
+            "units": [u.name for u in model.reducer.units]}
+
+
+def test_observers_see_each_units_reduction_as_a_buckets(dist2):
+    for r in dist2.run(_observed):
+        assert r["units"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+        # Backward reduces the blocks last to first, then the root unit (the embedding's gradient comes last).
+        assert r["launched"] == [3, 2, 1, 0] * 2
+        assert r["done"] == sorted(r["launched"]) and r["waits"] == 2
+
+
+def _save_sharded(directory: str) -> dict:
+    from ddpkit.parallel.zero.whole import whole_optimizer_state
+
+    model = ddpkit.DDP(_model("transformer"), zero_stage=3)
+    opt = torch.optim.AdamW(_groups(model), lr=0.01, weight_decay=0.1)
+    for step in range(3):
+        x, y = _batch("transformer", 80 + step + dist.get_rank())
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    ddpkit.save_sharded(model, directory, opt)
+    refused = ""
+    try:
+        ddpkit.save_sharded(model, directory, opt)
+    except FileExistsError as e:
+        refused = str(e)
+    return {"model": _whole(model.state_dict()), "optim": whole_optimizer_state(model.reducer, opt),
+            "refused": refused}
+
+
+def _load_sharded(directory: str, missing: str) -> dict:
+    from ddpkit.parallel.zero.whole import whole_optimizer_state
+
+    model = ddpkit.DDP(_model("transformer"), zero_stage=3)
+    opt = torch.optim.AdamW(_groups(model), lr=0.01, weight_decay=0.1)
+    ddpkit.load_sharded(model, directory, opt)
+    said = []
+    for make in (lambda: ddpkit.load_sharded(ddpkit.DDP(Blocks(), zero_stage=3), directory),
+                 lambda: ddpkit.load_sharded(model, missing)):
+        try:
+            make()
+        except (ValueError, FileNotFoundError) as e:
+            said.append(str(e))
+    return {"model": _whole(model.state_dict()), "optim": whole_optimizer_state(model.reducer, opt), "said": said}
+
+
+def test_a_sharded_checkpoint_saved_at_world_3_loads_at_world_2(dist3, dist2, tmp_path):
+    directory = tmp_path / "ckpt"
+    saved = dist3.run(_save_sharded, str(directory))[0]
+    assert "already holds a sharded checkpoint" in saved["refused"]
+    files = sorted(p.name for p in directory.iterdir())
+    assert files == ["index.json", "rank-0-of-3.safetensors", "rank-1-of-3.safetensors", "rank-2-of-3.safetensors"]
+    # Each rank's file holds its shards (parameters and AdamW's two moments): a third of the whole, not the whole.
+    whole_bytes = 3 * sum(v.numel() * v.element_size() for v in saved["model"].values())
+    assert all((directory / f).stat().st_size < whole_bytes / 3 * 1.1 + 16384 for f in files[1:])
+    for loaded in dist2.run(_load_sharded, str(directory), str(tmp_path / "nothing")):
+        assert _max_diff(saved["model"], loaded["model"]) == 0.0
+        mine, theirs = saved["optim"], loaded["optim"]
+        assert mine["param_groups"] == theirs["param_groups"] and sorted(mine["state"]) == sorted(theirs["state"])
+        for i, state in mine["state"].items():
+            assert all(torch.equal(v, theirs["state"][i][k]) for k, v in state.items())
+        assert "is not of this model" in loaded["said"][0]
+        assert "holds no finished sharded checkpoint" in loaded["said"][1]
+
+
+def _evaluate_uneven_shards() -> tuple:
+    import contextlib
+
+    from ddpkit.data.datasets import TensorDataset
+    from ddpkit.train.evaluate import evaluate
+
+    g = torch.Generator().manual_seed(5)
+    # 513 samples: rank 0's shard is 257 (two batches of the evaluation's 256), rank 1's 256 (one).
+    test = TensorDataset(torch.randn(513, 8, generator=g), torch.randint(0, 5, (513,), generator=g), num_classes=5)
+    torch.manual_seed(0)
+    base = Blocks()
+    plain = copy.deepcopy(base)
+    model = ddpkit.DDP(base, zero_stage=3)
+    sharded = evaluate(model.module, test, torch.device("cpu"), contextlib.nullcontext)
+    with torch.no_grad():
+        out = plain(test.images)
+    whole = (nn.functional.cross_entropy(out, test.labels).item(), (out.argmax(1) == test.labels).float().mean().item())
+    return sharded, whole
+
+
+def test_evaluation_runs_as_many_forwards_on_every_rank_when_the_parameters_are_sharded(dist2):
+    for (loss, accuracy, n), (whole_loss, whole_accuracy) in dist2.run(_evaluate_uneven_shards, timeout=60):
+        assert n == 513 and accuracy == pytest.approx(whole_accuracy) and loss == pytest.approx(whole_loss, rel=1e-5)

@@ -123,12 +123,13 @@ def test_sigterm_to_ddpkit_train_stops_every_worker_and_writes_nothing_after(tmp
     assert not (out / "summary.json").exists()
 
 
-def test_a_killed_zero2_run_restarts_bit_identical_to_plain_ddp(tmp_path: Path, reference) -> None:
-    # At world 2 stages 0, 1 and 2 train the same bits, and the checkpoint holds the unsharded optimizer
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_a_killed_zero_run_restarts_bit_identical_to_plain_ddp(tmp_path: Path, reference, stage: str) -> None:
+    # At world 2 stages 0 to 3 train the same bits, and the checkpoint holds the unsharded model and optimizer
     # state: the uninterrupted stage-0 run is the reference.
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddpkit", "launch", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-           "-m", "ddpkit", "train", *FLAGS, "--zero", "2", "--output-dir", str(out)]
+           "-m", "ddpkit", "train", *FLAGS, "--zero", stage, "--output-dir", str(out)]
     done = _kill_worker_and_finish(cmd, out, _checkpointed(out, 10), lambda line: "ddpkit train" in line, 1)
     assert done.returncode == 0, done.stderr
     assert "restarting the worker group (restart 1 of 1)" in done.stderr

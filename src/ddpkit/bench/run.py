@@ -110,7 +110,12 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         from ddpkit.bench.zero import format_zero, measure_zero
 
         found = measure_zero(cfg)
-        print(format_zero(found), flush=True)
+        table = format_zero(found)
+        print(table, flush=True)
+        if cfg.report is not None:
+            from ddpkit.bench.zero import write_zero_report
+
+            print(f"report: {write_zero_report(cfg, found, table)}", flush=True)
         if cfg.json_path is not None:
             cfg.json_path.write_text(json.dumps({"settings": plain(cfg), "zero": found}, indent=2) + "\n")
         return []

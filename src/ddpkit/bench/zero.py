@@ -187,3 +187,49 @@ def format_zero(found: dict[str, Any]) -> str:
             lines.append(f"{key:<18} {setup:<12} {m['params']:>8.1f} {m['grads']:>8.1f} {m['state']:>8.1f} "
                          f"{m.get('peak', float('nan')):>8.1f} {1e3 * m['step_s']:>8.1f} {m['step_s'] / base:>6.3f}")
     return "\n".join(lines)
+
+
+def memory_plot(found: dict[str, Any], path: Path) -> Path:
+    """Model states (parameters, gradients, optimizer state) and peak MB per rank against the world size, one
+    panel per workload and one line per setup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({key.split(" world ")[0] for key in found})
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5.5 * len(workloads), 7.5), squeeze=False)
+    for col, name in enumerate(workloads):
+        worlds = sorted(int(k.split(" world ")[1]) for k in found if k.startswith(f"{name} world "))
+        for setup in SETUPS:
+            rows = [found[f"{name} world {w}"][setup] for w in worlds]
+            states = [m["params"] + m["grads"] + m["state"] for m in rows]
+            axes[0][col].plot(worlds, states, marker="o", label=setup)
+            axes[1][col].plot(worlds, [m.get("peak", float("nan")) for m in rows], marker="o", label=setup)
+        axes[0][col].set_title(f"{name}: parameters + gradients + optimizer state")
+        axes[1][col].set_title(f"{name}: peak of the step")
+        for row in (0, 1):
+            axes[row][col].set_xlabel("world size")
+            axes[row][col].set_ylabel("MB per rank (largest rank)")
+            axes[row][col].set_xticks(worlds)
+            axes[row][col].grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_zero_report(cfg: BenchConfig, found: dict[str, Any], table: str) -> Path:
+    """``--report DIR`` with ``--zero``: ``zero.json``, ``zero-memory.png`` and ``summary.md`` (command, table)."""
+    from ddpkit.bench.report import command_line
+    from ddpkit.runtime.options import plain
+
+    directory = Path(cfg.report)
+    (directory / "zero.json").write_text(json.dumps({"settings": plain(cfg), "zero": found}, indent=2) + "\n")
+    memory_plot(found, directory / "zero-memory.png")
+    summary = directory / "summary.md"
+    summary.write_text("\n".join([
+        "# ddpkit bench --zero", "", f"`{command_line(cfg)}`", "", "```", table, "```", "",
+        "![memory per rank against the world size](zero-memory.png)", ""]))
+    return summary

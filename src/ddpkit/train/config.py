@@ -99,7 +99,8 @@ class TrainConfig:
     zero: int = option(
         0, "ZeRO stage with --strategy ddp: 0 (every rank keeps everything), 1 (each rank keeps the optimizer "
         "state of its share of the parameters: ddpkit.ZeroRedundancyOptimizer), 2 (also only its share of the "
-        "averaged gradients: DistributedDataParallel(zero_stage=2))", choices=[0, 1, 2],
+        "averaged gradients: DistributedDataParallel(zero_stage=2)), 3 (also only its share of the parameters, "
+        "gathered layer by layer: DistributedDataParallel(zero_stage=3))", choices=[0, 1, 2, 3],
     )
     local_sgd: int | None = option(
         None, "average the parameters every H optimizer steps (implies --strategy local-sgd; default 4 with it)",
@@ -171,20 +172,20 @@ class TrainConfig:
             except ValueError:
                 ok = False
             need(ok, "straggler", "is not RANK:FACTOR with a rank >= 0 and a factor >= 1 (e.g. 1:3)")
-        need(self.zero in (0, 1, 2), "zero", "is not a ZeRO stage: choose 0, 1 or 2")
+        need(self.zero in (0, 1, 2, 3), "zero", "is not a ZeRO stage: choose 0, 1, 2 or 3")
         need(not self.zero or (self.engine == "ddpkit" and self.strategy == "ddp"), "zero",
              f"needs --engine ddpkit --strategy ddp (ddpkit's DDP), not --engine {self.engine} "
              f"--strategy {self.strategy}")
-        need(self.zero != 2 or self.amp != "fp16", "zero",
-             "does not fit --amp fp16: the grad scaler checks whole gradients, which stage 2 does not keep; use "
-             "--amp bf16, or --zero 1")
+        need(self.zero < 2 or self.amp != "fp16", "zero",
+             f"does not fit --amp fp16: the grad scaler checks whole gradients, which stage {self.zero} does not "
+             "keep; use --amp bf16, or --zero 1")
         need(self.comm_hook in COMM_HOOKS, "comm_hook", f"is not a comm hook: choose one of {', '.join(COMM_HOOKS)}")
         if self.comm_hook != "none":
             need(self.strategy == "ddp" and self.engine in ("ddpkit", "torch"), "comm_hook",
                  f"reduces DDP's buckets: it needs --strategy ddp with --engine ddpkit or torch, not --engine "
                  f"{self.engine} --strategy {self.strategy}")
-            need(self.zero != 2, "comm_hook", "does not fit --zero 2, whose buckets are reduce-scattered into "
-                 "shards: drop one of them")
+            need(self.zero < 2, "comm_hook", f"does not fit --zero {self.zero}, whose gradients are "
+                 "reduce-scattered into shards: drop one of them")
         need(self.powersgd_rank >= 1, "powersgd_rank", "must be at least 1")
         need(self.powersgd_start >= 2, "powersgd_start", "must be at least 2 (PowerSGD's error feedback and warm "
              "start need exact steps first, as torch's PowerSGDState)")

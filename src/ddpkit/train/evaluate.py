@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ddpkit.data.datasets import TensorDataset
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.zero.stage3 import engine_of
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_tensor
 
@@ -29,9 +30,12 @@ def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
     sampler = DistributedSampler(test, shuffle=False, pad=False)
     idx = torch.tensor(list(sampler), dtype=torch.long)
     totals = torch.zeros(3, dtype=torch.float64, device=device)
+    # A model whose parameters are sharded (ZeRO-3) gathers them in every forward, a collective: every rank then
+    # runs as many forwards as the longest shard needs (the last of a shorter one maybe empty).
+    longest = len(range(0, len(test), dist.get_world_size())) if engine_of(model) is not None else len(idx)
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(idx), 256):
+        for start in range(0, longest, 256):
             b = idx[start : start + 256]
             xb, yb = test.images[b].to(device), test.labels[b].to(device)
             with autocast():

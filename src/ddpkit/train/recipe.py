@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.models import build_model
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
-from ddpkit.models import build_model
 from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "with_comm_hook", "wrap"]
@@ -39,7 +39,7 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     if config.engine == "ddpkit":
         from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
-        return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=2 if config.zero == 2 else 0),
+        return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=config.zero if config.zero >= 2 else 0),
                               config)
     if config.engine == "torch":
         from ddpkit._reference import torch_ddp

@@ -38,8 +38,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.zero.stage3 import engine_of
+from ddpkit.parallel.zero.whole import shard_optimizer_state, whole_optimizer_state
 from ddpkit.runtime.devices import comm_tensor
-from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
+from ddpkit.train.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+)
 
 __all__ = ["TrainState", "checkpoint_files", "newest_valid_checkpoint"]
 
@@ -141,6 +148,10 @@ class TrainState:
     def _optimizer_state(self) -> dict[str, Any] | None:
         """The optimizer's state dict; a sharded optimizer's (``ddpkit.ZeroRedundancyOptimizer``) is gathered on
         the writing rank first (a collective), in the unsharded format, so it loads at any world size."""
+        engine = engine_of(self._plain_model())
+        if engine is not None:  # the parameters sharded (stage 3): every state tensor gathered whole
+            whole = whole_optimizer_state(engine, self.optimizer)
+            return whole if _is_writer() else None
         consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
         if consolidate is None:
             return self.optimizer.state_dict()  # type: ignore[union-attr]
@@ -162,7 +173,9 @@ class TrainState:
                 continue
             if name not in payload:
                 raise CheckpointError(f"the checkpoint holds no {name} state, but this TrainState has one")
-            target.load_state_dict(payload[name])
+            engine = engine_of(self._plain_model()) if name == "optimizer" else None
+            target.load_state_dict(payload[name] if engine is None else
+                                   shard_optimizer_state(engine, target, payload[name]))
         self.extra = dict(payload.get("extra", {}))
         _set_rng_states(payload["rng"])
         self.step = int(payload["step"])

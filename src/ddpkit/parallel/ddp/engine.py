@@ -35,14 +35,14 @@ def make_engine(ddp: Any) -> Reducer | ShardedReducer | ShardedParameters:
               for _, p in trainable]
     if ddp.zero_stage == 2:
         return ShardedReducer(trainable, expect_sparse=sparse, process_group=ddp.process_group,
-                              bucket_cap_mb=ddp._bucket_caps[0], bucket_caps_mb=ddp._bucket_caps[1],
+                              bucket_cap_mb=ddp.bucket_caps_given[0], bucket_caps_mb=ddp.bucket_caps_given[1],
                               find_unused_parameters=ddp.find_unused_parameters)
     return Reducer(
         trainable,
         expect_sparse=sparse,
         process_group=ddp.process_group,
-        bucket_cap_mb=ddp._bucket_caps[0],
-        bucket_caps_mb=ddp._bucket_caps[1],
+        bucket_cap_mb=ddp.bucket_caps_given[0],
+        bucket_caps_mb=ddp.bucket_caps_given[1],
         find_unused_parameters=ddp.find_unused_parameters,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         static_graph=ddp.static_graph,

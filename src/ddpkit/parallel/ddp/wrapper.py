@@ -216,7 +216,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
         self.bucket_bytes_cap_list = [int(c * _MIB) for c in caps]
         self.bucket_bytes_cap_default = bucket_cap_mb is None and not caps  # the 1 MiB first bucket
-        self._bucket_caps = (bucket_cap_mb, caps)
+        self.bucket_caps_given = (bucket_cap_mb, caps)
+        """The caps as given: ``bucket_cap_mb`` and ``bucket_cap_mb_list`` (the engine lays its buckets out by them)."""
         # What torch's DDP would do for these, or (refused by the check) their defaults.
         self.mixed_precision = None
         self.skip_all_reduce_unused_params = False

@@ -52,13 +52,17 @@ Mixed precision
     compute in it; ``reduce_dtype`` (default ``param_dtype``, as FSDP2's
     ``MixedPrecisionPolicy``) is the dtype the gradients are averaged in.
 
-Refused, each with the reason: a comm hook, observers, ``static_graph``,
+Observers (:meth:`ShardedParameters.add_observer`) see each unit's reduction
+as a bucket's. Refused, each with the reason: a comm hook, ``static_graph``,
 ``gradient_as_bucket_view``, ``join()``, sparse gradients.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,9 +71,12 @@ from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
 from ddpkit.parallel.zero.units import (
     Unit,
     UnitParam,
+    all_gather_flat,
+    all_reduce_flat,
     cast_floats,
     find_units,
     make_units,
@@ -78,10 +85,21 @@ from ddpkit.parallel.zero.units import (
 )
 from ddpkit.parallel.zero.whole import shard_state, whole_state
 from ddpkit.runtime import events
-from ddpkit.runtime.compat import all_gather_tensor, reduce_scatter_tensor
+from ddpkit.runtime.compat import reduce_scatter_tensor
 from ddpkit.runtime.devices import comm_tensor
 
-__all__ = ["ShardedParameters", "sharded_parameters"]
+__all__ = ["ShardedParameters", "engine_of", "sharded_parameters"]
+
+_ENGINES: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""id(module) -> (the module, its stage-3 engine), both held weakly."""
+
+
+def engine_of(module: nn.Module) -> ShardedParameters | None:
+    """The stage-3 engine sharding ``module``'s parameters (``None``: they are not sharded)."""
+    entry = _ENGINES.get(id(module))
+    if entry is None or entry[0]() is not module:
+        return None
+    return entry[1]()
 
 class ShardedParameters:
     """ZeRO stage 3's engine (see the module notes).
@@ -126,6 +144,7 @@ class ShardedParameters:
         self.armed = False
         """The coming backward synchronises."""
         self.step = 0
+        self.observers = Observers(owner)
         self.units = make_units(module, find_units(module, units), owner=owner, rank=self.rank,
                                 world_size=self.world_size, param_dtype=param_dtype)
         self.params = [p.param for u in self.units for p in u.params]
@@ -150,8 +169,6 @@ class ShardedParameters:
                 handles.append(u.module.register_forward_pre_hook(lambda m, a, k, u=u: self._pre_forward(u, a, k),
                                                                   with_kwargs=True))
                 handles.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
-            if u.requires_grad:
-                handles.append(u.full.register_post_accumulate_grad_hook(lambda t, u=u: self._post_backward(u)))
         return handles
 
     def remove_hooks(self) -> None:
@@ -220,12 +237,43 @@ class ShardedParameters:
         if prev is not None:
             self._gather(prev, wait=False)
 
-    def _post_backward(self, u: Unit) -> None:
+    def _leaf_ready(self, u: Unit, i: int, leaf: torch.Tensor) -> None:
+        """A gathered parameter's gradient is in: kept (its ``.grad`` let go); the unit is done when all are."""
         self._queue_finish()
-        if self.armed and not self.find_unused:
-            self._reduce(u, u.full.grad)
-            u.full.grad = None
+        grad, leaf.grad = leaf.grad, None
+        u.grads[i] = grad if u.grads[i] is None else u.grads[i] + grad
+        u.arrived += 1
+        if u.arrived == u.expected:
+            self._unit_done(u)
+
+    def _unit_done(self, u: Unit) -> None:
+        """Every gradient of the unit is in (or backward ended): free its parameters first, then make its flat
+        gradient (so the two are never whole at once), and reduce it or keep it."""
         self._free(u)
+        flat = self._flatten(u)
+        if self.armed and not self.find_unused:
+            self._reduce(u, flat)
+        else:
+            u.acc = flat
+
+    @torch.no_grad()
+    def _flatten(self, u: Unit) -> torch.Tensor:
+        """The unit's gradients so far as one flat tensor in the reduce dtype (added to what it accumulated)."""
+        dtype = self.reduce_dtype or u.full.dtype
+        flat, add = (u.acc, True) if u.acc is not None else (
+            torch.empty(u.full.numel(), dtype=dtype, device=u.full.device), False)
+        total = 0
+        for q, grad in zip(u.params, u.grads or [None] * len(u.params)):
+            piece = flat[q.offset: q.offset + q.numel]
+            if grad is not None:
+                piece.add_(grad.reshape(-1)) if add else piece.copy_(grad.reshape(-1))
+            elif not add:
+                piece.zero_()
+            total = q.offset + q.numel
+        if not add:
+            flat[total:].zero_()
+        u.acc, u.grads, u.arrived, u.expected = None, [None] * len(u.params), 0, 0
+        return flat
 
     def _queue_finish(self) -> None:
         if not self._queued:
@@ -251,7 +299,7 @@ class ShardedParameters:
             else:
                 events.collective("{} zero-3 unit {} all-gather of the parameters", self.owner, u.index,
                                   nbytes=src.numel() * src.element_size())
-                u.work = all_gather_tensor(out, src, group=self.group, async_op=True)
+                u.work = all_gather_flat(out, src, self.group, async_op=True)
             u.gathered = True
         if wait and u.work is not None:
             u.work.wait()
@@ -264,15 +312,22 @@ class ShardedParameters:
         u.full.untyped_storage().resize_(0)
         u.gathered = False
 
-    @staticmethod
-    def _bind(u: Unit) -> None:
+    def _bind(self, u: Unit) -> None:
         """Let the unit's modules see its parameters as views of the gathered buffer (instance attributes shadow
-        the registered parameters, which stay the shard views the optimizer steps on)."""
+        the registered parameters, which stay the shard views the optimizer steps on). With grad enabled each
+        view is a leaf whose gradient :meth:`_leaf_ready` takes."""
         sizes = [q.numel for q in u.params]
         pad = u.full.numel() - sum(sizes)
         pieces = u.full.split(sizes + [pad] if pad else sizes)
-        for q, piece in zip(u.params, pieces):
+        grad = torch.is_grad_enabled() and u.requires_grad
+        if grad and not u.grads:
+            u.grads = [None] * len(u.params)
+        for i, (q, piece) in enumerate(zip(u.params, pieces)):
             view = piece.view(q.shape)
+            if grad:
+                view.requires_grad_(True)
+                view.register_post_accumulate_grad_hook(lambda t, u=u, i=i: self._leaf_ready(u, i, t))
+                u.expected += 1
             for m, attr in q.owners:
                 m.__dict__[attr] = view
 
@@ -297,19 +352,30 @@ class ShardedParameters:
         if self.div_factor is not None and self.div_factor != 1:
             flat.mul_(1.0 / self.div_factor)  # DDP's averaging by pre-scaling: the same products
         u.reduced = True
+        # The reductions before this one have had a unit's backward to finish: their full-size buffers go now,
+        # so that at most one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
+        for before in self.units:
+            if before.pending:
+                self._settle(before)
+        nbytes = flat.numel() * flat.element_size()
+        if self.observers.ready:
+            self.observers.bucket_ready(u.index, nbytes, self.step)
+        work = None
         if self.world_size == 1:
             u.pending.append((flat, None))
-            return
-        nbytes = flat.numel() * flat.element_size()
-        if self.native:
+        elif self.native:
             events.collective("{} zero-3 unit {} reduce-scatter", self.owner, u.index, step=self.step, nbytes=nbytes)
             out = flat.new_empty(u.chunk)
-            u.pending.append((out, reduce_scatter_tensor(out, flat, group=self.group, async_op=True)))
+            work = reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            u.pending.append((out, work))
         else:
             events.collective("{} zero-3 unit {} all-reduce (kept: this rank's chunk)", self.owner, u.index,
                               step=self.step, nbytes=nbytes)
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work = all_reduce_flat(flat, self.group)
             u.pending.append((flat[self.rank * u.chunk: (self.rank + 1) * u.chunk], work))
+        if self.observers.launch or self.observers.done:
+            # The unit stands for a bucket: its index, and the reduction the done event waits for.
+            self.observers.launched(_Launched(u.index, work), nbytes, self.step)
 
     @torch.no_grad()
     def _settle(self, u: Unit) -> None:
@@ -331,32 +397,35 @@ class ShardedParameters:
     def _finish_backward(self) -> None:
         self._queued = False
         try:
+            # Units whose gradients did not all come (a parameter unused): what came, zeros for the rest, in unit
+            # order, so that every rank's collectives line up.
+            short = [u for u in self.units if u.requires_grad and u.expected and u.arrived < u.expected]
+            for u in short:
+                self._unit_done(u)
             if self.armed:
                 if self.find_unused:
                     # DDP's rule: a unit no rank used keeps its .grad; one used somewhere gets the average.
                     trained = [u for u in self.units if u.requires_grad]
-                    used = comm_tensor([float(u.full.grad is not None) for u in trained], torch.float32, self.group)
+                    used = comm_tensor([float(u.acc is not None) for u in trained], torch.float32, self.group)
                     if self.world_size > 1:
                         dist.all_reduce(used, group=self.group)
                     for u, count in zip(trained, used.tolist()):
+                        flat, u.acc = u.acc, None
                         if count:
-                            self._reduce(u, u.full.grad)
-                        u.full.grad = None
-                else:
-                    missing = [u for u in self.units if u.requires_grad and u.ran and not u.reduced]
-                    if missing:
-                        names = ", ".join(repr(u.name or "(root)") for u in missing)
-                        for u in missing:  # keep the ranks' collectives in step before raising
-                            self._reduce(u, u.full.grad)
-                            u.full.grad = None
-                        for u in self.units:
-                            self._settle(u)
-                        raise RuntimeError(
-                            f"{self.owner}(zero_stage=3): units {names} ran forward but got no gradient in this "
-                            "backward; pass find_unused_parameters=True if some units take no part in the loss")
+                            self._reduce(u, flat)
+                observed = self.observers.wait or self.observers.done
+                start = time.perf_counter() if observed else 0.0
                 for u in self.units:
                     self._settle(u)
+                if observed:
+                    self.observers.waited(start, time.perf_counter(), self.step)
                 self.step += 1
+                if short and not self.find_unused:
+                    names = ", ".join(repr(u.name or "(root)") for u in short)
+                    raise RuntimeError(
+                        f"{self.owner}(zero_stage=3): units {names} ran forward but did not get a gradient for every "
+                        "parameter in this backward; pass find_unused_parameters=True if some parameters take no "
+                        "part in the loss")
         finally:
             self._end_iteration()
 
@@ -365,6 +434,7 @@ class ShardedParameters:
             self._unbind(u)
             self._free(u)
             u.ran = u.reduced = False
+            u.grads, u.arrived, u.expected = [None] * len(u.params) if u.grads else [], 0, 0
         self._seen = []
 
     # -- what the wrapper calls as it calls a reducer --------------------------------------------------
@@ -383,9 +453,10 @@ class ShardedParameters:
         raise RuntimeError("a comm hook reduces whole buckets, and zero_stage=3 reduce-scatters units: use "
                            "zero_stage=0 to use a comm hook")
 
-    def add_observer(self, observer: Any) -> Any:
-        raise RuntimeError("observers watch the reducer's buckets, which zero_stage=3 does not have: use "
-                           "zero_stage=0 or 2 to observe the engine")
+    def add_observer(self, observer: Observer) -> ObserverHandle:
+        """Attach ``observer``: each unit's reduction is a bucket's (its index the unit's), then the wait at the
+        end of backward (see :mod:`ddpkit.parallel.ddp.observer`)."""
+        return self.observers.add(observer)
 
     def set_static_graph(self) -> None:
         raise RuntimeError("static_graph is not supported with zero_stage=3: drop one of them")
@@ -394,11 +465,24 @@ class ShardedParameters:
         raise RuntimeError("join() is not supported with zero_stage=3")
 
 
+@dataclass
+class _Launched:
+    """What an observer's launch and done events need of a reduction in flight (a bucket's part)."""
+
+    unit: int
+    work: Any
+    future: Any = None
+
+    def index(self) -> int:
+        return self.unit
+
+
 def sharded_parameters(module: nn.Module, process_group: dist.ProcessGroup | None, find_unused_parameters: bool,
                        settings: dict[str, Any]) -> ShardedParameters:
     """The stage-3 engine of ``module``, its state-dict hooks on the module (whole parameters out and in)."""
     engine = ShardedParameters(module, process_group=process_group, find_unused_parameters=find_unused_parameters,
                                **settings)
+    _ENGINES[id(module)] = (weakref.ref(module), weakref.ref(engine))
     module.register_state_dict_post_hook(lambda m, state, prefix, local: whole_state(engine, state, prefix))
     module.register_load_state_dict_pre_hook(lambda m, state, prefix, *args: shard_state(engine, state, prefix))
     return engine

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.runtime.devices import comm_tensor
+from ddpkit.runtime.compat import all_gather_tensor
+from ddpkit.runtime.devices import comm_device, comm_tensor
 
 __all__ = [
     "CONTAINERS",
@@ -101,6 +102,14 @@ class Unit:
     reduced: bool = False
     pending: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     """Reductions in flight: (buffer, work)."""
+    expected: int = 0
+    """Gradients this iteration's forwards will give its parameters (one per parameter per forward)."""
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    """The gradients arrived so far, per parameter, whole."""
+    arrived: int = 0
+    acc: torch.Tensor | None = None
+    """The unit's flat gradient accumulated outside synchronisation (``no_sync``), or held for the end of
+    backward (``find_unused_parameters``)."""
 
     @property
     def nbytes(self) -> int:
@@ -220,16 +229,16 @@ def _make_unit(index: int, name: str, module: nn.Module,
     chunk = max(1, math.ceil(offset / world_size))
     low = rank * chunk
     with torch.no_grad():
-        flat = torch.zeros(chunk * world_size, dtype=first.dtype, device=first.device)
+        # Only this rank's chunk is made (the padding zeros): the whole unit is never flattened twice.
+        shard = torch.zeros(chunk, dtype=first.dtype, device=first.device)
         for q in layout:
-            flat[q.offset: q.offset + q.numel].copy_(q.param.detach().reshape(-1))
-        shard = flat[low: low + chunk].clone()
-        del flat
+            a, z = max(q.offset, low), min(q.offset + q.numel, low + chunk)
+            if a < z:
+                shard[a - low: z - low].copy_(q.param.detach().reshape(-1)[a - q.offset: z - q.offset])
         for q in layout:
             a, z = max(q.offset, low), min(q.offset + q.numel, low + chunk)
             q.param.data = shard[a - low: z - low] if a < z else shard[:0]
-    full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device,
-                       requires_grad=first.requires_grad)
+    full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device)
     full.untyped_storage().resize_(0)  # gathered when first needed
     return Unit(index, name, module, layout, chunk, shard, full, first.requires_grad)
 
@@ -262,3 +271,36 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
     return norm
+
+
+class _Done:
+    """A finished collective, for a caller that waits on what it was given."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _staged(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether ``tensor`` goes through the CPU for ``group``: gloo with CUDA tensors (its CUDA paths are not
+    every collective's, and ddpkit's stage 2 met "Bad address" there)."""
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def all_gather_flat(out: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+    """``out`` (flat, ``W`` times ``src``) made of every rank's ``src``; a work to wait on when ``async_op``."""
+    if _staged(src, group):
+        staged = torch.empty(out.shape, dtype=out.dtype, device=comm_device(group))  # gloo's: the CPU
+        all_gather_tensor(staged, src.to(comm_device(group)), group=group)
+        out.copy_(staged)
+        return _Done() if async_op else None
+    return all_gather_tensor(out, src, group=group, async_op=async_op)
+
+
+def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    """Sum ``flat`` over the ranks in place, asynchronously (through the CPU where gloo has CUDA tensors)."""
+    if _staged(flat, group):
+        staged = flat.to(comm_device(group))
+        dist.all_reduce(staged, group=group)
+        flat.copy_(staged)
+        return _Done()
+    return dist.all_reduce(flat, group=group, async_op=True)
