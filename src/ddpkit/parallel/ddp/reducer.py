@@ -59,12 +59,7 @@ from ddpkit.parallel.ddp.buckets import BucketLayout, payload
 from ddpkit.parallel.ddp.grad_hooks import hook_gradients
 from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
 from ddpkit.parallel.ddp.staging import Staging
-from ddpkit.parallel.ddp.unused import (
-    UnusedParametersError,
-    all_ranks_used,
-    refuse_unused,
-    warn_nothing_unused,
-)
+from ddpkit.parallel.ddp.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
 from ddpkit.runtime import events
 from ddpkit.runtime.group import settle_at_exit
 

@@ -79,8 +79,10 @@ from ddpkit.parallel.zero.units import (
     all_reduce_flat,
     cast_floats,
     find_units,
+    flatten_grads,
     make_units,
     segment,
+    settle,
     tensors_in,
 )
 from ddpkit.parallel.zero.whole import shard_state, whole_state
@@ -250,30 +252,11 @@ class ShardedParameters:
         """Every gradient of the unit is in (or backward ended): free its parameters first, then make its flat
         gradient (so the two are never whole at once), and reduce it or keep it."""
         self._free(u)
-        flat = self._flatten(u)
+        flat = flatten_grads(u, self.reduce_dtype or u.full.dtype)
         if self.armed and not self.find_unused:
             self._reduce(u, flat)
         else:
             u.acc = flat
-
-    @torch.no_grad()
-    def _flatten(self, u: Unit) -> torch.Tensor:
-        """The unit's gradients so far as one flat tensor in the reduce dtype (added to what it accumulated)."""
-        dtype = self.reduce_dtype or u.full.dtype
-        flat, add = (u.acc, True) if u.acc is not None else (
-            torch.empty(u.full.numel(), dtype=dtype, device=u.full.device), False)
-        total = 0
-        for q, grad in zip(u.params, u.grads or [None] * len(u.params)):
-            piece = flat[q.offset: q.offset + q.numel]
-            if grad is not None:
-                piece.add_(grad.reshape(-1)) if add else piece.copy_(grad.reshape(-1))
-            elif not add:
-                piece.zero_()
-            total = q.offset + q.numel
-        if not add:
-            flat[total:].zero_()
-        u.acc, u.grads, u.arrived, u.expected = None, [None] * len(u.params), 0, 0
-        return flat
 
     def _queue_finish(self) -> None:
         if not self._queued:
@@ -356,7 +339,7 @@ class ShardedParameters:
         # so that at most one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
         for before in self.units:
             if before.pending:
-                self._settle(before)
+                settle(before, self.rank)
         nbytes = flat.numel() * flat.element_size()
         if self.observers.ready:
             self.observers.bucket_ready(u.index, nbytes, self.step)
@@ -376,23 +359,6 @@ class ShardedParameters:
         if self.observers.launch or self.observers.done:
             # The unit stands for a bucket: its index, and the reduction the done event waits for.
             self.observers.launched(_Launched(u.index, work), nbytes, self.step)
-
-    @torch.no_grad()
-    def _settle(self, u: Unit) -> None:
-        """Wait for the unit's reductions and add them into its parameters' ``.grad``."""
-        for chunk, work in u.pending:
-            if work is not None:
-                work.wait()
-            if chunk.numel() != u.chunk:
-                chunk = chunk[self.rank * u.chunk: (self.rank + 1) * u.chunk]
-            for q in u.params:
-                seg = self.segment(q, u.chunk)
-                piece = chunk[seg[0]: seg[1]] if seg else chunk[:0]
-                if q.param.grad is None:
-                    q.param.grad = piece.to(q.param.dtype, copy=True)
-                else:
-                    q.param.grad.add_(piece)
-        u.pending = []
 
     def _finish_backward(self) -> None:
         self._queued = False
@@ -416,7 +382,7 @@ class ShardedParameters:
                 observed = self.observers.wait or self.observers.done
                 start = time.perf_counter() if observed else 0.0
                 for u in self.units:
-                    self._settle(u)
+                    settle(u, self.rank)
                 if observed:
                     self.observers.waited(start, time.perf_counter(), self.step)
                 self.step += 1

@@ -19,12 +19,16 @@ __all__ = [
     "CONTAINERS",
     "Unit",
     "UnitParam",
+    "all_gather_flat",
+    "all_reduce_flat",
     "cast_floats",
     "clip_grad_norm",
     "find_units",
+    "flatten_grads",
     "grad_norm",
     "make_units",
     "segment",
+    "settle",
     "tensors_in",
 ]
 
@@ -304,3 +308,41 @@ def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup) -> Any:
         flat.copy_(staged)
         return _Done()
     return dist.all_reduce(flat, group=group, async_op=True)
+
+
+@torch.no_grad()
+def flatten_grads(u: Unit, dtype: torch.dtype) -> torch.Tensor:
+    """The unit's gradients so far as one flat tensor in ``dtype`` (added to what it accumulated), zeros for a
+    parameter without one and for the padding; the unit's gradients are let go."""
+    flat, add = (u.acc, True) if u.acc is not None else (
+        torch.empty(u.full.numel(), dtype=dtype, device=u.full.device), False)
+    total = 0
+    for q, grad in zip(u.params, u.grads or [None] * len(u.params)):
+        piece = flat[q.offset: q.offset + q.numel]
+        if grad is not None:
+            piece.add_(grad.reshape(-1)) if add else piece.copy_(grad.reshape(-1))
+        elif not add:
+            piece.zero_()
+        total = q.offset + q.numel
+    if not add:
+        flat[total:].zero_()
+    u.acc, u.grads, u.arrived, u.expected = None, [None] * len(u.params), 0, 0
+    return flat
+
+
+@torch.no_grad()
+def settle(u: Unit, rank: int) -> None:
+    """Wait for the unit's reductions and add this rank's chunk of each into its parameters' ``.grad``."""
+    for chunk, work in u.pending:
+        if work is not None:
+            work.wait()
+        if chunk.numel() != u.chunk:
+            chunk = chunk[rank * u.chunk: (rank + 1) * u.chunk]
+        for q in u.params:
+            seg = segment(q, u.chunk, rank)
+            piece = chunk[seg[0]: seg[1]] if seg else chunk[:0]
+            if q.param.grad is None:
+                q.param.grad = piece.to(q.param.dtype, copy=True)
+            else:
+                q.param.grad.add_(piece)
+    u.pending = []
