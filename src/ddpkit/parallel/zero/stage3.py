@@ -62,7 +62,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +72,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
 from ddpkit.parallel.zero.units import (
+    Launched,
     Unit,
     UnitParam,
     all_gather_flat,
@@ -358,7 +358,7 @@ class ShardedParameters:
             u.pending.append((flat[self.rank * u.chunk: (self.rank + 1) * u.chunk], work))
         if self.observers.launch or self.observers.done:
             # The unit stands for a bucket: its index, and the reduction the done event waits for.
-            self.observers.launched(_Launched(u.index, work), nbytes, self.step)
+            self.observers.launched(Launched(u.index, work), nbytes, self.step)
 
     def _finish_backward(self) -> None:
         self._queued = False
@@ -429,18 +429,6 @@ class ShardedParameters:
 
     def begin_shadow(self) -> None:
         raise RuntimeError("join() is not supported with zero_stage=3")
-
-
-@dataclass
-class _Launched:
-    """What an observer's launch and done events need of a reduction in flight (a bucket's part)."""
-
-    unit: int
-    work: Any
-    future: Any = None
-
-    def index(self) -> int:
-        return self.unit
 
 
 def sharded_parameters(module: nn.Module, process_group: dist.ProcessGroup | None, find_unused_parameters: bool,

@@ -17,6 +17,7 @@ from ddpkit.runtime.devices import comm_device, comm_tensor
 
 __all__ = [
     "CONTAINERS",
+    "Launched",
     "Unit",
     "UnitParam",
     "all_gather_flat",
@@ -346,3 +347,15 @@ def settle(u: Unit, rank: int) -> None:
             else:
                 q.param.grad.add_(piece)
     u.pending = []
+
+
+@dataclass
+class Launched:
+    """What an observer's launch and done events need of a reduction in flight (a bucket's part)."""
+
+    unit: int
+    work: Any
+    future: Any = None
+
+    def index(self) -> int:
+        return self.unit
