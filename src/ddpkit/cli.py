@@ -130,6 +130,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from ddpkit.bench.ranks import start_early
+
+    start_early()  # the ranks' imports start now, beside this process's own
     from ddpkit.bench.run import BenchConfig, run
 
     run(_build(BenchConfig, args))
@@ -144,6 +147,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
+    from ddpkit.bench.ranks import start_early
+
+    start_early()
     from ddpkit.bench.collectives import CollectivesBenchConfig, run
 
     run(_build(CollectivesBenchConfig, args))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -269,7 +270,6 @@ def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
     assert main(["bench", "--report", str(tmp_path / "a-file" / "report")]) == 2
 
 
-@pytest.mark.slow("the engine table, then six groups of fresh processes: three per engine, as --memory measures")
 def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     out = tmp_path / "m.json"
     assert main(["bench", "--workloads", "mlp", "--steps", "2", "--warmup", "1", "--mlp-hidden", "2048",
@@ -277,7 +277,7 @@ def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     memory = json.loads(out.read_text())["memory"]
     # 5.8 M parameters: weights, gradients and momentum are 70 MB before anything the engines add.
     m = memory["mlp"]
-    for engine in ("ddpkit", "torch"):  # three fresh-process runs each, the median reported
+    for engine in ("ddpkit", "torch"):  # three runs each in processes of their own, the median reported
         for suffix in ("", "_rss"):  # private memory, and the resident set with shared code pages
             runs = m[f"{engine}{suffix}_runs"]
             assert len(runs) == 3 and sorted(runs)[1] == m[f"{engine}{suffix}_mb"]
@@ -333,7 +333,6 @@ def test_phase_times_script_reports_both_engines_and_the_reducer():
     assert any(line.strip().startswith("_finish_backward") for line in lines)
 
 
-@pytest.mark.slow("six groups of fresh processes: the step times, then each setup's peak in processes of its own")
 def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
     # World 2 alone (the default worlds, 2 and 3, are checked below without processes).
     out = tmp_path / "z.json"
@@ -357,17 +356,17 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
 
 
 def test_zero_measures_worlds_2_and_3_unless_told(monkeypatch):
-    import ddpkit.runtime.spawn
+    import ddpkit.bench.ranks
     from ddpkit.bench.zero import SETUPS, measure_zero
 
     worlds = []
 
-    def spawn(fn, nprocs, args, backend):  # records the worlds; writes what a worker would
+    def spawn_ranks(fn, nprocs, args, backend="gloo"):  # records the worlds; writes what a worker would
         worlds.append((fn.__name__, nprocs))
         Path(args[-1]).write_text(json.dumps({s: {"peak": 1.0} for s in SETUPS} if fn.__name__ == "_time_worker"
                                              else {"peak": 1.0}))
 
-    monkeypatch.setattr(ddpkit.runtime.spawn, "spawn", spawn)
+    monkeypatch.setattr(ddpkit.bench.ranks, "spawn_ranks", spawn_ranks)
     assert list(measure_zero(BenchConfig(zero=True, workloads=("mlp",)))) == ["mlp world 2", "mlp world 3"]
     assert worlds == [(name, w) for w in (2, 3) for name in ("_time_worker", *["_peak_worker"] * len(SETUPS))]
     worlds.clear()
@@ -384,3 +383,22 @@ def test_zero_config_is_checked():
         BenchConfig(zero=True, workloads=("convnet",))
     with pytest.raises(ValueError, match="--zero measures its own table; drop --scaling"):
         BenchConfig(zero=True, scaling=True)
+
+
+def _what_a_rank_found(rank: int, caller: int, out: str) -> None:
+    import sys
+
+    found = {"preloaded": "torch._dynamo" in sys.modules and "ddpkit.bench.zero" in sys.modules,
+             "parent_is_caller": os.getppid() == caller}
+    Path(out, f"{rank}.json").write_text(json.dumps(found))
+
+
+def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
+    # Every group of ranks the bench starts (--memory and --zero several per command) comes ready-imported,
+    # from a server that is not this process, instead of paying seconds of imports per rank.
+    from ddpkit.bench.ranks import spawn_ranks
+
+    for _ in range(2):
+        spawn_ranks(_what_a_rank_found, 2, args=(os.getpid(), str(tmp_path)))
+        assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == \
+            [{"preloaded": True, "parent_is_caller": False}] * 2

@@ -1,6 +1,6 @@
 """``ddpkit bench collectives``: each all-reduce algorithm's time and bandwidth by message size, like all_reduce_perf.
 
-For every world size, fresh gloo ranks (one thread each) all-reduce float32
+For every world size, new gloo ranks (one thread each) all-reduce float32
 messages of each size with each algorithm, the algorithms interleaved round
 by round; the time of a round is the slowest rank's, and the figure the
 median over rounds. Reported per algorithm and size:
@@ -151,8 +151,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def run(cfg: CollectivesBenchConfig) -> list[dict]:
-    """Measure every world size in fresh processes, print the table, write JSON and the plot."""
-    from ddpkit.runtime.spawn import spawn
+    """Measure every world size in processes of its own, print the table, write JSON and the plot."""
+    from ddpkit.bench.ranks import spawn_ranks
 
     rows: list[dict] = []
     fits = {}
@@ -162,7 +162,7 @@ def run(cfg: CollectivesBenchConfig) -> list[dict]:
                   f"{len(cfg.algorithms)} algorithms", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            spawn(_worker, p, args=(cfg, out), backend="gloo")
+            spawn_ranks(_worker, p, args=(cfg, out))
             mine = json.loads(Path(out).read_text())
         # spawn's workers are one node: hierarchical has all ranks in one node.
         fits[p] = _fit(mine, p, local=p)

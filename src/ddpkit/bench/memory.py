@@ -1,9 +1,10 @@
 """``ddpkit bench --memory``: peak memory per rank of each engine, each in processes of its own.
 
 A process's peak resident set (``ru_maxrss``) only grows, so each engine and
-workload runs in fresh processes (``MEMORY_REPEATS`` times, engines
-alternating, the median reported; glibc's mmap threshold fixed, see
-``FIXED_MMAP_THRESHOLD``): the peak is read after the warm-up and
+workload runs in processes of its own (``MEMORY_REPEATS`` times, engines
+alternating, the median reported; forked from the bench's server, see
+:mod:`ddpkit.bench.ranks`; glibc's mmap threshold fixed, see
+``MMAP_THRESHOLD``): the peak is read after the warm-up and
 ``min(--steps, 10)`` training steps, minus the peak before the model was
 built (the interpreter, torch, the process group, and the some 800 modules,
 about 65 MB, that constructing the first optimizer imports: torch._dynamo and
@@ -42,7 +43,6 @@ from typing import Any
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.bench.report import memory_ratio
-from ddpkit.runtime.process import environment
 
 MEMORY_STEPS = 10
 """Training steps after the warm-up before the peak is read."""
@@ -89,6 +89,7 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
     # 65 MB), whichever engine runs: a one-time cost too, paid before the baseline.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     init()  # the backend spawn() gave these ranks (gloo)
+    fix_mmap_threshold()
     dist.barrier()
     before = in_use()
     model, x, y = workload(name, cfg)
@@ -107,13 +108,28 @@ def _worker(rank: int, cfg: BenchConfig, name: str, engine: str, out: str) -> No
 
 
 MEMORY_REPEATS = 3
-"""Fresh-process measurements per engine and workload (engines alternating); the median is reported."""
+"""Measurements (each in processes of its own) per engine and workload (engines alternating); the median is reported."""
 
-FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+MMAP_THRESHOLD = 65536
 """glibc: every allocation above 64 KiB is its own mapping, returned on free. Without it glibc raises the
 threshold as large blocks are freed and serves later tensors from its heap, where the peak then depends
 on the order of allocations and frees (measured: the same engine and workload 128 MB in one run, 136 MB in
 the next); with it the peak follows the tensors alive at once (runs within about 1 MB)."""
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fix_mmap_threshold() -> None:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` in this process from now on (what
+    ``MALLOC_MMAP_THRESHOLD_`` does from a process's start; it also stops glibc moving it); nothing where the C
+    library has no ``mallopt``."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
@@ -124,30 +140,29 @@ def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     """
     import statistics
 
-    from ddpkit.runtime.spawn import spawn
+    from ddpkit.bench.ranks import spawn_ranks
 
     found: dict[str, dict[str, Any]] = {}
-    with environment(FIXED_MMAP_THRESHOLD):  # read by each new process at start
-        for name in (w for w in cfg.workloads if w in BATCH_FIELD):  # the DDP workloads, not dp or strategies
-            runs: dict[str, list[dict[str, float]]] = {"ddpkit": [], "torch": []}
-            for r in range(MEMORY_REPEATS):
-                for engine in ("ddpkit", "torch") if r % 2 == 0 else ("torch", "ddpkit"):
-                    with tempfile.TemporaryDirectory() as tmp:
-                        out = os.path.join(tmp, "peak.json")
-                        spawn(_worker, cfg.world_size, args=(cfg, name, engine, out), backend="gloo")
-                        runs[engine].append(json.loads(Path(out).read_text()))
-            found[name] = {}
-            for e, v in runs.items():
-                for kind, suffix in (("private", ""), ("rss", "_rss")):
-                    values = [run[kind] for run in v]
-                    found[name][f"{e}{suffix}_mb"] = statistics.median(values)
-                    found[name][f"{e}{suffix}_runs"] = values
+    for name in (w for w in cfg.workloads if w in BATCH_FIELD):  # the DDP workloads, not dp or strategies
+        runs: dict[str, list[dict[str, float]]] = {"ddpkit": [], "torch": []}
+        for r in range(MEMORY_REPEATS):
+            for engine in ("ddpkit", "torch") if r % 2 == 0 else ("torch", "ddpkit"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "peak.json")
+                    spawn_ranks(_worker, cfg.world_size, args=(cfg, name, engine, out))
+                    runs[engine].append(json.loads(Path(out).read_text()))
+        found[name] = {}
+        for e, v in runs.items():
+            for kind, suffix in (("private", ""), ("rss", "_rss")):
+                values = [run[kind] for run in v]
+                found[name][f"{e}{suffix}_mb"] = statistics.median(values)
+                found[name][f"{e}{suffix}_runs"] = values
     return found
 
 
 def format_memory(found: dict[str, dict[str, Any]]) -> str:
     lines = [f"peak memory per rank above the process's own baseline, in MB (the largest over ranks; median of "
-             f"{MEMORY_REPEATS} runs in fresh processes, range in brackets); private: the process's own pages, "
+             f"{MEMORY_REPEATS} runs in processes of their own, range in brackets); private: the process's own pages, "
              "rss: with the shared code pages it touched:",
              f"{'workload':<11} {'ddpkit private':>21} {'torch private':>21} {'ratio':>6} "
              f"{'ddpkit rss':>8} {'torch rss':>9} {'ratio':>6}"]

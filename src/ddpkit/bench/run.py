@@ -90,7 +90,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
 
 
 def run(cfg: BenchConfig) -> list[WorkloadResult]:
-    """Run the benchmarks in ``cfg.world_size`` fresh processes and print the table (``--scaling``: the sweeps
+    """Run the benchmarks in ``cfg.world_size`` processes of their own and print the table (``--scaling``: the sweeps
     of :mod:`ddpkit.bench.scaling` instead, returning no rows).
 
     Returns:
@@ -99,7 +99,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     Raises:
         ddpkit.WorkerError: a rank failed.
     """
-    from ddpkit.runtime.spawn import spawn
+    from ddpkit.bench.ranks import spawn_ranks
 
     if cfg.scaling:
         from ddpkit.bench.scaling import run_scaling
@@ -132,7 +132,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         backend = "nccl"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        spawn(_worker, cfg.world_size, args=(cfg, out), backend=backend)
+        spawn_ranks(_worker, cfg.world_size, args=(cfg, out), backend=backend)
         raw = json.loads(Path(out).read_text())
     if cfg.memory:
         from ddpkit.bench.memory import measure_memory

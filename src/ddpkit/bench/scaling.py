@@ -1,7 +1,7 @@
 """``ddpkit bench --scaling``: how both engines scale with the world size and with the model size.
 
 Each point is one :func:`ddpkit.bench.engines.bench_workload` measurement
-(both engines interleaved, medians with quartiles) in fresh processes at
+(both engines interleaved, medians with quartiles) in processes of their own at
 that world size:
 
 weak scaling
@@ -190,15 +190,15 @@ def plot_scaling(points: list[ScalingPoint], path: Path) -> list[Path]:
 
 
 def run_scaling(cfg: BenchConfig) -> list[ScalingPoint]:
-    """Measure every sweep in fresh processes per world size; print, plot and (``--json``) save them."""
-    from ddpkit.runtime.spawn import spawn
+    """Measure every sweep in processes of their own per world size; print, plot and (``--json``) save them."""
+    from ddpkit.bench.ranks import spawn_ranks
 
     before = machine()
     points: list[ScalingPoint] = []
     for world, jobs in sorted(plan(cfg).items()):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "points.json")
-            spawn(_worker, world, args=(jobs, out), backend="gloo")
+            spawn_ranks(_worker, world, args=(jobs, out))
             points += [ScalingPoint(**p) for p in json.loads(Path(out).read_text())]
     order = {"weak": 0, "strong": 1, "size": 2}
     points.sort(key=lambda p: (order[p.sweep], p.workload, p.world_size, p.params))

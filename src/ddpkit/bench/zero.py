@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.memory import FIXED_MMAP_THRESHOLD, MEMORY_STEPS, in_use, peaks
-from ddpkit.runtime.process import environment
+from ddpkit.bench.memory import MEMORY_STEPS, fix_mmap_threshold, in_use, peaks
 
 SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2", "zero3", "torch fsdp2")
 ZERO_WORKLOADS = ("transformer", "mlp")
@@ -145,6 +144,7 @@ def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -
     # Every setup's code imported (and the first optimizer built) before the baseline, as --memory does.
     probe = torch.nn.Linear(2, 2)
     _build("torch zero1", probe, None)
+    fix_mmap_threshold()
     dist.barrier()
     before = in_use()
     model, x, y = workload(name, cfg)
@@ -160,20 +160,19 @@ def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -
 
 def measure_zero(cfg: BenchConfig) -> dict[str, Any]:
     """``{f"{workload} world {W}": {setup: {"params", "grads", "state", "step_s", "peak"}}}`` in MB and seconds."""
-    from ddpkit.runtime.spawn import spawn
+    from ddpkit.bench.ranks import spawn_ranks
 
     found: dict[str, Any] = {}
-    with environment(FIXED_MMAP_THRESHOLD):
-        for name in (w for w in cfg.workloads if w in ZERO_WORKLOADS):
-            for world in cfg.world_sizes or WORLDS:
-                with tempfile.TemporaryDirectory() as tmp:
-                    out = os.path.join(tmp, "zero.json")
-                    spawn(_time_worker, world, args=(cfg, name, out), backend="gloo")
-                    row = json.loads(Path(out).read_text())
-                    for setup in SETUPS:
-                        spawn(_peak_worker, world, args=(cfg, name, setup, out), backend="gloo")
-                        row[setup]["peak"] = json.loads(Path(out).read_text())["peak"]
-                found[f"{name} world {world}"] = row
+    for name in (w for w in cfg.workloads if w in ZERO_WORKLOADS):
+        for world in cfg.world_sizes or WORLDS:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "zero.json")
+                spawn_ranks(_time_worker, world, args=(cfg, name, out))
+                row = json.loads(Path(out).read_text())
+                for setup in SETUPS:
+                    spawn_ranks(_peak_worker, world, args=(cfg, name, setup, out))
+                    row[setup]["peak"] = json.loads(Path(out).read_text())["peak"]
+            found[f"{name} world {world}"] = row
     return found
 
 

@@ -1,0 +1,38 @@
+"""The benchmarks' ranks: forked from one server that imported torch once per ``ddpkit bench`` command.
+
+Every measurement of the bench runs in processes of its own (``--memory``
+and ``--zero`` one group per engine and repeat, ``--scaling`` and
+``collectives`` one per world size). Started fresh, each rank would spend
+seconds importing torch and the ``torch._dynamo`` the first optimizer pulls
+in, 5 s of CPU a rank here, more than many a measurement takes. Instead
+:func:`start_early` starts a forkserver first thing (torch-free, from the
+CLI) that does those imports once, beside the command's own; every group of
+ranks is then forked from it. A forked rank is as fresh as a spawned one for
+what the bench measures: nothing has run in the server but imports (no
+thread, no CUDA context, no process group), and the memory figures are taken
+above each rank's own baseline after the same imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ddpkit.runtime.spawn import spawn, start_forkserver
+
+__all__ = ["PRELOAD", "spawn_ranks", "start_early"]
+
+PRELOAD = ("torch", "torch._dynamo", "ddpkit.bench.run", "ddpkit.bench.memory", "ddpkit.bench.zero",
+           "ddpkit.bench.scaling", "ddpkit.bench.collectives")
+"""What the server imports once for every rank (the ranks' modules and what they import)."""
+
+
+def start_early() -> None:
+    """Start the server the ranks will be forked from, its imports beside the caller's (later calls do nothing)."""
+    start_forkserver(PRELOAD)
+
+
+def spawn_ranks(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], backend: str = "gloo") -> None:
+    """:func:`ddpkit.spawn` of ``fn`` on ``nprocs`` ranks forked from the server (started now if not yet)."""
+    start_early()
+    spawn(fn, nprocs, args=args, backend=backend, start_method="forkserver")
