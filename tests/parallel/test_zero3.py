@@ -431,3 +431,38 @@ def _evaluate_uneven_shards() -> tuple:
 def test_evaluation_runs_as_many_forwards_on_every_rank_when_the_parameters_are_sharded(dist2):
     for (loss, accuracy, n), (whole_loss, whole_accuracy) in dist2.run(_evaluate_uneven_shards, timeout=60):
         assert n == 513 and accuracy == pytest.approx(whole_accuracy) and loss == pytest.approx(whole_loss, rel=1e-5)
+
+
+def _compiled(name: str, backend: str) -> dict:
+    """Stage 3 under torch.compile against plain DDP, eight AdamW steps; the graphs Dynamo made counted."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    base = _model(name)
+    ddp, z3 = ddpkit.DDP(copy.deepcopy(base)), ddpkit.DDP(copy.deepcopy(base), zero_stage=3)
+    runs = [(ddp, ddp), (z3, torch.compile(z3, backend=backend))]
+    opts = [torch.optim.AdamW(_groups(m), lr=0.01, weight_decay=0.1) for m, _ in runs]
+    for step in range(8):
+        x, y = _batch(name, 500 + 10 * step + dist.get_rank())
+        for (_, run), opt in zip(runs, opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(run(x), y).backward()
+            opt.step()
+        if step == 5:
+            with torch.no_grad():  # an evaluation between steps: the parameters gathered without autograd
+                runs[1][1](x)
+    return {"diff": _max_diff(_whole(ddp.state_dict()), _whole(z3.state_dict())),
+            "unique_graphs": counters["stats"]["unique_graphs"],
+            "gathered": [u.full.untyped_storage().size() for u in z3.reducer.units]}
+
+
+@pytest.mark.parametrize("name", ["blocks", "transformer"])
+def test_torch_compile_of_the_stage3_model_trains_as_ddp(dist2, name):
+    # The gathers, frees and bindings run eagerly at each unit's edge (the graph breaks there), the units' own
+    # modules compiled between them; traced, the hooks were recompiled for every unit and step.
+    for r in dist2.run(_compiled, name, "aot_eager"):
+        assert r["diff"] == 0.0
+        assert r["gathered"] == [0] * len(r["gathered"])
+        # Identical blocks share their graphs (2 on the blocks model, 5 on the transformer; traced hooks made 13).
+        assert 0 < r["unique_graphs"] <= 6, r

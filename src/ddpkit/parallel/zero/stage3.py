@@ -59,6 +59,7 @@ as a bucket's. Refused, each with the reason: a comm hook, ``static_graph``,
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Sequence
@@ -168,9 +169,9 @@ class ShardedParameters:
                    self.module.register_forward_hook(self._root_post_forward)]
         for u in self.units:
             if u.name:
-                handles.append(u.module.register_forward_pre_hook(lambda m, a, k, u=u: self._pre_forward(u, a, k),
+                handles.append(u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u),
                                                                   with_kwargs=True))
-                handles.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+                handles.append(u.module.register_forward_hook(functools.partial(self._post_forward, u)))
         return handles
 
     def remove_hooks(self) -> None:
@@ -184,6 +185,10 @@ class ShardedParameters:
             return None
         return cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
 
+    # Under torch.compile the four forward hooks run eagerly (Dynamo breaks the graph at each, and compiles the
+    # modules between them): their gathers, frees and bindings change per unit and per step, so traced they
+    # would be recompiled for every unit (and past Dynamo's limit fall back to eager with a warning).
+    @torch.compiler.disable
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if any(u.ran or u.gathered for u in self.units):  # a forward whose backward never came: start afresh
             self._end_iteration()
@@ -197,6 +202,7 @@ class ShardedParameters:
             self._gather(self.units[self.order[0]], wait=False)
         return self._cast(args, kwargs)
 
+    @torch.compiler.disable
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         root = self.units[0] if self.units and not self.units[0].name else None
         if self._seen and self._seen != self.order:
@@ -208,7 +214,8 @@ class ShardedParameters:
         if not torch.is_grad_enabled():
             self._seen = []
 
-    def _pre_forward(self, u: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    @torch.compiler.disable
+    def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._gather(u, wait=True)
         self._bind(u)
         if u.index not in self._seen:
@@ -220,7 +227,8 @@ class ShardedParameters:
             self._gather(nxt, wait=False)
         return self._cast(args, kwargs)
 
-    def _post_forward(self, u: Unit, output: Any) -> None:
+    @torch.compiler.disable
+    def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
         self._unbind(u)
         grad = torch.is_grad_enabled()
         # The last unit of the forward is the first of the backward: kept, rather than freed and gathered again.
