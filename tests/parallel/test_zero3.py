@@ -466,3 +466,66 @@ def test_torch_compile_of_the_stage3_model_trains_as_ddp(dist2, name):
         assert r["gathered"] == [0] * len(r["gathered"])
         # Identical blocks share their graphs (2 on the blocks model, 5 on the transformer; traced hooks made 13).
         assert 0 < r["unique_graphs"] <= 6, r
+
+
+class _Checkpointed(nn.Module):
+    """Blocks with activation checkpointing: inside each block, around each block (reentrant or not), or around
+    the head, a module of the root unit."""
+
+    def __init__(self, where: str, width: int = 16) -> None:
+        super().__init__()
+        self.where = where
+        self.emb = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(_Inner(width, inside=where == "inside") for _ in range(3))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.where == "reentrant") if self.where in (
+                "around", "reentrant") else block(x)
+        return checkpoint(self.head, x, use_reentrant=False) if self.where == "head" else self.head(x)
+
+
+class _Inner(nn.Module):
+    def __init__(self, width: int, inside: bool) -> None:
+        super().__init__()
+        self.inside = inside
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if self.inside:
+            return checkpoint(lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=False)
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+def _checkpointed(where: str, reshard: bool) -> dict:
+    torch.manual_seed(0)
+    base = _Checkpointed(where)
+    ddp = ddpkit.DDP(copy.deepcopy(base))
+    z3 = ddpkit.DDP(copy.deepcopy(base), zero_stage=3, reshard_after_forward=reshard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ddp, z3)]
+    for step in range(6):
+        x, y = _batch("blocks", 700 + 10 * step + dist.get_rank())
+        for model, opt in zip((ddp, z3), opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return {"diff": _max_diff(_whole(ddp.state_dict()), _whole(z3.state_dict())),
+            "gathered": [u.full.untyped_storage().size() for u in z3.reducer.units],
+            "shapes": [tuple(m.weight.shape) for m in (z3.module.blocks[0].a, z3.module.head)]}
+
+
+@pytest.mark.parametrize("where,reshard", [("inside", True), ("around", True), ("reentrant", True), ("head", True),
+                                           ("around", False)])
+def test_activation_checkpointing_recomputes_with_the_gathered_parameters(dist2, where, reshard):
+    # The recomputation in backward sees the unit gathered (a unit's forward hooks, run again then, keep it so
+    # and leave the forward's bookkeeping alone); the gradients, bitwise DDP's, reach the shards.
+    for r in dist2.run(_checkpointed, where, reshard):
+        assert r["diff"] == 0.0
+        assert r["gathered"] == [0] * len(r["gathered"])
+        assert all(len(shape) == 1 for shape in r["shapes"])  # after the step, modules see their shards again

@@ -37,6 +37,11 @@ Backward
     buffer's memory is freed. At the end of backward each parameter's
     ``.grad`` is its segment of the averaged gradient (added to what it held,
     as DDP's accumulate).
+Activation checkpointing
+    A recomputation in backward (around a unit, inside it, or of a root
+    module; reentrant or not) sees the unit gathered and bound: see
+    :meth:`ShardedParameters._recompute`. Checkpointing the whole wrapped
+    model (its root's forward) is not supported: checkpoint its units.
 ``no_sync``
     Outside synchronisation each unit's gradient accumulates unsharded (full
     size, one buffer per unit: the documented cost), and the next synchronised
@@ -72,11 +77,11 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
+from ddpkit.parallel.zero.gathering import Gathering
 from ddpkit.parallel.zero.units import (
     Launched,
     Unit,
     UnitParam,
-    all_gather_flat,
     all_reduce_flat,
     cast_floats,
     find_units,
@@ -154,6 +159,7 @@ class ShardedParameters:
         """Every parameter, unit by unit (each a view of this rank's shard)."""
         self.order: list[int] = [u.index for u in self.units if u.name]
         """The units' forward order in the last forward (the registration order at first)."""
+        self.whole = Gathering(process_group, self.world_size, owner, self._leaf_ready)
         self._seen: list[int] = []
         self._queued = False
         self._handles = self._install_hooks()
@@ -192,14 +198,17 @@ class ShardedParameters:
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if any(u.ran or u.gathered for u in self.units):  # a forward whose backward never came: start afresh
             self._end_iteration()
+        # A backward that raised never ran its end: the next forward is not a recomputation (see _recompute;
+        # checkpointing the whole model, its root's forward, is not supported: checkpoint its units).
+        self._queued = False
         self._seen = []
         root = self.units[0] if self.units and not self.units[0].name else None
         if root is not None:
-            self._gather(root, wait=True)
-            self._bind(root)
+            self.whole.gather(root, wait=True)
+            self.whole.bind(root)
             root.ran = root.ran or torch.is_grad_enabled()
         if self.order:
-            self._gather(self.units[self.order[0]], wait=False)
+            self.whole.gather(self.units[self.order[0]], wait=False)
         return self._cast(args, kwargs)
 
     @torch.compiler.disable
@@ -208,44 +217,66 @@ class ShardedParameters:
         if self._seen and self._seen != self.order:
             self.order = list(self._seen)
         if root is not None:
-            self._unbind(root)
-            if not torch.is_grad_enabled():
-                self._free(root)
+            self.whole.unbind(root)
+            if torch.is_grad_enabled():
+                self.whole.bind(root, counted=False)  # gathered until its gradients are in: for a recomputation
+            else:
+                self.whole.free(root)
         if not torch.is_grad_enabled():
             self._seen = []
 
     @torch.compiler.disable
     def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        self._gather(u, wait=True)
-        self._bind(u)
+        if self._queued:
+            return self._recompute(u, args, kwargs)
+        self.whole.gather(u, wait=True)
+        self.whole.bind(u)
         if u.index not in self._seen:
             self._seen.append(u.index)
         if torch.is_grad_enabled():
             u.ran = True
         nxt = self._neighbour(u, +1)
         if nxt is not None:
-            self._gather(nxt, wait=False)
+            self.whole.gather(nxt, wait=False)
         return self._cast(args, kwargs)
 
     @torch.compiler.disable
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        self._unbind(u)
+        if self._queued:
+            return  # a recomputation (see _recompute): the unit stays gathered and bound until its gradients are in
+        self.whole.unbind(u)
         grad = torch.is_grad_enabled()
         # The last unit of the forward is the first of the backward: kept, rather than freed and gathered again.
         last = bool(self.order) and u.index == self.order[-1]
         if not grad or (self.reshard_after_forward and not last):
-            self._free(u)
+            self.whole.free(u)
         if grad:
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads, u=u: self._pre_backward(u), mode="any")
 
+    def _recompute(self, u: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The unit's forward run again inside this model's backward: activation checkpointing.
+
+        Non-reentrant checkpointing (``use_reentrant=False``) recomputes only the values autograd saved; the
+        gradients still flow to the leaves of the first forward, so the unit is bound to uncounted leaves, and
+        nothing of the forward's bookkeeping (order, prefetch, freeing) happens. Reentrant checkpointing ran the
+        first forward without grad, and its recomputation is the forward the gradients flow through: leaves.
+        """
+        self.whole.gather(u, wait=True)
+        counted = torch.is_grad_enabled() and not u.ran
+        self.whole.bind(u, counted=counted)
+        u.ran = u.ran or counted
+        return self._cast(args, kwargs)
+
     def _pre_backward(self, u: Unit) -> None:
         self._queue_finish()
-        self._gather(u, wait=True)
+        self.whole.gather(u, wait=True)
+        with torch.enable_grad():  # (off in backward) leaves, as in the forward the recomputation must repeat
+            self.whole.bind(u, counted=False)  # checkpointing inside the unit recomputes through its modules' attributes
         prev = self._neighbour(u, -1)
         if prev is not None:
-            self._gather(prev, wait=False)
+            self.whole.gather(prev, wait=False)
 
     def _leaf_ready(self, u: Unit, i: int, leaf: torch.Tensor) -> None:
         """A gathered parameter's gradient is in: kept (its ``.grad`` let go); the unit is done when all are."""
@@ -259,7 +290,8 @@ class ShardedParameters:
     def _unit_done(self, u: Unit) -> None:
         """Every gradient of the unit is in (or backward ended): free its parameters first, then make its flat
         gradient (so the two are never whole at once), and reduce it or keep it."""
-        self._free(u)
+        self.whole.unbind(u)
+        self.whole.free(u)
         flat = flatten_grads(u, self.reduce_dtype or u.full.dtype)
         if self.armed and not self.find_unused:
             self._reduce(u, flat)
@@ -277,56 +309,6 @@ class ShardedParameters:
             return None
         at = order.index(u.index) + step
         return self.units[order[at]] if 0 <= at < len(order) else None
-
-    # -- gathering and freeing ----------------------------------------------------------------------
-
-    def _gather(self, u: Unit, wait: bool) -> None:
-        if not u.gathered:
-            u.full.untyped_storage().resize_(u.nbytes)
-            out = u.full.data  # a new version counter: autograd's saved views of the buffer stay valid
-            src = u.shard if u.shard.dtype == out.dtype else u.shard.to(out.dtype)
-            if self.world_size == 1:
-                out.copy_(src)
-            else:
-                events.collective("{} zero-3 unit {} all-gather of the parameters", self.owner, u.index,
-                                  nbytes=src.numel() * src.element_size())
-                u.work = all_gather_flat(out, src, self.group, async_op=True)
-            u.gathered = True
-        if wait and u.work is not None:
-            u.work.wait()
-            u.work = None
-
-    def _free(self, u: Unit) -> None:
-        if u.work is not None:
-            u.work.wait()
-            u.work = None
-        u.full.untyped_storage().resize_(0)
-        u.gathered = False
-
-    def _bind(self, u: Unit) -> None:
-        """Let the unit's modules see its parameters as views of the gathered buffer (instance attributes shadow
-        the registered parameters, which stay the shard views the optimizer steps on). With grad enabled each
-        view is a leaf whose gradient :meth:`_leaf_ready` takes."""
-        sizes = [q.numel for q in u.params]
-        pad = u.full.numel() - sum(sizes)
-        pieces = u.full.split(sizes + [pad] if pad else sizes)
-        grad = torch.is_grad_enabled() and u.requires_grad
-        if grad and not u.grads:
-            u.grads = [None] * len(u.params)
-        for i, (q, piece) in enumerate(zip(u.params, pieces)):
-            view = piece.view(q.shape)
-            if grad:
-                view.requires_grad_(True)
-                view.register_post_accumulate_grad_hook(lambda t, u=u, i=i: self._leaf_ready(u, i, t))
-                u.expected += 1
-            for m, attr in q.owners:
-                m.__dict__[attr] = view
-
-    @staticmethod
-    def _unbind(u: Unit) -> None:
-        for q in u.params:
-            for m, attr in q.owners:
-                m.__dict__.pop(attr, None)
 
     # -- reduction ----------------------------------------------------------------------------------
 
@@ -405,8 +387,8 @@ class ShardedParameters:
 
     def _end_iteration(self) -> None:
         for u in self.units:
-            self._unbind(u)
-            self._free(u)
+            self.whole.unbind(u)
+            self.whole.free(u)
             u.ran = u.reduced = False
             u.grads, u.arrived, u.expected = [None] * len(u.params) if u.grads else [], 0, 0
         self._seen = []
