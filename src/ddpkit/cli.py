@@ -47,7 +47,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
         meta = f.metadata
         if "help" not in meta or meta.get("cli", True) is False:
             continue
-        help_text = meta["help"]
+        help_text = meta["help"].replace("%", "%%")  # argparse formats help with %: a plain "93 %" is text
         default = f.default if f.default is not dataclasses.MISSING else None
         if meta.get("positional"):
             parser.add_argument(f.name, nargs=meta.get("nargs"), metavar=meta.get("metavar", f.name),
@@ -65,7 +65,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: type) -> None:
             continue
         if default is not None and "default" not in help_text:
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
-            help_text += f" (default: {shown})"
+            help_text += f" (default: {shown})".replace("%", "%%")
         many = kind.startswith(("tuple[", "list["))
         parser.add_argument(*flags, dest=f.name, type=_converter(kind), choices=meta.get("choices"),
                             nargs=meta.get("nargs", "+" if many else None), metavar=meta.get("metavar"),
