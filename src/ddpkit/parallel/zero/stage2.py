@@ -160,6 +160,8 @@ class ShardedReducer(Reducer):
         """A synchronised backward has filled the gradient shards since the last step."""
         self._warned_unstepped = False
         self._in_flight: collections.deque[GradBucket] = collections.deque()
+        self._spare: list[torch.Tensor] = []
+        """Bucket-sized buffers given back, reused by the next ones (see :meth:`_buffer`)."""
         self.native = process_group is not None and dist.get_backend(process_group) == "nccl"
         """Reduce-scatter and all-gather with the backend's own collectives (NCCL), else see the module notes."""
         self.load_param_shards()
@@ -225,7 +227,7 @@ class ShardedReducer(Reducer):
             k = b.index()
             if len(pending) >= IN_FLIGHT:
                 self._copy_out(*pending.popleft())
-            full = torch.empty(self.chunks[k] * self.world_size, dtype=b.params[0].dtype, device=b.params[0].device)
+            full = self._buffer(k, b.params[0].dtype, b.params[0].device)
             work = None
             if self.world_size == 1:
                 full.copy_(self.param_shards[k])
@@ -238,15 +240,34 @@ class ShardedReducer(Reducer):
             pending.append((b, full, work))
         while pending:
             self._copy_out(*pending.popleft())
+        self._spare.clear()  # not held through the forward, where they would add to its peak
 
-    @staticmethod
-    def _copy_out(bucket: GradBucket, full: torch.Tensor, work: Any) -> None:
+    def _copy_out(self, bucket: GradBucket, full: torch.Tensor, work: Any) -> None:
         if work is not None:
             work.wait()
         offset = 0
         for p in bucket.params:
             p.copy_(full[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
+        self._give_back(full)
+
+    def _buffer(self, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of bucket ``k``'s padded size: one given back earlier if there is one, else new.
+
+        New memory costs its page faults on every use (glibc maps each large block afresh and unmaps it when
+        freed): a 100 MB bucket's buffer 90 ms here, against 70 ms for its whole all-gather at world 2.
+        """
+        n = self.chunks[k] * self.world_size
+        for i, t in enumerate(self._spare):
+            if t.numel() == n and t.dtype == dtype and t.device == device:
+                return self._spare.pop(i)
+        return torch.empty(n, dtype=dtype, device=device)
+
+    def _give_back(self, flat: torch.Tensor) -> None:
+        """Keep ``flat`` for :meth:`_buffer`: at most as many as are ever alive at once (the newest)."""
+        if flat.numel():
+            self._spare.append(flat)
+            del self._spare[: -(IN_FLIGHT + 1)]
 
     # -- the reducer's steps, sharded ----------------------------------------------------------
 
@@ -264,7 +285,7 @@ class ShardedReducer(Reducer):
         """The bucket's gradients, averaged, into a buffer of its own; every ``.grad`` of the bucket dropped."""
         k = bucket.index()
         first = bucket.params[0]
-        flat = torch.empty(self.chunks[k] * self.world_size, dtype=first.dtype, device=first.device)
+        flat = self._buffer(k, first.dtype, first.device)
         divide = self._divide()
         offset = 0
         for s, p in enumerate(bucket.params):
@@ -313,6 +334,7 @@ class ShardedReducer(Reducer):
             if not self.native:
                 k = bucket.index()
                 self.grad_shards[k].copy_(bucket.flat[self.rank * self.chunks[k] : (self.rank + 1) * self.chunks[k]])
+        self._give_back(bucket.flat)
         empty = bucket.flat.new_empty(0)
         bucket.flat = bucket.target = empty
         bucket.set_buffer(empty)
