@@ -37,13 +37,14 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-DIST_MODULES = {"torch.distributed", "ddpkit.comm.collectives", "ddpkit.runtime.compat", "ddpkit.collectives"}
+DIST_MODULES = {"torch.distributed", "ddpkit.comm.collectives", "ddpkit.comm.direct", "ddpkit.runtime.compat",
+                "ddpkit.collectives"}
 """Modules whose functions are collectives here (every public function of them takes tensors to reduce/move)."""
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_tensor",
     "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
     "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
-    "send", "recv", "isend", "irecv", "P2POp",
+    "send", "recv", "isend", "irecv", "P2POp", "direct_all_gather", "direct_reduce_scatter",
 }
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "logspace", "rand", "randn",
              "randint", "randperm", "as_tensor", "scalar_tensor", "eye", "empty_strided"}

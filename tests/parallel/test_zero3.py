@@ -529,3 +529,27 @@ def test_activation_checkpointing_recomputes_with_the_gathered_parameters(dist2,
         assert r["diff"] == 0.0
         assert r["gathered"] == [0] * len(r["gathered"])
         assert all(len(shape) == 1 for shape in r["shapes"])  # after the step, modules see their shards again
+
+
+def _construction_broadcasts(stage: int) -> dict:
+    from ddpkit.runtime import events
+
+    torch.manual_seed(dist.get_rank())  # different on every rank: the broadcast makes them rank 0's
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])  # 6 x 257 KiB
+    names: list[str] = []
+    with events.observe(lambda e: names.append(e.name)):
+        wrapped = ddpkit.DDP(model, zero_stage=stage, bucket_cap_mb=0.5)
+    torch.manual_seed(0)
+    expected = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    return {"messages": sum("broadcast parameters and buffers" in n for n in names),
+            "equal": all(torch.equal(a, b) for a, b in zip(_whole(wrapped.state_dict()).values(),
+                                                            expected.state_dict().values()))}
+
+
+def test_stage3_broadcasts_the_model_at_construction_a_bucket_at_a_time(dist2):
+    """A model that barely fits must not be copied whole to broadcast it: stage 3's construction broadcast goes
+    in messages of ``bucket_cap_mb`` (torch's DDP, and stage 0, send up to 250 MB at once)."""
+    for r in dist2.run(_construction_broadcasts, 3):
+        assert r == {"messages": 6, "equal": True}
+    for r in dist2.run(_construction_broadcasts, 0):
+        assert r["messages"] == 1 and r["equal"]

@@ -92,12 +92,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str, src: int = 0) -> None:
-    """Overwrite ``tensors`` with group rank ``src``'s values in messages of at most 250 MB."""
+def broadcast_once(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str, src: int = 0,
+                   chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
+    """Overwrite ``tensors`` with group rank ``src``'s values in messages of at most ``chunk_bytes`` (or one
+    tensor, if larger): the memory the broadcast takes for a while."""
     chunk: list[torch.Tensor] = []
     size = 0
     for t in list(tensors) + [None]:  # type: ignore[list-item]
-        if t is not None and (not chunk or size + _nbytes(t) <= BROADCAST_CHUNK_BYTES):
+        if t is not None and (not chunk or size + _nbytes(t) <= chunk_bytes):
             chunk.append(t)
             size += _nbytes(t)
             continue

@@ -197,7 +197,9 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         if self.world_size > 1 and init_sync:
             verify_same_parameters(named, process_group)
             states = [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
-            broadcast_once(states, process_group, "parameters and buffers")
+            # Stage 3 is for models that barely fit once: its messages are a bucket's, not torch's 250 MB.
+            chunk = int(self.bucket_cap_mb * 1024 * 1024) if self.zero_stage == 3 else BROADCAST_CHUNK_BYTES
+            broadcast_once(states, process_group, "parameters and buffers", chunk_bytes=chunk)
         self.reducer = self._make_reducer()
         self._logging = DDPLogging(self) if self.zero_stage < 3 else ShardedLogging(self)
 

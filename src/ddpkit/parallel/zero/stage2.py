@@ -23,7 +23,9 @@ Backward (synchronised)
     reduce-scatter; on gloo, whose reduce-scatter takes 2.5 times its
     all-reduce (100 MB at world 2 here: 270 ms against 110 ms), the buffer is
     all-reduced and this rank keeps its chunk (the bytes DDP sends, and the
-    very sums). At most :data:`IN_FLIGHT` such
+    very sums; the direct reduce-scatter stage 3 uses on gloo would need a
+    scratch of ``(W - 1) / W`` of a bucket, and it gained nothing measurable
+    here on buckets this large). At most :data:`IN_FLIGHT` such
     buffers exist at once (launching one more waits for the oldest and frees
     it), so the gradient memory of a rank is its shards (``1/W`` of the
     gradients) and a couple of buckets, plus what autograd holds at a time.
@@ -33,9 +35,9 @@ The step
     this reducer (:func:`sharded_reducer`) and steps this rank's segments
     (views of its persistent parameter shards) with their averaged gradients;
     :meth:`ShardedReducer.gather_params` then all-gathers the parameters
-    bucket by bucket (NCCL's all-gather; on gloo ddpkit's ring, 72 ms for
-    100 MB at world 2 against gloo's own 240 ms), so every replica ends the
-    step identical.
+    bucket by bucket, :data:`IN_FLIGHT` at a time (NCCL's all-gather; on gloo
+    direct messages, where gloo's own all-gather is 1.4-2.7 times slower), so
+    every replica ends the step identical.
 ``no_sync`` and gradient accumulation
     As under DDP: the gradients of a backward outside synchronisation stay in
     ``.grad`` (full size, locally), and the next synchronised backward reduces
@@ -66,12 +68,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm.bucket import CommHook, GradBucket
-from ddpkit.comm.collectives import all_gather
 from ddpkit.parallel.ddp.buckets import BucketLayout, payload
 from ddpkit.parallel.ddp.reducer import Reducer
 from ddpkit.parallel.ddp.unused import refuse_unused
+from ddpkit.parallel.zero.units import all_gather_flat
 from ddpkit.runtime import events
-from ddpkit.runtime.compat import all_gather_tensor, reduce_scatter_tensor
+from ddpkit.runtime.compat import reduce_scatter_tensor
 
 __all__ = ["IN_FLIGHT", "Segment", "ShardedReducer", "sharded_reducer"]
 
@@ -163,7 +165,7 @@ class ShardedReducer(Reducer):
         self._spare: list[torch.Tensor] = []
         """Bucket-sized buffers given back, reused by the next ones (see :meth:`_buffer`)."""
         self.native = process_group is not None and dist.get_backend(process_group) == "nccl"
-        """Reduce-scatter and all-gather with the backend's own collectives (NCCL), else see the module notes."""
+        """Reduce-scatter with the backend's own collective (NCCL), else see the module notes."""
         self.load_param_shards()
         me = weakref.ref(self)
         for p in self.params:
@@ -231,12 +233,10 @@ class ShardedReducer(Reducer):
             work = None
             if self.world_size == 1:
                 full.copy_(self.param_shards[k])
-            elif self.native:
+            else:
                 events.collective("{} bucket {} all-gather of the parameters", self.owner, k,
                                   nbytes=self.param_shards[k].numel() * self.param_shards[k].element_size())
-                work = all_gather_tensor(full, self.param_shards[k], group=self.group, async_op=True)
-            else:
-                all_gather(full, self.param_shards[k], algorithm="ring", group=self.group, check=False)
+                work = all_gather_flat(full, self.param_shards[k], self.group, async_op=True)
             pending.append((b, full, work))
         while pending:
             self._copy_out(*pending.popleft())

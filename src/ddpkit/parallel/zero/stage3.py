@@ -32,8 +32,8 @@ Backward
     gradient reaches them (and starts the gather of the unit before it). When
     autograd has accumulated the buffer's gradient, it is averaged
     (pre-scaled by ``1/W`` as DDP's gradients are) and reduce-scattered
-    (NCCL's reduce-scatter; on gloo an all-reduce of which this rank keeps its
-    chunk, as in stage 2), asynchronously, while backward goes on; the
+    (NCCL's reduce-scatter; on gloo direct messages, :mod:`ddpkit.comm.direct`),
+    asynchronously, while backward goes on; the
     buffer's memory is freed. At the end of backward each parameter's
     ``.grad`` is its segment of the averaged gradient (added to what it held,
     as DDP's accumulate).
@@ -82,18 +82,17 @@ from ddpkit.parallel.zero.units import (
     Launched,
     Unit,
     UnitParam,
-    all_reduce_flat,
     cast_floats,
     find_units,
     flatten_grads,
     make_units,
+    reduce_scatter_flat,
     segment,
     settle,
     tensors_in,
 )
 from ddpkit.parallel.zero.whole import shard_state, whole_state
 from ddpkit.runtime import events
-from ddpkit.runtime.compat import reduce_scatter_tensor
 from ddpkit.runtime.devices import comm_tensor
 
 __all__ = ["ShardedParameters", "engine_of", "sharded_parameters"]
@@ -142,7 +141,6 @@ class ShardedParameters:
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
-        self.native = process_group is not None and dist.get_backend(process_group) == "nccl"
         self.reshard_after_forward = bool(reshard_after_forward)
         self.find_unused = bool(find_unused_parameters)
         self.param_dtype = param_dtype
@@ -336,16 +334,11 @@ class ShardedParameters:
         work = None
         if self.world_size == 1:
             u.pending.append((flat, None))
-        elif self.native:
+        else:
             events.collective("{} zero-3 unit {} reduce-scatter", self.owner, u.index, step=self.step, nbytes=nbytes)
             out = flat.new_empty(u.chunk)
-            work = reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            work = reduce_scatter_flat(out, flat, self.group)
             u.pending.append((out, work))
-        else:
-            events.collective("{} zero-3 unit {} all-reduce (kept: this rank's chunk)", self.owner, u.index,
-                              step=self.step, nbytes=nbytes)
-            work = all_reduce_flat(flat, self.group)
-            u.pending.append((flat[self.rank * u.chunk: (self.rank + 1) * u.chunk], work))
         if self.observers.launch or self.observers.done:
             # The unit stands for a bucket: its index, and the reduction the done event waits for.
             self.observers.launched(Launched(u.index, work), nbytes, self.step)

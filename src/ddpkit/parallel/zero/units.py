@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.runtime.compat import all_gather_tensor
+from ddpkit.comm.direct import direct_all_gather, direct_reduce_scatter
+from ddpkit.runtime.compat import all_gather_tensor, reduce_scatter_tensor
 from ddpkit.runtime.devices import comm_device, comm_tensor
 
 __all__ = [
@@ -21,13 +22,13 @@ __all__ = [
     "Unit",
     "UnitParam",
     "all_gather_flat",
-    "all_reduce_flat",
     "cast_floats",
     "clip_grad_norm",
     "find_units",
     "flatten_grads",
     "grad_norm",
     "make_units",
+    "reduce_scatter_flat",
     "segment",
     "settle",
     "tensors_in",
@@ -279,10 +280,16 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float
 
 
 class _Done:
-    """A finished collective, for a caller that waits on what it was given."""
+    """A finished collective, for a caller that waits on what it was given (or on its future)."""
 
     def wait(self) -> bool:
         return True
+
+    @staticmethod
+    def get_future() -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
 
 
 def _staged(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -292,23 +299,39 @@ def _staged(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
 
 
 def all_gather_flat(out: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
-    """``out`` (flat, ``W`` times ``src``) made of every rank's ``src``; a work to wait on when ``async_op``."""
+    """``out`` (flat, ``W`` times ``src``) made of every rank's ``src``; a work to wait on when ``async_op``.
+
+    NCCL's all-gather; on gloo direct messages (:mod:`ddpkit.comm.direct`), through the CPU for CUDA tensors.
+    """
     if _staged(src, group):
         staged = torch.empty(out.shape, dtype=out.dtype, device=comm_device(group))  # gloo's: the CPU
-        all_gather_tensor(staged, src.to(comm_device(group)), group=group)
+        direct_all_gather(staged, src.to(comm_device(group)), group).wait()
         out.copy_(staged)
         return _Done() if async_op else None
-    return all_gather_tensor(out, src, group=group, async_op=async_op)
+    if dist.get_backend(group) == "gloo":
+        work = direct_all_gather(out, src, group)
+    else:
+        work = all_gather_tensor(out, src, group=group, async_op=True)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
-def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup) -> Any:
-    """Sum ``flat`` over the ranks in place, asynchronously (through the CPU where gloo has CUDA tensors)."""
+def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    """Start summing ``flat`` over the ranks into ``out``, this rank's chunk of the sum; a work to wait on.
+
+    NCCL's reduce-scatter; on gloo direct messages (:mod:`ddpkit.comm.direct`), through the CPU for CUDA
+    tensors (synchronously).
+    """
     if _staged(flat, group):
-        staged = flat.to(comm_device(group))
-        dist.all_reduce(staged, group=group)
-        flat.copy_(staged)
+        staged = torch.empty(out.shape, dtype=out.dtype, device=comm_device(group))
+        direct_reduce_scatter(staged, flat.to(comm_device(group)), group).wait()
+        out.copy_(staged)
         return _Done()
-    return dist.all_reduce(flat, group=group, async_op=True)
+    if dist.get_backend(group) == "gloo":
+        return direct_reduce_scatter(out, flat, group)
+    return reduce_scatter_tensor(out, flat, group=group, async_op=True)
 
 
 @torch.no_grad()
