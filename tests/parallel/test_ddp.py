@@ -70,6 +70,15 @@ def test_matches_torch_ddp_three_ranks(dist3, kwargs):
     _assert_same(dist3.run(_parity, "embed", 0.9, 3, kwargs))
 
 
+@pytest.mark.parametrize("name", ["convbn", "wide"])
+def test_matches_torch_ddp_past_the_logged_iterations(dist2, dist3, name):
+    # From the eleventh step on (the buckets rebuilt, torch's logged iterations over) the gradient hooks take
+    # their short path; "wide" has a parameter staged the moment it is ready. Accumulation under no_sync too.
+    _assert_same(dist2.run(_parity, name, 0.9, 14, {}))
+    _assert_same(dist2.run(_parity, name, 0.9, 13, {}, 2))
+    _assert_same(dist3.run(_parity, name, 0.9, 13, {"bucket_cap_mb": 1e-3}))
+
+
 def test_no_sync_matches_torch(dist2):
     # Buffers: like torch, a forward broadcasts them only when the previous
     # forward synchronised, so after gradient accumulation rank 1's BatchNorm

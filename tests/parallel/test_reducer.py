@@ -307,6 +307,35 @@ def test_a_gradient_twice_in_one_backward_is_an_error():
         model(torch.randn(2, 3, requires_grad=True)).sum().backward()
 
 
+class _TwiceWhenAsked(nn.Module):
+    """A Linear whose gradient arrives twice (through a reentrant checkpoint and outside it) once ``twice`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.twice = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.lin, x, use_reentrant=True) + self.lin(x) if self.twice else self.lin(x)
+
+
+def test_a_gradient_twice_is_an_error_once_the_buckets_are_final_too():
+    # Once the buckets are rebuilt and the logged iterations are over (torch's first ten), the gradient hooks
+    # take their short path (nothing but the buckets to count): it must refuse a second gradient as the first
+    # backward's path does.
+    ddpkit.init()
+    inner = _TwiceWhenAsked()
+    model = ddpkit.DDP(inner)
+    for _ in range(12):
+        model(torch.randn(2, 3)).sum().backward()
+    assert model.reducer.layout.final and model.reducer.ready_order is None
+    inner.twice = True
+    with pytest.raises(RuntimeError, match="parameter 'lin.(weight|bias)' received a gradient twice"):
+        model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+
+
 class _SparseByHand(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -159,6 +159,10 @@ class BucketSet:
         for bucket in self.buckets:
             for s, i in enumerate(bucket.indices):
                 self.slot[i], self.pos[i] = bucket, s
+        eager = [plan.eager for plan in self.plans] or [frozenset()] * len(self.buckets)
+        self.route = [(b, s if s in eager[b.index()] else None) for b, s in zip(self.slot, self.pos)]
+        """Each parameter's bucket, and its position there if it is staged the moment it is ready (what a
+        gradient hook reads, in one look-up)."""
         if previous is not None and as_view:
             self._adopt(params, previous)
 

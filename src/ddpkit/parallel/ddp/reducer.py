@@ -150,7 +150,7 @@ class Reducer:
         """Read the layout's current buckets into the fields the gradient hooks use."""
         current = self.layout.set
         assert current is not None
-        self.buckets, self._slot, self._pos, self._plans = current.buckets, current.slot, current.pos, current.plans
+        self.buckets, self._slot, self._plans, self._route = current.buckets, current.slot, current.plans, current.route
 
     def rebuild_if_due(self) -> bool:
         """Rebuild the buckets if due (a collective: at every forward with grad enabled, as torch's DDP); whether
@@ -159,7 +159,7 @@ class Reducer:
             return False
         self._rebuild_due = False
         # The old set goes before the new one is made (see BucketLayout.build): no reference is left here.
-        self.buckets, self._slot, self._plans = [], [], []
+        self.buckets, self._slot, self._plans, self._route = [], [], [], []
         order = self.layout.agreed_order(self.group, self.owner, self.step)
         self.layout.rebuild(order, last_bucket_cap=os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1")
         self._adopt_buckets()
@@ -186,6 +186,9 @@ class Reducer:
             self.layout.set.check_unchanged(self.names)  # type: ignore[union-attr]
         self._reset()
         self._armed = True
+        # Nothing but the buckets to count: the gradient hooks take the short path (see on_gradient).
+        self._plain = (not self.find_unused and not self.static_graph and self.layout.final
+                       and self.ready_order is None)
 
     def _rebuild_buckets(self) -> bool:
         """torch's name, called by Lightning and Accelerate: rebuild if due (a collective); whether it did."""
@@ -200,7 +203,7 @@ class Reducer:
         self._reset()
 
     def _reset(self) -> None:
-        self._armed = False
+        self._armed = self._plain = False
         self._started = False
         self._callback_queued = False
         self._next_launch = 0
@@ -213,6 +216,25 @@ class Reducer:
 
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient has been accumulated (its post-accumulate-grad hook)."""
+        # Paid for every parameter in every backward: the common case (armed, buckets
+        # final, no unused-parameter search, no static graph, no logged iteration) reads
+        # local names only and calls nothing until a bucket is complete.
+        if self._plain:
+            ready = self._ready
+            if ready[index]:
+                self._twice(index)
+            ready[index] = True
+            if not self._callback_queued:
+                self._queue_finish()
+            bucket, eager = self._route[index]
+            if eager is not None:
+                self.staging.stage_one(bucket, eager, self._divide())
+                bucket.staged.add(eager)
+            bucket.pending -= 1
+            if not bucket.pending:
+                self._stage(bucket)
+                self._launch_ready()
+            return
         # Autograd also calls the hook with no gradient (an output the loss
         # left out passes None through DDP's sink): the parameter is ready
         # but, as torch counts it, used only if it holds a gradient.
@@ -257,19 +279,22 @@ class Reducer:
             if self.static.count(index, self._hits[index]) != sg.READY:
                 return
         elif self._ready[index]:
-            raise RuntimeError(
-                f"parameter {self.names[index]!r} received a gradient twice in one synchronised "
-                "backward (reentrant checkpointing, or two backward passes through one forward): "
-                "run a forward before each backward, use no_sync() for all but the last, or "
-                "construct DistributedDataParallel(..., static_graph=True) if the model is the same "
-                "every iteration"
-            )
+            self._twice(index)
         if not self.layout.final:
             self.layout.arrival.append(index)
         if self.ready_order is not None:
             self.ready_order.append(index)
         if self._mark_ready(index):
             self._launch_ready()
+
+    def _twice(self, index: int) -> None:
+        raise RuntimeError(
+            f"parameter {self.names[index]!r} received a gradient twice in one synchronised "
+            "backward (reentrant checkpointing, or two backward passes through one forward): "
+            "run a forward before each backward, use no_sync() for all but the last, or "
+            "construct DistributedDataParallel(..., static_graph=True) if the model is the same "
+            "every iteration"
+        )
 
     def _divide(self) -> int | None:
         """What staging averages over: ``div_factor`` without a comm hook (None: nothing to divide)."""
@@ -278,11 +303,10 @@ class Reducer:
     def _mark_ready(self, index: int) -> bool:
         """Count ``index`` in; stage its bucket if that completes it (returns whether it did)."""
         self._ready[index] = True
-        bucket, s = self._slot[index], self._pos[index]
-        plan = self._plans[bucket.index()]
-        if s in plan.eager:
-            self.staging.stage_one(bucket, s, self._divide())
-            bucket.staged.add(s)
+        bucket, eager = self._route[index]
+        if eager is not None:
+            self.staging.stage_one(bucket, eager, self._divide())
+            bucket.staged.add(eager)
         bucket.pending -= 1
         if bucket.pending:
             return False

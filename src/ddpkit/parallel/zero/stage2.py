@@ -271,15 +271,6 @@ class ShardedReducer(Reducer):
 
     # -- the reducer's steps, sharded ----------------------------------------------------------
 
-    def _mark_ready(self, index: int) -> bool:
-        self._ready[index] = True
-        bucket = self._slot[index]
-        bucket.pending -= 1
-        if bucket.pending:
-            return False
-        self._stage(bucket)
-        return True
-
     @torch.no_grad()
     def _stage(self, bucket: GradBucket) -> None:
         """The bucket's gradients, averaged, into a buffer of its own; every ``.grad`` of the bucket dropped."""
