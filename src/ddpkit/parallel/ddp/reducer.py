@@ -217,22 +217,14 @@ class Reducer:
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient has been accumulated (its post-accumulate-grad hook)."""
         # Paid for every parameter in every backward: the common case (armed, buckets
-        # final, no unused-parameter search, no static graph, no logged iteration) reads
-        # local names only and calls nothing until a bucket is complete.
+        # final, no unused-parameter search, no static graph, no logged iteration) checks
+        # and counts, and stages nothing until a bucket is complete.
         if self._plain:
-            ready = self._ready
-            if ready[index]:
+            if self._ready[index]:
                 self._twice(index)
-            ready[index] = True
             if not self._callback_queued:
                 self._queue_finish()
-            bucket, eager = self._route[index]
-            if eager is not None:
-                self.staging.stage_one(bucket, eager, self._divide())
-                bucket.staged.add(eager)
-            bucket.pending -= 1
-            if not bucket.pending:
-                self._stage(bucket)
+            if self._mark_ready(index):
                 self._launch_ready()
             return
         # Autograd also calls the hook with no gradient (an output the loss
