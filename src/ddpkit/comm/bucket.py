@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_future", "check_hook_signature"]
+__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_future", "check_hook_signature", "check_new_hook"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 """``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""
@@ -119,6 +119,15 @@ class CommHookSignatureError(KeyError, ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def check_new_hook(current: CommHook | None, hook: Any) -> None:
+    """torch's rules for registering ``hook`` where ``current`` is already registered (or ``None``)."""
+    if current is not None:
+        raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. (torch's "
+                           "rule: one comm hook per model; to combine two, call one from the other)")
+    if not callable(hook):
+        raise TypeError(f"comm hook {hook!r} is not callable: pass hook(state, bucket) -> Future")
 
 
 def check_hook_signature(hook: Callable[..., Any]) -> None:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
+from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future, check_new_hook
 from ddpkit.parallel.ddp import static_graph as sg
 from ddpkit.parallel.ddp.bucket_caps import bucket_limits
 from ddpkit.parallel.ddp.buckets import BucketLayout, payload
@@ -139,8 +139,6 @@ class Reducer:
         self._used_since_sync = [False] * len(self.params)
         hook_gradients(self, self.params)
 
-    # -- buckets -------------------------------------------------------------
-
     def _make_layout(self, sparse: list[bool], as_view: bool, caps_given: bool) -> BucketLayout:
         """torch's first assignment (:meth:`BucketLayout.for_ddp`); ZeRO stage 2's reducer makes its own."""
         return BucketLayout.for_ddp(self.params, sparse, as_view, self.limits, caps_given, self.find_unused,
@@ -170,8 +168,6 @@ class Reducer:
         """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.ddp.observer`)."""
         return self.observers.add(observer)
 
-    # -- iteration -----------------------------------------------------------
-
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
         """Arm the hooks for the next backward; called by every forward that syncs.
 
@@ -191,21 +187,18 @@ class Reducer:
                        and self.ready_order is None)
 
     def _rebuild_buckets(self) -> bool:
-        """torch's name, called by Lightning and Accelerate: rebuild if due (a collective); whether it did."""
-        return self.rebuild_if_due()
+        return self.rebuild_if_due()  # torch's name, called by Lightning and Accelerate
 
     def _delay_all_reduce(self) -> None:
-        """torch's flush of a static graph's first backward (Lightning calls it after a manual backward):
-        nothing to do here, where that backward reduced at its own end."""
+        """torch's flush of a static graph's first backward (Lightning calls it after a manual backward): nothing
+        to do here, where that backward reduced at its own end."""
 
     def disarm(self) -> None:
         """Let the next backward accumulate locally (``no_sync``)."""
         self._reset()
 
     def _reset(self) -> None:
-        self._armed = self._plain = False
-        self._started = False
-        self._callback_queued = False
+        self._armed = self._plain = self._started = self._callback_queued = False
         self._next_launch = 0
         self._ready = [False] * len(self.params)
         self._hits = [0] * len(self.params)
@@ -280,13 +273,7 @@ class Reducer:
             self._launch_ready()
 
     def _twice(self, index: int) -> None:
-        raise RuntimeError(
-            f"parameter {self.names[index]!r} received a gradient twice in one synchronised "
-            "backward (reentrant checkpointing, or two backward passes through one forward): "
-            "run a forward before each backward, use no_sync() for all but the last, or "
-            "construct DistributedDataParallel(..., static_graph=True) if the model is the same "
-            "every iteration"
-        )
+        raise sg.twice_error(self.names[index])
 
     def _divide(self) -> int | None:
         """What staging averages over: ``div_factor`` without a comm hook (None: nothing to divide)."""
@@ -457,10 +444,6 @@ class Reducer:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Let ``hook(state, bucket)`` reduce each bucket; see :mod:`ddpkit.hooks`."""
-        if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. (torch's "
-                               "rule: one comm hook per model; to combine two, call one from the other)")
-        if not callable(hook):
-            raise TypeError(f"comm hook {hook!r} is not callable: pass hook(state, bucket) -> Future")
+        check_new_hook(self.comm_hook, hook)
         self.comm_hook = hook
         self.comm_state = state

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["StaticGraph"]
+__all__ = ["StaticGraph", "twice_error"]
 
 WAIT, READY, OVER = 0, 1, 2
 """What :meth:`StaticGraph.count` says of a parameter's latest gradient."""
@@ -87,3 +87,13 @@ class StaticGraph:
                 f"backward for {named}. Your training graph has changed in this iteration; "
                 "static_graph=True needs the same graph every iteration"
             )
+
+
+def twice_error(name: str) -> RuntimeError:
+    """Parameter ``name`` got a second gradient in one synchronised backward without ``static_graph``."""
+    return RuntimeError(
+        f"parameter {name!r} received a gradient twice in one synchronised backward (reentrant "
+        "checkpointing, or two backward passes through one forward): run a forward before each backward, "
+        "use no_sync() for all but the last, or construct DistributedDataParallel(..., static_graph=True) "
+        "if the model is the same every iteration"
+    )
