@@ -13,7 +13,15 @@ Layout
     order, concatenated and padded with zeros to a multiple of the world size
     ``W``, are cut into ``W`` equal chunks: rank ``r`` owns chunk ``r`` of
     every bucket. The parts of parameters that fall in a rank's chunks are its
-    *segments* (:class:`Segment`).
+    *segments* (:class:`Segment`). The parameters themselves are laid out the
+    same way: each is a view of its place in its bucket's flat buffer (its
+    ``.data`` moved there at wrapping, as DeepSpeed's stage 2 does), so this
+    rank's chunk of that buffer is its parameter shard, the very memory the
+    model reads, with no copy beside it. A parameter whose memory cannot move
+    (not contiguous, e.g. a channels-last weight; or sharing its storage)
+    keeps its own and is copied into the shard before each step and out of
+    the buffer after it; one whose ``.data`` is replaced later is moved back
+    at the next step.
 Backward (synchronised)
     When a bucket's gradients are all ready (buckets go out in index order, as
     DDP's), they are copied, averaged by pre-scaling as DDP's are, into a
@@ -33,11 +41,11 @@ Backward (synchronised)
 The step
     :class:`ddpkit.ZeroRedundancyOptimizer` over the model's parameters finds
     this reducer (:func:`sharded_reducer`) and steps this rank's segments
-    (views of its persistent parameter shards) with their averaged gradients;
-    :meth:`ShardedReducer.gather_params` then all-gathers the parameters
-    bucket by bucket, :data:`IN_FLIGHT` at a time (NCCL's all-gather; on gloo
-    direct messages, where gloo's own all-gather is 1.4-2.7 times slower), so
-    every replica ends the step identical.
+    (views of its parameter shards) with their averaged gradients;
+    :meth:`ShardedReducer.gather_params` then all-gathers every bucket in
+    place (each rank's shard is its chunk of the buffer; NCCL's all-gather; on
+    gloo direct messages, where gloo's own all-gather is 1.4-2.7 times
+    slower), so every replica ends the step identical.
 ``no_sync`` and gradient accumulation
     As under DDP: the gradients of a backward outside synchronisation stay in
     ``.grad`` (full size, locally), and the next synchronised backward reduces
@@ -78,7 +86,7 @@ from ddpkit.runtime.compat import reduce_scatter_tensor
 __all__ = ["IN_FLIGHT", "Segment", "ShardedReducer", "sharded_reducer"]
 
 IN_FLIGHT = 2
-"""Bucket buffers that may exist at once (being reduce-scattered, or all-gathered after the step)."""
+"""Gradient buffers that may exist at once (being reduced)."""
 
 _BY_PARAM: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 """id(parameter) -> (the parameter, its stage-2 reducer), both held weakly (a tensor cannot be a dict key)."""
@@ -153,9 +161,18 @@ class ShardedReducer(Reducer):
         like = [b.params[0] for b in self.buckets]
         self.grad_shards = [torch.zeros(c, dtype=p.dtype, device=p.device) for c, p in zip(self.chunks, like)]
         """This rank's averaged gradients: its chunk of each bucket."""
-        self.param_shards = [torch.zeros(c, dtype=p.dtype, device=p.device) for c, p in zip(self.chunks, like)]
-        """This rank's parameters: its chunk of each bucket (the optimizer's tensors)."""
+        self.flats = [torch.zeros(c * self.world_size, dtype=p.dtype, device=p.device)
+                      for c, p in zip(self.chunks, like)]
+        """Each bucket's parameters, flat and padded: the memory of the parameters that live in it (see
+        :meth:`_home`), all-gathered in place after each step."""
+        self.param_shards = [f[self.rank * c : (self.rank + 1) * c] for f, c in zip(self.flats, self.chunks)]
+        """This rank's parameters: its chunk of each bucket's flat buffer (the optimizer's tensors)."""
         self.segments = self.segments_of(self.rank)
+        users = collections.Counter(q.untyped_storage().data_ptr() for q in self.params)
+        self._homes = [self._home(i, users[p.untyped_storage().data_ptr()] > 1) for i, p in enumerate(self.params)]
+        """Each parameter's view of its bucket's flat buffer if it lives there, else ``None`` (copied in and
+        out at each step)."""
+        self._copied = [seg for seg in self.segments if self._homes[seg.param] is None]
         self.used: list[bool] = [True] * len(self.params)
         """Which parameters got a gradient on some rank in the last synchronised backward."""
         self.fresh = False
@@ -207,10 +224,35 @@ class ShardedReducer(Reducer):
     def segment_view(self, shards: list[torch.Tensor], seg: Segment) -> torch.Tensor:
         return shards[seg.bucket][seg.offset : seg.offset + seg.stop - seg.start]
 
+    def _home(self, index: int, shared: bool = False) -> torch.Tensor | None:
+        """Make parameter ``index`` a view of its place in its bucket's flat buffer (its values copied there);
+        the view, or ``None`` for a parameter that keeps its own memory: a strided layout other than the
+        contiguous one (a channels-last weight keeps its layout, as under DDP), or memory it does not own alone
+        (``shared`` with another parameter: a tie the move would cut; or a view of a larger tensor)."""
+        p = self.params[index]
+        if shared or not p.is_contiguous() or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            return None
+        k, offset = self.offsets[index]
+        home = self.flats[k][offset : offset + p.numel()].view(p.shape)
+        with torch.no_grad():
+            home.copy_(p)
+        p.data = home
+        return home
+
     @torch.no_grad()
     def load_param_shards(self) -> None:
-        """Copy this rank's segments of the parameters into its parameter shards (before each step)."""
-        for seg in self.segments:
+        """Bring the parameters' values into this rank's shards (before each step).
+
+        A parameter living in its bucket's buffer is there already; one whose memory was replaced since
+        (``param.data = ...``) is moved back, its new values with it; the others are copied in.
+        """
+        moved = [i for i, home in enumerate(self._homes) if home is not None and self.params[i].data_ptr() !=
+                 home.data_ptr()]
+        for i in moved:
+            self._homes[i] = self._home(i)
+        if moved:
+            self._copied = [seg for seg in self.segments if self._homes[seg.param] is None]
+        for seg in self._copied:
             flat = self.params[seg.param].detach().reshape(-1)
             self.segment_view(self.param_shards, seg).copy_(flat[seg.start : seg.stop])
 
@@ -223,39 +265,37 @@ class ShardedReducer(Reducer):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """All-gather every bucket's parameter shards into the parameters (a collective, bucket by bucket)."""
-        pending: collections.deque[tuple[GradBucket, torch.Tensor, Any]] = collections.deque()
+        """All-gather every bucket's parameter shards in place, into the bucket's flat buffer (a collective,
+        bucket by bucket); the parameters that keep their own memory are copied out of it."""
+        works = []
         for b in self.buckets:
             k = b.index()
-            if len(pending) >= IN_FLIGHT:
-                self._copy_out(*pending.popleft())
-            full = self._buffer(k, b.params[0].dtype, b.params[0].device)
             work = None
-            if self.world_size == 1:
-                full.copy_(self.param_shards[k])
-            else:
+            if self.world_size > 1:
                 events.collective("{} bucket {} all-gather of the parameters", self.owner, k,
                                   nbytes=self.param_shards[k].numel() * self.param_shards[k].element_size())
-                work = all_gather_flat(full, self.param_shards[k], self.group, async_op=True)
-            pending.append((b, full, work))
-        while pending:
-            self._copy_out(*pending.popleft())
-        self._spare.clear()  # not held through the forward, where they would add to its peak
+                work = all_gather_flat(self.flats[k], self.param_shards[k], self.group, async_op=True)
+            works.append((b, work))
+        for b, work in works:
+            if work is not None:
+                work.wait()
+            self._copy_out(b)
 
-    def _copy_out(self, bucket: GradBucket, full: torch.Tensor, work: Any) -> None:
-        if work is not None:
-            work.wait()
-        offset = 0
-        for p in bucket.params:
-            p.copy_(full[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self._give_back(full)
+    @torch.no_grad()
+    def _copy_out(self, bucket: GradBucket) -> None:
+        """The parameters of ``bucket`` that keep their own memory get their gathered values."""
+        flat = self.flats[bucket.index()]
+        for i, p in zip(bucket.indices, bucket.params):
+            if self._homes[i] is None:
+                offset = self.offsets[i][1]
+                p.copy_(flat[offset : offset + p.numel()].view(p.shape))
 
     def _buffer(self, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of bucket ``k``'s padded size: one given back earlier if there is one, else new.
 
         New memory costs its page faults on every use (glibc maps each large block afresh and unmaps it when
-        freed): a 100 MB bucket's buffer 90 ms here, against 70 ms for its whole all-gather at world 2.
+        freed): a 100 MB bucket's buffer 90 ms here, more than its all-reduce. The buffers given back are reused
+        within one backward and dropped at its end.
         """
         n = self.chunks[k] * self.world_size
         for i, t in enumerate(self._spare):
@@ -341,6 +381,7 @@ class ShardedReducer(Reducer):
     def _complete(self) -> None:
         _, missing, used = self._launched
         self.wait_all()
+        self._spare.clear()  # nothing reuses them before the next backward: not held through the step
         for p in self.params:
             p.grad = None  # a parameter missing here was staged at the end, its gradient with it
         if missing and not self.find_unused and not self.reduce_missing:
