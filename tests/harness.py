@@ -11,6 +11,7 @@ a timeout, so a hang fails the test instead of the suite.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import time
@@ -24,6 +25,7 @@ from ddpkit.runtime.spawn import WorkerError
 
 
 def _serve(rank: int, world_size: int, port: int, conn) -> None:
+    faulthandler.enable()  # a worker killed by a signal (SIGSEGV, SIGABRT) leaves its Python stack in the test's stderr
     os.setpgid(0, 0)
     os.environ.update(worker_env(rank=rank, local_rank=rank, world_size=world_size,
                                  local_world_size=world_size, master_port=port))
