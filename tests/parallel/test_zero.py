@@ -355,6 +355,31 @@ def _stage2_memory() -> dict:
             "channels_last": sharded.conv.weight.is_contiguous(memory_format=torch.channels_last)}
 
 
+def _stepped_under_a_graph() -> list[str]:
+    """A forward, then a step that changes the weights it saved, then its backward: autograd refuses, as under
+    DDP."""
+    import warnings
+
+    seen = []
+    for stage in (0, 2):
+        model = ddpkit.DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), zero_stage=stage)
+        opt = ddpkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if stage else \
+            torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # stage 2: the gradients of that backward are stepped after a forward
+            out = model(torch.randn(3, 4)).sum()
+        opt.step()
+        seen.append(_raised([out.backward])[0])
+    return seen
+
+
+def test_stage2_a_step_under_a_saved_graph_is_refused_as_under_ddp(dist2):
+    for ddp, stage2 in dist2.run(_stepped_under_a_graph):
+        assert "modified by an inplace operation" in ddp, ddp
+        assert "modified by an inplace operation" in stage2, stage2
+
+
 def test_stage2_parameters_live_in_the_buckets_and_train_as_ddp(dist2):
     for r in dist2.run(_stage2_memory):
         assert _same(r["sharded"], r["plain"])

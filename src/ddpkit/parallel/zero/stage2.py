@@ -280,6 +280,9 @@ class ShardedReducer(Reducer):
             if work is not None:
                 work.wait()
             self._copy_out(b)
+        # Changed in place through the buffer, which autograd does not see: as a copy into each would (and
+        # as an optimizer stepping it would), so a graph that saved one before the step refuses to use it.
+        torch.autograd.graph.increment_version([p for p, home in zip(self.params, self._homes) if home is not None])
 
     @torch.no_grad()
     def _copy_out(self, bucket: GradBucket) -> None:
