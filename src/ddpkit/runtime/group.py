@@ -189,12 +189,14 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             # Advertise the address peers can reach: the one on the route to the store.
             if interface := route_interface(place.master_addr, place.master_port):
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
+        if place.world_size > 1:
+            # Its own connection to the store, made before the process group: rank 0 serves the store and cannot
+            # finish init_process_group (and exit, in a short job) before every rank has reached it.
+            stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
         dist.init_process_group(
             backend, store=store, rank=place.rank, world_size=place.world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
-        if place.world_size > 1:
-            stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
     if place.world_size > 1:
         settle_at_exit()
     _ctx = DistContext(
