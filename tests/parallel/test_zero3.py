@@ -169,6 +169,56 @@ def test_clip_grad_norm_is_the_whole_models_and_the_state_dict_is_whole(dist2):
         assert torch.equal(again_out, ddp_out)  # and a DDP state dict into a stage-3 model
 
 
+class TiedLM(nn.Module):
+    """A language model's input embedding and output head share one weight (GPT's), both in the root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.lm_head = nn.Linear(16, 11, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.lm_head(h)
+
+
+def _tied_within_a_unit() -> dict:
+    torch.manual_seed(0)
+    base = TiedLM()
+    ddp, z3 = ddpkit.DDP(copy.deepcopy(base)), ddpkit.DDP(copy.deepcopy(base), zero_stage=3)
+    for model in (ddp, z3):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for step in range(3):
+            g = torch.Generator().manual_seed(70 + step + dist.get_rank())
+            tokens = torch.randint(0, 11, (4, 6), generator=g)
+            opt.zero_grad()
+            model(tokens).pow(2).mean().backward()
+            opt.step()
+    state = z3.state_dict()
+    plain = TiedLM()
+    plain.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
+    again = ddpkit.DDP(TiedLM(), zero_stage=3)
+    again.load_state_dict(ddp.state_dict())
+    tokens = torch.arange(11).view(1, 11)
+    with torch.no_grad():
+        out = [ddp(tokens), plain(tokens), again(tokens)]
+    return {"keys": (list(ddp.state_dict()), list(state)), "diff": _max_diff(_whole(ddp.state_dict()), _whole(state)),
+            "one_tensor": state["module.lm_head.weight"] is state["module.wte.weight"], "out": out}
+
+
+def test_a_weight_tied_within_a_unit_is_whole_under_each_of_its_names(dist2):
+    for r in dist2.run(_tied_within_a_unit):
+        assert r["keys"][0] == r["keys"][1]
+        assert r["diff"] == 0.0  # world 2: bit for bit, the tied head's entry too
+        assert r["one_tensor"]  # one tensor under both names, as DDP's state dict shares the storage
+        ddp_out, plain_out, again_out = r["out"]
+        assert torch.equal(plain_out, ddp_out) and torch.equal(again_out, ddp_out)
+
+
 def _unused(find_unused: bool) -> dict:
     base = Blocks()
     plain, ours = copy.deepcopy(base), copy.deepcopy(base)

@@ -80,6 +80,8 @@ class UnitParam:
     shape: torch.Size
     offset: int
     """First element in the unit's flat layout."""
+    names: tuple[str, ...] = ()
+    """Every qualified name it is registered under, :attr:`name` first (a tied weight has several)."""
 
     @property
     def numel(self) -> int:
@@ -170,7 +172,7 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
     """The root unit (index 0, when it holds parameters), then one unit per module of ``named``; every parameter
     of ``module`` becomes a view of this rank's shard (see :mod:`ddpkit.parallel.zero.stage3`)."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    names: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
     unit_of: dict[int, int] = {}
     unit_modules = {id(m): k + 1 for k, (_, m) in enumerate(named)}
     params: dict[int, nn.Parameter] = {}
@@ -182,11 +184,11 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
                 continue
             key = id(p)
             owners.setdefault(key, []).append((m, attr))
-            names.setdefault(key, f"{prefix}{attr}")
+            names.setdefault(key, []).append(f"{prefix}{attr}")
             params[key] = p
             if unit_of.setdefault(key, unit) != unit:
                 where = [("the root unit" if u == 0 else f"unit {named[u - 1][0]!r}") for u in (unit_of[key], unit)]
-                raise ValueError(f"{owner}(zero_stage=3): parameter {names[key]!r} is shared by {where[0]} and "
+                raise ValueError(f"{owner}(zero_stage=3): parameter {names[key][0]!r} is shared by {where[0]} and "
                                  f"{where[1]}; a unit's parameters are gathered with it alone, so a shared one "
                                  "must live in one unit: choose units (zero_units=...) that hold both users, or "
                                  "untie it")
@@ -209,11 +211,11 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
     return units
 
 def _make_unit(index: int, name: str, module: nn.Module,
-               members: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], owner: str, rank: int,
+               members: list[tuple[list[str], nn.Parameter, list[tuple[nn.Module, str]]]], owner: str, rank: int,
                world_size: int, param_dtype: torch.dtype | None) -> Unit:
     grads = {p.requires_grad for _, p, _ in members}
     if len(grads) > 1:
-        frozen = [n for n, p, _ in members if not p.requires_grad]
+        frozen = [n[0] for n, p, _ in members if not p.requires_grad]
         raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} mixes frozen parameters "
                          f"({', '.join(frozen)}) with trained ones; a unit is gathered and reduced as one: put the "
                          "frozen ones in units of their own (zero_units=...) or freeze the whole unit")
@@ -225,12 +227,13 @@ def _make_unit(index: int, name: str, module: nn.Module,
                          "them one dtype and one device")
     first = members[0][1]
     layout, offset = [], 0
-    for n, p, where in members:
+    for aliases, p, where in members:
+        n = aliases[0]
         if p.is_sparse or isinstance(where[0][0], (nn.Embedding, nn.EmbeddingBag)) and getattr(where[0][0],
                                                                                             "sparse", False):
             raise ValueError(f"{owner}(zero_stage=3) cannot shard the sparse gradient of {n!r}: use a "
                              "sparse=False embedding")
-        layout.append(UnitParam(n, p, where, p.shape, offset))
+        layout.append(UnitParam(n, p, where, p.shape, offset, tuple(aliases)))
         offset += p.numel()
     chunk = max(1, math.ceil(offset / world_size))
     low = rank * chunk

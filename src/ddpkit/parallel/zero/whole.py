@@ -33,9 +33,11 @@ def whole_state(engine: Any, state: dict[str, Any], prefix: str) -> None:
     memory of the whole model, on every rank, is the state dict's own)."""
     for u in engine.units:
         for q, whole in zip(u.params, full_tensors(engine, u)):
-            key = prefix + q.name
-            if key in state:
-                state[key] = whole.clone()
+            keys = [prefix + name for name in q.names if prefix + name in state]
+            if keys:
+                whole = whole.clone()
+                for key in keys:  # a tied weight: one tensor under each of its names, as DDP's state dict
+                    state[key] = whole
 
 
 def shard_state(engine: Any, state: dict[str, Any], prefix: str) -> None:
@@ -43,12 +45,13 @@ def shard_state(engine: Any, state: dict[str, Any], prefix: str) -> None:
     for u in engine.units:
         low = engine.rank * u.chunk
         for q in u.params:
-            value = state.get(prefix + q.name)
-            if not isinstance(value, torch.Tensor) or value.shape != q.shape:
-                continue  # absent, or of another shape: the load names it
             seg = engine.segment(q, u.chunk)
-            flat = value.reshape(-1)
-            state[prefix + q.name] = flat[seg[0] + low - q.offset: seg[1] + low - q.offset] if seg else flat[:0]
+            for key in (prefix + name for name in q.names):  # a tied weight is loaded under each of its names
+                value = state.get(key)
+                if not isinstance(value, torch.Tensor) or value.shape != q.shape:
+                    continue  # absent, or of another shape: the load names it
+                flat = value.reshape(-1)
+                state[key] = flat[seg[0] + low - q.offset: seg[1] + low - q.offset] if seg else flat[:0]
 
 
 def per_element(value: Any, param: torch.Tensor) -> bool:
