@@ -8,6 +8,7 @@ issue at its caller's line.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,11 +74,16 @@ def settle(
     if given:
         raise ValueError(
             f"DistributedDataParallel({', '.join(f'{k}=...' for k in given)}): not supported by ddpkit's "
-            "DDP yet; leave it at its default (use a process_group instead of a device_mesh, "
-            "torch.autocast instead of mixed_precision)"
+            "DDP yet; leave it at its default (torch.autocast instead of mixed_precision)"
         )
     if not isinstance(dim, int):
         raise TypeError(f"dim={dim!r} must be an int (the batch dimension)")
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists until it is imported
+    dtensors = [n for n, p in module.named_parameters()
+                if tensor_module is not None and isinstance(p, tensor_module.DTensor)]
+    if dtensors:
+        raise ValueError(f"DistributedDataParallel: parameters {dtensors[:3]} are DTensors (tensor parallelism), "
+                         "which ddpkit's DDP does not shard or reduce; wrap a module of plain tensors")
     notes: list[tuple[str, type[Warning]]] = []
     if check_reduction:
         notes.append(("The `check_reduction` argument of DistributedDataParallel is deprecated (torch's) and "
@@ -110,6 +116,26 @@ def settle(
     return DDPSettings(device_ids=device_ids, output_device=output, devices=devices,
                        forward_sync_buffers=bool(forward_sync_buffers), init_sync_buffers=init_sync_buffers,
                        bucket_caps=caps, warnings=notes)
+
+
+def mesh_group(device_mesh: Any, process_group: Any) -> Any:
+    """The process group of a one-dimensional ``device_mesh`` (torch's rule), or ``process_group`` without one.
+
+    Raises:
+        RuntimeError: both given; a mesh of more than one dimension.
+        TypeError: ``device_mesh`` is not a ``DeviceMesh``.
+    """
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments: pass one of them")
+    if not callable(getattr(device_mesh, "get_group", None)) or not hasattr(device_mesh, "ndim"):
+        raise TypeError(f"device_mesh={device_mesh!r} is not a torch.distributed.device_mesh.DeviceMesh: make one "
+                        "with torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}: pass its data-parallel "
+                           "dimension, e.g. mesh['dp']")
+    return device_mesh.get_group(mesh_dim=0)
 
 
 def _device_ids(device_ids: Sequence[int | torch.device] | None) -> list[Any] | None:
@@ -167,12 +193,13 @@ def issue(notes: list[tuple[str, type[Warning]]], stacklevel: int) -> None:
         warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
-def check_zero_stage(stage: Any, static_graph: bool, gradient_as_bucket_view: bool) -> int:
+def check_zero_stage(stage: Any, static_graph: bool, gradient_as_bucket_view: bool,
+                     skip_unused: bool = False) -> int:
     """``zero_stage`` as an int, refused with the reason where it cannot work.
 
     Raises:
-        ValueError: a stage other than 0, 2 and 3, or stage 2 or 3 with ``static_graph`` or
-            ``gradient_as_bucket_view``.
+        ValueError: a stage other than 0, 2 and 3, or stage 2 or 3 with ``static_graph``,
+            ``gradient_as_bucket_view`` or ``skip_all_reduce_unused_params``.
     """
     if stage not in (0, 2, 3) or isinstance(stage, bool):
         hint = (" (stage 1 shards the optimizer state only: ddpkit.ZeroRedundancyOptimizer over a model with "
@@ -184,6 +211,9 @@ def check_zero_stage(stage: Any, static_graph: bool, gradient_as_bucket_view: bo
     if stage and gradient_as_bucket_view:
         raise ValueError(f"zero_stage={stage} with gradient_as_bucket_view=True: the buckets of stage {stage} exist "
                          "only while they are reduced, so no gradient can live in them; drop gradient_as_bucket_view")
+    if stage and skip_unused:
+        raise ValueError(f"zero_stage={stage} with skip_all_reduce_unused_params=True: every rank reduces every "
+                         f"bucket of stage {stage}; drop skip_all_reduce_unused_params")
     return int(stage)
 
 

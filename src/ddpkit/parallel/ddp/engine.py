@@ -46,4 +46,5 @@ def make_engine(ddp: Any) -> Reducer | ShardedReducer | ShardedParameters:
         find_unused_parameters=ddp.find_unused_parameters,
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         static_graph=ddp.static_graph,
+        skip_unused=ddp.skip_all_reduce_unused_params,
     )

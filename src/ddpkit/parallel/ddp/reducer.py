@@ -11,34 +11,27 @@ parameters (:mod:`~ddpkit.parallel.ddp.unused`), ``static_graph``
 States of one synchronised backward
 -----------------------------------
 armed
-    A forward that will be followed by a synchronised backward calls
-    :meth:`Reducer.prepare_for_backward`.
+    A forward that will be followed by a synchronised backward calls :meth:`Reducer.prepare_for_backward`.
 ready
-    A parameter is ready when autograd has accumulated its gradient for this
-    backward (with a static graph, its last gradient). Large parameters are
-    copied into their bucket at once; when the last parameter of a bucket is
-    ready the rest are, and the bucket is *launched*: an asynchronous
-    all-reduce, or the comm hook's future.
+    A parameter is ready when autograd has accumulated its gradient for this backward (with a static graph, its last
+    gradient). Large parameters are copied into their bucket at once; when the last parameter of a bucket is ready
+    the rest are, and the bucket is *launched*: an asynchronous all-reduce, or the comm hook's future.
 launch order
-    Buckets are launched strictly in index order (a ready bucket waits for
-    its predecessors), so every rank issues the same collectives in the same
-    order whatever order its gradients arrive in.
+    Buckets are launched strictly in index order (a ready bucket waits for its predecessors), so every rank issues
+    the same collectives in the same order whatever order its gradients arrive in.
 finalisation
-    At the end of backward (the autograd engine's queued callback, queued by
-    the first gradient or by DDP's output sink) the reducer launches whatever
-    is left, waits for every bucket and writes the averages into ``.grad``.
-    A pass in which no parameter's hook ran (``torch.autograd.grad`` through
-    the model) is not the synchronised backward: the reducer stays armed.
+    At the end of backward (the autograd engine's queued callback, queued by the first gradient or by DDP's output
+    sink) the reducer launches whatever is left, waits for every bucket and writes the averages into ``.grad``. A
+    pass in which no parameter's hook ran (``torch.autograd.grad`` through the model) is not the synchronised
+    backward: the reducer stays armed.
 rebuild
-    After the first synchronised backward (a static graph: the second) the
-    buckets are assigned again in rank 0's gradient arrival order, at the
-    next forward with grad enabled (``no_sync()`` ones too). Never with
+    After the first synchronised backward (a static graph: the second) the buckets are assigned again in rank 0's
+    gradient arrival order, at the next forward with grad enabled (``no_sync()`` ones too). Never with
     ``find_unused_parameters`` and no static graph (torch's rules).
 
-Failure modes: a parameter without a gradient (see :mod:`~ddpkit.parallel.ddp.unused`);
-one ready twice in one backward without ``static_graph`` (RuntimeError); a
-sparse gradient where none is expected, or the reverse; a model cast or moved
-after wrapping (RuntimeError at its first backwards). Each names the parameter.
+Failure modes, each naming the parameter: no gradient (see :mod:`~ddpkit.parallel.ddp.unused`); ready twice in one
+backward without ``static_graph``; a sparse gradient where none is expected, or the reverse; a model cast or moved
+after wrapping (at its first backward).
 """
 
 from __future__ import annotations
@@ -70,23 +63,22 @@ class Reducer:
     """Buckets the gradients of ``named_params`` and all-reduces them during backward.
 
     Args:
-        named_params: (name, parameter) of every parameter that requires grad,
-            identical in order and shape on every rank.
-        process_group: the group to reduce over; ``None`` for a world of one
-            without a process group (no communication).
+        named_params: (name, parameter) of every parameter that requires grad, identical in order and shape on
+            every rank.
+        process_group: the group to reduce over; ``None`` for a world of one without a process group.
         bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.ddp.bucket_caps.bucket_limits`).
         bucket_caps_mb: one cap per bucket in MiB; replaces ``bucket_cap_mb``, before the rebuild too.
         find_unused_parameters: see :mod:`ddpkit.parallel.ddp.unused`.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
         static_graph: see :mod:`ddpkit.parallel.ddp.static_graph`.
-        reduce_missing: a parameter without a gradient is reduced as zeros and
-            gets the average as ``.grad`` (Horovod's rule), with no search and
-            no error.
-        expect_sparse: per parameter, whether its gradient is sparse (torch's
-            ``expect_sparse_gradient``): it gets a bucket of its own.
-        sparse_as_dense: a sparse gradient where a dense one is expected is
-            made dense in ``.grad`` and reduced as such (Horovod's option).
+        reduce_missing: a parameter without a gradient is reduced as zeros and gets the average as ``.grad``
+            (Horovod's rule), with no search and no error.
+        expect_sparse: per parameter, whether its gradient is sparse (torch's ``expect_sparse_gradient``): it
+            gets a bucket of its own.
+        sparse_as_dense: a sparse gradient where a dense one is expected is made dense in ``.grad`` and reduced
+            as such (Horovod's option).
         owner: who drives this reducer, as errors and the stall inspector name it.
+        skip_unused: a bucket of unused parameters is not reduced (see :mod:`~ddpkit.parallel.ddp.unused`).
     """
 
     def __init__(
@@ -103,6 +95,7 @@ class Reducer:
         expect_sparse: Sequence[bool] | None = None,
         sparse_as_dense: bool = False,
         owner: str = "DDP",
+        skip_unused: bool = False,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -117,6 +110,7 @@ class Reducer:
         """Bucket size limits in bytes of the rebuild, in the order buckets close."""
         self.find_unused, self.static_graph, self.reduce_missing = find_unused_parameters, static_graph, reduce_missing
         self.owner = owner
+        self.skip_unused = skip_unused
         self.staging = Staging(self.names, owner, gradient_as_bucket_view, sparse_as_dense)
         self.observers = Observers(owner)
         """Attached with :meth:`add_observer`; see :mod:`ddpkit.parallel.ddp.observer`."""
@@ -151,8 +145,7 @@ class Reducer:
         self.buckets, self._slot, self._plans, self._route = current.buckets, current.slot, current.plans, current.route
 
     def rebuild_if_due(self) -> bool:
-        """Rebuild the buckets if due (a collective: at every forward with grad enabled, as torch's DDP); whether
-        it did."""
+        """Rebuild the buckets if due (a collective, at every forward with grad enabled); whether it did."""
         if not self._rebuild_due:
             return False
         self._rebuild_due = False
@@ -169,13 +162,9 @@ class Reducer:
         return self.observers.add(observer)
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
-        """Arm the hooks for the next backward; called by every forward that syncs.
-
-        ``outputs`` is accepted for torch's signature (Accelerate's
-        ``trigger_sync_in_backward`` calls ``model.reducer.prepare_for_backward([])``
-        to make a ``no_sync`` forward's backward synchronise); unused
-        parameters are found at the end of backward, so it is not needed.
-        """
+        """Arm the hooks for the next backward; called by every forward that syncs. ``outputs``: torch's signature
+        (Accelerate's ``trigger_sync_in_backward`` passes ``[]``); unused parameters are found at the end of
+        backward, without it."""
         del outputs
         self.rebuild_if_due()
         if self.step < 2:  # where a cast or move after wrapping shows
@@ -186,12 +175,11 @@ class Reducer:
         self._plain = (not self.find_unused and not self.static_graph and self.layout.final
                        and self.ready_order is None)
 
-    def _rebuild_buckets(self) -> bool:
-        return self.rebuild_if_due()  # torch's name, called by Lightning and Accelerate
+    def _rebuild_buckets(self) -> bool:  # torch's name, called by Lightning and Accelerate
+        return self.rebuild_if_due()
 
     def _delay_all_reduce(self) -> None:
-        """torch's flush of a static graph's first backward (Lightning calls it after a manual backward): nothing
-        to do here, where that backward reduced at its own end."""
+        """torch's flush of a static graph's first backward (Lightning calls it): that backward reduced at its end."""
 
     def disarm(self) -> None:
         """Let the next backward accumulate locally (``no_sync``)."""
@@ -203,15 +191,16 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._hits = [0] * len(self.params)
         self._saved: dict[int, torch.Tensor] = {}
+        self._last_sparse: GradBucket | None = None
         self._undefined: set[int] = set()  # parameters whose hook ran without a gradient
         self.static.reset()
         self.layout.set.reset()  # type: ignore[union-attr]
 
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient has been accumulated (its post-accumulate-grad hook)."""
-        # Paid for every parameter in every backward: the common case (armed, buckets
-        # final, no unused-parameter search, no static graph, no logged iteration) checks
-        # and counts, and stages nothing until a bucket is complete.
+        # Paid for every parameter in every backward: the common case (armed, buckets final, no unused-parameter
+        # search, no static graph, no logged iteration) checks and counts, and stages nothing until a bucket is
+        # complete.
         if self._plain:
             if self._ready[index]:
                 self._twice(index)
@@ -220,12 +209,11 @@ class Reducer:
             if self._mark_ready(index):
                 self._launch_ready()
             return
-        # Autograd also calls the hook with no gradient (an output the loss
-        # left out passes None through DDP's sink): the parameter is ready
-        # but, as torch counts it, used only if it holds a gradient.
+        # Autograd also calls the hook with no gradient (an output the loss left out passes None through DDP's sink):
+        # the parameter is ready but, as torch counts it, used only if it holds a gradient.
         if self._armed:
-            # Counted only where torch keeps a used-map: unused parameters searched for, or a
-            # static graph's first backward. Plain DDP reduces zeros for it and writes them back.
+            # Counted only where torch keeps a used-map: unused parameters searched for, or a static graph's first
+            # backward. Plain DDP reduces zeros for it and writes them back.
             if (self.find_unused or self.static_graph) and not self.static.counted and param.grad is None:
                 self._undefined.add(index)
             self._on_ready(index)
@@ -235,9 +223,8 @@ class Reducer:
     def _unarmed_gradient(self, index: int, param: torch.Tensor) -> None:
         """A gradient outside a synchronised backward (``no_sync``, or the reducer not armed)."""
         if self.find_unused and param.grad is not None:
-            # Used in a no_sync() backward: its accumulated gradient must
-            # be reduced by the next synchronised backward even if that one
-            # does not use it (torch records local use the same way).
+            # Used in a no_sync() backward: its accumulated gradient must be reduced by the next synchronised backward
+            # even if that one does not use it (torch records local use the same way).
             self._used_since_sync[index] = True
 
     def expect_backward(self) -> None:
@@ -259,8 +246,8 @@ class Reducer:
             if not self._started:
                 self._started = True
                 self._mark_static_unused()
-            # Too many is raised at the end of this backward, once every bucket is out: the other
-            # ranks, whose graph may not have changed, are waiting in those all-reduces.
+            # Too many is raised at the end of this backward, once every bucket is out: the other ranks, whose graph
+            # may not have changed, are waiting in those all-reduces.
             if self.static.count(index, self._hits[index]) != sg.READY:
                 return
         elif self._ready[index]:
@@ -313,17 +300,33 @@ class Reducer:
 
     def launch(self, bucket: GradBucket) -> None:
         """Start the bucket's reduction: the comm hook, or an all-reduce (every rank, in bucket index order)."""
-        # Reached in bucket index order on every rank (see _launch_ready): the
-        # collectives match across ranks whatever order gradients arrive in.
+        # Reached in bucket index order on every rank (_launch_ready): the collectives match whatever the arrival order.
+        if self.skip_unused and self._skipped(bucket):
+            return
+        if bucket.sparse:  # gloo corrupts its heap when two sparse all-reduces overlap (torch 2.13): one at a time
+            if self._last_sparse is not None:
+                self.staging.collect(self._last_sparse)
+            self._last_sparse = bucket
+        observed = self.observers.launch or self.observers.done
+        # Measured before the launch: gloo's sparse all-reduce replaces its input's indices and values on its thread.
+        nbytes = payload(bucket) if observed or self.world_size > 1 else 0
         if self.world_size > 1:
             events.collective("{} bucket {} all-reduce", self.owner, bucket.index(), step=self.step,
-                              nbytes=0 if self.comm_hook is not None else payload(bucket))
+                              nbytes=0 if self.comm_hook is not None else nbytes)
         if self.comm_hook is not None:
             bucket.future = check_hook_future(self.comm_hook, self.comm_hook(self.comm_state, bucket), bucket)
         elif self.world_size > 1:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
-        if self.observers.launch or self.observers.done:
-            self.observers.launched(bucket, payload(bucket), self.step)
+        if observed:
+            self.observers.launched(bucket, nbytes, self.step)
+
+    def _skipped(self, bucket: GradBucket) -> bool:
+        """Whether ``skip_unused`` leaves the bucket unreduced (the rule: :mod:`~ddpkit.parallel.ddp.unused`)."""
+        if self.static_graph:
+            used = self.static.used if self.static.counted else None
+            return used is not None and not any(used[i] for i in bucket.indices)
+        return self.find_unused and not any(
+            (self._ready[i] and i not in self._undefined) or self._used_since_sync[i] for i in bucket.indices)
 
     def _finish_backward(self) -> None:
         """End of backward: launch the rest; unless deferred, wait and write ``.grad``."""
@@ -348,10 +351,8 @@ class Reducer:
     def set_static_graph(self) -> None:
         """Turn on ``static_graph`` before the first synchronised backward (torch's ``_set_static_graph``)."""
         if self.step or self._armed:
-            raise RuntimeError(
-                "_set_static_graph() must be called before the first backward: pass "
-                "DistributedDataParallel(..., static_graph=True) instead"
-            )
+            raise RuntimeError("_set_static_graph() must be called before the first backward: pass "
+                               "DistributedDataParallel(..., static_graph=True) instead")
         self.static_graph = True
         self.layout.final = False  # a static graph is rebuilt, even with find_unused_parameters
 
@@ -368,10 +369,8 @@ class Reducer:
         elif self.static_graph and not self._started:
             self._started = True
             self._mark_static_unused()
-        undefined = self._undefined
-        local_used = [(r and i not in undefined) or u
+        local_used = [(r and i not in self._undefined) or u
                       for i, (r, u) in enumerate(zip(self._ready, self._used_since_sync))]
-        self._used_since_sync = [False] * len(self.params)
         if searched and not first_static:
             self.unused_here = [i for i, u in enumerate(local_used) if not u]
         missing = [i for i, r in enumerate(self._ready) if not r]
@@ -386,6 +385,7 @@ class Reducer:
                 self._stage(bucket)
         self._launch_ready()
         assert self._next_launch == len(self.buckets), "every bucket must be launched by now"
+        self._used_since_sync = [False] * len(self.params)
         used = None
         if self.reduce_missing:
             used = [True] * len(self.params)

@@ -7,6 +7,15 @@ the ``.grad`` it had, one used somewhere gets the average (this rank's zeros
 included). Without it, a parameter that gets no gradient is still reduced as
 zeros (so no rank hangs) and the backward raises :class:`UnusedParametersError`
 naming it.
+
+``skip_all_reduce_unused_params=True`` (torch's) leaves a bucket unreduced
+when none of its parameters was used. With the search for unused parameters,
+as torch decides it: not used *on this rank* (no gradient in this backward nor
+in a ``no_sync()`` one since the last step), so every rank must leave the same
+parameters unused, or their collectives stop matching (torch's documented
+condition: training hangs or fails). With a static graph: used by no rank in
+the first backward, a decision every rank shares. Its parameters keep their
+``.grad``, as a parameter no rank used does anyway.
 """
 
 from __future__ import annotations

@@ -92,11 +92,13 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
     The constructor takes torch's arguments in torch's order. ``dim`` is kept
     for compatibility (one device per process: nothing is scattered);
     ``init_sync=False`` skips the construction-time check and broadcast;
-    ``check_reduction`` is ignored as by torch; ``mixed_precision``,
-    ``device_mesh``, ``delay_all_reduce_named_params``,
-    ``param_to_hook_all_reduce`` and ``skip_all_reduce_unused_params`` are
-    refused when set; ``batched_grad_copy`` (a speed knob) is accepted and
-    has no effect.
+    ``check_reduction`` is ignored as by torch; ``skip_all_reduce_unused_params``
+    leaves buckets of unused parameters unreduced (torch's rule, see
+    :mod:`ddpkit.parallel.ddp.unused`; not with ZeRO or ``join()``);
+    a one-dimensional ``device_mesh`` stands for its process group;
+    ``mixed_precision``, ``delay_all_reduce_named_params`` and
+    ``param_to_hook_all_reduce`` are refused when set; ``batched_grad_copy`` (a
+    speed knob) is accepted and has no effect.
 
     Raises:
         DDPConfigError: (a ``RuntimeError`` and a ``ValueError``) ranks hold
@@ -152,6 +154,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         super().__init__()
         # torch's arguments in torch's order, so a call written for torch's DDP
         # (positional ones included) means the same here or fails by name.
+        process_group = ddp_args.mesh_group(device_mesh, process_group)
         settled = ddp_args.settle(
             module, device_ids=device_ids, output_device=output_device, dim=dim,
             broadcast_buffers=broadcast_buffers, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
@@ -160,18 +163,20 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             unsupported={
                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
                 "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
-                "device_mesh": device_mesh, "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
             },
         )
         ddp_args.issue(settled.warnings, stacklevel=2)
         self.module = module
+        self.device_mesh = device_mesh
         self.dim = dim
         self._keep_settings(settled, bucket_cap_mb)
         self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.zero_stage = ddp_args.check_zero_stage(zero_stage, static_graph, gradient_as_bucket_view)
+        self.zero_stage = ddp_args.check_zero_stage(zero_stage, static_graph, gradient_as_bucket_view,
+                                                    skip_all_reduce_unused_params)
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
         self.stage3_settings = ddp_args.check_stage3(self.zero_stage, zero_units, reshard_after_forward, zero_param_dtype,
                                              zero_reduce_dtype)
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -222,7 +227,6 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         """The caps as given: ``bucket_cap_mb`` and ``bucket_cap_mb_list`` (the engine lays its buckets out by them)."""
         # What torch's DDP would do for these, or (refused by the check) their defaults.
         self.mixed_precision = None
-        self.skip_all_reduce_unused_params = False
         self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
