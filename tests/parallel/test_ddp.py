@@ -314,17 +314,20 @@ def test_sparse_embedding_gradients_are_averaged_as_torch_does(dist2, kwargs, ho
     assert _same(ours, theirs)
 
 
-def _sparse_reductions_in_flight(static_graph: bool) -> list[int]:
-    """How many sparse all-reduces were still running each time the reducer started another."""
+def _sparse_reductions_in_flight(static_graph: bool, uneven: bool) -> list[int]:
+    """For each sparse all-reduce: how many other all-reduces of the group were running when it started, or
+    started while it ran."""
     launched: list = []
     counts: list[int] = []
     real = dist.all_reduce
 
     def watched(tensor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        running = [(w, sparse) for w, sparse in launched if not w.is_completed()]
         work = real(tensor, *args, **kwargs)
-        if tensor.is_sparse:
-            counts.append(sum(not w.is_completed() for w in launched))
-            launched.append(work)
+        if tensor.is_sparse or any(sparse for _, sparse in running):
+            counts.append(len(running))
+        if work is not None:
+            launched.append((work, tensor.is_sparse))
         return work
 
     dist.all_reduce = watched
@@ -332,22 +335,25 @@ def _sparse_reductions_in_flight(static_graph: bool) -> list[int]:
         torch.manual_seed(0)
         module = SparseEmbeddings()
         model = ddpkit.DDP(module, static_graph=static_graph)
-        for step in range(4):
-            g = torch.Generator().manual_seed(step + dist.get_rank())
-            x, y = torch.randint(0, 50, (4, 5), generator=g), torch.randint(0, 30, (4, 3), generator=g)
-            model(x, y).square().sum().backward()
+        steps = 4 + dist.get_rank() if uneven else 4
+        with model.join(enable=uneven):  # uneven: join's own all-reduces run beside the buckets'
+            for step in range(steps):
+                g = torch.Generator().manual_seed(step + dist.get_rank())
+                x, y = torch.randint(0, 50, (4, 5), generator=g), torch.randint(0, 30, (4, 3), generator=g)
+                model(x, y).square().sum().backward()
     finally:
         dist.all_reduce = real
     return counts
 
 
-@pytest.mark.parametrize("static_graph", [False, True])
-def test_one_sparse_reduction_at_a_time(dist2, static_graph):
-    # gloo's sparse all-reduce corrupts the heap when two run at once (torch 2.13: two async ones in a loop
-    # crash within seconds; a static graph launches this model's two sparse buckets back to back): the
-    # reducer starts a sparse reduction only once the one before it is done.
-    for counts in dist2.run(_sparse_reductions_in_flight, static_graph):
-        assert len(counts) == 8 and not any(counts), counts
+@pytest.mark.parametrize("static_graph, uneven", [(False, False), (True, False), (False, True)])
+def test_a_sparse_reduction_runs_alone(dist2, static_graph, uneven):
+    # gloo's sparse all-reduce corrupts the heap when another all-reduce of its group runs at the same time
+    # (torch 2.13: two asynchronous ones, sparse and sparse or sparse and dense, crash two ranks within seconds;
+    # this model's two sparse buckets and its dense one go out back to back, and join adds its own): the
+    # reducer waits for what is running before a sparse reduction, and for the sparse one before anything else.
+    for counts in dist2.run(_sparse_reductions_in_flight, static_graph, uneven):
+        assert len(counts) >= 8 and not any(counts), counts
 
 
 def test_a_sparse_parameter_unused_everywhere_keeps_its_gradient(dist2):

@@ -107,6 +107,7 @@ def _straggle(rank: int, out: str, strategy: str, staleness: int | None) -> None
         opt = ddpkit.ParameterServerOptimizer(net.parameters(), torch.optim.SGD, lr=0.05, mode="async",
                                               staleness=staleness)
     launched, finished = [], []
+    dist.barrier()  # both start together: a worker slow to start would look like a straggler's lead
     for x, y in _batches(rank, 14):
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()

@@ -240,6 +240,7 @@ class DDPJoinable:
     world_size: int
     zero_stage: int
     skip_all_reduce_unused_params: bool
+    reducer: Any
 
     def _init_join(self) -> None:
         self._join_config: JoinConfig = DISABLED
@@ -254,10 +255,13 @@ class DDPJoinable:
             work, still_training = notified
             work.wait()
             div_factor = int(still_training.item())
+        outside = getattr(self.reducer, "outside", [])  # waited for before a sparse reduction (stage 0's reducer)
+        if notified is not None and self._divide_by_initial_world_size:
+            outside.append(notified[0])
         # Whether this step reduces gradients, and whether its forward has grad enabled (it may rebuild buckets).
         flags = torch.tensor([float(sync), float(grad)], device=self.join_device)
         events.collective("DDP join: does this step reduce gradients", nbytes=flags.numel() * flags.element_size())
-        dist.all_reduce(flags, group=self.process_group, async_op=True)
+        outside.append(dist.all_reduce(flags, group=self.process_group, async_op=True))
         return div_factor
 
     def join(

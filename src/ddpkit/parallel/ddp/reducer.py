@@ -131,6 +131,7 @@ class Reducer:
         """The used-parameter map of the last backward (a joined rank sends it while it shadows)."""
         self._reset()
         self._used_since_sync = [False] * len(self.params)
+        self.outside: list[Any] = []  # the wrapper's own collectives still running (join's): see launch
         hook_gradients(self, self.params)
 
     def _make_layout(self, sparse: list[bool], as_view: bool, caps_given: bool) -> BucketLayout:
@@ -191,7 +192,6 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._hits = [0] * len(self.params)
         self._saved: dict[int, torch.Tensor] = {}
-        self._last_sparse: GradBucket | None = None
         self._undefined: set[int] = set()  # parameters whose hook ran without a gradient
         self.static.reset()
         self.layout.set.reset()  # type: ignore[union-attr]
@@ -303,10 +303,8 @@ class Reducer:
         # Reached in bucket index order on every rank (_launch_ready): the collectives match whatever the arrival order.
         if self.skip_unused and self._skipped(bucket):
             return
-        if bucket.sparse:  # gloo corrupts its heap when two sparse all-reduces overlap (torch 2.13): one at a time
-            if self._last_sparse is not None:
-                self.staging.collect(self._last_sparse)
-            self._last_sparse = bucket
+        if bucket.sparse:  # alone on the group (see Staging.drain_before_sparse)
+            self.staging.drain_before_sparse(self.buckets[: bucket.index()], self.outside)
         observed = self.observers.launch or self.observers.done
         # Measured before the launch: gloo's sparse all-reduce replaces its input's indices and values on its thread.
         nbytes = payload(bucket) if observed or self.world_size > 1 else 0
@@ -317,6 +315,8 @@ class Reducer:
             bucket.future = check_hook_future(self.comm_hook, self.comm_hook(self.comm_state, bucket), bucket)
         elif self.world_size > 1:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
+        if bucket.sparse:
+            self.staging.collect(bucket)
         if observed:
             self.observers.launched(bucket, nbytes, self.step)
 
@@ -345,6 +345,7 @@ class Reducer:
 
     def _end_step(self) -> None:
         self.step += 1
+        self.outside.clear()
         self._rebuild_due = self.layout.rebuild_due(self.step, self.static_graph)
         self._reset()
 

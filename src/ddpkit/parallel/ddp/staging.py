@@ -24,6 +24,7 @@ Write-back
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -161,6 +162,20 @@ class Staging:
                 bucket.target.copy_(result.view(-1))
         elif bucket.work is not None:
             bucket.work.wait()
+
+    def drain_before_sparse(self, launched: Sequence[GradBucket], outside: list[Any]) -> None:
+        """Before a sparse bucket is reduced: wait for every reduction ``launched`` before it and for the works in
+        ``outside`` (then emptied); the sparse one is then waited for at once.
+
+        gloo's sparse all-reduce corrupts the heap when any other collective of its group runs at the same time
+        (torch 2.13: a sparse and a dense, or two sparse, asynchronous all-reduces on two ranks crash within
+        seconds), so it must run alone.
+        """
+        for bucket in launched:
+            self.collect(bucket)
+        for work in outside:
+            work.wait()
+        outside.clear()
 
     def write_back(self, buckets: Sequence[GradBucket], params: Sequence[torch.Tensor], unused_here: set[int],
                    used: list[bool] | None, saved: dict[int, torch.Tensor]) -> None:
