@@ -321,7 +321,7 @@ def _sparse_reductions_in_flight(static_graph: bool, uneven: bool) -> list[int]:
     counts: list[int] = []
     real = dist.all_reduce
 
-    def watched(tensor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def watched(tensor, *args, **kwargs):
         running = [(w, sparse) for w, sparse in launched if not w.is_completed()]
         work = real(tensor, *args, **kwargs)
         if tensor.is_sparse or any(sparse for _, sparse in running):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -144,15 +146,31 @@ def _add_group() -> dict:
         z = zero(body, cls, **kw)
         _train(wrapped, z, name, 2)
         z.add_param_group({"params": head, "lr": 0.05})
-        _train(wrapped, z, name, 2, first=2)
+        with _logged("ddpkit.parallel.zero.stage1") as records:
+            _train(wrapped, z, name, 2, first=2)
         out[engine] = model.state_dict()
         out[engine + "_owned"] = [len(g["params"]) for g in z.optim.param_groups]
+        out[engine + "_logged"] = [r.getMessage() for r in records]
     return out
+
+
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_add_param_group_as_torch(dist3):
     for r in dist3.run(_add_group):
         assert _same(r["ours"], r["torch"]) and r["ours_owned"] == r["torch_owned"]
+        assert r["ours_logged"] == []  # new parameters are not a change of trainability (torch says nothing)
 
 
 def _raised(calls) -> list[str]:  # type: ignore[no-untyped-def]

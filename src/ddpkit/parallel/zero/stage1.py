@@ -237,6 +237,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim.add_param_group(self._partition[self.rank][-1])
         copy_settings(self.optim.param_groups, self.param_groups)
         self._build_buckets()
+        self._trainable = self._trainability()  # new parameters, not a change of trainability: no warning
 
     # -- parameters as bucket views --------------------------------------------------------------
 
