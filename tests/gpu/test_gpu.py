@@ -84,6 +84,9 @@ DDP_CASES = {
     "no_sync": {"micro": 3},
     "join": {"join": True},
     "small_buckets": {"bucket_cap_mb": 0.05, "model": "deep", "steps": 20},
+    "skip_all_reduce_unused_params": {"find_unused_parameters": True, "skip_all_reduce_unused_params": True,
+                                      "bucket_cap_mb": 0, "model": "branchy"},
+    "device_mesh": {"device_mesh": True},
 }
 
 
@@ -94,7 +97,11 @@ def _ddp_case(ctx, case: dict, engine: str) -> dict:
     device = ctx.device
     model = _net(case.get("model", "conv")).to(device)
     kwargs = {k: case[k] for k in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                                   "bucket_cap_mb") if k in case}
+                                   "bucket_cap_mb", "skip_all_reduce_unused_params") if k in case}
+    if case.get("device_mesh"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     if case.get("device_ids"):
         kwargs["device_ids"] = [device.index]
     if case.get("output_device"):
