@@ -303,6 +303,38 @@ def test_stage2_equals_ddp_with_the_unsharded_optimizer(request, world, name, op
         assert sd["sd"]["state"].keys() == sd["plain_sd"]["state"].keys()
 
 
+def _stage2_clipped(norm_type: float) -> dict:
+    """Stage 2 and DDP, each clipping with ``model.clip_grad_norm_`` before every SGD step (with momentum: Adam
+    would turn the rounding of a gradient near zero into a step of full size)."""
+    base = make("convbn")
+    sharded, plain = copy.deepcopy(base), copy.deepcopy(base)
+    a, c = ddpkit.DDP(sharded, zero_stage=2, bucket_cap_mb=0.0005), ddpkit.DDP(plain)
+    za = ddpkit.ZeroRedundancyOptimizer(sharded.parameters(), torch.optim.SGD, lr=0.5, momentum=0.9)
+    zc = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+    norms: dict[str, list[float]] = {"sharded": [], "plain": []}
+    for key, wrapped, optimizer in (("sharded", a, za), ("plain", c, zc)):
+        for step in range(4):
+            optimizer.zero_grad()
+            x, y = batch("convbn", 700 + 10 * step + dist.get_rank())
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            norms[key].append(float(wrapped.clip_grad_norm_(0.05, norm_type)))
+            optimizer.step()
+    return {"norms": norms, "sharded": sharded.state_dict(), "plain": plain.state_dict()}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_stage2_clips_the_whole_models_gradient_norm_as_ddp(dist2, norm_type):
+    # The shards hold disjoint pieces of the averaged gradients: the norm is one collective over them, and the
+    # same coefficient scales every shard. The norm adds its pieces in another order than torch's function
+    # (per tensor, then over tensors): equal within rounding, not bit for bit.
+    for r in dist2.run(_stage2_clipped, norm_type):
+        for ours, torchs in zip(r["norms"]["sharded"], r["norms"]["plain"]):
+            assert abs(ours - torchs) <= 1e-6 * max(1.0, torchs)
+        assert min(r["norms"]["plain"]) > 0.05  # every step clipped (else this tests nothing)
+        for k, v in r["sharded"].items():
+            torch.testing.assert_close(v, r["plain"][k], rtol=1e-5, atol=1e-6)
+
+
 def _stage2_resume(saved: dict | None) -> dict:
     """Continue from ``saved`` (a consolidated stage-2 state from another world size) under stage 2 and plain."""
     name, (cls, kw) = "embed", OPTIMIZERS["adamw"]

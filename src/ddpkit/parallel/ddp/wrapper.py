@@ -426,10 +426,16 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self._logging.comm_hook(str(comm_hook_type))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return that norm
-        (see :func:`ddpkit.parallel.zero.units.clip_grad_norm`: under ``zero_stage=3`` a collective)."""
-        group = self.process_group if self.zero_stage == 3 else None
-        return clip_grad_norm(list(self.module.parameters()), max_norm, norm_type, group, self.zero_stage)
+        """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return that norm.
+        Under ZeRO the gradients are sharded (stage 2: the reducer's shards; 3: each parameter's segment) and the
+        norm is a collective (:func:`ddpkit.parallel.zero.units.clip_grad_norm`): call it on every rank."""
+        if self.zero_stage == 0:
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        if self.zero_stage == 2:
+            grads = list(self.reducer.grad_shards) if self.reducer.fresh else []  # none since the last step
+        else:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return clip_grad_norm(grads, max_norm, norm_type, self.process_group)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging data of this model: settings, environment and sampled runtime figures (see

@@ -260,21 +260,14 @@ def segment(q: UnitParam, chunk: int, rank: int) -> tuple[int, int] | None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float, group: dist.ProcessGroup | None,
-                   stage: int) -> torch.Tensor:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
+                   group: dist.ProcessGroup | None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over gradients whose pieces are spread over ``group``'s ranks.
 
-    The rule is torch's: scale by ``max_norm / (norm + 1e-6)`` when that is below 1. With ``group`` (stage 3) each
-    rank holds a shard of every gradient and the norm is the whole model's (a collective: call it on every rank);
-    without, every rank holds every gradient and torch's own function does it. Stage 2 keeps no ``.grad``
-    (the shards live in the reducer until ``ZeroRedundancyOptimizer`` steps): refused.
+    Each rank passes its own pieces (disjoint across ranks: stage 3's segments, stage 2's gradient shards); the
+    norm is the whole model's (a collective: call it on every rank), and every piece is scaled by torch's rule,
+    ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the norm.
     """
-    if stage == 2:
-        raise RuntimeError("clip_grad_norm_ with zero_stage=2: the gradients live in the reducer's shards until "
-                           "ZeroRedundancyOptimizer steps; use zero_stage=0 or 3 to clip")
-    if group is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    grads = [p.grad for p in params if p.grad is not None]
     norm = grad_norm(grads, float(norm_type), group)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
