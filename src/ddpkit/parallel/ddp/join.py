@@ -256,6 +256,7 @@ class DDPJoinable:
             work.wait()
             div_factor = int(still_training.item())
         outside = getattr(self.reducer, "outside", [])  # waited for before a sparse reduction (stage 0's reducer)
+        outside[:] = [work for work in outside if not work.is_completed()]  # forwards without backward add up
         if notified is not None and self._divide_by_initial_world_size:
             outside.append(notified[0])
         # Whether this step reduces gradients, and whether its forward has grad enabled (it may rebuild buckets).
