@@ -67,6 +67,26 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*tmp*")), "temporary file left behind"
 
 
+def test_sparse_tensors_come_back_sparse_as_from_torch_save(tmp_path: Path) -> None:
+    # An uncoalesced one (index 0 twice) stays uncoalesced, as torch.save keeps it.
+    loose = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (4,),
+                                    check_invariants=True)
+    tight = torch.sparse_coo_tensor(torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 6]), (2, 3),
+                                    check_invariants=True).coalesce()
+    ddpkit.save_checkpoint(tmp_path / "c", {"loose": loose, "tight": tight})
+    loaded = ddpkit.load_checkpoint(tmp_path / "c")
+    torch.save({"loose": loose, "tight": tight}, tmp_path / "t.pt")
+    reference = torch.load(tmp_path / "t.pt", weights_only=True)
+    for name in ("loose", "tight"):
+        got, want = loaded[name], reference[name]
+        assert got.layout == torch.sparse_coo and got.dtype == want.dtype and got.shape == want.shape
+        assert got.is_coalesced() == want.is_coalesced()
+        assert torch.equal(got._indices(), want._indices()) and torch.equal(got._values(), want._values())
+    with pytest.raises(CheckpointError, match="sparse_csr tensor at /csr: convert it first"):
+        ddpkit.save_checkpoint(tmp_path / "d", {"csr": torch.eye(2).to_sparse_csr()})
+    assert not (tmp_path / "d").exists()
+
+
 def test_rejects_objects_that_are_not_plain_data(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="cannot checkpoint object"):
         ddpkit.save_checkpoint(tmp_path / "c", {"x": object()})

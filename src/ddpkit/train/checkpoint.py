@@ -94,6 +94,16 @@ def describe_write_error(error: BaseException) -> str:
 
 
 def _encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
+        # A sparse tensor is stored as its indices and values, and comes back sparse (coalesced or not), as
+        # torch.save's does.
+        sparse = obj.detach()
+        return {"__sparse_coo__": [_encode(sparse._indices(), tensors, f"{path}/indices"),
+                                   _encode(sparse._values(), tensors, f"{path}/values"), list(obj.shape),
+                                   sparse.is_coalesced()]}
+    if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
+        raise TypeError(f"cannot checkpoint a {obj.layout} tensor at {path or '<root>'}: convert it first "
+                        "(t.to_dense(), or t.to_sparse() for the COO layout, which checkpoints keep)")
     if isinstance(obj, torch.Tensor):
         name = f"{len(tensors)}:{path}"
         # clone(): safetensors refuses tensors that share storage (tied weights, views).
@@ -132,6 +142,11 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
+        if "__sparse_coo__" in obj:
+            # Checked: indices out of the shape (a damaged or crafted file) raise here instead of crashing later.
+            indices, values, shape, coalesced = obj["__sparse_coo__"]
+            return torch.sparse_coo_tensor(_decode(indices, tensors), _decode(values, tensors), shape,
+                                           is_coalesced=coalesced, check_invariants=True)
         if "__ndarray__" in obj:
             return tensors[obj["__ndarray__"]].numpy()
         if "__dict__" in obj:
