@@ -22,3 +22,18 @@ def test_every_help_prints() -> None:
             "ddpkit doctor"} <= set(parsers)
     texts = {path: p.format_help() for path, p in parsers.items()}  # raised TypeError on a help text's bare %
     assert "DDP reaches 93 % at W = 4" in " ".join(texts["ddpkit bench strategies"].split())
+
+
+def test_a_bench_flag_given_before_a_suite_that_has_no_use_for_it_is_refused(capsys) -> None:
+    from ddpkit.cli import main
+
+    assert main(["bench", "--world-size", "4", "strategies"]) == 2
+    err = capsys.readouterr().err
+    assert "--world-size (this suite's is --world-sizes) belongs to plain `ddpkit bench`" in err
+    assert "`ddpkit bench strategies`" in err
+    assert main(["bench", "--steps", "5", "--memory", "collectives"]) == 2
+    assert "--steps, --memory belong to plain `ddpkit bench`, not to `ddpkit bench collectives`" in (
+        capsys.readouterr().err)
+    # A flag both take still carries over from before the suite.
+    args = build_parser().parse_args(["bench", "--no-progress", "--json", "x.json", "strategies"])
+    assert args.progress is False and str(args.json_path) == "x.json"

@@ -146,12 +146,37 @@ def _doctor(args: argparse.Namespace) -> int:
     return run(_build(DoctorConfig, args))
 
 
+def _suite_takes_all(args: argparse.Namespace, suite: type) -> None:
+    """Refuse ``ddpkit bench``'s own flags given before a suite that has no use for them (``bench --steps 5
+    collectives``), instead of running without them.
+
+    Raises:
+        ConfigError: naming each such flag, and the suite's own spelling where it has one (``--world-sizes``).
+    """
+    from ddpkit.bench.config import BenchConfig
+
+    theirs = {f.name: f for f in dataclasses.fields(BenchConfig)}
+    ours = {f.name for f in dataclasses.fields(suite)}
+    stray = [name for name in vars(args) if name in theirs and name not in ours]
+    if not stray:
+        return
+    words = []
+    for name in stray:
+        flag = (theirs[name].metadata.get("flags") or ["--" + name.replace("_", "-")])[0]
+        own = f" (this suite's is --{name.replace('_', '-')}s)" if f"{name}s" in ours else ""
+        words.append(flag + own)
+    raise ConfigError(f"{', '.join(words)} belong{'s' if len(words) == 1 else ''} to plain `ddpkit bench`, not to "
+                      f"`ddpkit bench {args.suite}`: leave {'it' if len(words) == 1 else 'them'} out (see "
+                      f"`ddpkit bench {args.suite} --help` for the flags it takes)")
+
+
 def _bench_collectives(args: argparse.Namespace) -> int:
+    from ddpkit.bench.collectives import CollectivesBenchConfig, run
+
+    _suite_takes_all(args, CollectivesBenchConfig)
     from ddpkit.bench.ranks import start_early
 
     start_early()
-    from ddpkit.bench.collectives import CollectivesBenchConfig, run
-
     run(_build(CollectivesBenchConfig, args))
     return 0
 
@@ -159,6 +184,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
 def _bench_strategies(args: argparse.Namespace) -> int:
     from ddpkit.bench.consistency import ConsistencyBenchConfig, run
 
+    _suite_takes_all(args, ConsistencyBenchConfig)
     run(_build(ConsistencyBenchConfig, args))
     return 0
 
