@@ -60,7 +60,8 @@ def test_engine_cost_counts_what_each_engine_dispatches_per_step(dist2):
     r = dist2.run(_measure_linear200_cost)[0]
     assert r.param_tensors == 400 and r.buckets >= 1
     engines = ["ddpkit", "torch"] + (["torch batched"] if torch_ddp_accepts("batched_grad_copy") else [])
-    assert list(r.engine_ops) == list(r.engine_us) == engines
+    assert list(r.engine_ops) == list(r.engine_us) == engines + ["python hook"]
+    assert r.engine_ops["python hook"] == 0, r.engine_ops  # the floor row: a Python call per parameter, no operation
     # Machine-independent: ddpkit works per bucket, torch's C++ reducer copies each of the 400 gradients into
     # its bucket and back (fewer with batched_grad_copy, still more than ddpkit's).
     assert 0 < r.engine_ops["ddpkit"] <= 8 * r.buckets + 8, r.engine_ops
@@ -69,7 +70,7 @@ def test_engine_cost_counts_what_each_engine_dispatches_per_step(dist2):
         assert r.engine_ops["ddpkit"] < r.engine_ops["torch batched"] < r.engine_ops["torch"], r.engine_ops
     assert all(isinstance(us, float) for us in r.engine_us.values())  # a difference of medians: any sign
     table = format_results([r], 2)
-    assert "us/param" in table and "ops/step" in table
+    assert "us/param" in table and "ops/step" in table and "python hook = no engine" in table
 
 
 def _noop_keeps_local_gradients() -> list:

@@ -136,3 +136,47 @@ def test_workers_die_with_a_parent_killed_outright(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _killed_first(conn) -> None:  # type: ignore[no-untyped-def]
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raised_after(conn) -> None:  # type: ignore[no-untyped-def]
+    from ddpkit.runtime.spawn import _encode_failure
+
+    time.sleep(0.8)  # a peer's vanishing found out later: what a collective with the killed process raises
+    try:
+        raise ConnectionResetError("Connection reset by peer")
+    except ConnectionResetError as e:
+        conn.send(_encode_failure(e))
+    os._exit(1)
+
+
+def test_a_process_killed_outright_is_the_root_cause_even_when_a_peer_reports_before_the_parent_wakes(
+        monkeypatch) -> None:
+    # A busy parent finds both deaths in one wake-up; the peer's report is stamped after the kill but before the
+    # parent looks, so "the first failure" must not fall to it: nothing but the outside sends SIGKILL.
+    import multiprocessing as mp
+    from multiprocessing.connection import wait as real_wait
+
+    import ddpkit.runtime.spawn as spawn
+
+    ctx = mp.get_context("fork")
+    procs, conns = [], {}
+    for rank, target in enumerate((_raised_after, _killed_first)):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(theirs,))
+        proc.start()
+        procs.append(proc)
+        conns[proc.sentinel] = (rank, ours)
+
+    def slow_wait(objects):  # type: ignore[no-untyped-def]
+        for proc in procs:
+            proc.join()
+        return real_wait(objects)
+
+    monkeypatch.setattr(spawn, "wait", slow_wait)
+    with pytest.raises(spawn.WorkerError, match="parameter server 0 failed: process killed by signal SIGKILL"):
+        spawn._watch(procs, conns, workers=1)

@@ -106,9 +106,10 @@ class WorkloadResult:
     """The model's parameter tensors (what per-parameter work is paid for)."""
     engine_us: dict[str, float] | None = None
     engine_ops: dict[str, int] | None = None
-    """``--engine-cost``: per engine (``ddpkit``, ``torch``, and ``torch batched`` where torch's DDP takes
-    ``batched_grad_copy``), with the no-op hook, the µs per step beyond the plain model's step and the aten
-    operations dispatched per step beyond the plain model's (see :mod:`ddpkit.bench.dispatch`)."""
+    """``--engine-cost``: per engine (``ddpkit``, ``torch``, ``torch batched`` where torch's DDP takes
+    ``batched_grad_copy``, and ``python hook``: :func:`python_hooks`, no engine), with the no-op hook, the µs per
+    step beyond the plain model's step and the aten operations dispatched per step beyond the plain model's (see
+    :mod:`ddpkit.bench.dispatch`)."""
     ddpkit_peak_mib: float | None = None
     torch_peak_mib: float | None = None
     """``--device cuda``: peak GPU memory of each engine's steps (its model copy, gradients, optimizer state,
@@ -169,7 +170,22 @@ def _engines(cfg: BenchConfig) -> dict[str, Callable[[nn.Module], nn.Module]]:
         engines |= {"ddpkit noop": quiet(ours), "torch noop": quiet(theirs)}
         if torch_ddp_accepts("batched_grad_copy"):
             engines["torch batched noop"] = quiet(batched)
+        engines["python hook noop"] = python_hooks
     return engines
+
+
+def _nothing(_param: torch.Tensor) -> None:
+    return None
+
+
+def python_hooks(m: nn.Module) -> nn.Module:
+    """The plain model with a no-op Python post-accumulate-grad hook on each parameter: what any engine that runs
+    Python per parameter pays before its hook does anything (the autograd engine taking the GIL and handing the
+    parameter over), the floor under ddpkit's per-parameter cost."""
+    for param in m.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_nothing)
+    return m
 
 
 def peak_mib(base: nn.Module, wrap: Callable[[nn.Module], nn.Module], x: torch.Tensor, y: torch.Tensor,
@@ -227,8 +243,8 @@ def bench_workload(name: str, cfg: BenchConfig) -> WorkloadResult:
     while r < rounds or more_rounds(times, cfg, started):
         order = ["ddpkit", "torch"] if r % 2 == 0 else ["torch", "ddpkit"]
         if "ddpkit noop" in steps:
-            order += [f"{engine} noop" for engine in order] + (["torch batched noop"] if "torch batched noop" in steps
-                                                                  else [])
+            order += [f"{engine} noop" for engine in order] + [e for e in ("torch batched noop", "python hook noop")
+                                                               if e in steps]
         for engine in order + ["compute"]:
             barrier()
             for _ in range(cfg.block):
@@ -401,6 +417,8 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
             "beyond the plain model, each engine with the no-op hook: us/step = median over rounds of the engine's "
             "step minus the plain model's step of the same round (us/param: per parameter tensor; us/bucket: per "
             "ddpkit bucket); ops/step = aten operations dispatched per step (top level, under torch's profiler) "
-            "minus the plain model's; torch batched = torch's DDP with batched_grad_copy=True"
+            "minus the plain model's; torch batched = torch's DDP with batched_grad_copy=True; python hook = no "
+            "engine, the plain model with a no-op Python hook per parameter: the floor of any engine whose "
+            "per-parameter work is Python (ddpkit's)"
         )
     return "\n".join(lines)

@@ -237,19 +237,27 @@ def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Conn
     pending = {p.sentinel: p for p in procs}
     while any(conns[s][0] < workers for s in pending):
         failures = []
+        alive_at = time.time()  # every process still pending was alive when this wait began
         for sentinel in wait(list(pending)):
             proc = pending.pop(sentinel)  # type: ignore[call-overload]
             proc.join()
             if proc.exitcode != 0:
                 rank, conn = conns[sentinel]
-                failures.append(_failure(rank, proc.exitcode, conn,
+                failures.append(_failure(rank, proc.exitcode, conn, alive_at,
                                          f"parameter server {rank - workers}" if rank >= workers else None))
         if failures:
             _, error = min(failures, key=lambda f: f[0])
             raise error
 
 
-def _failure(rank: int, exitcode: int | None, conn: Connection, who: str | None) -> tuple[float, WorkerError]:
+def _failure(rank: int, exitcode: int | None, conn: Connection, alive_at: float,
+             who: str | None) -> tuple[float, WorkerError]:
+    """When the process failed (for the root cause: the earliest wins) and the error naming it.
+
+    A process killed by SIGKILL reports nothing, and nothing but the outside (a user, the OOM killer) sends that
+    signal, never a peer's failure: it counts as failed when it was last known alive (``alive_at``), so that the
+    ranks which raised because it vanished, and reported before the parent woke, are not blamed in its place.
+    """
     try:
         report = conn.recv() if conn.poll() else None
     except EOFError:  # died (a signal, os._exit) before reporting anything
@@ -257,7 +265,8 @@ def _failure(rank: int, exitcode: int | None, conn: Connection, who: str | None)
     if report is None:
         how = describe_exit(exitcode)
         how = how if how.startswith("killed") else f"ended with {how}"
-        return time.time(), WorkerError(rank, f"process {how} without a Python exception", exitcode=exitcode, who=who)
+        when = alive_at if exitcode == -signal.SIGKILL else time.time()
+        return when, WorkerError(rank, f"process {how} without a Python exception", exitcode=exitcode, who=who)
     when, message, text, payload = report
     error = WorkerError(rank, message, text, exitcode=exitcode, who=who)
     if payload is not None:

@@ -370,11 +370,11 @@ class Reducer:
         elif self.static_graph and not self._started:
             self._started = True
             self._mark_static_unused()
-        local_used = [(r and i not in self._undefined) or u
-                      for i, (r, u) in enumerate(zip(self._ready, self._used_since_sync))]
+        missing = [i for i, r in enumerate(self._ready) if not r] if False in self._ready else []
+        local_used = [(r and i not in self._undefined) or u for i, (r, u) in
+                      enumerate(zip(self._ready, self._used_since_sync))] if searched or missing else []
         if searched and not first_static:
             self.unused_here = [i for i, u in enumerate(local_used) if not u]
-        missing = [i for i, r in enumerate(self._ready) if not r]
         if not self.reduce_missing:
             for i in missing:
                 grad = self.params[i].grad
