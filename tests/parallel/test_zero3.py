@@ -263,9 +263,12 @@ def test_units_without_gradient_need_find_unused_parameters(dist2):
     assert "'blocks.2'" in message and "find_unused_parameters=True" in message
 
 
-def _frozen() -> dict:
+def _frozen(mixed: bool) -> dict:
     base = Blocks()
     base.blocks[0].requires_grad_(False)
+    if mixed:  # within units too: a frozen weight beside a trained bias, a frozen root parameter
+        base.blocks[1][0].weight.requires_grad_(False)
+        base.emb.bias.requires_grad_(False)
     plain, ours = copy.deepcopy(base), copy.deepcopy(base)
     ddp, z3 = ddpkit.DDP(plain), ddpkit.DDP(ours, zero_stage=3)
     for model in (ddp, z3):
@@ -275,14 +278,19 @@ def _frozen() -> dict:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-    frozen_grads = [p.grad for p in ours.blocks[0].parameters()]
-    return {"diff": _max_diff(_whole(ddp.state_dict()), _whole(z3.state_dict())), "frozen_grads": frozen_grads}
+    frozen = [p for p in ours.parameters() if not p.requires_grad]
+    trained = [p for p in ours.parameters() if p.requires_grad]
+    return {"diff": _max_diff(_whole(ddp.state_dict()), _whole(z3.state_dict())),
+            "frozen_grads": [p.grad for p in frozen], "trained_have_grads": all(p.grad is not None for p in trained),
+            "grads": [(a.grad is None, b.grad is None) for a, b in zip(plain.parameters(), ours.parameters())]}
 
 
-def test_a_frozen_unit_is_gathered_and_never_reduced(dist2):
-    for r in dist2.run(_frozen):
+@pytest.mark.parametrize("mixed", [False, True], ids=["frozen unit", "frozen within units"])
+def test_frozen_parameters_are_gathered_and_never_reduced(dist2, mixed):
+    for r in dist2.run(_frozen, mixed):
         assert r["diff"] == 0.0
-        assert r["frozen_grads"] == [None, None, None, None]
+        assert r["frozen_grads"] == [None] * (6 if mixed else 4) and r["trained_have_grads"]
+        assert all(a == b for a, b in r["grads"])  # the same parameters hold a gradient as under DDP
 
 
 def _mixed_precision() -> dict:
@@ -328,9 +336,6 @@ def _refusals() -> list[str]:
             said.append("accepted")
 
     refused(lambda: ddpkit.DDP(Blocks(tied=True), zero_stage=3))
-    frozen = Blocks()
-    frozen.blocks[0][0].bias.requires_grad_(False)
-    refused(lambda: ddpkit.DDP(frozen, zero_stage=3))
     refused(lambda: ddpkit.DDP(Blocks(), zero_stage=3, zero_units=("Linear",)))
     refused(lambda: ddpkit.DDP(Blocks(), zero_units=(nn.Linear,)))
     refused(lambda: ddpkit.DDP(Blocks(), zero_stage=3, static_graph=True))
@@ -344,13 +349,12 @@ def _refusals() -> list[str]:
 def test_what_stage3_cannot_do_is_refused_by_name(dist2):
     said = dist2.run(_refusals)[0]
     assert "'blocks.0.0.weight' is shared by unit 'blocks.0' and unit 'blocks.1'" in said[0]
-    assert "mixes frozen parameters (blocks.0.0.bias)" in said[1]
-    assert "zero_units=('Linear',)" in said[2]
-    assert "zero_units apply to zero_stage=3 only" in said[3]
-    assert "zero_stage=3 does not support static_graph" in said[4]
-    assert "comm hook" in said[5]
-    assert "join() is not supported with zero_stage=3" in said[6]
-    assert "zero_param_dtype=torch.int8" in said[7]
+    assert "zero_units=('Linear',)" in said[1]
+    assert "zero_units apply to zero_stage=3 only" in said[2]
+    assert "zero_stage=3 does not support static_graph" in said[3]
+    assert "comm hook" in said[4]
+    assert "join() is not supported with zero_stage=3" in said[5]
+    assert "zero_param_dtype=torch.int8" in said[6]
 
 
 def test_default_units_are_the_container_children_and_named_classes_are_outermost():

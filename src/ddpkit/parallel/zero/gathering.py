@@ -75,9 +75,10 @@ class Gathering:
             u.grads = [None] * len(u.params)
         for i, (q, piece) in enumerate(zip(u.params, pieces)):
             view = piece.view(q.shape)
-            if grad:
+            trained = grad and q.param.requires_grad  # a frozen parameter's view gets no gradient, as itself
+            if trained:
                 view.requires_grad_(True)
-            if grad and counted:
+            if trained and counted:
                 view.register_post_accumulate_grad_hook(lambda t, u=u, i=i: self.on_grad(u, i, t))
                 u.expected += 1
             for m, attr in q.owners:

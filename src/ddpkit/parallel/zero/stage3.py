@@ -9,12 +9,14 @@ Units
     containers (the blocks of a transformer, the residual blocks of a ResNet),
     or every outermost module of the classes given as ``zero_units`` (FSDP's
     wrapping policy). The parameters outside every unit form the *root unit*.
-    A parameter shared by two units is refused by name; so is a unit whose
-    parameters mix ``requires_grad`` settings (make each unit all frozen or all
-    trained). The parameters each keep their identity: every ``nn.Parameter``
-    of the model becomes a one-dimensional view of this rank's shard (its
-    *segment*, maybe empty), so an optimizer built over ``model.parameters()``
-    (param groups as the user makes them) steps on the shard.
+    A parameter shared by two units is refused by name. A unit may mix frozen
+    and trained parameters (a fine-tuned block with frozen weights and trained
+    adapters): the frozen ones are gathered with it but get no gradient, and
+    their part of the unit's reduction is zeros. The parameters each keep
+    their identity: every ``nn.Parameter`` of the model becomes a
+    one-dimensional view of this rank's shard (its *segment*, maybe empty), so
+    an optimizer built over ``model.parameters()`` (param groups as the user
+    makes them) steps on the shard.
 Shards
     A unit's parameters, each flattened in registration order, concatenated
     and padded with zeros to a multiple of the world size ``W``, are cut into

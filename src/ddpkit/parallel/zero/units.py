@@ -102,6 +102,7 @@ class Unit:
     shard: torch.Tensor
     full: torch.Tensor
     requires_grad: bool
+    """Whether any of its parameters is trained (a unit may mix frozen and trained ones)."""
     work: Any = None
     """The all-gather in flight into :attr:`full`."""
     gathered: bool = False
@@ -213,12 +214,6 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
 def _make_unit(index: int, name: str, module: nn.Module,
                members: list[tuple[list[str], nn.Parameter, list[tuple[nn.Module, str]]]], owner: str, rank: int,
                world_size: int, param_dtype: torch.dtype | None) -> Unit:
-    grads = {p.requires_grad for _, p, _ in members}
-    if len(grads) > 1:
-        frozen = [n[0] for n, p, _ in members if not p.requires_grad]
-        raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} mixes frozen parameters "
-                         f"({', '.join(frozen)}) with trained ones; a unit is gathered and reduced as one: put the "
-                         "frozen ones in units of their own (zero_units=...) or freeze the whole unit")
     dtypes = {p.dtype for _, p, _ in members}
     devices = {p.device for _, p, _ in members}
     if len(dtypes) > 1 or len(devices) > 1:
@@ -249,7 +244,7 @@ def _make_unit(index: int, name: str, module: nn.Module,
             q.param.data = shard[a - low: z - low] if a < z else shard[:0]
     full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device)
     full.untyped_storage().resize_(0)  # gathered when first needed
-    return Unit(index, name, module, layout, chunk, shard, full, first.requires_grad)
+    return Unit(index, name, module, layout, chunk, shard, full, any(p.requires_grad for _, p, _ in members))
 
 
 def segment(q: UnitParam, chunk: int, rank: int) -> tuple[int, int] | None:
@@ -359,6 +354,8 @@ def settle(u: Unit, rank: int) -> None:
         if chunk.numel() != u.chunk:
             chunk = chunk[rank * u.chunk: (rank + 1) * u.chunk]
         for q in u.params:
+            if not q.param.requires_grad:
+                continue  # frozen: its .grad stays as it is (None), as under DDP
             seg = segment(q, u.chunk, rank)
             piece = chunk[seg[0]: seg[1]] if seg else chunk[:0]
             if q.param.grad is None:
