@@ -343,6 +343,9 @@ def _refusals() -> list[str]:
     refused(lambda: model.register_comm_hook(None, ddpkit.hooks.noop_hook))
     refused(lambda: model.join().__enter__())
     refused(lambda: ddpkit.DDP(Blocks(), zero_stage=3, zero_param_dtype=torch.int8))
+    two_dtypes = Blocks()
+    two_dtypes.head.double()  # the root unit: emb in float32, head in float64
+    refused(lambda: ddpkit.DDP(two_dtypes, zero_stage=3))
     return said
 
 
@@ -355,6 +358,7 @@ def test_what_stage3_cannot_do_is_refused_by_name(dist2):
     assert "comm hook" in said[4]
     assert "join() is not supported with zero_stage=3" in said[5]
     assert "zero_param_dtype=torch.int8" in said[6]
+    assert "unit '(root)' holds parameters of dtypes torch.float32, torch.float64; a unit's parameters share" in said[7]
 
 
 def test_default_units_are_the_container_children_and_named_classes_are_outermost():

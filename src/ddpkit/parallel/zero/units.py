@@ -217,9 +217,12 @@ def _make_unit(index: int, name: str, module: nn.Module,
     dtypes = {p.dtype for _, p, _ in members}
     devices = {p.device for _, p, _ in members}
     if len(dtypes) > 1 or len(devices) > 1:
-        raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} holds parameters of "
-                         f"{sorted(map(str, dtypes | devices))}; a unit's parameters share one flat buffer: give "
-                         "them one dtype and one device")
+        kinds = [f"{what} {', '.join(sorted(map(str, found)))}" for what, found in (("dtypes", dtypes),
+                                                                                      ("devices", devices))
+                 if len(found) > 1]
+        raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} holds parameters of {' and '.join(kinds)}; "
+                         "a unit's parameters share one flat buffer: give them one dtype and one device, or put "
+                         "each kind in units of its own (zero_units=...)")
     first = members[0][1]
     layout, offset = [], 0
     for aliases, p, where in members:
