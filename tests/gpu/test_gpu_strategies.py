@@ -100,25 +100,29 @@ def test_zero2_equals_torchs_ddp(backend, world):
     _assert_same(run(_zero2, world, backend), exact=backend == "gloo" or world == 1)
 
 
-def _zero3(ctx) -> tuple[dict, dict]:
+def _zero3(ctx, frozen: bool) -> tuple[dict, dict]:
     import ddpkit
     from ddpkit._reference import torch_ddp
 
     out = []
     for stage in (3, 0):
         model = _net().to(ctx.device)
+        if frozen:  # a frozen weight beside a trained bias in one unit, and a whole frozen unit
+            model[0].weight.requires_grad_(False)
+            model[4].requires_grad_(False)
         wrapped = ddpkit.DDP(model, zero_stage=3) if stage == 3 else torch_ddp(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01, weight_decay=0.1)
         _steps(wrapped, opt, ctx, 5)
         out.append(cpu_state(model))  # stage 3's state dict is gathered whole (a collective on every rank)
     return out[0], out[1]
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 @pytest.mark.parametrize("backend, world", PATHS)
-def test_zero3_equals_torchs_ddp(backend, world):
+def test_zero3_equals_torchs_ddp(backend, world, frozen):
     # Sharded parameters gathered layer by layer (NCCL's all-gather and reduce-scatter; gloo through the CPU), any
     # torch optimizer on the shards: DDP's update, bitwise where the sum's order is DDP's (gloo, or one GPU).
-    _assert_same(run(_zero3, world, backend), exact=backend == "gloo" or world == 1)
+    _assert_same(run(_zero3, world, backend, frozen), exact=backend == "gloo" or world == 1)
 
 
 # -- Horovod's optimizer, SSP, local SGD ------------------------------------------------------------------------
