@@ -183,3 +183,15 @@ def test_zero_first_releases_the_others_when_the_block_raises(dist2):
     rank0, rank1 = dist2.run(_zero_first_raising_on_rank_zero, timeout=30)
     assert [k for k, _ in rank0] == ["inside", "raised"] and rank0[1][1] == "'download failed'"
     assert [k for k, _ in rank1] == ["inside"] and rank1[0][1] >= rank0[0][1] + 0.2
+
+
+def test_the_backend_is_spelt_as_torch_takes_it_and_the_per_device_form_is_named(monkeypatch):
+    from ddpkit.runtime.group import choose_backend
+
+    monkeypatch.delenv("DDPKIT_BACKEND", raising=False)
+    assert choose_backend("GLOO") == choose_backend(" gloo") == "gloo"  # torch's Backend lowercases too
+    with pytest.raises(ValueError, match=r"backend 'cpu:gloo,cuda:nccl': a backend per device type \(torch's form\) "
+                                         "is not supported"):
+        choose_backend("cpu:gloo,cuda:nccl")
+    with pytest.raises(ValueError, match="backend 'ucc' is not one of gloo, nccl, mpi"):
+        choose_backend("ucc")

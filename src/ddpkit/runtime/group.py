@@ -96,8 +96,12 @@ def choose_backend(backend: str | None) -> str:
     backend = backend or variables.backend(os.environ)
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
+    given, backend = backend, str(backend).strip().lower()  # torch's spelling rule: "GLOO" is gloo
+    if ":" in backend:
+        raise ValueError(f"backend {given!r}: a backend per device type (torch's form) is not supported; ddpkit runs "
+                         "one backend per job: backend='nccl' on GPUs, 'gloo' on CPUs")
     if backend not in ("gloo", "nccl", "mpi"):
-        raise ValueError(f"backend {backend!r} is not one of gloo, nccl, mpi")
+        raise ValueError(f"backend {given!r} is not one of gloo, nccl, mpi")
     if backend == "mpi" and not dist.is_mpi_available():
         raise ValueError(
             "backend 'mpi' needs a torch built with MPI, and this one has none (the pip builds do not): "
