@@ -42,6 +42,7 @@ from safetensors.torch import save as _st_save
 
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.process import pid_alive
+from ddpkit.train.encoding import CheckpointError, decode, encode
 
 __all__ = [
     "CheckpointError",
@@ -58,17 +59,6 @@ _META_KEY = "ddpkit"
 _SUM_KEY = "ddpkit_checksums"
 _FORMAT = 2
 """1: tensors and skeleton. 2: plus checksums of every tensor and of the skeleton."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read (corrupt, truncated, not a checkpoint) or written.
-
-    ``gone`` is True when the folder it was to be written in no longer exists (removed while the run was going on).
-    """
-
-    def __init__(self, message: str, gone: bool = False) -> None:
-        super().__init__(message)
-        self.gone = gone
 
 
 _CAUSES = {
@@ -90,78 +80,6 @@ def describe_write_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-# ---------------------------------------------------------------- encoding
-
-
-def _encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
-        # A sparse tensor is stored as its indices and values, and comes back sparse (coalesced or not), as
-        # torch.save's does.
-        sparse = obj.detach()
-        return {"__sparse_coo__": [_encode(sparse._indices(), tensors, f"{path}/indices"),
-                                   _encode(sparse._values(), tensors, f"{path}/values"), list(obj.shape),
-                                   sparse.is_coalesced()]}
-    if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
-        raise TypeError(f"cannot checkpoint a {obj.layout} tensor at {path or '<root>'}: convert it first "
-                        "(t.to_dense(), or t.to_sparse() for the COO layout, which checkpoints keep)")
-    if isinstance(obj, torch.Tensor):
-        name = f"{len(tensors)}:{path}"
-        # clone(): safetensors refuses tensors that share storage (tied weights, views).
-        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
-        return {"__tensor__": name}
-    if isinstance(obj, np.ndarray):
-        name = f"{len(tensors)}:{path}"
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(obj).copy())
-        return {"__ndarray__": name}
-    if isinstance(obj, Mapping):
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"checkpoint dict key {k!r} at {path or '<root>'} must be str or int")
-            items.append([k, _encode(v, tensors, f"{path}/{k}")])
-        return {"__dict__": items}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (np.integer, np.floating, np.bool_)):
-        return obj.item()
-    if isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).removeprefix("torch.")}
-    raise TypeError(
-        f"cannot checkpoint {type(obj).__name__} at {path or '<root>'}: a checkpoint holds "
-        "tensors, arrays and plain data (dict, list, tuple, str, int, float, bool, None)"
-    )
-
-
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__sparse_coo__" in obj:
-            # Checked: indices out of the shape (a damaged or crafted file) raise here instead of crashing later.
-            indices, values, shape, coalesced = obj["__sparse_coo__"]
-            return torch.sparse_coo_tensor(_decode(indices, tensors), _decode(values, tensors), shape,
-                                           is_coalesced=coalesced, check_invariants=True)
-        if "__ndarray__" in obj:
-            return tensors[obj["__ndarray__"]].numpy()
-        if "__dict__" in obj:
-            return {k: _decode(v, tensors) for k, v in obj["__dict__"]}
-        if "__tuple__" in obj:
-            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-        if "__dtype__" in obj:
-            dtype = getattr(torch, obj["__dtype__"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise CheckpointError(f"unknown dtype {obj['__dtype__']!r} in checkpoint")
-            return dtype
-        raise CheckpointError(f"unexpected object {sorted(obj)} in checkpoint skeleton")
-    return obj
-
-
 def _digest(data: bytes | memoryview | np.ndarray) -> str:
     # blake2b: as strong as needed against bit rot and torn writes, and about
     # three times faster than sha256 here (hashlib releases the GIL).
@@ -179,7 +97,7 @@ def _checksums(meta: str | None, tensors: Mapping[str, torch.Tensor]) -> str:
 
 def _to_bytes(state: Any) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _encode(state, tensors, "")
+    skeleton = encode(state, tensors, "")
     meta = json.dumps({"format": _FORMAT, "state": skeleton}, allow_nan=True)
     return _st_save(tensors, metadata={_META_KEY: meta, _SUM_KEY: _checksums(meta, tensors)})
 
@@ -434,7 +352,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             "load it with the ddpkit version that wrote it"
         )
     try:
-        return _decode(skeleton["state"], tensors)
+        return decode(skeleton["state"], tensors)
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
 

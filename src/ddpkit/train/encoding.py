@@ -1,0 +1,110 @@
+"""A checkpoint's content: any nested state as named tensors plus a JSON skeleton that says where each goes.
+
+Every tensor (and NumPy array) of the state becomes a named entry of the
+safetensors file; everything else (dicts, with str or int keys, lists, tuples,
+ints, floats, bools, strings, None, dtypes) is the skeleton, where a tensor
+appears as ``{"__tensor__": name}``. A sparse COO tensor is its indices and
+values, and comes back sparse (coalesced or not), as from ``torch.save``.
+Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CheckpointError", "decode", "encode"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read (corrupt, truncated, not a checkpoint) or written.
+
+    ``gone`` is True when the folder it was to be written in no longer exists (removed while the run was going on).
+    """
+
+    def __init__(self, message: str, gone: bool = False) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+def encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    """``obj``'s skeleton; its tensors are added to ``tensors`` (detached CPU copies), each named after its place
+    ``path`` in the state.
+
+    Raises:
+        TypeError: an object a checkpoint does not hold (naming its place), a sparse layout other than COO.
+    """
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
+        # A sparse tensor is stored as its indices and values, and comes back sparse (coalesced or not), as
+        # torch.save's does.
+        sparse = obj.detach()
+        return {"__sparse_coo__": [encode(sparse._indices(), tensors, f"{path}/indices"),
+                                   encode(sparse._values(), tensors, f"{path}/values"), list(obj.shape),
+                                   sparse.is_coalesced()]}
+    if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
+        raise TypeError(f"cannot checkpoint a {obj.layout} tensor at {path or '<root>'}: convert it first "
+                        "(t.to_dense(), or t.to_sparse() for the COO layout, which checkpoints keep)")
+    if isinstance(obj, torch.Tensor):
+        name = f"{len(tensors)}:{path}"
+        # clone(): safetensors refuses tensors that share storage (tied weights, views).
+        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": name}
+    if isinstance(obj, np.ndarray):
+        name = f"{len(tensors)}:{path}"
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": name}
+    if isinstance(obj, Mapping):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(f"checkpoint dict key {k!r} at {path or '<root>'} must be str or int")
+            items.append([k, encode(v, tensors, f"{path}/{k}")])
+        return {"__dict__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise TypeError(
+        f"cannot checkpoint {type(obj).__name__} at {path or '<root>'}: a checkpoint holds "
+        "tensors, arrays and plain data (dict, list, tuple, str, int, float, bool, None)"
+    )
+
+
+def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state ``encode`` made the skeleton ``obj`` of, its tensors taken from ``tensors``.
+
+    Raises:
+        CheckpointError: a skeleton that is not one (an unknown dtype or entry).
+    """
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__sparse_coo__" in obj:
+            # Checked: indices out of the shape (a damaged or crafted file) raise here instead of crashing later.
+            indices, values, shape, coalesced = obj["__sparse_coo__"]
+            return torch.sparse_coo_tensor(decode(indices, tensors), decode(values, tensors), shape,
+                                           is_coalesced=coalesced, check_invariants=True)
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy()
+        if "__dict__" in obj:
+            return {k: decode(v, tensors) for k, v in obj["__dict__"]}
+        if "__tuple__" in obj:
+            return tuple(decode(v, tensors) for v in obj["__tuple__"])
+        if "__dtype__" in obj:
+            dtype = getattr(torch, obj["__dtype__"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"unknown dtype {obj['__dtype__']!r} in checkpoint")
+            return dtype
+        raise CheckpointError(f"unexpected object {sorted(obj)} in checkpoint skeleton")
+    return obj
