@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import pickle
 import random
@@ -85,6 +87,19 @@ def test_sparse_tensors_come_back_sparse_as_from_torch_save(tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match="sparse_csr tensor at /csr: convert it first"):
         ddpkit.save_checkpoint(tmp_path / "d", {"csr": torch.eye(2).to_sparse_csr()})
     assert not (tmp_path / "d").exists()
+    # A crafted file (its checksums made to match) whose indices lie outside the shape is refused, not loaded.
+    from safetensors.torch import save
+
+    from ddpkit.train.checkpoint import _checksums
+    from ddpkit.train.encoding import encode
+
+    tensors: dict = {}
+    skeleton = encode({"x": loose}, tensors, "")
+    skeleton["__dict__"][0][1]["__sparse_coo__"][2] = [1]
+    meta = json.dumps({"format": 2, "state": skeleton})
+    (tmp_path / "e").write_bytes(save(tensors, metadata={"ddpkit": meta, "ddpkit_checksums": _checksums(meta, tensors)}))
+    with pytest.raises(CheckpointError, match="is corrupt: bad skeleton .*size is inconsistent with indices"):
+        ddpkit.load_checkpoint(tmp_path / "e")
 
 
 def test_rejects_objects_that_are_not_plain_data(tmp_path: Path) -> None:

@@ -353,7 +353,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         )
     try:
         return decode(skeleton["state"], tensors)
-    except (KeyError, TypeError) as e:
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a sparse tensor's indices out of it
         raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
 
 
