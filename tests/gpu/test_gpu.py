@@ -233,3 +233,27 @@ def _dp(devices: list[int], engine: str) -> dict:
                          ids=["cuda0", "all-gpus"])
 def test_dataparallel_on_cuda_equals_torchs(devices):
     assert same(_dp(devices, "ddpkit"), _dp(devices, "torch"), exact=len(devices) == 1)
+
+
+@pytest.mark.parametrize("where", ["cuda", "dict", "callable"])
+def test_checkpoints_load_onto_the_gpu_as_torch_load_puts_them(where, tmp_path):
+    import ddpkit
+
+    model = _net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = _batch(0, 0, torch.device("cuda"))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    state = {"params": list(model.parameters()), "optimizer": opt.state_dict()}
+    ddpkit.save_checkpoint(tmp_path / "c", state)
+    torch.save(state, tmp_path / "t.pt")
+    form = {"cuda": "cuda:0", "dict": {"cpu": "cuda:0", "cuda:0": "cuda:0"},
+            "callable": lambda storage, location: storage.cuda(0)}[where]
+    got = ddpkit.load_checkpoint(tmp_path / "c", map_location=form)
+    want = torch.load(tmp_path / "t.pt", map_location=form, weights_only=True)
+    for g, w in zip(got["params"], want["params"]):
+        assert type(g) is type(w) is nn.Parameter and g.device == w.device == torch.device("cuda", 0)
+        assert g.requires_grad and torch.equal(g, w)
+    for key, w in want["optimizer"]["state"][0].items():
+        g = got["optimizer"]["state"][0][key]
+        assert g.device == w.device and torch.equal(g, w), key

@@ -101,6 +101,53 @@ def test_sparse_tensors_come_back_sparse_as_from_torch_save(tmp_path: Path) -> N
         ddpkit.load_checkpoint(tmp_path / "e")
 
 
+def nn_param(data: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
+    return torch.nn.Parameter(data, requires_grad=requires_grad)
+
+
+def test_parameters_and_requires_grad_come_back_as_from_torch_save(tmp_path: Path) -> None:
+    leaf = torch.randn(3, requires_grad=True)
+    state = {"trained": nn_param(torch.randn(2, 2)), "frozen": nn_param(torch.arange(3), requires_grad=False),
+             "leaf": leaf, "computed": leaf * 2, "plain": torch.ones(2),
+             "sparse": torch.eye(2).to_sparse().requires_grad_()}
+    ddpkit.save_checkpoint(tmp_path / "c", state)
+    loaded = ddpkit.load_checkpoint(tmp_path / "c")
+    torch.save(state, tmp_path / "t.pt")
+    reference = torch.load(tmp_path / "t.pt", weights_only=True)
+    for name, want in reference.items():
+        got = loaded[name]
+        assert (type(got), got.requires_grad, got.is_leaf) == (type(want), want.requires_grad, want.is_leaf), name
+        assert torch.equal(got.detach().to_dense(), want.detach().to_dense()), name
+    assert type(loaded["trained"]) is torch.nn.Parameter and loaded["leaf"].requires_grad  # what was compared
+
+
+def test_map_location_takes_torch_loads_forms(tmp_path: Path) -> None:
+    state = {"w": nn_param(torch.randn(2, 3)), "i": torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,))}
+    ddpkit.save_checkpoint(tmp_path / "c", state)
+    torch.save(state, tmp_path / "t.pt")
+    kept: list = []
+    forms = ["cpu", torch.device("cpu"), None, {"cpu": "cpu"}, {"cuda:1": "cuda:0"}, lambda s, where: None,
+             lambda s, where: kept.append(where) or s]
+    for form in forms:
+        for file in ("c", "t.pt"):
+            got = ddpkit.load_checkpoint(tmp_path / file, map_location=form)
+            assert got["w"].device.type == "cpu" and type(got["w"]) is torch.nn.Parameter, (form, file)
+            assert torch.equal(got["w"], state["w"]) and torch.equal(got["i"].to_dense(), state["i"].to_dense())
+    assert kept and set(kept) == {"cpu"}  # the saved location, as torch.load hands it
+    for form in ("meta", {"cpu": "meta"}):
+        got = ddpkit.load_checkpoint(tmp_path / "c", map_location=form)
+        assert got["w"].device.type == "meta" and got["w"].shape == (2, 3) and got["i"].device.type == "meta"
+    with pytest.raises(TypeError, match="map_location returned int for tensor .* must return a storage"):
+        ddpkit.load_checkpoint(tmp_path / "c", map_location=lambda s, where: 3)
+    with pytest.raises(TypeError, match="map_location=3: pass a device"):
+        ddpkit.load_checkpoint(tmp_path / "c", map_location=3)
+    with pytest.raises(ValueError, match="map_location='gpu' is not a device"):
+        ddpkit.load_checkpoint(tmp_path / "c", map_location="gpu")
+    if not torch.cuda.is_available():
+        for file in ("c", "t.pt"):
+            with pytest.raises(ValueError, match="map_location='cuda:0': this machine has no CUDA device"):
+                ddpkit.load_checkpoint(tmp_path / file, map_location="cuda:0")
+
 def test_rejects_objects_that_are_not_plain_data(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="cannot checkpoint object"):
         ddpkit.save_checkpoint(tmp_path / "c", {"x": object()})

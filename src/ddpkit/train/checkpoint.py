@@ -293,6 +293,53 @@ def _safetensors_metadata(data: bytes, path: Path) -> dict[str, str]:
     return header.get("__metadata__") or {}
 
 
+def _device(where: Any) -> torch.device:
+    """``where`` (a str or torch.device) as a device this machine has; ValueError naming it and the fix otherwise."""
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"map_location={where!r} is not a device ({e}): pass 'cpu', 'cuda', 'cuda:1', ...") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"map_location={where!r}: this machine has no CUDA device (torch.cuda.is_available() is "
+                         "False): load with map_location='cpu'")
+    return device
+
+
+def _check_map_location(map_location: Any) -> None:
+    """torch.load's forms: None, a device (str or torch.device), a dict of saved to new locations, a callable."""
+    if map_location is None or callable(map_location) or isinstance(map_location, Mapping):
+        return  # a dict's entry for the saved location is checked where it is used
+    if isinstance(map_location, (str, torch.device)):
+        _device(map_location)
+    else:
+        raise TypeError(f"map_location={map_location!r}: pass a device ('cpu', 'cuda:0', a torch.device), a dict "
+                        "of saved to new locations ({'cuda:1': 'cuda:0'}) or a callable (storage, location), as "
+                        "for torch.load")
+
+
+def _placed(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
+    """The loaded tensors (saved from the CPU: location ``"cpu"``) where ``map_location`` puts them, as torch.load."""
+    if callable(map_location):
+        placed = {}
+        for name, t in tensors.items():
+            storage = map_location(t.untyped_storage(), "cpu")
+            if storage is None:
+                placed[name] = t
+            elif isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
+                storage = storage.untyped() if isinstance(storage, torch.TypedStorage) else storage
+                placed[name] = torch.empty(0, dtype=t.dtype, device=storage.device).set_(
+                    storage, t.storage_offset(), t.shape, t.stride())
+            else:
+                raise TypeError(f"map_location returned {type(storage).__name__} for tensor {name!r}: it must return "
+                                "a storage (or None to keep the tensor on the CPU), as for torch.load")
+        return placed
+    if isinstance(map_location, Mapping):
+        map_location = map_location.get("cpu")
+    if map_location is None or _device(map_location).type == "cpu":
+        return tensors
+    return {k: v.to(map_location) for k, v in tensors.items()}
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """Read a checkpoint written by :func:`save_checkpoint` (or a ``torch.save`` of tensors).
 
@@ -302,7 +349,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
     Args:
         path: The file.
-        map_location: Device for the tensors (default ``"cpu"``).
+        map_location: Where the tensors go, as for ``torch.load`` (default
+            ``"cpu"``): a device (``"cuda:0"``, a ``torch.device``), a dict of
+            saved to new locations (a checkpoint's tensors are saved from the
+            CPU: ``{"cpu": "cuda:0"}``), or a callable ``(storage, location)``
+            that returns the storage to use (or None).
 
     Every tensor and the structure are checked against the checksums stored
     at save time (files of format 2 and ``model.safetensors``), so a file
@@ -311,6 +362,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
     Raises:
         FileNotFoundError: no such file.
+        ValueError, TypeError: ``map_location`` is not a device this machine
+            has, or not one of the forms above.
         CheckpointError: the file is truncated, damaged (a checksum does not
             match; the message names the tensor) or not a checkpoint.
     """
@@ -323,6 +376,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     # may be any value, 0x80 included) and then the JSON header's "{"; a
     # torch.save file is a zip ("PK") or, in the legacy format, a pickle (0x80).
     looks_safetensors = data[8:9] == b"{"
+    _check_map_location(map_location)
     if not looks_safetensors and (data[:2] == b"PK" or data[:1] == b"\x80"):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -337,8 +391,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     except SafetensorError as e:
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {e}") from e
     _verify(path, meta, tensors)
-    if map_location is not None and str(map_location) != "cpu":
-        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    tensors = _placed(tensors, map_location)
     if _META_KEY not in meta:
         return tensors
     try:

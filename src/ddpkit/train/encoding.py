@@ -5,6 +5,8 @@ safetensors file; everything else (dicts, with str or int keys, lists, tuples,
 ints, floats, bools, strings, None, dtypes) is the skeleton, where a tensor
 appears as ``{"__tensor__": name}``. A sparse COO tensor is its indices and
 values, and comes back sparse (coalesced or not), as from ``torch.save``.
+As there too, an ``nn.Parameter`` comes back a Parameter and a tensor that
+requires grad comes back requiring it (a sparse one does not, as in torch).
 Nothing is ever unpickled.
 """
 
@@ -51,7 +53,9 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
         name = f"{len(tensors)}:{path}"
         # clone(): safetensors refuses tensors that share storage (tied weights, views).
         tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
-        return {"__tensor__": name}
+        if isinstance(obj, torch.nn.Parameter):
+            return {"__tensor__": name, "parameter": obj.requires_grad}
+        return {"__tensor__": name, "requires_grad": True} if obj.requires_grad else {"__tensor__": name}
     if isinstance(obj, np.ndarray):
         name = f"{len(tensors)}:{path}"
         tensors[name] = torch.from_numpy(np.ascontiguousarray(obj).copy())
@@ -89,12 +93,16 @@ def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return [decode(v, tensors) for v in obj]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
+            tensor = tensors[obj["__tensor__"]]
+            if "parameter" in obj:
+                return torch.nn.Parameter(tensor, requires_grad=bool(obj["parameter"]))
+            return tensor.requires_grad_() if obj.get("requires_grad") else tensor
         if "__sparse_coo__" in obj:
             # Checked: indices out of the shape (a damaged or crafted file) raise here instead of crashing later.
             indices, values, shape, coalesced = obj["__sparse_coo__"]
-            return torch.sparse_coo_tensor(decode(indices, tensors), decode(values, tensors), shape,
-                                           is_coalesced=coalesced, check_invariants=True)
+            indices, values = decode(indices, tensors), decode(values, tensors)
+            return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=coalesced,
+                                           check_invariants=indices.device.type != "meta")  # meta holds no data
         if "__ndarray__" in obj:
             return tensors[obj["__ndarray__"]].numpy()
         if "__dict__" in obj:
