@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import ddpkit
 from ddpkit.train.checkpoint import CheckpointError, load_model_state, save_weights
+from ddpkit.train.encoding import encode_state
 from ddpkit.models import build_model
 
 
@@ -87,18 +88,21 @@ def test_sparse_tensors_come_back_sparse_as_from_torch_save(tmp_path: Path) -> N
         ddpkit.save_checkpoint(tmp_path / "d", {"csr": torch.eye(2).to_sparse_csr()})
     assert not (tmp_path / "d").exists()
     # A crafted file (its checksums made to match) whose indices lie outside the shape is refused, not loaded.
+    skeleton, tensors, _ = encode_state({"x": loose})
+    skeleton["__dict__"][0][1]["__sparse_coo__"][2] = [1]
+    with pytest.raises(CheckpointError, match="is corrupt: bad skeleton .*size is inconsistent with indices"):
+        ddpkit.load_checkpoint(_crafted(tmp_path / "e", skeleton, tensors))
+
+
+def _crafted(path: Path, skeleton: dict, tensors: dict) -> Path:
+    """A checkpoint file of this skeleton whose checksums match it, as a damaged or hostile writer could make."""
     from safetensors.torch import save
 
-    from ddpkit.train.checkpoint import _checksums
-    from ddpkit.train.encoding import encode
+    from ddpkit.train.checkpoint import _FORMAT, _checksums
 
-    tensors: dict = {}
-    skeleton = encode({"x": loose}, tensors, "")
-    skeleton["__dict__"][0][1]["__sparse_coo__"][2] = [1]
-    meta = json.dumps({"format": 2, "state": skeleton})
-    (tmp_path / "e").write_bytes(save(tensors, metadata={"ddpkit": meta, "ddpkit_checksums": _checksums(meta, tensors)}))
-    with pytest.raises(CheckpointError, match="is corrupt: bad skeleton .*size is inconsistent with indices"):
-        ddpkit.load_checkpoint(tmp_path / "e")
+    meta = json.dumps({"format": _FORMAT, "state": skeleton})
+    path.write_bytes(save(tensors, metadata={"ddpkit": meta, "ddpkit_checksums": _checksums(meta, tensors)}))
+    return path
 
 
 def nn_param(data: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
@@ -119,6 +123,44 @@ def test_parameters_and_requires_grad_come_back_as_from_torch_save(tmp_path: Pat
         assert (type(got), got.requires_grad, got.is_leaf) == (type(want), want.requires_grad, want.is_leaf), name
         assert torch.equal(got.detach().to_dense(), want.detach().to_dense()), name
     assert type(loaded["trained"]) is torch.nn.Parameter and loaded["leaf"].requires_grad  # what was compared
+
+
+def test_tensors_that_share_memory_are_stored_once_and_come_back_sharing_it(tmp_path: Path) -> None:
+    emb = torch.nn.Embedding(500, 32)
+    head = torch.nn.Linear(32, 500, bias=False)
+    head.weight = emb.weight  # tied, as a language model's embedding and output layer
+    big = torch.randn(40, 40)
+    z = torch.randn(4, dtype=torch.complex64)
+    state = {"model": torch.nn.ModuleDict({"emb": emb, "head": head}).state_dict(), "row": big[3],
+             "col": big[:, 5], "block": big[10:20, 10:20].t(), "param": torch.nn.Parameter(big[30:32]),
+             "z": z, "conj": z.conj(), "alone": torch.randn(3)}
+    ddpkit.save_checkpoint(tmp_path / "c", state)
+    torch.save(state, tmp_path / "t.pt")
+    loaded = ddpkit.load_checkpoint(tmp_path / "c")
+    # Views of one storage in several dtypes, which torch.save refuses, come back too.
+    ddpkit.save_checkpoint(tmp_path / "r", {"z": z, "real": z.real, "bytes": z[1:3].view(torch.uint8)})
+    mixed = ddpkit.load_checkpoint(tmp_path / "r")
+    assert torch.equal(mixed["real"], z.real) and torch.equal(mixed["bytes"], z[1:3].view(torch.uint8))
+    assert mixed["z"].untyped_storage().data_ptr() == mixed["real"].untyped_storage().data_ptr()
+    reference = torch.load(tmp_path / "t.pt", weights_only=True)
+    for name in ("row", "col", "block", "param", "z", "conj", "alone"):
+        got, want = loaded[name], reference[name]
+        assert type(got) is type(want) and got.stride() == want.stride() and torch.equal(got, want), name
+    tied = loaded["model"]
+    assert torch.equal(tied["emb.weight"], state["model"]["emb.weight"])
+    assert tied["emb.weight"].data_ptr() == tied["head.weight"].data_ptr()  # as torch.load's
+    with torch.no_grad():
+        loaded["row"][5] = 123.0  # the views share their memory, as torch.load's do
+        reference["row"][5] = 123.0
+    assert loaded["col"][3] == reference["col"][3] == 123.0
+    # Stored once: the tied matrix is not written twice, and no more than torch.save writes.
+    assert (tmp_path / "c").stat().st_size < (tmp_path / "t.pt").stat().st_size
+    assert (tmp_path / "c").stat().st_size < 2 * 500 * 32 * 4
+    # A crafted file whose view reaches past its stored bytes is refused as corrupt, in one line.
+    skeleton, tensors, _ = encode_state({"a": big[0], "b": big[1]})
+    skeleton["__dict__"][1][1]["size"] = [10**6]
+    with pytest.raises(CheckpointError, match="is corrupt: bad skeleton"):
+        ddpkit.load_checkpoint(_crafted(tmp_path / "e", skeleton, tensors))
 
 
 def test_map_location_takes_torch_loads_forms(tmp_path: Path) -> None:

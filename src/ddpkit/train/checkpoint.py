@@ -4,7 +4,8 @@ File format: one `safetensors <https://github.com/huggingface/safetensors>`_
 file. Every tensor of the (nested) state is a safetensors entry; everything
 else (dicts, lists, tuples, ints, floats, bools, strings, None) is a JSON
 skeleton stored in the file's metadata under ``"ddpkit"``, where each tensor
-appears as ``{"__tensor__": name}``. Loading therefore never unpickles
+appears as ``{"__tensor__": name}`` (tensors that share memory as views of one
+stored span: :mod:`ddpkit.train.encoding`). Loading therefore never unpickles
 anything: a checkpoint cannot execute code. Files written by ``torch.save``
 are read with ``torch.load(weights_only=True)``, which refuses arbitrary objects.
 
@@ -42,7 +43,7 @@ from safetensors.torch import save as _st_save
 
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.process import pid_alive
-from ddpkit.train.encoding import CheckpointError, decode, encode
+from ddpkit.train.encoding import CheckpointError, decode, encode_state
 
 __all__ = [
     "CheckpointError",
@@ -57,7 +58,7 @@ __all__ = [
 
 _META_KEY = "ddpkit"
 _SUM_KEY = "ddpkit_checksums"
-_FORMAT = 2
+_FORMAT = 3
 """1: tensors and skeleton. 2: plus checksums of every tensor and of the skeleton."""
 
 
@@ -96,16 +97,16 @@ def _checksums(meta: str | None, tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def _to_bytes(state: Any) -> bytes:
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = encode(state, tensors, "")
-    meta = json.dumps({"format": _FORMAT, "state": skeleton}, allow_nan=True)
+    skeleton, tensors, views = encode_state(state)
+    # Format 3 only where tensors share memory (views), so that other files stay readable by format-2 readers.
+    meta = json.dumps({"format": _FORMAT if views else 2, "state": skeleton}, allow_nan=True)
     return _st_save(tensors, metadata={_META_KEY: meta, _SUM_KEY: _checksums(meta, tensors)})
 
 
 def _verify(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> None:
     """Check the stored checksums; a file without any (format 1, foreign) passes as it is."""
     if _SUM_KEY not in meta:
-        if _META_KEY in meta and json.loads(meta[_META_KEY]).get("format", 1) == _FORMAT:
+        if _META_KEY in meta and 2 <= json.loads(meta[_META_KEY]).get("format", 1) <= _FORMAT:
             raise CheckpointError(f"checkpoint {path} is damaged: its checksums are missing")
         return
     try:
@@ -356,7 +357,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             that returns the storage to use (or None).
 
     Every tensor and the structure are checked against the checksums stored
-    at save time (files of format 2 and ``model.safetensors``), so a file
+    at save time (files of format 2 or later and ``model.safetensors``), so a file
     whose bytes changed on disk is refused rather than trained on. Stale
     temporaries of interrupted saves beside it are removed.
 
