@@ -37,40 +37,56 @@ class CheckpointError(ValueError):
 
 
 def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor], bool]:
-    """``state``'s skeleton, its named tensors, and whether some of them share memory (stored as views).
+    """``state``'s skeleton, its named tensors (detached CPU copies), and whether some share memory (views).
 
     Raises:
-        TypeError: as :func:`encode`.
+        TypeError: an object a checkpoint does not hold (naming its place), a sparse layout other than COO.
     """
+    found: list[tuple[str, dict, torch.Tensor]] = []
+    skeleton = encode(state, found, "")
+    groups: dict[Any, list[tuple[str, dict, torch.Tensor]]] = {}
+    for name, entry, t in found:
+        groups.setdefault(_storage(entry, t) or name, []).append((name, entry, t))
     tensors: dict[str, torch.Tensor] = {}
-    storages: dict[tuple, list[tuple[dict, torch.Tensor]]] = {}
-    skeleton = encode(state, tensors, "", storages)
-    shared = [group for group in storages.values() if len(group) > 1]
-    for k, group in enumerate(shared):
-        _store_once(group, tensors, k)
-    return skeleton, tensors, bool(shared)
+    for k, group in enumerate(groups.values()):
+        if len(group) > 1:
+            _store_once(group, tensors, k)
+        else:
+            name, _, t = group[0]
+            # A copy: safetensors refuses tensors that share storage (views of a tensor outside the state).
+            tensors[name] = t.to("cpu", copy=True).contiguous()
+    return skeleton, tensors, len(groups) < len(found)
 
 
-def _store_once(group: list[tuple[dict, torch.Tensor]], tensors: dict[str, torch.Tensor], k: int) -> None:
-    """Turn the entries of tensors that share one storage into views of one stored span of its bytes."""
-    starts = [t.storage_offset() * t.element_size() for _, t in group]
+def _storage(entry: dict, t: torch.Tensor) -> tuple | None:
+    """The memory the tensor of ``entry`` reads, as a key; None where it is to be stored alone.
+
+    A conjugate or negative view reads its storage through a flag that a view of the bytes would drop.
+    """
+    if "__tensor__" not in entry or t.numel() == 0 or t.device.type == "meta" or t.is_conj() or t.is_neg():
+        return None
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _store_once(group: list[tuple[str, dict, torch.Tensor]], tensors: dict[str, torch.Tensor], k: int) -> None:
+    """Store the tensors that share one storage as views of one span of its bytes: the span they cover."""
+    starts = [t.storage_offset() * t.element_size() for _, _, t in group]
     ends = [(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-            for _, t in group]
+            for _, _, t in group]
     low = min(starts) // 16 * 16  # every element size divides 16: each view's offset stays whole
-    base = group[0][1]
+    base = group[0][2]
     raw = torch.empty(0, dtype=torch.uint8, device=base.device).set_(base.untyped_storage())
-    name = f"shared{k}:{group[0][0]['__tensor__'].split(':', 1)[1]}"
+    name = f"shared{k}:{group[0][0].split(':', 1)[1]}"
     tensors[name] = raw[low:max(ends)].to("cpu", copy=True)
-    for (entry, t), start in zip(group, starts):
-        del tensors[entry.pop("__tensor__")]
+    for (_, entry, t), start in zip(group, starts):
+        del entry["__tensor__"]
         entry.update({"__view__": name, "dtype": str(t.dtype).removeprefix("torch."),
                       "offset": (start - low) // t.element_size(), "size": list(t.shape), "stride": list(t.stride())})
 
 
-def encode(obj: Any, tensors: dict[str, torch.Tensor], path: str, storages: dict | None = None) -> Any:
-    """``obj``'s skeleton; its tensors are added to ``tensors`` (detached CPU copies), each named after its place
-    ``path`` in the state. With ``storages``, each strided tensor that holds memory is also listed there under its
-    storage, with its entry in the skeleton (:func:`encode_state` stores those that share one once).
+def encode(obj: Any, found: list[tuple[str, dict, torch.Tensor]], path: str) -> Any:
+    """``obj``'s skeleton; each tensor's name (after its place ``path`` in the state), entry in the skeleton and
+    the tensor itself (detached) are added to ``found``, from which :func:`encode_state` makes the stored tensors.
 
     Raises:
         TypeError: an object a checkpoint does not hold (naming its place), a sparse layout other than COO.
@@ -79,40 +95,35 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], path: str, storages: dict
         # A sparse tensor is stored as its indices and values, and comes back sparse (coalesced or not), as
         # torch.save's does.
         sparse = obj.detach()
-        return {"__sparse_coo__": [encode(sparse._indices(), tensors, f"{path}/indices", storages),
-                                   encode(sparse._values(), tensors, f"{path}/values", storages), list(obj.shape),
+        return {"__sparse_coo__": [encode(sparse._indices(), found, f"{path}/indices"),
+                                   encode(sparse._values(), found, f"{path}/values"), list(obj.shape),
                                    sparse.is_coalesced()]}
     if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
         raise TypeError(f"cannot checkpoint a {obj.layout} tensor at {path or '<root>'}: convert it first "
                         "(t.to_dense(), or t.to_sparse() for the COO layout, which checkpoints keep)")
     if isinstance(obj, torch.Tensor):
-        name = f"{len(tensors)}:{path}"
-        # clone(): safetensors refuses tensors that share storage (tied weights, views).
-        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        name = f"{len(found)}:{path}"
         if isinstance(obj, torch.nn.Parameter):
             entry = {"__tensor__": name, "parameter": obj.requires_grad}
         else:
             entry = {"__tensor__": name, "requires_grad": True} if obj.requires_grad else {"__tensor__": name}
-        # A conjugate or negative view reads its storage through a flag a view of the bytes would drop: stored alone.
-        if storages is not None and obj.numel() and obj.device.type != "meta" and not (obj.is_conj() or obj.is_neg()):
-            storage = obj.untyped_storage()
-            storages.setdefault((obj.device, storage.data_ptr()), []).append((entry, obj.detach()))
+        found.append((name, entry, obj.detach()))
         return entry
     if isinstance(obj, np.ndarray):
-        name = f"{len(tensors)}:{path}"
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(obj).copy())
-        return {"__ndarray__": name}
+        name = f"{len(found)}:{path}"
+        found.append((name, {"__ndarray__": name}, torch.from_numpy(np.ascontiguousarray(obj).copy())))
+        return found[-1][1]
     if isinstance(obj, Mapping):
         items = []
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TypeError(f"checkpoint dict key {k!r} at {path or '<root>'} must be str or int")
-            items.append([k, encode(v, tensors, f"{path}/{k}", storages)])
+            items.append([k, encode(v, found, f"{path}/{k}")])
         return {"__dict__": items}
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode(v, tensors, f"{path}/{i}", storages) for i, v in enumerate(obj)]}
+        return {"__tuple__": [encode(v, found, f"{path}/{i}") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode(v, tensors, f"{path}/{i}", storages) for i, v in enumerate(obj)]
+        return [encode(v, found, f"{path}/{i}") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, (np.integer, np.floating, np.bool_)):
