@@ -125,7 +125,7 @@ def test_parameters_and_requires_grad_come_back_as_from_torch_save(tmp_path: Pat
     assert type(loaded["trained"]) is torch.nn.Parameter and loaded["leaf"].requires_grad  # what was compared
 
 
-def test_tensors_that_share_memory_are_stored_once_and_come_back_sharing_it(tmp_path: Path) -> None:
+def test_tensors_that_share_memory_are_stored_once_and_come_back_sharing_it_with_their_strides(tmp_path: Path) -> None:
     emb = torch.nn.Embedding(500, 32)
     head = torch.nn.Linear(32, 500, bias=False)
     head.weight = emb.weight  # tied, as a language model's embedding and output layer
@@ -133,7 +133,8 @@ def test_tensors_that_share_memory_are_stored_once_and_come_back_sharing_it(tmp_
     z = torch.randn(4, dtype=torch.complex64)
     state = {"model": torch.nn.ModuleDict({"emb": emb, "head": head}).state_dict(), "row": big[3],
              "col": big[:, 5], "block": big[10:20, 10:20].t(), "param": torch.nn.Parameter(big[30:32]),
-             "z": z, "conj": z.conj(), "alone": torch.randn(3)}
+             "z": z, "conj": z.conj(), "alone": torch.randn(3),
+             "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)}
     ddpkit.save_checkpoint(tmp_path / "c", state)
     torch.save(state, tmp_path / "t.pt")
     loaded = ddpkit.load_checkpoint(tmp_path / "c")
@@ -143,7 +144,7 @@ def test_tensors_that_share_memory_are_stored_once_and_come_back_sharing_it(tmp_
     assert torch.equal(mixed["real"], z.real) and torch.equal(mixed["bytes"], z[1:3].view(torch.uint8))
     assert mixed["z"].untyped_storage().data_ptr() == mixed["real"].untyped_storage().data_ptr()
     reference = torch.load(tmp_path / "t.pt", weights_only=True)
-    for name in ("row", "col", "block", "param", "z", "conj", "alone"):
+    for name in ("row", "col", "block", "param", "z", "conj", "alone", "channels_last"):
         got, want = loaded[name], reference[name]
         assert type(got) is type(want) and got.stride() == want.stride() and torch.equal(got, want), name
     tied = loaded["model"]

@@ -10,8 +10,10 @@ requires grad comes back requiring it (a sparse one does not, as in torch),
 and tensors that share memory (tied weights, views of one tensor) are
 stored once and come back sharing it: the bytes they span are one entry,
 each tensor ``{"__view__": entry, "dtype", "offset", "size", "stride"}`` on
-it. Where ``torch.save`` writes the whole storage, only the span the tensors
-cover is written. Nothing is ever unpickled.
+it (a lone tensor laid out densely in another order, such as channels_last,
+is stored so too and keeps its strides). Where ``torch.save`` writes the
+whole storage, only the span the tensors cover is written. Nothing is ever
+unpickled.
 """
 
 from __future__ import annotations
@@ -48,14 +50,27 @@ def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor], bool]:
     for name, entry, t in found:
         groups.setdefault(_storage(entry, t) or name, []).append((name, entry, t))
     tensors: dict[str, torch.Tensor] = {}
+    views = False
     for k, group in enumerate(groups.values()):
-        if len(group) > 1:
+        name, entry, t = group[0]
+        # A lone tensor laid out densely but not in row-major order (channels_last, a transpose) keeps its strides,
+        # as torch.save keeps them; any other is copied (safetensors refuses tensors that share storage).
+        if len(group) > 1 or ("__tensor__" in entry and not t.is_contiguous() and _dense(t)):
             _store_once(group, tensors, k)
+            views = True
         else:
-            name, _, t = group[0]
-            # A copy: safetensors refuses tensors that share storage (views of a tensor outside the state).
             tensors[name] = t.to("cpu", copy=True).contiguous()
-    return skeleton, tensors, len(groups) < len(found)
+    return skeleton, tensors, views
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a span of memory without gaps or overlaps, in whatever order of dimensions."""
+    covered = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != covered:
+            return False
+        covered *= size
+    return True
 
 
 def _storage(entry: dict, t: torch.Tensor) -> tuple | None:
