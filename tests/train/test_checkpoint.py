@@ -182,6 +182,8 @@ def test_map_location_takes_torch_loads_forms(tmp_path: Path) -> None:
         assert got["w"].device.type == "meta" and got["w"].shape == (2, 3) and got["i"].device.type == "meta"
     with pytest.raises(TypeError, match="map_location returned int for tensor .* must return a storage"):
         ddpkit.load_checkpoint(tmp_path / "c", map_location=lambda s, where: 3)
+    with pytest.raises(IsADirectoryError, match="is a folder: pass a checkpoint file in it"):
+        ddpkit.load_checkpoint(tmp_path)
     with pytest.raises(TypeError, match="map_location=3: pass a device"):
         ddpkit.load_checkpoint(tmp_path / "c", map_location=3)
     with pytest.raises(ValueError, match="map_location='gpu' is not a device"):

@@ -362,7 +362,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     temporaries of interrupted saves beside it are removed.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file (IsADirectoryError: a folder).
         ValueError, TypeError: ``map_location`` is not a device this machine
             has, or not one of the forms above.
         CheckpointError: the file is truncated, damaged (a checksum does not
@@ -370,6 +370,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """
     path = Path(path)
     remove_stale_temporaries(path.parent)
+    if path.is_dir():
+        raise IsADirectoryError(f"checkpoint {path} is a folder: pass a checkpoint file in it (TrainState.restore "
+                                "takes a folder and reads its newest valid checkpoint)")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     data = path.read_bytes()
