@@ -231,6 +231,10 @@ def test_torch_save_files_load_weights_only(tmp_path: Path, monkeypatch) -> None
     (tmp_path / "evil.pkl").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError):
         ddpkit.load_checkpoint(tmp_path / "evil.pkl")
+    # A damaged zip is damaged, not unsafe: the message says what failed.
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "plain.pt").read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="cut.pt is a torch.save file that torch.load cannot read: "):
+        ddpkit.load_checkpoint(tmp_path / "cut.pt")
     assert not (tmp_path / "pwned").exists()
 
 

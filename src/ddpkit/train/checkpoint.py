@@ -27,6 +27,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import re
 import socket
 import struct
@@ -384,11 +385,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     if not looks_safetensors and (data[:2] == b"PK" or data[:1] == b"\x80"):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as e:
+        except pickle.UnpicklingError as e:  # what weights_only refuses: objects other than tensors and plain data
             raise CheckpointError(
                 f"checkpoint {path} is a torch.save file that cannot be loaded safely "
                 f"(weights_only=True): {e}"
             ) from e
+        except Exception as e:  # a damaged file, or a location torch.load cannot place
+            raise CheckpointError(f"checkpoint {path} is a torch.save file that torch.load cannot read: {e}") from e
     meta = _safetensors_metadata(data, path)
     try:
         tensors = _st_load(data)
