@@ -178,10 +178,7 @@ def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if "__tuple__" in obj:
             return tuple(decode(v, tensors) for v in obj["__tuple__"])
         if "__dtype__" in obj:
-            dtype = getattr(torch, obj["__dtype__"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise CheckpointError(f"unknown dtype {obj['__dtype__']!r} in checkpoint")
-            return dtype
+            return _dtype(obj["__dtype__"])
         raise CheckpointError(f"unexpected object {sorted(obj)} in checkpoint skeleton")
     return obj
 
@@ -189,9 +186,15 @@ def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def _view(entry: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """A tensor stored as a view of a shared span: every view of one span shares its memory, as after torch.load."""
     span = tensors[entry["__view__"]]
-    dtype = getattr(torch, entry["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {entry['dtype']!r} in checkpoint")
+    dtype = _dtype(entry["dtype"])
     # Out-of-range offsets or sizes (a damaged or crafted file) raise a RuntimeError here, reported as corrupt.
     return torch.empty(0, dtype=dtype, device=span.device).set_(span.untyped_storage(), entry["offset"],
                                                                 entry["size"], entry["stride"])
+
+
+def _dtype(name: Any) -> torch.dtype:
+    """The dtype a skeleton names (``"float32"``); CheckpointError for any other name."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint")
+    return dtype
