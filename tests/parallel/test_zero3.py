@@ -19,7 +19,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.models import TransformerClassifier
-from ddpkit.parallel.zero.units import find_units
+from ddpkit.parallel.zero.units import find_units, local_of
 
 
 class Blocks(nn.Module):
@@ -95,7 +95,10 @@ def _train_three(name: str, steps: int, micro: bool, reshard: bool, adamw: bool)
                 nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     return {"ddp": _whole(ddp.state_dict()), "zero3": _whole(z3.state_dict()), "fsdp2": _whole(theirs.state_dict()),
-            "numel": sum(p.numel() for p in z3.parameters()), "total": sum(p.numel() for p in base.parameters()),
+            "numel": sum(local_of(p).numel() for p in z3.parameters()),
+            "bound": sum(-(-(p.shape[0] if p.dim() else 1) // dist.get_world_size()) * p[0].numel() if p.dim() else 1
+                         for p in base.parameters()),
+            "shapes": ([p.shape for p in z3.parameters()], [p.shape for p in base.parameters()]),
             "gathered": [u.full.untyped_storage().size() for u in z3.reducer.units]}
 
 
@@ -128,8 +131,10 @@ def test_stage3_equals_ddp_and_fsdp2(request, world, name, micro, reshard):
     for r in results:
         assert _max_diff(r["ddp"], r["zero3"]) <= bound
         assert _max_diff(r["fsdp2"], r["zero3"]) <= bound
-        # Each rank holds its shard of the parameters (the padding is the only extra), and nothing stays gathered.
-        assert r["numel"] <= -(-r["total"] // world) + 8 * world
+        # Each rank holds its rows of every parameter (at most ceil(rows / W)), the parameters keep their true
+        # shapes, and nothing stays gathered.
+        assert r["numel"] <= r["bound"]
+        assert r["shapes"][0] == r["shapes"][1]
         assert r["gathered"] == [0] * len(r["gathered"])
     assert all(_max_diff(results[0]["zero3"], r["zero3"]) == 0.0 for r in results)
 
@@ -260,7 +265,7 @@ def test_units_without_gradient_need_find_unused_parameters(dist2):
     for r in dist2.run(_unused, True):
         assert _max_diff(r["ddp"], r["zero3"]) == 0.0
     message = dist2.run(_unused_unit_everywhere)[0]
-    assert "'blocks.2'" in message and "find_unused_parameters=True" in message
+    assert "'blocks.2.0.weight'" in message and "find_unused_parameters=True" in message
 
 
 def _frozen(mixed: bool) -> dict:
@@ -574,7 +579,7 @@ def _checkpointed(where: str, reshard: bool) -> dict:
             opt.step()
     return {"diff": _max_diff(_whole(ddp.state_dict()), _whole(z3.state_dict())),
             "gathered": [u.full.untyped_storage().size() for u in z3.reducer.units],
-            "shapes": [tuple(m.weight.shape) for m in (z3.module.blocks[0].a, z3.module.head)]}
+            "sharded": [hasattr(m.weight, "to_local") for m in (z3.module.blocks[0].a, z3.module.head)]}
 
 
 @pytest.mark.parametrize("where,reshard", [("inside", True), ("around", True), ("reentrant", True), ("head", True),
@@ -585,7 +590,7 @@ def test_activation_checkpointing_recomputes_with_the_gathered_parameters(dist2,
     for r in dist2.run(_checkpointed, where, reshard):
         assert r["diff"] == 0.0
         assert r["gathered"] == [0] * len(r["gathered"])
-        assert all(len(shape) == 1 for shape in r["shapes"])  # after the step, modules see their shards again
+        assert all(r["sharded"])  # after the step, modules see their shards (DTensors) again
 
 
 def _construction_broadcasts(stage: int) -> dict:

@@ -31,7 +31,6 @@ def test_building_the_cli_does_not_import_torch():
     ({"local_sgd": 4, "strategy": "optimizer"}, "--local-sgd 4 does not fit --strategy optimizer"),
     ({"local_sgd_warmup": -1}, "--local-sgd-warmup -1 must be 0 or more"),
     ({"zero": 4}, "--zero 4 is not a ZeRO stage: choose 0, 1, 2 or 3"),
-    ({"zero": 3, "amp": "fp16"}, "--zero 3 does not fit --amp fp16"),
     ({"comm_hook": "fp16", "zero": 3}, "--comm-hook 'fp16' does not fit --zero 3"),
     ({"zero": 1, "engine": "torch"}, "--zero 1 needs --engine ddpkit --strategy ddp"),
     ({"zero": 2, "strategy": "local-sgd"}, "--zero 2 needs --engine ddpkit --strategy ddp"),

@@ -428,18 +428,20 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> dict
 
 
 def load_model_state(
-    model: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+    model: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, wants_prefix: bool | None = None,
 ) -> Any:
     """``model.load_state_dict`` that accepts keys with or without a ``module.`` prefix.
 
     Works whether ``model`` is a plain module or a DDP/DataParallel wrapper
     (whose own keys carry ``module.``) and whichever way ``state_dict`` was saved.
+    ``wants_prefix``: whether ``model``'s own keys carry ``module.`` (``None``: read from its state dict).
 
     Returns:
         What ``load_state_dict`` returns (missing and unexpected keys).
     """
     plain = strip_prefix(state_dict)
-    wants_prefix = any(k.startswith("module.") for k in model.state_dict())
+    if wants_prefix is None:
+        wants_prefix = any(k.startswith("module.") for k in model.state_dict())
     if wants_prefix:
         plain = {f"module.{k}": v for k, v in plain.items()}
     return model.load_state_dict(plain, strict=strict)

@@ -176,9 +176,10 @@ class TrainConfig:
         need(not self.zero or (self.engine == "ddpkit" and self.strategy == "ddp"), "zero",
              f"needs --engine ddpkit --strategy ddp (ddpkit's DDP), not --engine {self.engine} "
              f"--strategy {self.strategy}")
-        need(self.zero < 2 or self.amp != "fp16", "zero",
-             f"does not fit --amp fp16: the grad scaler checks whole gradients, which stage {self.zero} does not "
-             "keep; use --amp bf16, or --zero 1")
+        need(self.zero != 2 or self.amp != "fp16", "zero",
+             f"does not fit --amp fp16: the grad scaler checks the gradients .grad holds, and stage {self.zero} "
+             "keeps its shards elsewhere; use --amp bf16, or --zero 1 or 3 (whose sharded gradients the scaler "
+             "checks on every rank)")
         need(self.comm_hook in COMM_HOOKS, "comm_hook", f"is not a comm hook: choose one of {', '.join(COMM_HOOKS)}")
         if self.comm_hook != "none":
             need(self.strategy == "ddp" and self.engine in ("ddpkit", "torch"), "comm_hook",

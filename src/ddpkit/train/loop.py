@@ -64,7 +64,15 @@ from ddpkit.train import restart, rundir
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate
-from ddpkit.train.recipe import autocast_for, build_state, make_deterministic, replicas, wrap
+from ddpkit.train.recipe import (
+    autocast_for,
+    build_state,
+    make_deterministic,
+    replicas,
+    shard_state,
+    sharded_params,
+    wrap,
+)
 from ddpkit.train.run import Run
 from ddpkit.train.strategy import make_strategy
 
@@ -207,6 +215,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     with zero_first():  # a --download happens once per node
         data = _load_data(config)
     state = build_state(config, data, ctx.world_size, ctx.device)
+    model = shard_state(state, config, ctx.device) if sharded_params(config) else None
     if claim.checkpoint is not None:
         state.load(load_checkpoint(claim.checkpoint), source=claim.checkpoint)
         print0(f"ddpkit train: {'restart ' + str(attempt) + ': ' if attempt else ''}resuming from "
@@ -215,7 +224,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
             restart.rescale(state, ctx.world_size, config.lr * ctx.world_size * replicas(config))
     elif attempt:
         print0(f"ddpkit train: restart {attempt}: no checkpoint yet, starting again in {claim.out}")
-    model = wrap(state.model, config, ctx.device)
+    if model is None:
+        model = wrap(state.model, config, ctx.device)
     run = Run(state=state, config=config, model=model, strategy=make_strategy(state, model, config),
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)

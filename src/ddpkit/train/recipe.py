@@ -22,7 +22,8 @@ from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
-__all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "with_comm_hook", "wrap"]
+__all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "shard_state",
+           "sharded_params", "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -91,13 +92,22 @@ def replicas(config: TrainConfig) -> int:
 
 
 def build_state(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
-    """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``."""
+    """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``.
+
+    Under ``--zero 3`` the model is built on the meta device, without memory: :func:`wrap` materialises it unit
+    by unit, each rank keeping its shard (the same values, drawn in the same order), and the optimizer is made
+    again over the shards (:func:`shard_state`).
+    """
     torch.manual_seed(config.seed)
     train_set = data.train
-    model = build_model(
-        config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
-        num_classes=train_set.num_classes,
-    ).to(device)
+    sharded = sharded_params(config)
+    with torch.device("meta") if sharded else contextlib.nullcontext():
+        model = build_model(
+            config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
+            num_classes=train_set.num_classes,
+        )
+    if not sharded:
+        model = model.to(device)
     if config.sync_bn:
         model = SyncBatchNorm.convert_sync_batchnorm(model)
     lr = config.lr * world * replicas(config)
@@ -117,6 +127,22 @@ def build_state(config: TrainConfig, data: Any, world: int, device: torch.device
         keep=config.keep_checkpoints,
         count_steps=False,  # the loop counts its steps itself (an fp16 step skipped for inf still counts)
     )
+
+
+def sharded_params(config: TrainConfig) -> bool:
+    """Whether the run shards its parameters (ddpkit's engine with ``--zero 3``)."""
+    return config.engine == "ddpkit" and config.zero == 3 and config.strategy == "ddp"
+
+
+def shard_state(state: TrainState, config: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """``--zero 3``: the model wrapped (materialised and sharded) and the optimizer made again over its shards,
+    before any checkpoint is loaded (so that the random draws of the initialisation come first, as when the
+    model is built whole, and the checkpoint's RNG states last). Returns the wrapped model."""
+    from ddpkit.parallel.zero.stage3 import optimizer_over_shards
+
+    model = wrap(state.model, config, device)
+    state.optimizer = optimizer_over_shards(state.optimizer, model)
+    return model
 
 
 def autocast_for(config: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

@@ -27,6 +27,7 @@ Example (your own loop, restartable under ``ddpkit launch --max-restarts 3``)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -39,7 +40,7 @@ from torch import nn
 
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.parallel.zero.stage3 import engine_of
-from ddpkit.parallel.zero.whole import shard_optimizer_state, whole_optimizer_state
+from ddpkit.parallel.zero.whole import full_state, shard_optimizer_state
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.train.checkpoint import (
     CheckpointError,
@@ -134,11 +135,21 @@ class TrainState:
         return getattr(model, "_orig_mod", model)
 
     def payload(self, step: int, *, sampler_consumed: int | None = None) -> dict[str, Any]:
-        """The checkpoint contents at ``step``; a collective (every rank's RNG state is gathered)."""
-        out: dict[str, Any] = {"step": int(step), "extra": self.extra,
-                               "model": self._plain_model().state_dict(), "rng": _gather_rng_states()}
-        if self.optimizer is not None:
-            out["optimizer"] = self._optimizer_state()
+        """The checkpoint contents at ``step``; a collective (every rank's RNG state is gathered).
+
+        A ZeRO-3 model's (and optimizer's) state is gathered unit by unit into the writing rank's CPU memory: no
+        rank holds it whole on its device, and the other ranks hold none of it.
+        """
+        out: dict[str, Any] = {"step": int(step), "extra": self.extra, "rng": _gather_rng_states()}
+        engine = engine_of(self._plain_model())
+        if engine is not None:
+            out["model"], optim = full_state(engine, self._plain_model(), self.optimizer, to=0)
+            if self.optimizer is not None:
+                out["optimizer"] = optim
+        else:
+            out["model"] = self._plain_model().state_dict()
+            if self.optimizer is not None:
+                out["optimizer"] = self._optimizer_state()
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         if self.sampler is not None:
@@ -148,10 +159,6 @@ class TrainState:
     def _optimizer_state(self) -> dict[str, Any] | None:
         """The optimizer's state dict; a sharded optimizer's (``ddpkit.ZeroRedundancyOptimizer``) is gathered on
         the writing rank first (a collective), in the unsharded format, so it loads at any world size."""
-        engine = engine_of(self._plain_model())
-        if engine is not None:  # the parameters sharded (stage 3): every state tensor gathered whole
-            whole = whole_optimizer_state(engine, self.optimizer)
-            return whole if _is_writer() else None
         consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
         if consolidate is None:
             return self.optimizer.state_dict()  # type: ignore[union-attr]
@@ -165,17 +172,19 @@ class TrainState:
             CheckpointError: the payload is another model's (a tensor missing, extra, or of another shape),
                 naming the first such tensor and ``source`` (the file it came from).
         """
-        _same_model(self._plain_model(), payload["model"], source)
-        load_model_state(self._plain_model(), payload["model"])
+        engine = engine_of(self._plain_model())
+        with engine.sharded_state() if engine is not None else contextlib.nullcontext():  # shapes, no gathering
+            _same_model(self._plain_model(), payload["model"], source)
+            wants_prefix = any(k.startswith("module.") for k in self._plain_model().state_dict())
+        load_model_state(self._plain_model(), payload["model"], wants_prefix=wants_prefix)
         for name in ("optimizer", "scaler", "sampler"):
             target = getattr(self, name)
             if target is None:
                 continue
             if name not in payload:
                 raise CheckpointError(f"the checkpoint holds no {name} state, but this TrainState has one")
-            engine = engine_of(self._plain_model()) if name == "optimizer" else None
-            target.load_state_dict(payload[name] if engine is None else
-                                   shard_optimizer_state(engine, target, payload[name]))
+            sharded = engine is not None and name == "optimizer"  # each rank keeps its rows: copies, not views
+            target.load_state_dict(shard_optimizer_state(engine, target, payload[name]) if sharded else payload[name])
         self.extra = dict(payload.get("extra", {}))
         _set_rng_states(payload["rng"])
         self.step = int(payload["step"])

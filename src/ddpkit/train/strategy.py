@@ -54,8 +54,6 @@ from ddpkit.parallel.optimizer import DistributedOptimizer
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
-from ddpkit.parallel.zero.stage3 import engine_of
-from ddpkit.parallel.zero.whole import shard_optimizer_state
 from ddpkit.runtime.objects import all_gather_object
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
@@ -222,11 +220,7 @@ def make_strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig
     """
     if config.engine in ("single", "dp"):
         return Strategy(model, accumulates=False)
-    if config.zero == 3:
-        # The state a checkpoint held was loaded whole, before the model was sharded: cut to this rank's shard.
-        engine = engine_of(state.model)
-        state.optimizer.load_state_dict(shard_optimizer_state(engine, state.optimizer, state.optimizer.state_dict()))
-    elif config.zero:
+    if config.zero and config.zero < 3:
         state.optimizer = _sharded(state.optimizer)
     if config.engine != "ddpkit" or config.strategy == "ddp":
         return Strategy(model, accumulates=True)

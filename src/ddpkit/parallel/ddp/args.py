@@ -20,7 +20,10 @@ from torch import nn
 
 from ddpkit.parallel.ddp.bucket_caps import check_bucket_cap
 
-__all__ = ["DDPSettings", "check_zero_stage", "settle"]
+__all__ = ["SHARD_MARK", "DDPSettings", "check_zero_stage", "settle"]
+
+SHARD_MARK = "_ddpkit_zero3_shard"
+"""The attribute ZeRO stage 3 sets on the parameters it makes (a module wrapped twice is refused by it)."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,14 @@ def settle(
     bucket_cap_mb_list: Any,
     forward_sync_buffers: bool | None,
     unsupported: dict[str, Any],
+    allow_meta: bool = False,
 ) -> DDPSettings:
     """Check ``DistributedDataParallel``'s arguments against ``module``; settle the defaults.
 
     Args:
         unsupported: torch's arguments ddpkit does not implement, by name:
             any set to something other than ``None``/``False`` is refused.
+        allow_meta: parameters on the meta device are accepted (ZeRO stage 3 materialises them).
 
     Raises:
         ValueError: an unsupported argument; a bad bucket cap; ``device_ids``
@@ -81,6 +86,9 @@ def settle(
     tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists until it is imported
     dtensors = [n for n, p in module.named_parameters()
                 if tensor_module is not None and isinstance(p, tensor_module.DTensor)]
+    if any(getattr(p, SHARD_MARK, False) for p in module.parameters()):
+        raise ValueError("DistributedDataParallel: this module's parameters are sharded already (it was wrapped "
+                         "with zero_stage=3 before): wrap it once, or wrap a fresh copy of the plain model")
     if dtensors:
         raise ValueError(f"DistributedDataParallel: parameters {dtensors[:3]} are DTensors (tensor parallelism), "
                          "which ddpkit's DDP does not shard or reduce; wrap a module of plain tensors")
@@ -111,7 +119,7 @@ def settle(
         check_bucket_cap(cap, f"bucket_cap_mb_list[{i}]")
     device_ids = _device_ids(device_ids)
     devices = frozenset(p.device for p in module.parameters())
-    _check_devices(module, devices, device_ids, output_device)
+    _check_devices(module, devices, device_ids, output_device, allow_meta)
     output = (device_ids[0] if output_device is None else output_device) if device_ids else None
     return DDPSettings(device_ids=device_ids, output_device=output, devices=devices,
                        forward_sync_buffers=bool(forward_sync_buffers), init_sync_buffers=init_sync_buffers,
@@ -150,9 +158,11 @@ def _device_ids(device_ids: Sequence[int | torch.device] | None) -> list[Any] | 
 
 
 def _check_devices(module: nn.Module, devices: frozenset[torch.device], device_ids: list[Any] | None,
-                   output_device: Any) -> None:
+                   output_device: Any, allow_meta: bool) -> None:
     where = sorted(str(d) for d in devices)
     on_cpu = any(d.type == "cpu" for d in devices)
+    if allow_meta and devices == {torch.device("meta")}:
+        return
     if len({d.type for d in devices}) > 1:
         raise ValueError(
             "DistributedDataParallel's input module must be on the same type of devices, but its "
@@ -173,7 +183,8 @@ def _check_devices(module: nn.Module, devices: frozenset[torch.device], device_i
     if any(d.type == "meta" for d in devices):
         raise RuntimeError(
             "DistributedDataParallel: the module has parameters on the meta device (no data to broadcast or "
-            "reduce): materialise them first, e.g. module.to_empty(device=...) and initialise, then wrap"
+            "reduce): materialise them first, e.g. module.to_empty(device=...) and initialise, then wrap; or "
+            "wrap it with zero_stage=3, which materialises it shard by shard"
         )
     if on_cpu and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         raise ValueError(
@@ -218,11 +229,12 @@ def check_zero_stage(stage: Any, static_graph: bool, gradient_as_bucket_view: bo
 
 
 def check_stage3(stage: int, units: Any, reshard_after_forward: Any, param_dtype: Any, reduce_dtype: Any,
-                 ) -> dict[str, Any]:
+                 init: Any = None, device: Any = None) -> dict[str, Any]:
     """Stage 3's own arguments as :class:`ddpkit.parallel.zero.stage3.ShardedParameters` takes them; refused,
     naming them, with another stage."""
     given = {"zero_units": units is not None, "reshard_after_forward": reshard_after_forward is not True,
-             "zero_param_dtype": param_dtype is not None, "zero_reduce_dtype": reduce_dtype is not None}
+             "zero_param_dtype": param_dtype is not None, "zero_reduce_dtype": reduce_dtype is not None,
+             "zero_init": init is not None}
     if stage != 3 and any(given.values()):
         names = ", ".join(n for n, g in given.items() if g)
         raise ValueError(f"{names} apply to zero_stage=3 only (zero_stage={stage} here): drop them or use zero_stage=3")
@@ -230,4 +242,4 @@ def check_stage3(stage: int, units: Any, reshard_after_forward: Any, param_dtype
         raise TypeError(f"reshard_after_forward={reshard_after_forward!r}: give True (free a unit's gathered "
                          "parameters after its forward) or False (keep them until its backward)")
     return {"units": units, "reshard_after_forward": reshard_after_forward, "param_dtype": param_dtype,
-            "reduce_dtype": reduce_dtype}
+            "reduce_dtype": reduce_dtype, "init": init, "device": device}

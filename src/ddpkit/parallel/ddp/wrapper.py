@@ -35,7 +35,7 @@ from ddpkit.parallel.ddp.sink import anchor_end_of_backward, through_sink
 from ddpkit.parallel.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.zero.stage2 import ShardedReducer
 from ddpkit.parallel.zero.stage3 import ShardedParameters
-from ddpkit.parallel.zero.units import clip_grad_norm
+from ddpkit.parallel.zero.norm import clip_grad_norm
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel"]
 
@@ -150,6 +150,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         reshard_after_forward: bool = True,
         zero_param_dtype: torch.dtype | None = None,
         zero_reduce_dtype: torch.dtype | None = None,
+        zero_init: Any = None,
     ) -> None:
         super().__init__()
         # torch's arguments in torch's order, so a call written for torch's DDP
@@ -159,7 +160,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             module, device_ids=device_ids, output_device=output_device, dim=dim,
             broadcast_buffers=broadcast_buffers, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
             check_reduction=check_reduction, bucket_cap_mb_list=bucket_cap_mb_list,
-            forward_sync_buffers=forward_sync_buffers,
+            forward_sync_buffers=forward_sync_buffers, allow_meta=zero_stage == 3,
             unsupported={
                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
                 "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
@@ -177,8 +178,9 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.zero_stage = ddp_args.check_zero_stage(zero_stage, static_graph, gradient_as_bucket_view,
                                                     skip_all_reduce_unused_params)
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
-        self.stage3_settings = ddp_args.check_stage3(self.zero_stage, zero_units, reshard_after_forward, zero_param_dtype,
-                                             zero_reduce_dtype)
+        self.stage3_settings = ddp_args.check_stage3(
+            self.zero_stage, zero_units, reshard_after_forward, zero_param_dtype, zero_reduce_dtype, zero_init,
+            device=self._input_device())
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.process_group = process_group
@@ -201,11 +203,15 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         buffers = self._init_buffers()
         if self.world_size > 1 and init_sync:
             verify_same_parameters(named, process_group)
-            states = [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
+            states = [t for t in [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
+                      if not t.is_meta]  # stage 3 materialises a meta model unit by unit, from rank 0
             # Stage 3 is for models that barely fit once: its messages are a bucket's, not torch's 250 MB.
             chunk = int(self.bucket_cap_mb * 1024 * 1024) if self.zero_stage == 3 else BROADCAST_CHUNK_BYTES
             broadcast_once(states, process_group, "parameters and buffers", chunk_bytes=chunk)
         self.reducer = self._make_reducer()
+        if self.device.type == "meta":  # materialised by stage 3
+            self.device = self.reducer.device
+            self.device_type = self.device.type
         self._logging = DDPLogging(self) if self.zero_stage < 3 else ShardedLogging(self)
 
     def _keep_settings(self, settled: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
@@ -310,10 +316,17 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.reducer.div_factor = div_factor
         if grad:
             self.reducer.rebuild_if_due()  # torch's rule: at any forward with grad enabled, no_sync() too
-        if self.device_ids is not None:
-            device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else torch.device(self.device_ids[0])
+        device = self._input_device()
+        if device is not None:
             args, kwargs = to_device(args, device), to_device(kwargs, device)
         return args, kwargs
+
+    def _input_device(self) -> torch.device | None:
+        """The device of ``device_ids`` (where inputs go), or ``None``."""
+        if self.device_ids is None:
+            return None
+        first = self.device_ids[0]
+        return torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
 
     @torch.compiler.disable
     def _post_forward(self, output: Any) -> Any:
@@ -426,16 +439,16 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self._logging.comm_hook(str(comm_hook_type))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return that norm.
-        Under ZeRO the gradients are sharded (stage 2: the reducer's shards; 3: each parameter's segment) and the
-        norm is a collective (:func:`ddpkit.parallel.zero.units.clip_grad_norm`): call it on every rank."""
-        if self.zero_stage == 0:
-            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return that norm
+        (a plain tensor, the same on every rank). Under ZeRO the gradients are sharded and the norm is a
+        collective: call it on every rank. Stage 2's shards are the reducer's (see
+        :func:`ddpkit.parallel.zero.norm.clip_grad_norm`); stage 3's are DTensors, which torch's own
+        ``clip_grad_norm_`` over ``model.parameters()`` clips as well."""
         if self.zero_stage == 2:
             grads = list(self.reducer.grad_shards) if self.reducer.fresh else []  # none since the last step
-        else:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        return clip_grad_norm(grads, max_norm, norm_type, self.process_group)
+            return clip_grad_norm(grads, max_norm, norm_type, self.process_group)
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging data of this model: settings, environment and sampled runtime figures (see

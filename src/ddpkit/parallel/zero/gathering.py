@@ -1,12 +1,14 @@
-"""A stage-3 unit's parameters whole for a while: all-gathered from the shards, shown to its modules, freed.
+"""A stage-3 unit's parameters whole for a while: all-gathered from the ranks' shards, shown to its modules, freed.
 
-The unit's gathered buffer (``Unit.full``) keeps its tensor for the engine's
-life and only its storage comes and goes (``resize_``), so the views
-autograd saved in the forward read the buffer again once the backward has
-gathered it anew. The modules see the parameters through instance attributes
-(views of the buffer) that shadow the registered parameters, which stay the
-1-D views of this rank's shard the optimizer steps on; unbound, the modules
-see those again.
+The gathered buffer (``Unit.full``) keeps its tensor for the engine's life and
+only its storage comes and goes (``resize_``). Each parameter's whole tensor
+is a view of it made once, the *leaf* autograd computes with and accumulates
+the gradient into, whichever forward, backward or recomputation uses it: so
+a gradient from several forwards, or from a second backward, adds up in one
+place as a plain module's does, and the views autograd saved in a forward read
+the buffer again once the backward has gathered it anew. The modules see the
+leaves through instance attributes that shadow their registered parameters
+(the shards the optimizer steps on); unbound, they see the shards again.
 """
 
 from __future__ import annotations
@@ -16,10 +18,30 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.zero.units import Unit, all_gather_flat
+from ddpkit.parallel.zero.flat import all_gather_flat
+from ddpkit.parallel.zero.units import Unit, in_part, local_of
 from ddpkit.runtime import events
 
-__all__ = ["Gathering"]
+__all__ = ["Gathering", "pack_part"]
+
+
+@torch.no_grad()
+def pack_part(u: Unit, rank: int, dtype: torch.dtype, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """This rank's part of the unit (see :mod:`ddpkit.parallel.zero.units`) in ``dtype``: its local rows of
+    each parameter (or of ``tensors``, one per parameter, shaped as the locals), padded with zeros. The
+    parameters' own part buffer itself when they live in it (no copy)."""
+    if tensors is None and in_part(u, rank):
+        return u.part if u.part.dtype == dtype else u.part.to(dtype)
+    pieces: list[torch.Tensor] = []
+    for i, q in enumerate(u.params):
+        local = local_of(q.param) if tensors is None else tensors[i]
+        flat = local.reshape(-1).to(dtype)
+        pieces.append(flat)
+        if flat.numel() < q.piece:
+            pieces.append(flat.new_zeros(q.piece - flat.numel()))
+    if u.chunk > sum(q.piece for q in u.params):
+        pieces.append(pieces[0].new_zeros(u.chunk - sum(q.piece for q in u.params)))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
 
 class Gathering:
@@ -28,65 +50,79 @@ class Gathering:
     Args:
         group: the engine's process group (``None``: a world of one).
         world_size: its size.
+        rank: this rank in it.
         owner: who drives the engine, as the stall inspector names it.
-        on_grad: called as ``on_grad(unit, i, leaf)`` once autograd has accumulated the gradient of the unit's
-            ``i``-th parameter into a counted leaf (see :meth:`bind`).
+        on_grad: called as ``on_grad(unit, i)`` once autograd has accumulated a gradient into the unit's
+            ``i``-th leaf.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, world_size: int, owner: str,
-                 on_grad: Callable[[Unit, int, torch.Tensor], None]) -> None:
-        self.group, self.world_size, self.owner, self.on_grad = group, world_size, owner, on_grad
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int, owner: str,
+                 on_grad: Callable[[Unit, int], None]) -> None:
+        self.group, self.world_size, self.rank, self.owner, self.on_grad = group, world_size, rank, owner, on_grad
 
     def gather(self, u: Unit, wait: bool) -> None:
         """Start the unit's all-gather unless it is gathered (or on its way); with ``wait``, wait for it."""
         if not u.gathered:
             u.full.untyped_storage().resize_(u.nbytes)
-            out = u.full.data  # a new version counter: autograd's saved views of the buffer stay valid
-            src = u.shard if u.shard.dtype == out.dtype else u.shard.to(out.dtype)
+            full = u.full.data  # a new version counter: the views autograd saved stay valid
             if self.world_size == 1:
-                out.copy_(src)
+                with torch.no_grad():
+                    for q in u.params:
+                        u.whole_view(q, full).copy_(local_of(q.param).reshape(q.shape))
             else:
+                part = pack_part(u, self.rank, full.dtype)
                 events.collective("{} zero-3 unit {} all-gather of the parameters", self.owner, u.index,
-                                  nbytes=src.numel() * src.element_size())
-                u.work = all_gather_flat(out, src, self.group, async_op=True)
+                                  nbytes=part.numel() * part.element_size())
+                if len(u.params) == 1:  # one parameter: the ranks' pieces in rank order are it, padded
+                    u.work = all_gather_flat(full, part, self.group, async_op=True)
+                else:
+                    u.staged = torch.empty_like(full)
+                    u.work = all_gather_flat(u.staged, part, self.group, async_op=True)
             u.gathered = True
         if wait and u.work is not None:
-            u.work.wait()
-            u.work = None
+            self._land(u)
 
-    @staticmethod
-    def free(u: Unit) -> None:
-        """Give the gathered buffer's memory back (after its all-gather, if one is in flight)."""
+    def _land(self, u: Unit) -> None:
+        """Wait for the unit's all-gather and lay its parameters out whole (each contiguous)."""
+        u.work.wait()
+        u.work = None
+        if u.staged is not None:
+            staged, u.staged = u.staged, None
+            full = u.full.data
+            w = self.world_size
+            with torch.no_grad():
+                torch.split_with_sizes_copy(staged.view(w, u.chunk), [q.piece for q in u.params], dim=1,
+                                            out=[full[w * q.offset: w * (q.offset + q.piece)].view(w, q.piece)
+                                                 for q in u.params])
+
+    def free(self, u: Unit) -> None:
+        """Give the gathered buffer's memory back (after its all-gather, if one is in flight), and show the
+        modules their shards."""
         if u.work is not None:
             u.work.wait()
-            u.work = None
+            u.work, u.staged = None, None
+        self.unbind(u)
         u.full.untyped_storage().resize_(0)
         u.gathered = False
 
-    def bind(self, u: Unit, counted: bool = True) -> None:
-        """Let the unit's modules see its parameters as views of the gathered buffer. With grad enabled each view
-        is a leaf; ``counted``: one whose gradient goes to ``on_grad`` (else a recomputation's, whose graph no
-        gradient goes through, but which must save what the first forward saved)."""
-        sizes = [q.numel for q in u.params]
-        pad = u.full.numel() - sum(sizes)
-        pieces = u.full.split(sizes + [pad] if pad else sizes)
-        grad = torch.is_grad_enabled() and u.requires_grad
-        if grad and counted and not u.grads:
-            u.grads = [None] * len(u.params)
-        for i, (q, piece) in enumerate(zip(u.params, pieces)):
-            view = piece.view(q.shape)
-            trained = grad and q.param.requires_grad  # a frozen parameter's view gets no gradient, as itself
-            if trained:
-                view.requires_grad_(True)
-            if trained and counted:
-                view.register_post_accumulate_grad_hook(lambda t, u=u, i=i: self.on_grad(u, i, t))
-                u.expected += 1
+    def bind(self, u: Unit) -> None:
+        """Let the unit's modules compute with its leaves (made the first time; their ``requires_grad`` follows
+        each parameter's now)."""
+        for i, q in enumerate(u.params):
+            if q.leaf is None:
+                q.leaf = u.whole_view(q)
+            trained = q.param.requires_grad
+            if q.leaf.requires_grad != trained:
+                q.leaf.requires_grad_(trained)
+                if trained and i not in u.hooked:  # a hook needs a tensor that requires grad
+                    q.leaf.register_post_accumulate_grad_hook(lambda t, u=u, i=i: self.on_grad(u, i))
+                    u.hooked.add(i)
             for m, attr in q.owners:
-                m.__dict__[attr] = view
+                m.__dict__[attr] = q.leaf
 
     @staticmethod
     def unbind(u: Unit) -> None:
-        """Let the unit's modules see the registered parameters (the shard views) again."""
+        """Let the unit's modules see the registered parameters (the shards) again."""
         for q in u.params:
             for m, attr in q.owners:
                 m.__dict__.pop(attr, None)

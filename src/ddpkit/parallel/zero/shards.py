@@ -1,27 +1,28 @@
-"""Sharded checkpoints of a ZeRO-3 model: each rank writes its own shards, and a later job reads them back at any
+"""Sharded checkpoints of a ZeRO-3 model: each rank writes its own rows, and a later job reads them back at any
 world size, without the whole model ever on one rank.
 
 :func:`save_sharded` writes, into a new directory,
 
-* ``rank-R-of-W.safetensors`` on every rank ``R``: for each unit ``k`` its
-  parameter shard (``unit.k``) and, with an optimizer, the shard of each
-  per-element state tensor (``unit.k.optim.KEY``, e.g. AdamW's ``exp_avg``),
-  laid out as the parameter shard is;
+* ``rank-R-of-W.safetensors`` on every rank ``R``: this rank's rows of each
+  parameter (``param.NAME``) and, with an optimizer, of each per-element
+  state tensor (``optim.I.KEY``, e.g. AdamW's ``exp_avg`` of the optimizer's
+  ``I``-th parameter);
 * ``index.json`` (rank 0, written last: a directory without it is an
-  unfinished save): the world size, each unit's name, chunk and parameters
-  (name, shape, offset), and the optimizer's param groups and its other state
-  (AdamW's ``step``: the same on every rank).
+  unfinished save): the world size, each parameter's name, shape and dtype,
+  and the optimizer's param groups and its other state (AdamW's ``step``: the
+  same on every rank).
 
-:func:`load_sharded` reads them back into a ZeRO-3 model (and optimizer) of
-the same units: each rank reads, with safetensors' slices, only the ranges of
-the old shards that overlap its own, so a job saved at 4 ranks resumes at 2 or
-3. The checkpoint is checked against the model (units, parameters, shapes)
-before anything is read, and refused naming the first difference.
+:func:`load_sharded` reads them back into a ZeRO-3 model (and optimizer) with
+the same parameters, at any world size and with any units: each rank reads,
+with safetensors' slices, only the rows of the saved shards that overlap its
+own. The checkpoint is checked against the model (names, shapes) before
+anything is read, and refused naming the first difference.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddpkit.parallel.zero.stage3 import ShardedParameters, engine_of
+from ddpkit.parallel.zero.units import UnitParam, like_param, local_of
 from ddpkit.parallel.zero.whole import indexed_params, per_element
 
-__all__ = ["INDEX", "load_sharded", "save_sharded"]
+__all__ = ["FORMAT", "INDEX", "load_sharded", "save_sharded"]
 
 INDEX = "index.json"
 """The file that makes a directory a finished sharded checkpoint."""
+FORMAT = "ddpkit-zero3-sharded/2"
+"""Each parameter cut by rows (format 1, before, cut the units' flat buffers)."""
 
 
 def _engine(model: nn.Module) -> ShardedParameters:
@@ -59,6 +63,10 @@ def _barrier(engine: ShardedParameters) -> None:
         dist.barrier(group=engine.group)
 
 
+def _params(engine: ShardedParameters) -> list[UnitParam]:
+    return [q for u in engine.units for q in u.params]
+
+
 @torch.no_grad()
 def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                  ) -> Path:
@@ -72,19 +80,18 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
     directory = Path(directory)
     found = [(directory / INDEX).exists() or any(directory.glob("rank-*-of-*.safetensors"))]
     if engine.world_size > 1:
-        dist.broadcast_object_list(found, src=0, group=engine.group)
+        dist.broadcast_object_list(found, src=dist.get_global_rank(engine.group, 0), group=engine.group)
     if found[0]:
         raise FileExistsError(f"{directory} already holds a sharded checkpoint: save into a new directory (or "
                               "remove it first)")
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for u in engine.units:
-        tensors[f"unit.{u.index}"] = u.shard.detach().cpu().contiguous()
+    for q in _params(engine):
+        tensors[f"param.{q.name}"] = local_of(q.param).detach().cpu().contiguous()
     index: dict[str, Any] = {
-        "format": "ddpkit-zero3-sharded/1", "world_size": engine.world_size,
-        "units": [{"name": u.name, "chunk": u.chunk, "dtype": str(u.shard.dtype).removeprefix("torch."),
-                   "params": [{"name": q.name, "shape": list(q.shape), "offset": q.offset} for q in u.params]}
-                  for u in engine.units],
+        "format": FORMAT, "world_size": engine.world_size,
+        "params": [{"name": q.name, "shape": list(q.shape), "dtype": str(q.param.dtype).removeprefix("torch.")}
+                   for q in _params(engine)],
     }
     if optimizer is not None:
         index["optimizer"] = _optimizer_shards(engine, optimizer, tensors)
@@ -102,47 +109,50 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
 
 def _optimizer_shards(engine: ShardedParameters, optimizer: torch.optim.Optimizer,
                       tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Put the optimizer's per-element state into ``tensors`` unit by unit; return the rest for the index."""
+    """Put this rank's rows of the optimizer's per-element state into ``tensors``; return the rest for the index."""
     saved = optimizer.state_dict()
     other: dict[str, dict[str, Any]] = {}
-    for index, unit, q in indexed_params(engine, optimizer):
+    for index, _, q in indexed_params(engine, optimizer):
         for key, value in saved["state"].get(index, {}).items():
-            if per_element(value, q.param):
-                name = f"unit.{unit.index}.optim.{key}"
-                if name not in tensors:
-                    tensors[name] = torch.zeros(unit.chunk, dtype=value.dtype)
-                seg = engine.segment(q, unit.chunk)
-                if seg:
-                    tensors[name][seg[0]: seg[1]].copy_(value.detach().cpu())
-                other.setdefault(str(index), {}).setdefault("per_element", []).append(key)
+            entry = other.setdefault(str(index), {})
+            if per_element(value, q, key):
+                tensors[f"optim.{index}.{key}"] = local_of(value).detach().cpu().contiguous()
+                entry.setdefault("per_element", []).append(key)
             elif isinstance(value, torch.Tensor):
-                other.setdefault(str(index), {})[key] = {"tensor": value.item(), "dtype": str(value.dtype)}
+                entry[key] = {"tensor": value.item(), "dtype": str(value.dtype)}
             else:
-                other.setdefault(str(index), {})[key] = value
+                entry[key] = value
     groups = [{k: {"tuple": list(v)} if isinstance(v, tuple) else v for k, v in g.items()}
               for g in saved["param_groups"]]  # JSON keeps no tuples (AdamW's betas)
     return {"param_groups": groups, "state": other}
 
 
 def _check(engine: ShardedParameters, index: dict[str, Any], directory: Path) -> None:
-    if index.get("format") != "ddpkit-zero3-sharded/1":
-        raise ValueError(f"{directory / INDEX} is not a ddpkit sharded checkpoint")
-    mine = [(u.name, [(q.name, list(q.shape), q.offset) for q in u.params]) for u in engine.units]
-    theirs = [(u["name"], [(p["name"], p["shape"], p["offset"]) for p in u["params"]]) for u in index["units"]]
+    if index.get("format") != FORMAT:
+        older = " (saved by an older ddpkit, whose layout this one does not read)" if str(
+            index.get("format", "")).startswith("ddpkit-zero3-sharded/") else ""
+        raise ValueError(f"{directory / INDEX} is not a ddpkit sharded checkpoint of format {FORMAT}{older}")
+    mine = [(q.name, list(q.shape)) for q in _params(engine)]
+    theirs = [(p["name"], p["shape"]) for p in index["params"]]
     if mine != theirs:
         first = next(((a, b) for a, b in zip(mine, theirs) if a != b), (mine[len(theirs):] or theirs[len(mine):], None))
-        raise ValueError(f"the sharded checkpoint in {directory} is not of this model (its units and parameters "
-                         f"differ, first at {first[0]!r} against the checkpoint's {first[1]!r}): load it into a "
-                         "model of the same layers, with the same zero_units")
+        raise ValueError(f"the sharded checkpoint in {directory} is not of this model (its parameters differ, first "
+                         f"at {first[0]!r} against the checkpoint's {first[1]!r}): load it into a model of the same "
+                         "layers")
 
 
-def _read(directory: Path, world: int, chunk: int, name: str, start: int, stop: int,
+def _read(directory: Path, world: int, name: str, q: UnitParam, start: int, stop: int,
           like: torch.Tensor) -> torch.Tensor:
-    """Elements ``start:stop`` of the flat tensor ``name`` whose shards (``chunk`` each) the ``world`` files hold."""
-    out = torch.zeros(stop - start, dtype=like.dtype)
-    for rank in range(start // chunk, min(world, -(-stop // chunk))):
-        low = rank * chunk
-        a, z = max(start, low), min(stop, low + chunk)
+    """Rows ``start:stop`` of ``name`` (shaped as parameter ``q``), from the ``world`` files that hold its rows."""
+    if q.replicated:
+        with safe_open(str(_rank_file(directory, 0, world)), framework="pt") as f:
+            return f.get_tensor(name).to(like.dtype)
+    out = torch.zeros((stop - start, *q.shape[1:]), dtype=like.dtype)
+    per_rank = math.ceil(q.rows / world)
+    for rank in range(world):
+        low = min(rank * per_rank, q.rows)
+        high = min(low + per_rank, q.rows)
+        a, z = max(start, low), min(stop, high)
         if a >= z:
             continue
         with safe_open(str(_rank_file(directory, rank, world)), framework="pt") as f:
@@ -162,6 +172,7 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
         ValueError: the checkpoint is of another model, or holds no optimizer state and ``optimizer`` is given.
     """
     engine = _engine(model)
+    engine.adopt()
     directory = Path(directory)
     if not (directory / INDEX).exists():
         raise FileNotFoundError(f"{directory} holds no finished sharded checkpoint ({INDEX} is missing: a save "
@@ -171,13 +182,10 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
     world = int(index["world_size"])
     if optimizer is not None and "optimizer" not in index:
         raise ValueError(f"the sharded checkpoint in {directory} holds no optimizer state: load the model alone")
-    for u, saved in zip(engine.units, index["units"]):
-        low = engine.rank * u.chunk
-        total = u.params[-1].offset + u.params[-1].numel
-        stop = min(low + u.chunk, total)
-        if stop > low:
-            piece = _read(directory, world, saved["chunk"], f"unit.{u.index}", low, stop, u.shard)
-            u.shard[: stop - low].copy_(piece.to(u.shard.device))
+    for q in _params(engine):
+        local = local_of(q.param)
+        a, b = q.local_rows(engine.rank)
+        local.copy_(_read(directory, world, f"param.{q.name}", q, a, b, local).view(local.shape))
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(engine, optimizer, index, directory, world))
     _barrier(engine)
@@ -186,9 +194,8 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
 def _optimizer_state(engine: ShardedParameters, optimizer: torch.optim.Optimizer, index: dict[str, Any],
                      directory: Path, world: int) -> dict[str, Any]:
     saved = index["optimizer"]
-    chunks = {u.index: saved_unit["chunk"] for u, saved_unit in zip(engine.units, index["units"])}
     state: dict[int, dict[str, Any]] = {}
-    for i, unit, q in indexed_params(engine, optimizer):
+    for i, _, q in indexed_params(engine, optimizer):
         entry = saved["state"].get(str(i))
         if entry is None:
             continue
@@ -200,14 +207,12 @@ def _optimizer_state(engine: ShardedParameters, optimizer: torch.optim.Optimizer
                 state[i][key] = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"].removeprefix("torch.")))
             else:
                 state[i][key] = value
-        seg = engine.segment(q, unit.chunk)
-        low = engine.rank * unit.chunk
+        local = local_of(q.param)
+        a, b = q.local_rows(engine.rank)
         for key in entry.get("per_element", []):
-            if seg:
-                state[i][key] = _read(directory, world, chunks[unit.index], f"unit.{unit.index}.optim.{key}",
-                                      low + seg[0], low + seg[1], q.param).to(q.param.device)
-            else:
-                state[i][key] = q.param.new_zeros(0)
+            rows = _read(directory, world, f"optim.{i}.{key}", q, a, b, local).to(local.device)
+            state[i][key] = like_param(rows.view(q.local_shape(engine.rank)), q, engine.mesh)
     groups = [{k: tuple(v["tuple"]) if isinstance(v, dict) and set(v) == {"tuple"} else v for k, v in g.items()}
               for g in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
+

@@ -79,7 +79,7 @@ from ddpkit.comm.bucket import CommHook, GradBucket
 from ddpkit.parallel.ddp.buckets import BucketLayout, payload
 from ddpkit.parallel.ddp.reducer import Reducer
 from ddpkit.parallel.ddp.unused import refuse_unused
-from ddpkit.parallel.zero.units import all_gather_flat
+from ddpkit.parallel.zero.flat import all_gather_flat
 from ddpkit.runtime import events
 from ddpkit.runtime.compat import reduce_scatter_tensor
 

@@ -1,63 +1,75 @@
 """ZeRO stage 3: the parameters sharded too, gathered unit by unit for forward and for backward.
 
 :class:`ShardedParameters` is the engine of ``DistributedDataParallel(module,
-zero_stage=3)`` (it stands where stage 0's and stage 2's reducer stand).
+zero_stage=3)`` (it stands where stage 0's and stage 2's reducer stand). The
+units and the layout of the shards are :mod:`ddpkit.parallel.zero.units`'s;
+gathering and freeing, :mod:`ddpkit.parallel.zero.gathering`'s.
 
-Units
-    The model is cut into units (:func:`find_units`): by default each child
-    holding parameters of the outermost ``nn.Sequential``/``nn.ModuleList``
-    containers (the blocks of a transformer, the residual blocks of a ResNet),
-    or every outermost module of the classes given as ``zero_units`` (FSDP's
-    wrapping policy). The parameters outside every unit form the *root unit*.
-    A parameter shared by two units is refused by name. A unit may mix frozen
-    and trained parameters (a fine-tuned block with frozen weights and trained
-    adapters): the frozen ones are gathered with it but get no gradient, and
-    their part of the unit's reduction is zeros. The parameters each keep
-    their identity: every ``nn.Parameter`` of the model becomes a
-    one-dimensional view of this rank's shard (its *segment*, maybe empty), so
-    an optimizer built over ``model.parameters()`` (param groups as the user
-    makes them) steps on the shard.
-Shards
-    A unit's parameters, each flattened in registration order, concatenated
-    and padded with zeros to a multiple of the world size ``W``, are cut into
-    ``W`` equal chunks; rank ``r`` keeps chunk ``r`` (:attr:`Unit.shard`).
+Parameters
+    Every parameter of the model becomes a ``DTensor`` of its true shape
+    holding this rank's rows, so any torch optimizer built over
+    ``model.parameters()`` *after wrapping* steps this rank's shard (an
+    optimizer built before holds the replaced tensors: its first step is
+    refused by name), ``torch.nn.utils.clip_grad_norm_`` and
+    ``clip_grad_value_`` act on the whole model's gradient, and torch's
+    ``GradScaler`` finds an overflow on any rank on every rank.
 Forward
-    Before a unit's forward its shards are all-gathered into one flat buffer
-    (:attr:`Unit.full`, a leaf tensor of autograd) and its modules see their
-    parameters as views of it; the next unit's all-gather is started at the
-    same time (prefetch: asynchronous, so it runs while this unit computes;
-    the order is that of the previous forward, the registration order at
-    first). After the forward the buffer's memory is freed
-    (``reshard_after_forward=True``, the default) or kept until backward.
-Backward
-    A hook on the unit's outputs gathers the unit again as soon as the first
-    gradient reaches them (and starts the gather of the unit before it). When
-    autograd has accumulated the buffer's gradient, it is averaged
-    (pre-scaled by ``1/W`` as DDP's gradients are) and reduce-scattered
-    (NCCL's reduce-scatter; on gloo direct messages, :mod:`ddpkit.comm.direct`),
-    asynchronously, while backward goes on; the
-    buffer's memory is freed. At the end of backward each parameter's
-    ``.grad`` is its segment of the averaged gradient (added to what it held,
-    as DDP's accumulate).
+    Before a unit's forward its shards are all-gathered and its modules see
+    the whole parameters (the unit's *leaves*); the next unit's all-gather is
+    started at the same time (prefetch, in the order of the previous forward).
+    After the forward the unit is freed (``reshard_after_forward=True``, the
+    default; the last unit, the first of the backward, is kept) or kept until
+    its backward. A forward without grad gathers and frees alike.
+Backward, as autograd runs it
+    A hook on a unit's outputs gathers it again when the first gradient
+    reaches them; an autograd function on its inputs frees it when the
+    gradient has gone through it to them (FSDP2's pre- and post-backward), so
+    a frozen unit is freed after its backward use, as a trained one is. The
+    leaves are the same tensors in every forward, so autograd itself adds the
+    gradients of several forwards, or of a second backward, into them. A unit
+    is reduced as soon as every trained parameter of it has its gradient for
+    this backward: averaged (pre-scaled by ``1/W`` as DDP's gradients are) in
+    ``reduce_dtype`` and reduce-scattered asynchronously while backward goes
+    on, the units going out in one order on every rank (the last unit first,
+    the root unit last; a ready unit waits for those before it). At the end of
+    backward (autograd's queued callback) what is left is reduced, every
+    reduction waited for, and each parameter's ``.grad`` (a ``DTensor`` of
+    its rows) gets this rank's rows of the average, added to what it held.
+Which backwards synchronise
+    A backward after a forward run outside ``no_sync()`` (as DDP decides it).
+    A pass in which no parameter's gradient is accumulated
+    (``torch.autograd.grad``) is not one. A second backward through the same
+    graph (``retain_graph=True``) reduces its gradients too, added to the
+    first's: DDP adds them locally without averaging, which would leave each
+    rank's shard with other ranks' rows of a different sum (FSDP2 reduces them
+    as this engine does).
+``no_sync``
+    Outside synchronisation the gradients accumulate whole in the leaves (one
+    unit's parameters each: the documented cost), and the next synchronised
+    backward reduces the sum.
+Unused parameters
+    Without ``find_unused_parameters``, a trained parameter that gets no
+    gradient in a synchronised backward is reduced as zeros (so no rank
+    waits) and the backward raises, naming it, as DDP's does. With it, the
+    units whose gradients are complete still go out during backward, the rest
+    at its end (zeros for what this rank lacks), and one all-reduce of the
+    ranks' used-parameter maps decides: a parameter no rank used keeps its
+    ``.grad`` (``None`` stays ``None``), one used somewhere gets the average.
+    Only the units some parameter of which went unused hold their whole
+    gradients to the end of backward.
 Activation checkpointing
     A recomputation in backward (around a unit, inside it, or of a root
-    module; reentrant or not) sees the unit gathered and bound: see
-    :meth:`ShardedParameters._recompute`. Checkpointing the whole wrapped
-    model (its root's forward) is not supported: checkpoint its units.
-``no_sync``
-    Outside synchronisation each unit's gradient accumulates unsharded (full
-    size, one buffer per unit: the documented cost), and the next synchronised
-    backward reduces the sum.
-``find_unused_parameters``
-    Without it a unit whose forward ran but that got no gradient makes the
-    backward raise, naming it. With it, every unit's gradient is reduced at the
-    end of backward, in unit order (zeros for a unit without one), so the
-    ranks' collectives line up whatever each of them used; no overlap.
+    module; reentrant or not) sees the unit gathered, with the same leaves.
+    Checkpointing the whole wrapped model (its root's forward) is not
+    supported: checkpoint its units.
 Mixed precision
     ``param_dtype`` (e.g. ``torch.bfloat16``): the shards stay in their dtype
     (fp32), the units are gathered in ``param_dtype``, so forward and backward
     compute in it; ``reduce_dtype`` (default ``param_dtype``, as FSDP2's
     ``MixedPrecisionPolicy``) is the dtype the gradients are averaged in.
+Meta-device models
+    See :mod:`ddpkit.parallel.zero.materialize`: a model built on the meta
+    device is materialised unit by unit, this rank keeping its shard.
 
 Observers (:meth:`ShardedParameters.add_observer`) see each unit's reduction
 as a bucket's. Refused, each with the reason: a comm hook, ``static_graph``,
@@ -66,10 +78,12 @@ as a bucket's. Refused, each with the reason: a comm hook, ``static_graph``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,8 +91,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
+from ddpkit.parallel.zero.flat import reduce_scatter_flat
 from ddpkit.parallel.zero.gathering import Gathering
 from ddpkit.parallel.zero.units import (
     Launched,
@@ -86,18 +103,17 @@ from ddpkit.parallel.zero.units import (
     UnitParam,
     cast_floats,
     find_units,
-    flatten_grads,
+    like_param,
+    local_of,
+    make_mesh,
     make_units,
-    reduce_scatter_flat,
-    segment,
-    settle,
+    shard_whole,
     tensors_in,
 )
-from ddpkit.parallel.zero.whole import shard_state, whole_state
 from ddpkit.runtime import events
-from ddpkit.runtime.devices import comm_tensor
+from ddpkit.runtime.devices import comm_device, comm_tensor
 
-__all__ = ["ShardedParameters", "engine_of", "sharded_parameters"]
+__all__ = ["ShardedParameters", "engine_of", "is_sharded", "optimizer_over_shards"]
 
 _ENGINES: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 """id(module) -> (the module, its stage-3 engine), both held weakly."""
@@ -110,24 +126,69 @@ def engine_of(module: nn.Module) -> ShardedParameters | None:
         return None
     return entry[1]()
 
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a stage-3 shard (a DTensor)."""
+    return hasattr(param, "to_local") and hasattr(param, "placements")
+
+
+_REPLACED = "_ddpkit_replaced_by_shard"
+"""The mark on a parameter object that wrapping replaced by its shard (an optimizer that holds one steps nothing)."""
+_CHECKED: weakref.WeakSet = weakref.WeakSet()
+_STEP_HOOK: list[Any] = []
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global optimizer step pre-hook: an optimizer over parameters a stage-3 wrapping replaced is refused at
+    its first step (it would step tensors no model uses)."""
+    if optimizer in _CHECKED:
+        return
+    _CHECKED.add(optimizer)
+    if any(getattr(p, _REPLACED, False) for g in optimizer.param_groups for p in g["params"]):
+        _CHECKED.discard(optimizer)
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that DistributedDataParallel(zero_stage=3) replaced by "
+            "their shards when it wrapped the model, so this step would change tensors the model no longer uses: "
+            "build the optimizer after wrapping, over model.parameters() (as with FSDP2's fully_shard)")
+
+
+class _AtInputs(torch.autograd.Function):
+    """Passes a unit's forward inputs on unchanged; its backward, when the gradient has gone through the unit
+    to its inputs, tells the engine that this call's backward is done (FSDP2's post-backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)
+
+
 class ShardedParameters:
     """ZeRO stage 3's engine (see the module notes).
 
     Args:
-        module: the model, its parameters equal on every rank already.
+        module: the model, its parameters equal on every rank already (or on the meta device).
         process_group: the ranks that share the model.
         units: classes whose outermost instances are units (``None``: the default units).
         reshard_after_forward: free a unit's gathered parameters after its forward (``False``: after its backward).
-        find_unused_parameters: allow units that get no gradient (every unit reduced at the end of backward).
+        find_unused_parameters: allow parameters that get no gradient (see the module notes).
         param_dtype: the dtype units are gathered and computed in (``None``: the parameters' own).
         reduce_dtype: the dtype gradients are averaged in (``None``: ``param_dtype``).
+        init: for a meta-device model, what initialises each module (see
+            :mod:`ddpkit.parallel.zero.materialize`; ``None``: its ``reset_parameters()``).
+        device: where a meta-device model is materialised (``None``: where the group's collectives run).
         owner: the name the errors use.
     """
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None,
                  units: Sequence[type[nn.Module]] | None = None, reshard_after_forward: bool = True,
                  find_unused_parameters: bool = False, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, owner: str = "DDP") -> None:
+                 reduce_dtype: torch.dtype | None = None, init: Any = None, device: torch.device | None = None,
+                 owner: str = "DDP") -> None:
         if units is not None:
             units = tuple(units) if isinstance(units, (tuple, list)) else (units,)
             bad = [u for u in units if not (isinstance(u, type) and issubclass(u, nn.Module))]
@@ -138,6 +199,9 @@ class ShardedParameters:
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"zero_{name}={dtype!r}: give a floating dtype (torch.bfloat16, torch.float16, "
                                  "torch.float32) or None")
+        if init is not None and not callable(init):
+            raise TypeError(f"zero_init={init!r}: give a function of one module (called on every module, "
+                            "children first, as nn.Module.apply calls it) or None")
         self.module = module
         self.owner = owner
         self.group = process_group
@@ -150,29 +214,104 @@ class ShardedParameters:
         self.div_factor: int | None = self.world_size
         """What the gradients are divided by (the wrapper sets it before each forward)."""
         self.armed = False
-        """The coming backward synchronises."""
+        """The backwards of the last forward synchronise."""
         self.step = 0
+        self.sharded_state_dict = False
+        """``state_dict()`` leaves the parameters as this rank's shards (DTensors) while set."""
         self.observers = Observers(owner)
+        on_meta = any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers())
+        if device is None:
+            first = next(module.parameters(), None)
+            device = comm_device(process_group) if first is None or first.is_meta else first.device
+        self.device = torch.device(device)
+        self.mesh = make_mesh(process_group, self.device.type)
+        replaced = list(module.named_parameters())  # the names are the units' (the same walk, the same order)
         self.units = make_units(module, find_units(module, units), owner=owner, rank=self.rank,
-                                world_size=self.world_size, param_dtype=param_dtype)
-        self.params = [p.param for u in self.units for p in u.params]
-        """Every parameter, unit by unit (each a view of this rank's shard)."""
+                                world_size=self.world_size, mesh=self.mesh, param_dtype=param_dtype)
+        by_name = {q.name: q for u in self.units for q in u.params}
+        self._replaced = {id(p): by_name[n] for n, p in replaced}
+        """id of each parameter wrapping replaced -> its unit parameter (:meth:`shard_of`)."""
+        for _, p in replaced:
+            setattr(p, _REPLACED, True)
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_replaced))
         self.order: list[int] = [u.index for u in self.units if u.name]
         """The units' forward order in the last forward (the registration order at first)."""
-        self.whole = Gathering(process_group, self.world_size, owner, self._leaf_ready)
+        self.launch_order = sorted(self.units, key=lambda u: -u.index)
+        """The order units are reduced in, the same on every rank: the last unit first, the root unit last."""
+        self.whole = Gathering(process_group, self.world_size, self.rank, owner, self._on_grad)
         self._seen: list[int] = []
-        self._queued = False
+        self._calls = itertools.count()
+        self._in_forward: dict[int, tuple[int, bool]] = {}
+        self._in_backward = False
+        self._cursor = 0
+        self._any_grad = False
+        self._saving: Any = None
+        self._hold = False
+        """A backward that gave no parameter a gradient left the units gathered for the next one (see
+        :meth:`_end_backward`)."""
         self._handles = self._install_hooks()
+        if on_meta:
+            from ddpkit.parallel.zero.materialize import materialize
 
-    def segment(self, q: UnitParam, chunk: int) -> tuple[int, int] | None:
-        """``q``'s elements in this rank's chunk, relative to the chunk (``None``: none)."""
-        return segment(q, chunk, self.rank)
+            materialize(self, init, self.device)
+        self._by_buffer = {id(u.full): u for u in self.units}
+        """The units by their gathered buffer (what a saved parameter's view has as its base)."""
 
-    # -- hooks --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sharded_state(self) -> Iterator[None]:
+        """Within it, ``state_dict()`` shows this rank's shards (DTensors of the true shapes): nothing gathered."""
+        before, self.sharded_state_dict = self.sharded_state_dict, True
+        try:
+            yield
+        finally:
+            self.sharded_state_dict = before
+
+    @property
+    def root(self) -> Unit | None:
+        """The unit of the parameters outside every unit (``None``: there are none)."""
+        return self.units[0] if self.units and not self.units[0].name else None
+
+    def shard_of(self, param: torch.Tensor) -> nn.Parameter:
+        """The parameter that replaced ``param`` (one of the model's before wrapping), or ``param`` itself if it is
+        one of the model's now: to rebuild an optimizer made before wrapping (see
+        :func:`ddpkit.parallel.zero.stage3.optimizer_over_shards`)."""
+        q = self._replaced.get(id(param))
+        if q is not None:
+            return q.param
+        if any(param is p for p in self.params):
+            return param
+        raise ValueError(f"{self.owner}(zero_stage=3): a tensor of shape {list(param.shape)} is not one of the "
+                         "model's parameters")
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every parameter, unit by unit (each this rank's shard)."""
+        return [q.param for u in self.units for q in u.params]
+
+    def adopt(self) -> None:
+        """Take up parameters replaced since wrapping (``load_state_dict(assign=True)``, ``to_empty``, an
+        assignment): a whole tensor is cut to this rank's shard, and a tied parameter is the same tensor in each
+        module that registers it."""
+        for u in self.units:
+            for q in u.params:
+                p = q.param
+                if self.mesh is not None and not is_sharded(p):
+                    if p.shape != q.shape:
+                        raise ValueError(f"{self.owner}(zero_stage=3): parameter {q.name!r} was replaced by a tensor "
+                                         f"of shape {list(p.shape)}, where it has {list(q.shape)}: a sharded model "
+                                         "keeps its parameters' shapes")
+                    p = shard_whole(p, q, self.mesh, self.rank, p.requires_grad)
+                    q.owners[0][0]._parameters[q.owners[0][1]] = p
+                for m, attr in q.owners[1:]:
+                    if m._parameters[attr] is not p:
+                        m._parameters[attr] = p
+
+    # -- forward --------------------------------------------------------------------------------------
 
     def _install_hooks(self) -> list[Any]:
         handles = [self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
-                   self.module.register_forward_hook(self._root_post_forward)]
+                   self.module.register_forward_hook(self._root_post_forward, always_call=True)]
         for u in self.units:
             if u.name:
                 handles.append(u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u),
@@ -185,65 +324,105 @@ class ShardedParameters:
             h.remove()
         self._handles = []
 
-    def _cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _cast(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The floating tensors of a forward's inputs in ``param_dtype`` (FSDP2's ``cast_forward_inputs``)."""
         if self.param_dtype is None:
-            return None
+            return args, kwargs
         return cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
 
-    # Under torch.compile the four forward hooks run eagerly (Dynamo breaks the graph at each, and compiles the
-    # modules between them): their gathers, frees and bindings change per unit and per step, so traced they
-    # would be recompiled for every unit (and past Dynamo's limit fall back to eager with a warning).
+    # Under torch.compile the forward hooks run eagerly (Dynamo breaks the graph at each, and compiles the modules
+    # between them): their gathers, frees and bindings change per unit and per step.
     @torch.compiler.disable
-    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if any(u.ran or u.gathered for u in self.units):  # a forward whose backward never came: start afresh
-            self._end_iteration()
-        # A backward that raised never ran its end: the next forward is not a recomputation (see _recompute;
-        # checkpointing the whole model, its root's forward, is not supported: checkpoint its units).
-        self._queued = False
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._in_backward:  # a backward that raised never reached its end (a root forward starts afresh)
+            hold, self._hold = self._hold, False
+            self._end_of_backward_state()
+            self._hold = hold
+        self.adopt()
         self._seen = []
-        root = self.units[0] if self.units and not self.units[0].name else None
+        root = self.root
         if root is not None:
             self.whole.gather(root, wait=True)
             self.whole.bind(root)
-            root.ran = root.ran or torch.is_grad_enabled()
         if self.order:
             self.whole.gather(self.units[self.order[0]], wait=False)
+        if torch.is_grad_enabled():
+            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saving.__enter__()
         return self._cast(args, kwargs)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        """What autograd saves of ``tensor``: a parameter of a unit (or a view of one) with its unit, so that the
+        backward that reads it finds the unit gathered, whatever order it runs in (a gradient penalty's double
+        backward, a loss that enters a unit by another way than its outputs)."""
+        base = tensor._base
+        unit = self._by_buffer.get(id(base)) if base is not None else None
+        return tensor if unit is None or unit.full is not base else (unit, tensor)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, tuple):
+            unit, tensor = saved
+            if not unit.gathered or unit.work is not None:
+                self._begin_backward()
+                self.whole.gather(unit, wait=True)
+            return tensor
+        return saved
 
     @torch.compiler.disable
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        root = self.units[0] if self.units and not self.units[0].name else None
+        saving, self._saving = self._saving, None
+        if saving is not None:  # (this hook runs when the forward raised too)
+            saving.__exit__(None, None, None)
         if self._seen and self._seen != self.order:
             self.order = list(self._seen)
+        grad = torch.is_grad_enabled()
+        root = self.root
         if root is not None:
-            self.whole.unbind(root)
-            if torch.is_grad_enabled():
-                self.whole.bind(root, counted=False)  # gathered until its gradients are in: for a recomputation
+            if grad:
+                self.whole.unbind(root)  # kept gathered for the backward (its first and last parameters' use)
             else:
                 self.whole.free(root)
-        if not torch.is_grad_enabled():
-            self._seen = []
+        if grad:
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
+            if tensors:  # backward begins here: its end is this (outermost) backward's, not a nested one's
+                register_multi_grad_hook(tensors, lambda grads: self._begin_backward(), mode="any")
 
     @torch.compiler.disable
-    def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self._queued:
-            return self._recompute(u, args, kwargs)
+    def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._in_backward:  # a recomputation (activation checkpointing): the unit as in the forward
+            self.whole.gather(u, wait=True)
+            self.whole.bind(u)
+            return self._cast(args, kwargs)
         self.whole.gather(u, wait=True)
         self.whole.bind(u)
         if u.index not in self._seen:
             self._seen.append(u.index)
-        if torch.is_grad_enabled():
-            u.ran = True
         nxt = self._neighbour(u, +1)
         if nxt is not None:
             self.whole.gather(nxt, wait=False)
+        if torch.is_grad_enabled():
+            call = next(self._calls)
+            args, kwargs, watched = self._watch_inputs(u, call, args, kwargs)
+            self._in_forward[u.index] = (call, watched)
         return self._cast(args, kwargs)
+
+    def _watch_inputs(self, u: Unit, call: int, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+        """The inputs passed through :class:`_AtInputs` (those that require grad), to learn when this call's
+        backward has reached them."""
+        leaves, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return args, kwargs, False
+        passed = _AtInputs.apply(functools.partial(self._post_backward, u, call), *(leaves[i] for i in at))
+        for i, t in zip(at, passed):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, spec)
+        return args, kwargs, True
 
     @torch.compiler.disable
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        if self._queued:
-            return  # a recomputation (see _recompute): the unit stays gathered and bound until its gradients are in
+        if self._in_backward:
+            return  # a recomputation: the unit stays gathered and bound until its backward is done
         self.whole.unbind(u)
         grad = torch.is_grad_enabled()
         # The last unit of the forward is the first of the backward: kept, rather than freed and gathered again.
@@ -251,57 +430,10 @@ class ShardedParameters:
         if not grad or (self.reshard_after_forward and not last):
             self.whole.free(u)
         if grad:
+            call, watched = self._in_forward.pop(u.index, (-1, False))
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, lambda grads, u=u: self._pre_backward(u), mode="any")
-
-    def _recompute(self, u: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """The unit's forward run again inside this model's backward: activation checkpointing.
-
-        Non-reentrant checkpointing (``use_reentrant=False``) recomputes only the values autograd saved; the
-        gradients still flow to the leaves of the first forward, so the unit is bound to uncounted leaves, and
-        nothing of the forward's bookkeeping (order, prefetch, freeing) happens. Reentrant checkpointing ran the
-        first forward without grad, and its recomputation is the forward the gradients flow through: leaves.
-        """
-        self.whole.gather(u, wait=True)
-        counted = torch.is_grad_enabled() and not u.ran
-        self.whole.bind(u, counted=counted)
-        u.ran = u.ran or counted
-        return self._cast(args, kwargs)
-
-    def _pre_backward(self, u: Unit) -> None:
-        self._queue_finish()
-        self.whole.gather(u, wait=True)
-        with torch.enable_grad():  # (off in backward) leaves, as in the forward the recomputation must repeat
-            self.whole.bind(u, counted=False)  # checkpointing inside the unit recomputes through its modules' attributes
-        prev = self._neighbour(u, -1)
-        if prev is not None:
-            self.whole.gather(prev, wait=False)
-
-    def _leaf_ready(self, u: Unit, i: int, leaf: torch.Tensor) -> None:
-        """A gathered parameter's gradient is in: kept (its ``.grad`` let go); the unit is done when all are."""
-        self._queue_finish()
-        grad, leaf.grad = leaf.grad, None
-        u.grads[i] = grad if u.grads[i] is None else u.grads[i] + grad
-        u.arrived += 1
-        if u.arrived == u.expected:
-            self._unit_done(u)
-
-    def _unit_done(self, u: Unit) -> None:
-        """Every gradient of the unit is in (or backward ended): free its parameters first, then make its flat
-        gradient (so the two are never whole at once), and reduce it or keep it."""
-        self.whole.unbind(u)
-        self.whole.free(u)
-        flat = flatten_grads(u, self.reduce_dtype or u.full.dtype)
-        if self.armed and not self.find_unused:
-            self._reduce(u, flat)
-        else:
-            u.acc = flat
-
-    def _queue_finish(self) -> None:
-        if not self._queued:
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
+                register_multi_grad_hook(tensors, lambda grads: self._pre_backward(u, call, watched), mode="any")
 
     def _neighbour(self, u: Unit, step: int) -> Unit | None:
         order = self.order
@@ -310,83 +442,206 @@ class ShardedParameters:
         at = order.index(u.index) + step
         return self.units[order[at]] if 0 <= at < len(order) else None
 
-    # -- reduction ----------------------------------------------------------------------------------
+    # -- backward -------------------------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+            root = self.root
+            if root is not None:  # the root's parameters are used last in forward and first in backward
+                self.whole.gather(root, wait=True)
+                self.whole.bind(root)
+
+    def _pre_backward(self, u: Unit, call: int, watched: bool) -> None:
+        self._begin_backward()
+        self.whole.gather(u, wait=True)
+        self.whole.bind(u)  # a recomputation inside the unit reads its modules' attributes
+        if watched:
+            u.open_calls.add(call)
+        prev = self._neighbour(u, -1)
+        if prev is not None:
+            self.whole.gather(prev, wait=False)
+
+    def _post_backward(self, u: Unit, call: int) -> None:
+        """The gradient of one of the unit's forward calls has gone through it: free it if no call is left."""
+        u.open_calls.discard(call)
+        if not u.open_calls and u.gathered and u is not self.root and self._any_grad and not self._hold:
+            self.whole.free(u)
+
+    def _on_grad(self, u: Unit, i: int) -> None:
+        """Autograd has accumulated a gradient into the unit's ``i``-th leaf."""
+        self._begin_backward()
+        self._any_grad = True
+        u.arrived.add(i)
+        if u.expect is None:
+            u.expect = set(u.trained)
+        if u.ready or not u.expect <= u.arrived:
+            return
+        u.ready = True
+        all_trained = len(u.expect) == len(u.params)
+        if self.armed:
+            position = self.launch_order.index(u)
+            if position < self._cursor:  # reduced once in this backward already (reentrant checkpointing)
+                self._launch(u)
+            else:
+                self._launch_ready()
+        # Every trained parameter's gradient is in, so no node of this backward reads them any more; a frozen one
+        # may still be read (by another input's gradient), and a call still open reads it all.
+        if not u.open_calls and u is not self.root and all_trained and not self._hold:
+            self.whole.free(u)
+
+    def _launch_ready(self) -> None:
+        order = self.launch_order
+        while self._cursor < len(order):
+            u = order[self._cursor]
+            if u.trained:
+                if not u.ready:
+                    return
+                self._launch(u)
+            self._cursor += 1
+
+    # -- reduction ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _reduce(self, u: Unit, grad: torch.Tensor | None) -> None:
-        """Average ``grad`` (the unit's flat gradient; ``None``: zeros) over the ranks, asynchronously."""
+    def _launch(self, u: Unit) -> None:
+        """Average the unit's gradients over the ranks, asynchronously (zeros for a parameter without one)."""
         dtype = self.reduce_dtype or u.full.dtype
-        if grad is None:
-            flat = torch.zeros(u.full.numel(), dtype=dtype, device=u.full.device)
-        elif grad.dtype != dtype:
-            flat = grad.to(dtype)
-        else:
-            flat = grad
+        w = self.world_size
+        had, pieces = [], []
+        for q in u.params:
+            grad = q.leaf.grad if q.leaf is not None and q.param.requires_grad else None
+            had.append(grad is not None)
+            if q.leaf is not None:
+                q.leaf.grad = None
+            if grad is None:
+                pieces.append(torch.zeros((), dtype=dtype, device=u.full.device).expand(w, q.piece))
+            elif q.replicated:  # every rank's part holds it: each gets the sum
+                pieces.append(grad.reshape(1, 1).to(dtype).expand(w, 1))
+            else:
+                flat = grad.reshape(-1).to(dtype)
+                if flat.numel() < w * q.piece:
+                    flat = torch.cat([flat, flat.new_zeros(w * q.piece - flat.numel())])
+                pieces.append(flat.view(w, q.piece))
+        used = sum(q.piece for q in u.params)
+        if used < u.chunk:
+            pieces.append(torch.zeros((), dtype=dtype, device=u.full.device).expand(w, u.chunk - used))
+        flat = torch.empty(w * u.chunk, dtype=dtype, device=u.full.device)
+        torch.cat(pieces, dim=1, out=flat.view(w, u.chunk))
+        del pieces
         if self.div_factor is not None and self.div_factor != 1:
             flat.mul_(1.0 / self.div_factor)  # DDP's averaging by pre-scaling: the same products
-        u.reduced = True
-        # The reductions before this one have had a unit's backward to finish: their full-size buffers go now,
-        # so that at most one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
+        u.arrived.clear()
+        u.ready = False
+        u.expect = None
+        # The reductions before this one have had a unit's backward to finish: their inputs go now, so that at most
+        # one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
         for before in self.units:
-            if before.pending:
-                settle(before, self.rank)
+            self._wait(before)
         nbytes = flat.numel() * flat.element_size()
         if self.observers.ready:
             self.observers.bucket_ready(u.index, nbytes, self.step)
         work = None
-        if self.world_size == 1:
-            u.pending.append((flat, None))
+        if w == 1:
+            u.pending.append((flat, None, had))
         else:
             events.collective("{} zero-3 unit {} reduce-scatter", self.owner, u.index, step=self.step, nbytes=nbytes)
             out = flat.new_empty(u.chunk)
             work = reduce_scatter_flat(out, flat, self.group)
-            u.pending.append((out, work))
+            u.pending.append((out, work, had))
         if self.observers.launch or self.observers.done:
             # The unit stands for a bucket: its index, and the reduction the done event waits for.
             self.observers.launched(Launched(u.index, work), nbytes, self.step)
 
-    def _finish_backward(self) -> None:
-        self._queued = False
-        try:
-            # Units whose gradients did not all come (a parameter unused): what came, zeros for the rest, in unit
-            # order, so that every rank's collectives line up.
-            short = [u for u in self.units if u.requires_grad and u.expected and u.arrived < u.expected]
-            for u in short:
-                self._unit_done(u)
-            if self.armed:
-                if self.find_unused:
-                    # DDP's rule: a unit no rank used keeps its .grad; one used somewhere gets the average.
-                    trained = [u for u in self.units if u.requires_grad]
-                    used = comm_tensor([float(u.acc is not None) for u in trained], torch.float32, self.group)
-                    if self.world_size > 1:
-                        dist.all_reduce(used, group=self.group)
-                    for u, count in zip(trained, used.tolist()):
-                        flat, u.acc = u.acc, None
-                        if count:
-                            self._reduce(u, flat)
-                observed = self.observers.wait or self.observers.done
-                start = time.perf_counter() if observed else 0.0
-                for u in self.units:
-                    settle(u, self.rank)
-                if observed:
-                    self.observers.waited(start, time.perf_counter(), self.step)
-                self.step += 1
-                if short and not self.find_unused:
-                    names = ", ".join(repr(u.name or "(root)") for u in short)
-                    raise RuntimeError(
-                        f"{self.owner}(zero_stage=3): units {names} ran forward but did not get a gradient for every "
-                        "parameter in this backward; pass find_unused_parameters=True if some parameters take no "
-                        "part in the loss")
-        finally:
-            self._end_iteration()
+    @staticmethod
+    def _wait(u: Unit) -> None:
+        for k, (out, work, had) in enumerate(u.pending):
+            if work is not None:
+                work.wait()
+                u.pending[k] = (out, None, had)
 
-    def _end_iteration(self) -> None:
+    def _used_everywhere(self) -> dict[int, bool]:
+        """Which trained parameters some rank has a gradient for (a collective: one all-reduce), by id of the
+        :class:`UnitParam`."""
+        entries = [(u, i, q) for u in self.units for i, q in enumerate(u.params) if q.param.requires_grad]
+        mine = [float(any(had[i] for _, _, had in u.pending)) for u, i, _ in entries]
+        flags = comm_tensor(mine, torch.float32, self.group)
+        if self.world_size > 1 and flags.numel():
+            events.collective("{} zero-3 all-reduce of the used-parameter map", self.owner, step=self.step,
+                              nbytes=flags.numel() * 4)
+            dist.all_reduce(flags, group=self.group)
+        return {id(q): bool(f) for (_, _, q), f in zip(entries, flags.tolist())}
+
+    @torch.no_grad()
+    def _deliver(self, u: Unit, used: dict[int, bool] | None) -> None:
+        """Add this rank's rows of the unit's averaged gradients into its parameters' ``.grad``."""
+        self._wait(u)
+        for out, _, _ in u.pending:
+            for q in u.params:
+                p = q.param
+                if not p.requires_grad or (used is not None and not used.get(id(q), False)):
+                    continue  # frozen, or used by no rank: its .grad stays as it is, as under DDP
+                shape = q.local_shape(self.rank)
+                grad = out[q.offset: q.offset + shape.numel()].view(shape)
+                if grad.dtype != p.dtype:
+                    grad = grad.to(p.dtype)
+                if p.grad is None:
+                    p.grad = like_param(grad, q, self.mesh)
+                else:
+                    local_of(p.grad).add_(grad)
+        u.pending = []
+
+    def _end_backward(self) -> None:
+        """The end of backward (autograd's queued callback)."""
+        self._in_backward = False
+        if not self._any_grad:
+            # No parameter got a gradient (torch.autograd.grad): not the backward that synchronises. Its graph, made
+            # with create_graph=True (a gradient penalty), saved views of the gathered units that the next backward
+            # reads in any order: the units stay gathered until that backward ends.
+            self._hold = True
+            for u in self.units:
+                u.open_calls.clear()
+            return
+        try:
+            if not self.armed:
+                return  # no_sync: the leaves keep their sums
+            for u in self.launch_order[self._cursor:]:
+                if u.trained:
+                    self._launch(u)
+            self._cursor = len(self.launch_order)
+            used = self._used_everywhere() if self.find_unused else None
+            observed = self.observers.wait or self.observers.done
+            start = time.perf_counter() if observed else 0.0
+            missing = [q.name for u in self.units for i, q in enumerate(u.params)
+                       if q.param.requires_grad and u.pending and not any(had[i] for _, _, had in u.pending)]
+            for u in self.units:
+                self._deliver(u, used)
+            if observed:
+                self.observers.waited(start, time.perf_counter(), self.step)
+            self.step += 1
+            if missing and not self.find_unused:
+                listed = ", ".join(repr(n) for n in missing)
+                raise RuntimeError(
+                    f"{self.owner}(zero_stage=3): {len(missing)} parameter(s) got no gradient in this backward: "
+                    f"{listed}. Every parameter that requires grad must take part in the loss of every "
+                    "synchronised step; if some legitimately do not, pass find_unused_parameters=True")
+        finally:
+            self._end_of_backward_state()
+
+    def _end_of_backward_state(self) -> None:
+        self._in_backward = False
+        self._hold = False
         for u in self.units:
-            self.whole.unbind(u)
+            self._wait(u)
+            u.pending = []
             self.whole.free(u)
-            u.ran = u.reduced = False
-            u.grads, u.arrived, u.expected = [None] * len(u.params) if u.grads else [], 0, 0
-        self._seen = []
+            u.open_calls.clear()
+            u.arrived.clear()
+            u.ready = False
+            u.expect = None
+        self._cursor = 0
+        self._any_grad = False
+        self._in_forward.clear()
 
     # -- what the wrapper calls as it calls a reducer --------------------------------------------------
 
@@ -405,8 +660,8 @@ class ShardedParameters:
                            "zero_stage=0 to use a comm hook")
 
     def add_observer(self, observer: Observer) -> ObserverHandle:
-        """Attach ``observer``: each unit's reduction is a bucket's (its index the unit's), then the wait at the
-        end of backward (see :mod:`ddpkit.parallel.ddp.observer`)."""
+        """Attach ``observer``: each unit's reduction is a bucket's (its index the unit's), then the wait at the end
+        of backward (see :mod:`ddpkit.parallel.ddp.observer`)."""
         return self.observers.add(observer)
 
     def set_static_graph(self) -> None:
@@ -416,12 +671,31 @@ class ShardedParameters:
         raise RuntimeError("join() is not supported with zero_stage=3")
 
 
+def optimizer_over_shards(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class, param groups and settings over the shards that replaced its
+    parameters when ``model`` (or the module of the DDP that wraps it) was wrapped with ``zero_stage=3``. Its
+    state is not carried over: rebuild it before the first step."""
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    engine = engine_of(inner)
+    if engine is None:
+        raise ValueError(f"{type(model).__name__} does not shard its parameters (zero_stage=3)")
+    if optimizer.state:
+        raise ValueError(f"{type(optimizer).__name__} has stepped already: its state cannot move to the shards; "
+                         "build the optimizer after wrapping")
+    groups = [{**g, "params": [engine.shard_of(p) for p in g["params"]]} for g in optimizer.param_groups]
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
 def sharded_parameters(module: nn.Module, process_group: dist.ProcessGroup | None, find_unused_parameters: bool,
                        settings: dict[str, Any]) -> ShardedParameters:
-    """The stage-3 engine of ``module``, its state-dict hooks on the module (whole parameters out and in)."""
+    """The stage-3 engine of ``module``, with the state-dict hooks that show every module's parameters whole."""
+    from ddpkit.parallel.zero.whole import install_state_dict_hooks
+
+    if engine_of(module) is not None or any(is_sharded(p) for p in module.parameters()):
+        raise ValueError("this module's parameters are sharded already (it was wrapped with zero_stage=3 before): "
+                         "wrap it once, or wrap a fresh copy of the plain model")
     engine = ShardedParameters(module, process_group=process_group, find_unused_parameters=find_unused_parameters,
                                **settings)
     _ENGINES[id(module)] = (weakref.ref(module), weakref.ref(engine))
-    module.register_state_dict_post_hook(lambda m, state, prefix, local: whole_state(engine, state, prefix))
-    module.register_load_state_dict_pre_hook(lambda m, state, prefix, *args: shard_state(engine, state, prefix))
+    install_state_dict_hooks(engine)
     return engine

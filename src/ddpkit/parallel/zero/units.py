@@ -1,36 +1,61 @@
-"""ZeRO stage 3's units: which modules are gathered together, where each parameter's elements are, and the
-helpers the engine (:mod:`ddpkit.parallel.zero.stage3`) and the wrapper share."""
+"""ZeRO stage 3's units: which modules are gathered together, and how each parameter is cut over the ranks.
+
+Units
+    By default each child holding parameters of the outermost
+    ``nn.Sequential``/``nn.ModuleList`` containers (the blocks of a
+    transformer, the residual blocks of a ResNet), or every outermost module of
+    the classes given as ``zero_units`` (FSDP's wrapping policy). The
+    parameters outside every unit form the *root unit*. Units never nest, and a
+    parameter shared by two units is refused by name.
+Parameters
+    Each parameter is cut along its first dimension as ``torch.chunk`` cuts it
+    (FSDP2's layout): rank ``r`` holds rows ``r * c`` to ``(r + 1) * c`` of it,
+    ``c = ceil(rows / W)`` (the last ranks may hold fewer rows, or none). The
+    model's parameter becomes a ``DTensor`` (``Shard(0)``) whose local tensor
+    is those rows, so it keeps its true shape and ``dim()`` for the code that
+    reads them (initialisers, "decay what has ``dim() >= 2``") and torch's own
+    tools (``clip_grad_norm_``, ``GradScaler``) see the whole model. A
+    parameter with no dimension (a learned temperature) is held whole by every
+    rank (``Replicate()``) and averaged like the rest. Without a process group
+    (a world of one) the parameters stay plain tensors.
+The unit's flat layouts
+    A rank's *part* of a unit is its rows of each parameter in registration
+    order, each padded to ``c`` rows (:attr:`UnitParam.piece` elements, at
+    :attr:`UnitParam.offset`): what the all-gather sends and what the
+    reduce-scatter gives back. The gathered unit (:attr:`Unit.full`) holds each
+    parameter whole and contiguous, at ``W * offset``, padded to ``W * piece``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddpkit.comm.direct import direct_all_gather, direct_reduce_scatter
-from ddpkit.runtime.compat import all_gather_tensor, reduce_scatter_tensor
-from ddpkit.runtime.devices import comm_device, comm_tensor
+from ddpkit.parallel.ddp.args import SHARD_MARK
 
 __all__ = [
     "CONTAINERS",
     "Launched",
     "Unit",
     "UnitParam",
-    "all_gather_flat",
     "cast_floats",
-    "clip_grad_norm",
     "find_units",
-    "flatten_grads",
-    "grad_norm",
+    "home",
+    "in_part",
+    "like_param",
+    "local_of",
+    "make_mesh",
     "make_units",
-    "reduce_scatter_flat",
-    "segment",
-    "settle",
+    "shard_tensor",
+    "shard_whole",
     "tensors_in",
 ]
 
@@ -70,27 +95,71 @@ def find_units(module: nn.Module, classes: Sequence[type[nn.Module]] | None = No
     return found
 
 
-@dataclass
+@dataclass(eq=False)
 class UnitParam:
-    """One parameter of a unit: where it is used, and where its elements are."""
+    """One parameter of a unit: where it is registered, its true shape, and where its elements are."""
 
     name: str
-    param: nn.Parameter
     owners: list[tuple[nn.Module, str]]
+    """Every (module, attribute) it is registered under (a tied weight has several)."""
     shape: torch.Size
+    rows_per_rank: int
+    """Rows of it each rank holds, padded (``ceil(rows / W)``; 1 for a parameter with no dimension)."""
     offset: int
-    """First element in the unit's flat layout."""
+    """Where its piece starts in a rank's part of the unit (elements)."""
     names: tuple[str, ...] = ()
-    """Every qualified name it is registered under, :attr:`name` first (a tied weight has several)."""
+    """Every qualified name it is registered under, :attr:`name` first."""
+    leaf: torch.Tensor | None = None
+    """The tensor its modules compute with while the unit is gathered (a view of :attr:`Unit.full`, kept for
+    the engine's life: the leaf autograd accumulates its gradient into)."""
+
+    @property
+    def replicated(self) -> bool:
+        """It has no dimension to cut: every rank holds it whole."""
+        return len(self.shape) == 0
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row(self) -> int:
+        """Elements per row."""
+        return math.prod(self.shape[1:])
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def piece(self) -> int:
+        """Elements of each rank's padded piece."""
+        return self.rows_per_rank * self.row
 
-@dataclass
+    def local_rows(self, rank: int) -> tuple[int, int]:
+        """The rows rank ``rank`` holds (``torch.chunk``'s cut)."""
+        if self.replicated:
+            return 0, 1
+        start = min(rank * self.rows_per_rank, self.rows)
+        return start, min(start + self.rows_per_rank, self.rows)
+
+    def local_shape(self, rank: int) -> torch.Size:
+        if self.replicated:
+            return torch.Size()
+        a, b = self.local_rows(rank)
+        return torch.Size((b - a, *self.shape[1:]))
+
+    @property
+    def param(self) -> nn.Parameter:
+        """The parameter as its first module holds it now (``load_state_dict(assign=True)``, ``to_empty`` or an
+        assignment may have replaced the object given at wrapping)."""
+        module, attr = self.owners[0]
+        return module._parameters[attr]  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
 class Unit:
-    """A group of parameters gathered together (see the module notes)."""
+    """A group of parameters gathered together (see the module notes), and its state in one backward."""
 
     index: int
     name: str
@@ -98,80 +167,141 @@ class Unit:
     module: nn.Module
     params: list[UnitParam]
     chunk: int
-    """Elements of the shard on every rank."""
-    shard: torch.Tensor
+    """Elements of a rank's part (every rank's is this long)."""
     full: torch.Tensor
-    requires_grad: bool
-    """Whether any of its parameters is trained (a unit may mix frozen and trained ones)."""
+    """The gathered unit (its storage is given back when it is freed)."""
+    part: torch.Tensor | None = None
+    """This rank's part, whose views the parameters' local tensors are (so the all-gather sends it as it is);
+    ``None`` once a parameter was replaced by one of its own memory (then each gather copies the part)."""
     work: Any = None
     """The all-gather in flight into :attr:`full`."""
+    staged: torch.Tensor | None = None
+    """Where that all-gather lands, when it cannot land in :attr:`full` itself (several parameters)."""
     gathered: bool = False
-    ran: bool = False
-    """Its forward ran since the last synchronised backward ended."""
-    reduced: bool = False
-    pending: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
-    """Reductions in flight: (buffer, work)."""
-    expected: int = 0
-    """Gradients this iteration's forwards will give its parameters (one per parameter per forward)."""
-    grads: list[torch.Tensor | None] = field(default_factory=list)
-    """The gradients arrived so far, per parameter, whole."""
-    arrived: int = 0
-    acc: torch.Tensor | None = None
-    """The unit's flat gradient accumulated outside synchronisation (``no_sync``), or held for the end of
-    backward (``find_unused_parameters``)."""
+    hooked: set[int] = field(default_factory=set)
+    """The leaves that carry the engine's gradient hook."""
+    open_calls: set[int] = field(default_factory=set)
+    """Forward calls whose backward has begun and not yet reached the call's inputs."""
+    arrived: set[int] = field(default_factory=set)
+    """The parameters whose gradient autograd has accumulated in this backward."""
+    expect: set[int] | None = None
+    """The trained parameters, as this backward found them (``None``: not yet read)."""
+    ready: bool = False
+    """Every trained parameter's gradient is in: the unit may be reduced."""
+    pending: list[tuple[torch.Tensor, Any, list[bool]]] = field(default_factory=list)
+    """Reductions in flight: (this rank's part of the sum, work, which parameters had a gradient here)."""
 
     @property
     def nbytes(self) -> int:
         return self.full.numel() * self.full.element_size()
 
+    @property
+    def trained(self) -> list[int]:
+        """The parameters that take a gradient now (``requires_grad`` may change after wrapping)."""
+        return [i for i, q in enumerate(self.params) if q.param.requires_grad]
 
-def grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The ``norm_type``-norm of the gradients whose pieces ``grads`` are spread over the ranks of ``group``.
-
-    Each rank passes its own pieces (disjoint across ranks); the result is the
-    norm of their union, the same on every rank (a collective).
-    """
-    grads = [g for g in grads if g is not None and g.numel()]
-    inf = math.isinf(norm_type)
-    device = grads[0].device if grads else torch.device("cpu")
-    if inf:
-        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
-    else:
-        local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
-                    torch.zeros((), device=device))
-    if group is not None and dist.get_world_size(group) > 1:
-        total = comm_tensor([float(local)], torch.float64, group)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-        local = total[0].to(device=device, dtype=torch.float32)
-    return local if inf else local ** (1.0 / norm_type)
+    def whole_view(self, q: UnitParam, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """``q`` whole as a view of ``buffer`` laid out as :attr:`full` (default :attr:`full`)."""
+        buffer = self.full if buffer is None else buffer
+        start = (buffer.numel() // self.chunk) * q.offset
+        return buffer[start: start + q.numel].view(q.shape)
 
 
-def cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with its floating tensors (in tuples, lists and dicts too) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: cast_floats(v, dtype) for k, v in value.items()}
-    return value
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a stage-3 parameter (a DTensor's local rows; a plain tensor itself)."""
+    to_local = getattr(param, "to_local", None)
+    if to_local is None:
+        return param
+    with torch.no_grad():
+        return to_local()
 
 
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output (tensors, and tuples, lists and dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors_in(v)]
-    return []
+def like_param(local: torch.Tensor, q: UnitParam, mesh: Any) -> torch.Tensor:
+    """``local`` (this rank's rows of a tensor shaped as ``q``) laid out as parameter ``q`` is: a DTensor of its
+    placement (``q`` itself without a mesh)."""
+    if mesh is None:
+        return local.view(q.shape)
+    from torch.distributed.tensor import DTensor
+
+    p = q.param
+    return DTensor.from_local(local, mesh, p.placements, run_check=False, shape=q.shape, stride=p.stride())
 
 
-def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: str, rank: int, world_size: int,
-               param_dtype: torch.dtype | None) -> list[Unit]:
-    """The root unit (index 0, when it holds parameters), then one unit per module of ``named``; every parameter
-    of ``module`` becomes a view of this rank's shard (see :mod:`ddpkit.parallel.zero.stage3`)."""
+def make_mesh(group: dist.ProcessGroup | None, device_type: str) -> Any:
+    """The one-dimensional device mesh of ``group`` the DTensor parameters live on (``None`` without a group)."""
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
+
+
+def shard_tensor(whole: torch.Tensor, q: UnitParam, mesh: Any, rank: int) -> torch.Tensor:
+    """This rank's rows of ``whole`` (shaped as ``q``; copied, so that ``whole`` may go), held as the model's
+    parameter ``q`` is held: a DTensor (a plain tensor without a mesh)."""
+    if mesh is None:
+        return whole.detach()
+    with torch.no_grad():
+        if q.replicated:
+            local = whole.detach().clone()
+        else:
+            a, b = q.local_rows(rank)
+            local = whole.detach()[a:b].clone()
+        return _dtensor(local, q, mesh)
+
+
+@torch.no_grad()
+def home(u: Unit, wholes: list[torch.Tensor], mesh: Any, rank: int) -> None:
+    """Make the unit's parameters of ``wholes`` (one whole tensor per parameter, in order): this rank's rows of
+    each, copied into a new part buffer, the parameters views of it, registered in every module that uses them."""
+    first = wholes[0]
+    u.part = torch.zeros(u.chunk, dtype=first.dtype, device=first.device)
+    for q, whole in zip(u.params, wholes):
+        shape = q.local_shape(rank)
+        local = u.part[q.offset: q.offset + shape.numel()].view(shape)
+        if q.replicated:
+            local.copy_(whole.detach())
+        else:
+            a, b = q.local_rows(rank)
+            local.copy_(whole.detach()[a:b])
+        param = nn.Parameter(local if mesh is None else _dtensor(local, q, mesh), requires_grad=whole.requires_grad)
+        setattr(param, SHARD_MARK, True)
+        for m, attr in q.owners:
+            m._parameters[attr] = param
+
+
+def in_part(u: Unit, rank: int) -> bool:
+    """Whether every parameter's local tensor is still its view of :attr:`Unit.part` (nothing replaced it)."""
+    if u.part is None:
+        return False
+    base, size = u.part.data_ptr(), u.part.element_size()
+    for q in u.params:
+        local = local_of(q.param)
+        if local.dtype != u.part.dtype or local.device != u.part.device or (
+                local.numel() and local.data_ptr() != base + q.offset * size):
+            u.part = None  # a parameter has memory of its own now: copy every time, keep no second copy
+            return False
+    return True
+
+
+def _dtensor(local: torch.Tensor, q: UnitParam, mesh: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    stride = torch.empty(q.shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Replicate() if q.replicated else Shard(0)], run_check=False,
+                              shape=q.shape, stride=stride)
+
+
+def shard_whole(whole: torch.Tensor, q: UnitParam, mesh: Any, rank: int, requires_grad: bool) -> nn.Parameter:
+    """The parameter ``q`` made of ``whole``: :func:`shard_tensor` as an ``nn.Parameter``, marked as a shard."""
+    param = nn.Parameter(shard_tensor(whole, q, mesh, rank), requires_grad=requires_grad)
+    setattr(param, SHARD_MARK, True)
+    return param
+
+
+def _walk(module: nn.Module, named: list[tuple[str, nn.Module]], owner: str
+          ) -> tuple[list[list[nn.Parameter]], dict[int, list[tuple[nn.Module, str]]], dict[int, list[str]]]:
+    """Each unit's parameters (the root unit first) in registration order, and where each is registered."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     names: dict[int, list[str]] = {}
     unit_of: dict[int, int] = {}
@@ -198,174 +328,84 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
                 walk(f"{prefix}{child_name}.", child, unit)
 
     walk("", module, 0)
-    by_unit: list[list[int]] = [[] for _ in range(len(named) + 1)]
-    for key in params:  # registration order (dicts keep insertion order)
-        by_unit[unit_of[key]].append(key)
+    by_unit: list[list[nn.Parameter]] = [[] for _ in range(len(named) + 1)]
+    for key, p in params.items():  # registration order (dicts keep insertion order)
+        by_unit[unit_of[key]].append(p)
+    return by_unit, owners, names
+
+
+def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: str, rank: int, world_size: int,
+               mesh: Any, param_dtype: torch.dtype | None) -> list[Unit]:
+    """The root unit (index 0, when it holds parameters), then one unit per module of ``named``; every parameter
+    of ``module`` is replaced, in every module that registers it, by this rank's shard of it (see the module
+    notes). A parameter on the meta device stays there (see :mod:`ddpkit.parallel.zero.materialize`)."""
+    by_unit, owners, names = _walk(module, named, owner)
     units = []
-    # The root unit first (index 0) when it holds parameters, then the units in registration order.
-    for u, keys in enumerate(by_unit):
-        if not keys:
+    for u, members in enumerate(by_unit):
+        if not members:
             continue
         name, unit_module = ("", module) if u == 0 else named[u - 1]
-        members = [(names[k], params[k], owners[k]) for k in keys]
-        units.append(_make_unit(len(units), name, unit_module, members, owner, rank, world_size, param_dtype))
+        _check_kinds(name, members, owner)
+        layout, offset = [], 0
+        for p in members:
+            if p.is_sparse or any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
+                                  for m, _ in owners[id(p)]):
+                raise ValueError(f"{owner}(zero_stage=3) cannot shard the sparse gradient of {names[id(p)][0]!r}: "
+                                 "use a sparse=False embedding")
+            rows = p.shape[0] if p.dim() else 1
+            q = UnitParam(names[id(p)][0], owners[id(p)], p.shape, 1 if p.dim() == 0 else math.ceil(rows / world_size),
+                          offset, tuple(names[id(p)]))
+            layout.append(q)
+            offset += q.piece
+        chunk = max(offset, 1)
+        first = members[0]
+        full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device)
+        if not full.is_meta:
+            full.untyped_storage().resize_(0)  # gathered when first needed
+        unit = Unit(len(units), name, unit_module, layout, chunk, full)
+        home(unit, members, mesh, rank)
+        units.append(unit)
     return units
 
-def _make_unit(index: int, name: str, module: nn.Module,
-               members: list[tuple[list[str], nn.Parameter, list[tuple[nn.Module, str]]]], owner: str, rank: int,
-               world_size: int, param_dtype: torch.dtype | None) -> Unit:
-    dtypes = {p.dtype for _, p, _ in members}
-    devices = {p.device for _, p, _ in members}
+
+def _check_kinds(name: str, members: list[nn.Parameter], owner: str) -> None:
+    dtypes = {p.dtype for p in members}
+    devices = {p.device for p in members}
     if len(dtypes) > 1 or len(devices) > 1:
         kinds = [f"{what} {', '.join(sorted(map(str, found)))}" for what, found in (("dtypes", dtypes),
                                                                                       ("devices", devices))
                  if len(found) > 1]
-        raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} holds parameters of {' and '.join(kinds)}; "
-                         "a unit's parameters share one flat buffer: give them one dtype and one device, or put "
+        raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} holds parameters of {' and '.join(kinds)}"
+                         "; a unit's parameters share one flat buffer: give them one dtype and one device, or put "
                          "each kind in units of its own (zero_units=...)")
-    first = members[0][1]
-    layout, offset = [], 0
-    for aliases, p, where in members:
-        n = aliases[0]
-        if p.is_sparse or isinstance(where[0][0], (nn.Embedding, nn.EmbeddingBag)) and getattr(where[0][0],
-                                                                                            "sparse", False):
-            raise ValueError(f"{owner}(zero_stage=3) cannot shard the sparse gradient of {n!r}: use a "
-                             "sparse=False embedding")
-        layout.append(UnitParam(n, p, where, p.shape, offset, tuple(aliases)))
-        offset += p.numel()
-    chunk = max(1, math.ceil(offset / world_size))
-    low = rank * chunk
-    with torch.no_grad():
-        # Only this rank's chunk is made (the padding zeros): the whole unit is never flattened twice.
-        shard = torch.zeros(chunk, dtype=first.dtype, device=first.device)
-        for q in layout:
-            a, z = max(q.offset, low), min(q.offset + q.numel, low + chunk)
-            if a < z:
-                shard[a - low: z - low].copy_(q.param.detach().reshape(-1)[a - q.offset: z - q.offset])
-        for q in layout:
-            a, z = max(q.offset, low), min(q.offset + q.numel, low + chunk)
-            q.param.data = shard[a - low: z - low] if a < z else shard[:0]
-    full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device)
-    full.untyped_storage().resize_(0)  # gathered when first needed
-    return Unit(index, name, module, layout, chunk, shard, full, any(p.requires_grad for _, p, _ in members))
 
 
-def segment(q: UnitParam, chunk: int, rank: int) -> tuple[int, int] | None:
-    """``q``'s elements in rank ``rank``'s chunk, relative to the chunk (``None``: none)."""
-    low = rank * chunk
-    a, z = max(q.offset, low), min(q.offset + q.numel, low + chunk)
-    return (a - low, z - low) if a < z else None
+def _flatten(value: Any) -> tuple[list[Any], Any]:
+    """``value``'s leaves as torch's pytree sees them, and dataclasses' fields too (as torch's DDP finds the
+    tensors in an output)."""
+    leaves, spec = tree_flatten(value)
+    if not any(dataclasses.is_dataclass(v) and not isinstance(v, type) for v in leaves):
+        return leaves, spec
+    out = []
+    for v in leaves:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for f in dataclasses.fields(v):
+                out.extend(_flatten(getattr(v, f.name))[0])
+        else:
+            out.append(v)
+    return out, None
 
 
-@torch.no_grad()
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
-                   group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over gradients whose pieces are spread over ``group``'s ranks.
-
-    Each rank passes its own pieces (disjoint across ranks: stage 3's segments, stage 2's gradient shards); the
-    norm is the whole model's (a collective: call it on every rank), and every piece is scaled by torch's rule,
-    ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the norm.
-    """
-    norm = grad_norm(grads, float(norm_type), group)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    return norm
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (any structure torch's pytree handles, and dataclasses)."""
+    return [t for t in _flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
-class _Done:
-    """A finished collective, for a caller that waits on what it was given (or on its future)."""
-
-    def wait(self) -> bool:
-        return True
-
-    @staticmethod
-    def get_future() -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-
-def _staged(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether ``tensor`` goes through the CPU for ``group``: gloo with CUDA tensors (its CUDA paths are not
-    every collective's, and ddpkit's stage 2 met "Bad address" there)."""
-    return tensor.is_cuda and dist.get_backend(group) == "gloo"
-
-
-def all_gather_flat(out: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
-    """``out`` (flat, ``W`` times ``src``) made of every rank's ``src``; a work to wait on when ``async_op``.
-
-    NCCL's all-gather; on gloo direct messages (:mod:`ddpkit.comm.direct`), through the CPU for CUDA tensors.
-    """
-    if _staged(src, group):
-        staged = torch.empty(out.shape, dtype=out.dtype, device=comm_device(group))  # gloo's: the CPU
-        direct_all_gather(staged, src.to(comm_device(group)), group).wait()
-        out.copy_(staged)
-        return _Done() if async_op else None
-    if dist.get_backend(group) == "gloo":
-        work = direct_all_gather(out, src, group)
-    else:
-        work = all_gather_tensor(out, src, group=group, async_op=True)
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup) -> Any:
-    """Start summing ``flat`` over the ranks into ``out``, this rank's chunk of the sum; a work to wait on.
-
-    NCCL's reduce-scatter; on gloo direct messages (:mod:`ddpkit.comm.direct`), through the CPU for CUDA
-    tensors (synchronously).
-    """
-    if _staged(flat, group):
-        staged = torch.empty(out.shape, dtype=out.dtype, device=comm_device(group))
-        direct_reduce_scatter(staged, flat.to(comm_device(group)), group).wait()
-        out.copy_(staged)
-        return _Done()
-    if dist.get_backend(group) == "gloo":
-        return direct_reduce_scatter(out, flat, group)
-    return reduce_scatter_tensor(out, flat, group=group, async_op=True)
-
-
-@torch.no_grad()
-def flatten_grads(u: Unit, dtype: torch.dtype) -> torch.Tensor:
-    """The unit's gradients so far as one flat tensor in ``dtype`` (added to what it accumulated), zeros for a
-    parameter without one and for the padding; the unit's gradients are let go."""
-    flat, add = (u.acc, True) if u.acc is not None else (
-        torch.empty(u.full.numel(), dtype=dtype, device=u.full.device), False)
-    total = 0
-    for q, grad in zip(u.params, u.grads or [None] * len(u.params)):
-        piece = flat[q.offset: q.offset + q.numel]
-        if grad is not None:
-            piece.add_(grad.reshape(-1)) if add else piece.copy_(grad.reshape(-1))
-        elif not add:
-            piece.zero_()
-        total = q.offset + q.numel
-    if not add:
-        flat[total:].zero_()
-    u.acc, u.grads, u.arrived, u.expected = None, [None] * len(u.params), 0, 0
-    return flat
-
-
-@torch.no_grad()
-def settle(u: Unit, rank: int) -> None:
-    """Wait for the unit's reductions and add this rank's chunk of each into its parameters' ``.grad``."""
-    for chunk, work in u.pending:
-        if work is not None:
-            work.wait()
-        if chunk.numel() != u.chunk:
-            chunk = chunk[rank * u.chunk: (rank + 1) * u.chunk]
-        for q in u.params:
-            if not q.param.requires_grad:
-                continue  # frozen: its .grad stays as it is (None), as under DDP
-            seg = segment(q, u.chunk, rank)
-            piece = chunk[seg[0]: seg[1]] if seg else chunk[:0]
-            if q.param.grad is None:
-                q.param.grad = piece.to(q.param.dtype, copy=True)
-            else:
-                q.param.grad.add_(piece)
-    u.pending = []
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating tensors (in any structure torch's pytree handles) cast to ``dtype``."""
+    leaves, spec = tree_flatten(value)
+    leaves = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+    return tree_unflatten(leaves, spec)
 
 
 @dataclass
