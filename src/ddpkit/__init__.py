@@ -45,6 +45,7 @@ _EXPORTS = {
     "ZeroRedundancyOptimizer": "ddpkit.parallel.zero.stage1",
     "save_sharded": "ddpkit.parallel.zero.shards",
     "load_sharded": "ddpkit.parallel.zero.shards",
+    "consolidate_sharded": "ddpkit.parallel.zero.shards",
     "ParameterServerOptimizer": "ddpkit.parallel.ps.optimizer",
     "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
@@ -100,7 +101,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.ddp.unused import UnusedParametersError
     from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
     from ddpkit.parallel.ssp import StaleSynchronousOptimizer
-    from ddpkit.parallel.zero.shards import load_sharded, save_sharded
+    from ddpkit.parallel.zero.shards import consolidate_sharded, load_sharded, save_sharded
     from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.parallel.unwrap import unwrap

@@ -13,6 +13,7 @@ leaves through instance attributes that shadow their registered parameters
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,20 @@ def pack_part(u: Unit, rank: int, dtype: torch.dtype, tensors: list[torch.Tensor
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
 
+def _hook(gathering: Gathering, unit: int, i: int) -> Callable[[torch.Tensor], None]:
+    """A leaf's gradient hook. It holds nothing that leads back to the leaf (the engine weakly, the unit by its
+    index): autograd keeps a tensor's hooks from C++, where Python's collector cannot see a cycle leaf -> hook
+    -> unit -> leaf, and a dropped model would live on."""
+    ref = weakref.ref(gathering)
+
+    def hook(leaf: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.on_grad(unit, i)
+
+    return hook
+
+
 class Gathering:
     """Gathers, binds and frees the units of one engine.
 
@@ -52,12 +67,12 @@ class Gathering:
         world_size: its size.
         rank: this rank in it.
         owner: who drives the engine, as the stall inspector names it.
-        on_grad: called as ``on_grad(unit, i)`` once autograd has accumulated a gradient into the unit's
+        on_grad: called as ``on_grad(unit index, i)`` once autograd has accumulated a gradient into the unit's
             ``i``-th leaf.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int, owner: str,
-                 on_grad: Callable[[Unit, int], None]) -> None:
+                 on_grad: Callable[[int, int], None]) -> None:
         self.group, self.world_size, self.rank, self.owner, self.on_grad = group, world_size, rank, owner, on_grad
 
     def gather(self, u: Unit, wait: bool) -> None:
@@ -115,7 +130,7 @@ class Gathering:
             if q.leaf.requires_grad != trained:
                 q.leaf.requires_grad_(trained)
                 if trained and i not in u.hooked:  # a hook needs a tensor that requires grad
-                    q.leaf.register_post_accumulate_grad_hook(lambda t, u=u, i=i: self.on_grad(u, i))
+                    q.leaf.register_post_accumulate_grad_hook(_hook(self, u.index, i))
                     u.hooked.add(i)
             for m, attr in q.owners:
                 m.__dict__[attr] = q.leaf

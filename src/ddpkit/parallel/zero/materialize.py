@@ -45,6 +45,8 @@ def materialize(engine: Any, init: Any, device: torch.device) -> None:
     module: nn.Module = engine.module
     names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
     unit_of = {id(u.module): u for u in engine.units if u.name}
+    on_meta = {id(m) for m in module.modules()
+               if any(t is not None and t.is_meta for t in [*m._parameters.values(), *m._buffers.values()])}
     root = engine.root
     if root is not None:
         _whole(root, device)
@@ -55,8 +57,8 @@ def materialize(engine: Any, init: Any, device: torch.device) -> None:
             _whole(unit, device)
         for child in m.children():
             visit(child)
-        meta = _buffers(m, device) or any(p.is_meta for p in m._parameters.values() if p is not None)
-        _init(m, init, meta, names.get(id(m), type(m).__name__), engine.owner)
+        _buffers(m, device)
+        _init(m, init, id(m) in on_meta, names.get(id(m), type(m).__name__), engine.owner)
         if unit is not None:
             _shard(engine, unit, device)
 
@@ -78,14 +80,11 @@ def _whole(u: Unit, device: torch.device) -> None:
             m._parameters[attr] = whole
 
 
-def _buffers(m: nn.Module, device: torch.device) -> bool:
-    """``m``'s own meta buffers made (uninitialised) on ``device``; whether it had any."""
-    found = False
+def _buffers(m: nn.Module, device: torch.device) -> None:
+    """``m``'s own meta buffers made (uninitialised) on ``device``."""
     for name, b in m._buffers.items():
         if b is not None and b.is_meta:
             m._buffers[name] = torch.empty_like(b, device=device)
-            found = True
-    return found
 
 
 def _init(m: nn.Module, init: Any, meta: bool, name: str, owner: str) -> None:

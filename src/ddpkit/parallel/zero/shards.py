@@ -17,6 +17,8 @@ the same parameters, at any world size and with any units: each rank reads,
 with safetensors' slices, only the rows of the saved shards that overlap its
 own. The checkpoint is checked against the model (names, shapes) before
 anything is read, and refused naming the first difference.
+:func:`consolidate_sharded` reads one whole, in one process, as plain state
+dicts for an unsharded model and optimizer (torch's ``dcp_to_torch_save``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ddpkit.parallel.zero.stage3 import ShardedParameters, engine_of
 from ddpkit.parallel.zero.units import UnitParam, like_param, local_of
 from ddpkit.parallel.zero.whole import indexed_params, per_element
 
-__all__ = ["FORMAT", "INDEX", "load_sharded", "save_sharded"]
+__all__ = ["FORMAT", "INDEX", "consolidate_sharded", "load_sharded", "save_sharded"]
 
 INDEX = "index.json"
 """The file that makes a directory a finished sharded checkpoint."""
@@ -112,7 +114,9 @@ def _optimizer_shards(engine: ShardedParameters, optimizer: torch.optim.Optimize
     """Put this rank's rows of the optimizer's per-element state into ``tensors``; return the rest for the index."""
     saved = optimizer.state_dict()
     other: dict[str, dict[str, Any]] = {}
+    names = []
     for index, _, q in indexed_params(engine, optimizer):
+        names.append(q.name)
         for key, value in saved["state"].get(index, {}).items():
             entry = other.setdefault(str(index), {})
             if per_element(value, q, key):
@@ -124,7 +128,7 @@ def _optimizer_shards(engine: ShardedParameters, optimizer: torch.optim.Optimize
                 entry[key] = value
     groups = [{k: {"tuple": list(v)} if isinstance(v, tuple) else v for k, v in g.items()}
               for g in saved["param_groups"]]  # JSON keeps no tuples (AdamW's betas)
-    return {"param_groups": groups, "state": other}
+    return {"param_groups": groups, "state": other, "params": names}
 
 
 def _check(engine: ShardedParameters, index: dict[str, Any], directory: Path) -> None:
@@ -216,3 +220,50 @@ def _optimizer_state(engine: ShardedParameters, optimizer: torch.optim.Optimizer
               for g in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
 
+
+
+@torch.no_grad()
+def consolidate_sharded(directory: str | os.PathLike) -> dict[str, Any]:
+    """A :func:`save_sharded` checkpoint whole, in this process (no process group needed): ``{"model": state dict,
+    "optimizer": state dict}`` (``"optimizer"`` when one was saved), as an unsharded model's and optimizer's, to
+    ``load_state_dict`` into a plain module and its optimizer.
+
+    Raises:
+        FileNotFoundError: no finished checkpoint in ``directory``.
+        ValueError: ``directory`` holds another kind of checkpoint.
+    """
+    directory = Path(directory)
+    if not (directory / INDEX).exists():
+        raise FileNotFoundError(f"{directory} holds no finished sharded checkpoint ({INDEX} is missing: a save "
+                                "that did not end, or another directory)")
+    index = json.loads((directory / INDEX).read_text())
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{directory / INDEX} is not a ddpkit sharded checkpoint of format {FORMAT}")
+    world = int(index["world_size"])
+    layout = []
+    for entry in index["params"]:
+        shape = torch.Size(entry["shape"])
+        per_rank = 1 if not shape else math.ceil(shape[0] / world)
+        layout.append(UnitParam(entry["name"], [], shape, per_rank, 0, (entry["name"],)))
+    like = {q.name: torch.empty(0, dtype=getattr(torch, e["dtype"])) for q, e in zip(layout, index["params"])}
+    model = {q.name: _read(directory, world, f"param.{q.name}", q, 0, q.rows, like[q.name]).view(q.shape)
+             for q in layout}
+    out: dict[str, Any] = {"model": model}
+    saved = index.get("optimizer")
+    if saved is not None:
+        state: dict[int, dict[str, Any]] = {}
+        by_name = {q.name: q for q in layout}
+        for i, name in enumerate(saved["params"]):
+            q = by_name[name]
+            entry = saved["state"].get(str(i))
+            if entry is None:
+                continue
+            state[i] = {k: (torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"].removeprefix("torch.")))
+                            if isinstance(v, dict) and "tensor" in v else v)
+                        for k, v in entry.items() if k != "per_element"}
+            for key in entry.get("per_element", []):
+                state[i][key] = _read(directory, world, f"optim.{i}.{key}", q, 0, q.rows, like[q.name]).view(q.shape)
+        groups = [{k: tuple(v["tuple"]) if isinstance(v, dict) and set(v) == {"tuple"} else v for k, v in g.items()}
+                  for g in saved["param_groups"]]
+        out["optimizer"] = {"state": state, "param_groups": groups}
+    return out

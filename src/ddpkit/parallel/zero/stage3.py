@@ -296,6 +296,13 @@ class ShardedParameters:
         for u in self.units:
             for q in u.params:
                 p = q.param
+                local = local_of(p)
+                if local.dtype != u.dtype or local.device != u.device:
+                    raise ValueError(
+                        f"{self.owner}(zero_stage=3): parameter {q.name!r} is {local.dtype} on {local.device}, where "
+                        f"the model was wrapped with {u.dtype} on {u.device}: it was cast or moved after wrapping. "
+                        "Cast or move the model before wrapping it (zero_param_dtype computes in another dtype "
+                        "while the shards keep theirs)")
                 if self.mesh is not None and not is_sharded(p):
                     if p.shape != q.shape:
                         raise ValueError(f"{self.owner}(zero_stage=3): parameter {q.name!r} was replaced by a tensor "
@@ -375,6 +382,9 @@ class ShardedParameters:
             saving.__exit__(None, None, None)
         if self._seen and self._seen != self.order:
             self.order = list(self._seen)
+            for u in self.units:  # prefetched in the order of the forward before, and skipped in this one
+                if u.name and u.gathered and u.index not in self._seen and not self._in_backward:
+                    self.whole.free(u)
         grad = torch.is_grad_enabled()
         root = self.root
         if root is not None:
@@ -469,8 +479,9 @@ class ShardedParameters:
         if not u.open_calls and u.gathered and u is not self.root and self._any_grad and not self._hold:
             self.whole.free(u)
 
-    def _on_grad(self, u: Unit, i: int) -> None:
-        """Autograd has accumulated a gradient into the unit's ``i``-th leaf."""
+    def _on_grad(self, unit: int, i: int) -> None:
+        """Autograd has accumulated a gradient into the ``i``-th leaf of unit ``unit``."""
+        u = self.units[unit]
         self._begin_backward()
         self._any_grad = True
         u.arrived.add(i)

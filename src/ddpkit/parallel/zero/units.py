@@ -109,7 +109,7 @@ class UnitParam:
     """Where its piece starts in a rank's part of the unit (elements)."""
     names: tuple[str, ...] = ()
     """Every qualified name it is registered under, :attr:`name` first."""
-    leaf: torch.Tensor | None = None
+    leaf: torch.Tensor | None = field(default=None, repr=False)
     """The tensor its modules compute with while the unit is gathered (a view of :attr:`Unit.full`, kept for
     the engine's life: the leaf autograd accumulates its gradient into)."""
 
@@ -168,14 +168,18 @@ class Unit:
     params: list[UnitParam]
     chunk: int
     """Elements of a rank's part (every rank's is this long)."""
-    full: torch.Tensor
-    """The gathered unit (its storage is given back when it is freed)."""
-    part: torch.Tensor | None = None
+    full: torch.Tensor = field(repr=False)
+    """The gathered unit (its storage is given back when it is freed: printing it then would read freed memory)."""
+    dtype: torch.dtype = torch.float32
+    """The parameters' dtype (the shards'; ``param_dtype`` is what they are gathered in)."""
+    device: torch.device = torch.device("cpu")
+    """The parameters' device."""
+    part: torch.Tensor | None = field(default=None, repr=False)
     """This rank's part, whose views the parameters' local tensors are (so the all-gather sends it as it is);
     ``None`` once a parameter was replaced by one of its own memory (then each gather copies the part)."""
-    work: Any = None
+    work: Any = field(default=None, repr=False)
     """The all-gather in flight into :attr:`full`."""
-    staged: torch.Tensor | None = None
+    staged: torch.Tensor | None = field(default=None, repr=False)
     """Where that all-gather lands, when it cannot land in :attr:`full` itself (several parameters)."""
     gathered: bool = False
     hooked: set[int] = field(default_factory=set)
@@ -188,7 +192,7 @@ class Unit:
     """The trained parameters, as this backward found them (``None``: not yet read)."""
     ready: bool = False
     """Every trained parameter's gradient is in: the unit may be reduced."""
-    pending: list[tuple[torch.Tensor, Any, list[bool]]] = field(default_factory=list)
+    pending: list[tuple[torch.Tensor, Any, list[bool]]] = field(default_factory=list, repr=False)
     """Reductions in flight: (this rank's part of the sum, work, which parameters had a gradient here)."""
 
     @property
@@ -255,6 +259,7 @@ def home(u: Unit, wholes: list[torch.Tensor], mesh: Any, rank: int) -> None:
     """Make the unit's parameters of ``wholes`` (one whole tensor per parameter, in order): this rank's rows of
     each, copied into a new part buffer, the parameters views of it, registered in every module that uses them."""
     first = wholes[0]
+    u.dtype, u.device = first.dtype, first.device
     u.part = torch.zeros(u.chunk, dtype=first.dtype, device=first.device)
     for q, whole in zip(u.params, wholes):
         shape = q.local_shape(rank)
