@@ -356,6 +356,21 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
     assert "ZeRO: MB per rank" in capfd.readouterr().out
 
 
+@pytest.mark.skipif(__import__("ddpkit.bench.limit").bench.limit.unavailable() is not None,
+                    reason="no memory cap here (a memory cgroup needs root, or a delegated cgroup)")
+def test_zero_cap_trains_a_model_larger_than_the_cap_at_world_4_where_ddp_is_killed(tmp_path, capfd):
+    out = tmp_path / "cap.json"
+    assert main(["bench", "--zero", "--zero-cap-mb", "96", "--world-sizes", "2", "4", "--json", str(out),
+                 "--no-progress"]) == 0
+    found = json.loads(out.read_text())["capped"]
+    assert found["model_mb"] >= 1.5 * found["cap_mb"]
+    outcome = {(r["setup"], r["world"]): r for r in found["rows"]}
+    assert not outcome[("ddp", 2)]["trained"] and outcome[("ddp", 2)]["why"] == "killed by the kernel past the cap"
+    assert not outcome[("zero3", 2)]["trained"]  # its rows of the weights and of their gradients: the whole
+    assert outcome[("zero3", 4)]["trained"] and 0 < outcome[("zero3", 4)]["peak"] <= found["cap_mb"]
+    assert "Under a memory cap of 96 MB per rank" in capfd.readouterr().out
+
+
 def test_zero_measures_worlds_2_and_3_unless_told(monkeypatch):
     import ddpkit.bench.ranks
     from ddpkit.bench.zero import SETUPS, measure_zero

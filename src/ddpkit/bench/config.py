@@ -96,6 +96,12 @@ class BenchConfig:
         "state, peak memory and step time of DDP and ZeRO stages 1 and 2, ddpkit's and torch's, AdamW, at "
         "--world-sizes (2 and 3), on the transformer and the MLP of --workloads"
     )
+    zero_cap_mb: float = option(
+        0.0, "with --zero, instead of its table: each rank under a memory cap of this many MB (a memory cgroup: "
+        "root, or a delegated cgroup), a stack of Linear layers 1.5 times the cap trained by DDP (the control) and "
+        "by ZeRO stage 3 at --world-sizes (2 and 4); whether each trained or the kernel killed it, and its peak",
+        metavar="MB",
+    )
     trace: Path | None = option(
         None, "write a Chrome trace (Perfetto, chrome://tracing) of extra traced steps of both engines: forward, "
         "backward, each bucket's all-reduce, the wait, the optimizer, one track per rank", metavar="FILE",
@@ -136,6 +142,13 @@ class BenchConfig:
             raise ConfigError(f"{what} measures CPU processes (gloo, resident memory); drop it with --device cuda")
         if self.zero and (self.scaling or self.compile):
             raise ConfigError(f"--zero measures its own table; drop {'--scaling' if self.scaling else '--compile'}")
+        if self.zero_cap_mb:
+            from ddpkit.bench.limit import unavailable
+
+            if not self.zero or not self.zero_cap_mb > 0:
+                raise ConfigError(f"--zero-cap-mb {self.zero_cap_mb:g} needs --zero and a positive number of MB")
+            if (why := unavailable()) is not None:
+                raise ConfigError(f"--zero-cap-mb: no memory cap can be made here ({why})")
         if self.zero and not any(w in ("transformer", "mlp") for w in self.workloads):
             raise ConfigError(f"--zero runs the transformer and the MLP, and --workloads {' '.join(self.workloads)} "
                               "has neither: add one")

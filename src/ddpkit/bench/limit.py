@@ -109,3 +109,13 @@ class MemoryCap:
         """Remove the group (once no process is in it)."""
         with contextlib.suppress(OSError):
             self.path.rmdir()
+
+    @staticmethod
+    def remove(name: str) -> None:
+        """Remove the group ``name`` if it is there and empty (one whose process was killed in it)."""
+        if unavailable() is not None:
+            return
+        parent = _V1 if (_V1 / "memory.limit_in_bytes").exists() else _v2_root()
+        if parent is not None:
+            with contextlib.suppress(OSError):
+                (parent / name).rmdir()

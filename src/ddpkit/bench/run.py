@@ -106,6 +106,14 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
 
         run_scaling(cfg)
         return []
+    if cfg.zero and cfg.zero_cap_mb:
+        from ddpkit.bench.capped import format_capped, measure_capped
+
+        capped = measure_capped(cfg)
+        print(format_capped(capped), flush=True)
+        if cfg.json_path is not None:
+            cfg.json_path.write_text(json.dumps({"settings": plain(cfg), "capped": capped}, indent=2) + "\n")
+        return []
     if cfg.zero:
         from ddpkit.bench.zero import format_zero, measure_zero
 
