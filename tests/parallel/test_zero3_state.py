@@ -371,3 +371,23 @@ def test_a_train_state_of_a_sharded_model_is_written_from_one_ranks_cpu_and_rest
     for r in (r0, r1):
         assert r["step"] == 2 and r["equal"]
         assert r["moments"] == (2 * 16, True, True)  # two moments of each of the 16 parameters
+
+
+def _zero_grad_inside_no_sync() -> bool:
+    torch.manual_seed(0)
+    base = Blocks()
+    results = []
+    for model in (ddpkit.DDP(copy.deepcopy(base)), ddpkit.DDP(copy.deepcopy(base), zero_stage=3)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batch(0)
+        with model.no_sync():
+            ce(model(x[:3]), y[:3]).backward()
+        model.zero_grad()  # a skipped micro-batch: its local sum goes
+        ce(model(x[3:]), y[3:]).backward()
+        opt.step()
+        results.append(_whole(model))
+    return all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_zero_grad_drops_a_no_sync_accumulation_as_under_ddp(dist2):
+    assert dist2.run(_zero_grad_inside_no_sync) == [True, True]

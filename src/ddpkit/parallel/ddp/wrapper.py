@@ -438,6 +438,13 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.reducer.register_comm_hook(None, hooks[name])
         self._logging.comm_hook(str(comm_hook_type))
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; under ZeRO stage 3 also the gradients a ``no_sync()`` accumulation holds whole
+        in the gathered units (DDP's are in ``.grad``, which this clears)."""
+        super().zero_grad(set_to_none)
+        if self.zero_stage == 3:
+            self.reducer.drop_accumulated()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return that norm
         (a plain tensor, the same on every rank). Under ZeRO the gradients are sharded and the norm is a

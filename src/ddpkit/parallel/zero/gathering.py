@@ -34,7 +34,7 @@ def pack_part(u: Unit, rank: int, dtype: torch.dtype, tensors: list[torch.Tensor
     if tensors is None and in_part(u, rank):
         return u.part if u.part.dtype == dtype else u.part.to(dtype)
     pieces: list[torch.Tensor] = []
-    for i, q in enumerate(u.params):
+    for i, q in sorted(enumerate(u.params), key=lambda iq: iq[1].offset):
         local = local_of(q.param) if tensors is None else tensors[i]
         flat = local.reshape(-1).to(dtype)
         pieces.append(flat)
@@ -76,7 +76,7 @@ class Gathering:
         self.group, self.world_size, self.rank, self.owner, self.on_grad = group, world_size, rank, owner, on_grad
 
     def gather(self, u: Unit, wait: bool) -> None:
-        """Start the unit's all-gather unless it is gathered (or on its way); with ``wait``, wait for it."""
+        """Start the unit's all-gathers unless it is gathered (or on its way); with ``wait``, wait for them."""
         if not u.gathered:
             u.full.untyped_storage().resize_(u.nbytes)
             full = u.full.data  # a new version counter: the views autograd saved stay valid
@@ -88,33 +88,40 @@ class Gathering:
                 part = pack_part(u, self.rank, full.dtype)
                 events.collective("{} zero-3 unit {} all-gather of the parameters", self.owner, u.index,
                                   nbytes=part.numel() * part.element_size())
-                if len(u.params) == 1:  # one parameter: the ranks' pieces in rank order are it, padded
-                    u.work = all_gather_flat(full, part, self.group, async_op=True)
-                else:
-                    u.staged = torch.empty_like(full)
-                    u.work = all_gather_flat(u.staged, part, self.group, async_op=True)
+                w, works = self.world_size, []
+                if u.small:  # the small parameters together, laid out whole from a staging buffer when it lands
+                    u.staged = full.new_empty(w * u.small)
+                    works.append(all_gather_flat(u.staged, part[: u.small], self.group, async_op=True))
+                for q in u.params:
+                    if q.separate:  # the ranks' rows in rank order are the parameter: it lands in its place
+                        works.append(all_gather_flat(full[w * q.offset: w * (q.offset + q.piece)],
+                                                     part[q.offset: q.offset + q.piece], self.group, async_op=True))
+                u.work = works
             u.gathered = True
         if wait and u.work is not None:
             self._land(u)
 
     def _land(self, u: Unit) -> None:
-        """Wait for the unit's all-gather and lay its parameters out whole (each contiguous)."""
-        u.work.wait()
+        """Wait for the unit's all-gathers and lay its small parameters out whole (each contiguous)."""
+        for work in u.work:
+            work.wait()
         u.work = None
         if u.staged is not None:
             staged, u.staged = u.staged, None
             full = u.full.data
             w = self.world_size
+            small = sorted((q for q in u.params if not q.separate), key=lambda q: q.offset)
             with torch.no_grad():
-                torch.split_with_sizes_copy(staged.view(w, u.chunk), [q.piece for q in u.params], dim=1,
+                torch.split_with_sizes_copy(staged.view(w, u.small), [q.piece for q in small], dim=1,
                                             out=[full[w * q.offset: w * (q.offset + q.piece)].view(w, q.piece)
-                                                 for q in u.params])
+                                                 for q in small])
 
     def free(self, u: Unit) -> None:
         """Give the gathered buffer's memory back (after its all-gather, if one is in flight), and show the
         modules their shards."""
         if u.work is not None:
-            u.work.wait()
+            for work in u.work:
+                work.wait()
             u.work, u.staged = None, None
         self.unbind(u)
         u.full.untyped_storage().resize_(0)

@@ -516,15 +516,69 @@ class ShardedParameters:
 
     @torch.no_grad()
     def _launch(self, u: Unit) -> None:
-        """Average the unit's gradients over the ranks, asynchronously (zeros for a parameter without one)."""
+        """Average the unit's gradients over the ranks, asynchronously (zeros for a parameter without one): the
+        small parameters in one reduce-scatter, each large one in its own, read from its gradient as it is."""
         dtype = self.reduce_dtype or u.full.dtype
         w = self.world_size
-        had, pieces = [], []
+        scale = None if self.div_factor in (None, 1) else 1.0 / self.div_factor
+        grads, had = [], []
         for q in u.params:
             grad = q.leaf.grad if q.leaf is not None and q.param.requires_grad else None
             had.append(grad is not None)
             if q.leaf is not None:
-                q.leaf.grad = None
+                q.leaf.grad = None  # the engine's now: scaled in place, reduced, let go
+            grads.append(grad)
+        u.arrived.clear()
+        u.ready = False
+        u.expect = None
+        # The reductions before this one have had a unit's backward to finish: their inputs go now, so that at most
+        # one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
+        for before in self.units:
+            self._wait(before)
+        inputs: list[tuple[list[int], torch.Tensor]] = []  # (the parameters it carries, the flat input)
+        small = sorted((i for i, q in enumerate(u.params) if not q.separate), key=lambda i: u.params[i].offset)
+        if small:
+            inputs.append((small, self._small_input(u, small, grads, dtype)))
+        for i, q in enumerate(u.params):
+            if q.separate:
+                flat = grads[i].reshape(-1) if grads[i] is not None else None
+                if flat is None:
+                    flat = torch.zeros(w * q.piece, dtype=dtype, device=u.full.device)
+                elif flat.dtype != dtype or flat.numel() < w * q.piece:
+                    flat = torch.cat([flat.to(dtype), flat.new_zeros(w * q.piece - flat.numel(), dtype=dtype)])
+                inputs.append(([i], flat))
+        del grads
+        nbytes = sum(flat.numel() * flat.element_size() for _, flat in inputs)
+        if self.observers.ready:
+            self.observers.bucket_ready(u.index, nbytes, self.step)
+        if w > 1:
+            events.collective("{} zero-3 unit {} reduce-scatter", self.owner, u.index, step=self.step, nbytes=nbytes)
+        outs: list[torch.Tensor | None] = [None] * len(u.params)
+        works = []
+        for members, flat in inputs:
+            if scale is not None:
+                flat.mul_(scale)  # DDP's averaging by pre-scaling: the same products
+            out = flat if w == 1 else flat.new_empty(flat.numel() // w)
+            if w > 1:
+                works.append(reduce_scatter_flat(out, flat, self.group))
+            base = u.params[members[0]].offset
+            for i in members:
+                q = u.params[i]
+                outs[i] = out[q.offset - base: q.offset - base + q.piece]
+        u.pending.append((outs, works, had))
+        if self.observers.launch or self.observers.done:
+            # The unit stands for a bucket: its index, and the reductions the done event waits for.
+            future = torch.futures.collect_all([work.get_future() for work in works]) if works else None
+            self.observers.launched(Launched(u.index, None, future), nbytes, self.step)
+
+    @staticmethod
+    def _small_input(u: Unit, small: list[int], grads: list[torch.Tensor | None], dtype: torch.dtype,
+                     ) -> torch.Tensor:
+        """The small parameters' gradients as one flat input: each rank's rows of each, in rank order."""
+        w = u.full.numel() // u.chunk
+        pieces = []
+        for i in small:
+            q, grad = u.params[i], grads[i]
             if grad is None:
                 pieces.append(torch.zeros((), dtype=dtype, device=u.full.device).expand(w, q.piece))
             elif q.replicated:  # every rank's part holds it: each gets the sum
@@ -534,42 +588,16 @@ class ShardedParameters:
                 if flat.numel() < w * q.piece:
                     flat = torch.cat([flat, flat.new_zeros(w * q.piece - flat.numel())])
                 pieces.append(flat.view(w, q.piece))
-        used = sum(q.piece for q in u.params)
-        if used < u.chunk:
-            pieces.append(torch.zeros((), dtype=dtype, device=u.full.device).expand(w, u.chunk - used))
-        flat = torch.empty(w * u.chunk, dtype=dtype, device=u.full.device)
-        torch.cat(pieces, dim=1, out=flat.view(w, u.chunk))
-        del pieces
-        if self.div_factor is not None and self.div_factor != 1:
-            flat.mul_(1.0 / self.div_factor)  # DDP's averaging by pre-scaling: the same products
-        u.arrived.clear()
-        u.ready = False
-        u.expect = None
-        # The reductions before this one have had a unit's backward to finish: their inputs go now, so that at most
-        # one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
-        for before in self.units:
-            self._wait(before)
-        nbytes = flat.numel() * flat.element_size()
-        if self.observers.ready:
-            self.observers.bucket_ready(u.index, nbytes, self.step)
-        work = None
-        if w == 1:
-            u.pending.append((flat, None, had))
-        else:
-            events.collective("{} zero-3 unit {} reduce-scatter", self.owner, u.index, step=self.step, nbytes=nbytes)
-            out = flat.new_empty(u.chunk)
-            work = reduce_scatter_flat(out, flat, self.group)
-            u.pending.append((out, work, had))
-        if self.observers.launch or self.observers.done:
-            # The unit stands for a bucket: its index, and the reduction the done event waits for.
-            self.observers.launched(Launched(u.index, work), nbytes, self.step)
+        flat = torch.empty(w * u.small, dtype=dtype, device=u.full.device)
+        torch.cat(pieces, dim=1, out=flat.view(w, u.small))
+        return flat
 
     @staticmethod
     def _wait(u: Unit) -> None:
-        for k, (out, work, had) in enumerate(u.pending):
-            if work is not None:
+        for outs, works, _ in u.pending:
+            for work in works:
                 work.wait()
-                u.pending[k] = (out, None, had)
+            works.clear()
 
     def _used_everywhere(self) -> dict[int, bool]:
         """Which trained parameters some rank has a gradient for (a collective: one all-reduce), by id of the
@@ -587,13 +615,13 @@ class ShardedParameters:
     def _deliver(self, u: Unit, used: dict[int, bool] | None) -> None:
         """Add this rank's rows of the unit's averaged gradients into its parameters' ``.grad``."""
         self._wait(u)
-        for out, _, _ in u.pending:
-            for q in u.params:
+        for outs, _, _ in u.pending:
+            for q, out in zip(u.params, outs):
                 p = q.param
                 if not p.requires_grad or (used is not None and not used.get(id(q), False)):
                     continue  # frozen, or used by no rank: its .grad stays as it is, as under DDP
                 shape = q.local_shape(self.rank)
-                grad = out[q.offset: q.offset + shape.numel()].view(shape)
+                grad = out[: shape.numel()].view(shape)
                 if grad.dtype != p.dtype:
                     grad = grad.to(p.dtype)
                 if p.grad is None:
@@ -653,6 +681,13 @@ class ShardedParameters:
         self._cursor = 0
         self._any_grad = False
         self._in_forward.clear()
+
+    def drop_accumulated(self) -> None:
+        """Let go of the gradients accumulated whole outside synchronisation (``no_sync()``)."""
+        for u in self.units:
+            for q in u.params:
+                if q.leaf is not None:
+                    q.leaf.grad = None
 
     # -- what the wrapper calls as it calls a reducer --------------------------------------------------
 

@@ -19,11 +19,15 @@ Parameters
     rank (``Replicate()``) and averaged like the rest. Without a process group
     (a world of one) the parameters stay plain tensors.
 The unit's flat layouts
-    A rank's *part* of a unit is its rows of each parameter in registration
-    order, each padded to ``c`` rows (:attr:`UnitParam.piece` elements, at
-    :attr:`UnitParam.offset`): what the all-gather sends and what the
-    reduce-scatter gives back. The gathered unit (:attr:`Unit.full`) holds each
-    parameter whole and contiguous, at ``W * offset``, padded to ``W * piece``.
+    A rank's *part* of a unit is its rows of each parameter, each padded to
+    ``c`` rows (:attr:`UnitParam.piece` elements, at :attr:`UnitParam.offset`):
+    the small parameters first, in registration order (one all-gather and one
+    reduce-scatter move them together), then each large one
+    (:data:`SEPARATE_BYTES`), moved by collectives of its own. The gathered
+    unit (:attr:`Unit.full`) holds each parameter whole and contiguous, at
+    ``W * offset``, padded to ``W * piece``: a large parameter's all-gather
+    lands there as it is (the ranks' rows in rank order are the parameter),
+    the small ones' are laid out from a staging buffer.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ddpkit.parallel.ddp.args import SHARD_MARK
 
 __all__ = [
     "CONTAINERS",
+    "SEPARATE_BYTES",
     "Launched",
     "Unit",
     "UnitParam",
@@ -61,6 +66,8 @@ __all__ = [
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 """The containers whose children are the default units."""
+SEPARATE_BYTES = 1 << 20
+"""A parameter this large (whole) is gathered and reduced on its own: one collective more, and no copy of it."""
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -109,6 +116,9 @@ class UnitParam:
     """Where its piece starts in a rank's part of the unit (elements)."""
     names: tuple[str, ...] = ()
     """Every qualified name it is registered under, :attr:`name` first."""
+    separate: bool = False
+    """Large (:data:`SEPARATE_BYTES` or more): gathered and reduced alone, its all-gather landing in its place of
+    :attr:`Unit.full` and its reduce-scatter reading its gradient as it is (no copy either way)."""
     leaf: torch.Tensor | None = field(default=None, repr=False)
     """The tensor its modules compute with while the unit is gathered (a view of :attr:`Unit.full`, kept for
     the engine's life: the leaf autograd accumulates its gradient into)."""
@@ -169,6 +179,8 @@ class Unit:
     chunk: int
     """Elements of a rank's part (every rank's is this long)."""
     full: torch.Tensor = field(repr=False)
+    small: int = 0
+    """Elements of a rank's part taken by the parameters that are not :attr:`UnitParam.separate` (first in it)."""
     """The gathered unit (its storage is given back when it is freed: printing it then would read freed memory)."""
     dtype: torch.dtype = torch.float32
     """The parameters' dtype (the shards'; ``param_dtype`` is what they are gathered in)."""
@@ -351,23 +363,28 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
             continue
         name, unit_module = ("", module) if u == 0 else named[u - 1]
         _check_kinds(name, members, owner)
-        layout, offset = [], 0
+        layout = []
         for p in members:
             if p.is_sparse or any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)
                                   for m, _ in owners[id(p)]):
                 raise ValueError(f"{owner}(zero_stage=3) cannot shard the sparse gradient of {names[id(p)][0]!r}: "
                                  "use a sparse=False embedding")
             rows = p.shape[0] if p.dim() else 1
-            q = UnitParam(names[id(p)][0], owners[id(p)], p.shape, 1 if p.dim() == 0 else math.ceil(rows / world_size),
-                          offset, tuple(names[id(p)]))
-            layout.append(q)
+            layout.append(UnitParam(names[id(p)][0], owners[id(p)], p.shape,
+                                    1 if p.dim() == 0 else math.ceil(rows / world_size), 0, tuple(names[id(p)]),
+                                    separate=p.dim() > 0 and p.numel() * p.element_size() >= SEPARATE_BYTES))
+        # The small parameters first, together (one all-gather, one reduce-scatter), then each large one alone.
+        offset = 0
+        for q in [q for q in layout if not q.separate] + [q for q in layout if q.separate]:
+            q.offset = offset
             offset += q.piece
+        small = sum(q.piece for q in layout if not q.separate)
         chunk = max(offset, 1)
         first = members[0]
         full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device)
         if not full.is_meta:
             full.untyped_storage().resize_(0)  # gathered when first needed
-        unit = Unit(len(units), name, unit_module, layout, chunk, full)
+        unit = Unit(len(units), name, unit_module, layout, chunk, full, small=small)
         home(unit, members, mesh, rank)
         units.append(unit)
     return units
