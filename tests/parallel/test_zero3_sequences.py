@@ -273,9 +273,9 @@ CASES: dict[str, tuple[Callable, Callable[[], nn.Module], dict, dict, tuple[str,
     "non-reentrant checkpointing": (plain, NonReentrant, {}, {}, ("ddp", "fsdp2")),
     "a scalar parameter": (plain, Temperature, {}, {}, ("ddp",)),  # FSDP2 refuses parameters without a dim
     "GradScaler, an overflow on one rank": (grad_scaler, Blocks, {}, {}, ("ddp", "fsdp2")),
-    # Parameters of 1 MiB and more are gathered and reduced alone (no copy of them either way).
-    "large parameters": (plain, lambda: Blocks(width=512), {}, {}, ("ddp", "fsdp2")),
-    "large parameters, no_sync": (no_sync, lambda: Blocks(width=512), {}, {}, ("ddp", "fsdp2")),
+    # Parameters of 4 MiB and more are gathered and reduced alone (no copy of them either way).
+    "large parameters": (plain, lambda: Blocks(width=1024), {}, {}, ("ddp", "fsdp2")),
+    "large parameters, no_sync": (no_sync, lambda: Blocks(width=1024), {}, {}, ("ddp", "fsdp2")),
 }
 
 

@@ -110,7 +110,7 @@ class Gathering:
             staged, u.staged = u.staged, None
             full = u.full.data
             w = self.world_size
-            small = sorted((q for q in u.params if not q.separate), key=lambda q: q.offset)
+            small = [q for _, q in u.small_params]
             with torch.no_grad():
                 torch.split_with_sizes_copy(staged.view(w, u.small), [q.piece for q in small], dim=1,
                                             out=[full[w * q.offset: w * (q.offset + q.piece)].view(w, q.piece)

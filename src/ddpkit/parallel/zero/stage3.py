@@ -536,7 +536,7 @@ class ShardedParameters:
         for before in self.units:
             self._wait(before)
         inputs: list[tuple[list[int], torch.Tensor]] = []  # (the parameters it carries, the flat input)
-        small = sorted((i for i, q in enumerate(u.params) if not q.separate), key=lambda i: u.params[i].offset)
+        small = [i for i, _ in u.small_params]
         if small:
             inputs.append((small, self._small_input(u, small, grads, dtype)))
         for i, q in enumerate(u.params):
