@@ -117,6 +117,10 @@ BITWISE = {
 def test_strategy_makes_ddps_update_bit_for_bit(tmp_path, ddp_runs, path, name):
     summary = train(tmp_path / name, *SHORT, *PATHS[path], *BITWISE[name])
     assert_same_weights(tmp_path / name, ddp_runs(path))
+    if name == "zero-3":  # and against torch's DDP itself, not only through ddpkit's stage 0
+        reference = tmp_path / "torch"
+        train(reference, *SHORT, *PATHS[path], *BITWISE["engine-torch"])
+        assert_same_weights(tmp_path / name, reference)
     assert summary["world_size"] == (2 if path == "gloo" or ON_CPU else WORLD)
 
 
