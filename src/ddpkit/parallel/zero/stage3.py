@@ -152,6 +152,15 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             "build the optimizer after wrapping, over model.parameters() (as with FSDP2's fully_shard)")
 
 
+def _home_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
+    """Where the parameters are (a meta-device model: where the group's collectives run, as it is materialised
+    there)."""
+    first = next(module.parameters(), None)
+    if first is not None and not first.is_meta:
+        return first.device
+    return comm_device(group)
+
+
 class _AtInputs(torch.autograd.Function):
     """Passes a unit's forward inputs on unchanged; its backward, when the gradient has gone through the unit
     to its inputs, tells the engine that this call's backward is done (FSDP2's post-backward)."""
@@ -220,10 +229,7 @@ class ShardedParameters:
         """``state_dict()`` leaves the parameters as this rank's shards (DTensors) while set."""
         self.observers = Observers(owner)
         on_meta = any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers())
-        if device is None:
-            first = next(module.parameters(), None)
-            device = comm_device(process_group) if first is None or first.is_meta else first.device
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else _home_device(module, process_group)
         self.mesh = make_mesh(process_group, self.device.type)
         replaced = list(module.named_parameters())  # the names are the units' (the same walk, the same order)
         self.units = make_units(module, find_units(module, units), owner=owner, rank=self.rank,
