@@ -18,13 +18,19 @@ from procs import SCRIPTS, base_env
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpkit"
 
-# ../shared/docs/architecture.md: data flows down,
+# docs/architecture.md: data flows down,
 # cli -> bench -> train -> launcher/parallel -> comm/data/models -> runtime.
 LAYER = {"runtime": 0, "comm": 1, "data": 1, "models": 1, "launcher": 2, "parallel": 2, "train": 3,
          "integrations": 3, "bench": 4, "doctor": 4}
 TOP = 5
 """ddpkit/__init__, cli, __main__ and the public facades (hooks, collectives) sit above everything."""
 TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
+PARALLEL = {"common": 0, "zero": 1, "ps": 1, "ddp": 2}
+"""The folders of ``parallel/`` as layers of their own (docs/architecture.md): what several engines share (the
+reducer, observers, join, broadcasts), then ZeRO and the parameter servers, then DDP's wrapper, whose engine factory
+is the one place ddp/ meets zero/. Two folders of one level do not import each other (sideways)."""
+PARALLEL_BESIDE = 3
+"""The modules beside the folders (DataParallel, SyncBatchNorm, Horovod's optimizer, local SGD, SSP): above them."""
 REFERENCE = "_reference"
 """torch's implementations: imported only where the point is comparison."""
 REFERENCE_USERS = {"train", "bench", "doctor"}
@@ -69,6 +75,18 @@ def layer(module: str) -> int | None:
     if parts[1] == REFERENCE:
         return LAYER["runtime"]
     return LAYER.get(parts[1])
+
+
+def parallel_layer(module: str, root: Path) -> tuple[int, str] | None:
+    """``(level, folder)`` of a module inside ``parallel/`` (``None``: outside it); the modules beside the folders
+    are one folder, ``""``."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] != "parallel":
+        return None
+    if len(parts) > 3 or (len(parts) == 3 and (root / "parallel" / parts[2]).is_dir()):
+        folder = parts[2]
+        return PARALLEL.get(folder, PARALLEL_BESIDE), folder
+    return PARALLEL_BESIDE, ""
 
 
 def graph(root: Path) -> dict[str, set[str]]:
@@ -131,6 +149,14 @@ def violations(root: Path) -> list[str]:
                 continue
             if mine != TOP and (layer(module) or 0) > mine:
                 wrong.append(f"{where} imports {module}, a layer above")
+            inside, target = parallel_layer(here, root), parallel_layer(module, root)
+            if inside is not None and target is not None and inside[1] != target[1]:
+                if target[0] > inside[0]:
+                    wrong.append(f"{where} imports {module}: parallel/{target[1] or '*.py'} is a layer above "
+                                 f"parallel/{inside[1] or '*.py'}")
+                elif target[0] == inside[0]:
+                    wrong.append(f"{where} imports {module}: parallel/{inside[1]} and parallel/{target[1]} are "
+                                 "siblings (import neither from the other: move what both need to parallel/common)")
             private_module = next((p for p in parts[1:] if p.startswith("_") and not p.startswith("__")), None)
             if private_module and module.rsplit(".", 1)[0] != here.rsplit(".", 1)[0]:
                 wrong.append(f"{where} imports {module}, a private module of another package")
@@ -178,6 +204,19 @@ def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
      "ddpkit/parallel/x.py:1 imports ddpkit._reference (torch's references: bench, train and doctor only)"),
     ({"newthing/__init__.py": "", "newthing/x.py": ""},
      "ddpkit.newthing: its package is in no layer: give it one in tests/test_layers.py"),
+    # Inside parallel/: ddp/ reaches zero/ only through its engine factory, and nothing below reaches up.
+    ({"parallel/__init__.py": "", "parallel/zero/__init__.py": "", "parallel/ddp/__init__.py": "",
+      "parallel/zero/stage2.py": "from ddpkit.parallel.ddp.wrapper import DistributedDataParallel\n",
+      "parallel/ddp/wrapper.py": ""},
+     "ddpkit/parallel/zero/stage2.py:1 imports ddpkit.parallel.ddp.wrapper: parallel/ddp is a layer above "
+     "parallel/zero"),
+    ({"parallel/__init__.py": "", "parallel/common/__init__.py": "", "parallel/common/reducer.py":
+      "from ddpkit.parallel import dp\n", "parallel/dp.py": ""},
+     "ddpkit/parallel/common/reducer.py:1 imports ddpkit.parallel.dp: parallel/*.py is a layer above parallel/common"),
+    ({"parallel/__init__.py": "", "parallel/zero/__init__.py": "", "parallel/ps/__init__.py": "",
+      "parallel/ps/server.py": "from ddpkit.parallel.zero.units import find_units\n", "parallel/zero/units.py": ""},
+     "ddpkit/parallel/ps/server.py:1 imports ddpkit.parallel.zero.units: parallel/ps and parallel/zero are siblings "
+     "(import neither from the other: move what both need to parallel/common)"),
 ])
 def test_the_checker_finds_each_breach(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     assert expected in violations(_tree(tmp_path, files))

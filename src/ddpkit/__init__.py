@@ -34,12 +34,12 @@ _EXPORTS = {
     "DDP": "ddpkit.parallel.ddp.wrapper",
     "DistributedDataParallel": "ddpkit.parallel.ddp.wrapper",
     "unwrap": "ddpkit.parallel.unwrap",
-    "UnusedParametersError": "ddpkit.parallel.ddp.unused",
+    "UnusedParametersError": "ddpkit.parallel.common.unused",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "DataParallel": "ddpkit.parallel.dp",
     "DistributedOptimizer": "ddpkit.parallel.optimizer",
-    "broadcast_parameters": "ddpkit.parallel.broadcast",
-    "broadcast_optimizer_state": "ddpkit.parallel.broadcast",
+    "broadcast_parameters": "ddpkit.parallel.common.broadcast",
+    "broadcast_optimizer_state": "ddpkit.parallel.common.broadcast",
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
     "ZeroRedundancyOptimizer": "ddpkit.parallel.zero.stage1",
@@ -93,18 +93,18 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.comm.compression import Compression
     from ddpkit.data.datasets import DatasetError
     from ddpkit.data.sampler import DistributedSampler
-    from ddpkit.parallel.broadcast import broadcast_optimizer_state, broadcast_parameters
+    from ddpkit.parallel.common.broadcast import broadcast_optimizer_state, broadcast_parameters
+    from ddpkit.parallel.common.unused import UnusedParametersError
     from ddpkit.parallel.ddp.wrapper import DDP, DistributedDataParallel
     from ddpkit.parallel.dp import DataParallel
     from ddpkit.parallel.local_sgd import LocalSGD
     from ddpkit.parallel.optimizer import DistributedOptimizer
-    from ddpkit.parallel.ddp.unused import UnusedParametersError
     from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
     from ddpkit.parallel.ssp import StaleSynchronousOptimizer
-    from ddpkit.parallel.zero.shards import consolidate_sharded, load_sharded, save_sharded
-    from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.parallel.unwrap import unwrap
+    from ddpkit.parallel.zero.shards import consolidate_sharded, load_sharded, save_sharded
+    from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
     from ddpkit.runtime.group import (
         DistContext,
         barrier,

@@ -182,7 +182,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
 
 
 def _bench_strategies(args: argparse.Namespace) -> int:
-    from ddpkit.bench.consistency import ConsistencyBenchConfig, run
+    from ddpkit.bench.strategies import ConsistencyBenchConfig, run
 
     _suite_takes_all(args, ConsistencyBenchConfig)
     run(_build(ConsistencyBenchConfig, args))
@@ -192,7 +192,7 @@ def _bench_strategies(args: argparse.Namespace) -> int:
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     """``ddpkit bench collectives`` and ``strategies``: suites under ``bench`` (plain ``ddpkit bench`` stays DDP's)."""
     from ddpkit.bench.collectives import CollectivesBenchConfig
-    from ddpkit.bench.consistency import ConsistencyBenchConfig
+    from ddpkit.bench.strategies import ConsistencyBenchConfig
 
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
     p = suites.add_parser(

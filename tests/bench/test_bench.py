@@ -76,8 +76,8 @@ def test_engine_cost_counts_what_each_engine_dispatches_per_step(dist2):
 def _noop_keeps_local_gradients() -> list:
     import torch
     import torch.distributed as dist
-
     from ddp_models import make
+
     from ddpkit._reference import torch_ddp
     from ddpkit.hooks import noop_hook
     from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
@@ -243,7 +243,7 @@ def test_trace_is_chrome_json_with_every_span_per_rank(tmp_path):
 
 
 def test_overlap_is_the_share_of_communication_inside_the_gradient_computation():
-    from ddpkit.parallel.ddp.trace import merge, overlap
+    from ddpkit.parallel.common.trace import merge, overlap
 
     assert merge([(3, 4), (0, 2), (1, 2.5)]) == [(0, 2.5), (3, 4)]
     # All-reduce runs 0-2 and 3-4 (3 s in all); gradients are computed 1-3.5: 1 s + 0.5 s inside.
@@ -287,10 +287,10 @@ def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
 
 
 def _strategies():
-    from ddpkit.bench.strategies import bench_strategies
+    from ddpkit.bench.averaging import bench_averaging
 
     cfg = BenchConfig(**TOY, strategy_workloads=("mlp",), local_sgd_period=2, powersgd_rank=1)
-    return bench_strategies(cfg)
+    return bench_averaging(cfg)
 
 
 def test_strategies_send_what_each_strategy_should(dist2):

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddpkit
-from ddpkit.parallel.ddp.unused import UnusedParametersError
+from ddpkit.parallel.common.unused import UnusedParametersError
 
 # Tolerance for ddpkit vs torch DDP at world size 2: both pre-scale every
 # gradient by 1/2 (exact in binary) and gloo sums two values (commutative, one
@@ -652,9 +652,9 @@ def test_comm_hook_signatures_are_checked_as_torch_checks_them(dist2):
 
 
 def _surface(engine: str) -> dict:
-    import ddpkit.parallel.ddp.unused
+    import ddpkit.parallel.common.unused
 
-    ddpkit.parallel.ddp.unused._warned_nothing_unused = False  # once per process: this worker may have said it
+    ddpkit.parallel.common.unused._warned_nothing_unused = False  # once per process: this worker may have said it
     torch.manual_seed(0)
     model = (ddpkit.DDP if engine == "ddpkit" else TorchDDP)(nn.Linear(3, 2), find_unused_parameters=True)
     x = torch.arange(6.0).view(2, 3)

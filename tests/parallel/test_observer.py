@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.ddp.observer import BucketEvent, Observer, WaitEvent
+from ddpkit.parallel.common.observer import BucketEvent, Observer, WaitEvent
 from ddpkit.runtime import events
 
 
@@ -89,7 +89,7 @@ def test_the_engine_does_the_work_of_observed_events_only(dist2):
 
 def test_an_observer_must_be_one():
     model = ddpkit.DDP(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="is not a ddpkit.parallel.ddp.observer.Observer"):
+    with pytest.raises(TypeError, match="is not a ddpkit.parallel.common.observer.Observer"):
         model.register_observer(lambda event: None)
 
 

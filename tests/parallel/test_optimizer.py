@@ -11,7 +11,7 @@ from ddp_models import MODELS, batch
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.ddp.observer import BucketEvent, Observer
+from ddpkit.parallel.common.observer import BucketEvent, Observer
 
 # At world size 2 both engines pre-scale by 1/2 (exact in binary) and gloo adds
 # two values (one rounding, commutative): bitwise equal. The fp16 and

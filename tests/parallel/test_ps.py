@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.ps.optimizer import partition
 from ddpkit.parallel.ps.channel import ps_place
+from ddpkit.parallel.ps.optimizer import partition
 from ddpkit.runtime.spawn import WorkerError, start_forkserver
 
 

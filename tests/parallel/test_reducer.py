@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.parallel.ddp.buckets import assign_buckets, initial_buckets
-from ddpkit.parallel.ddp.observer import BucketEvent, Observer
+from ddpkit.parallel.common.buckets import assign_buckets, initial_buckets
+from ddpkit.parallel.common.observer import BucketEvent, Observer
 
 MIB = 1024 * 1024
 

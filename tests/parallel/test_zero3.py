@@ -382,7 +382,7 @@ def test_default_units_are_the_container_children_and_named_classes_are_outermos
 
 
 def _observed() -> dict:
-    from ddpkit.parallel.ddp.observer import Observer
+    from ddpkit.parallel.common.observer import Observer
 
     class Record(Observer):
         def __init__(self) -> None:

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 import ddpkit
+from ddpkit.models import build_model
 from ddpkit.train.checkpoint import CheckpointError, load_model_state, save_weights
 from ddpkit.train.encoding import encode_state
-from ddpkit.models import build_model
 
 
 def _state() -> dict:

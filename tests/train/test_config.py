@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from ddpkit.data import datasets as data
 from ddpkit import models
+from ddpkit.data import datasets as data
 from ddpkit.train.config import DATASETS, MODELS, TrainConfig
 
 

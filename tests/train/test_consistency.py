@@ -191,7 +191,7 @@ def test_a_straggler_rank_beyond_the_world_is_refused_alike_by_train_and_the_ben
 
 
 def test_bench_strategies_warms_the_larger_worlds_up_says_so_and_takes_no_progress(capsys) -> None:
-    from ddpkit.bench.consistency import ConsistencyBenchConfig, RunResult, format_runs
+    from ddpkit.bench.strategies import ConsistencyBenchConfig, RunResult, format_runs
     from ddpkit.cli import main
 
     cfg = ConsistencyBenchConfig(world_sizes=(2, 4, 8))

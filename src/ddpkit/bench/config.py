@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.parallel.ddp.bucket_caps import check_bucket_cap
+from ddpkit.parallel.common.bucket_caps import check_bucket_cap
 from ddpkit.runtime.options import ConfigError, option, writable_file
 
 WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200", "dp", "strategies")

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.workloads import bench_device, stepper
+from ddpkit.models import ConvNet
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.dp import DataParallel
-from ddpkit.models import ConvNet
 from ddpkit.runtime.group import barrier
 
 __all__ = ["DPResult", "bench_dp_vs_ddp", "format_dp"]

@@ -57,10 +57,10 @@ from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.dispatch import engine_us, top_level_ops
 from ddpkit.bench.progress import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
-from ddpkit.bench.workloads import settle, stepper, workload
+from ddpkit.bench.workloads import stepper, sync_device, workload
 from ddpkit.comm.hooks import noop_hook
-from ddpkit.parallel.ddp import trace
-from ddpkit.parallel.ddp.observer import Observer, WaitEvent
+from ddpkit.parallel.common import trace
+from ddpkit.parallel.common.observer import Observer, WaitEvent
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.group import barrier
 
@@ -94,7 +94,7 @@ class WorkloadResult:
     overlap_ddpkit: float | None = None
     overlap_torch: float | None = None
     """Share of all-reduce time that ran while gradients were still being computed, from the traced steps'
-    spans (:mod:`ddpkit.parallel.ddp.trace`); None without communication (world size 1)."""
+    spans (:mod:`ddpkit.parallel.common.trace`); None without communication (world size 1)."""
     ddpkit_noop_ms: float | None = None
     torch_noop_ms: float | None = None
     noop_ratio: float | None = None
@@ -134,12 +134,12 @@ def compiled(model: nn.Module, backend: str) -> nn.Module:
 
 def comm_only(buffers: list[torch.Tensor]) -> float:
     """Seconds to all-reduce ``buffers`` back to back with nothing else running."""
-    settle(buffers[0])
+    sync_device(buffers[0])
     start = time.perf_counter()
     works = [dist.all_reduce(b, async_op=True) for b in buffers]
     for w in works:
         w.wait()
-    settle(buffers[0])
+    sync_device(buffers[0])
     return time.perf_counter() - start
 
 

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.config import BenchConfig
-from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.bench.report import memory_ratio
+from ddpkit.bench.workloads import BATCH_FIELD
 
 MEMORY_STEPS = 10
 """Training steps after the warm-up before the peak is read."""

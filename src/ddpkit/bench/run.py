@@ -1,39 +1,8 @@
-"""``ddpkit bench``: ddpkit's DistributedDataParallel side by side with torch's.
+"""``ddpkit bench``: ddpkit's DistributedDataParallel side by side with torch's, and the command's other tables.
 
-For each workload, every rank runs the same SGD training steps (zero_grad,
-forward, loss, backward, step) on two copies of one model, one wrapped in
-ddpkit's DDP and one in torch's, alternating blocks of steps between the two
-engines (the first engine of a block alternates too) so that drift in the
-machine's speed hits both alike. Each step is timed on rank 0; the report is
-the median step time of each engine and the ratio ddpkit / torch, taken as the
-median over pairs of steps run back to back (one of each engine), which
-cancels most of the drift a shared machine adds; each with its quartiles
-(IQR) and the number of steps. The ratio can fall on the other side of 1
-than the two medians suggest when the pairs disagree; the IQR then shows it.
-``--target-spread F`` keeps adding rounds until the ratio's IQR is at most
-``F`` times its median, or ``--time-budget`` seconds have passed.
-
-Progress goes to stderr: a bar on a terminal, one line per workload
-otherwise. ``--json`` (checked writable before anything runs) holds the
-results, the settings, the torch/ddpkit/Python versions, the CPU count and
-the load average at start and end, so two runs can be compared by a script.
-
-Overlap: how much of the gradient all-reduce is hidden behind backward.
-
-* ``compute``: median step of the plain module, no communication at all;
-* ``comm``: median time to all-reduce the gradients alone (ddpkit's buckets,
-  launched back to back, then waited for);
-* ``hidden`` = ``(compute + comm - step) / comm``, clipped to [0, 1]: the part
-  of the communication that did not add to the step time;
-* ``exposed`` (ddpkit only, measured directly): how long the end of
-  backward stayed blocked on communication (the bench times the reducer's
-  wait for its buckets from outside; the engine keeps no such figure). A rank
-  that finishes backward early also waits for the slower one, so each step
-  counts the wait of the rank that arrived last (the minimum over ranks),
-  which is communication alone; then the median over steps. ``direct`` =
-  ``1 - exposed / comm``. On a shared machine the estimate above is the
-  noisier of the two: it subtracts medians taken at different moments and
-  charges rank skew to communication.
+The measurement of one workload, its interleaving and the overlap figures are :mod:`ddpkit.bench.engines`'s; this
+module runs the command: the workloads in turn (or ``--scaling``, ``--zero``, ``--memory`` instead), the progress
+lines, the JSON and the report.
 """
 
 from __future__ import annotations
@@ -75,9 +44,9 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
             say(cfg, f"dp done in {time.monotonic() - start:.0f} s")
             continue
         if name == "strategies":
-            from ddpkit.bench.strategies import bench_strategies
+            from ddpkit.bench.averaging import bench_averaging
 
-            strategies = [asdict(r) for r in bench_strategies(cfg)]
+            strategies = [asdict(r) for r in bench_averaging(cfg)]
             say(cfg, f"strategies done in {time.monotonic() - start:.0f} s")
             continue
         result = bench_workload(name, cfg)
@@ -156,9 +125,9 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
 
         print(format_dp(DPResult(**raw["dp"])), flush=True)
     if raw.get("strategies"):
-        from ddpkit.bench.strategies import StrategyResult, format_strategies
+        from ddpkit.bench.averaging import AveragingResult, format_averaging
 
-        print(format_strategies([StrategyResult(**r) for r in raw["strategies"]], cfg), flush=True)
+        print(format_averaging([AveragingResult(**r) for r in raw["strategies"]], cfg), flush=True)
     if raw.get("memory"):
         from ddpkit.bench.memory import format_memory
 

@@ -30,7 +30,7 @@ from torch import nn
 from ddpkit.bench.config import BenchConfig
 from ddpkit.models import MLP, ConvNet, DeepLinear, ResNet, TransformerClassifier
 
-__all__ = ["BATCH_FIELD", "stepper", "workload"]
+__all__ = ["BATCH_FIELD", "stepper", "sync_device", "workload"]
 
 BATCH_FIELD = {"convnet": "samples_per_rank", "mlp": "mlp_batch", "linear200": "mlp_batch",
                "transformer": "transformer_batch", "resnet": "resnet_batch"}
@@ -56,7 +56,7 @@ def bench_device(cfg: BenchConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
 
 
-def settle(x: torch.Tensor) -> None:
+def sync_device(x: torch.Tensor) -> None:
     """Wait for the GPU's queued work (a CUDA step is timed to its end, not to its launch); nothing on the CPU."""
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
@@ -67,12 +67,12 @@ def stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> float:
-        settle(x)
+        sync_device(x)
         start = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        settle(x)
+        sync_device(x)
         return time.perf_counter() - start
 
     return step

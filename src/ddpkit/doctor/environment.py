@@ -75,10 +75,10 @@ def _variables(environ: dict[str, str]) -> dict[str, str]:
 
 def collect(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """Everything the report shows (see the module notes)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
     import torch.distributed as dist
-
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         ddpkit_version = version("ddpkit")

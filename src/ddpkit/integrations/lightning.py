@@ -48,8 +48,8 @@ except ImportError as e:  # pragma: no cover - the extra is missing
         "ddpkit.integrations.lightning needs Lightning: pip install 'ddpkit[lightning]' (or lightning)"
     ) from e
 
+from ddpkit.parallel.common.unused import UnusedParametersError
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
-from ddpkit.parallel.ddp.unused import UnusedParametersError
 
 __all__ = ["DDPKitStrategy"]
 

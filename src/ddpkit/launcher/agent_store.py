@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from ddpkit.runtime.network import loopback_listener

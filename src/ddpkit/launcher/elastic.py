@@ -40,9 +40,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.plan import NodeSlot
 from ddpkit.launcher.rendezvous import POLL_S, NodeRendezvous, RemoteFailure
+from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 from ddpkit.launcher.agent_store import AgentStore
 from ddpkit.launcher.config import LaunchConfig
-from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
+from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
 from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token

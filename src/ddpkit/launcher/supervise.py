@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.rendezvous import POLL_S, RemoteFailure
+from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.process import SignalCatcher, describe_exit, die_with_parent, terminate
 from ddpkit.runtime.stall import PREFIX as STALL_PREFIX
 

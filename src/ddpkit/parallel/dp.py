@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.parallel.scatter import gather, scatter
+from ddpkit.parallel.common.scatter import gather, scatter
 
 __all__ = ["DataParallel"]
 

@@ -2,7 +2,7 @@
 
 ``DistributedOptimizer(optimizer)`` returns an optimizer of the same class
 (``isinstance`` holds, ``state_dict`` is the same) whose parameters' gradients
-are all-reduced by ddpkit's reducer (:mod:`ddpkit.parallel.ddp.reducer`): in
+are all-reduced by ddpkit's reducer (:mod:`ddpkit.parallel.common.reducer`): in
 buckets, launched as gradients become ready during backward, so that
 communication overlaps the rest of backward as in DDP. The reductions run on
 after ``backward()`` returns; ``step()`` (or ``synchronize()``) waits for them,
@@ -21,7 +21,7 @@ pending
 A difference from Horovod, on purpose: the wrapped optimizer shares the
 original's state (Horovod builds a fresh one, silently dropping state loaded
 before wrapping). Horovod's ``broadcast_parameters`` and
-``broadcast_optimizer_state`` are in :mod:`ddpkit.parallel.broadcast`.
+``broadcast_optimizer_state`` are in :mod:`ddpkit.parallel.common.broadcast`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
 from ddpkit.comm.compression import Compression
-from ddpkit.parallel.broadcast import world_group
-from ddpkit.parallel.ddp.bucket_caps import check_bucket_cap
-from ddpkit.parallel.ddp.observer import Observer, ObserverHandle
-from ddpkit.parallel.ddp.deferred import DeferredReducer
-from ddpkit.parallel.ddp.replicas import verify_same_parameters
+from ddpkit.parallel.common.broadcast import world_group
+from ddpkit.parallel.common.bucket_caps import check_bucket_cap
+from ddpkit.parallel.common.deferred import DeferredReducer
+from ddpkit.parallel.common.observer import Observer, ObserverHandle
+from ddpkit.parallel.common.replicas import verify_same_parameters
 
 __all__ = ["DistributedOptimizer"]
 

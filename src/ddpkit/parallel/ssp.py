@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.broadcast import world_group
+from ddpkit.parallel.common.broadcast import world_group
 from ddpkit.parallel.local_sgd import average_parameters
 from ddpkit.runtime import events
 

@@ -20,7 +20,7 @@ observer
 
 Per-bucket events of the gradient engine (a bucket ready, launched, reduced,
 and the wait at the end of backward) are the engine's own:
-:mod:`ddpkit.parallel.ddp.observer`.
+:mod:`ddpkit.parallel.common.observer`.
 """
 
 from __future__ import annotations

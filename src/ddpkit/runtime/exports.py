@@ -1,6 +1,6 @@
 """Names a package offers from its submodules, imported on first use (PEP 562), so importing the package costs
 nothing: ``ddpkit.parallel.ddp.DistributedDataParallel`` without ``import torch`` for whoever reads only
-``ddpkit.parallel.ddp.bucket_caps``."""
+``ddpkit.parallel.common.bucket_caps``."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             timeout=timedelta(seconds=collective_timeout),
         )
     if place.world_size > 1:
-        settle_at_exit()
+        finish_backend_at_exit()
     _ctx = DistContext(
         rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,
         local_world_size=place.local_world_size, node_rank=place.node_rank,
@@ -228,11 +228,11 @@ def shutdown() -> None:
     stall.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
-        _let_backend_threads_settle()
+        _let_backend_threads_finish()
     _ctx = None
 
 
-def _let_backend_threads_settle() -> None:
+def _let_backend_threads_finish() -> None:
     """Give the backend's threads the GIL for a moment before the interpreter may finalize.
 
     A gloo worker thread destroys each finished work object after the caller
@@ -246,27 +246,27 @@ def _let_backend_threads_settle() -> None:
     time.sleep(0.05)
 
 
-def settle_at_exit() -> None:
-    """Settle the backend's threads at interpreter exit (see :func:`_let_backend_threads_settle`); once per process.
+def finish_backend_at_exit() -> None:
+    """Let the backend's threads finish at interpreter exit (see :func:`_let_backend_threads_finish`); once per process.
 
     :func:`init` calls it, and so does every engine that issues its own
     collectives (DDP's reducer): a process group made by someone else
     (Accelerate, a plain ``init_process_group``) and torn down with
     ``destroy_process_group()`` right before exit needs it as much.
     """
-    global _settling
-    if not _settling:
-        _settling = True
+    global _finishing
+    if not _finishing:
+        _finishing = True
         atexit.register(_at_exit)
 
 
-_settling = False
+_finishing = False
 
 
 def _at_exit() -> None:
-    """At interpreter exit: stop the stall inspector, then the same settling as :func:`shutdown`."""
+    """At interpreter exit: stop the stall inspector, then the same wait as :func:`shutdown`."""
     stall.stop()
-    _let_backend_threads_settle()
+    _let_backend_threads_finish()
 
 
 def context() -> DistContext | None:

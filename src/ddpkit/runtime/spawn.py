@@ -19,12 +19,12 @@ and takes its children with it.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import sys
-import importlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -34,14 +34,14 @@ from typing import Any
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, mint_job_token
 from ddpkit.runtime.process import (
     GRACE_S,
+    NUM_SERVERS_ENV,
+    PS_PORT_ENV,
+    SERVER_MODULE,
     Interrupted,
     SignalCatcher,
     describe_exit,
     die_with_parent,
     exit_now,
-    NUM_SERVERS_ENV,
-    PS_PORT_ENV,
-    SERVER_MODULE,
     free_port,
     pid_alive,
     server_env,

@@ -54,7 +54,7 @@ from tqdm import tqdm
 
 from ddpkit.data.datasets import load_dataset
 from ddpkit.integrations.tensorboard import EpochBoard
-from ddpkit.parallel.ddp.trace import instrument, write
+from ddpkit.parallel.common.trace import instrument, write
 from ddpkit.runtime import events, variables
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.events import ByteCounter
@@ -183,7 +183,7 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
         dist.broadcast(buf, src=0)
     run.evaluation = evaluate(run.state.model, run.test, run.device, autocast_for(run.config, run.device))
     progress = run.progress
-    run.settle_seen()
+    run.sum_seen()
     seen = progress["seen"]
     record = {
         "epoch": progress["epoch"] + 1, "step": run.state.step, "train_loss": loss_sum / samples,

@@ -33,7 +33,7 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     if config.engine == "ddpkit" and config.strategy in SERVER_STRATEGIES:
         return model  # every worker starts from the parameters worker 0 gives the servers
     if config.engine == "ddpkit" and config.strategy in ("optimizer", "ssp"):
-        from ddpkit.parallel.broadcast import broadcast_parameters
+        from ddpkit.parallel.common.broadcast import broadcast_parameters
 
         broadcast_parameters(model.state_dict(), root_rank=0)  # what DDP's constructor does, Horovod's way
         return model

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ddpkit.data.datasets import TensorDataset
 from ddpkit.integrations.tensorboard import EpochBoard
-from ddpkit.parallel.ddp.trace import UNTRACED, Recorder, Untraced
+from ddpkit.parallel.common.trace import UNTRACED, Recorder, Untraced
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_device, comm_tensor
 from ddpkit.runtime.group import print0
@@ -56,7 +56,7 @@ class Run:
     trained: int = 0
     """Samples trained in this attempt, summed over ranks."""
     seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
-    """How often this rank trained each sample since the counts were last settled (on the device)."""
+    """How often this rank trained each sample since the counts were last settings (on the device)."""
     board: EpochBoard | None = None
     """``--tensorboard``, on rank 0."""
     unwritten: int = 0
@@ -112,10 +112,10 @@ class Run:
         events.collective("train: gather the epoch's partial loss sums", nbytes=mine.numel() * mine.element_size())
         dist.all_gather(parts, mine)
         self.progress["partial"] = torch.stack(parts).cpu()
-        self.settle_seen()
+        self.sum_seen()
         self.save(consumed)
 
-    def settle_seen(self) -> None:
+    def sum_seen(self) -> None:
         """Add every rank's count of the samples trained since the last settling to the run's (a collective)."""
         seen = self.seen.to(comm_device(like=self.seen), copy=True)
         events.collective("train: sum the samples trained", nbytes=seen.numel() * seen.element_size())

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.broadcast import PackedBroadcast
-from ddpkit.parallel.ddp.observer import Observer, WaitEvent
+from ddpkit.parallel.common.broadcast import PackedBroadcast
+from ddpkit.parallel.common.observer import Observer, WaitEvent
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.optimizer import DistributedOptimizer

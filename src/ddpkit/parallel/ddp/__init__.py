@@ -1,7 +1,8 @@
-"""DistributedDataParallel and its engine: ``wrapper`` is the class, ``reducer`` the entry to the engine.
+"""DistributedDataParallel: ``wrapper`` is the class; its engine (``ddpkit.parallel.common.reducer``, or ZeRO's)
+comes from ``engine``.
 
-Nothing is imported here (the command line reads ``bucket_caps`` without importing torch); the class is
-still ``ddpkit.parallel.ddp.DistributedDataParallel``, found when first asked for.
+Nothing is imported here; the class is still ``ddpkit.parallel.ddp.DistributedDataParallel``, found when first
+asked for.
 """
 
 from ddpkit.runtime.exports import lazy

@@ -1,6 +1,6 @@
-"""``DistributedDataParallel``'s arguments checked and settled, as torch 2.13 settles them: one pure function.
+"""``DistributedDataParallel``'s arguments checked and their defaults decided, as torch 2.13 decides them: one pure function.
 
-:func:`settle` reads the module and the arguments, communicates nothing and
+:func:`check_arguments` reads the module and the arguments, communicates nothing and
 changes nothing; it returns what the wrapper keeps (:class:`DDPSettings`),
 with the warnings torch gives for deprecated arguments, for the wrapper to
 issue at its caller's line.
@@ -18,12 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.parallel.ddp.bucket_caps import check_bucket_cap
+from ddpkit.parallel.common.bucket_caps import check_bucket_cap
 
-__all__ = ["SHARD_MARK", "DDPSettings", "check_zero_stage", "settle"]
-
-SHARD_MARK = "_ddpkit_zero3_shard"
-"""The attribute ZeRO stage 3 sets on the parameters it makes (a module wrapped twice is refused by it)."""
+__all__ = ["DDPSettings", "check_arguments", "check_zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,7 @@ class DDPSettings:
     """Warnings to issue at the caller's line (deprecated arguments)."""
 
 
-def settle(
+def check_arguments(
     module: nn.Module,
     *,
     device_ids: Sequence[int | torch.device] | None,
@@ -60,7 +57,7 @@ def settle(
     unsupported: dict[str, Any],
     allow_meta: bool = False,
 ) -> DDPSettings:
-    """Check ``DistributedDataParallel``'s arguments against ``module``; settle the defaults.
+    """Check ``DistributedDataParallel``'s arguments against ``module``; decide the defaults.
 
     Args:
         unsupported: torch's arguments ddpkit does not implement, by name:
@@ -86,9 +83,6 @@ def settle(
     tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists until it is imported
     dtensors = [n for n, p in module.named_parameters()
                 if tensor_module is not None and isinstance(p, tensor_module.DTensor)]
-    if any(getattr(p, SHARD_MARK, False) for p in module.parameters()):
-        raise ValueError("DistributedDataParallel: this module's parameters are sharded already (it was wrapped "
-                         "with zero_stage=3 before): wrap it once, or wrap a fresh copy of the plain model")
     if dtensors:
         raise ValueError(f"DistributedDataParallel: parameters {dtensors[:3]} are DTensors (tensor parallelism), "
                          "which ddpkit's DDP does not shard or reduce; wrap a module of plain tensors")
@@ -199,7 +193,7 @@ def _check_devices(module: nn.Module, devices: frozenset[torch.device], device_i
 
 
 def issue(notes: list[tuple[str, type[Warning]]], stacklevel: int) -> None:
-    """Issue the settled warnings; ``stacklevel`` as for :func:`warnings.warn` from the caller."""
+    """Issue the warnings the check gathered; ``stacklevel`` as for :func:`warnings.warn` from the caller."""
     for message, category in notes:
         warnings.warn(message, category, stacklevel=stacklevel + 1)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.parallel.broadcast import PackedBroadcast
+from ddpkit.parallel.common.broadcast import PackedBroadcast
 
 __all__ = ["IGNORED_ATTRIBUTE", "DDPBuffers"]
 

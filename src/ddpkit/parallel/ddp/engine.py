@@ -1,20 +1,41 @@
 """Which engine a ``DistributedDataParallel`` gets for its ``zero_stage``: stage 0's reducer, stage 2's sharded
-reducer, or stage 3's sharded parameters."""
+reducer, or stage 3's sharded parameters. The one place ``ddp/`` meets ``zero/``: the wrapper asks here for what
+depends on the stage (its engine, the gradient norm of sharded gradients, whether a module is sharded already).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
+import torch
 from torch import nn
 
-from ddpkit.parallel.ddp.reducer import Reducer
+from ddpkit.parallel.common.reducer import Reducer
+from ddpkit.parallel.zero.norm import clip_grad_norm
 from ddpkit.parallel.zero.stage2 import ShardedReducer
 from ddpkit.parallel.zero.stage3 import ShardedParameters, sharded_parameters
+from ddpkit.parallel.zero.units import SHARD_MARK
 
-__all__ = ["make_engine"]
+__all__ = ["Engine", "clip_sharded_grad_norm", "make_engine", "refuse_sharded"]
+
+Engine = Union[Reducer, ShardedReducer, ShardedParameters]
+"""What a ``DistributedDataParallel`` drives (its ``reducer``)."""
 
 
-def make_engine(ddp: Any) -> Reducer | ShardedReducer | ShardedParameters:
+def refuse_sharded(module: nn.Module) -> None:
+    """Raise if ``module``'s parameters are ZeRO stage 3's shards already (it was wrapped before)."""
+    if any(getattr(p, SHARD_MARK, False) for p in module.parameters()):
+        raise ValueError("DistributedDataParallel: this module's parameters are sharded already (it was wrapped "
+                         "with zero_stage=3 before): wrap it once, or wrap a fresh copy of the plain model")
+
+
+def clip_sharded_grad_norm(ddp: Any, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Stage 2's clipping: the norm of the reducer's gradient shards over the ranks (a collective)."""
+    grads = list(ddp.reducer.grad_shards) if ddp.reducer.fresh else []  # none since the last step
+    return clip_grad_norm(grads, max_norm, norm_type, ddp.process_group)
+
+
+def make_engine(ddp: Any) -> Engine:
     """The engine of ``ddp`` (a ``DistributedDataParallel`` whose settings are kept): the reducer of stage 0, stage
     2's sharded reducer, or stage 3's sharded parameters."""
     if ddp.zero_stage == 3:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.parallel.ddp.observer import (
+from ddpkit.parallel.common.observer import (
     BucketEvent,
     Observer,
     ObserverHandle,

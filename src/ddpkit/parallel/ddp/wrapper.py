@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.parallel.ddp.reducer.Reducer`.
+"""``DistributedDataParallel``: the module wrapper around :class:`ddpkit.parallel.common.reducer.Reducer`.
 
 Construction checks that every rank holds the same parameters, broadcasts
 parameters and buffers from rank 0 (coalesced), and hands the parameters that
@@ -21,21 +21,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.bucket import CommHook, check_hook_signature
-from ddpkit.parallel.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
+from ddpkit.parallel.common.broadcast import BROADCAST_CHUNK_BYTES, broadcast_once
+from ddpkit.parallel.common.bucket_caps import DEFAULT_BUCKET_CAP_MB
+from ddpkit.parallel.common.observer import Observer, ObserverHandle
+from ddpkit.parallel.common.replicas import DDPConfigError, verify_same_parameters
+from ddpkit.parallel.common.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.ddp import args as ddp_args
-from ddpkit.parallel.ddp.bucket_caps import DEFAULT_BUCKET_CAP_MB
 from ddpkit.parallel.ddp.buffers import IGNORED_ATTRIBUTE, DDPBuffers
-from ddpkit.parallel.ddp.engine import make_engine
+from ddpkit.parallel.ddp.engine import Engine, clip_sharded_grad_norm, make_engine, refuse_sharded
 from ddpkit.parallel.ddp.join import DDPJoinable
 from ddpkit.parallel.ddp.logging_data import DDPLogging, ShardedLogging
-from ddpkit.parallel.ddp.observer import Observer, ObserverHandle
-from ddpkit.parallel.ddp.reducer import Reducer
-from ddpkit.parallel.ddp.replicas import DDPConfigError, verify_same_parameters
 from ddpkit.parallel.ddp.sink import anchor_end_of_backward, through_sink
-from ddpkit.parallel.scatter import gather, padded, scatter, to_device
-from ddpkit.parallel.zero.stage2 import ShardedReducer
-from ddpkit.parallel.zero.stage3 import ShardedParameters
-from ddpkit.parallel.zero.norm import clip_grad_norm
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel"]
 
@@ -94,7 +90,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
     ``init_sync=False`` skips the construction-time check and broadcast;
     ``check_reduction`` is ignored as by torch; ``skip_all_reduce_unused_params``
     leaves buckets of unused parameters unreduced (torch's rule, see
-    :mod:`ddpkit.parallel.ddp.unused`; not with ZeRO or ``join()``);
+    :mod:`ddpkit.parallel.common.unused`; not with ZeRO or ``join()``);
     a one-dimensional ``device_mesh`` stands for its process group;
     ``mixed_precision``, ``delay_all_reduce_named_params`` and
     ``param_to_hook_all_reduce`` are refused when set; ``batched_grad_copy`` (a
@@ -107,7 +103,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             CPU module; parameters on several device types; an unsupported
             argument.
         RuntimeError: uninitialised (lazy) parameters.
-        ddpkit.parallel.ddp.reducer.UnusedParametersError: from ``backward``, see
+        ddpkit.parallel.common.reducer.UnusedParametersError: from ``backward``, see
             ``find_unused_parameters``.
 
     Warning:
@@ -156,7 +152,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         # torch's arguments in torch's order, so a call written for torch's DDP
         # (positional ones included) means the same here or fails by name.
         process_group = ddp_args.mesh_group(device_mesh, process_group)
-        settled = ddp_args.settle(
+        refuse_sharded(module)
+        settings = ddp_args.check_arguments(
             module, device_ids=device_ids, output_device=output_device, dim=dim,
             broadcast_buffers=broadcast_buffers, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
             check_reduction=check_reduction, bucket_cap_mb_list=bucket_cap_mb_list,
@@ -166,11 +163,11 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                 "param_to_hook_all_reduce": param_to_hook_all_reduce, "mixed_precision": mixed_precision,
             },
         )
-        ddp_args.issue(settled.warnings, stacklevel=2)
+        ddp_args.issue(settings.warnings, stacklevel=2)
         self.module = module
         self.device_mesh = device_mesh
         self.dim = dim
-        self._keep_settings(settled, bucket_cap_mb)
+        self._keep_settings(settings, bucket_cap_mb)
         self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
@@ -203,7 +200,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         buffers = self._init_buffers()
         if self.world_size > 1 and init_sync:
             verify_same_parameters(named, process_group)
-            states = [t for t in [p.detach() for _, p in named] + (buffers if settled.init_sync_buffers else [])
+            states = [t for t in [p.detach() for _, p in named] + (buffers if settings.init_sync_buffers else [])
                       if not t.is_meta]  # stage 3 materialises a meta model unit by unit, from rank 0
             # Stage 3 is for models that barely fit once: its messages are a bucket's, not torch's 250 MB.
             chunk = int(self.bucket_cap_mb * 1024 * 1024) if self.zero_stage == 3 else BROADCAST_CHUNK_BYTES
@@ -214,16 +211,16 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             self.device_type = self.device.type
         self._logging = DDPLogging(self) if self.zero_stage < 3 else ShardedLogging(self)
 
-    def _keep_settings(self, settled: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
-        """The settled arguments, and the attributes torch's DDP exposes for them."""
-        devices, caps = settled.devices, settled.bucket_caps
-        self.device_ids = settled.device_ids
-        self.output_device = settled.output_device
+    def _keep_settings(self, settings: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
+        """The settings arguments, and the attributes torch's DDP exposes for them."""
+        devices, caps = settings.devices, settings.bucket_caps
+        self.device_ids = settings.device_ids
+        self.output_device = settings.output_device
         self.is_multi_device_module = len(devices) > 1
         self.device_type = next(iter(devices)).type if devices else "cpu"
         self.device = next(iter(self.module.parameters())).device if devices else torch.device("cpu")
         """Where the module's (first) parameter lives, as torch's DDP keeps it."""
-        self.forward_sync_buffers = settled.forward_sync_buffers
+        self.forward_sync_buffers = settings.forward_sync_buffers
         # torch's bucket configuration.
         self.bucket_cap_mb = max(caps) if caps else (DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
         self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
@@ -236,7 +233,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
-    def _make_reducer(self) -> Reducer | ShardedReducer | ShardedParameters:
+    def _make_reducer(self) -> Engine:
         return make_engine(self)
 
     def _set_static_graph(self) -> None:
@@ -419,7 +416,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def register_observer(self, observer: Observer) -> ObserverHandle:
         """Call ``observer`` at the engine's events: a bucket ready, launched, reduced, and the wait at the end
-        of backward, with bucket index, bytes and times (see :mod:`ddpkit.parallel.ddp.observer`).
+        of backward, with bucket index, bytes and times (see :mod:`ddpkit.parallel.common.observer`).
 
         Returns:
             A handle whose ``remove()`` detaches the observer.
@@ -452,8 +449,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         :func:`ddpkit.parallel.zero.norm.clip_grad_norm`); stage 3's are DTensors, which torch's own
         ``clip_grad_norm_`` over ``model.parameters()`` clips as well."""
         if self.zero_stage == 2:
-            grads = list(self.reducer.grad_shards) if self.reducer.fresh else []  # none since the last step
-            return clip_grad_norm(grads, max_norm, norm_type, self.process_group)
+            return clip_sharded_grad_norm(self, max_norm, norm_type)
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

@@ -1,4 +1,6 @@
-"""ZeRO: the optimizer state sharded (stage 1, ``stage1``) and the gradients too (stage 2, ``stage2``).
+"""ZeRO: the optimizer state sharded (stage 1, ``stage1``), the gradients too (stage 2, ``stage2``), and the
+parameters too (stage 3, ``stage3``: units, gathering, reductions, state dicts whole, sharded checkpoints,
+meta-device materialisation).
 
 Nothing is imported here; ``ZeroRedundancyOptimizer`` is found when first asked for.
 """

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.parallel.broadcast import broadcast_once
+from ddpkit.parallel.common.broadcast import broadcast_once
 from ddpkit.parallel.zero.units import Unit, home
 
 __all__ = ["CHUNK_BYTES", "materialize"]

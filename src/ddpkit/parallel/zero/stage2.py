@@ -76,9 +76,9 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm.bucket import CommHook, GradBucket
-from ddpkit.parallel.ddp.buckets import BucketLayout, payload
-from ddpkit.parallel.ddp.reducer import Reducer
-from ddpkit.parallel.ddp.unused import refuse_unused
+from ddpkit.parallel.common.buckets import BucketLayout, payload
+from ddpkit.parallel.common.reducer import Reducer
+from ddpkit.parallel.common.unused import refuse_unused
 from ddpkit.parallel.zero.flat import all_gather_flat
 from ddpkit.runtime import events
 from ddpkit.runtime.compat import reduce_scatter_tensor

@@ -94,24 +94,21 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
-from ddpkit.parallel.zero.flat import reduce_scatter_flat
+from ddpkit.parallel.common.observer import Observer, ObserverHandle, Observers
+from ddpkit.parallel.common.unused import UnusedParametersError
 from ddpkit.parallel.zero.gathering import Gathering
+from ddpkit.parallel.zero.reduction import Reductions
 from ddpkit.parallel.zero.units import (
-    Launched,
     Unit,
-    UnitParam,
     cast_floats,
     find_units,
-    like_param,
     local_of,
     make_mesh,
     make_units,
     shard_whole,
     tensors_in,
 )
-from ddpkit.runtime import events
-from ddpkit.runtime.devices import comm_device, comm_tensor
+from ddpkit.runtime.devices import comm_device
 
 __all__ = ["ShardedParameters", "engine_of", "is_sharded", "optimizer_over_shards"]
 
@@ -245,7 +242,10 @@ class ShardedParameters:
         """The units' forward order in the last forward (the registration order at first)."""
         self.launch_order = sorted(self.units, key=lambda u: -u.index)
         """The order units are reduced in, the same on every rank: the last unit first, the root unit last."""
-        self.whole = Gathering(process_group, self.world_size, self.rank, owner, self._on_grad)
+        self.gathering = Gathering(process_group, self.world_size, self.rank, owner, self._on_grad)
+        self.reductions = Reductions(process_group, self.world_size, self.rank, owner, self.reduce_dtype,
+                                     self.observers, self.mesh)
+        self.reductions.units = self.units
         self._seen: list[int] = []
         self._calls = itertools.count()
         self._in_forward: dict[int, tuple[int, bool]] = {}
@@ -355,10 +355,10 @@ class ShardedParameters:
         self._seen = []
         root = self.root
         if root is not None:
-            self.whole.gather(root, wait=True)
-            self.whole.bind(root)
+            self.gathering.gather(root, wait=True)
+            self.gathering.bind(root)
         if self.order:
-            self.whole.gather(self.units[self.order[0]], wait=False)
+            self.gathering.gather(self.units[self.order[0]], wait=False)
         if torch.is_grad_enabled():
             self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saving.__enter__()
@@ -377,7 +377,7 @@ class ShardedParameters:
             unit, tensor = saved
             if not unit.gathered or unit.work is not None:
                 self._begin_backward()
-                self.whole.gather(unit, wait=True)
+                self.gathering.gather(unit, wait=True)
             return tensor
         return saved
 
@@ -390,14 +390,14 @@ class ShardedParameters:
             self.order = list(self._seen)
             for u in self.units:  # prefetched in the order of the forward before, and skipped in this one
                 if u.name and u.gathered and u.index not in self._seen and not self._in_backward:
-                    self.whole.free(u)
+                    self.gathering.free(u)
         grad = torch.is_grad_enabled()
         root = self.root
         if root is not None:
             if grad:
-                self.whole.unbind(root)  # kept gathered for the backward (its first and last parameters' use)
+                self.gathering.unbind(root)  # kept gathered for the backward (its first and last parameters' use)
             else:
-                self.whole.free(root)
+                self.gathering.free(root)
         if grad:
             tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:  # backward begins here: its end is this (outermost) backward's, not a nested one's
@@ -406,16 +406,16 @@ class ShardedParameters:
     @torch.compiler.disable
     def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._in_backward:  # a recomputation (activation checkpointing): the unit as in the forward
-            self.whole.gather(u, wait=True)
-            self.whole.bind(u)
+            self.gathering.gather(u, wait=True)
+            self.gathering.bind(u)
             return self._cast(args, kwargs)
-        self.whole.gather(u, wait=True)
-        self.whole.bind(u)
+        self.gathering.gather(u, wait=True)
+        self.gathering.bind(u)
         if u.index not in self._seen:
             self._seen.append(u.index)
         nxt = self._neighbour(u, +1)
         if nxt is not None:
-            self.whole.gather(nxt, wait=False)
+            self.gathering.gather(nxt, wait=False)
         if torch.is_grad_enabled():
             call = next(self._calls)
             args, kwargs, watched = self._watch_inputs(u, call, args, kwargs)
@@ -439,12 +439,12 @@ class ShardedParameters:
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if self._in_backward:
             return  # a recomputation: the unit stays gathered and bound until its backward is done
-        self.whole.unbind(u)
+        self.gathering.unbind(u)
         grad = torch.is_grad_enabled()
         # The last unit of the forward is the first of the backward: kept, rather than freed and gathered again.
         last = bool(self.order) and u.index == self.order[-1]
         if not grad or (self.reshard_after_forward and not last):
-            self.whole.free(u)
+            self.gathering.free(u)
         if grad:
             call, watched = self._in_forward.pop(u.index, (-1, False))
             tensors = [t for t in tensors_in(output) if t.requires_grad]
@@ -466,24 +466,24 @@ class ShardedParameters:
             Variable._execution_engine.queue_callback(self._end_backward)
             root = self.root
             if root is not None:  # the root's parameters are used last in forward and first in backward
-                self.whole.gather(root, wait=True)
-                self.whole.bind(root)
+                self.gathering.gather(root, wait=True)
+                self.gathering.bind(root)
 
     def _pre_backward(self, u: Unit, call: int, watched: bool) -> None:
         self._begin_backward()
-        self.whole.gather(u, wait=True)
-        self.whole.bind(u)  # a recomputation inside the unit reads its modules' attributes
+        self.gathering.gather(u, wait=True)
+        self.gathering.bind(u)  # a recomputation inside the unit reads its modules' attributes
         if watched:
             u.open_calls.add(call)
         prev = self._neighbour(u, -1)
         if prev is not None:
-            self.whole.gather(prev, wait=False)
+            self.gathering.gather(prev, wait=False)
 
     def _post_backward(self, u: Unit, call: int) -> None:
         """The gradient of one of the unit's forward calls has gone through it: free it if no call is left."""
         u.open_calls.discard(call)
         if not u.open_calls and u.gathered and u is not self.root and self._any_grad and not self._hold:
-            self.whole.free(u)
+            self.gathering.free(u)
 
     def _on_grad(self, unit: int, i: int) -> None:
         """Autograd has accumulated a gradient into the ``i``-th leaf of unit ``unit``."""
@@ -500,13 +500,13 @@ class ShardedParameters:
         if self.armed:
             position = self.launch_order.index(u)
             if position < self._cursor:  # reduced once in this backward already (reentrant checkpointing)
-                self._launch(u)
+                self.reductions.launch(u, self.div_factor, self.step)
             else:
                 self._launch_ready()
         # Every trained parameter's gradient is in, so no node of this backward reads them any more; a frozen one
         # may still be read (by another input's gradient), and a call still open reads it all.
         if not u.open_calls and u is not self.root and all_trained and not self._hold:
-            self.whole.free(u)
+            self.gathering.free(u)
 
     def _launch_ready(self) -> None:
         order = self.launch_order
@@ -515,126 +515,10 @@ class ShardedParameters:
             if u.trained:
                 if not u.ready:
                     return
-                self._launch(u)
+                self.reductions.launch(u, self.div_factor, self.step)
             self._cursor += 1
 
     # -- reduction ------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _launch(self, u: Unit) -> None:
-        """Average the unit's gradients over the ranks, asynchronously (zeros for a parameter without one): the
-        small parameters in one reduce-scatter, each large one in its own, read from its gradient as it is."""
-        dtype = self.reduce_dtype or u.full.dtype
-        w = self.world_size
-        scale = None if self.div_factor in (None, 1) else 1.0 / self.div_factor
-        grads, had = [], []
-        for q in u.params:
-            grad = q.leaf.grad if q.leaf is not None and q.param.requires_grad else None
-            had.append(grad is not None)
-            if q.leaf is not None:
-                q.leaf.grad = None  # the engine's now: scaled in place, reduced, let go
-            grads.append(grad)
-        u.arrived.clear()
-        u.ready = False
-        u.expect = None
-        # The reductions before this one have had a unit's backward to finish: their inputs go now, so that at most
-        # one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
-        for before in self.units:
-            self._wait(before)
-        inputs: list[tuple[list[int], torch.Tensor]] = []  # (the parameters it carries, the flat input)
-        small = [i for i, _ in u.small_params]
-        if small:
-            inputs.append((small, self._small_input(u, small, grads, dtype)))
-        for i, q in enumerate(u.params):
-            if q.separate:
-                flat = grads[i].reshape(-1) if grads[i] is not None else None
-                if flat is None:
-                    flat = torch.zeros(w * q.piece, dtype=dtype, device=u.full.device)
-                elif flat.dtype != dtype or flat.numel() < w * q.piece:
-                    flat = torch.cat([flat.to(dtype), flat.new_zeros(w * q.piece - flat.numel(), dtype=dtype)])
-                inputs.append(([i], flat))
-        del grads
-        nbytes = sum(flat.numel() * flat.element_size() for _, flat in inputs)
-        if self.observers.ready:
-            self.observers.bucket_ready(u.index, nbytes, self.step)
-        if w > 1:
-            events.collective("{} zero-3 unit {} reduce-scatter", self.owner, u.index, step=self.step, nbytes=nbytes)
-        outs: list[torch.Tensor | None] = [None] * len(u.params)
-        works = []
-        for members, flat in inputs:
-            if scale is not None:
-                flat.mul_(scale)  # DDP's averaging by pre-scaling: the same products
-            out = flat if w == 1 else flat.new_empty(flat.numel() // w)
-            if w > 1:
-                works.append(reduce_scatter_flat(out, flat, self.group))
-            base = u.params[members[0]].offset
-            for i in members:
-                q = u.params[i]
-                outs[i] = out[q.offset - base: q.offset - base + q.piece]
-        u.pending.append((outs, works, had))
-        if self.observers.launch or self.observers.done:
-            # The unit stands for a bucket: its index, and the reductions the done event waits for.
-            future = torch.futures.collect_all([work.get_future() for work in works]) if works else None
-            self.observers.launched(Launched(u.index, None, future), nbytes, self.step)
-
-    @staticmethod
-    def _small_input(u: Unit, small: list[int], grads: list[torch.Tensor | None], dtype: torch.dtype,
-                     ) -> torch.Tensor:
-        """The small parameters' gradients as one flat input: each rank's rows of each, in rank order."""
-        w = u.full.numel() // u.chunk
-        pieces = []
-        for i in small:
-            q, grad = u.params[i], grads[i]
-            if grad is None:
-                pieces.append(torch.zeros((), dtype=dtype, device=u.full.device).expand(w, q.piece))
-            elif q.replicated:  # every rank's part holds it: each gets the sum
-                pieces.append(grad.reshape(1, 1).to(dtype).expand(w, 1))
-            else:
-                flat = grad.reshape(-1).to(dtype)
-                if flat.numel() < w * q.piece:
-                    flat = torch.cat([flat, flat.new_zeros(w * q.piece - flat.numel())])
-                pieces.append(flat.view(w, q.piece))
-        flat = torch.empty(w * u.small, dtype=dtype, device=u.full.device)
-        torch.cat(pieces, dim=1, out=flat.view(w, u.small))
-        return flat
-
-    @staticmethod
-    def _wait(u: Unit) -> None:
-        for outs, works, _ in u.pending:
-            for work in works:
-                work.wait()
-            works.clear()
-
-    def _used_everywhere(self) -> dict[int, bool]:
-        """Which trained parameters some rank has a gradient for (a collective: one all-reduce), by id of the
-        :class:`UnitParam`."""
-        entries = [(u, i, q) for u in self.units for i, q in enumerate(u.params) if q.param.requires_grad]
-        mine = [float(any(had[i] for _, _, had in u.pending)) for u, i, _ in entries]
-        flags = comm_tensor(mine, torch.float32, self.group)
-        if self.world_size > 1 and flags.numel():
-            events.collective("{} zero-3 all-reduce of the used-parameter map", self.owner, step=self.step,
-                              nbytes=flags.numel() * 4)
-            dist.all_reduce(flags, group=self.group)
-        return {id(q): bool(f) for (_, _, q), f in zip(entries, flags.tolist())}
-
-    @torch.no_grad()
-    def _deliver(self, u: Unit, used: dict[int, bool] | None) -> None:
-        """Add this rank's rows of the unit's averaged gradients into its parameters' ``.grad``."""
-        self._wait(u)
-        for outs, _, _ in u.pending:
-            for q, out in zip(u.params, outs):
-                p = q.param
-                if not p.requires_grad or (used is not None and not used.get(id(q), False)):
-                    continue  # frozen, or used by no rank: its .grad stays as it is, as under DDP
-                shape = q.local_shape(self.rank)
-                grad = out[: shape.numel()].view(shape)
-                if grad.dtype != p.dtype:
-                    grad = grad.to(p.dtype)
-                if p.grad is None:
-                    p.grad = like_param(grad, q, self.mesh)
-                else:
-                    local_of(p.grad).add_(grad)
-        u.pending = []
 
     def _end_backward(self) -> None:
         """The end of backward (autograd's queued callback)."""
@@ -652,21 +536,21 @@ class ShardedParameters:
                 return  # no_sync: the leaves keep their sums
             for u in self.launch_order[self._cursor:]:
                 if u.trained:
-                    self._launch(u)
+                    self.reductions.launch(u, self.div_factor, self.step)
             self._cursor = len(self.launch_order)
-            used = self._used_everywhere() if self.find_unused else None
+            used = self.reductions.used_everywhere(self.units, self.step) if self.find_unused else None
             observed = self.observers.wait or self.observers.done
             start = time.perf_counter() if observed else 0.0
             missing = [q.name for u in self.units for i, q in enumerate(u.params)
                        if q.param.requires_grad and u.pending and not any(had[i] for _, _, had in u.pending)]
             for u in self.units:
-                self._deliver(u, used)
+                self.reductions.deliver(u, used)
             if observed:
                 self.observers.waited(start, time.perf_counter(), self.step)
             self.step += 1
             if missing and not self.find_unused:
                 listed = ", ".join(repr(n) for n in missing)
-                raise RuntimeError(
+                raise UnusedParametersError(
                     f"{self.owner}(zero_stage=3): {len(missing)} parameter(s) got no gradient in this backward: "
                     f"{listed}. Every parameter that requires grad must take part in the loss of every "
                     "synchronised step; if some legitimately do not, pass find_unused_parameters=True")
@@ -677,9 +561,9 @@ class ShardedParameters:
         self._in_backward = False
         self._hold = False
         for u in self.units:
-            self._wait(u)
+            self.reductions.wait(u)
             u.pending = []
-            self.whole.free(u)
+            self.gathering.free(u)
             u.open_calls.clear()
             u.arrived.clear()
             u.ready = False
@@ -713,7 +597,7 @@ class ShardedParameters:
 
     def add_observer(self, observer: Observer) -> ObserverHandle:
         """Attach ``observer``: each unit's reduction is a bucket's (its index the unit's), then the wait at the end
-        of backward (see :mod:`ddpkit.parallel.ddp.observer`)."""
+        of backward (see :mod:`ddpkit.parallel.common.observer`)."""
         return self.observers.add(observer)
 
     def set_static_graph(self) -> None:

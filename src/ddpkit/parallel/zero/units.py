@@ -44,11 +44,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddpkit.parallel.ddp.args import SHARD_MARK
-
 __all__ = [
     "CONTAINERS",
     "SEPARATE_BYTES",
+    "SHARD_MARK",
     "Launched",
     "Unit",
     "UnitParam",
@@ -67,6 +66,8 @@ __all__ = [
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 """The containers whose children are the default units."""
+SHARD_MARK = "_ddpkit_zero3_shard"
+"""The attribute set on the parameters this engine makes (a module wrapped twice is refused by it)."""
 SEPARATE_BYTES = 4 << 20
 """A parameter this large (whole) is gathered and reduced on its own: one collective more, and no copy of it.
 Measured (``ddpkit bench --zero``, world 4, transformer of 1 MiB matrices): at 1 MiB the collectives more cost more

@@ -1,12 +1,12 @@
 """The gradient-synchronisation engine behind :class:`ddpkit.DistributedDataParallel`: one backward's state machine.
 
 Each part it drives has a module: buckets and their assignment
-(:mod:`~ddpkit.parallel.ddp.buckets`, :mod:`~ddpkit.parallel.ddp.bucket_caps`),
-gradients into buckets and back (:mod:`~ddpkit.parallel.ddp.staging`), unused
-parameters (:mod:`~ddpkit.parallel.ddp.unused`), ``static_graph``
-(:mod:`~ddpkit.parallel.ddp.static_graph`), a joined rank's side
-(:mod:`~ddpkit.parallel.ddp.join`), deferred completion
-(:mod:`~ddpkit.parallel.ddp.deferred`) and observers (:mod:`~ddpkit.parallel.ddp.observer`).
+(:mod:`~ddpkit.parallel.common.buckets`, :mod:`~ddpkit.parallel.common.bucket_caps`),
+gradients into buckets and back (:mod:`~ddpkit.parallel.common.staging`), unused
+parameters (:mod:`~ddpkit.parallel.common.unused`), ``static_graph``
+(:mod:`~ddpkit.parallel.common.static_graph`), a joined rank's side
+(:mod:`~ddpkit.parallel.ddp.join`, over :mod:`~ddpkit.parallel.common.join`), deferred completion
+(:mod:`~ddpkit.parallel.common.deferred`) and observers (:mod:`~ddpkit.parallel.common.observer`).
 
 States of one synchronised backward
 -----------------------------------
@@ -29,7 +29,7 @@ rebuild
     gradient arrival order, at the next forward with grad enabled (``no_sync()`` ones too). Never with
     ``find_unused_parameters`` and no static graph (torch's rules).
 
-Failure modes, each naming the parameter: no gradient (see :mod:`~ddpkit.parallel.ddp.unused`); ready twice in one
+Failure modes, each naming the parameter: no gradient (see :mod:`~ddpkit.parallel.common.unused`); ready twice in one
 backward without ``static_graph``; a sparse gradient where none is expected, or the reverse; a model cast or moved
 after wrapping (at its first backward).
 """
@@ -46,15 +46,15 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future, check_new_hook
-from ddpkit.parallel.ddp import static_graph as sg
-from ddpkit.parallel.ddp.bucket_caps import bucket_limits
-from ddpkit.parallel.ddp.buckets import BucketLayout, payload
-from ddpkit.parallel.ddp.grad_hooks import hook_gradients
-from ddpkit.parallel.ddp.observer import Observer, ObserverHandle, Observers
-from ddpkit.parallel.ddp.staging import Staging
-from ddpkit.parallel.ddp.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
+from ddpkit.parallel.common import static_graph as sg
+from ddpkit.parallel.common.bucket_caps import bucket_limits
+from ddpkit.parallel.common.buckets import BucketLayout, payload
+from ddpkit.parallel.common.grad_hooks import hook_gradients
+from ddpkit.parallel.common.observer import Observer, ObserverHandle, Observers
+from ddpkit.parallel.common.staging import Staging
+from ddpkit.parallel.common.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
 from ddpkit.runtime import events
-from ddpkit.runtime.group import settle_at_exit
+from ddpkit.runtime.group import finish_backend_at_exit
 
 __all__ = ["Reducer", "UnusedParametersError"]
 
@@ -66,11 +66,11 @@ class Reducer:
         named_params: (name, parameter) of every parameter that requires grad, identical in order and shape on
             every rank.
         process_group: the group to reduce over; ``None`` for a world of one without a process group.
-        bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.ddp.bucket_caps.bucket_limits`).
+        bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.common.bucket_caps.bucket_limits`).
         bucket_caps_mb: one cap per bucket in MiB; replaces ``bucket_cap_mb``, before the rebuild too.
-        find_unused_parameters: see :mod:`ddpkit.parallel.ddp.unused`.
+        find_unused_parameters: see :mod:`ddpkit.parallel.common.unused`.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
-        static_graph: see :mod:`ddpkit.parallel.ddp.static_graph`.
+        static_graph: see :mod:`ddpkit.parallel.common.static_graph`.
         reduce_missing: a parameter without a gradient is reduced as zeros and gets the average as ``.grad``
             (Horovod's rule), with no search and no error.
         expect_sparse: per parameter, whether its gradient is sparse (torch's ``expect_sparse_gradient``): it
@@ -78,7 +78,7 @@ class Reducer:
         sparse_as_dense: a sparse gradient where a dense one is expected is made dense in ``.grad`` and reduced
             as such (Horovod's option).
         owner: who drives this reducer, as errors and the stall inspector name it.
-        skip_unused: a bucket of unused parameters is not reduced (see :mod:`~ddpkit.parallel.ddp.unused`).
+        skip_unused: a bucket of unused parameters is not reduced (see :mod:`~ddpkit.parallel.common.unused`).
     """
 
     def __init__(
@@ -102,7 +102,7 @@ class Reducer:
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         if self.world_size > 1:
-            settle_at_exit()  # this reducer's collectives' tensors are Python's: see settle_at_exit
+            finish_backend_at_exit()  # this reducer's collectives' tensors are Python's: see finish_backend_at_exit
         self.div_factor = self.world_size
         """What the no-hook path divides gradients by: the world size, or under
         ``join(divide_by_initial_world_size=False)`` the ranks not yet joined."""
@@ -113,7 +113,7 @@ class Reducer:
         self.skip_unused = skip_unused
         self.staging = Staging(self.names, owner, gradient_as_bucket_view, sparse_as_dense)
         self.observers = Observers(owner)
-        """Attached with :meth:`add_observer`; see :mod:`ddpkit.parallel.ddp.observer`."""
+        """Attached with :meth:`add_observer`; see :mod:`ddpkit.parallel.common.observer`."""
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None  # what register_comm_hook gave the hook
         sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self.params)
@@ -159,7 +159,7 @@ class Reducer:
         return True
 
     def add_observer(self, observer: Observer) -> ObserverHandle:
-        """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.ddp.observer`)."""
+        """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.common.observer`)."""
         return self.observers.add(observer)
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
@@ -321,7 +321,7 @@ class Reducer:
             self.observers.launched(bucket, nbytes, self.step)
 
     def _skipped(self, bucket: GradBucket) -> bool:
-        """Whether ``skip_unused`` leaves the bucket unreduced (the rule: :mod:`~ddpkit.parallel.ddp.unused`)."""
+        """Whether ``skip_unused`` leaves the bucket unreduced (the rule: :mod:`~ddpkit.parallel.common.unused`)."""
         if self.static_graph:
             used = self.static.used if self.static.counted else None
             return used is not None and not any(used[i] for i in bucket.indices)
@@ -358,11 +358,11 @@ class Reducer:
         self.layout.final = False  # a static graph is rebuilt, even with find_unused_parameters
 
     def searches_unused(self) -> bool:
-        """Whether this backward all-reduces a used-parameter map (see :mod:`ddpkit.parallel.ddp.unused`)."""
+        """Whether this backward all-reduces a used-parameter map (see :mod:`ddpkit.parallel.common.unused`)."""
         return (self.find_unused and not self.static_graph) or (self.static_graph and not self.static.counted)
 
     def _launch_rest(self) -> None:
-        """Launch every bucket not launched yet and settle which parameters were used (for _complete)."""
+        """Launch every bucket not launched yet and note which parameters were used (for _complete)."""
         first_static = self.static_graph and not self.static.counted
         searched = self.searches_unused()
         if first_static:

@@ -6,7 +6,7 @@ bucket
     A flat tensor holding the gradients of several parameters of one dtype and
     device, reduced with a single collective (:class:`ddpkit.comm.bucket.GradBucket`).
     The assignment is torch's DDP's (:func:`assign_buckets`): a bucket closes
-    once it holds at least its limit (:func:`ddpkit.parallel.ddp.bucket_caps.bucket_limits`).
+    once it holds at least its limit (:func:`ddpkit.parallel.common.bucket_caps.bucket_limits`).
 initial assignment
     Before any gradient has been seen (:func:`initial_buckets`): registration
     order, buckets reversed so the last parameters, whose gradients come

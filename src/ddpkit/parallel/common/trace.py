@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.parallel.ddp.observer import BucketEvent, Observer, WaitEvent
+from ddpkit.parallel.common.observer import BucketEvent, Observer, WaitEvent
 
 _OFFSET = time.time() - time.perf_counter()
 """Maps this process's monotonic clock to wall-clock seconds, shared by the ranks of one machine."""

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from ddpkit.parallel.ddp.reducer import Reducer
+from ddpkit.parallel.common.reducer import Reducer
 
 __all__ = ["DeferredReducer"]
 
 
 class DeferredReducer(Reducer):
-    """:class:`~ddpkit.parallel.ddp.reducer.Reducer` with deferred completion (see the module notes).
+    """:class:`~ddpkit.parallel.common.reducer.Reducer` with deferred completion (see the module notes).
 
     Takes the reducer's arguments.
     """

@@ -21,12 +21,12 @@ the events some observer overrides: with none attached it checks one list per
 bucket and per backward and builds no event, and the completion of a
 reduction is watched (a callback on its future) only for an ``on_done``.
 The tracing of ``ddpkit train --trace`` and ``ddpkit bench`` is such an
-observer (:mod:`ddpkit.parallel.ddp.trace`), as is the bench's figure of the
+observer (:mod:`ddpkit.parallel.common.trace`), as is the bench's figure of the
 exposed wait.
 
 Example::
 
-    class Printer(ddpkit.parallel.ddp.observer.Observer):
+    class Printer(ddpkit.parallel.common.observer.Observer):
         def on_launch(self, event):
             print(f"bucket {event.bucket}: {event.nbytes} bytes at {event.time:.6f}")
 
@@ -125,7 +125,7 @@ class Observers:
     def add(self, observer: Observer) -> ObserverHandle:
         """Attach ``observer`` (see the module notes)."""
         if not isinstance(observer, Observer):
-            raise TypeError(f"observer {observer!r} is not a ddpkit.parallel.ddp.observer.Observer: subclass it and "
+            raise TypeError(f"observer {observer!r} is not a ddpkit.parallel.common.observer.Observer: subclass it and "
                             "override the events you need")
         for kind in ("ready", "launch", "done", "wait"):
             if _overrides(observer, f"on_{'bucket_ready' if kind == 'ready' else kind}"):

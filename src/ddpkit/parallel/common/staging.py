@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ddpkit.comm.bucket import GradBucket
-from ddpkit.parallel.ddp.buckets import StagingPlan, sparse_zeros
+from ddpkit.parallel.common.buckets import StagingPlan, sparse_zeros
 
 __all__ = ["Staging"]
 
