@@ -263,3 +263,10 @@ def test_test_file_names_are_unique() -> None:
     # so two files of one name in different folders break collection.
     names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_source_lines_fit_in_120_columns() -> None:
+    # The house's width: lines packed past it hid code that a module's length cap had pushed together.
+    long = [f"{path.relative_to(PACKAGE.parent)}:{n}" for path in sorted(PACKAGE.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, "lines over 120 columns:\n" + "\n".join(long)

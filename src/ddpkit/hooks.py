@@ -1,4 +1,5 @@
-"""``ddpkit.hooks``: the public name of the comm hooks for DDP (:mod:`ddpkit.comm.hooks`, :mod:`ddpkit.comm.powersgd`)."""
+"""``ddpkit.hooks``: the public name of the comm hooks for DDP (:mod:`ddpkit.comm.hooks`,
+:mod:`ddpkit.comm.powersgd`)."""
 
 from ddpkit.comm import hooks as _hooks
 from ddpkit.comm import powersgd as _powersgd

@@ -68,7 +68,8 @@ def _steppers(base: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: BenchConfi
     def sgd(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    def loop(model: nn.Module, opt: torch.optim.Optimizer, after: Callable[[], Any] = lambda: None) -> Callable[[], None]:
+    def loop(model: nn.Module, opt: torch.optim.Optimizer,
+             after: Callable[[], Any] = lambda: None) -> Callable[[], None]:
         def step() -> None:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()

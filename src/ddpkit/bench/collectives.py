@@ -50,7 +50,8 @@ class CollectivesBenchConfig:
                             negate_only=True)
 
     def __post_init__(self) -> None:
-        self.sizes, self.world_sizes, self.algorithms = tuple(self.sizes), tuple(self.world_sizes), tuple(self.algorithms)
+        self.sizes, self.world_sizes = tuple(self.sizes), tuple(self.world_sizes)
+        self.algorithms = tuple(self.algorithms)
         if not self.sizes or min(self.sizes) < 4:
             raise ConfigError(f"--sizes {' '.join(map(str, self.sizes))}: each must be at least 4 bytes")
         if not self.world_sizes or min(self.world_sizes) < 2:
@@ -137,7 +138,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 4), squeeze=False)
     for ax, p in zip(axes[0], worlds):
         for algorithm in sorted({r["algorithm"] for r in rows}):
-            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["world_size"] == p and r["algorithm"] == algorithm)
+            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows
+                         if r["world_size"] == p and r["algorithm"] == algorithm)
             ax.plot([b for b, _ in pts], [bw for _, bw in pts], marker="o", label=algorithm)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
@@ -190,7 +192,8 @@ def format_rows(rows: list[dict], fits: dict[int, tuple[float, float]]) -> str:
     for p, (alpha, beta) in fits.items():
         lines.append(f"world size {p} (gloo, 1 thread per rank): alpha {alpha * 1e6:.1f} us per message, "
                      f"beta {beta * 1e9:.3f} ns per byte ({1 / beta / 1e9 if beta > 0 else float('nan'):.2f} GB/s)")
-        lines.append(f"{'bytes':>10} {'algorithm':<13} {'time ms':>9} {'model ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+        lines.append(f"{'bytes':>10} {'algorithm':<13} {'time ms':>9} {'model ms':>9} {'algbw GB/s':>11} "
+                     f"{'busbw GB/s':>11}")
         for r in (r for r in rows if r["world_size"] == p):
             model = f"{r['model_s'] * 1e3:9.3f}" if "model_s" in r else f"{'-':>9}"
             lines.append(f"{r['bytes']:>10} {r['algorithm']:<13} {r['time_s'] * 1e3:>9.3f} {model} "

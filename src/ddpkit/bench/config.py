@@ -153,7 +153,8 @@ class BenchConfig:
             raise ConfigError(f"--zero runs the transformer and the MLP, and --workloads {' '.join(self.workloads)} "
                               "has neither: add one")
         if self.compile and (self.scaling or self.memory):
-            raise ConfigError(f"--compile times the DDP workloads' steps; drop {'--scaling' if self.scaling else '--memory'}"
+            raise ConfigError(f"--compile times the DDP workloads' steps; drop "
+                              f"{'--scaling' if self.scaling else '--memory'}"
                               ", which it does not apply to")
         if self.compile_backend != "inductor" and not self.compile:
             raise ConfigError(f"--compile-backend {self.compile_backend}: add --compile, or leave the backend out")

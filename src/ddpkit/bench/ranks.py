@@ -22,7 +22,8 @@ from ddpkit.runtime.spawn import spawn, start_forkserver
 
 __all__ = ["PRELOAD", "spawn_ranks", "start_early"]
 
-PRELOAD = ("torch", "torch._dynamo", "ddpkit.bench.run", "ddpkit.bench.memory", "ddpkit.bench.zero", "ddpkit.bench.capped",
+PRELOAD = ("torch", "torch._dynamo", "ddpkit.bench.run", "ddpkit.bench.memory", "ddpkit.bench.zero",
+           "ddpkit.bench.capped",
            "ddpkit.bench.scaling", "ddpkit.bench.collectives")
 """What the server imports once for every rank (the ranks' modules and what they import)."""
 

@@ -142,7 +142,8 @@ def write_report(cfg: BenchConfig, data: dict[str, Any]) -> Path:
                   "| workload | ddpkit ms | torch ms | ratio (IQR) | ratio with defaults | peak MiB ddpkit | peak MiB "
                   "torch |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in costed:
-            peak = " | ".join("-" if r.get(k) is None else f"{r[k]:,.0f}" for k in ("ddpkit_peak_mib", "torch_peak_mib"))
+            peak = " | ".join("-" if r.get(k) is None else f"{r[k]:,.0f}"
+                               for k in ("ddpkit_peak_mib", "torch_peak_mib"))
             lines.append(f"| {r['workload']} | {r['ddpkit_noop_ms']:.2f} | {r['torch_noop_ms']:.2f} | "
                          f"{r['noop_ratio']:.3f} ({r['noop_ratio_iqr'][0]:.3f}-{r['noop_ratio_iqr'][1]:.3f}) | "
                          f"{r['ratio']:.3f} | {peak} |")

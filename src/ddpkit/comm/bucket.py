@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_future", "check_hook_signature", "check_new_hook"]
+__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_future", "check_hook_signature",
+           "check_new_hook"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 """``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""

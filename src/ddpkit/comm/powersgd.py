@@ -208,7 +208,8 @@ def _error_feedback(state: Any, index: int, flat: torch.Tensor) -> torch.Tensor 
     return flat.detach().clone()
 
 
-def _batch(matrices: list[torch.Tensor], stack: bool) -> tuple[dict[torch.Size, list[torch.Tensor]], list[torch.Tensor]]:
+def _batch(matrices: list[torch.Tensor], stack: bool,
+           ) -> tuple[dict[torch.Size, list[torch.Tensor]], list[torch.Tensor]]:
     """Same-shaped matrices grouped in first-seen order, and one (1, n, m) view each, or (``stack``) stacked."""
     by_shape: dict[torch.Size, list[torch.Tensor]] = {}
     for matrix in matrices:
@@ -328,7 +329,8 @@ def powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
         def finish() -> torch.Tensor:
             unpack_plain(plain_work.wait()[0])
             qs_flat = compute_qs(p_work.wait()[0])
-            events.collective("PowerSGD bucket {}: all-reduce Q", index, nbytes=qs_flat.numel() * qs_flat.element_size())
+            events.collective("PowerSGD bucket {}: all-reduce Q", index,
+                              nbytes=qs_flat.numel() * qs_flat.element_size())
             return decompress(all_reduce(qs_flat).wait()[0])
 
         return _OnWait(finish)

@@ -310,7 +310,8 @@ def source_files(name: str, data_dir: str | Path | None) -> list[Path]:
     if name == "digits":
         return [_digits_csv()]
     if name == "mnist" and data_dir is not None:
-        stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+        stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte")
         return [f for f in (_find(Path(data_dir), s) for s in stems) if f is not None]
     return []
 

@@ -148,7 +148,8 @@ class DynamicRendezvous(NodeRendezvous):
             if last_call is None and time.monotonic() >= deadline:
                 raise ConfigError(
                     f"rendezvous round {round_}: {count} of the {launch.min_nodes} nodes needed (--nnodes "
-                    f"{launch.min_nodes}:{launch.max_nodes}) joined within join_timeout {conf['join_timeout']:g} s: start "
+                    f"{launch.min_nodes}:{launch.max_nodes}) joined within join_timeout {conf['join_timeout']:g} s: "
+                    "start "
                     "the other nodes' launchers with the same --rdzv-endpoint and --rdzv-id, or raise join_timeout "
                     "in --rdzv-conf")
             time.sleep(0.05)

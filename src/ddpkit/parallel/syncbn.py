@@ -176,7 +176,8 @@ class SyncBatchNorm(_BatchNorm):
             mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), mean, var * n])
             device = comm_device(self.process_group, like=x)
             parts = [torch.empty_like(mine, device=device) for _ in range(self._group_size())]
-            events.collective("SyncBatchNorm forward: all-gather batch statistics", nbytes=mine.numel() * mine.element_size())
+            events.collective("SyncBatchNorm forward: all-gather batch statistics",
+                              nbytes=mine.numel() * mine.element_size())
             dist.all_gather(parts, mine.to(device), group=self.process_group)
             table = torch.stack(parts).to(x.device)
         counts, means, m2s = table[:, :1], table[:, 1 : 1 + x.shape[1]], table[:, 1 + x.shape[1] :]

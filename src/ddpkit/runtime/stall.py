@@ -15,7 +15,8 @@ reached that collective, the most advanced rank with the lowest number
 prints once, on stderr::
 
     ddpkit stall: rank 1 stalled: collective #57 "DDP bucket 0 all-reduce, step 12" waited 61 s on rank 0 for it
-    ddpkit stall:   rank 1: last collective #56 "broadcast buffers, step 12", 62 s ago; no heartbeat for 61 s: process stopped or hung
+    ddpkit stall:   rank 1: last collective #56 "broadcast buffers, step 12", 62 s ago; no heartbeat for 61 s: \
+process stopped or hung
 
 Ranks whose recent collectives differ at the same sequence number (one rank
 issued an extra collective, or skipped one) are reported naming both
@@ -96,7 +97,8 @@ def diagnose(me: int, states: dict[int, dict[str, Any] | None], now: float, stal
     for seq in sorted(by_seq):
         names = by_seq[seq]
         if len(names) > 1:
-            parts = "; ".join(f'{_ranks(rs)} issued "{n}"' for n, rs in sorted(names.items(), key=lambda kv: min(kv[1])))
+            parts = "; ".join(f'{_ranks(rs)} issued "{n}"'
+                              for n, rs in sorted(names.items(), key=lambda kv: min(kv[1])))
             lines.append(f"ranks disagree on collective #{seq}: {parts} (a collective issued on some ranks only; "
                          "every rank must issue the same collectives in the same order)")
             break

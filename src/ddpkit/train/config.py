@@ -56,7 +56,8 @@ class TrainConfig:
     seed: int = option(0, "seed of the model's initialisation and of the data order")
     amp: str = option("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
     grad_accum: int = option(1, "micro-batches per optimizer step (no_sync on all but the last)")
-    sync_bn: bool = option(False, "convert the model's BatchNorm layers to ddpkit.SyncBatchNorm (global-batch statistics)")
+    sync_bn: bool = option(False, "convert the model's BatchNorm layers to ddpkit.SyncBatchNorm (global-batch "
+                           "statistics)")
     engine: str = option(
         "ddpkit", "ddpkit's DDP, torch's DDP (comparison), single (one process), dp (ddpkit.DataParallel in one "
         "process: one replica per GPU, else --nproc-per-node CPU replicas in threads)", choices=ENGINES,
@@ -146,7 +147,8 @@ class TrainConfig:
         need(self.local_sgd is None or self.local_sgd >= 1, "local_sgd", "must be at least 1 (steps between averages)")
         need(self.local_sgd_warmup >= 0, "local_sgd_warmup", "must be 0 or more")
         if self.local_sgd is not None:
-            need(self.strategy in ("ddp", "local-sgd"), "local_sgd", f"does not fit --strategy {self.strategy}: drop one")
+            need(self.strategy in ("ddp", "local-sgd"), "local_sgd",
+                 f"does not fit --strategy {self.strategy}: drop one")
             self.strategy = "local-sgd"
         elif self.strategy == "local-sgd":
             self.local_sgd = 4

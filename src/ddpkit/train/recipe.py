@@ -40,7 +40,8 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
     if config.engine == "ddpkit":
         from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
-        return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=config.zero if config.zero >= 2 else 0),
+        stage = config.zero if config.zero >= 2 else 0
+        return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=stage),
                               config)
     if config.engine == "torch":
         from ddpkit._reference import torch_ddp

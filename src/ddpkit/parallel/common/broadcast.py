@@ -23,7 +23,8 @@ from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.objects import broadcast_object
 
-__all__ = ["BROADCAST_CHUNK_BYTES", "PackedBroadcast", "broadcast_once", "broadcast_optimizer_state", "broadcast_parameters", "world_group"]
+__all__ = ["BROADCAST_CHUNK_BYTES", "PackedBroadcast", "broadcast_once", "broadcast_optimizer_state",
+           "broadcast_parameters", "world_group"]
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 """Largest message of a coalesced broadcast."""

@@ -39,8 +39,8 @@ from ddpkit.comm.bucket import GradBucket
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_device
 
-__all__ = ["FUSED_MAX_BYTES", "BucketLayout", "BucketSet", "StagingPlan", "assign_buckets", "initial_buckets", "payload",
-           "sparse_zeros"]
+__all__ = ["FUSED_MAX_BYTES", "BucketLayout", "BucketSet", "StagingPlan", "assign_buckets", "initial_buckets",
+           "payload", "sparse_zeros"]
 
 FUSED_MAX_BYTES = 64 * 1024
 """Parameters up to this size are staged into their bucket by one fused copy per bucket."""

@@ -97,7 +97,8 @@ class Join:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if not self._enable or exc_type is not None:
             return  # an exception in the block goes straight to the caller
         is_last_joiner = True

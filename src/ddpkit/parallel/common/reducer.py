@@ -260,7 +260,7 @@ class Reducer:
             self._launch_ready()
 
     def _twice(self, index: int) -> None:
-        raise sg.twice_error(self.names[index])
+        raise twice_error(self.names[index])
 
     def _divide(self) -> int | None:
         """What staging averages over: ``div_factor`` without a comm hook (None: nothing to divide)."""
@@ -448,3 +448,13 @@ class Reducer:
         check_new_hook(self.comm_hook, hook)
         self.comm_hook = hook
         self.comm_state = state
+
+
+def twice_error(name: str) -> RuntimeError:
+    """Parameter ``name`` got a second gradient in one synchronised backward without ``static_graph``."""
+    return RuntimeError(
+        f"parameter {name!r} received a gradient twice in one synchronised backward (reentrant "
+        "checkpointing, or two backward passes through one forward): run a forward before each backward, "
+        "use no_sync() for all but the last, or construct DistributedDataParallel(..., static_graph=True) "
+        "if the model is the same every iteration"
+    )

@@ -181,7 +181,8 @@ class Staging:
                    used: list[bool] | None, saved: dict[int, torch.Tensor]) -> None:
         """Leave the averages in ``.grad``; a parameter no rank used keeps what it had (``saved``)."""
         for bucket in buckets:
-            skip = [s for s, i in enumerate(bucket.indices) if i in unused_here and not used[i]] if unused_here else []  # type: ignore[index]
+            skip = ([s for s, i in enumerate(bucket.indices) if i in unused_here and not used[i]]  # type: ignore[index]
+                    if unused_here else [])
             for s in skip:
                 i = bucket.indices[s]
                 if i in saved:

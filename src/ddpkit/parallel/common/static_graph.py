@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["StaticGraph", "twice_error"]
+__all__ = ["StaticGraph"]
 
 WAIT, READY, OVER = 0, 1, 2
 """What :meth:`StaticGraph.count` says of a parameter's latest gradient."""
@@ -75,7 +75,8 @@ class StaticGraph:
             index, got = next(iter(self.overcounted.items()))  # the first to get one gradient too many
             raise RuntimeError(
                 f"DistributedDataParallel(static_graph=True): parameter {names[index]!r} got "
-                f"gradient #{got} in this backward but {self.expected[index]} in the first one. Your "  # type: ignore[index]
+                f"gradient #{got} in this backward but {self.expected[index]} "  # type: ignore[index]
+                "in the first one. Your "
                 "training graph has changed in this iteration, e.g., one parameter is unused in first "
                 "iteration, but then got used in this iteration. this is not compatible with "
                 "static_graph set to True"
@@ -88,12 +89,3 @@ class StaticGraph:
                 "static_graph=True needs the same graph every iteration"
             )
 
-
-def twice_error(name: str) -> RuntimeError:
-    """Parameter ``name`` got a second gradient in one synchronised backward without ``static_graph``."""
-    return RuntimeError(
-        f"parameter {name!r} received a gradient twice in one synchronised backward (reentrant "
-        "checkpointing, or two backward passes through one forward): run a forward before each backward, "
-        "use no_sync() for all but the last, or construct DistributedDataParallel(..., static_graph=True) "
-        "if the model is the same every iteration"
-    )

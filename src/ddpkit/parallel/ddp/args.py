@@ -1,4 +1,5 @@
-"""``DistributedDataParallel``'s arguments checked and their defaults decided, as torch 2.13 decides them: one pure function.
+"""``DistributedDataParallel``'s arguments checked and their defaults decided, as torch 2.13 decides them: one pure
+function.
 
 :func:`check_arguments` reads the module and the arguments, communicates nothing and
 changes nothing; it returns what the wrapper keeps (:class:`DDPSettings`),

@@ -40,7 +40,8 @@ def make_engine(ddp: Any) -> Engine:
     2's sharded reducer, or stage 3's sharded parameters."""
     if ddp.zero_stage == 3:
         if ddp.parameters_to_ignore:
-            raise ValueError(f"zero_stage=3 shards every parameter of the model, and {sorted(ddp.parameters_to_ignore)} "
+            raise ValueError(f"zero_stage=3 shards every parameter of the model, and "
+                             f"{sorted(ddp.parameters_to_ignore)} "
                              "are set to be ignored: use zero_stage=0 or 2 with ignored parameters")
         return sharded_parameters(ddp.module, ddp.process_group, ddp.find_unused_parameters, ddp.stage3_settings)
     # torch's filter names a parameter "<module>.<name>", so the root's own are ".<name>".

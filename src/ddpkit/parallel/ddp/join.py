@@ -152,9 +152,11 @@ class DDPJoinable:
             raise RuntimeError(f"join() is not supported with zero_stage={self.zero_stage}: give every rank the "
                                "same number of batches (DistributedSampler(drop_last=True)), or use zero_stage=0")
         if enable and self.skip_all_reduce_unused_params:
-            raise RuntimeError("join() with skip_all_reduce_unused_params=True: a joined rank cannot tell which buckets "
-                               "the others leave unreduced, so their collectives would stop matching; drop one of them")
-        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+            raise RuntimeError("join() with skip_all_reduce_unused_params=True: a joined rank cannot tell which "
+                               "buckets the others leave unreduced, so their collectives would stop matching; drop "
+                               "one of them")
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True, **kwargs: Any) -> DDPJoinHook:
         """The hook a ``Join`` context runs on this rank once it has joined."""

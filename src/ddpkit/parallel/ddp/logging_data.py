@@ -63,8 +63,8 @@ _DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: 
                 torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int", torch.bool: "bool",
                 torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int",
                 torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>"}
-_ENV = {"master_port": "MASTER_PORT", "master_addr": "MASTER_ADDR", "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
-        "cuda_visible_devices": "CUDA_VISIBLE_DEVICES"}
+_ENV = {"master_port": "MASTER_PORT", "master_addr": "MASTER_ADDR",
+        "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG", "cuda_visible_devices": "CUDA_VISIBLE_DEVICES"}
 _BACKEND_ENV = {
     "gloo": {"gloo_socket_ifname": "GLOO_SOCKET_IFNAME", "gloo_device_transport": "GLOO_DEVICE_TRANSPORT"},
     "nccl": {"nccl_socket_ifname": "NCCL_SOCKET_IFNAME", "nccl_blocking_wait": "TORCH_NCCL_BLOCKING_WAIT",

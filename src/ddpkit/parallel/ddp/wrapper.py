@@ -355,7 +355,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
     # moves inputs to the module's device itself).
 
     def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int | None) -> tuple[tuple, tuple]:
-        """``inputs`` and ``kwargs`` moved to ``device_id`` of this model's device type, as ``((inputs,), (kwargs,))``."""
+        """``inputs`` and ``kwargs`` moved to ``device_id`` of this model's device type, as
+        ``((inputs,), (kwargs,))``."""
         device = torch.device(self.device_type, device_id)
         return padded([to_device(tuple(inputs), device)] if inputs else [],
                       [to_device(dict(kwargs), device)] if kwargs else [])

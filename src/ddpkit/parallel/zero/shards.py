@@ -208,7 +208,8 @@ def _optimizer_state(engine: ShardedParameters, optimizer: torch.optim.Optimizer
             if key == "per_element":
                 continue
             if isinstance(value, dict) and "tensor" in value:
-                state[i][key] = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"].removeprefix("torch.")))
+                dtype = getattr(torch, value["dtype"].removeprefix("torch."))
+                state[i][key] = torch.tensor(value["tensor"], dtype=dtype)
             else:
                 state[i][key] = value
         local = local_of(q.param)

@@ -242,7 +242,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     # -- parameters as bucket views --------------------------------------------------------------
 
     def _build_buckets(self) -> None:
-        """With ``parameters_as_bucket_view``: one flat tensor per device and rank; trainable parameters become views."""
+        """With ``parameters_as_bucket_view``: one flat tensor per device and rank; trainable parameters become
+        views."""
         if not self.parameters_as_bucket_view:
             return
         devices: dict[torch.device, list[list[torch.Tensor]]] = {}
