@@ -50,11 +50,12 @@ def _clean_state() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
-    if "torch.distributed" in sys.modules:
+    if "ddpkit.runtime.group" in sys.modules:
+        from ddpkit.runtime.group import shutdown
+
+        shutdown()  # destroys the process group a test made in-process, and forgets ddpkit's context of it
+    elif "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        import ddpkit.runtime.group
-
-        ddpkit.runtime._ctx = None

@@ -104,3 +104,21 @@ def test_join_is_recorded_and_a_bad_sample_rate_refused(dist2):
     with pytest.raises(ValueError, match="sample rate should be equal or greater than 1"):
         model._set_ddp_runtime_logging_sample_rate(0)
     assert "can_set_static_graph" not in model._get_ddp_logging_data()  # torch writes it only at destruction
+
+
+def _with_empty_env() -> tuple[dict, dict]:
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # set, but empty (torch 2.13's test_ddp_logging_data_cpu does this)
+    os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    try:
+        ours, theirs = ddpkit.DDP(make("plain")), TorchDDP(make("plain"))
+        return ours._get_ddp_logging_data(), theirs._get_ddp_logging_data()
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def test_an_environment_variable_set_but_empty_logs_as_under_torch(dist2):
+    for ours, theirs in dist2.run(_with_empty_env):
+        assert ours["cuda_visible_devices"] == theirs["cuda_visible_devices"] == ""
+        assert ours["torch_distributed_debug"] == theirs["torch_distributed_debug"] == "N/A"

@@ -301,6 +301,81 @@ def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
 
 
+def _foreign(path: Path, meta: str | None, sums: str | None = None, tensors: dict | None = None,
+             sign: bool = False) -> Path:
+    """A safetensors file with ddpkit's metadata keys set to what a test gives (another origin's, or damage);
+    ``sign``: with the checksums of what it holds, as ddpkit would write them."""
+    from safetensors.torch import save_file
+
+    from ddpkit.train.checkpoint import _checksums
+
+    tensors = tensors if tensors is not None else {"0:w": torch.ones(2)}
+    if sign:
+        sums = _checksums(meta, tensors)
+    metadata = {k: v for k, v in (("ddpkit", meta), ("ddpkit_checksums", sums)) if v is not None}
+    save_file(tensors, path, metadata=metadata)
+    return path
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+"""JSON nested past any parser's recursion limit."""
+
+
+@pytest.mark.parametrize("meta, sums, what", [
+    (DEEP, None, "a skeleton nested very deep"),
+    ('{"format": 2, "state": ' + "[" * 5000 + "]" * 5000 + "}", "sign", "a state nested very deep, signed"),
+    ('{"format": 2, "state": ' + "[" * 5000 + "]" * 5000 + "}", None, "a state nested very deep"),
+    ("[1, 2, 3]", None, "a skeleton that is not an object"),
+    ('"just a string"', None, "a skeleton that is a string"),
+    ("{not json", None, "a skeleton that is not JSON"),
+    ('{"format": 2, "state": {"__tensor__": "0:w"}}', DEEP, "checksums nested very deep"),
+    ('{"format": 2, "state": {"__tensor__": "0:w"}}', "[]", "checksums that are not an object"),
+    ('{"format": 2, "state": {"__tensor__": "0:w"}}', "{broken", "checksums that are not JSON"),
+    ('{"format": "2", "state": {}}', None, "a format that is not a number"),
+    ('{"format": 2, "state": {"__dict__": [[1, 2, 3]]}}', None, "a dict entry of three"),
+    ('{"format": 2, "state": {"__view__": "0:w", "dtype": "float32", "offset": "x", "size": [1], "stride": [1]}}',
+     None, "a view with a bad offset"),
+])
+def test_a_malformed_or_foreign_file_is_a_checkpoint_error_in_one_line(tmp_path: Path, meta, sums, what) -> None:
+    # --resume falls back past a CheckpointError, never past a RecursionError or an AttributeError.
+    path = _foreign(tmp_path / "bad.safetensors", meta, None if sums == "sign" else sums, sign=sums == "sign")
+    with pytest.raises(CheckpointError) as raised:
+        ddpkit.load_checkpoint(path)
+    message = str(raised.value)
+    assert "bad.safetensors" in message and "\n" not in message and len(message) < 400, (what, message)
+
+
+@pytest.mark.parametrize("name", ["qint8", "quint8", "qint32", "quint4x2", "bits8", "not_a_dtype", "Tensor"])
+def test_only_dtypes_a_checkpoint_holds_are_accepted(tmp_path: Path, name: str) -> None:
+    path = _foreign(tmp_path / "q.safetensors", json.dumps({"format": 3, "state": {
+        "__view__": "0:w", "dtype": name, "offset": 0, "size": [1], "stride": [1]}}), sign=True)
+    with pytest.raises(CheckpointError, match=f"dtype {name!r}"):
+        ddpkit.load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=f"dtype {name!r}"):
+        ddpkit.load_checkpoint(_foreign(tmp_path / "d.safetensors", json.dumps(
+            {"format": 2, "state": {"__dtype__": name}}), sign=True))
+
+
+def test_a_quantized_tensor_is_refused_at_save_with_the_fix(tmp_path: Path) -> None:
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(CheckpointError, match="dequantize"):
+        ddpkit.save_checkpoint(tmp_path / "q", {"q": q})
+    assert not (tmp_path / "q").exists()
+
+
+def test_tensors_sharing_an_address_but_not_a_storage_save_and_load(tmp_path: Path) -> None:
+    # Two tensors made from NumPy arrays that start at one address but span different lengths: two storages.
+    # Grouped by address they were saved as views of the first's storage, and could not be read back.
+    base = np.arange(12, dtype=np.float32)
+    whole, head = torch.from_numpy(base), torch.from_numpy(base[:4])
+    assert whole.data_ptr() == head.data_ptr() and whole.untyped_storage().nbytes() != head.untyped_storage().nbytes()
+    path = tmp_path / "np.safetensors"
+    ddpkit.save_checkpoint(path, {"head": head, "whole": whole, "tail": torch.from_numpy(base[8:])})
+    back = ddpkit.load_checkpoint(path)
+    assert torch.equal(back["whole"], whole) and torch.equal(back["head"], head)
+    assert torch.equal(back["tail"], torch.arange(8, 12, dtype=torch.float32))
+
+
 def test_a_newer_format_is_refused(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

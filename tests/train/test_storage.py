@@ -123,3 +123,19 @@ def test_resume_over_a_foreign_newest_checkpoint_names_the_file(tmp_path: Path) 
     assert done.returncode == 2
     assert f"({planted.name}) was started with different settings that would change its result" in done.stderr
     assert "model: 'mlp' -> 'convnet'" in done.stderr
+
+
+def test_resume_falls_back_past_a_malformed_newest_checkpoint_warning_with_its_name(tmp_path: Path) -> None:
+    # A file of another origin, malformed (its skeleton nested past any parser's depth): a CheckpointError like
+    # any damage, so the run resumes from the one before, saying which file it skipped.
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    assert _train(run, "--epochs", "1").returncode == 0
+    good = checkpoint_files(run / "checkpoints")[-1][1]
+    planted = run / "checkpoints" / "step-99999999.safetensors"
+    save_file({"0:w": torch.ones(1)}, planted, metadata={"ddpkit": "[" * 100_000 + "]" * 100_000})
+    done = _train(run, "--epochs", "2", "--resume")
+    assert done.returncode == 0, done.stderr
+    assert f"skipping checkpoint {planted}" in done.stderr and "is corrupt" in done.stderr
+    assert f"resuming from {good}" in done.stdout + done.stderr

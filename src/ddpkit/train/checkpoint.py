@@ -31,7 +31,7 @@ import pickle
 import re
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +107,17 @@ def _to_bytes(state: Any) -> bytes:
 def _verify(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> None:
     """Check the stored checksums; a file without any (format 1, foreign) passes as it is."""
     if _SUM_KEY not in meta:
-        if _META_KEY in meta and 2 <= json.loads(meta[_META_KEY]).get("format", 1) <= _FORMAT:
-            raise CheckpointError(f"checkpoint {path} is damaged: its checksums are missing")
+        if _META_KEY in meta:
+            skeleton = json.loads(meta[_META_KEY])
+            version = skeleton.get("format", 1) if isinstance(skeleton, dict) else None
+            if isinstance(version, int) and 2 <= version <= _FORMAT:
+                raise CheckpointError(f"checkpoint {path} is damaged: its checksums are missing")
         return
     try:
         stored = json.loads(meta[_SUM_KEY])
         sums, skeleton = dict(stored["tensors"]), stored["skeleton"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} is damaged: unreadable checksums ({e})") from e
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: unreadable checksums ({_line(e)})") from e
     if skeleton is not None and _digest(meta.get(_META_KEY, "").encode()) != skeleton:
         raise CheckpointError(
             f"checkpoint {path} is damaged: its metadata (step, settings, structure) does not match "
@@ -288,11 +291,14 @@ def _safetensors_metadata(data: bytes, path: Path) -> dict[str, str]:
         )
     try:
         header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable header ({e})") from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable header ({_line(e)})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint {path} is corrupt: header is not a JSON object")
-    return header.get("__metadata__") or {}
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its metadata is not a map of strings")
+    return meta
 
 
 def _device(where: Any) -> torch.device:
@@ -396,27 +402,49 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     try:
         tensors = _st_load(data)
     except SafetensorError as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {e}") from e
-    _verify(path, meta, tensors)
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {_line(e)}") from e
+    with _as_corrupt(path):
+        _verify(path, meta, tensors)
+        skeleton = _skeleton(path, meta) if _META_KEY in meta else None
     tensors = _placed(tensors, map_location)
-    if _META_KEY not in meta:
+    if skeleton is None:
         return tensors
-    try:
-        skeleton = json.loads(meta[_META_KEY])
-        version = skeleton["format"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
-    if not isinstance(version, int) or version > _FORMAT:
+    with _as_corrupt(path):  # RuntimeError: a sparse tensor's indices out of it, a view out of its bytes
+        return decode(skeleton["state"], tensors)
+
+
+def _skeleton(path: Path, meta: Mapping[str, str]) -> dict[str, Any]:
+    """The skeleton a file's metadata holds, its format checked."""
+    skeleton = json.loads(meta[_META_KEY])
+    if not isinstance(skeleton, dict) or "state" not in skeleton:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its skeleton is not a ddpkit checkpoint's")
+    version = skeleton.get("format")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its format is {version!r}, not a number")
+    if version > _FORMAT:
         raise CheckpointError(
             f"checkpoint {path} has format {version!r}, newer than this ddpkit reads ({_FORMAT}): "
             "load it with the ddpkit version that wrote it"
         )
+    return skeleton
+
+
+def _line(error: BaseException) -> str:
+    """An error's message on one short line (a file's damage is reported in one)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+@contextlib.contextmanager
+def _as_corrupt(path: Path) -> Iterator[None]:
+    """Whatever reading a damaged or foreign file raises, as a :class:`CheckpointError` of one line: so that a
+    resume falls back past it to the previous good checkpoint, as for any other damage."""
     try:
-        return decode(skeleton["state"], tensors)
+        yield
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a sparse tensor's indices out of it
-        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({e})") from e
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:  # RecursionError too
+        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({type(e).__name__}: {_line(e)})") from e
 
 
 # ---------------------------------------------------------------- module. prefixes

@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "decode", "encode", "encode_state"]
+__all__ = ["DTYPES", "CheckpointError", "decode", "encode", "encode_state"]
+
+DTYPES = frozenset(d for d in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
+) if d is not None)
+"""What a checkpoint holds: plain numbers safetensors stores (quantized and bit-packed types, whose meaning lies
+outside their bytes, are refused when saved and when read)."""
 
 
 class CheckpointError(ValueError):
@@ -80,7 +89,10 @@ def _storage(entry: dict, t: torch.Tensor) -> tuple | None:
     """
     if "__tensor__" not in entry or t.numel() == 0 or t.device.type == "meta" or t.is_conj() or t.is_neg():
         return None
-    return t.device, t.untyped_storage().data_ptr()
+    # The storage itself, not its address: two storages may start at one address and span different lengths
+    # (tensors made from overlapping NumPy arrays), and a view of the shorter could not hold the longer.
+    storage = t.untyped_storage()
+    return t.device, storage.data_ptr(), storage.nbytes()
 
 
 def _store_once(group: list[tuple[str, dict, torch.Tensor]], tensors: dict[str, torch.Tensor], k: int) -> None:
@@ -116,6 +128,12 @@ def encode(obj: Any, found: list[tuple[str, dict, torch.Tensor]], path: str) -> 
     if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
         raise TypeError(f"cannot checkpoint a {obj.layout} tensor at {path or '<root>'}: convert it first "
                         "(t.to_dense(), or t.to_sparse() for the COO layout, which checkpoints keep)")
+    if isinstance(obj, torch.Tensor) and obj.dtype not in DTYPES:
+        raise TypeError(f"cannot checkpoint a {str(obj.dtype).removeprefix('torch.')} tensor at {path or '<root>'}: "
+                        "a checkpoint holds plain numbers; store t.dequantize() (and its scale and zero point)"
+                        if obj.is_quantized else
+                        f"cannot checkpoint a {obj.dtype} tensor at {path or '<root>'}: convert it to one of "
+                        f"{', '.join(sorted(str(d).removeprefix('torch.') for d in DTYPES))}")
     if isinstance(obj, torch.Tensor):
         name = f"{len(found)}:{path}"
         if isinstance(obj, torch.nn.Parameter):
@@ -193,8 +211,9 @@ def _view(entry: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _dtype(name: Any) -> torch.dtype:
-    """The dtype a skeleton names (``"float32"``); CheckpointError for any other name."""
+    """The dtype a skeleton names (``"float32"``); CheckpointError for any name not of :data:`DTYPES`."""
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in checkpoint")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint: it holds only "
+                              f"{', '.join(sorted(str(d).removeprefix('torch.') for d in DTYPES))}")
     return dtype

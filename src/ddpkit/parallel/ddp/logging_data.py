@@ -109,7 +109,7 @@ class DDPLogging(Observer):
             "bucket_sizes": ", ".join(str(n) for n in self._bucket_sizes()),
         })
         for key, name in {**_ENV, **_BACKEND_ENV.get(backend, {})}.items():
-            self.strs[key] = os.environ.get(name) or "N/A"
+            self.strs[key] = os.environ.get(name, "N/A")  # torch's: set but empty is ""
         sync_bn = any(type(m).__name__ == "SyncBatchNorm" for m in ddp.module.modules())
         output = ddp.output_device
         self.ints.update({
