@@ -1,5 +1,6 @@
-"""The suite's time budget (tests/budget.py) on a suite of its own: a test over budget fails the run unless it
-says why it is slow, and the run prints its wall time."""
+"""The suite's time budget (tests/budget.py) on a suite of its own: a test over budget fails, in its own report,
+unless the slow marker says why it is slow (a keyword of the same name does not), with or without pytest-xdist;
+and the run prints its wall time."""
 
 from __future__ import annotations
 
@@ -23,25 +24,41 @@ def test_slow_unmarked():
 @pytest.mark.slow("waits on purpose")
 def test_slow_marked():
     time.sleep(0.3)
+
+@pytest.mark.parametrize("case", ["slow"])
+def test_slow_by_name_only(case):
+    time.sleep(0.3)
 """
 
 
-def _run(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
+def _run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     pytester.makeconftest('pytest_plugins = ["budget"]\n')
     pytester.makepyfile(test_suite=source)
     here = str(Path(__file__).parent)  # where budget.py is, for the subprocess
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
 
 
-def test_a_test_over_budget_without_a_reason_fails_the_run(pytester: pytest.Pytester, monkeypatch) -> None:
+@pytest.mark.parametrize("xdist", [False, True], ids=["one process", "pytest-xdist"])
+def test_a_test_over_budget_without_a_reason_fails_itself(pytester: pytest.Pytester, monkeypatch, xdist) -> None:
     monkeypatch.setenv("DDPKIT_TEST_BUDGET_S", "0.2")
-    result = _run(pytester, SUITE)
+    junit = pytester.path / "junit.xml"
+    result = _run(pytester, SUITE, "--junitxml", str(junit), *(["-n", "2"] if xdist else []))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*suite wall time * s (* min), 3 tests*",
+    result.stdout.fnmatch_lines(["*suite wall time * s (* min), 4 tests*",
                                  "*OVER BUDGET: test_suite.py::test_slow_unmarked took * s, more than 0.2 s*"])
-    assert "OVER BUDGET: test_suite.py::test_slow_marked" not in result.stdout.str()
-    result.assert_outcomes(passed=3)  # every test passed: the budget alone failed the run
+    out = result.stdout.str()
+    assert "OVER BUDGET: test_suite.py::test_slow_marked" not in out
+    assert "OVER BUDGET: test_suite.py::test_slow_by_name_only[slow]" in out  # a keyword is not the marker
+    result.assert_outcomes(passed=2, failed=2)
+    xml = junit.read_text()
+    assert xml.count("<failure") == 2 and "OVER BUDGET" in xml  # the JUnit file says so too
+
+
+def test_the_slow_marker_needs_its_reason_under_xdist_too(pytester: pytest.Pytester) -> None:
+    result = _run(pytester, "import pytest\n\n@pytest.mark.slow\ndef test_x():\n    pass\n", "-n", "2")
+    assert result.ret != pytest.ExitCode.OK
+    assert "@pytest.mark.slow needs the reason" in result.stdout.str() + result.stderr.str()
 
 
 def test_within_budget_the_run_passes_and_prints_its_time(pytester: pytest.Pytester, monkeypatch) -> None:
