@@ -7,7 +7,9 @@
 #   2. ddpkit bench --device cuda on every workload at world = GPU count, with the engines' own cost (both with
 #      the same no-op comm hook) and their peak GPU memory: bench.log, bench.json and bench/ (--report);
 #   3. ddpkit doctor --json (every backend and device): doctor.json, and doctor.txt, its text report;
-# and summary.txt: the machine, each stage's exit code and the tests' tally. Exit code 0 when all passed.
+# and summary.txt: the machine, each stage's exit code and the tests' tally per file (scripts/gpu_tally.py). Exit
+# code 0 only when CUDA was usable, every file of the suite ran (passed) tests, none failed, and bench and doctor
+# passed: a run in which every test skipped is a failure, not a pass.
 # Sized for one device call: about 4 minutes on one H100/H200. On several GPUs NCCL runs at world = GPU count.
 # Settings (environment): PYTHON (default python3), WORKERS (pytest -n, default 8), BENCH_STEPS (default 60).
 set -uo pipefail
@@ -25,6 +27,15 @@ workers=${WORKERS:-8}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
 } > "$out/summary.txt"
 
+if [ "$gpus" -eq 0 ]; then
+    {
+        echo "GPUs: 0"
+        echo "no usable CUDA device (torch.cuda.is_available() is False, or no GPU is visible): nothing was run"
+    } >> "$out/summary.txt"
+    cat "$out/summary.txt"
+    exit 1
+fi
+
 start=$SECONDS
 xdist=()
 "$py" -c "import xdist" 2>/dev/null && xdist=(-n "$workers" --dist loadgroup)
@@ -34,6 +45,7 @@ timeouts=()
     --junitxml "$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests=$?
 tests_s=$((SECONDS - start))
+"$py" scripts/gpu_tally.py "$out/gpu-tests.xml" > "$out/gpu-tally.txt" 2>&1; tally=$?
 
 start=$SECONDS
 bench=1
@@ -57,8 +69,9 @@ doctor_s=$((SECONDS - start))
 {
     echo "GPUs: $gpus"
     echo "tests/gpu: exit $tests in ${tests_s} s ($(tail -n 1 "$out/gpu-tests.log"))"
+    cat "$out/gpu-tally.txt"
     echo "bench: exit $bench in ${bench_s} s"
     echo "doctor: exit $doctor in ${doctor_s} s ($(tail -n 1 "$out/doctor.txt"))"
 } >> "$out/summary.txt"
 cat "$out/summary.txt"
-[ "$doctor" -eq 0 ] && [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+[ "$doctor" -eq 0 ] && [ "$tests" -eq 0 ] && [ "$tally" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -9,11 +9,13 @@ cuDNN's default convolution backward adds in a different order from run to
 run, so without them even torch against torch differs after a few steps and
 a bitwise comparison proves nothing.
 
-``DDPKIT_GPU_SUITE_ON_CPU=1`` rehearses the suite on a machine without a
-GPU: it pretends one is there and runs the ``nccl`` ranks on gloo and the
-CPU, so that a test's own logic can be debugged before a GPU machine (whose
-time is scarce) runs it. What needs CUDA itself (autocast on CUDA, CUDA
-memory) still fails there; the commands and the strategies run.
+On a machine without a GPU the suite *rehearses* (``DDPKIT_GPU_SUITE_ON_CPU``,
+on by default there; ``=0`` turns it off): it pretends one GPU is there and
+runs the ``nccl`` ranks on gloo and the CPU, so that every test's own logic
+runs in the CPU suite, and in CI, before a GPU machine (whose time is
+scarce) runs it for real. What needs CUDA itself (NCCL, autocast on CUDA,
+CUDA memory, device ids) is skipped there, saying so; the DDP cases, the
+commands and the strategies run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-ON_CPU = os.environ.get("DDPKIT_GPU_SUITE_ON_CPU") == "1"
+ON_CPU = os.environ.get("DDPKIT_GPU_SUITE_ON_CPU", "0" if torch.cuda.is_available() else "1") == "1"
 """A rehearsal on the CPU (see the module notes)."""
 GPUS = 1 if ON_CPU else torch.cuda.device_count() if torch.cuda.is_available() else 0
 """GPUs on this machine: the NCCL tests run at this world size (users' machines have 8)."""
@@ -78,13 +80,18 @@ def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True) -> bool:
-    if a.keys() != b.keys():
+    if a.keys() != b.keys() or not a:
         return False
     if exact:
         return all(torch.equal(a[k], b[k]) for k in a)
     return all(torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5) for k in a)
 
 
-def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The largest absolute difference per tensor that differs (for a failure's message)."""
-    return {k: (a[k].double() - b[k].double()).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The largest absolute difference per tensor that differs, and every key one side lacks (for a failure's
+    message): empty only when both hold the same keys, each equal, and hold something."""
+    if not a or not b:
+        return {"<empty>": f"{len(a)} tensors against {len(b)}"}
+    missing = {k: "missing on one side" for k in sorted(set(a) ^ set(b))}
+    return {**missing, **{k: (a[k].double() - b[k].double()).abs().max().item()
+                          for k in a if k in b and not torch.equal(a[k], b[k])}}

@@ -16,8 +16,12 @@ import torch
 from gpu_ranks import GPUS, ON_CPU, cpu_state, needs_cuda, needs_two, run, same
 from torch import nn
 
-pytestmark = [needs_cuda, pytest.mark.skipif(ON_CPU, reason="rehearsal on the CPU: these need CUDA itself")]
+pytestmark = needs_cuda
 WORLD = max(GPUS, 1)
+PATHS = [pytest.param("nccl", WORLD, id=f"nccl-world{WORLD}"), pytest.param("gloo", 2, id="gloo-2-ranks-1-gpu")]
+"""NCCL at the GPU count, and two ranks sharing one GPU over gloo with CUDA tensors: on a one-GPU machine the NCCL
+path is a world of one (nothing reduces, nothing is uneven), so every comparison also runs at two ranks."""
+needs_real_cuda = pytest.mark.skipif(ON_CPU, reason="rehearsal on the CPU: needs CUDA itself")
 
 
 def _net(kind: str = "conv") -> nn.Module:
@@ -56,16 +60,19 @@ def _all_reduce(ctx) -> dict:
     return {"device": str(ctx.device), "sum": t[0].item(), "backend": ctx.backend}
 
 
+@needs_real_cuda
 def test_nccl_at_world_1():
     [r] = run(_all_reduce, 1, "nccl")
     assert r == {"device": "cuda:0", "sum": 1.0, "backend": "nccl"}
 
 
+@needs_real_cuda
 def test_two_ranks_share_one_gpu_over_gloo_with_cuda_tensors():
     results = run(_all_reduce, 2, "gloo")
     assert [r["sum"] for r in results] == [3.0, 3.0] and all(r["device"].startswith("cuda") for r in results)
 
 
+@needs_real_cuda
 def test_nccl_refuses_two_ranks_on_one_gpu_with_the_fix():
     from ddpkit.runtime.spawn import WorkerError
 
@@ -123,18 +130,22 @@ def _ddp_case(ctx, case: dict, engine: str) -> dict:
     return cpu_state(model)
 
 
+@pytest.mark.parametrize("backend, world", PATHS)
 @pytest.mark.parametrize("name", sorted(DDP_CASES))
-def test_ddp_on_cuda_equals_torchs(name):
-    ours = run(_ddp_case, WORLD, "nccl", DDP_CASES[name], "ddpkit")
-    theirs = run(_ddp_case, WORLD, "nccl", DDP_CASES[name], "torch")
+def test_ddp_on_cuda_equals_torchs(name, backend, world):
+    if ON_CPU and DDP_CASES[name].get("device_ids"):
+        pytest.skip("rehearsal on the CPU: device_ids name a GPU")
+    ours = run(_ddp_case, world, backend, DDP_CASES[name], "ddpkit")
+    theirs = run(_ddp_case, world, backend, DDP_CASES[name], "torch")
     for a, b in zip(ours, theirs):
-        assert same(a, b), name  # NCCL sums each bucket the same way for both: bit for bit
+        assert same(a, b), name  # each bucket summed the same way for both (NCCL's, gloo's): bit for bit
 
 
 def _race(ctx, steps: int) -> dict:
     return _ddp_case(ctx, {"bucket_cap_mb": 0.05, "model": "deep", "steps": steps}, "ddpkit")
 
 
+@needs_real_cuda
 def test_streams_overlap_without_a_race():
     # Many steps of a model whose gradients fill many small buckets, so each bucket's all-reduce runs while the
     # next bucket's backward computes; the same run serialised by CUDA_LAUNCH_BLOCKING=1 is the reference.
@@ -176,6 +187,7 @@ def _amp(ctx, dtype_name: str, hook: str | None, engine: str) -> dict:
     return cpu_state(model)
 
 
+@needs_real_cuda
 @pytest.mark.parametrize("dtype_name, hook", [("fp16", None), ("bf16", None), ("off", "fp16"), ("off", "bf16"),
                                               ("off", "powersgd")])
 def test_mixed_precision_and_comm_hooks_against_torchs_ddp(dtype_name, hook):
@@ -202,6 +214,7 @@ def _syncbn(ctx, engine: str) -> dict:
             "var": bn.running_var.cpu(), "wgrad": bn.weight.grad.cpu()}
 
 
+@needs_real_cuda
 @pytest.mark.parametrize("backend, world", [("nccl", WORLD), ("gloo", 2)])
 def test_syncbatchnorm_on_cuda_equals_torchs(backend, world):
     if backend == "gloo":
@@ -229,12 +242,14 @@ def _dp(devices: list[int], engine: str) -> dict:
     return cpu_state(model)
 
 
+@needs_real_cuda
 @pytest.mark.parametrize("devices", [[0], pytest.param(list(range(GPUS)), marks=needs_two)],
                          ids=["cuda0", "all-gpus"])
 def test_dataparallel_on_cuda_equals_torchs(devices):
     assert same(_dp(devices, "ddpkit"), _dp(devices, "torch"), exact=len(devices) == 1)
 
 
+@needs_real_cuda
 @pytest.mark.parametrize("where", ["cuda", "dict", "callable"])
 def test_checkpoints_load_onto_the_gpu_as_torch_load_puts_them(where, tmp_path):
     import ddpkit

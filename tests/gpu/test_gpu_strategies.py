@@ -48,8 +48,22 @@ def _assert_same(results: list, exact: bool = True) -> None:
         if exact:
             assert not differences(ours, theirs), f"rank {rank}: {differences(ours, theirs)}"
         else:
+            assert ours and sorted(ours) == sorted(theirs), f"rank {rank}: {differences(ours, theirs)}"
             for k in ours:
                 torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{rank} {k}: {m}")
+
+
+def test_the_comparison_fails_on_a_dropped_key_or_an_empty_state():
+    # A planted fault in each: the comparison must see it (it once looped over one side's keys only).
+    state = {"w": torch.ones(2), "b": torch.zeros(1)}
+    assert not differences(state, dict(state))
+    assert differences(state, {"w": torch.ones(2)}) == {"b": "missing on one side"}
+    assert differences({"w": torch.ones(2)}, state) == {"b": "missing on one side"}
+    assert differences({}, {}) and differences(state, {})
+    with pytest.raises(AssertionError):
+        _assert_same([(state, {"w": torch.ones(2)})], exact=False)
+    with pytest.raises(AssertionError):
+        _assert_same([({}, {})])
 
 
 # -- ZeRO -----------------------------------------------------------------------------------------------------
