@@ -106,6 +106,7 @@ def checkout(tmp_path: Path) -> Path:
     return work
 
 
+@pytest.mark.slow("a documentation block: a command or a launched script in fresh processes")
 @pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
 def test_the_block_runs(block: Block, checkout: Path) -> None:
     if "../shared" in block.code and not SHARED.is_dir():

@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow("the MNIST example, launched")
 def test_mnist_distributed_example(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "mnist_distributed.py"), "--nprocs", "2", "--epochs", "2"],

@@ -54,6 +54,7 @@ def _measure_linear200_cost() -> WorkloadResult:
     return bench_workload("linear200", BenchConfig(**TOY, engine_cost=True))
 
 
+@pytest.mark.slow("both engines and the plain model, timed and profiled in fresh ranks")
 def test_engine_cost_counts_what_each_engine_dispatches_per_step(dist2):
     from ddpkit._reference import torch_ddp_accepts
 
@@ -185,6 +186,7 @@ def test_compile_config_is_checked():
         BenchConfig(compile=True, memory=True)
 
 
+@pytest.mark.slow("rounds added until a spread or a time budget is met")
 def test_target_spread_adds_rounds_until_tight_or_out_of_time(dist2):
     tight = dist2.run(_measure_until, 1e-9)[0]  # never tight enough: rounds until the time budget
     assert tight.steps > 2
@@ -271,6 +273,7 @@ def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
     assert main(["bench", "--report", str(tmp_path / "a-file" / "report")]) == 2
 
 
+@pytest.mark.slow("each engine's peak memory in processes of its own, twice")
 def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
     out = tmp_path / "m.json"
     assert main(["bench", "--workloads", "mlp", "--steps", "2", "--warmup", "1", "--mlp-hidden", "2048",
@@ -317,6 +320,7 @@ def test_strategies_in_the_report(tmp_path, capfd):
     assert "MB sent/step" in capfd.readouterr().out
 
 
+@pytest.mark.slow("a script that times both engines' phases in fresh ranks")
 def test_phase_times_script_reports_both_engines_and_the_reducer():
     import subprocess
     import sys
@@ -334,6 +338,7 @@ def test_phase_times_script_reports_both_engines_and_the_reducer():
     assert any(line.strip().startswith("_finish_backward") for line in lines)
 
 
+@pytest.mark.slow("seven ZeRO setups timed, then each in processes of its own for its peak")
 def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
     # World 2 alone (the default worlds, 2 and 3, are checked below without processes).
     out = tmp_path / "z.json"
@@ -358,6 +363,7 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
 
 @pytest.mark.skipif(__import__("ddpkit.bench.limit").bench.limit.unavailable() is not None,
                     reason="no memory cap here (a memory cgroup needs root, or a delegated cgroup)")
+@pytest.mark.slow("three jobs of up to four ranks under a kernel memory cap, one killed")
 def test_zero_cap_trains_a_model_larger_than_the_cap_at_world_4_where_ddp_is_killed(tmp_path, capfd):
     out = tmp_path / "cap.json"
     assert main(["bench", "--zero", "--zero-cap-mb", "96", "--world-sizes", "2", "4", "--json", str(out),
@@ -418,3 +424,26 @@ def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
         spawn_ranks(_what_a_rank_found, 2, args=(os.getpid(), str(tmp_path)))
         assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == \
             [{"preloaded": True, "parent_is_caller": False}] * 2
+
+
+def test_the_capped_table_sizes_its_model_from_the_cap_and_says_each_outcome():
+    # The cap's bench, without the cap (that is test_zero_cap_...): the model is 1.5 times the cap or more, and
+    # the table says which setup trained and which the kernel killed.
+    from ddpkit.bench.capped import _WIDTH, _depth, format_capped
+
+    for cap in (16, 64, 1000):
+        weights = _depth(cap) * (_WIDTH * _WIDTH + _WIDTH) * 4 / 1e6
+        assert 1.5 * cap <= weights < 1.5 * cap + 1.1  # at most one layer more than 1.5 times the cap
+    table = format_capped({"cap_mb": 64, "model_mb": 96.7, "layers": 92, "rows": [
+        {"setup": "ddp", "world": 2, "trained": False, "peak": None, "why": "killed by the kernel past the cap"},
+        {"setup": "zero3", "world": 4, "trained": True, "peak": 61.4}]})
+    assert "1.51 x the cap" in table and "killed by the kernel past the cap" in table and "61.4" in table
+
+
+def test_the_memory_figures_read_this_process():
+    from ddpkit.bench.memory import fix_mmap_threshold, in_use, peaks
+
+    fix_mmap_threshold()
+    rss, private = in_use()
+    peak_rss, peak_private = peaks()
+    assert 0 < private <= rss and peak_rss >= rss - 1 and peak_private > 0  # two counters, rounded apart

@@ -59,6 +59,7 @@ def _all_algorithms(algorithm: str) -> list[str]:
     return failures
 
 
+@pytest.mark.slow("every algorithm, dtype and op at three ranks")
 @pytest.mark.parametrize("algorithm", C.ALGORITHMS)
 def test_all_reduce_matches_torch_three_ranks(dist3, algorithm):
     for failures in dist3.run(_all_algorithms, algorithm):
@@ -70,6 +71,7 @@ def _all_at_four() -> list[str]:
     return [f for a in C.ALGORITHMS for f in _all_algorithms(a)]
 
 
+@pytest.mark.slow("every algorithm, dtype and op at four ranks on two cores")
 def test_all_reduce_matches_torch_four_ranks(dist4):
     for failures in dist4.run(_all_at_four, timeout=300):
         assert not failures, "\n".join(failures[:5])

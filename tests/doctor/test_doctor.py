@@ -20,6 +20,7 @@ def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow("a whole doctor run: every backend's self-test in fresh ranks")
 def test_the_self_test_passes_on_gloo_and_reports_everything():
     done = _doctor("--json", "--nproc-per-node", "3")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -39,6 +40,7 @@ def test_the_self_test_passes_on_gloo_and_reports_everything():
     assert "gloo / cpu: ok" in text and "result: ok" in text and "DDPKIT_JOB_TOKEN" not in text
 
 
+@pytest.mark.slow("a whole doctor run in a fresh process")
 def test_a_backend_that_is_not_here_fails_with_the_reason():
     done = _doctor("--backends", "gloo", "nccl", "--nproc-per-node", "2")
     assert done.returncode == 1

@@ -3,13 +3,15 @@ deterministic algorithms in the test process too (DataParallel runs there), rest
 
 import pytest
 import torch
-from gpu_ranks import GPUS, deterministic
+from gpu_ranks import GPUS, ON_CPU, deterministic
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/tests/gpu/" in str(item.path).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
+            if ON_CPU:  # the rehearsal is the full suite's: the fast tier runs the same code in tests/parallel
+                item.add_marker(pytest.mark.slow("the GPU suite rehearsed on the CPU: fresh ranks per case"))
 
 
 @pytest.fixture(autouse=True)

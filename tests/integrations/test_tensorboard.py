@@ -37,6 +37,7 @@ def _expected(run: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in history] for key, tag in SCALARS.items()}
 
 
+@pytest.mark.slow("a training run, then its resume, each in fresh processes")
 def test_events_equal_the_metrics_once_per_epoch_across_a_resume(tmp_path):
     run, board = tmp_path / "run", tmp_path / "tb"
     _train("--epochs", "3", "--output-dir", str(run), "--tensorboard", str(board))

@@ -57,6 +57,7 @@ def test_nodes_started_alike_agree_on_ranks_world_size_and_the_torchrun_variable
     assert sorted("node 0 of 2" in err for _, err in outs) == [False, True]
 
 
+@pytest.mark.slow("waits out a rendezvous's join timeout")
 def test_too_few_nodes_within_join_timeout_is_an_error_saying_how_many_came():
     proc = _launcher(free_port(), "lonely", str(SCRIPTS / "report_env.py"), nnodes="2:3", conf="join_timeout=2")
     try:

@@ -93,6 +93,7 @@ def _pids(out: str) -> list[int]:
     return [int(line.split()[-1]) for line in out.splitlines() if "PID " in line]
 
 
+@pytest.mark.slow("two launchers and their workers, one crashing")
 def test_a_crash_on_one_node_stops_every_node_and_names_it():
     port = free_port()
     start = time.monotonic()
@@ -119,6 +120,7 @@ def test_max_restarts_restarts_every_node_together():
     assert "node 0, rank 0, failed first" in outs[1][1]
 
 
+@pytest.mark.slow("two launchers, one killed, the other waiting to notice")
 def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
     port = free_port()
     procs = [_node(n, port, "long", DDPKIT_TIMEOUT="60") for n in (0, 1)]

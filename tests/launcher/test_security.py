@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ddpkit.runtime.process import free_port
 from ddpkit.runtime.rendezvous import job_keys
 from tests.procs import SCRIPTS, base_env
@@ -46,6 +48,7 @@ def _intruder(port: int, **env: str) -> subprocess.CompletedProcess:
                                        DDPKIT_TIMEOUT="10", **env))
 
 
+@pytest.mark.slow("a job and a refused stranger process beside it")
 def test_a_process_without_the_secret_is_refused_and_the_job_finishes(tmp_path):
     job, port = _start_job(tmp_path, "--standalone")
     try:
@@ -69,6 +72,7 @@ def test_a_process_without_the_secret_is_refused_and_the_job_finishes(tmp_path):
     assert "claiming rank 1 without the job's secret" in refused[0] and "with another job's secret" in refused[1]
 
 
+@pytest.mark.slow("a launched job and its workers")
 def test_the_launcher_passes_the_given_rdzv_id_as_the_secret(tmp_path):
     job, port = _start_job(tmp_path, "--rdzv-id", "job-42", "--master-port", str(free_port()))
     try:
@@ -90,6 +94,7 @@ def test_job_keys_hide_the_prefix_behind_the_verifier():
     assert job_keys(None) == ("none", "ddpkit/")
 
 
+@pytest.mark.slow("a job and a refused stranger launcher beside it")
 def test_a_node_with_another_rdzv_id_is_refused_before_any_worker_and_the_job_goes_on():
     import os
     import signal

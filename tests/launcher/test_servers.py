@@ -39,6 +39,7 @@ def test_bad_server_settings_are_refused(kwargs, message):
         LaunchConfig(program="train.py", **kwargs)
 
 
+@pytest.mark.slow("a launched job with parameter servers, waited out")
 def test_a_script_that_never_closes_its_servers_still_ends_and_leaves_none_running():
     done = launch("--standalone", "--nproc-per-node", "2", "--num-servers", "1", script("ps_script.py"), timeout=120)
     assert done.returncode == 0, done.stderr

@@ -63,6 +63,7 @@ def test_torchrun_script_runs_unchanged_under_ddpkit_launch():
     assert "TORCHRUN-STYLE rank=1 local_rank=1 world=2 sum=1" in done.stdout
 
 
+@pytest.mark.slow("a job under torchrun")
 def test_ddpkit_script_runs_unchanged_under_torchrun():
     pytest.importorskip("torch.distributed.run")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -120,6 +121,7 @@ def test_crash_reports_the_root_cause_and_leaves_nothing_behind(tmp_path):
     assert not any(_alive(pid) for pid in pids), "a worker's child outlived the launcher"
 
 
+@pytest.mark.slow("a launched job restarted, fresh workers each round")
 def test_max_restarts_restarts_the_group_with_an_incremented_count():
     done = launch("--nproc-per-node", "2", "--standalone", "--max-restarts", "2", script("flaky.py"))
     assert done.returncode == 0, done.stderr
@@ -148,6 +150,7 @@ def test_a_signal_to_the_launcher_tears_the_group_down(sig):
     assert not any(_alive(pid) for pid in pids)
 
 
+@pytest.mark.slow("two launchers and their workers")
 def test_two_nodes_on_one_machine_get_global_ranks():
     port = str(free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
@@ -274,6 +277,7 @@ def test_a_signal_while_workers_start_still_stops_every_started_worker(monkeypat
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.slow("a launched job, its launcher killed")
 def test_a_launcher_killed_outright_takes_its_workers_with_it():
     import os
     import signal

@@ -899,6 +899,7 @@ def test_unpickling_without_a_process_group_is_a_clear_error():
         pickle.loads(data)
 
 
+@pytest.mark.slow("Accelerate's own test script, launched")
 def test_accelerates_own_test_sync_passes_with_ddpkit_ddp():
     # Accelerate's test_sync.py (shipped in its wheel) with ddpkit's DDP in
     # place of torch's: no_sync, trigger_sync_in_backward (which sets

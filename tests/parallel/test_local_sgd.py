@@ -82,6 +82,7 @@ def test_matches_averaging_by_hand(dist2, period, warmup, averages):
             assert torch.equal(ours[k], hand[k]), k
 
 
+@pytest.mark.slow("four ranks on two cores over several averaging periods")
 def test_hierarchical_periods(dist4):
     # Pairs average every 2 steps, all four every 4 (from step 2 on).
     for ours, hand, count in dist4.run(_against_hand, "plain", 9, {2: 2, 4: 4}, 2):

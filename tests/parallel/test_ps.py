@@ -138,6 +138,7 @@ def _leads(out: Path) -> list[int]:
     return [t + 1 - sum(1 for s in slow["launched"] if s <= end) for t, end in enumerate(fast["finished"])]
 
 
+@pytest.mark.slow("a straggler slowed on purpose")
 @pytest.mark.parametrize("strategy", ["ps-async", "ssp"])
 def test_a_straggler_makes_the_fast_worker_wait_after_s_steps_never_more(tmp_path: Path, strategy: str) -> None:
     s = 2

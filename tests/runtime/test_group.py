@@ -93,6 +93,7 @@ def test_zero_first_runs_rank_zero_before_the_others(dist3, local):
         assert inside >= rank0_leave
 
 
+@pytest.mark.slow("waits for a rendezvous that cannot complete")
 def test_world_size_larger_than_the_processes_started_fails_fast():
     port = str(free_port())
     envs = [{"RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
@@ -133,6 +134,7 @@ def test_two_processes_claiming_one_rank_fail():
             proc.wait()
 
 
+@pytest.mark.slow("waits out a rendezvous timeout")
 def test_unreachable_master_fails_within_the_timeout():
     port = str(free_port())  # nothing listens there
     envs = [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DDPKIT_TIMEOUT": "2"}]

@@ -21,6 +21,7 @@ def _job(mode: str, **env: str):
     return done, time.monotonic() - start
 
 
+@pytest.mark.slow("waits past the stall inspector's threshold")
 def test_a_stopped_rank_is_named_with_its_operation_and_becomes_the_root_cause():
     done, took = _job("stop", DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3")
     assert done.returncode == 1, done.stderr
@@ -41,6 +42,7 @@ def test_a_stopped_rank_is_named_with_its_operation_and_becomes_the_root_cause()
     assert took < 60
 
 
+@pytest.mark.slow("waits past the stall inspector's threshold")
 def test_an_extra_collective_on_one_rank_is_named_with_both_operations():
     done, _ = _job("extra", DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3")
     assert done.returncode == 1, done.stderr
@@ -51,6 +53,7 @@ def test_an_extra_collective_on_one_rank_is_named_with_both_operations():
         'rank 0 issued "DDP bucket 0 all-reduce, step 4"' in verdict, verdict
 
 
+@pytest.mark.slow("waits past the stall inspector's threshold")
 def test_a_slow_but_alive_rank_is_reported_once_and_the_job_finishes():
     done, _ = _job("slow", DDPKIT_STALL_WARN="2", SLOW_S="5")
     assert done.returncode == 0, done.stderr
@@ -60,6 +63,7 @@ def test_a_slow_but_alive_rank_is_reported_once_and_the_job_finishes():
     assert done.stdout.count("finished") == 2
 
 
+@pytest.mark.slow("two launched jobs past the stall inspector's threshold")
 def test_a_healthy_job_prints_nothing_and_warn_zero_turns_it_off():
     done, _ = _job("ok", DDPKIT_STALL_WARN="1")
     assert done.returncode == 0 and "ddpkit stall" not in done.stderr, done.stderr
@@ -107,6 +111,7 @@ def test_warn_seconds_rejects_bad_values(monkeypatch, raw):
         stall.warn_seconds()
 
 
+@pytest.mark.slow("waits past the stall inspector's threshold")
 def test_a_stopped_rank_0_is_named_while_the_launcher_serves_the_store():
     # Under ddpkit launch the store is the launcher's (torchrun's agent store): it outlives rank 0.
     done, took = _job("stop", DDPKIT_TIMEOUT="8", DDPKIT_STALL_WARN="3", STALL_RANK="0")
@@ -117,6 +122,7 @@ def test_a_stopped_rank_0_is_named_while_the_launcher_serves_the_store():
     assert took < 60
 
 
+@pytest.mark.slow("waits past the stall inspector's threshold")
 def test_a_stopped_rank_0_which_serves_the_store_is_named_and_nothing_hangs():
     # Ranks started by hand: rank 0 serves the store, and stopping it stops the store too.
     port = str(free_port())

@@ -65,6 +65,7 @@ def _digits(tmp_path: Path, strategy: str, **kw) -> dict:
     return train(TrainConfig(strategy=strategy, output_dir=tmp_path / strategy, progress=False, **kw))
 
 
+@pytest.mark.slow("whole training runs of the asynchronous strategies")
 @pytest.mark.parametrize("strategy, staleness", [("ps-async", None), ("ssp", None)])
 def test_async_strategies_train_the_digits_to_97_percent_in_the_default_epochs(tmp_path: Path, strategy: str,
                                                                                staleness: int | None) -> None:
@@ -111,6 +112,7 @@ def _kill_and_finish(cmd: list[str], out: Path, find) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow("a run whose server is killed, and its restart")
 def test_a_killed_server_under_ddpkit_train_restarts_from_the_checkpoint_bit_identical(tmp_path: Path,
                                                                                        ddp_run: Path) -> None:
     out = tmp_path / "run"

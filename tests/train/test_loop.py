@@ -225,6 +225,7 @@ def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow("a training run under ddpkit launch")
 def test_train_under_ddpkit_launch_uses_the_given_ranks(tmp_path: Path) -> None:
     # Inside a launcher `ddpkit train` starts no workers of its own: the two
     # launched processes are the world, whatever --nproc-per-node says.

@@ -70,6 +70,7 @@ def _checkpointed(out: Path, step: int) -> Callable[[], bool]:
     return lambda: (out / "checkpoints" / f"step-{step:08d}.safetensors").is_file()
 
 
+@pytest.mark.slow("a killed run and its restart, against the reference run")
 @pytest.mark.parametrize("point, victim", [("before-first-checkpoint", 1), ("mid-epoch", 0), ("second-epoch", 1)])
 def test_kill_under_ddpkit_launch_resumes_bit_identical(tmp_path: Path, reference, point, victim) -> None:
     out = tmp_path / "run"
@@ -85,6 +86,7 @@ def test_kill_under_ddpkit_launch_resumes_bit_identical(tmp_path: Path, referenc
     assert not list((out / "checkpoints").glob(".*tmp*"))
 
 
+@pytest.mark.slow("a killed run and its restart, against the reference run")
 def test_kill_under_ddpkit_train_max_restarts_resumes_bit_identical(tmp_path: Path, reference) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddpkit", "train", *FLAGS, "--max-restarts", "1", "--output-dir", str(out)]
@@ -95,6 +97,7 @@ def test_kill_under_ddpkit_train_max_restarts_resumes_bit_identical(tmp_path: Pa
     _assert_same_weights(out, reference)
 
 
+@pytest.mark.slow("a training run, stopped by SIGTERM and watched after")
 def test_sigterm_to_ddpkit_train_stops_every_worker_and_writes_nothing_after(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddpkit", "train", *FLAGS, "--epochs", "50", "--output-dir", str(out)]
@@ -123,6 +126,7 @@ def test_sigterm_to_ddpkit_train_stops_every_worker_and_writes_nothing_after(tmp
     assert not (out / "summary.json").exists()
 
 
+@pytest.mark.slow("a killed run and its restart, against the reference run")
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_a_killed_zero_run_restarts_bit_identical_to_plain_ddp(tmp_path: Path, reference, stage: str) -> None:
     # At world 2 stages 0 to 3 train the same bits, and the checkpoint holds the unsharded model and optimizer

@@ -46,6 +46,7 @@ def _train(out: Path, *extra: str, timeout: float = 300) -> subprocess.Completed
                           env=base_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow("a training run on a tiny filesystem")
 def test_a_full_disk_warns_once_keeps_the_last_good_one_and_fails_at_the_final_save_in_one_line(tmp_path: Path):
     with _tmpfs(tmp_path / "disk", "600k") as disk:
         out = disk / "run"
@@ -78,6 +79,7 @@ def test_a_read_only_output_directory_is_refused_before_any_worker(tmp_path: Pat
         "choose a writable directory"]
 
 
+@pytest.mark.slow("a training run whose folder is removed mid-run")
 def test_a_run_directory_removed_mid_run_stops_the_run_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--output-dir", str(out), *TRAIN,
@@ -112,6 +114,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Pa
     assert torch.equal(ddpkit.load_checkpoint(path)["model"]["0.weight"], other[0].weight.detach())  # untouched
 
 
+@pytest.mark.slow("two training runs, then a resume")
 def test_resume_over_a_foreign_newest_checkpoint_names_the_file(tmp_path: Path) -> None:
     run, stranger = tmp_path / "run", tmp_path / "stranger"
     assert _train(run, "--epochs", "1").returncode == 0
@@ -125,6 +128,7 @@ def test_resume_over_a_foreign_newest_checkpoint_names_the_file(tmp_path: Path) 
     assert "model: 'mlp' -> 'convnet'" in done.stderr
 
 
+@pytest.mark.slow("a training run, then its resume")
 def test_resume_falls_back_past_a_malformed_newest_checkpoint_warning_with_its_name(tmp_path: Path) -> None:
     # A file of another origin, malformed (its skeleton nested past any parser's depth): a CheckpointError like
     # any damage, so the run resumes from the one before, saying which file it skipped.
