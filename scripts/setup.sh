@@ -17,7 +17,7 @@ find_links=()
 if [ -d /opt/wheels ]; then
     find_links=(--find-links /opt/wheels)
 fi
-if ! .venv/bin/python -c "import torch, ddpkit, pytest, xdist, tqdm, safetensors, sklearn, matplotlib, mkdocs, mkdocstrings, material, lightning, tensorboard" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import torch, ddpkit, pytest, xdist, coverage, tqdm, safetensors, sklearn, matplotlib, mkdocs, mkdocstrings, material, lightning, tensorboard" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet "${find_links[@]}" torch==2.13.0
     .venv/bin/python -m pip install --quiet "${find_links[@]}" -e ".[test,docs,lightning,tensorboard]"
 fi
