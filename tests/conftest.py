@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import RankPool  # noqa: E402
+from mpi_harness import MPIRankPool, mpi_missing, skip_or_fail  # noqa: E402
 
 pytest_plugins = ["budget"]  # the suite's time budget (tests/budget.py)
 
@@ -41,6 +42,39 @@ def dist4() -> Iterator[RankPool]:
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def mpi_why() -> str | None:
+    """Why MPI ranks cannot start here (checked once), or None."""
+    return mpi_missing()
+
+
+@pytest.fixture
+def needs_mpi(mpi_why: str | None) -> None:
+    """The test runs on the mpi backend: skipped without an MPI here, failed when one is installed and broken."""
+    if mpi_why:
+        skip_or_fail(mpi_why)
+
+
+def _mpi_pool(world_size: int, why: str | None) -> Iterator[MPIRankPool]:
+    if why:
+        skip_or_fail(why)
+    pool = MPIRankPool(world_size)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def mpi2(mpi_why: str | None) -> Iterator[MPIRankPool]:
+    """Two ranks of one mpirun job on the mpi backend, reused by every test that asks for them."""
+    yield from _mpi_pool(2, mpi_why)
+
+
+@pytest.fixture(scope="session")
+def mpi3(mpi_why: str | None) -> Iterator[MPIRankPool]:
+    """Three ranks on the mpi backend (more than one peer; MPI's and gloo's summation orders may differ)."""
+    yield from _mpi_pool(3, mpi_why)
 
 
 @pytest.fixture(autouse=True)

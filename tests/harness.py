@@ -37,6 +37,11 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
 
     torch.set_num_threads(1)
     ddpkit.init(backend="gloo", timeout=90)
+    serve_jobs(conn)
+
+
+def serve_jobs(conn) -> None:
+    """A rank's loop: say ready, then run each function the test process sends and send back its outcome."""
     conn.send(("ready", None))
     while True:
         try:
@@ -103,7 +108,7 @@ class RankPool:
                     try:
                         reply = conn.recv()
                     except EOFError:
-                        code = self._procs[rank].exitcode
+                        code = self._exitcode(rank)
                         raise WorkerError(rank, f"{what}: worker died (exit code {code})", exitcode=code) from None
                     if reply[0] == "error":
                         raise WorkerError(rank, f"{what}: {reply[1]}", reply[2])
@@ -113,12 +118,18 @@ class RankPool:
             raise
         return [results[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
-        """Stop the workers (they are restarted by the next ``run``)."""
+    def _say_goodbye(self) -> None:
         for conn in self._conns:
             try:
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
+
+    def _exitcode(self, rank: int) -> int | None:
+        return self._procs[rank].exitcode
+
+    def close(self) -> None:
+        """Stop the workers (they are restarted by the next ``run``)."""
+        self._say_goodbye()
         terminate(self._procs, grace_s=2.0)
         self._procs, self._conns = [], []

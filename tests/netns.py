@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,20 @@ def in_namespace(name: str, argv: list[str]) -> list[str]:
 def veth_end(names: list[str], node: int) -> str:
     """The name of node ``node``'s end of the veth pair made by :func:`two_nodes`."""
     return names[0][:-2] + "ab"[node]
+
+
+def mpirun_agent(folder: Path, names: list[str], addresses: list[str]) -> Path:
+    """A remote shell for ``mpirun --mca plm_rsh_agent``: it starts Open MPI's daemon for host ADDRESS inside the
+    namespace holding that address (ssh's place between real nodes)."""
+    cases = "\n".join(f"  {address}) ns={name} ;;" for name, address in zip(names, addresses))
+    agent = folder / "netns-rsh"
+    agent.write_text(f"""#!/bin/sh
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "netns-rsh: no namespace has address $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" /bin/sh -c "$*"
+""")
+    agent.chmod(0o755)
+    return agent

@@ -189,8 +189,18 @@ def _bench_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_backends(args: argparse.Namespace) -> int:
+    from ddpkit.bench.backends import BackendsBenchConfig, run
+
+    _suite_takes_all(args, BackendsBenchConfig)
+    run(_build(BackendsBenchConfig, args))
+    return 0
+
+
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
-    """``ddpkit bench collectives`` and ``strategies``: suites under ``bench`` (plain ``ddpkit bench`` stays DDP's)."""
+    """``ddpkit bench collectives``, ``strategies`` and ``backends``: suites under ``bench`` (plain ``ddpkit bench``
+    stays DDP's)."""
+    from ddpkit.bench.backends import BackendsBenchConfig
     from ddpkit.bench.collectives import CollectivesBenchConfig
     from ddpkit.bench.strategies import ConsistencyBenchConfig
 
@@ -212,6 +222,15 @@ def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     )
     _add_config_flags(p, ConsistencyBenchConfig)
     p.set_defaults(handler=_bench_strategies, parser=p)
+    p = suites.add_parser(
+        "backends", help="the mpi backend against gloo: all-reduce bandwidth and DDP steps, in the same ranks",
+        description="One mpirun job per world size whose ranks hold an mpi and a gloo group: all-reduce bus "
+                    "bandwidth by size, and the DDP step of each workload on ddpkit over mpi, ddpkit over gloo and "
+                    "torch over gloo, interleaved; medians, quartiles, a 95 % confidence interval; JSON.",
+        allow_abbrev=False,
+    )
+    _add_config_flags(p, BackendsBenchConfig)
+    p.set_defaults(handler=_bench_backends, parser=p)
 
 
 def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:

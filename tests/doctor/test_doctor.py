@@ -29,15 +29,21 @@ def test_the_self_test_passes_on_gloo_and_reports_everything():
     assert env["torch"]["version"] and env["python"]["version"] and env["backends"]["gloo"]["available"]
     assert env["network"]["interface"] == "lo" and env["env"]["OMP_NUM_THREADS"] == "1"
     assert report["problems"] == [] and report["ok"] and report["seconds"] < 60
-    [group] = [g for g in report["selftest"] if g["device"] == "cpu"]
-    assert group["backend"] == "gloo" and group["world"] == 3 and group["ok"]
-    assert [c["check"] for c in group["checks"]] == ["collectives", "DDP step", "SyncBatchNorm",
-                                                     "all-reduce bandwidth"]
-    assert all(c["ok"] for c in group["checks"])
-    assert "hierarchical" in group["checks"][0]["detail"] and "torch's DDP" in group["checks"][1]["detail"]
-    assert sorted(group["bus_gbps"]) == ["1 MiB", "16 MiB", "64 MiB"] and min(group["bus_gbps"].values()) > 0
+    groups = {g["backend"]: g for g in report["selftest"] if g["device"] == "cpu"}
+    mpi = env["backends"]["mpi"]
+    assert sorted(groups) == (["gloo", "mpi"] if mpi["available"] else ["gloo"])
+    for group in groups.values():
+        assert group["world"] == 3 and group["ok"]
+        assert [c["check"] for c in group["checks"]] == ["collectives", "DDP step", "SyncBatchNorm",
+                                                         "all-reduce bandwidth"]
+        assert all(c["ok"] for c in group["checks"])
+        assert "hierarchical" in group["checks"][0]["detail"] and "torch's DDP" in group["checks"][1]["detail"]
+        assert sorted(group["bus_gbps"]) == ["1 MiB", "16 MiB", "64 MiB"] and min(group["bus_gbps"].values()) > 0
     text = format_report(report)
     assert "gloo / cpu: ok" in text and "result: ok" in text and "DDPKIT_JOB_TOKEN" not in text
+    if mpi["available"]:  # the MPI library, its version, thread level and CUDA-awareness
+        assert mpi["name"] and mpi["standard"] and mpi["mpi4py"] and mpi["thread_level"] == "multiple"
+        assert "mpi / cpu: ok" in text and f"mpi      {mpi['name']}" in text and "thread level multiple" in text
 
 
 @pytest.mark.slow("a whole doctor run in a fresh process")

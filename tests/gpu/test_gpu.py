@@ -13,12 +13,12 @@ import contextlib
 
 import pytest
 import torch
-from gpu_ranks import GPUS, ON_CPU, cpu_state, needs_cuda, needs_two, run, same
+from gpu_ranks import GPUS, NCCL, ON_CPU, cpu_state, needs_cuda, needs_two, run, same
 from torch import nn
 
 pytestmark = needs_cuda
 WORLD = max(GPUS, 1)
-PATHS = [pytest.param("nccl", WORLD, id=f"nccl-world{WORLD}"), pytest.param("gloo", 2, id="gloo-2-ranks-1-gpu")]
+PATHS = [pytest.param(NCCL, WORLD, id=f"nccl-world{WORLD}"), pytest.param("gloo", 2, id="gloo-2-ranks-1-gpu")]
 """NCCL at the GPU count, and two ranks sharing one GPU over gloo with CUDA tensors: on a one-GPU machine the NCCL
 path is a world of one (nothing reduces, nothing is uneven), so every comparison also runs at two ranks."""
 needs_real_cuda = pytest.mark.skipif(ON_CPU, reason="rehearsal on the CPU: needs CUDA itself")
@@ -139,6 +139,16 @@ def test_ddp_on_cuda_equals_torchs(name, backend, world):
     theirs = run(_ddp_case, world, backend, DDP_CASES[name], "torch")
     for a, b in zip(ours, theirs):
         assert same(a, b), name  # each bucket summed the same way for both (NCCL's, gloo's): bit for bit
+
+
+@pytest.mark.parametrize("name", ["find_unused_parameters", "no_sync", "small_buckets"])
+def test_ddp_over_mpi_with_cuda_tensors_equals_gloo(name, needs_mpi):
+    # Two ranks on one GPU, on the mpi backend: CUDA tensors go to a CUDA-aware MPI as they are, through host
+    # memory otherwise (doctor says which); either way the same sums as gloo's at two ranks, bit for bit.
+    ours = run(_ddp_case, 2, "mpi", DDP_CASES[name], "ddpkit")
+    theirs = run(_ddp_case, 2, "gloo", DDP_CASES[name], "ddpkit")
+    for a, b in zip(ours, theirs):
+        assert same(a, b), name
 
 
 def _race(ctx, steps: int) -> dict:

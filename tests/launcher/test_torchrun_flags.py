@@ -155,14 +155,21 @@ def test_standalone_sets_master_addr_as_torchrun_does():
     assert {r["env"]["MASTER_ADDR"] for r in done.reports()} == {"127.0.0.1"}
 
 
-def test_the_mpi_backend_is_checked_before_any_worker_starts():
-    import torch.distributed as dist
+def test_the_mpi_backend_is_checked_before_any_worker_starts(tmp_path, needs_mpi):
+    # An mpirun of another MPI than mpi4py's would start ranks that each see a world of one: refused up front.
+    from ddpkit.runtime import mpirun
 
-    if dist.is_mpi_available():
-        pytest.skip("this torch has MPI: the backend exists here")
-    done = launch("--nproc-per-node", "2", str(SCRIPTS / "report_env.py"), env=base_env(DDPKIT_BACKEND="mpi"))
+    library = mpirun.library_of_mpi4py()
+    other = "mpirun (Open MPI) 4.1.4" if "Open MPI" not in library else "HYDRA build details:"
+    fake = tmp_path / "mpirun"
+    fake.write_text(f"#!/bin/sh\necho '{other}'\n")
+    fake.chmod(0o755)
+    done = launch("--nproc-per-node", "2", str(SCRIPTS / "report_env.py"),
+                  env=base_env(DDPKIT_BACKEND="mpi", DDPKIT_MPIRUN=str(fake)))
     assert done.returncode == 2 and "REPORT" not in done.stdout
-    assert done.stderr.startswith("ddpkit launch: error: DDPKIT_BACKEND=mpi needs a torch built with MPI")
+    assert done.stderr.startswith(f"ddpkit launch: error: DDPKIT_BACKEND=mpi: {fake} is '{other}' and mpi4py "
+                                  f"loads '{library}'"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_worker_command_lines_as_torchrun_builds_them(monkeypatch):

@@ -18,7 +18,19 @@ STRATEGY_WORKLOADS = ("convnet", "mlp", "resnet", "transformer", "linear200")
 
 
 @dataclass(kw_only=True)
-class BenchConfig:
+class WorkloadSizes:
+    """The sizes of the workloads' models and batches (:func:`ddpkit.bench.workloads.workload` reads them), shared
+    by ``ddpkit bench`` and ``ddpkit bench backends``."""
+
+    samples_per_rank: int = option(100, "ConvNet batch per rank")
+    mlp_hidden: int = option(4640, "MLP hidden width (4640: about 25 M parameters)")
+    mlp_batch: int = option(32, "MLP batch per rank")
+    transformer_batch: int = option(8, "transformer sequences (32 tokens each) per rank")
+    resnet_batch: int = option(32, "ResNet batch per rank (28x28 images)")
+
+
+@dataclass(kw_only=True)
+class BenchConfig(WorkloadSizes):
     """What ``ddpkit bench`` runs."""
 
     workloads: tuple[str, ...] = option(WORKLOADS, f"workloads, among {', '.join(WORKLOADS)}", metavar="NAME")
@@ -26,11 +38,6 @@ class BenchConfig:
     warmup: int = option(5, "untimed steps per engine first (bucket rebuild, allocator, caches)")
     block: int = option(1, "steps an engine runs before the other takes over")
     world_size: int = option(2, "ranks (processes, gloo, one thread each)")
-    samples_per_rank: int = option(100, "ConvNet batch per rank")
-    mlp_hidden: int = option(4640, "MLP hidden width (4640: about 25 M parameters)")
-    mlp_batch: int = option(32, "MLP batch per rank")
-    transformer_batch: int = option(8, "transformer sequences (32 tokens each) per rank")
-    resnet_batch: int = option(32, "ResNet batch per rank (28x28 images)")
     bucket_cap_mb: float | None = option(
         None, "bucket cap of both engines, in MiB (default: their default, 25 MiB with a first bucket of 1 MiB; "
         "a value given caps the first bucket too, as in torch)"

@@ -34,6 +34,10 @@ def start_early() -> None:
 
 
 def spawn_ranks(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], backend: str = "gloo") -> None:
-    """:func:`ddpkit.spawn` of ``fn`` on ``nprocs`` ranks forked from the server (started now if not yet)."""
+    """:func:`ddpkit.spawn` of ``fn`` on ``nprocs`` ranks forked from the server (started now if not yet); on the
+    ``mpi`` backend the ranks of one mpirun job instead (MPI's launcher must start them)."""
+    if backend == "mpi":
+        spawn(fn, nprocs, args=args, backend=backend)
+        return
     start_early()
     spawn(fn, nprocs, args=args, backend=backend, start_method="forkserver")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -46,9 +47,41 @@ def _backends(dist: Any, cuda: bool) -> dict[str, dict[str, Any]]:
     nccl = dist.is_nccl_available()
     out["nccl"] = {"available": nccl and cuda,
                    "why": "" if nccl and cuda else ("no CUDA device here" if nccl else "this torch has no NCCL")}
-    mpi = dist.is_mpi_available()
-    out["mpi"] = {"available": mpi, "why": "" if mpi else "this torch has no MPI; the pip builds have none"}
+    out["mpi"] = _mpi()
     return out
+
+
+_PROBE = ("import json, dataclasses; from ddpkit.comm.mpi.library import describe; "
+          "print(json.dumps(dataclasses.asdict(describe())))")
+
+
+def _mpi() -> dict[str, Any]:
+    """The ``mpi`` backend (mpi4py, ddpkit's own; torch's pip builds have no MPI): its library, version, thread
+    level and CUDA-awareness, read in a process of its own (starting MPI here would make this one an MPI job),
+    and the ``mpirun`` that would start its ranks."""
+    import subprocess
+    from importlib.util import find_spec
+
+    from ddpkit.runtime import mpirun
+
+    if find_spec("mpi4py") is None:
+        return {"available": False, "why": "mpi4py is not installed: pip install 'ddpkit[mpi]' (and an MPI: "
+                                           "apt-get install openmpi-bin, or mpich)"}
+    probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120,
+                           check=False, env={k: v for k, v in os.environ.items() if not k.startswith("OMPI_")})
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"available": False, "why": f"mpi4py cannot start MPI: {last}"}
+    library = json.loads(probe.stdout.strip().splitlines()[-1])
+    try:
+        launcher = mpirun.find()
+        mpirun.check(launcher, library["name"])
+    except mpirun.MpirunError as e:
+        return {"available": False, "why": str(e), **library}
+    why = "" if library["thread_level"] in ("serialized", "multiple") else (
+        f"the MPI library grants thread level {library['thread_level']}: the backend's progress thread needs "
+        "serialized at least (multiple for several groups); use a library built with thread support")
+    return {"available": not why, "why": why, **library, "mpirun": f"{launcher.path} ({launcher.version})"}
 
 
 def _network(environ: dict[str, str]) -> dict[str, Any]:

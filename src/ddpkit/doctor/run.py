@@ -55,6 +55,11 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{gpu['capability']}")
     lines.append("backends " + "; ".join(f"{b} {'yes' if i['available'] else 'no (' + i['why'] + ')'}"
                                          for b, i in env["backends"].items()))
+    mpi = env["backends"]["mpi"]
+    if "name" in mpi:
+        aware = {True: "CUDA-aware", False: "not CUDA-aware", None: "CUDA-awareness unknown"}[mpi["cuda_aware"]]
+        lines.append(f"mpi      {mpi['name']} (MPI {mpi['standard']}, mpi4py {mpi['mpi4py']}), thread level "
+                     f"{mpi['thread_level']}, {aware}; {mpi.get('mpirun', 'no mpirun')}")
     net = env["network"]
     lines.append(f"network  gloo uses {net['interface'] or '?'} ({net['why']}; set GLOO_SOCKET_IFNAME to choose)")
     if env["env"]:

@@ -190,6 +190,10 @@ class LaunchConfig:
         "ddpkit.ParameterServerOptimizer, ddpkit train --strategy ps-sync|ps-async); their channel listens on "
         "MASTER_PORT + 1 unless DDPKIT_PS_PORT says; they stop when every worker has finished", metavar="K",
     )
+    backend: str | None = option(
+        None, "the workers' backend (sets DDPKIT_BACKEND): gloo, nccl, or mpi, whose workers mpirun starts as one "
+        "MPI job on this node (default: DDPKIT_BACKEND, else the workers' own choice)", metavar="gloo|nccl|mpi",
+    )
     python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
 
     def __post_init__(self) -> None:
@@ -235,6 +239,20 @@ class LaunchConfig:
             raise ConfigError("--no-python and -m cannot go together: -m runs a module with python")
         if not self.role.strip():
             raise ConfigError("--role is empty: give the workers' role a name (default: default)")
+        self._check_backend(low, high)
+
+    def _check_backend(self, low: int, high: int) -> None:
+        if self.backend is None:
+            return
+        self.backend = self.backend.strip().lower()
+        if self.backend not in ("gloo", "nccl", "mpi"):
+            raise ConfigError(f"--backend {self.backend!r} is not a backend: choose gloo, nccl or mpi")
+        if self.backend == "mpi" and high != 1:
+            raise ConfigError(
+                f"--backend mpi with --nnodes {self.nnodes}: ddpkit launch starts one MPI job on this node; for "
+                "several nodes start the job with MPI's launcher itself (mpirun --host A,B -np N python script.py): "
+                "ddpkit.init(backend='mpi') meets over MPI, with no rendezvous to configure"
+            )
 
     def _check_numbers(self) -> None:
         if self.max_restarts < 0:

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from ddpkit.launcher.agent_store import AgentStore
 from ddpkit.launcher.config import LaunchConfig
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
+from ddpkit.launcher.mpi_group import MPIWorkerGroup
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
-from ddpkit.runtime import variables
+from ddpkit.runtime import mpirun, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token
 from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError
@@ -49,7 +50,9 @@ def run(cfg: LaunchConfig) -> int:
         variables.check_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_backend(os.environ.get("DDPKIT_BACKEND", ""))
+    if cfg.backend:
+        os.environ["DDPKIT_BACKEND"] = cfg.backend  # what every worker's ddpkit.init() reads
+    check_backend(os.environ.get("DDPKIT_BACKEND", ""), launch.nnodes)
     master_addr = launch.master_addr
     if launch.standalone:
         port = free_port()
@@ -101,21 +104,21 @@ def run(cfg: LaunchConfig) -> int:
         layout.close()
 
 
-def check_backend(backend: str) -> None:
-    """``DDPKIT_BACKEND=mpi`` needs a torch built with MPI: say so before any worker starts.
-
-    torch is imported for this check only (the launcher otherwise needs none).
+def check_backend(backend: str, nnodes: int) -> None:
+    """``DDPKIT_BACKEND=mpi`` needs mpi4py and an ``mpirun`` of its MPI: say so before any worker starts.
 
     Raises:
-        ConfigError: the backend the workers would ask for does not exist here.
+        ConfigError: the backend the workers would ask for cannot run here, or not under this launch.
     """
     if backend.strip().lower() != "mpi":
         return
-    import torch.distributed as dist
-
-    if not dist.is_mpi_available():
-        raise ConfigError("DDPKIT_BACKEND=mpi needs a torch built with MPI, and this one has none (the pip builds "
-                          "do not): unset it or use gloo, which also runs under mpirun")
+    if nnodes != 1:
+        raise ConfigError("DDPKIT_BACKEND=mpi with several nodes: start the job with mpirun --host A,B -np N "
+                          "python script.py (ddpkit.init meets over MPI), not with ddpkit launch")
+    try:
+        mpirun.check(mpirun.find(), mpirun.library_of_mpi4py())
+    except mpirun.MpirunError as e:
+        raise ConfigError(f"DDPKIT_BACKEND=mpi: {e}") from None
 
 
 def standalone_addr(local_addr: str | None) -> str:
@@ -168,7 +171,8 @@ class _Job:
         specs = plan_workers(launch, master_port=slot.master_port, restart_count=restart_count, base_env=os.environ,
                              job_token=self.token, agent_store=True, run_id=self.run_id,
                              slot=slot, error_files=errors)
-        self.group = WorkerGroup(launch, self.layout)
+        mpi = os.environ.get("DDPKIT_BACKEND", "").strip().lower() == "mpi"
+        self.group = (MPIWorkerGroup if mpi else WorkerGroup)(launch, self.layout)
         self.group.start(specs, self.signals)
         if self.store is not None:
             self.store.start()  # torch for the store, imported while the workers import theirs

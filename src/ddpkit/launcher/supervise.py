@@ -35,7 +35,7 @@ from ddpkit.runtime.process import SignalCatcher, describe_exit, die_with_parent
 from ddpkit.runtime.stall import PREFIX as STALL_PREFIX
 
 _POLL_S = 0.05
-_TAIL_LINES = 400
+TAIL_LINES = 400
 # torch itself prefixes an uncaught exception's lines with "[rankN]: " once
 # the process group exists; we neither double it nor let it hide a traceback.
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
@@ -143,7 +143,7 @@ class WorkerGroup:
         index = len(self.procs)
         self.specs.append(spec)
         self.procs.append(proc)
-        self.tails[spec.rank] = collections.deque(maxlen=_TAIL_LINES)
+        self.tails[spec.rank] = collections.deque(maxlen=TAIL_LINES)
         console = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
         sources = {"stdout": proc.stdout, "stderr": proc.stderr}
         streams = self.layout.streams(spec.rank, spec.local_rank, console) if spec.server is None else [

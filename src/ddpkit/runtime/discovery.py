@@ -126,10 +126,10 @@ def _from_torchrun(env: Mapping[str, str]) -> Placement:
     )
 
 
-def _mpi_master(env: Mapping[str, str], world: int, local_world: int, scheme: str) -> str:
+def _mpi_master(env: Mapping[str, str], world: int, local_world: int, scheme: str, needed: bool) -> str:
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
-    if world == local_world:
+    if world == local_world or not needed:
         return LOOPBACK
     raise ValueError(
         f"this {scheme} job spans several nodes ({world} ranks, {local_world} on this node) "
@@ -137,20 +137,22 @@ def _mpi_master(env: Mapping[str, str], world: int, local_world: int, scheme: st
     )
 
 
-def _from_openmpi(env: Mapping[str, str]) -> Placement:
+def _from_openmpi(env: Mapping[str, str], master_needed: bool) -> Placement:
     rank = _int(env, "OMPI_COMM_WORLD_RANK")
     world = _int(env, "OMPI_COMM_WORLD_SIZE")
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else rank
     local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") if "OMPI_COMM_WORLD_LOCAL_SIZE" in env else world
-    node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK") if "OMPI_COMM_WORLD_NODE_RANK" in env else rank // local_world
+    # Not OMPI_COMM_WORLD_NODE_RANK: Open MPI means by it a process's rank on its node across all jobs (a local
+    # rank), not the node's index. mpirun fills nodes slot by slot unless told otherwise.
+    node_rank = rank // local_world
     return Placement(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-        node_rank=node_rank, master_addr=_mpi_master(env, world, local_world, "OpenMPI"),
+        node_rank=node_rank, master_addr=_mpi_master(env, world, local_world, "OpenMPI", master_needed),
         master_port=_port(env), scheme="openmpi",
     )
 
 
-def _from_pmi(env: Mapping[str, str]) -> Placement:
+def _from_pmi(env: Mapping[str, str], master_needed: bool) -> Placement:
     rank = _int(env, "PMI_RANK")
     world = _int(env, "PMI_SIZE")
     # Hydra (MPICH, Intel MPI) exports the node-local rank under these names;
@@ -159,7 +161,7 @@ def _from_pmi(env: Mapping[str, str]) -> Placement:
     local_world = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world
     return Placement(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-        node_rank=rank // local_world, master_addr=_mpi_master(env, world, local_world, "PMI"),
+        node_rank=rank // local_world, master_addr=_mpi_master(env, world, local_world, "PMI", master_needed),
         master_port=_port(env), scheme="pmi",
     )
 
@@ -240,8 +242,13 @@ def _from_slurm(env: Mapping[str, str]) -> Placement:
     )
 
 
-def discover(env: Mapping[str, str]) -> Placement:
+def discover(env: Mapping[str, str], *, master_needed: bool = True) -> Placement:
     """Read this process's :class:`Placement` from ``env`` (usually ``os.environ``).
+
+    Args:
+        env: the environment.
+        master_needed: whether a multi-node MPI job must name rank 0's host (``MASTER_ADDR``); the ``mpi``
+            backend meets over MPI itself and does not need it (loopback then stands in).
 
     Raises:
         ValueError: the variables are incomplete or inconsistent (``RANK``
@@ -255,9 +262,9 @@ def discover(env: Mapping[str, str]) -> Placement:
             "or start the script with `ddpkit launch`"
         )
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        return _from_openmpi(env)
+        return _from_openmpi(env, master_needed)
     if "PMI_RANK" in env and "PMI_SIZE" in env:
-        return _from_pmi(env)
+        return _from_pmi(env, master_needed)
     # Inside an sbatch/salloc shell SLURM_PROCID is set too, but only an srun
     # step (which has a step id) actually started SLURM_NTASKS processes.
     in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env

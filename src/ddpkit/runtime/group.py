@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import events, stall, variables
+from ddpkit.runtime import backends, events, stall, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, discover
 from ddpkit.runtime.network import route_interface
 from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
@@ -102,11 +102,8 @@ def choose_backend(backend: str | None) -> str:
                          "one backend per job: backend='nccl' on GPUs, 'gloo' on CPUs")
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"backend {given!r} is not one of gloo, nccl, mpi")
-    if backend == "mpi" and not dist.is_mpi_available():
-        raise ValueError(
-            "backend 'mpi' needs a torch built with MPI, and this one has none (the pip builds do not): "
-            "use backend 'gloo', which also runs under mpirun"
-        )
+    if backend == "mpi" and (why := backends.find("mpi").unavailable()):
+        raise ValueError(why)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which is not available here: use backend='gloo'")
     return backend
@@ -162,13 +159,17 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         _check_same_backend(backend)
     if _ctx is not None and dist.is_initialized():
         return _ctx
-    place = discover(os.environ)
     join_timeout, collective_timeout = timeouts(timeout)
     if dist.is_initialized():
         # Someone (the user, a test harness) created the group already: adopt it.
-        backend = str(dist.get_backend())
+        backend = _ddpkit_name(str(dist.get_backend()))
     else:
         backend = choose_backend(backend)
+    # A backend of ddpkit's own (mpi) meets over its own library: it needs no rendezvous address.
+    plugin = backends.find(backend) if backend in backends.names() else None
+    place = discover(os.environ, master_needed=plugin is None)
+    if plugin is not None and not dist.is_initialized():
+        place = _init_plugin(plugin, place, join_timeout, collective_timeout)
     device = _choose_device(place, backend)
     if not dist.is_initialized():
         if place.world_size == 1:
@@ -211,10 +212,32 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
     return _ctx
 
 
+def _init_plugin(plugin: backends.Plugin, place: Placement, join_timeout: float,
+                 collective_timeout: float) -> Placement:
+    """Meet through the plugin's own rendezvous, create its process group, and return the place it gave."""
+    joined = plugin.join(place, join_timeout)
+    place = joined.place
+    prefix = f"ddpkit/{plugin.name}/"
+    if place.world_size > 1:
+        stall.start(joined.store_addr, joined.store_port, prefix, place.rank, place.world_size, collective_timeout)
+    dist.init_process_group(
+        plugin.torch_name, store=dist.PrefixStore(prefix, joined.store), rank=place.rank,
+        world_size=place.world_size, timeout=timedelta(seconds=collective_timeout),
+    )
+    return place
+
+
+def _ddpkit_name(torch_name: str) -> str:
+    """ddpkit's name of a backend torch knows by ``torch_name`` (``mpi4py`` is ddpkit's ``mpi``)."""
+    if torch_name in ("gloo", "nccl"):
+        return torch_name
+    return backends.torch_names().get(torch_name, torch_name)
+
+
 def _check_same_backend(asked: str | None) -> None:
     """A process group exists: a different backend asked for now would be silently ignored."""
     asked = asked or os.environ.get("DDPKIT_BACKEND") or None
-    have = str(dist.get_backend())
+    have = _ddpkit_name(str(dist.get_backend()))
     if asked is not None and asked != have:
         raise ValueError(
             f"ddpkit.init(backend={asked!r}): the process group already exists with backend {have!r}; "
@@ -277,7 +300,7 @@ def context() -> DistContext | None:
 def _placement() -> DistContext | Placement:
     # Before init() the environment still answers "who am I", so scripts may
     # ask is_main() early (e.g. to set up logging) without a process group.
-    return context() or discover(os.environ)
+    return context() or discover(os.environ, master_needed=False)
 
 
 def rank() -> int:

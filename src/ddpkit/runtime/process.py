@@ -193,7 +193,18 @@ def exit_now(code: int) -> NoReturn:
     multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 0:
+        _finalize_mpi()
     os._exit(code)
+
+
+def _finalize_mpi() -> None:
+    """Leave MPI before a successful exit when this process is an MPI rank (the mpi backend): ``mpirun`` counts a
+    rank that exits without ``MPI_Finalize`` as failed. A failing exit skips it: Open MPI's finalise waits for
+    ranks that may be blocked for good in a collective this one left."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def die_with_parent() -> None:
@@ -231,6 +242,22 @@ def terminate(processes: Sequence[Any], grace_s: float = GRACE_S, first_signal: 
     signal_groups(processes, signal.SIGKILL)
     for proc in processes:
         _reap(proc)
+
+
+@contextlib.contextmanager
+def torn_down(processes: list[Any], signals: SignalCatcher) -> Iterator[None]:
+    """On leaving the block (success, failure or a signal): stop every process of ``processes`` and its children
+    (:func:`terminate`), first with the signal that interrupted the block, else SIGTERM. Processes that
+    succeeded have exited already; the list may grow inside the block."""
+    first_signal = signal.SIGTERM
+    try:
+        yield
+    except Interrupted as e:
+        first_signal = e.signum
+        raise
+    finally:
+        signals.deferring = True
+        terminate(processes, GRACE_S, first_signal)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -26,18 +26,17 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, mint_job_token
+from ddpkit.runtime.failures import WorkerError, encode_failure
+from ddpkit.runtime.mpi_spawn import spawn_mpi
 from ddpkit.runtime.process import (
-    GRACE_S,
     NUM_SERVERS_ENV,
     PS_PORT_ENV,
     SERVER_MODULE,
-    Interrupted,
     SignalCatcher,
     describe_exit,
     die_with_parent,
@@ -45,39 +44,9 @@ from ddpkit.runtime.process import (
     free_port,
     pid_alive,
     server_env,
-    terminate,
+    torn_down,
     worker_env,
 )
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed; carries its rank, exit code and traceback text.
-
-    When the worker's exception could be pickled it is chained as
-    ``__cause__``, so ``except`` clauses can still inspect the original.
-    """
-
-    def __init__(self, rank: int, message: str, traceback_text: str = "", exitcode: int | None = None,
-                 who: str | None = None):
-        self.rank = rank
-        self.traceback = traceback_text
-        self.exitcode = exitcode
-        who = who or f"rank {rank}"
-        self.who = who
-        """``rank N``, or ``parameter server K``."""
-        detail = f"\n\n--- traceback of {who} ---\n{traceback_text}" if traceback_text else ""
-        super().__init__(f"{who} failed: {message}{detail}")
-
-
-def _encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
-    try:
-        payload: bytes | None = pickle.dumps(exc)
-    except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
-        payload = None
-    # The time lets the parent tell the root cause from the ranks that failed
-    # only because it did (their collectives broke a moment later).
-    return time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc(), payload
-
 
 START_METHODS = ("spawn", "forkserver")
 
@@ -128,10 +97,10 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
             exit_now(0)
         if not isinstance(exc.code, int):
             sys.stderr.write(f"{exc.code}\n")
-        conn.send(_encode_failure(exc))
+        conn.send(encode_failure(exc))
         exit_now(exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
-        conn.send(_encode_failure(exc))
+        conn.send(encode_failure(exc))
         exit_now(1)
     exit_now(0)
 
@@ -152,7 +121,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
             ``ddpkit.init()`` inside it joins the group.
         nprocs: number of processes (the world size).
         args: extra positional arguments for ``fn``.
-        backend: sets ``DDPKIT_BACKEND`` for the children (default: ddpkit's choice).
+        backend: sets ``DDPKIT_BACKEND`` for the children (default: ddpkit's choice). ``mpi``: the
+            children are the ranks of one ``mpirun`` job (:mod:`ddpkit.runtime.mpi_spawn`; ``start_method`` does
+            not apply, mpirun starts fresh interpreters).
         start_method: ``spawn`` (default) or ``forkserver`` (see the module notes).
         num_servers: parameter server processes to start beside the workers
             (:class:`ddpkit.ParameterServerOptimizer`); they are stopped once
@@ -184,6 +155,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
         raise ValueError(f"num_servers={num_servers!r} must be a whole number >= 0")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r}: use one of {', '.join(START_METHODS)}")
+    if backend == "mpi":
+        return _spawn_mpi(fn, nprocs, args, num_servers)
     ctx = mp.get_context(start_method)
     port = free_port()
     token = mint_job_token()  # only these children may join (see ddpkit.init)
@@ -191,37 +164,55 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, tuple[int, Connection]] = {}
     signals = SignalCatcher()
-    with signals.installed():
-        first_signal = signal.SIGTERM
-        try:
-            with signals.deferred():
-                for rank in range(nprocs + num_servers):
-                    if signals.received is not None:
-                        break
-                    parent_conn, child_conn = ctx.Pipe(duplex=False)
-                    env = _env(min(rank, nprocs - 1), nprocs, port, backend, token)
-                    if num_servers:
-                        env.update({NUM_SERVERS_ENV: str(num_servers), PS_PORT_ENV: ps_port})
-                    target, child_args, name = fn, tuple(args), f"ddpkit-rank{rank}"
-                    if rank >= nprocs:
-                        env = server_env(env, rank - nprocs)
-                        target, child_args, name = serve_module, (SERVER_MODULE,), f"ddpkit-server{rank - nprocs}"
-                    proc = ctx.Process(
-                        target=_child, args=(target, rank, child_args, env, child_conn, os.getpid()), name=name,
-                    )
-                    proc.start()
-                    child_conn.close()
-                    procs.append(proc)
-                    conns[proc.sentinel] = (rank, parent_conn)
-            _watch(procs, conns, nprocs)
-        except Interrupted as e:
-            first_signal = e.signum
-            raise
-        finally:
-            # On success the children have exited already; on a failure or a
-            # signal every other child and its own children are stopped here.
-            signals.deferring = True
-            terminate(procs, GRACE_S, first_signal)
+    # On success the children have exited already; on a failure or a signal every other child and its own
+    # children are stopped as the block ends.
+    with signals.installed(), torn_down(procs, signals):
+        with signals.deferred():
+            for rank in range(nprocs + num_servers):
+                if signals.received is not None:
+                    break
+                parent_conn, child_conn = ctx.Pipe(duplex=False)
+                env = _env(min(rank, nprocs - 1), nprocs, port, backend, token)
+                if num_servers:
+                    env.update({NUM_SERVERS_ENV: str(num_servers), PS_PORT_ENV: ps_port})
+                target, child_args, name = fn, tuple(args), f"ddpkit-rank{rank}"
+                if rank >= nprocs:
+                    env = server_env(env, rank - nprocs)
+                    target, child_args, name = serve_module, (SERVER_MODULE,), f"ddpkit-server{rank - nprocs}"
+                proc = ctx.Process(
+                    target=_child, args=(target, rank, child_args, env, child_conn, os.getpid()), name=name,
+                )
+                proc.start()
+                child_conn.close()
+                procs.append(proc)
+                conns[proc.sentinel] = (rank, parent_conn)
+        _watch(procs, conns, nprocs)
+
+
+def _spawn_mpi(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], num_servers: int) -> None:
+    """The ranks under mpirun (:mod:`ddpkit.runtime.mpi_spawn`); the parameter servers started here, as usual."""
+    ctx = mp.get_context("spawn")
+    conns: dict[int, tuple[int, Connection]] = {}
+
+    def start_servers(env: dict[str, str]) -> list[mp.process.BaseProcess]:
+        servers = []
+        for k in range(num_servers):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(serve_module, nprocs + k, (SERVER_MODULE,), server_env(env, k),
+                                                    child_conn, os.getpid()), name=f"ddpkit-server{k}")
+            proc.start()
+            child_conn.close()
+            servers.append(proc)
+            conns[proc.sentinel] = (nprocs + k, parent_conn)
+        return servers
+
+    def watch_servers(servers: list[mp.process.BaseProcess]) -> None:
+        for proc in servers:
+            if proc.exitcode not in (None, 0):
+                rank, conn = conns[proc.sentinel]
+                raise _failure(rank, proc.exitcode, conn, time.time(), f"parameter server {rank - nprocs}")[1]
+
+    spawn_mpi(fn, nprocs, args, num_servers, start_servers, watch_servers)
 
 
 def _env(rank: int, nprocs: int, port: int, backend: str | None, token: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ PRELOAD = ("torch", "ddpkit.train.loop")
 
 def starts_workers(config: TrainConfig, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``ddpkit train`` with ``config`` will start worker processes of its own (not under a launcher)."""
-    if discover(environ).scheme != "single" or config.engine in ("single", "dp"):
+    if discover(environ, master_needed=False).scheme != "single" or config.engine in ("single", "dp"):
         return False
     return config.nproc_per_node != 1 or config.max_restarts > 0 or config.strategy in SERVER_STRATEGIES
 

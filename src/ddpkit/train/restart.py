@@ -57,7 +57,7 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
             written), and no restart was left.
         ddpkit.WorkerError: a worker failed and no restart was left.
     """
-    place = discover(os.environ)
+    place = discover(os.environ, master_needed=False)  # the rendezvous address is init's concern
     if place.scheme != "single":
         if config.engine in ("single", "dp") and place.world_size > 1:
             raise ConfigError(
@@ -106,6 +106,9 @@ def _own_attempts(config: TrainConfig, worker: Worker, claim: rundir.Claim, npro
                     worker(0, config, claim, attempt)
                 finally:
                     shutdown()
+            elif choose_backend(config.backend) == "mpi":
+                # One mpirun job: MPI's launcher must start the ranks for them to share a communicator.
+                spawn(worker, nproc, args=(config, claim, attempt), backend="mpi", num_servers=servers)
             else:
                 start_forkserver(PRELOAD)  # started already by the CLI, else now
                 spawn(worker, nproc, args=(config, claim, attempt), start_method="forkserver", num_servers=servers)
