@@ -262,7 +262,7 @@ def test_report_directory_holds_json_traces_plot_and_summary(tmp_path):
     assert sorted(p.name for p in report.iterdir()) == [
         "bench.json", "ratios.png", "summary.md", "trace-convnet.json", "trace-mlp.json"]
     summary = (report / "summary.md").read_text()
-    assert "`ddpkit bench --workloads convnet mlp --steps 2 --warmup 1 --samples-per-rank 4 --mlp-hidden 16" in summary
+    assert "`ddpkit bench --samples-per-rank 4 --mlp-hidden 16 --workloads convnet mlp --steps 2 --warmup 1" in summary
     rows = [line for line in summary.splitlines() if line.startswith(("| convnet", "| mlp"))]
     data = json.loads((report / "bench.json").read_text())
     for row, r in zip(rows, data["ddp"]):

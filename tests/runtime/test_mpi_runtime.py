@@ -131,3 +131,13 @@ def test_launch_backend_mpi_refuses_several_nodes_in_one_line():
     assert done.returncode != 0
     assert "--backend mpi with --nnodes 2: ddpkit launch starts one MPI job on this node" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_master_addr_is_offered_first_and_loopback_never_overrides():
+    from ddpkit.comm.mpi.world import _offered
+
+    found = ["10.0.0.5", "192.168.1.2", "127.0.0.1"]
+    assert _offered("192.168.1.2", found) == ["192.168.1.2", "10.0.0.5", "127.0.0.1"]
+    assert _offered("node0", found) == ["node0", *found]  # a host name the other nodes resolve
+    for unset_or_local in ("", "127.0.0.1", "localhost"):
+        assert _offered(unset_or_local, found) == found

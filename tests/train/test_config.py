@@ -53,17 +53,25 @@ def test_local_sgd_implies_its_strategy():
     assert TrainConfig(strategy="local-sgd").local_sgd == 4
 
 
-def test_backend_is_checked_before_any_worker_starts(capsys) -> None:
+def test_backend_is_checked_before_any_worker_starts(capsys, monkeypatch, tmp_path) -> None:
     import torch
 
     from ddpkit.cli import main
+    from ddpkit.comm.mpi import MPIBackend
     from ddpkit.runtime.options import ConfigError
 
     with pytest.raises(ConfigError, match="--backend 'ucc' is not a backend"):
         TrainConfig(backend="ucc")
-    if not torch.distributed.is_mpi_available():
-        assert main(["train", "--backend", "mpi"]) == 2
-        assert "needs a torch built with MPI" in capsys.readouterr().err
+    out = ["--output-dir", str(tmp_path / "run")]
+    if not torch.cuda.is_available():
+        assert main(["train", "--backend", "nccl", *out]) == 2
+        assert "backend 'nccl' needs CUDA" in capsys.readouterr().err
+    # mpi4py missing (as where the extra was not installed): said before any worker starts, with the fix.
+    monkeypatch.setattr(MPIBackend, "unavailable", lambda self: "backend 'mpi' needs mpi4py, which is not installed: "
+                        "pip install 'ddpkit[mpi]'")
+    assert main(["train", "--backend", "mpi", *out]) == 2
+    assert "pip install 'ddpkit[mpi]'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():

@@ -5,7 +5,9 @@ job: ``MPI_COMM_WORLD`` gives rank and size, a split by shared memory gives
 each node's local ranks. This rendezvous needs no ``MASTER_ADDR``, no port
 and no census: rank 0 opens a store on a free port of every interface and
 broadcasts its addresses over ``MPI_COMM_WORLD``; each rank keeps the first
-it can connect to (its own loopback when it shares rank 0's node).
+it can connect to (its own loopback when it shares rank 0's node). Where the
+nodes reach each other by one address only, ``MASTER_ADDR`` in rank 0's
+environment (``mpirun -x MASTER_ADDR=node0``) is offered first.
 
 What goes wrong here, each said in one line with the fix:
 
@@ -19,6 +21,7 @@ What goes wrong here, each said in one line with the fix:
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import struct
 import time
@@ -56,7 +59,7 @@ def join(place: Placement, timeout_s: float) -> Joined:
     store = None
     if server:
         store = dist.TCPStore("0.0.0.0", 0, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        offer = (store.port, _addresses())
+        offer = (store.port, _offered(os.environ.get("MASTER_ADDR", ""), _addresses()))
     else:
         offer = None
     port, addresses = world.bcast(offer, root=0)
@@ -129,6 +132,13 @@ def _addresses() -> list[str]:
                 continue
             found.append(socket.inet_ntoa(raw[20:24]))
     return sorted(set(found), key=lambda a: (a.startswith("127."), a))
+
+
+def _offered(master_addr: str, addresses: list[str]) -> list[str]:
+    """Rank 0's addresses for the others to try, ``MASTER_ADDR`` first when the user named one off loopback."""
+    if not master_addr or master_addr.startswith("127.") or master_addr == "localhost":
+        return addresses
+    return [master_addr] + [a for a in addresses if a != master_addr]
 
 
 def _reachable(addresses: list[str], port: int, same_node: bool) -> str:
