@@ -18,18 +18,25 @@ find_links=()
 if [ -d /opt/wheels ]; then
     find_links=(--find-links /opt/wheels)
 fi
-# The mpi backend's tests need an MPI library and its launcher: Debian's Open MPI (mpi4py, from the mpi extra,
-# loads its libmpi.so.40). Installed with apt-get when this runs as root; otherwise said, and those tests skip.
-if ! command -v mpirun >/dev/null 2>&1; then
+# The mpi backend's tests need MPI libraries and their launchers: Debian's Open MPI (mpi4py, from the mpi extra,
+# loads its libmpi.so.40; its mpirun stays the default one) and MPICH (tests/comm/test_mpich.py). Installed with
+# apt-get when this runs as root; otherwise said, and those tests skip. MPICH without its recommended -dev package:
+# that one would make libmpi.so MPICH's where Open MPI's -dev is absent, and mpi4py would load MPICH by default.
+need_mpi() {  # need_mpi COMMAND PACKAGE [APT OPTIONS]
+    command -v "$1" >/dev/null 2>&1 && return 0
+    local command=$1 package=$2
+    shift 2
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -q openmpi-bin >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q openmpi-bin >/dev/null 2>&1; } \
-            || echo "scripts/setup.sh: apt-get install openmpi-bin failed (no package index reachable?): the mpi backend's tests will skip" >&2
+        apt-get install -y -q "$@" "$package" >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$@" "$package" >/dev/null 2>&1; } \
+            || echo "scripts/setup.sh: apt-get install $package failed (no package index reachable?): its tests will skip" >&2
     else
-        echo "scripts/setup.sh: no mpirun here, and installing Open MPI needs root and apt-get (apt-get install openmpi-bin): the mpi backend's tests will skip" >&2
+        echo "scripts/setup.sh: no $command here, and installing it needs root and apt-get (apt-get install $package): its tests will skip" >&2
     fi
-fi
+}
+need_mpi mpirun openmpi-bin
+need_mpi mpiexec.mpich mpich --no-install-recommends
 if ! .venv/bin/python -c "import torch, ddpkit, pytest, xdist, coverage, tqdm, safetensors, sklearn, matplotlib, mkdocs, mkdocstrings, material, lightning, tensorboard, mpi4py" >/dev/null 2>&1 \
         || ! .venv/bin/python -c "from importlib.metadata import entry_points as e; assert e(group='ddpkit.backends', name='mpi')" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet "${find_links[@]}" torch==2.13.0

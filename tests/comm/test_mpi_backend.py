@@ -25,15 +25,19 @@ def identity() -> dict:
     ctx = ddpkit.init()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
             "ctx_backend": ctx.backend, "local_rank": ctx.local_rank, "local_world": ctx.local_world_size,
-            "node_rank": ctx.node_rank, "scheme": ctx.scheme, "omp_rank": os.environ.get("OMPI_COMM_WORLD_RANK")}
+            "node_rank": ctx.node_rank, "scheme": ctx.scheme,
+            "launcher_rank": os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK"))}
 
 
 def test_ranks_come_from_the_communicator(mpi3):
+    from ddpkit.runtime import mpirun
+
+    scheme = {"openmpi": "openmpi", "mpich": "pmi"}[mpirun.find().vendor]  # Open MPI's variables, or Hydra's PMI
     got = mpi3.run(identity)
     assert [g["rank"] for g in got] == [0, 1, 2]
-    assert [g["omp_rank"] for g in got] == ["0", "1", "2"]
+    assert [g["launcher_rank"] for g in got] == ["0", "1", "2"]
     assert {g["world"] for g in got} == {3}
-    assert {(g["backend"], g["ctx_backend"], g["scheme"]) for g in got} == {("mpi4py", "mpi", "openmpi")}
+    assert {(g["backend"], g["ctx_backend"], g["scheme"]) for g in got} == {("mpi4py", "mpi", scheme)}
     assert [(g["local_rank"], g["local_world"], g["node_rank"]) for g in got] == [(0, 3, 0), (1, 3, 0), (2, 3, 0)]
 
 

@@ -130,8 +130,21 @@ class MPIWorkerGroup(WorkerGroup):
             except subprocess.TimeoutExpired:
                 terminate(self.job_procs, 0.0, signal.SIGKILL)
         terminate([p for p in self.procs if not isinstance(p, _Rank)], grace, first_signal)
+        self._end_leftovers()
         self._close_writers()
         self.finish()
+
+    def _end_leftovers(self) -> None:
+        """SIGKILL the process group of every rank that did not succeed: what its shim would have done, had the MPI
+        launcher not killed the shim first (Hydra does; Open MPI's mpirun sends SIGTERM, which the shim forwards)."""
+        for index, proc in enumerate(self.procs):
+            if not isinstance(proc, _Rank) or proc.code == 0:
+                continue
+            recorded = self._folder / f"rank{self.specs[index].rank}.pgid"
+            try:
+                os.killpg(int(recorded.read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass  # never started, or its group is gone already
 
     def finish(self) -> None:
         if self.job.poll() is None:

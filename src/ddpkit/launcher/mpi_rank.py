@@ -32,6 +32,13 @@ def mpi_rank(env: dict[str, str]) -> int:
     raise SystemExit("ddpkit.launcher.mpi_rank runs under mpirun (no OMPI_COMM_WORLD_RANK or PMI_RANK here)")
 
 
+def pmi_fds(env: dict[str, str]) -> tuple[int, ...]:
+    """The descriptors a PMI launcher handed this process to reach it (MPICH's Hydra: ``PMI_FD``), for the worker:
+    it is the worker, not this shim, that joins the MPI job."""
+    value = env.get("PMI_FD", "")
+    return (int(value),) if value.isdigit() else ()
+
+
 def _signal_group(pid: int, signum: int) -> None:
     try:
         os.killpg(pid, signum)
@@ -46,7 +53,10 @@ def main(plan_path: str) -> int:
     env = {**spec["env"], **{k: v for k, v in os.environ.items() if k.startswith(MPI_PREFIXES)}}
     with open(spec["stdout"], "wb", buffering=0) as out, open(spec["stderr"], "wb", buffering=0) as err:
         worker = subprocess.Popen(spec["argv"], env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                  start_new_session=True, preexec_fn=die_with_parent)
+                                  start_new_session=True, preexec_fn=die_with_parent, pass_fds=pmi_fds(env))
+        # The worker's process group, for the launcher to end if this shim is killed before it can (MPICH's Hydra
+        # ends the other ranks of a failed job with SIGKILL, and the worker's own children would outlive it).
+        Path(spec["status"]).with_suffix(".pgid").write_text(str(worker.pid))
         stopped = []
 
         def forward(signum: int, _frame: object) -> None:
