@@ -80,6 +80,11 @@ class Reduction:
             return tensor
         return tensor * self.factor
 
+    def scale_(self, tensor: torch.Tensor) -> None:
+        """PREMUL_SUM's input scaled in place (a buffer that is also the output); others are left as they are."""
+        if self.factor is not None:
+            tensor.mul_(self.factor)
+
     def finish(self, tensor: torch.Tensor, size: int) -> None:
         """AVG's division, in place, with NCCL's rounding for integers (towards zero)."""
         if not self.divide:

@@ -201,8 +201,7 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         def call(comm: Any) -> None:
             MPI = load()
-            if red.factor is not None:
-                buf.mul_(red.factor)
+            red.scale_(buf)
             comm.Allreduce(MPI.IN_PLACE, _buf(buf), red.op)
             red.finish(buf, size)
 
@@ -254,8 +253,7 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         def call(comm: Any) -> None:
             MPI = load()
-            if red.factor is not None:
-                flat.mul_(red.factor)
+            red.scale_(flat)
             comm.Allreduce(MPI.IN_PLACE, _buf(flat), red.op)
             red.finish(flat, size)
             offset = 0
@@ -287,8 +285,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         def call(comm: Any) -> None:
             MPI = load()
             if mine:
-                if red.factor is not None:
-                    buf.mul_(red.factor)
+                red.scale_(buf)
                 comm.Reduce(MPI.IN_PLACE, _buf(buf), red.op, root=root)
                 red.finish(buf, size)
             else:
