@@ -49,6 +49,7 @@ _EXPORTS = {
     "ParameterServerOptimizer": "ddpkit.parallel.ps.optimizer",
     "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
+    "FaultTolerance": "ddpkit.train.survive",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
     "CheckpointError": "ddpkit.train.checkpoint",
@@ -122,3 +123,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.runtime.spawn import WorkerError, spawn
     from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from ddpkit.train.state import TrainState
+    from ddpkit.train.survive import FaultTolerance

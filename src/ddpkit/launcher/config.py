@@ -99,7 +99,13 @@ class LaunchConfig:
     master_addr: str = option(LOOPBACK, "node 0's address, where the rendezvous store is served (static rendezvous)")
     master_port: int | None = option(None, f"rendezvous port on node 0 (default: {DEFAULT_PORT})")
     standalone: bool = option(False, "single node: pick a free port, rendezvous on loopback")
-    max_restarts: int = option(0, "restart the whole group up to this many times after a failure")
+    max_restarts: int = option(0, "restart the whole group up to this many times after a failure (with "
+                               "--on-failure continue: start up to this many replacements, which join live)")
+    on_failure: str = option(
+        "restart", "what a worker's death does: restart (stop every worker; restart them all while "
+        "--max-restarts allows) or continue (the survivors go on in the same processes, the job's membership "
+        "changes; see ddpkit.FaultTolerance)", choices=["restart", "continue"],
+    )
     rdzv_backend: str = option(
         "static", "static (node ranks from --node-rank) or c10d (nodes agree on ranks and world size at "
         "--rdzv-endpoint; elastic with --nnodes MIN:MAX)", metavar="static|c10d",
@@ -240,6 +246,18 @@ class LaunchConfig:
         if not self.role.strip():
             raise ConfigError("--role is empty: give the workers' role a name (default: default)")
         self._check_backend(low, high)
+        self._check_on_failure(high)
+
+    def _check_on_failure(self, high: int) -> None:
+        if self.on_failure != "continue":
+            return
+        if high != 1:
+            raise ConfigError(f"--on-failure continue with --nnodes {self.nnodes}: the mode runs on one node for "
+                              "now (several nodes need a membership their agents agree on, not built yet); use "
+                              "--on-failure restart across nodes")
+        if self.num_servers:
+            raise ConfigError(f"--on-failure continue with --num-servers {self.num_servers}: parameter servers "
+                              "do not survive a worker's loss yet; use --on-failure restart")
 
     def _check_backend(self, low: int, high: int) -> None:
         if self.backend is None:

@@ -31,6 +31,7 @@ from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
+from ddpkit.launcher.survive import SurvivingGroup
 from ddpkit.runtime import mpirun, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token
 from ddpkit.runtime.network import is_local
@@ -53,6 +54,10 @@ def run(cfg: LaunchConfig) -> int:
     if cfg.backend:
         os.environ["DDPKIT_BACKEND"] = cfg.backend  # what every worker's ddpkit.init() reads
     check_backend(os.environ.get("DDPKIT_BACKEND", ""), launch.nnodes)
+    if cfg.on_failure == "continue" and os.environ.get("DDPKIT_BACKEND", "").strip().lower() not in ("", "gloo"):
+        raise ConfigError(f"--on-failure continue with the {os.environ['DDPKIT_BACKEND']} backend: the survivors "
+                          "rebuild gloo groups (an MPI job cannot lose a process and go on; NCCL's abort path is "
+                          "not built yet); use --backend gloo for this mode")
     master_addr = launch.master_addr
     if launch.standalone:
         port = free_port()
@@ -172,7 +177,10 @@ class _Job:
                              job_token=self.token, agent_store=True, run_id=self.run_id,
                              slot=slot, error_files=errors)
         mpi = os.environ.get("DDPKIT_BACKEND", "").strip().lower() == "mpi"
-        self.group = (MPIWorkerGroup if mpi else WorkerGroup)(launch, self.layout)
+        if launch.config.on_failure == "continue":
+            self.group = SurvivingGroup(launch, self.layout, replacements=launch.config.max_restarts)
+        else:
+            self.group = (MPIWorkerGroup if mpi else WorkerGroup)(launch, self.layout)
         self.group.start(specs, self.signals)
         if self.store is not None:
             self.store.start()  # torch for the store, imported while the workers import theirs
@@ -209,7 +217,7 @@ class _Job:
     def attempts(self) -> int:
         """Static rendezvous: every node knows its rank; all restart together."""
         launch, rdzv, port = self.launch, self.rdzv, self.port
-        max_restarts = launch.config.max_restarts
+        max_restarts = launch.config.max_restarts if launch.config.on_failure == "restart" else 0
         first = rdzv.current_round() if rdzv else 0
         if first:
             say(f"joining the job in progress at restart round {first}")

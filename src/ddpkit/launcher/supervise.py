@@ -132,13 +132,13 @@ class WorkerGroup:
                     break
                 self._start_one(spec)
 
-    def _start_one(self, spec: WorkerSpec) -> None:
+    def _start_one(self, spec: WorkerSpec, pass_fds: tuple[int, ...] = ()) -> int:
         # start_new_session: the worker leads a process group holding all
         # its descendants, which killpg can then take down together. stdin is
         # the launcher's, as under torchrun (piped input reaches the workers).
         proc = subprocess.Popen(
             spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent, pass_fds=pass_fds,
         )
         index = len(self.procs)
         self.specs.append(spec)
@@ -155,6 +155,7 @@ class WorkerGroup:
             pump.start()
             self.pumps.append(pump)
         threading.Thread(target=lambda: self.exits.put((proc.wait(), index)), daemon=True).start()
+        return index
 
     def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
              ) -> Failure | RemoteFailure | str | None:
@@ -180,23 +181,27 @@ class WorkerGroup:
                 continue
             done += self.specs[index].server is None
             if code != 0:
-                spec = self.specs[index]
                 self.stop()
-                failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code, server=spec.server,
-                                  traceback=extract_traceback(list(self.tails[spec.rank]))
-                                  or read_error_file(spec.env.get("TORCHELASTIC_ERROR_FILE", "")),
-                                  last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
-                # The failing rank's own report first (taken as it failed), else any rank's.
-                for rank in [spec.rank, *sorted(r for r in self.tails if r != spec.rank)]:
-                    if stall := extract_stall_report(list(self.tails[rank])):
-                        failure.stall, failure.stall_reporter = stall, rank
-                        break
-                return failure
+                return self.failure(index, code)
         if workers < len(self.procs):
             # Every worker finished: the parameter servers have nobody left to serve.
             terminate([p for p, spec in zip(self.procs, self.specs) if spec.server is not None],
                       self.launch.grace_period_s, signal.SIGTERM)
         return None
+
+    def failure(self, index: int, code: int) -> Failure:
+        """The :class:`Failure` of worker ``index``, which exited with ``code``, from its output."""
+        spec = self.specs[index]
+        failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code, server=spec.server,
+                          traceback=extract_traceback(list(self.tails[spec.rank]))
+                          or read_error_file(spec.env.get("TORCHELASTIC_ERROR_FILE", "")),
+                          last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
+        # The failing rank's own report first (taken as it failed), else any rank's.
+        for rank in [spec.rank, *sorted(r for r in self.tails if r != spec.rank)]:
+            if stall := extract_stall_report(list(self.tails[rank])):
+                failure.stall, failure.stall_reporter = stall, rank
+                break
+        return failure
 
     def stop(self, first_signal: int = signal.SIGTERM) -> None:
         """Stop every worker and its children (see :func:`ddpkit.runtime.process.terminate`)."""

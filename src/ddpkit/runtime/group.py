@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime import backends, events, stall, variables
+from ddpkit.runtime import backends, events, membership, stall, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, discover
 from ddpkit.runtime.network import route_interface
 from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
@@ -171,7 +171,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
     if plugin is not None and not dist.is_initialized():
         place = _init_plugin(plugin, place, join_timeout, collective_timeout)
     device = _choose_device(place, backend)
-    if not dist.is_initialized():
+    if not dist.is_initialized() and os.environ.get(membership.FD_ENV):
+        _init_surviving(place, backend, join_timeout, collective_timeout)
+    elif not dist.is_initialized():
         if place.world_size == 1:
             store: dist.Store = dist.HashStore()
         else:
@@ -202,7 +204,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             backend, store=store, rank=place.rank, world_size=place.world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
-    if place.world_size > 1:
+    if place.world_size > 1 and membership.current() is None:
         finish_backend_at_exit()
     _ctx = DistContext(
         rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,
@@ -210,6 +212,28 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         device=device, backend=backend, scheme=place.scheme,
     )
     return _ctx
+
+
+def _init_surviving(place: Placement, backend: str, join_timeout: float, collective_timeout: float) -> None:
+    """Under ``ddpkit launch --on-failure continue``: the job's membership, and torch's default group alone.
+
+    A world that loses members cannot be torch's default group (a death during its rendezvous would hang every
+    survivor there, and it could never shrink), so each process's default group is itself alone, and the job's
+    collectives run on the groups of :mod:`ddpkit.runtime.membership`, rebuilt at each change
+    (:class:`ddpkit.FaultTolerance` holds them).
+    """
+    if backend != "gloo":
+        raise ValueError(f"backend {backend!r} under --on-failure continue: the survivors rebuild gloo groups "
+                         "(NCCL's abort path is not built yet); use backend='gloo'")
+    deadline = time.monotonic() + join_timeout
+    store = open_store(place, join_timeout, deadline) if place.world_size > 1 else dist.HashStore()
+    token = os.environ.get(JOB_TOKEN_ENV) or None
+    membership.current(dist.PrefixStore(f"{job_keys(token)[1]}ft/", store), collective_timeout)
+    if place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        if interface := route_interface(place.master_addr, place.master_port):
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=collective_timeout))
 
 
 def _init_plugin(plugin: backends.Plugin, place: Placement, join_timeout: float,
@@ -336,6 +360,9 @@ def barrier() -> None:
         raise RuntimeError("ddpkit.barrier() needs the process group: call ddpkit.init() first")
     if ctx.world_size == 1:
         return
+    if membership.current() is not None:
+        raise RuntimeError("ddpkit.barrier() under --on-failure continue: the job's world changes with its "
+                           "membership; use ft.barrier() of your ddpkit.FaultTolerance")
     events.collective("barrier")
     if ctx.backend == "nccl":
         dist.barrier(device_ids=[ctx.device.index])

@@ -14,6 +14,9 @@ variable                        value
 ``DDPKIT_RDZV_ROUND``           set by ``ddpkit launch``: a whole number >= 0
 ``TORCHELASTIC_RESTART_COUNT``  set by a launcher: a whole number >= 0
 ``GLOO_SOCKET_IFNAME``          network interfaces of this machine, comma-separated
+``DDPKIT_FT_FD``                set by ``ddpkit launch --on-failure continue``: the membership pipe
+``DDPKIT_FT_REPLY_FD``          set by it too: the pipe back to the launcher
+``DDPKIT_FT_MEMBER``            set by it too: this worker's member id
 ==============================  =============================================
 """
 
@@ -22,9 +25,16 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-__all__ = ["BACKENDS", "backend", "check_environment", "count", "stall_warn_seconds", "timeout_seconds"]
+__all__ = ["BACKENDS", "FT_FD", "FT_MEMBER", "FT_REPLY_FD", "backend", "check_environment", "count",
+           "stall_warn_seconds", "timeout_seconds"]
 
 BACKENDS = ("gloo", "nccl", "mpi")
+FT_FD = "DDPKIT_FT_FD"
+"""The read end of the launcher's membership pipe (see :mod:`ddpkit.runtime.membership`)."""
+FT_REPLY_FD = "DDPKIT_FT_REPLY_FD"
+"""The write end of a worker's pipe back to the launcher."""
+FT_MEMBER = "DDPKIT_FT_MEMBER"
+"""A worker's member id under ``--on-failure continue``."""
 
 
 def timeout_seconds(environ: Mapping[str, str]) -> float | None:

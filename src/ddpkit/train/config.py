@@ -121,6 +121,17 @@ class TrainConfig:
         0, "restart the workers this started up to N times after a failure, resuming from the newest "
         "checkpoint (under a launcher, use the launcher's --max-restarts)"
     )
+    on_failure: str = option(
+        "restart", "what a worker's death does: restart (every worker restarts from the newest checkpoint, "
+        "--max-restarts times) or continue (the survivors go on in the same processes, each step's global batch "
+        "spread over them; --max-restarts replacements join live; see ddpkit.FaultTolerance)",
+        choices=["restart", "continue"],
+    )
+    deterministic_shards: int | None = option(
+        None, "--on-failure continue: cut every step's global batch into V shards reduced in a fixed order, so a "
+        "run with any deaths ends bitwise equal to the run without (default: V = the world size, reduced by an "
+        "all-reduce: equal within float rounding)", metavar="V",
+    )
     resume: bool = option(False, "continue the run in --output-dir from its newest checkpoint")
     progress: bool = option(True, "show a progress bar on rank 0", negate="--no-progress", negate_only=False)
     trace: Path | None = option(
@@ -221,6 +232,7 @@ class TrainConfig:
             self.data_dir = Path(self.data_dir)
         if self.output_dir is not None:
             self.output_dir = Path(self.output_dir)
+        self._check_on_failure(need)
         need(self.trace_steps >= 1, "trace_steps", "must be at least 1")
         need(self.trace is None or self.strategy not in (*SERVER_STRATEGIES, "ssp"), "trace",
              f"records DDP's buckets; --strategy {self.strategy} has none: drop --trace")
@@ -230,6 +242,30 @@ class TrainConfig:
             self.tensorboard = Path(self.tensorboard)
             tensorboard.check(self.tensorboard)
 
+    def _check_on_failure(self, need: Any) -> None:
+        need(self.on_failure in ("restart", "continue"), "on_failure", "is not restart or continue")
+        if self.deterministic_shards is not None:
+            need(self.on_failure == "continue", "deterministic_shards", "needs --on-failure continue")
+            need(self.deterministic_shards >= 1, "deterministic_shards", "must be at least 1")
+        if self.on_failure != "continue":
+            return
+        why = "does not fit --on-failure continue"
+        need(self.engine == "ddpkit" and self.strategy == "ddp", "on_failure", f"needs --engine ddpkit --strategy "
+             f"ddp (the survivors reduce the gradients themselves), not --engine {self.engine} --strategy "
+             f"{self.strategy}")
+        need(self.zero == 0, "zero", f"{why}: a ZeRO shard exists once, on the rank that dies with it (no copy "
+             "is kept on another rank); train without --zero, or use --on-failure restart")
+        need(self.comm_hook == "none", "comm_hook", f"{why}: the mode reduces whole steps, not DDP's buckets")
+        need(not self.sync_bn, "sync_bn", f"{why}: drop --sync-bn")
+        need(self.grad_accum == 1, "grad_accum", f"{why}: the step's shards are its micro-batches (see "
+             "--deterministic-shards)")
+        need(self.amp != "fp16", "amp", f"{why}: use --amp bf16 or off")
+        need(self.trace is None, "trace", f"{why}: there are no DDP buckets to trace")
+        need(self.backend in (None, "gloo"), "backend", f"{why}: the survivors rebuild gloo groups")
+        need(not self.resume, "resume", f"{why}: the mode keeps its state in the surviving processes, not in "
+             "checkpoints")
+        need(self.straggler is None, "straggler", f"{why}: drop --straggler")
+
     def check_world(self, world: int) -> None:
         """The settings that depend on the number of workers, once it is known (``ddpkit train`` before it starts
         them, or from its launcher's environment; ``ddpkit bench strategies`` for each of its world sizes).
@@ -237,6 +273,12 @@ class TrainConfig:
         Raises:
             ConfigError: ``--straggler`` names a rank the job does not have.
         """
+        if self.deterministic_shards is not None:
+            v, batch = self.deterministic_shards, self.batch_size * world
+            if v < world or batch % v:
+                raise ConfigError(f"--deterministic-shards {v} at {world} process(es): V must be at least the world "
+                                  f"size and divide the global batch ({self.batch_size} x {world} = {batch}); e.g. "
+                                  f"--deterministic-shards {world}")
         if self.slow is not None and self.slow[0] >= world:
             raise ConfigError(f"--straggler {self.straggler}: rank {self.slow[0]} does not exist at world size "
                               f"{world}: choose a rank in 0..{world - 1}")

@@ -60,7 +60,7 @@ from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
 from ddpkit.runtime.options import ConfigError, RunError
-from ddpkit.train import restart, rundir
+from ddpkit.train import restart, rundir, survive_loop
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate
@@ -103,6 +103,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError("--engine torch --comm-hook bf16: torch's DDP takes the bf16 hook only from a torch built "
                           "with CUDA and NCCL, and this one has neither: use --engine ddpkit, which runs it on gloo "
                           "too, or --comm-hook fp16")
+    if config.on_failure == "continue":
+        return survive_loop.train(config, check=lambda: _load_data(config))
     return restart.attempts(config, worker, check=lambda: _load_data(config))
 
 

@@ -1,0 +1,172 @@
+"""``--on-failure continue``: a worker's death changes the membership instead of stopping the job.
+
+The launcher is where a death is known first (its ``waitpid`` returns within
+milliseconds). In this mode it does not stop the other workers: it announces
+a new view (an epoch and the live member ids, see
+:mod:`ddpkit.runtime.membership`) on the pipe it holds to every survivor, and
+the survivors rebuild their group and go on in the same processes. With
+``--max-restarts`` budget left it also starts a replacement, which joins the
+view after next once it says it is ready (a peer hands it the training state).
+
+The job succeeds when the workers still alive at the end exit 0; when the
+last one dies, its first death is the job's failure, reported as today.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ddpkit.launcher.output import LogLayout
+from ddpkit.launcher.plan import WorkerSpec
+from ddpkit.launcher.rendezvous import RemoteFailure
+from ddpkit.launcher.settings import LaunchSettings
+from ddpkit.launcher.supervise import Failure, WorkerGroup, say
+from ddpkit.runtime.process import SignalCatcher, describe_exit
+from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
+
+__all__ = ["Death", "SurvivingGroup"]
+
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Death:
+    """One worker's death, as the launcher saw it."""
+
+    member: int
+    exitcode: int
+    at: float
+    """``time.time()`` when ``waitpid`` returned."""
+    epoch: int
+    """The view announced for it."""
+
+
+class SurvivingGroup(WorkerGroup):
+    """The workers of a job that goes on without its dead: a pipe to each, a view per death or arrival."""
+
+    def __init__(self, launch: LaunchSettings, layout: LogLayout, replacements: int = 0) -> None:
+        super().__init__(launch, layout)
+        self.epoch = 0
+        self.members: list[int] = []
+        self.pipes: dict[int, int] = {}
+        """member id -> the write end of its pipe."""
+        self.member_of: dict[int, int] = {}
+        """worker index -> member id."""
+        self.deaths: list[Death] = []
+        self.replacements = replacements
+        self._ready: queue.Queue[int] = queue.Queue()
+        self._next_member = 0
+
+    def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
+        with signals.deferred():
+            for spec in specs:
+                if signals.received is not None:
+                    break
+                self._start_member(spec)
+        self.members = [self.member_of[i] for i in range(len(self.procs))]
+        self._announce()
+
+    def _start_member(self, spec: WorkerSpec) -> None:
+        member = self._next_member
+        self._next_member += 1
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        spec.env.update({FT_FD: str(down_r), FT_REPLY_FD: str(up_w), FT_MEMBER: str(member)})
+        index = self._start_one(spec, pass_fds=(down_r, up_w))
+        os.close(down_r)
+        os.close(up_w)
+        self.member_of[index] = member
+        self.pipes[member] = down_w
+        if self.members:
+            os.write(down_w, (json.dumps({"epoch": self.epoch, "members": self.members}) + "\n").encode())
+        threading.Thread(target=self._read_replies, args=(up_r, member), daemon=True).start()
+
+    def _read_replies(self, fd: int, member: int) -> None:
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            for line in pipe:
+                if line.strip() == b"ready":
+                    self._ready.put(member)
+
+    def _announce(self) -> None:
+        line = (json.dumps({"epoch": self.epoch, "members": self.members}) + "\n").encode()
+        for fd in self.pipes.values():  # a replacement not yet admitted too: it waits for the view that has it
+            try:
+                os.write(fd, line)
+            except OSError:
+                pass  # it died a moment ago: its exit is in the queue and makes the next view
+
+    def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
+             ) -> Failure | RemoteFailure | str | None:
+        """Until every live worker exited 0 (None) or none is left (the first death's :class:`Failure`)."""
+        live = set(range(len(self.procs)))
+        finished = 0
+        first: Failure | None = None
+        while live:
+            try:
+                code, index = self.exits.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._admit_ready()
+                continue
+            live.discard(index)
+            member = self.member_of[index]
+            if code == 0:
+                finished += 1
+                continue
+            failure = self.failure(index, code)
+            first = first or failure
+            self._close(member)
+            if member in self.members:
+                self.members.remove(member)
+            self.epoch += 1
+            self.deaths.append(Death(member, code, time.time(), self.epoch))
+            why = (failure.traceback.splitlines() or failure.last_lines or [""])[-1].strip()
+            if not live:
+                say(f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
+                    + (f" ({why})" if why else "") + "; no worker is left")
+                break
+            say(f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
+                + (f" ({why})" if why else "")
+                + f"; the job goes on with {len(self.members)} worker(s), membership epoch {self.epoch}")
+            self._announce()
+            if self.replacements > 0 and not finished:
+                self.replacements -= 1
+                dead = self.specs[index]  # the replacement takes the dead worker's place (rank, local rank, GPU)
+                self._start_member(replace(dead, env={k: v for k, v in dead.env.items()
+                                                      if not k.startswith("DDPKIT_FT_")}))
+                live.add(len(self.procs) - 1)
+                say(f"started member {self._next_member - 1} to replace it ({self.replacements} replacement(s) "
+                    "left); it joins at a step boundary once ready")
+        for fd in list(self.pipes):
+            self._close(fd)
+        return None if finished else first
+
+    def _admit_ready(self) -> None:
+        """Replacements that said they are ready join the next view."""
+        joined = []
+        while True:
+            try:
+                member = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if member in self.pipes and member not in self.members:
+                joined.append(member)
+        if joined:
+            self.members.extend(joined)
+            self.epoch += 1
+            say(f"member(s) {', '.join(map(str, joined))} joined: {len(self.members)} worker(s), "
+                f"membership epoch {self.epoch}")
+            self._announce()
+
+    def _close(self, member: int) -> None:
+        fd = self.pipes.pop(member, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,216 @@
+"""Membership of a job that outlives its workers: views, interruptible waits, and groups rebuilt per view.
+
+Under ``ddpkit launch --on-failure continue`` the launcher owns the job's
+membership. It numbers every worker with a *member id* (its first rank; a
+replacement gets the next unused one) and, whenever a worker dies or a
+replacement is ready, announces a new :class:`View` (an epoch and the live
+member ids) on a pipe it holds to every worker (``DDPKIT_FT_FD``). A thread
+in each worker reads that pipe, so a death is known to every survivor within
+milliseconds of the launcher's ``waitpid``, not at a collective's timeout.
+
+Workers never repair a group whose member died: they *abandon* it and build
+the group of the new view on a fresh store prefix (``ft/EPOCH/``), ranks in
+member order. Gloo cannot abort an operation in flight (measured:
+``ProcessGroup.abort()`` leaves it waiting until its timeout), so every wait
+of the mode is :meth:`Membership.wait`: it returns when the operation
+completes and raises :class:`MembershipChanged` as soon as a newer view
+comes (a join too: a member that saw it first has left the old group). The
+abandoned operation keeps its buffers until its own timeout; its owner must
+not reuse them.
+
+The pipe carries one JSON line per view; a replacement answers on
+``DDPKIT_FT_REPLY_FD`` with ``ready`` once it can take part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.runtime import variables
+
+__all__ = ["FD_ENV", "MEMBER_ENV", "REPLY_FD_ENV", "Membership", "MembershipChanged", "View", "current"]
+
+FD_ENV, REPLY_FD_ENV, MEMBER_ENV = variables.FT_FD, variables.FT_REPLY_FD, variables.FT_MEMBER
+_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class View:
+    """One membership: its epoch (0 at the start, +1 per change) and the live member ids, in rank order."""
+
+    epoch: int
+    members: tuple[int, ...]
+
+    def rank_of(self, member: int) -> int:
+        return self.members.index(member)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class MembershipChanged(RuntimeError):
+    """A newer view came while this worker waited: abandon what it waited for and rebuild."""
+
+    def __init__(self, view: View, lost: tuple[int, ...]) -> None:
+        super().__init__(f"membership epoch {view.epoch}: member(s) {', '.join(map(str, lost))} left the job")
+        self.view = view
+        self.lost = lost
+
+
+class Membership:
+    """This worker's side of the launcher's membership: the newest view, and groups built per view.
+
+    Args:
+        fd: the read end of the launcher's pipe.
+        member: this worker's member id.
+        store: the launcher's store (it outlives every worker), under the job's key prefix.
+        timeout_s: the timeout of each group built (an abandoned operation waits at most this long).
+        reply_fd: the write end of the pipe back to the launcher, if any.
+    """
+
+    def __init__(self, fd: int, member: int, store: dist.Store, timeout_s: float, reply_fd: int | None = None):
+        self.member = member
+        self.store = store
+        self.timeout = timedelta(seconds=timeout_s)
+        self._reply_fd = reply_fd
+        self._cond = threading.Condition()
+        self._views: list[View] = []
+        self._closed = False
+        self.noticed_at: dict[int, float] = {}
+        """``time.time()`` at which each epoch's view reached this worker."""
+        self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
+        self._reader.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            buffered = b""
+            while chunk := pipe.read(65536):
+                buffered += chunk
+                *lines, buffered = buffered.split(b"\n")
+                for line in lines:
+                    message = json.loads(line)
+                    view = View(int(message["epoch"]), tuple(int(m) for m in message["members"]))
+                    with self._cond:
+                        self.noticed_at[view.epoch] = time.time()
+                        self._views.append(view)
+                        self._cond.notify_all()
+        with self._cond:
+            self._closed = True  # the launcher is gone: die_with_parent ends this process next
+            self._cond.notify_all()
+
+    def latest(self, timeout_s: float = 60.0) -> View:
+        """The newest view (waiting for the first one to arrive)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._views or self._closed, timeout_s) or not self._views:
+                raise RuntimeError("the launcher announced no membership: is this process started by "
+                                   "ddpkit launch --on-failure continue?")
+            return self._views[-1]
+
+    def lost_since(self, view: View) -> tuple[int, ...]:
+        """Members of ``view`` that a newer view no longer has."""
+        with self._cond:
+            newest = self._views[-1] if self._views else view
+        return tuple(m for m in view.members if m not in newest.members) if newest.epoch > view.epoch else ()
+
+    def wait(self, work: Any, view: View) -> None:
+        """Wait for ``work`` (a torch Work or Future); raise :class:`MembershipChanged` when a newer view comes.
+
+        Raises:
+            MembershipChanged: the membership changed (a member left, or one joins); ``work`` is abandoned.
+            RuntimeError: the operation failed while the view stayed whole (after waiting briefly for the
+                launcher's word, since a broken connection is usually a death it is about to announce).
+        """
+        future = work if isinstance(work, torch.futures.Future) else work.get_future()
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(_POLL_S):
+            self._check(view)
+        try:
+            future.wait()
+        except Exception:
+            # A peer's death reaches gloo as a reset connection, often before the launcher's word reaches us.
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                self._check(view)
+                with self._cond:
+                    self._cond.wait(0.05)
+            raise
+
+    def _check(self, view: View) -> None:
+        # Any newer view ends the wait, a join too: a member that saw it first has left this view's group to
+        # build the next one, so an operation here could never complete.
+        if (newest := self.latest()).epoch > view.epoch:
+            raise MembershipChanged(newest, self.lost_since(view))
+        if self._closed:
+            raise RuntimeError("the launcher closed the membership pipe (it stopped): this worker stops too")
+
+    def group(self, view: View) -> dist.ProcessGroup:
+        """The gloo group of ``view`` (this worker's rank: its place in ``view.members``).
+
+        Every member first marks its arrival in the store and waits for the others, watching the view, so a
+        member that dies before arriving makes this raise :class:`MembershipChanged` instead of hanging.
+        """
+        prefix = f"ft/{view.epoch}/"
+        self.store.set(f"{prefix}arrived/{self.member}", "1")
+        keys = [f"{prefix}arrived/{m}" for m in view.members]
+        while not self.store.check(keys):
+            self._check(view)
+            time.sleep(_POLL_S)
+        built: dict[str, Any] = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                built["group"] = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}group/", self.store),
+                                                       view.rank_of(self.member), view.size, self.timeout)
+            except Exception as e:  # noqa: BLE001 - re-raised on the caller's thread
+                built["error"] = e
+            done.set()
+
+        threading.Thread(target=build, name=f"ddpkit-group-{view.epoch}", daemon=True).start()
+        while not done.wait(_POLL_S):
+            self._check(view)
+        if "error" in built:
+            self._check(view)
+            raise built["error"]
+        return built["group"]
+
+    def wait_for_member(self, view: View) -> None:
+        """Wait for a view newer than ``view`` (a replacement waits for the view that admits it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self._views[-1].epoch > view.epoch)
+            if self._closed:
+                raise RuntimeError("the launcher closed the membership pipe before admitting this worker")
+
+    def ready(self) -> None:
+        """Tell the launcher this (replacement) worker can join the next view."""
+        if self._reply_fd is not None:
+            os.write(self._reply_fd, b"ready\n")
+
+
+_membership: Membership | None = None
+
+
+def current(store: dist.Store | None = None, timeout_s: float = 1800.0) -> Membership | None:
+    """This process's :class:`Membership` when its launcher runs the job with ``--on-failure continue``, else None.
+
+    ``store`` (the launcher's store, under the job's prefix) is needed the first time.
+    """
+    global _membership
+    if _membership is None and (fd := os.environ.get(FD_ENV)):
+        if store is None:
+            raise RuntimeError("membership: the first call needs the launcher's store")
+        reply = os.environ.get(REPLY_FD_ENV)
+        _membership = Membership(int(fd), int(os.environ[MEMBER_ENV]), store, timeout_s,
+                                 int(reply) if reply else None)
+    return _membership

@@ -1,0 +1,483 @@
+"""Training that goes on through a worker's death, in the same processes, losing no sample.
+
+Under ``ddpkit launch --on-failure continue`` (see
+:mod:`ddpkit.launcher.survive` and :mod:`ddpkit.runtime.membership`) the
+launcher announces every death to the survivors within milliseconds.
+:class:`FaultTolerance` turns that into training that does not notice, apart
+from the time it costs:
+
+* **Steps, not ranks, own the data.** Each step's global batch is cut into
+  ``virtual_shards`` fixed shards (:class:`~ddpkit.data.shards.VirtualShards`);
+  rank ``r`` of ``n`` trains shards ``r, r+n, ...`` as micro-batches and
+  accumulates. A smaller world trains more micro-batches per step: the global
+  batch, the step count, the epoch boundaries and so any schedule keyed on
+  the step stay those of the run without a failure, and every sample of every
+  epoch is trained exactly once.
+* **The step in flight is done again.** The gradient reduction waits
+  interruptibly; when the view loses a member every survivor abandons the
+  group, builds the next view's group (a new store prefix), discards the
+  step's gradients and trains the step again at the new size. No checkpoint
+  is read.
+* **The survivors agree before going on.** A reduction can complete on some
+  ranks and not on others when a peer dies in the middle of it, so after every
+  rebuild the ranks compare how many steps they have applied; whoever is
+  behind receives the state (model, optimizer, the ``state`` objects, the
+  step) from the lowest rank that is furthest, in 25 MiB buckets. A
+  replacement joins the same way.
+* **Deterministic mode** (``deterministic=True``): each shard's gradient is
+  kept in its own slot, all slots are gathered, and they are added in shard
+  order ``0..V-1``; each micro-batch runs with the RNG seeded by (seed, step,
+  shard), starts from the step's buffers (batch-norm statistics), and the
+  step keeps shard 0's update of them. The sum no longer depends on which
+  rank computed which shard, so a
+  run with any number of deaths ends **bitwise equal** to the run without
+  one. It costs ``V/n`` gradient slots per rank and an all-gather instead of
+  an all-reduce. Without it, a death changes the order of float additions:
+  the result is within reduction-order noise of the run without a failure.
+  At ``V`` = the world size and before any death, the default mode trains
+  exactly the batches of a ``DistributedSampler`` job and its gradients
+  (bitwise equal to ``ddpkit train``'s DDP at world 2).
+
+Use::
+
+    ft = ddpkit.FaultTolerance(model, optimizer, dataset, batch_size=256)
+    for step in ft.steps(epochs=3):
+        for x, y in step:                 # this rank's shards of the step, one micro-batch each
+            F.cross_entropy(model(x), y).backward()   # the micro-batch's mean loss
+        if step.sync():                   # False: the world changed, the step comes again
+            optimizer.step()
+        optimizer.zero_grad()
+
+Each micro-batch's loss must be its mean (what ``reduction="mean"`` gives):
+the engine weighs it by its share of the step's samples. The model is the
+plain module (no DDP wrapper: the engine reduces the gradients itself).
+Outside ``--on-failure continue`` (no launcher, or a world of one) the same
+code trains the same steps with no one to lose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from ddpkit.data.shards import VirtualShards
+from ddpkit.runtime import membership
+from ddpkit.runtime.group import init
+from ddpkit.runtime.membership import MembershipChanged, View
+
+__all__ = ["FaultTolerance", "Step"]
+
+BUCKET_BYTES = 25 << 20
+"""State transfers go in buckets of this size."""
+
+
+@dataclass
+class Change:
+    """One membership change as this rank lived it (``time.time()`` stamps)."""
+
+    epoch: int
+    size: int
+    noticed: float
+    """When the launcher's word reached this rank."""
+    rebuilt: float
+    """When the new group was built and the ranks had agreed on the state."""
+    resumed: float | None = None
+    """When the first step after it was applied."""
+    transferred: int = 0
+    """Bytes of state this rank received (0 when it was not behind)."""
+
+
+@dataclass
+class Step:
+    """One training step: this rank's micro-batches of it, and the reduction that ends it."""
+
+    engine: FaultTolerance
+    index: int
+    """The global step number (from the first step of epoch 0)."""
+    epoch: int
+    shards: Sequence[int]
+    """The virtual shards this rank trains in this step."""
+    samples: int
+    """The step's global batch: samples in all its shards."""
+    synced: bool | None = None
+    trained: list[int] = field(default_factory=list)
+    """After a successful :meth:`sync`: samples each shard of the step contributed, as reduced over the job
+    (from whichever rank trained it): the step's own account that no shard was lost or counted twice."""
+    values: torch.Tensor | None = None
+    """After :meth:`sync`: the ``values`` given to it, summed over the ranks."""
+    _slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    _counts: dict[int, int] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Any]:
+        engine = self.engine
+        if engine.broadcast_buffers and engine.buffers:
+            engine.broadcast_buffers_from_first()
+        # Deterministic mode: every micro-batch starts from the step's buffers, and the step keeps shard 0's
+        # update of them (rank 0 trains shard 0 at any world size, and its buffers start the next step).
+        keep_buffers = engine.deterministic and engine.buffers
+        start = engine.snapshot_buffers() if keep_buffers else None
+        after_first = None
+        for shard in self.shards:
+            indices = engine.shards.shard(self.index, shard)
+            if not indices:
+                continue
+            if engine.deterministic:
+                torch.manual_seed(engine.micro_batch_seed(self.index, shard))
+            yield engine.load(indices)
+            self._slots[shard] = engine.harvest(len(indices) / self.samples)
+            self._counts[shard] = len(indices)
+            if start is not None:
+                if shard == 0:
+                    after_first = engine.snapshot_buffers()
+                engine.restore_buffers(start)
+        if after_first is not None:
+            engine.restore_buffers(after_first)
+
+    def sync(self, values: torch.Tensor | None = None) -> bool:
+        """Average the step's gradients over the job into each parameter's ``.grad``.
+
+        ``values`` (a float tensor, e.g. this rank's loss sum) are summed over the ranks with the gradients, no
+        extra collective: :attr:`values` holds the sums afterwards.
+
+        Returns:
+            True: the gradients are the step's global average; apply them. False: the membership changed
+            during the step; its gradients are discarded and :meth:`FaultTolerance.steps` gives this step again.
+        """
+        if self.synced is not None:
+            raise RuntimeError(f"step {self.index}: sync() was already called for this step")
+        counts = torch.zeros(self.engine.shards.virtual_shards, dtype=torch.float32, device=self.engine.device)
+        for shard, n in self._counts.items():
+            counts[shard] = n
+        extra = torch.cat([counts, values.detach().reshape(-1).to(counts)]) if values is not None else counts
+        reduced = self.engine.reduce(self._slots, extra)
+        self._slots.clear()
+        self.synced = reduced is not None
+        if reduced is not None:
+            v = len(counts)
+            self.trained = [int(c) for c in reduced[:v].tolist()]
+            self.values = reduced[v:].to(values) if values is not None else None
+        return self.synced
+
+
+class FaultTolerance:
+    """Data-parallel training that survives the loss of workers (see the module notes).
+
+    Args:
+        model: the plain module (same architecture on every rank; rank 0's initial state is everyone's).
+        optimizer: its optimizer (its state moves with a state transfer).
+        dataset: indexable by sample, with ``len()``.
+        batch_size: the global batch of every step (all ranks together).
+        virtual_shards: shards per step; default the world size at the start. At least the largest world size
+            of the job, and a divisor of ``batch_size``.
+        deterministic: bitwise reproducible at any membership (module notes).
+        shuffle, seed, drop_last: the epoch order, as :class:`ddpkit.DistributedSampler`'s.
+        collate_fn: makes a micro-batch of samples (default torch's ``default_collate``).
+        fetch: makes a micro-batch from sample indices at once (replaces ``dataset[i]`` + ``collate_fn``; for
+            data already in tensors: ``lambda idx: (x[idx], y[idx])``).
+        device: where micro-batches go (default the model's device).
+        state: more objects with ``state_dict``/``load_state_dict`` to move with the model (an LR scheduler, a
+            grad scaler).
+        broadcast_buffers: as DDP's: buffers from rank 0 at the start of every step (default True).
+
+    Raises:
+        ValueError: a setting the mode cannot run (with the fix).
+        RuntimeError: a world of several processes not started with ``ddpkit launch --on-failure continue``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, batch_size: int, *,
+                 virtual_shards: int | None = None, deterministic: bool = False, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 fetch: Callable[[list[int]], Any] | None = None, device: torch.device | str | None = None,
+                 state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True) -> None:
+        ctx = init()
+        if hasattr(model, "module"):
+            raise ValueError("FaultTolerance takes the plain module, not a DDP (or DataParallel) wrapper: it "
+                             "reduces the gradients itself; pass model.module")
+        self.model, self.optimizer = model, optimizer
+        self.state = dict(state or {})
+        self.deterministic = deterministic
+        self.broadcast_buffers = broadcast_buffers
+        self.seed = seed
+        self.collate = collate_fn or default_collate
+        self.fetch = fetch
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.membership = membership.current()
+        if self.membership is None and ctx.world_size > 1:
+            raise RuntimeError("FaultTolerance needs its workers started by ddpkit launch --on-failure continue (or "
+                               "ddpkit train --on-failure continue): that launcher tells the survivors of a death; "
+                               f"this world of {ctx.world_size} was started by something else")
+        self.view = self.membership.latest() if self.membership else View(0, (0,))
+        virtual_shards = virtual_shards or ctx.world_size  # the starting world, the same for a replacement
+        if virtual_shards < self.view.size:
+            raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
+                             "needs at least one shard of each step; give at least the largest world size")
+        self.shards = VirtualShards(len(dataset), batch_size, virtual_shards, shuffle=shuffle, seed=seed,
+                                    drop_last=drop_last)
+        self.dataset = dataset
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = [b for b in model.buffers()]
+        self.numel = sum(p.numel() for p in self.params)
+        self.committed = 0
+        """Steps applied on this rank."""
+        self.changes: list[Change] = []
+        self.group: dist.ProcessGroup | None = None
+        if self.membership is not None:
+            self.membership.ready()
+            self._rebuild(first=True)
+
+    # -- where this rank stands
+
+    @property
+    def rank(self) -> int:
+        return self.view.rank_of(self.membership.member) if self.membership else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.view.size
+
+    def micro_batch_seed(self, step: int, shard: int) -> int:
+        digest = hashlib.sha256(f"ddpkit shard {self.seed} {step} {shard}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    # -- the steps
+
+    def steps(self, epochs: int | None = None, *, max_steps: int | None = None) -> Iterator[Step]:
+        """The steps of ``epochs`` epochs (or up to step ``max_steps``), each given again until it is applied.
+
+        Resumes at :attr:`committed` (so after a state transfer, or a checkpoint loaded into the engine).
+        """
+        if epochs is None and max_steps is None:
+            raise ValueError("steps() needs epochs or max_steps")
+        end = min(x for x in (epochs and epochs * self.shards.steps_per_epoch, max_steps) if x is not None)
+        while self.committed < end:
+            if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
+                self._rebuild()
+                continue
+            index = self.committed
+            step = Step(self, index, self.shards.epoch_of(index),
+                        self.shards.shards_of(self.rank, self.world_size), len(self.shards.step(index)))
+            yield step
+            if step.synced is None:
+                raise RuntimeError(f"step {index}: the loop body did not call step.sync(); call it once per step "
+                                   "(after the micro-batches' backward, before optimizer.step())")
+            if step.synced:
+                self.committed = index + 1
+                if self.changes and self.changes[-1].resumed is None:
+                    self.changes[-1].resumed = time.time()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.shards.steps_per_epoch
+
+    # -- micro-batches and their gradients
+
+    def load(self, indices: list[int]) -> Any:
+        if self.fetch is not None:
+            return self.fetch(indices)
+        batch = self.collate([self.dataset[i] for i in indices])
+        return _to(batch, self.device)
+
+    def harvest(self, weight: float) -> torch.Tensor:
+        """The micro-batch's gradients, flat and weighted by its share of the step; ``.grad`` cleared."""
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        offset = 0
+        for p in self.params:
+            if p.grad is not None:
+                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+            p.grad = None
+        return flat.mul_(weight)
+
+    def reduce(self, slots: dict[int, torch.Tensor], extra: torch.Tensor) -> torch.Tensor | None:
+        """The step's gradients (``slots``: shard -> weighted flat gradient) summed over the job into ``.grad``.
+
+        ``extra`` (samples per shard, this rank's shards filled in, then any values of the caller) travels with
+        them. Returns the reduced ``extra``, or None when the membership changed (the gradients are then
+        discarded and the group rebuilt).
+        """
+        if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
+            return self._discard()
+        try:
+            total = self._reduce_ordered(slots, extra) if self.deterministic else self._reduce_summed(slots, extra)
+        except MembershipChanged:
+            return self._discard()
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+        return total[self.numel :]
+
+    def _reduce_summed(self, slots: dict[int, torch.Tensor], extra: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(self.numel + len(extra), dtype=torch.float32, device=self.device)
+        for shard in sorted(slots):
+            total[: self.numel].add_(slots[shard])
+        total[self.numel :] = extra
+        if self.group is not None and self.world_size > 1:
+            self._wait(self.group.allreduce([total]))
+        return total
+
+    def _reduce_ordered(self, slots: dict[int, torch.Tensor], extra: torch.Tensor) -> torch.Tensor:
+        # One row per shard this rank trains: its gradient, then its sample count; the caller's values (summed
+        # in rank order, not bitwise across memberships) ride on the first row.
+        v = self.shards.virtual_shards
+        mine = self.shards.shards_of(self.rank, self.world_size)
+        width = len(self.shards.shards_of(0, self.world_size))
+        send = torch.zeros(width, self.numel + 1 + len(extra) - v, dtype=torch.float32, device=self.device)
+        for k, shard in enumerate(mine):
+            if shard in slots:
+                send[k, : self.numel].copy_(slots[shard])
+            send[k, self.numel] = extra[shard]
+        send[0, self.numel + 1 :] = extra[v:]
+        if self.group is not None and self.world_size > 1:
+            received = [torch.empty_like(send) for _ in range(self.world_size)]
+            self._wait(self.group.allgather([received], [send]))
+        else:
+            received = [send]
+        total = torch.zeros(self.numel + len(extra), dtype=torch.float32, device=self.device)
+        for shard in range(v):  # in shard order, whoever trained which
+            row = received[shard % self.world_size][shard // self.world_size]
+            total[: self.numel].add_(row[: self.numel])
+            total[self.numel + shard] = row[self.numel]
+        for rows in received:
+            total[self.numel + v :].add_(rows[0, self.numel + 1 :])
+        return total
+
+    def _discard(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self._rebuild()
+        return None
+
+    def snapshot_buffers(self) -> list[torch.Tensor]:
+        return [b.detach().clone() for b in self.buffers]
+
+    def restore_buffers(self, saved: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for b, v in zip(self.buffers, saved):
+                b.copy_(v)
+
+    def broadcast_buffers_from_first(self) -> None:
+        if self.group is None or self.world_size == 1:
+            return
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
+        try:
+            self._wait(self.group.broadcast([flat], _root(0)))
+        except MembershipChanged:
+            return  # the step's sync() finds the change and does the step again
+        offset = 0
+        with torch.no_grad():
+            for b in self.buffers:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    def _wait(self, work: Any) -> None:
+        if self.membership is None:
+            work.wait()
+        else:
+            self.membership.wait(work, self.view)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over the current members (for metrics); done again after a change."""
+        original = tensor.clone()
+        while self.group is not None and self.world_size > 1:
+            try:
+                self._wait(self.group.allreduce([tensor]))
+                return tensor
+            except MembershipChanged:
+                tensor.copy_(original)
+                self._rebuild()
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every current member gets here (done again after a change)."""
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    # -- membership changes
+
+    def _rebuild(self, first: bool = False) -> None:
+        """Build the newest view's group, then agree on the state (a transfer to whoever is behind)."""
+        assert self.membership is not None
+        while True:
+            view = self.membership.latest()
+            if self.membership.member not in view.members:
+                self.membership.wait_for_member(view)
+                continue
+            noticed = self.membership.noticed_at.get(view.epoch, time.time())
+            try:
+                group = self.membership.group(view)
+                self.view, self.group = view, group
+                received = self._agree(force=first)
+            except MembershipChanged:
+                continue
+            if not first:
+                self.changes.append(Change(view.epoch, view.size, noticed, time.time(), transferred=received))
+            return
+
+    def _agree(self, force: bool) -> int:
+        """Compare applied steps; the lowest rank of the furthest sends its state to all. Bytes received."""
+        mine = torch.tensor([self.committed, int(force)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(self.group.allgather([gathered], [mine]))
+        steps = [int(t[0]) for t in gathered]
+        if not any(int(t[1]) for t in gathered) and len(set(steps)) == 1:
+            return 0
+        source = steps.index(max(steps))
+        return self._transfer(source)
+
+    def _transfer(self, source: int) -> int:
+        """The state of rank ``source`` to every rank, in buckets; the bytes received here (0 on the source)."""
+        if self.rank == source:
+            buffer = io.BytesIO()
+            torch.save(self.state_dict(), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._wait(self.group.broadcast([size], _root(source)))
+        if self.rank != source:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        for start in range(0, int(size), BUCKET_BYTES):
+            bucket = payload[start : start + BUCKET_BYTES]
+            self._wait(self.group.broadcast([bucket], _root(source)))
+        if self.rank == source:
+            return 0
+        self.load_state_dict(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True,
+                                        map_location=self.device))
+        return int(size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a state transfer (or a checkpoint of the mode) holds: model, optimizer, ``state``, step."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "state": {name: obj.state_dict() for name, obj in self.state.items()},
+                "committed": self.committed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self.state.items():
+            obj.load_state_dict(state["state"][name])
+        self.committed = int(state["committed"])
+
+
+def _root(rank: int) -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = rank
+    return options
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,251 @@
+"""``ddpkit train --on-failure continue``: the training command on :class:`~ddpkit.train.survive.FaultTolerance`.
+
+Two ways in, as for the default mode:
+
+* ``ddpkit train --on-failure continue`` alone claims the run directory and
+  starts its workers through ``ddpkit launch --on-failure continue`` in this
+  process (``--max-restarts`` replacements);
+* inside ``ddpkit launch --on-failure continue`` each process is one worker
+  (give ``--output-dir``: workers whose first rank may die cannot agree on a
+  new name).
+
+Each worker builds the model and optimizer of the default mode (seeded by
+``seed``, the learning rate scaled by the *starting* world size, which the
+global batch keeps), then trains each step's virtual shards. After the last
+step of each epoch the first member of the view evaluates on the test split
+alone and rewrites ``metrics.jsonl``; its ``min_seen``/``max_seen`` count, per
+sample, how often it reached an applied step's gradient, from the sample
+counts each step reduces with its gradients (so a shard lost or trained twice
+shows). ``membership.jsonl`` lists every change as the worker that wrote it
+lived it: when the launcher's word arrived, when the group was rebuilt, when
+the first step after it was applied, the state received. At the end the
+first member writes ``model.safetensors`` and ``summary.json``.
+
+No checkpoint is written or read in this mode: its state lives in the
+surviving processes (the last one's death ends the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ddpkit.data.datasets import load_dataset
+from ddpkit.runtime import membership
+from ddpkit.runtime.discovery import discover
+from ddpkit.runtime.group import init, shutdown
+from ddpkit.runtime.options import ConfigError, RunError
+from ddpkit.train import rundir
+from ddpkit.train.checkpoint import save_weights, write_atomic
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.recipe import autocast_for, build_state
+from ddpkit.train.survive import FaultTolerance, Step
+
+__all__ = ["train"]
+
+CONFIG_ENV = "DDPKIT_TRAIN_CONFIG"
+"""The run's settings (JSON) for the workers ``ddpkit train --on-failure continue`` starts."""
+
+
+def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """Train in the mode (see the module notes); the summary.
+
+    ``check`` runs before this process starts workers of its own (bad data is then a usage error).
+
+    Raises:
+        ConfigError: settings the mode cannot run, or a launcher other than ``ddpkit launch --on-failure continue``.
+        RunError: every worker died.
+    """
+    if os.environ.get(membership.FD_ENV):
+        try:
+            return worker(config)
+        finally:
+            shutdown()
+    place = discover(os.environ, master_needed=False)
+    if place.scheme != "single":
+        raise ConfigError("--on-failure continue under a launcher other than ddpkit launch --on-failure continue: "
+                          "only that launcher tells the survivors of a death; run ddpkit train --on-failure "
+                          "continue alone, or under ddpkit launch --on-failure continue")
+    from ddpkit.launcher import LaunchConfig, run  # the launcher runs here, in this process
+
+    nproc = config.nproc_per_node or 2
+    config.check_world(nproc)
+    check()
+    claim = rundir.claim(config.to_dict(), nproc)
+    try:
+        settings = {**config.to_dict(), "output_dir": str(claim.out)}
+        os.environ[CONFIG_ENV] = json.dumps(settings)
+        code = run(LaunchConfig(program="ddpkit.train.survive_loop", module=True, nproc_per_node=nproc,
+                                standalone=True, on_failure="continue", max_restarts=config.max_restarts,
+                                backend=config.backend))
+    finally:
+        os.environ.pop(CONFIG_ENV, None)
+        rundir.release()
+    if code != 0:
+        raise RunError(f"--on-failure continue: every worker died (ddpkit launch exited {code}; its lines above say "
+                       f"how); the run directory {claim.out} has no final weights")
+    return json.loads((claim.out / "summary.json").read_text())
+
+
+class Progress:
+    """The loop's own state, moved with the model by a state transfer: the epoch's sums, history, seen counts."""
+
+    def __init__(self, samples: int) -> None:
+        self.seen = torch.zeros(samples, dtype=torch.int32)
+        self.loss_sum = 0.0
+        self.count = 0
+        self.history: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen, "loss_sum": torch.tensor(self.loss_sum, dtype=torch.float64),
+                "count": torch.tensor(self.count), "history": json.dumps(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"].clone()
+        self.loss_sum, self.count = float(state["loss_sum"]), int(state["count"])
+        self.history = json.loads(state["history"])
+
+    def account(self, step: Step, shards: Any) -> None:
+        """Count the samples of each shard by how many times the step's reduction says it was trained."""
+        for shard, trained in enumerate(step.trained):
+            indices = shards.shard(step.index, shard)
+            if indices:
+                self.seen[indices] += round(trained / len(indices))
+
+
+def worker(config: TrainConfig) -> dict[str, Any]:
+    """One worker of the mode (see the module notes)."""
+    ctx = init(backend=config.backend)
+    if config.output_dir is None:
+        raise ConfigError("--on-failure continue under ddpkit launch needs --output-dir: the same folder for every "
+                          "worker")
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
+    world = ctx.world_size  # the starting world: the global batch and the learning rate keep it
+    config.check_world(world)
+    data = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
+                        synthetic_samples=config.synthetic_samples)
+    state = build_state(config, data, world, ctx.device)
+    model, optimizer = state.model, state.optimizer
+    x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
+    progress = Progress(len(data.train))
+    ft = FaultTolerance(model, optimizer, data.train, config.batch_size * world,
+                        virtual_shards=config.deterministic_shards or world,
+                        deterministic=config.deterministic_shards is not None, seed=config.seed,
+                        fetch=lambda idx: (x[idx], y[idx]), state={"progress": progress})
+    if ft.rank == 0 and not ft.changes:
+        print(f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
+              f"--on-failure continue with {world} worker(s), global batch {config.batch_size * world} in "
+              f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}), "
+              f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}", flush=True)
+    autocast = autocast_for(config, ctx.device)
+    start = time.perf_counter()
+    epoch_start = start
+    for step in ft.steps(epochs=config.epochs):
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        for xb, yb in step:
+            with autocast():
+                logits = model(xb)
+            loss = F.cross_entropy(logits.float(), yb)
+            loss.backward()
+            loss_sum += loss.detach().double().cpu() * len(yb)
+        if step.sync(values=loss_sum):
+            optimizer.step()
+            progress.account(step, ft.shards)
+            progress.loss_sum += float(step.values[0])
+            progress.count += step.samples
+        optimizer.zero_grad(set_to_none=True)
+        if step.synced and (step.index + 1) % ft.steps_per_epoch == 0:
+            _end_epoch(config, ft, step, progress, data.test, out, autocast, time.perf_counter() - epoch_start)
+            epoch_start = time.perf_counter()
+    _write_changes(out, ft)
+    return _finish(config, ft, progress, len(data.test), out, time.perf_counter() - start)
+
+
+def _evaluate(model: torch.nn.Module, test: Any, device: torch.device, autocast: Any) -> tuple[float, float, int]:
+    """Loss and accuracy over the whole test split, on this rank alone (no collective: members may die)."""
+    loss, correct = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(test), 256):
+            xb, yb = test.images[start : start + 256].to(device), test.labels[start : start + 256].to(device)
+            with autocast():
+                out = model(xb)
+            loss += float(F.cross_entropy(out.float(), yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    model.train()
+    return loss / len(test), correct / len(test), len(test)
+
+
+def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Progress, test: Any, out: Path,
+               autocast: Any, elapsed: float) -> None:
+    epoch = step.epoch + 1
+    record: dict[str, Any] = {"epoch": epoch, "step": step.index + 1,
+                              "train_loss": progress.loss_sum / max(progress.count, 1),
+                              "min_seen": int(progress.seen.min()), "max_seen": int(progress.seen.max()),
+                              "world_size": ft.world_size, "epoch_time_s": round(elapsed, 4)}
+    # Every member evaluates (the replicas are equal), so that every one holds the same history to hand on.
+    loss, accuracy, _ = _evaluate(ft.model, test, ft.device, autocast)
+    record.update(test_loss=loss, test_accuracy=accuracy)
+    if ft.rank == 0:
+        print(f"epoch {epoch}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss {loss:.4f}, test "
+              f"accuracy {100 * accuracy:.2f}%, {ft.world_size} worker(s)", flush=True)
+    progress.history.append(record)
+    progress.seen.zero_()
+    progress.loss_sum, progress.count = 0.0, 0
+    if ft.rank == 0:
+        _write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in progress.history))
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        write_atomic(path, text.encode())
+    except OSError as e:
+        print(f"ddpkit train: warning: could not write {path}: {e}; training goes on", file=sys.stderr, flush=True)
+
+
+def _write_changes(out: Path, ft: FaultTolerance) -> None:
+    """This worker's account of each membership change, appended to ``membership.jsonl``."""
+    member = ft.membership.member if ft.membership else 0
+    lines = "".join(json.dumps({"member": member, **asdict(c)}) + "\n" for c in ft.changes)
+    if lines:
+        with open(out / "membership.jsonl", "a") as f:
+            f.write(lines)
+
+
+def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int, out: Path,
+            wall: float) -> dict[str, Any]:
+    last = progress.history[-1]  # the last step ends the last epoch, which evaluated the final weights
+    loss, accuracy = last["test_loss"], last["test_accuracy"]
+    summary = {"test_accuracy": accuracy, "test_loss": loss, "test_samples": n, "epochs": config.epochs,
+               "world_size": ft.world_size, "global_batch_size": ft.shards.batch_size,
+               "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
+               "steps": ft.committed, "wall_time_s": round(wall, 3), "membership_changes": len(ft.changes),
+               "model": config.model, "dataset": config.dataset, "on_failure": "continue"}
+    if ft.rank == 0:
+        save_weights(out / "model.safetensors", ft.model.state_dict())
+        _write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {loss:.4f}), {config.epochs} epoch(s) "
+              f"in {wall:.1f} s, {ft.world_size} worker(s) at the end after {len(ft.changes)} membership change(s); "
+              f"weights in {out / 'model.safetensors'}", flush=True)
+    return summary
+
+
+def main() -> None:
+    """A worker started by ``ddpkit train --on-failure continue`` (its settings in ``DDPKIT_TRAIN_CONFIG``)."""
+    train(TrainConfig(**json.loads(os.environ[CONFIG_ENV])))
+
+
+if __name__ == "__main__":
+    main()
