@@ -157,7 +157,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
     global _ctx
     if dist.is_initialized():
         _check_same_backend(backend)
-    if _ctx is not None and dist.is_initialized():
+    if _ctx is not None and (dist.is_initialized() or membership.current() is not None):
         return _ctx
     join_timeout, collective_timeout = timeouts(timeout)
     if dist.is_initialized():
@@ -215,12 +215,13 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
 
 
 def _init_surviving(place: Placement, backend: str, join_timeout: float, collective_timeout: float) -> None:
-    """Under ``ddpkit launch --on-failure continue``: the job's membership, and torch's default group alone.
+    """Under ``ddpkit launch --on-failure continue``: the job's membership, and no default group.
 
     A world that loses members cannot be torch's default group (a death during its rendezvous would hang every
-    survivor there, and it could never shrink), so each process's default group is itself alone, and the job's
-    collectives run on the groups of :mod:`ddpkit.runtime.membership`, rebuilt at each change
-    (:class:`ddpkit.FaultTolerance` holds them).
+    survivor there, and it could never shrink). The job's collectives run on the groups of
+    :mod:`ddpkit.runtime.membership`, rebuilt at each change (:class:`ddpkit.FaultTolerance` holds them); code
+    that needs the default group (torch's DDP, ``dist.all_reduce``) fails at once, saying it is not initialised,
+    instead of training alone.
     """
     if backend != "gloo":
         raise ValueError(f"backend {backend!r} under --on-failure continue: the survivors rebuild gloo groups "
@@ -232,8 +233,6 @@ def _init_surviving(place: Placement, backend: str, join_timeout: float, collect
     if place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
         if interface := route_interface(place.master_addr, place.master_port):
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=collective_timeout))
 
 
 def _init_plugin(plugin: backends.Plugin, place: Placement, join_timeout: float,

@@ -24,12 +24,15 @@ from the time it costs:
   behind receives the state (model, optimizer, the ``state`` objects, the
   step) from the lowest rank that is furthest, in 25 MiB buckets. A
   replacement joins the same way.
+* **Buffers move once per step.** Every micro-batch starts from the step's
+  buffers (batch-norm statistics) and the step keeps shard 0's update of
+  them, which rank 0 makes at any world size and hands to all at the next
+  step (DDP's ``broadcast_buffers``): a rank that trains two shards does not
+  move the statistics twice.
 * **Deterministic mode** (``deterministic=True``): each shard's gradient is
   kept in its own slot, all slots are gathered, and they are added in shard
   order ``0..V-1``; each micro-batch runs with the RNG seeded by (seed, step,
-  shard), starts from the step's buffers (batch-norm statistics), and the
-  step keeps shard 0's update of them. The sum no longer depends on which
-  rank computed which shard, so a
+  shard. The sum no longer depends on which rank computed which shard, so a
   run with any number of deaths ends **bitwise equal** to the run without
   one. It costs ``V/n`` gradient slots per rank and an all-gather instead of
   an all-reduce. Without it, a death changes the order of float additions:
@@ -120,10 +123,12 @@ class Step:
         engine = self.engine
         if engine.broadcast_buffers and engine.buffers:
             engine.broadcast_buffers_from_first()
-        # Deterministic mode: every micro-batch starts from the step's buffers, and the step keeps shard 0's
-        # update of them (rank 0 trains shard 0 at any world size, and its buffers start the next step).
-        keep_buffers = engine.deterministic and engine.buffers
-        start = engine.snapshot_buffers() if keep_buffers else None
+        # Every micro-batch starts from the step's buffers, and the step keeps shard 0's update of them (rank 0
+        # trains shard 0 at any world size, and its buffers start the next step): batch-norm statistics move
+        # once per step, as in a DDP job, however many shards a rank trains. A step done again starts from the
+        # same buffers: a discarded step's updates are undone.
+        engine.step_buffers = start = engine.snapshot_buffers()
+        keep_buffers = bool(engine.buffers)
         after_first = None
         for shard in self.shards:
             indices = engine.shards.shard(self.index, shard)
@@ -134,7 +139,7 @@ class Step:
             yield engine.load(indices)
             self._slots[shard] = engine.harvest(len(indices) / self.samples)
             self._counts[shard] = len(indices)
-            if start is not None:
+            if keep_buffers:
                 if shard == 0:
                     after_first = engine.snapshot_buffers()
                 engine.restore_buffers(start)
@@ -225,6 +230,8 @@ class FaultTolerance:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers()]
         self.numel = sum(p.numel() for p in self.params)
+        self.step_buffers: list[torch.Tensor] = []
+        """The buffers as the current step found them."""
         self.committed = 0
         """Steps applied on this rank."""
         self.changes: list[Change] = []
@@ -353,6 +360,7 @@ class FaultTolerance:
     def _discard(self) -> None:
         for p in self.params:
             p.grad = None
+        self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
         return None
 

@@ -28,10 +28,16 @@ from ddpkit.parallel.common.replicas import DDPConfigError, verify_same_paramete
 from ddpkit.parallel.common.scatter import gather, padded, scatter, to_device
 from ddpkit.parallel.ddp import args as ddp_args
 from ddpkit.parallel.ddp.buffers import IGNORED_ATTRIBUTE, DDPBuffers
-from ddpkit.parallel.ddp.engine import Engine, clip_sharded_grad_norm, make_engine, refuse_sharded
+from ddpkit.parallel.ddp.engine import (
+    Engine,
+    clip_sharded_grad_norm,
+    make_engine,
+    refuse_sharded,
+)
 from ddpkit.parallel.ddp.join import DDPJoinable
 from ddpkit.parallel.ddp.logging_data import DDPLogging, ShardedLogging
 from ddpkit.parallel.ddp.sink import anchor_end_of_backward, through_sink
+from ddpkit.runtime import membership
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel"]
 
@@ -180,6 +186,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             device=self._input_device())
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
+        if process_group is None and membership.current() is not None:
+            raise DDPConfigError("DistributedDataParallel under ddpkit launch --on-failure continue: the job's "
+                                 "world changes as workers die, so no DDP wrapper spans it; train the plain module "
+                                 "with ddpkit.FaultTolerance(model, optimizer, dataset, batch_size)")
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
