@@ -18,7 +18,13 @@ Modes (``--mode``):
     ``ddpkit train --max-restarts N``, which starts its own workers;
 ``nodes``
     two nodes as two launchers on this machine (static rendezvous, node 0
-    serves it).
+    serves it);
+``continue``
+    four workers under ``ddpkit launch --on-failure continue`` training with
+    ``--deterministic-shards 4``: the survivors go on in the same processes
+    and every dead worker's replacement joins live, so a run takes all its
+    faults and must still end bit-identical to an uninterrupted run of the
+    mode, every sample once. Faults: SIGKILL, SIGTERM, SIGSTOP/SIGCONT.
 
 Faults: SIGKILL, SIGTERM, or SIGSTOP then SIGCONT (0.5-3 s later) to a random
 worker; SIGKILL to rank 0 the moment it starts writing a checkpoint (inotify
@@ -65,6 +71,9 @@ TRAIN = ["--model", "mlp", "--dataset", "digits", "--batch-size", "32", "--check
          "--keep-checkpoints", "3", "--no-progress"]
 MARK = "DDPKIT_CHAOS_RUN"
 KINDS = ("sigkill-worker", "sigterm-worker", "sigstop-worker", "kill-mid-checkpoint", "sigkill-launcher")
+CONTINUE = ["--on-failure", "continue", "--deterministic-shards", "4"]
+"""``--mode continue``: the training mode of the faulted runs and of their reference (four workers)."""
+CONTINUE_KINDS = ("sigkill-worker", "sigterm-worker", "sigstop-worker")
 WEIGHTS = (3, 2, 2, 2, 1)
 
 
@@ -189,6 +198,9 @@ class Job:
         py = [sys.executable, "-m", "ddpkit"]
         if self.mode == "train":
             return [*py, "train", "--max-restarts", str(self.max_restarts), *train]
+        if self.mode == "continue":
+            return [*py, "launch", "--nproc-per-node", "4", "--on-failure", "continue", "--max-restarts",
+                    str(self.max_restarts), "-m", "ddpkit", "train", *train, *CONTINUE]
         if self.mode == "launch":
             return [*py, "launch", "--nproc-per-node", "2", *servers, "--max-restarts", str(self.max_restarts),
                     "--shutdown-timeout", "3", "-m", "ddpkit", "train", *train]
@@ -225,11 +237,12 @@ class Job:
                 pass
 
 
-def _reference(out: Path, epochs: int, log: Path) -> tuple[dict, float]:
+def _reference(out: Path, epochs: int, log: Path, mode: str) -> tuple[dict, float]:
     """The uninterrupted run: its weights and its wall time."""
     start = time.monotonic()
+    extra = [*CONTINUE, "--nproc-per-node", "4"] if mode == "continue" else []
     done = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--output-dir", str(out), "--epochs", str(epochs),
-                           *TRAIN], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                           *TRAIN, *extra], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True)
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -336,11 +349,16 @@ def _check_run(job: Job, reference: dict, report: Report, say) -> dict:
     once = [m["epoch"] for m in metrics if not (m.get("min_seen") == m.get("max_seen") == 1)]
     leftover = _marked(job.mark)
     temporaries = [p.name for p in job.out.rglob("*") if ".tmp-" in p.name]
-    steps = [p.name for p in (job.out / "checkpoints").iterdir() if p.name.startswith("step-")]
+    folder = job.out / "checkpoints"  # none under --on-failure continue: its state lives in the survivors
+    steps = [p.name for p in folder.iterdir() if p.name.startswith("step-")] if folder.is_dir() else []
     record = {"out": str(job.out), "starts": job.starts, "bit_identical": identical,
               "epochs": [m["epoch"] for m in metrics], "epochs_not_once": once, "processes_left": leftover,
               "temporaries_left": temporaries, "lock_left": (job.out / "lock.json").exists(),
               "step_files": len(steps)}
+    if job.mode == "continue":
+        summary = json.loads((job.out / "summary.json").read_text())
+        record["membership_changes"] = summary["membership_changes"]
+        record["world_size_at_the_end"] = summary["world_size"]
     record["ok"] = (identical and not once and not leftover and not temporaries and not record["lock_left"]
                     and len(steps) <= 3 and record["epochs"] == list(range(1, job.epochs + 1)))
     say(f"run {job.out.name}: {'OK' if record['ok'] else 'FAILED'} "
@@ -362,9 +380,10 @@ def chaos(args: argparse.Namespace) -> Report:
             f.write(line + "\n")
 
     report = Report(mode=args.mode, seed=args.seed, faults_asked=args.faults)
-    reference, report.reference_wall_s = _reference(work / "reference", args.epochs, work / "reference.log")
+    reference, report.reference_wall_s = _reference(work / "reference", args.epochs, work / "reference.log",
+                                                    args.mode)
     say(f"reference run: {report.reference_wall_s:.1f} s")
-    chosen = [k for k in KINDS if k in args.kinds]
+    chosen = [k for k in KINDS if k in args.kinds and (args.mode != "continue" or k in CONTINUE_KINDS)]
     kinds, weights = chosen, [w for k, w in zip(KINDS, WEIGHTS) if k in chosen]
     sent = 0
     chaos_wall = 0.0
@@ -442,7 +461,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=50, help="faults to send in all (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
-    parser.add_argument("--mode", choices=("launch", "train", "nodes"), default="launch")
+    parser.add_argument("--mode", choices=("launch", "train", "nodes", "continue"), default="launch")
     parser.add_argument("--epochs", type=int, default=12, help="epochs of each run (default 12)")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                         help="ZeRO stage of the faulted runs (ddpkit train --zero; default 0)")

@@ -27,7 +27,7 @@ from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.rendezvous import RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, WorkerGroup, say
-from ddpkit.runtime.process import SignalCatcher, describe_exit
+from ddpkit.runtime.process import SignalCatcher, describe_exit, terminate
 from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
 
 __all__ = ["Death", "SurvivingGroup"]
@@ -61,6 +61,8 @@ class SurvivingGroup(WorkerGroup):
         self.deaths: list[Death] = []
         self.replacements = replacements
         self._ready: queue.Queue[int] = queue.Queue()
+        self._joined: set[int] = set()
+        """Members that hold the training state (their first group built and agreed on)."""
         self._next_member = 0
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
@@ -92,6 +94,8 @@ class SurvivingGroup(WorkerGroup):
             for line in pipe:
                 if line.strip() == b"ready":
                     self._ready.put(member)
+                elif line.strip() == b"joined":
+                    self._joined.add(member)
 
     def _announce(self) -> None:
         line = (json.dumps({"epoch": self.epoch, "members": self.members}) + "\n").encode()
@@ -106,16 +110,22 @@ class SurvivingGroup(WorkerGroup):
         """Until every live worker exited 0 (None) or none is left (the first death's :class:`Failure`)."""
         live = set(range(len(self.procs)))
         finished = 0
+        dismissed: set[int] = set()
         first: Failure | None = None
         while live:
             try:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
-                self._admit_ready()
+                if not finished:
+                    self._admit_ready()
                 continue
             live.discard(index)
             member = self.member_of[index]
+            if index in dismissed:
+                continue
             if code == 0:
+                if not finished:
+                    dismissed |= self._dismiss_joining(live)
                 finished += 1
                 continue
             failure = self.failure(index, code)
@@ -145,6 +155,15 @@ class SurvivingGroup(WorkerGroup):
         for fd in list(self.pipes):
             self._close(fd)
         return None if finished else first
+
+    def _dismiss_joining(self, live: set[int]) -> set[int]:
+        """A worker finished, so training is over: stop the replacements that never got the state (they would
+        wait for members that are gone, or train alone from the start). Their indices."""
+        joining = {i for i in live if self.member_of[i] not in self._joined}
+        if joining:
+            say(f"training is over: stopping {len(joining)} replacement(s) that had not joined yet")
+            terminate([self.procs[i] for i in joining], self.launch.grace_period_s)
+        return joining
 
     def _admit_ready(self) -> None:
         """Replacements that said they are ready join the next view."""

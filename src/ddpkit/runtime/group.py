@@ -204,7 +204,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
             backend, store=store, rank=place.rank, world_size=place.world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
-    if place.world_size > 1 and membership.current() is None:
+    if place.world_size > 1:
         finish_backend_at_exit()
     _ctx = DistContext(
         rank=place.rank, world_size=place.world_size, local_rank=place.local_rank,

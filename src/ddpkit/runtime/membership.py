@@ -86,6 +86,7 @@ class Membership:
         self._cond = threading.Condition()
         self._views: list[View] = []
         self._closed = False
+        self._groups: list[dist.ProcessGroup] = []
         self.noticed_at: dict[int, float] = {}
         """``time.time()`` at which each epoch's view reached this worker."""
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
@@ -183,6 +184,9 @@ class Membership:
         if "error" in built:
             self._check(view)
             raise built["error"]
+        # Never destroyed while the process lives: a group abandoned with an operation in flight would block its
+        # destructor until that operation's timeout.
+        self._groups.append(built["group"])
         return built["group"]
 
     def wait_for_member(self, view: View) -> None:
@@ -194,8 +198,18 @@ class Membership:
 
     def ready(self) -> None:
         """Tell the launcher this (replacement) worker can join the next view."""
+        self._reply(b"ready\n")
+
+    def joined(self) -> None:
+        """Tell the launcher this worker holds the training state (a replacement stopped before that has none)."""
+        self._reply(b"joined\n")
+
+    def _reply(self, line: bytes) -> None:
         if self._reply_fd is not None:
-            os.write(self._reply_fd, b"ready\n")
+            try:
+                os.write(self._reply_fd, line)
+            except OSError:
+                pass  # the launcher is gone: the membership pipe says so too
 
 
 _membership: Membership | None = None

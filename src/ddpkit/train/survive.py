@@ -24,6 +24,9 @@ from the time it costs:
   behind receives the state (model, optimizer, the ``state`` objects, the
   step) from the lowest rank that is furthest, in 25 MiB buckets. A
   replacement joins the same way.
+* **Randomness follows the shard.** Each micro-batch runs with torch's RNG
+  seeded by (seed, step, shard), so dropout draws the same masks for a shard
+  whichever rank trains it.
 * **Buffers move once per step.** Every micro-batch starts from the step's
   buffers (batch-norm statistics) and the step keeps shard 0's update of
   them, which rank 0 makes at any world size and hands to all at the next
@@ -134,8 +137,7 @@ class Step:
             indices = engine.shards.shard(self.index, shard)
             if not indices:
                 continue
-            if engine.deterministic:
-                torch.manual_seed(engine.micro_batch_seed(self.index, shard))
+            torch.manual_seed(engine.micro_batch_seed(self.index, shard))  # dropout follows the shard
             yield engine.load(indices)
             self._slots[shard] = engine.harvest(len(indices) / self.samples)
             self._counts[shard] = len(indices)
@@ -239,6 +241,7 @@ class FaultTolerance:
         if self.membership is not None:
             self.membership.ready()
             self._rebuild(first=True)
+            self.membership.joined()
 
     # -- where this rank stands
 
