@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "ddpkit"
 COMMANDS = {"ddpkit launch": "_launch", "ddpkit train": "_train", "ddpkit bench": "_bench",
             "ddpkit bench collectives": "_bench_collectives", "ddpkit bench strategies": "_bench_strategies",
-            "ddpkit bench backends": "_bench_backends",
+            "ddpkit bench backends": "_bench_backends", "ddpkit bench failures": "_bench_failures",
             "ddpkit doctor": "_doctor"}
 """Each command and its handler in ``ddpkit/cli.py``."""
 RC = """[run]

@@ -197,11 +197,20 @@ def _bench_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_failures(args: argparse.Namespace) -> int:
+    from ddpkit.bench.failures import FailuresBenchConfig, run
+
+    _suite_takes_all(args, FailuresBenchConfig)
+    run(_build(FailuresBenchConfig, args))
+    return 0
+
+
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     """``ddpkit bench collectives``, ``strategies`` and ``backends``: suites under ``bench`` (plain ``ddpkit bench``
     stays DDP's)."""
     from ddpkit.bench.backends import BackendsBenchConfig
     from ddpkit.bench.collectives import CollectivesBenchConfig
+    from ddpkit.bench.failures import FailuresBenchConfig
     from ddpkit.bench.strategies import ConsistencyBenchConfig
 
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
@@ -231,6 +240,16 @@ def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     )
     _add_config_flags(p, BackendsBenchConfig)
     p.set_defaults(handler=_bench_backends, parser=p)
+    p = suites.add_parser(
+        "failures", help="what a worker's death costs: --on-failure restart against continue, side by side",
+        description="ddpkit train runs of each job and world size in both modes, each once without a fault and once "
+                    "with a random worker SIGKILLed mid-run: time to detect, to the next step and to a replacement's "
+                    "join, steps lost, wall and CPU seconds lost, samples once, bitwise; and the mode's step time "
+                    "against DDP's without a fault.",
+        allow_abbrev=False,
+    )
+    _add_config_flags(p, FailuresBenchConfig)
+    p.set_defaults(handler=_bench_failures, parser=p)
 
 
 def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:

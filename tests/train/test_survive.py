@@ -196,3 +196,51 @@ def test_ten_faults_in_one_run_of_four_workers_end_bitwise_equal_with_every_samp
     [run] = result["runs"]  # one run took all ten
     assert run["bit_identical"] and not run["epochs_not_once"] and not run["processes_left"]
     assert run["membership_changes"] >= 1 and run["world_size_at_the_end"] == 4
+
+
+ALONE = """
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+import ddpkit
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused, self.frozen = nn.Linear(6, 2), nn.Linear(6, 2), nn.Linear(2, 2)
+        self.frozen.requires_grad_(False)
+    def forward(self, x):
+        return self.frozen(self.used(x))
+
+torch.manual_seed(0)
+x, y = torch.randn(30, 6), torch.randint(0, 2, (30,))
+net = Net()
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+ft = ddpkit.FaultTolerance(net, opt, TensorDataset(x, y), batch_size=12, virtual_shards=3, shuffle=False)
+for step in ft.steps(max_steps=3):
+    for xb, yb in step:
+        F.cross_entropy(net(xb), yb).backward()
+    assert step.sync(values=torch.tensor([1.0, 2.0]))
+    batch = step.engine.shards.step(step.index)
+    expected = torch.autograd.grad(F.cross_entropy(net(x[batch]), y[batch]), [net.used.weight])[0]
+    assert torch.allclose(net.used.weight.grad, expected, atol=1e-6), step.index  # the global batch's mean
+    assert net.unused.weight.grad is None and net.frozen.weight.grad is None  # as under DDP
+    assert step.values.tolist() == [1.0, 2.0] and sum(step.trained) == len(batch)
+    opt.step()
+    opt.zero_grad()
+assert [len(ft.shards.step(i)) for i in range(3)] == [12, 12, 6]  # the epoch's last step is short
+try:
+    for step in ft.steps(max_steps=4):
+        list(step)
+        step.sync(values=torch.zeros(17))
+except ValueError as e:
+    assert "at most 16 values" in str(e)
+else:
+    raise AssertionError("17 values went through")
+print("OK")
+"""
+
+
+def test_alone_the_engine_gives_the_global_batchs_gradient_and_leaves_unused_ones_none(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", ALONE], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

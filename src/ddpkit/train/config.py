@@ -93,6 +93,10 @@ class TrainConfig:
         10, "--comm-hook powersgd: optimizer steps averaged exactly before compression starts (at least 2)",
         metavar="STEPS",
     )
+    compile: bool = option(
+        False, "run the model's forward under torch.compile (inductor: needs a C++ compiler); every process "
+        "compiles it in its first steps, a restarted one again",
+    )
     deterministic: bool = option(
         False, "deterministic algorithms (torch.use_deterministic_algorithms, cuDNN's deterministic kernels, "
         "CUBLAS_WORKSPACE_CONFIG=:4096:8): two runs on a GPU give the same bits (slower; on the CPU they do anyway)",

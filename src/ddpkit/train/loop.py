@@ -145,7 +145,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
                     xb, yb = x[b], y[b]
                 with tracer.phase("forward"):
                     with autocast():
-                        logits = run.model(xb)
+                        logits = run.forward(xb)
                     loss = F.cross_entropy(logits.float(), yb)
                 tracer.backward(state.scaler.scale(loss / len(group)).backward)
             loss_sum += loss.detach().double() * len(b)
@@ -232,6 +232,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)
     run.seen = torch.zeros(len(data.train), dtype=torch.int32, device=ctx.device)
+    run.forward = torch.compile(model) if config.compile else model
     if claim.checkpoint is not None:
         run.write_metrics()  # epochs after the checkpoint are trained again
     if config.tensorboard is not None and ctx.rank == 0:

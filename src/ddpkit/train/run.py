@@ -58,6 +58,8 @@ class Run:
     seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
     """How often this rank trained each sample since the counts were last settings (on the device)."""
     board: EpochBoard | None = None
+    forward: Any = None
+    """What a training step calls: :attr:`model`, or ``--compile``'s compiled form of it."""
     """``--tensorboard``, on rank 0."""
     unwritten: int = 0
     """Checkpoints of this attempt that could not be written."""

@@ -83,6 +83,8 @@ __all__ = ["FaultTolerance", "Step"]
 
 BUCKET_BYTES = 25 << 20
 """State transfers go in buckets of this size."""
+VALUES = 16
+"""How many values ``step.sync(values=...)`` carries with the gradients."""
 
 
 @dataclass
@@ -119,8 +121,9 @@ class Step:
     (from whichever rank trained it): the step's own account that no shard was lost or counted twice."""
     values: torch.Tensor | None = None
     """After :meth:`sync`: the ``values`` given to it, summed over the ranks."""
-    _slots: dict[int, torch.Tensor] = field(default_factory=dict)
-    _counts: dict[int, int] = field(default_factory=dict)
+    _buffer: torch.Tensor | None = None
+    """What this rank sends: the weighted gradients of its shards, their sample counts, which parameters had a
+    gradient, and room for the caller's values (see :meth:`FaultTolerance.new_buffer`)."""
 
     def __iter__(self) -> Iterator[Any]:
         engine = self.engine
@@ -133,14 +136,14 @@ class Step:
         engine.step_buffers = start = engine.snapshot_buffers()
         keep_buffers = bool(engine.buffers)
         after_first = None
-        for shard in self.shards:
+        self._buffer = engine.new_buffer()
+        for k, shard in enumerate(self.shards):
             indices = engine.shards.shard(self.index, shard)
             if not indices:
                 continue
             torch.manual_seed(engine.micro_batch_seed(self.index, shard))  # dropout follows the shard
             yield engine.load(indices)
-            self._slots[shard] = engine.harvest(len(indices) / self.samples)
-            self._counts[shard] = len(indices)
+            engine.harvest(self._buffer, k, shard, len(indices), self.samples)
             if keep_buffers:
                 if shard == 0:
                     after_first = engine.snapshot_buffers()
@@ -160,17 +163,17 @@ class Step:
         """
         if self.synced is not None:
             raise RuntimeError(f"step {self.index}: sync() was already called for this step")
-        counts = torch.zeros(self.engine.shards.virtual_shards, dtype=torch.float32, device=self.engine.device)
-        for shard, n in self._counts.items():
-            counts[shard] = n
-        extra = torch.cat([counts, values.detach().reshape(-1).to(counts)]) if values is not None else counts
-        reduced = self.engine.reduce(self._slots, extra)
-        self._slots.clear()
+        if values is not None and values.numel() > VALUES:
+            raise ValueError(f"step.sync(values=...) takes at most {VALUES} values, not {values.numel()}: sum "
+                             "more with ft.all_reduce()")
+        buffer = self._buffer if self._buffer is not None else self.engine.new_buffer()
+        self._buffer = None
+        reduced = self.engine.reduce(buffer, values)
         self.synced = reduced is not None
         if reduced is not None:
-            v = len(counts)
-            self.trained = [int(c) for c in reduced[:v].tolist()]
-            self.values = reduced[v:].to(values) if values is not None else None
+            counts, sums = reduced
+            self.trained = [int(c) for c in counts.tolist()]
+            self.values = sums[: values.numel()].to(values).view_as(values) if values is not None else None
         return self.synced
 
 
@@ -222,6 +225,8 @@ class FaultTolerance:
                                "ddpkit train --on-failure continue): that launcher tells the survivors of a death; "
                                f"this world of {ctx.world_size} was started by something else")
         self.view = self.membership.latest() if self.membership else View(0, (0,))
+        self.started_with = ctx.world_size
+        """The world size the job started with (member ids from it on are replacements)."""
         virtual_shards = virtual_shards or ctx.world_size  # the starting world, the same for a replacement
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
@@ -295,70 +300,96 @@ class FaultTolerance:
         batch = self.collate([self.dataset[i] for i in indices])
         return _to(batch, self.device)
 
-    def harvest(self, weight: float) -> torch.Tensor:
-        """The micro-batch's gradients, flat and weighted by its share of the step; ``.grad`` cleared."""
-        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+    def new_buffer(self) -> torch.Tensor:
+        """Zeros in the layout a step sends.
+
+        Summed mode, one vector: the weighted gradients (all of this rank's shards added), the sample count of
+        each shard, for each parameter how many micro-batches gave it a gradient, the caller's values.
+        Deterministic mode, one row per shard this rank trains (row ``k``: shard ``rank + k * world``): the
+        weighted gradient, its sample count, the per-parameter marks; the values on row 0.
+        """
+        marks = len(self.params)
+        if self.deterministic:
+            width = len(self.shards.shards_of(0, self.world_size))
+            return torch.zeros(width, self.numel + 1 + marks + VALUES, dtype=torch.float32, device=self.device)
+        return torch.zeros(self.numel + self.shards.virtual_shards + marks + VALUES, dtype=torch.float32,
+                           device=self.device)
+
+    def harvest(self, buffer: torch.Tensor, k: int, shard: int, samples: int, total: int) -> None:
+        """This rank's ``k``-th micro-batch (``shard``, of ``samples`` of the step's ``total``) into ``buffer``,
+        its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
+        weight = samples / total
+        if self.deterministic:
+            row, marks = buffer[k], self.numel + 1
+            row[self.numel] = samples
+        else:
+            row, marks = buffer, self.numel + self.shards.virtual_shards
+            row[self.numel + shard] = samples
         offset = 0
-        for p in self.params:
-            if p.grad is not None:
-                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
+        for i, p in enumerate(self.params):
+            grad, n = p.grad, p.numel()
+            if grad is not None:
+                if grad.is_sparse:
+                    raise ValueError("FaultTolerance reduces dense gradients; a parameter has a sparse one "
+                                     "(nn.Embedding(sparse=True)?): make it dense (sparse=False)")
+                if self.deterministic:
+                    torch.mul(grad.reshape(-1), weight, out=row[offset : offset + n])
+                else:
+                    row[offset : offset + n].add_(grad.reshape(-1), alpha=weight)
+                row[marks + i] += 1
+            offset += n
             p.grad = None
-        return flat.mul_(weight)
 
-    def reduce(self, slots: dict[int, torch.Tensor], extra: torch.Tensor) -> torch.Tensor | None:
-        """The step's gradients (``slots``: shard -> weighted flat gradient) summed over the job into ``.grad``.
+    def reduce(self, buffer: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's ``buffer`` (:meth:`new_buffer`) summed over the job, the gradients into ``.grad``.
 
-        ``extra`` (samples per shard, this rank's shards filled in, then any values of the caller) travels with
-        them. Returns the reduced ``extra``, or None when the membership changed (the gradients are then
-        discarded and the group rebuilt).
+        Returns the samples each shard contributed and the summed values, or None when the membership changed
+        (the gradients are then discarded and the group rebuilt). A parameter no micro-batch of any rank gave a
+        gradient keeps ``.grad`` None, as under DDP.
         """
         if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
             return self._discard()
+        v, marks = self.shards.virtual_shards, len(self.params)
         try:
-            total = self._reduce_ordered(slots, extra) if self.deterministic else self._reduce_summed(slots, extra)
+            if self.deterministic:
+                if values is not None:
+                    buffer[0, self.numel + 1 + marks : self.numel + 1 + marks + values.numel()] = values.reshape(-1)
+                total, counts, had, sums = self._reduce_ordered(buffer)
+            else:
+                tail = buffer[self.numel + v + marks :]
+                if values is not None:
+                    tail[: values.numel()] = values.reshape(-1)
+                if self.group is not None and self.world_size > 1:
+                    self._wait(self.group.allreduce([buffer]))
+                total, counts = buffer[: self.numel], buffer[self.numel : self.numel + v]
+                had, sums = buffer[self.numel + v : self.numel + v + marks], tail
         except MembershipChanged:
             return self._discard()
         offset = 0
-        for p in self.params:
-            p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
-        return total[self.numel :]
+        for i, p in enumerate(self.params):
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).to(p.dtype) if had[i] > 0 else None
+            offset += n
+        return counts, sums
 
-    def _reduce_summed(self, slots: dict[int, torch.Tensor], extra: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros(self.numel + len(extra), dtype=torch.float32, device=self.device)
-        for shard in sorted(slots):
-            total[: self.numel].add_(slots[shard])
-        total[self.numel :] = extra
-        if self.group is not None and self.world_size > 1:
-            self._wait(self.group.allreduce([total]))
-        return total
-
-    def _reduce_ordered(self, slots: dict[int, torch.Tensor], extra: torch.Tensor) -> torch.Tensor:
-        # One row per shard this rank trains: its gradient, then its sample count; the caller's values (summed
-        # in rank order, not bitwise across memberships) ride on the first row.
-        v = self.shards.virtual_shards
-        mine = self.shards.shards_of(self.rank, self.world_size)
-        width = len(self.shards.shards_of(0, self.world_size))
-        send = torch.zeros(width, self.numel + 1 + len(extra) - v, dtype=torch.float32, device=self.device)
-        for k, shard in enumerate(mine):
-            if shard in slots:
-                send[k, : self.numel].copy_(slots[shard])
-            send[k, self.numel] = extra[shard]
-        send[0, self.numel + 1 :] = extra[v:]
+    def _reduce_ordered(self, send: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's rows to all; the gradients added in shard order ``0..V-1``, whoever trained which."""
+        v, marks = self.shards.virtual_shards, len(self.params)
         if self.group is not None and self.world_size > 1:
             received = [torch.empty_like(send) for _ in range(self.world_size)]
             self._wait(self.group.allgather([received], [send]))
         else:
             received = [send]
-        total = torch.zeros(self.numel + len(extra), dtype=torch.float32, device=self.device)
-        for shard in range(v):  # in shard order, whoever trained which
+        total = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        counts = torch.zeros(v, dtype=torch.float32, device=self.device)
+        had = torch.zeros(marks, dtype=torch.float32, device=self.device)
+        for shard in range(v):
             row = received[shard % self.world_size][shard // self.world_size]
-            total[: self.numel].add_(row[: self.numel])
-            total[self.numel + shard] = row[self.numel]
-        for rows in received:
-            total[self.numel + v :].add_(rows[0, self.numel + 1 :])
-        return total
+            total.add_(row[: self.numel])
+            counts[shard] = row[self.numel]
+            had.add_(row[self.numel + 1 : self.numel + 1 + marks])
+        sums = sum(rows[0, self.numel + 1 + marks :] for rows in received)
+        return total, counts, had, sums
 
     def _discard(self) -> None:
         for p in self.params:
@@ -428,7 +459,7 @@ class FaultTolerance:
                 received = self._agree(force=first)
             except MembershipChanged:
                 continue
-            if not first:
+            if not first or self.membership.member >= self.started_with:  # a replacement's join is a change too
                 self.changes.append(Change(view.epoch, view.size, noticed, time.time(), transferred=received))
             return
 

@@ -150,13 +150,14 @@ def worker(config: TrainConfig) -> dict[str, Any]:
               f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}), "
               f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}", flush=True)
     autocast = autocast_for(config, ctx.device)
+    forward = torch.compile(model) if config.compile else model  # the plain module stays FaultTolerance's
     start = time.perf_counter()
     epoch_start = start
     for step in ft.steps(epochs=config.epochs):
         loss_sum = torch.zeros(1, dtype=torch.float64)
         for xb, yb in step:
             with autocast():
-                logits = model(xb)
+                logits = forward(xb)
             loss = F.cross_entropy(logits.float(), yb)
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
