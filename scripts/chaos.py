@@ -58,6 +58,7 @@ import random
 import select
 import shutil
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -190,6 +191,8 @@ class Job:
     """``--zero``: the ZeRO stage of the runs (the reference is stage 0, which trains the same bits at world 2)."""
     strategy: str = "ddp"
     """``--strategy``: ddp, or ps-sync with one parameter server (the same bits at world 2)."""
+    deaths: list[float] = field(default_factory=list)
+    """``time.time()`` of each SIGKILL or SIGTERM sent to a worker."""
 
     def command(self, node: int | None, resume: bool, port: int) -> list[str]:
         train = ["--output-dir", str(self.out), "--epochs", str(self.epochs), *TRAIN, "--zero", str(self.zero),
@@ -309,8 +312,10 @@ def _send(kind: str, job: Job, rng: random.Random, watcher: Inotify | None, say)
     if rank >= SERVER_KEY:
         who = f"parameter server {rank - SERVER_KEY}"
     if kind == "sigkill-worker":
+        job.deaths.append(time.time())
         os.kill(pid, signal.SIGKILL)
     elif kind == "sigterm-worker":
+        job.deaths.append(time.time())
         os.kill(pid, signal.SIGTERM)
     elif kind == "sigstop-worker":
         stop = rng.uniform(0.5, 3.0)
@@ -339,6 +344,23 @@ def _send(kind: str, job: Job, rng: random.Random, watcher: Inotify | None, say)
     return "job"
 
 
+def _recovery(job: Job) -> dict:
+    """``--mode continue``: for each death sent, seconds until the first survivor knew (``detect_s``) and until
+    the first survivor applied a step after it (``next_step_s``), from the workers' ``membership.jsonl``. A death
+    while the workers were still starting (no step yet) has none."""
+    path = job.out / "membership.jsonl"
+    changes = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    detect, next_step = [], []
+    for at in job.deaths:
+        after = [c for c in changes if c["noticed"] >= at]
+        if after:
+            detect.append(round(min(c["noticed"] for c in after) - at, 4))
+            resumed = [c["resumed"] for c in after if c["resumed"] is not None]
+            if resumed:
+                next_step.append(round(min(resumed) - at, 4))
+    return {"detect_s": detect, "next_step_s": next_step}
+
+
 def _check_run(job: Job, reference: dict, report: Report, say) -> dict:
     """The end-of-run checks (see the module notes); returns the run's record."""
     import torch
@@ -359,8 +381,14 @@ def _check_run(job: Job, reference: dict, report: Report, say) -> dict:
         summary = json.loads((job.out / "summary.json").read_text())
         record["membership_changes"] = summary["membership_changes"]
         record["world_size_at_the_end"] = summary["world_size"]
+        record.update(_recovery(job))
     record["ok"] = (identical and not once and not leftover and not temporaries and not record["lock_left"]
                     and len(steps) <= 3 and record["epochs"] == list(range(1, job.epochs + 1)))
+    if record.get("detect_s"):
+        detect, step = record["detect_s"], record["next_step_s"] or [float("nan")]
+        say(f"run {job.out.name}: {len(detect)} deaths during training: detected in {statistics.median(detect):.3f} s, "
+            f"next step {statistics.median(step):.3f} s after the kill (medians; largest {max(detect):.3f} s, "
+            f"{max(step):.3f} s)")
     say(f"run {job.out.name}: {'OK' if record['ok'] else 'FAILED'} "
         f"(bit-identical {identical}, every sample once {not once}, processes left {len(leftover)}, "
         f"temporaries {len(temporaries)}, lock left {record['lock_left']}, step files {len(steps)})")

@@ -160,7 +160,18 @@ def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path)
     done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", script("ft_train.py"),
                   env=base_env(KILL="0:2,1:5"), timeout=120)
     assert done.returncode == 1
-    assert "the job goes on with 1 worker(s)" in done.stderr and "no worker is left" in done.stderr
+    assert "the job goes on with 1 worker(s)" in done.stderr
+    assert "no worker holding the training state is left" in done.stderr
+
+
+def test_a_replacement_never_trains_from_scratch_when_every_holder_of_the_state_died(tmp_path: Path) -> None:
+    # Member 1 dies, its replacement starts; member 0 dies before the replacement joined: nobody can hand it the
+    # state, so the job fails (a replacement alone would start training again from step 0).
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", "--max-restarts", "1",
+                  script("ft_train.py"), env=base_env(KILL="1:2,0:4"), timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "started member 2 to replace it" in done.stderr
+    assert "no worker holding the training state is left (stopping 1 replacement(s) that had not joined)" in done.stderr
 
 
 def _train(out: Path, *args: str) -> dict:

@@ -19,8 +19,9 @@ run, from the outside and from the run's own files:
   view that has the world size back), the state handed to it;
 * **steps lost**: applied steps whose work was thrown away. Continue: none
   (the step in flight is redone, at most one per change). Restart: the steps
-  between the newest checkpoint and the kill, estimated from the checkpoint's
-  age at the kill and the run's median step time;
+  between the newest checkpoint (or the start of training, when there was
+  none yet) and the kill, estimated from that age at the kill and the run's
+  median step time;
 * **wall lost** and **CPU-s lost**: the faulted run's wall time and CPU time of
   all its processes (``wait4`` of the command) over the uninterrupted run's;
 * **samples**: every sample once in every epoch (``min_seen``/``max_seen``);
@@ -109,6 +110,8 @@ class Outcome:
     returncode: int
     checkpoint_age_s: float | None = None
     """Faulted: the newest checkpoint's age at the kill (restart mode; continue writes none)."""
+    began: float | None = None
+    """``time.time()`` of the run's first line of training."""
 
     def first(self, text: str, after: float = 0.0) -> float | None:
         return next((t for t, line in self.lines if text in line and t >= after), None)
@@ -158,12 +161,14 @@ def _train(args: list[str], out: Path, kill_after: float | None, rng: random.Ran
                              *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
     began = threading.Event()
+    started: list[float] = []
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append((time.time(), line.rstrip()))
-            if line.startswith("ddpkit train:") and " on " in line:  # the first line of training (rank 0)
+            if line.startswith("ddpkit train:") and " on " in line and not began.is_set():  # training's first line
+                started.append(lines[-1][0])
                 began.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -180,7 +185,7 @@ def _train(args: list[str], out: Path, kill_after: float | None, rng: random.Ran
     proc.returncode = os.waitstatus_to_exitcode(status)
     reader.join(timeout=10)
     return Outcome(time.monotonic() - start, usage.ru_utime + usage.ru_stime, lines, killed_at, out,
-                   proc.returncode, age)
+                   proc.returncode, age, started[0] if started else None)
 
 
 @dataclass
@@ -221,10 +226,15 @@ def _restart_row(row: Row, faulted: Outcome, steps_per_epoch: int) -> None:
     kill = faulted.killed_at or 0.0
     if (t := faulted.first("restarting the workers", kill)) is not None:
         row.detect_s = t - kill
-    if (t := faulted.first("resuming from", kill)) is not None:
-        row.next_step_s = t - kill
-    if faulted.checkpoint_age_s is not None and row.epoch_s:
-        row.steps_lost = round(faulted.checkpoint_age_s / (row.epoch_s / steps_per_epoch), 1)
+    resumed = [t for text in ("resuming from", "no checkpoint yet") if (t := faulted.first(text, kill)) is not None]
+    if resumed:
+        row.next_step_s = min(resumed) - kill
+    # Work since the newest checkpoint, or since training began when there was none yet.
+    age = faulted.checkpoint_age_s
+    if age is None and faulted.began is not None:
+        age = kill - faulted.began
+    if age is not None and row.epoch_s:
+        row.steps_lost = round(age / (row.epoch_s / steps_per_epoch), 1)
 
 
 def _continue_row(row: Row, faulted: Outcome) -> None:
@@ -266,8 +276,7 @@ def bench_world(cfg: FailuresBenchConfig, job: str, world: int, work: Path, rng:
         for mode, extra in modes.items():
             if faulted:
                 reference = runs[(mode, False)]
-                began = reference.first("ddpkit train:") or 0.0
-                training = reference.lines[-1][0] - began
+                training = reference.lines[-1][0] - (reference.began or reference.lines[0][0])
                 kill_after = cfg.kill_at * training
             else:
                 kill_after = None

@@ -61,6 +61,8 @@ class SurvivingGroup(WorkerGroup):
         self.deaths: list[Death] = []
         self.replacements = replacements
         self._ready: queue.Queue[int] = queue.Queue()
+        self._originals = 0
+        """How many members the job started with (ids from there on are replacements)."""
         self._joined: set[int] = set()
         """Members that hold the training state (their first group built and agreed on)."""
         self._next_member = 0
@@ -72,6 +74,7 @@ class SurvivingGroup(WorkerGroup):
                     break
                 self._start_member(spec)
         self.members = [self.member_of[i] for i in range(len(self.procs))]
+        self._originals = len(self.members)
         self._announce()
 
     def _start_member(self, spec: WorkerSpec) -> None:
@@ -136,9 +139,14 @@ class SurvivingGroup(WorkerGroup):
             self.epoch += 1
             self.deaths.append(Death(member, code, time.time(), self.epoch))
             why = (failure.traceback.splitlines() or failure.last_lines or [""])[-1].strip()
-            if not live:
+            # Who holds the training state: the members that joined, and the first ones before anyone trained.
+            holders = [m for m in self.members if m in self._joined or m < self._originals]
+            if not holders:
                 say(f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
-                    + (f" ({why})" if why else "") + "; no worker is left")
+                    + (f" ({why})" if why else "") + "; no worker holding the training state is left"
+                    + (f" (stopping {len(live)} replacement(s) that had not joined)" if live else ""))
+                terminate([self.procs[i] for i in live], self.launch.grace_period_s)
+                dismissed |= live
                 break
             say(f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
                 + (f" ({why})" if why else "")

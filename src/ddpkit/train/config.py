@@ -94,8 +94,9 @@ class TrainConfig:
         metavar="STEPS",
     )
     compile: bool = option(
-        False, "run the model's forward under torch.compile (inductor: needs a C++ compiler); every process "
-        "compiles it in its first steps, a restarted one again",
+        False, "run the model's forward under torch.compile (inductor: needs a C++ compiler; dynamic=False, a "
+        "kernel per batch shape, so that a restarted or replacement process computes the bits the others do); every "
+        "process compiles it in its first steps, a restarted one again",
     )
     deterministic: bool = option(
         False, "deterministic algorithms (torch.use_deterministic_algorithms, cuDNN's deterministic kernels, "

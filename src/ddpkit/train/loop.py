@@ -232,7 +232,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)
     run.seen = torch.zeros(len(data.train), dtype=torch.int32, device=ctx.device)
-    run.forward = torch.compile(model) if config.compile else model
+    run.forward = torch.compile(model, dynamic=False) if config.compile else model  # a kernel per shape (config)
     if claim.checkpoint is not None:
         run.write_metrics()  # epochs after the checkpoint are trained again
     if config.tensorboard is not None and ctx.rank == 0:

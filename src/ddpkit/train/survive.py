@@ -57,8 +57,9 @@ Use::
 Each micro-batch's loss must be its mean (what ``reduction="mean"`` gives):
 the engine weighs it by its share of the step's samples. The model is the
 plain module (no DDP wrapper: the engine reduces the gradients itself).
-Outside ``--on-failure continue`` (no launcher, or a world of one) the same
-code trains the same steps with no one to lose.
+Outside ``--on-failure continue`` (no launcher, torchrun, ``ddpkit launch``
+restarting) the same code trains the same steps on the default group, and a
+death fails the job as under DDP.
 """
 
 from __future__ import annotations
@@ -199,7 +200,6 @@ class FaultTolerance:
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
-        RuntimeError: a world of several processes not started with ``ddpkit launch --on-failure continue``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, batch_size: int, *,
@@ -220,11 +220,10 @@ class FaultTolerance:
         self.fetch = fetch
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.membership = membership.current()
-        if self.membership is None and ctx.world_size > 1:
-            raise RuntimeError("FaultTolerance needs its workers started by ddpkit launch --on-failure continue (or "
-                               "ddpkit train --on-failure continue): that launcher tells the survivors of a death; "
-                               f"this world of {ctx.world_size} was started by something else")
-        self.view = self.membership.latest() if self.membership else View(0, (0,))
+        # Without the mode's launcher (torchrun, ddpkit launch with restarts, a world of one): the default group,
+        # the same steps, and a death fails the job as under DDP.
+        self._member = self.membership.member if self.membership else ctx.rank
+        self.view = self.membership.latest() if self.membership else View(0, tuple(range(ctx.world_size)))
         self.started_with = ctx.world_size
         """The world size the job started with (member ids from it on are replacements)."""
         virtual_shards = virtual_shards or ctx.world_size  # the starting world, the same for a replacement
@@ -247,12 +246,15 @@ class FaultTolerance:
             self.membership.ready()
             self._rebuild(first=True)
             self.membership.joined()
+        elif ctx.world_size > 1:
+            self.group = dist.group.WORLD
+            self._agree(force=True)  # rank 0's state to all, as DDP's construction
 
     # -- where this rank stands
 
     @property
     def rank(self) -> int:
-        return self.view.rank_of(self.membership.member) if self.membership else 0
+        return self.view.rank_of(self._member)
 
     @property
     def world_size(self) -> int:

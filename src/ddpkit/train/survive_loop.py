@@ -150,7 +150,9 @@ def worker(config: TrainConfig) -> dict[str, Any]:
               f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}), "
               f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}", flush=True)
     autocast = autocast_for(config, ctx.device)
-    forward = torch.compile(model) if config.compile else model  # the plain module stays FaultTolerance's
+    # dynamic=False: one kernel per shape, whatever shapes a process saw before, so a replacement computes a shard's
+    # bits as the others do (automatic dynamic shapes would give it a static kernel where they use a dynamic one).
+    forward = torch.compile(model, dynamic=False) if config.compile else model  # FaultTolerance keeps the plain module
     start = time.perf_counter()
     epoch_start = start
     for step in ft.steps(epochs=config.epochs):
