@@ -236,6 +236,10 @@ class FaultTolerance:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers()]
         self.numel = sum(p.numel() for p in self.params)
+        self._pool: list[torch.Tensor] = []
+        """The two send buffers steps take in turn (:meth:`new_buffer`)."""
+        self._written: set[tuple[int, int]] = set()
+        """(row, parameter) pairs of the current buffer a micro-batch wrote."""
         self.step_buffers: list[torch.Tensor] = []
         """The buffers as the current step found them."""
         self.committed = 0
@@ -303,19 +307,29 @@ class FaultTolerance:
         return _to(batch, self.device)
 
     def new_buffer(self) -> torch.Tensor:
-        """Zeros in the layout a step sends.
+        """A step's send buffer, its bookkeeping zeroed (the gradients' part is written before it is read).
 
         Summed mode, one vector: the weighted gradients (all of this rank's shards added), the sample count of
         each shard, for each parameter how many micro-batches gave it a gradient, the caller's values.
         Deterministic mode, one row per shard this rank trains (row ``k``: shard ``rank + k * world``): the
         weighted gradient, its sample count, the per-parameter marks; the values on row 0.
+
+        Two buffers take turns (``.grad`` is a view into the last step's while this step's fills), allocated
+        anew after a membership change: an abandoned operation may still hold the old ones.
         """
         marks = len(self.params)
         if self.deterministic:
             width = len(self.shards.shards_of(0, self.world_size))
-            return torch.zeros(width, self.numel + 1 + marks + VALUES, dtype=torch.float32, device=self.device)
-        return torch.zeros(self.numel + self.shards.virtual_shards + marks + VALUES, dtype=torch.float32,
-                           device=self.device)
+            shape: tuple[int, ...] = (width, self.numel + 1 + marks + VALUES)
+        else:
+            shape = (self.numel + self.shards.virtual_shards + marks + VALUES,)
+        if not self._pool or self._pool[0].shape != shape:
+            self._pool = [torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2)]
+        self._pool.reverse()
+        buffer = self._pool[0]
+        buffer[..., self.numel :] = 0
+        self._written = set()
+        return buffer
 
     def harvest(self, buffer: torch.Tensor, k: int, shard: int, samples: int, total: int) -> None:
         """This rank's ``k``-th micro-batch (``shard``, of ``samples`` of the step's ``total``) into ``buffer``,
@@ -334,13 +348,26 @@ class FaultTolerance:
                 if grad.is_sparse:
                     raise ValueError("FaultTolerance reduces dense gradients; a parameter has a sparse one "
                                      "(nn.Embedding(sparse=True)?): make it dense (sparse=False)")
-                if self.deterministic:
+                slot = (k if self.deterministic else 0, i)
+                if slot not in self._written:  # the first gradient of this parameter in the row: write, not add
                     torch.mul(grad.reshape(-1), weight, out=row[offset : offset + n])
+                    self._written.add(slot)
                 else:
                     row[offset : offset + n].add_(grad.reshape(-1), alpha=weight)
                 row[marks + i] += 1
             offset += n
             p.grad = None
+
+    def _zero_unwritten(self, buffer: torch.Tensor) -> None:
+        """Zero the gradients' part of what no micro-batch of this step wrote (a parameter without a gradient,
+        a shard without samples): the buffer is reused, so it holds an older step's numbers there."""
+        rows = buffer if self.deterministic else buffer.unsqueeze(0)
+        for k, row in enumerate(rows):
+            offset = 0
+            for i, p in enumerate(self.params):
+                if (k, i) not in self._written:
+                    row[offset : offset + p.numel()] = 0
+                offset += p.numel()
 
     def reduce(self, buffer: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's ``buffer`` (:meth:`new_buffer`) summed over the job, the gradients into ``.grad``.
@@ -352,6 +379,7 @@ class FaultTolerance:
         if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
             return self._discard()
         v, marks = self.shards.virtual_shards, len(self.params)
+        self._zero_unwritten(buffer)
         try:
             if self.deterministic:
                 if values is not None:
@@ -396,6 +424,7 @@ class FaultTolerance:
     def _discard(self) -> None:
         for p in self.params:
             p.grad = None
+        self._pool = []  # the abandoned operation may still read or write them
         self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
         return None
