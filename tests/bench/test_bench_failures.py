@@ -14,6 +14,7 @@ from ddpkit.cli import main
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 
 
+@pytest.mark.slow("four ddpkit train runs of two workers, two with a worker killed (about 30 s)")
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
 def test_failures_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "f.json"
@@ -33,12 +34,15 @@ def test_failures_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_failures_bench_config_is_validated() -> None:
+    assert main(["bench", "failures", "--data-dir", ".", "--kill-at", "2"]) == 2  # a usage error, from the command
     with pytest.raises(ValueError, match="give --data-dir"):
         FailuresBenchConfig()
     with pytest.raises(ValueError, match="--jobs big: not a job"):
         FailuresBenchConfig(jobs=("big",), data_dir=Path("."))
     with pytest.raises(ValueError, match="at least 2 workers"):
         FailuresBenchConfig(world_sizes=(1,), data_dir=Path("."))
+    with pytest.raises(ValueError, match="--repeats 0"):
+        FailuresBenchConfig(repeats=0, data_dir=Path("."))
     with pytest.raises(ValueError, match="--kill-at 1.5"):
         FailuresBenchConfig(kill_at=1.5, data_dir=Path("."))
 

@@ -29,9 +29,10 @@ from the time it costs:
   whichever rank trains it.
 * **Buffers move once per step.** Every micro-batch starts from the step's
   buffers (batch-norm statistics) and the step keeps shard 0's update of
-  them, which rank 0 makes at any world size and hands to all at the next
-  step (DDP's ``broadcast_buffers``): a rank that trains two shards does not
-  move the statistics twice.
+  them, which rank 0 makes at any world size and hands to all with the
+  step's reduction (DDP's ``broadcast_buffers``): a rank that trains two
+  shards does not move the statistics twice, and every rank ends each step
+  with the same buffers (evaluations and state transfers agree).
 * **Deterministic mode** (``deterministic=True``): each shard's gradient is
   kept in its own slot, all slots are gathered, and they are added in shard
   order ``0..V-1``; each micro-batch runs with the RNG seeded by (seed, step,
@@ -128,8 +129,6 @@ class Step:
 
     def __iter__(self) -> Iterator[Any]:
         engine = self.engine
-        if engine.broadcast_buffers and engine.buffers:
-            engine.broadcast_buffers_from_first()
         # Every micro-batch starts from the step's buffers, and the step keeps shard 0's update of them (rank 0
         # trains shard 0 at any world size, and its buffers start the next step): batch-norm statistics move
         # once per step, as in a DDP job, however many shards a rank trains. A step done again starts from the
@@ -196,7 +195,8 @@ class FaultTolerance:
         device: where micro-batches go (default the model's device).
         state: more objects with ``state_dict``/``load_state_dict`` to move with the model (an LR scheduler, a
             grad scaler).
-        broadcast_buffers: as DDP's: buffers from rank 0 at the start of every step (default True).
+        broadcast_buffers: as DDP's: rank 0's buffers (batch-norm statistics) to every rank, here at the end of
+            every applied step, with the gradients (default True). They travel as float32.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -235,6 +235,7 @@ class FaultTolerance:
         self.dataset = dataset
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers()]
+        self.buffer_numel = sum(b.numel() for b in self.buffers)
         self.numel = sum(p.numel() for p in self.params)
         self._pool: list[torch.Tensor] = []
         """The two send buffers steps take in turn (:meth:`new_buffer`)."""
@@ -310,19 +311,19 @@ class FaultTolerance:
         """A step's send buffer, its bookkeeping zeroed (the gradients' part is written before it is read).
 
         Summed mode, one vector: the weighted gradients (all of this rank's shards added), the sample count of
-        each shard, for each parameter how many micro-batches gave it a gradient, the caller's values.
-        Deterministic mode, one row per shard this rank trains (row ``k``: shard ``rank + k * world``): the
-        weighted gradient, its sample count, the per-parameter marks; the values on row 0.
+        each shard, for each parameter how many micro-batches gave it a gradient, the module's buffers (rank 0's;
+        zeros elsewhere, so the sum is rank 0's exactly), the caller's values. Deterministic mode, one row per
+        shard this rank trains (row ``k``: shard ``rank + k * world``) of the same parts, a single count, the
+        buffers and values on row 0.
 
         Two buffers take turns (``.grad`` is a view into the last step's while this step's fills), allocated
         anew after a membership change: an abandoned operation may still hold the old ones.
         """
-        marks = len(self.params)
+        end = self._layout()[-1]
         if self.deterministic:
-            width = len(self.shards.shards_of(0, self.world_size))
-            shape: tuple[int, ...] = (width, self.numel + 1 + marks + VALUES)
+            shape: tuple[int, ...] = (len(self.shards.shards_of(0, self.world_size)), end)
         else:
-            shape = (self.numel + self.shards.virtual_shards + marks + VALUES,)
+            shape = (end,)
         if not self._pool or self._pool[0].shape != shape:
             self._pool = [torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._pool.reverse()
@@ -331,16 +332,25 @@ class FaultTolerance:
         self._written = set()
         return buffer
 
+    def _layout(self) -> tuple[int, int, int, int, int]:
+        """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end."""
+        counts = self.numel
+        marks = counts + (1 if self.deterministic else self.shards.virtual_shards)
+        buffers = marks + len(self.params)
+        values = buffers + self.buffer_numel
+        return counts, marks, buffers, values, values + VALUES
+
     def harvest(self, buffer: torch.Tensor, k: int, shard: int, samples: int, total: int) -> None:
         """This rank's ``k``-th micro-batch (``shard``, of ``samples`` of the step's ``total``) into ``buffer``,
         its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
         weight = samples / total
+        counts, marks = self._layout()[:2]
         if self.deterministic:
-            row, marks = buffer[k], self.numel + 1
-            row[self.numel] = samples
+            row = buffer[k]
+            row[counts] = samples
         else:
-            row, marks = buffer, self.numel + self.shards.virtual_shards
-            row[self.numel + shard] = samples
+            row = buffer
+            row[counts + shard] = samples
         offset = 0
         for i, p in enumerate(self.params):
             grad, n = p.grad, p.numel()
@@ -378,48 +388,54 @@ class FaultTolerance:
         """
         if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
             return self._discard()
-        v, marks = self.shards.virtual_shards, len(self.params)
+        v, p = self.shards.virtual_shards, len(self.params)
+        c0, m0, b0, v0, end = self._layout()
         self._zero_unwritten(buffer)
+        first = buffer[0] if self.deterministic else buffer
+        if values is not None:
+            first[v0 : v0 + values.numel()] = values.reshape(-1)
+        if self.buffers and self.rank == 0 and self.broadcast_buffers:
+            first[b0:v0] = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
         try:
             if self.deterministic:
-                if values is not None:
-                    buffer[0, self.numel + 1 + marks : self.numel + 1 + marks + values.numel()] = values.reshape(-1)
-                total, counts, had, sums = self._reduce_ordered(buffer)
+                received = self._gather(buffer)
+                total = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+                counts = torch.zeros(v, dtype=torch.float32, device=self.device)
+                had = torch.zeros(p, dtype=torch.float32, device=self.device)
+                for shard in range(v):  # in shard order, whoever trained which
+                    row = received[shard % self.world_size][shard // self.world_size]
+                    total.add_(row[: self.numel])
+                    counts[shard] = row[c0]
+                    had.add_(row[m0 : m0 + p])
+                buffers = received[0][0][b0:v0]
+                sums = sum(rows[0][v0:end] for rows in received)
             else:
-                tail = buffer[self.numel + v + marks :]
-                if values is not None:
-                    tail[: values.numel()] = values.reshape(-1)
                 if self.group is not None and self.world_size > 1:
                     self._wait(self.group.allreduce([buffer]))
-                total, counts = buffer[: self.numel], buffer[self.numel : self.numel + v]
-                had, sums = buffer[self.numel + v : self.numel + v + marks], tail
+                total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
+                buffers, sums = buffer[b0:v0], buffer[v0:end]
         except MembershipChanged:
             return self._discard()
         offset = 0
-        for i, p in enumerate(self.params):
-            n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).to(p.dtype) if had[i] > 0 else None
+        for i, param in enumerate(self.params):
+            n = param.numel()
+            param.grad = total[offset : offset + n].view_as(param).to(param.dtype) if had[i] > 0 else None
             offset += n
+        if self.buffers and self.broadcast_buffers:  # rank 0's, which hold shard 0's update: every rank's now
+            offset = 0
+            with torch.no_grad():
+                for b in self.buffers:
+                    b.copy_(buffers[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
         return counts, sums
 
-    def _reduce_ordered(self, send: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every rank's rows to all; the gradients added in shard order ``0..V-1``, whoever trained which."""
-        v, marks = self.shards.virtual_shards, len(self.params)
-        if self.group is not None and self.world_size > 1:
-            received = [torch.empty_like(send) for _ in range(self.world_size)]
-            self._wait(self.group.allgather([received], [send]))
-        else:
-            received = [send]
-        total = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        counts = torch.zeros(v, dtype=torch.float32, device=self.device)
-        had = torch.zeros(marks, dtype=torch.float32, device=self.device)
-        for shard in range(v):
-            row = received[shard % self.world_size][shard // self.world_size]
-            total.add_(row[: self.numel])
-            counts[shard] = row[self.numel]
-            had.add_(row[self.numel + 1 : self.numel + 1 + marks])
-        sums = sum(rows[0, self.numel + 1 + marks :] for rows in received)
-        return total, counts, had, sums
+    def _gather(self, send: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's rows, to every rank."""
+        if self.group is None or self.world_size == 1:
+            return [send]
+        received = [torch.empty_like(send) for _ in range(self.world_size)]
+        self._wait(self.group.allgather([received], [send]))
+        return received
 
     def _discard(self) -> None:
         for p in self.params:
@@ -436,20 +452,6 @@ class FaultTolerance:
         with torch.no_grad():
             for b, v in zip(self.buffers, saved):
                 b.copy_(v)
-
-    def broadcast_buffers_from_first(self) -> None:
-        if self.group is None or self.world_size == 1:
-            return
-        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
-        try:
-            self._wait(self.group.broadcast([flat], _root(0)))
-        except MembershipChanged:
-            return  # the step's sync() finds the change and does the step again
-        offset = 0
-        with torch.no_grad():
-            for b in self.buffers:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
 
     def _wait(self, work: Any) -> None:
         if self.membership is None:
