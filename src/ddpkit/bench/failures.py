@@ -23,7 +23,9 @@ run, from the outside and from the run's own files:
   none yet) and the kill, estimated from that age at the kill and the run's
   median step time;
 * **wall lost** and **CPU-s lost**: the faulted run's wall time and CPU time of
-  all its processes (``wait4`` of the command) over the uninterrupted run's;
+  all its processes over the uninterrupted run's (each process's own CPU time
+  sampled every 0.1 s from ``/proc``, so a process's last 0.1 s before it
+  ends may be missed);
 * **samples**: every sample once in every epoch (``min_seen``/``max_seen``);
   **bitwise**: final weights equal to the uninterrupted run of the mode.
 
@@ -133,6 +135,29 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _tree_cpu(root: int) -> dict[int, float]:
+    """User and system CPU seconds so far of ``root`` and each of its descendants, each its own (not its
+    children's), from one pass over ``/proc``."""
+    parent, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            pid = int(entry.name)
+            parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+    tree, todo = {root}, [root]
+    while todo:
+        here = todo.pop()
+        for pid, up in parent.items():
+            if up == here and pid not in tree:
+                tree.add(pid)
+                todo.append(pid)
+    return {pid: cpu[pid] for pid in tree if pid in cpu}
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -173,6 +198,16 @@ def _train(args: list[str], out: Path, kill_after: float | None, rng: random.Ran
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    cpu: dict[int, float] = {}
+    done = threading.Event()
+
+    def account() -> None:  # every process of the run, sampled: a fork server's children are nobody's to wait for
+        while not done.wait(0.1):
+            for pid, seconds in _tree_cpu(proc.pid).items():
+                cpu[pid] = max(cpu.get(pid, 0.0), seconds)
+
+    accountant = threading.Thread(target=account, daemon=True)
+    accountant.start()
     killed_at = age = None
     if kill_after is not None and began.wait(600):
         time.sleep(kill_after)
@@ -181,11 +216,13 @@ def _train(args: list[str], out: Path, kill_after: float | None, rng: random.Ran
             killed_at = time.time()
             os.kill(rng.choice(sorted(workers)), signal.SIGKILL)
             age = _checkpoint_age(out, killed_at)  # now: a restart replaces the files soon
-    _, status, usage = os.wait4(proc.pid, 0)
+    _, status, _ = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
+    done.set()
+    accountant.join()
     reader.join(timeout=10)
-    return Outcome(time.monotonic() - start, usage.ru_utime + usage.ru_stime, lines, killed_at, out,
-                   proc.returncode, age, started[0] if started else None)
+    return Outcome(time.monotonic() - start, sum(cpu.values()), lines, killed_at, out, proc.returncode, age,
+                   started[0] if started else None)
 
 
 @dataclass
