@@ -34,7 +34,8 @@ class VirtualShards:
         num_samples: the dataset's length.
         batch_size: the global batch of a step (all ranks together).
         virtual_shards: shards per step (at least the largest world size the job will have).
-        shuffle, seed: torch's sampler rule for each epoch's order.
+        shuffle: shuffle each epoch's order (torch's sampler rule, seeded with ``seed + epoch``).
+        seed: the shuffle's seed.
         drop_last: leave out an epoch's last, short step.
 
     Raises:

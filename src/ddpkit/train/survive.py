@@ -188,7 +188,9 @@ class FaultTolerance:
         virtual_shards: shards per step; default the world size at the start. At least the largest world size
             of the job, and a divisor of ``batch_size``.
         deterministic: bitwise reproducible at any membership (module notes).
-        shuffle, seed, drop_last: the epoch order, as :class:`ddpkit.DistributedSampler`'s.
+        shuffle: shuffle each epoch's order, as :class:`ddpkit.DistributedSampler` (seeded with ``seed + epoch``).
+        seed: the shuffle's seed, and the micro-batches' RNG seeds with the step and the shard.
+        drop_last: leave out each epoch's last, short step.
         collate_fn: makes a micro-batch of samples (default torch's ``default_collate``).
         fetch: makes a micro-batch from sample indices at once (replaces ``dataset[i]`` + ``collate_fn``; for
             data already in tensors: ``lambda idx: (x[idx], y[idx])``).
