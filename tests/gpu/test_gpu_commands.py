@@ -175,6 +175,14 @@ def _workers(pid: int) -> list[int]:
     return sorted(worker for server in servers for worker, _ in children(server))
 
 
+@pytest.mark.xdist_group("ddp-gloo")
+def test_on_failure_continue_makes_ddps_update_on_the_gpu(tmp_path, ddp_runs):
+    # The mode reduces over gloo, so its GPU path is two processes sharing the GPU, against DDP's run of that path.
+    summary = train(tmp_path / "continue", *SHORT, *PATHS["gloo"], "--on-failure", "continue")
+    assert_same_weights(tmp_path / "continue", ddp_runs("gloo"))
+    assert summary["world_size"] == 2 and summary["on_failure"] == "continue"
+
+
 def test_a_killed_worker_restarts_bit_identical(tmp_path):
     reference = tmp_path / "reference"
     train(reference, *KILL)

@@ -47,7 +47,7 @@ from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import save_weights, write_atomic
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.recipe import autocast_for, build_state
+from ddpkit.train.recipe import autocast_for, build_state, make_deterministic
 from ddpkit.train.survive import FaultTolerance, Step
 
 __all__ = ["train"]
@@ -125,6 +125,8 @@ class Progress:
 def worker(config: TrainConfig) -> dict[str, Any]:
     """One worker of the mode (see the module notes)."""
     ctx = init(backend=config.backend)
+    if config.deterministic:
+        make_deterministic()
     if config.output_dir is None:
         raise ConfigError("--on-failure continue under ddpkit launch needs --output-dir: the same folder for every "
                           "worker")
