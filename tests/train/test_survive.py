@@ -87,11 +87,12 @@ def test_deterministic_shards_need_the_mode_and_a_fitting_count() -> None:
         TrainConfig(on_failure="continue", deterministic_shards=2, batch_size=32).check_world(4)
 
 
-def test_launch_refuses_the_mode_across_nodes_and_with_servers() -> None:
+def test_launch_refuses_the_mode_across_nodes_and_replacements_beside_servers() -> None:
     with pytest.raises(ConfigError, match="runs on one node"):
         LaunchConfig(program="x.py", on_failure="continue", nnodes=2, master_addr="127.0.0.1")
-    with pytest.raises(ConfigError, match="parameter servers do not survive"):
-        LaunchConfig(program="x.py", on_failure="continue", num_servers=1)
+    with pytest.raises(ConfigError, match="cannot take a seat in the parameter servers' channel"):
+        LaunchConfig(program="x.py", on_failure="continue", num_servers=1, max_restarts=1)
+    LaunchConfig(program="x.py", on_failure="continue", num_servers=2, ps_replication=2)
 
 
 def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp_path: Path) -> None:

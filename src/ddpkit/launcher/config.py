@@ -196,6 +196,11 @@ class LaunchConfig:
         "ddpkit.ParameterServerOptimizer, ddpkit train --strategy ps-sync|ps-async); their channel listens on "
         "MASTER_PORT + 1 unless DDPKIT_PS_PORT says; they stop when every worker has finished", metavar="K",
     )
+    ps_replication: int = option(
+        1, "on how many parameter servers each key range of the parameters lives (chain replication): with R, "
+        "the job survives R - 1 servers' deaths losing no update a worker was answered for (see "
+        "ddpkit.parallel.ps.keyrange); at most --num-servers", metavar="R",
+    )
     backend: str | None = option(
         None, "the workers' backend (sets DDPKIT_BACKEND): gloo, nccl, or mpi, whose workers mpirun starts as one "
         "MPI job on this node (default: DDPKIT_BACKEND, else the workers' own choice)", metavar="gloo|nccl|mpi",
@@ -214,6 +219,12 @@ class LaunchConfig:
         low, high = node_range(self.nnodes)
         if self.num_servers < 0:
             raise ConfigError(f"--num-servers {self.num_servers} must be 0 (none) or more")
+        if self.ps_replication < 1 or (self.num_servers and self.ps_replication > self.num_servers):
+            raise ConfigError(f"--ps-replication {self.ps_replication} must be between 1 and --num-servers "
+                              f"{self.num_servers}: a key range lives on at most every server")
+        if self.ps_replication > 1 and not self.num_servers:
+            raise ConfigError(f"--ps-replication {self.ps_replication} without --num-servers: there are no "
+                              "parameter servers to replicate; add --num-servers K (K >= R)")
         if self.num_servers and low != high:
             raise ConfigError(f"--num-servers {self.num_servers} does not fit an elastic --nnodes {self.nnodes}: the "
                               "servers hold one world's state; give a fixed number of nodes")
@@ -255,9 +266,10 @@ class LaunchConfig:
             raise ConfigError(f"--on-failure continue with --nnodes {self.nnodes}: the mode runs on one node for "
                               "now (several nodes need a membership their agents agree on, not built yet); use "
                               "--on-failure restart across nodes")
-        if self.num_servers:
-            raise ConfigError(f"--on-failure continue with --num-servers {self.num_servers}: parameter servers "
-                              "do not survive a worker's loss yet; use --on-failure restart")
+        if self.num_servers and self.max_restarts:
+            raise ConfigError(f"--on-failure continue with --num-servers {self.num_servers} and --max-restarts "
+                              f"{self.max_restarts}: a replacement cannot take a seat in the parameter servers' "
+                              "channel, which its members build once; drop --max-restarts (the workers left go on)")
 
     def _check_backend(self, low: int, high: int) -> None:
         if self.backend is None:

@@ -12,7 +12,7 @@ from string import Template
 
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV
-from ddpkit.runtime.process import NUM_SERVERS_ENV, SERVER_MODULE, server_env, worker_env
+from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, SERVER_MODULE, server_env, worker_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +122,8 @@ def plan_workers(
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if cfg.num_servers:
             env[NUM_SERVERS_ENV] = str(cfg.num_servers)
+            if cfg.ps_replication > 1:
+                env[PS_REPLICATION_ENV] = str(cfg.ps_replication)
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(launch, local_rank), env=env))
     if cfg.num_servers and slot.node_rank == 0:
         python = os.environ.get("PYTHON_EXEC") or cfg.python

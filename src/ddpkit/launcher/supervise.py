@@ -31,7 +31,14 @@ from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.rendezvous import POLL_S, RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
-from ddpkit.runtime.process import SignalCatcher, describe_exit, die_with_parent, terminate
+from ddpkit.runtime.process import (
+    PS_REPLICATION_ENV,
+    SignalCatcher,
+    describe_exit,
+    die_with_parent,
+    lost_key_ranges,
+    terminate,
+)
 from ddpkit.runtime.stall import PREFIX as STALL_PREFIX
 
 _POLL_S = 0.05
@@ -123,6 +130,7 @@ class WorkerGroup:
         self.pumps: list[Pump] = []
         self.tails: dict[int, collections.deque] = {}
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.dead_servers: set[int] = set()
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start ``specs``; a launcher signal meanwhile stops the loop, then is raised."""
@@ -183,11 +191,32 @@ class WorkerGroup:
             if code != 0:
                 self.stop()
                 return self.failure(index, code)
-        if workers < len(self.procs):
-            # Every worker finished: the parameter servers have nobody left to serve.
-            terminate([p for p, spec in zip(self.procs, self.specs) if spec.server is not None],
-                      self.launch.grace_period_s, signal.SIGTERM)
+        self.stop_servers()
         return None
+
+    def stop_servers(self) -> None:
+        """Every worker finished: the parameter servers have nobody left to serve."""
+        servers = [p for p, spec in zip(self.procs, self.specs) if spec.server is not None]
+        if servers:
+            terminate(servers, self.launch.grace_period_s, signal.SIGTERM)
+
+    def server_replaced(self, index: int, code: int) -> bool:
+        """Process ``index`` died with ``code``: whether it is a parameter server whose key ranges all live on
+        another server still (``--ps-replication``), so that the job goes on without it (said here). Only
+        ``--on-failure continue`` asks: its launcher tells the workers, whose requests to the dead server
+        would otherwise wait for an answer (Gloo does not always fail a receive from a dead peer)."""
+        spec = self.specs[index]
+        if spec.server is None:
+            return False
+        self.dead_servers.add(spec.server)
+        replication = int(spec.env.get(PS_REPLICATION_ENV, "1"))
+        servers = sum(s.server is not None for s in self.specs)
+        if lost_key_ranges(self.dead_servers, servers, replication):
+            return False
+        say(f"parameter server {spec.server} died: {describe_exit(code)}; its key ranges are served by the next "
+            f"server of their chains (--ps-replication {replication}), the job goes on with "
+            f"{servers - len(self.dead_servers)} server(s)")
+        return True
 
     def failure(self, index: int, code: int) -> Failure:
         """The :class:`Failure` of worker ``index``, which exited with ``code``, from its output."""

@@ -10,6 +10,10 @@ view after next once it says it is ready (a peer hands it the training state).
 
 The job succeeds when the workers still alive at the end exit 0; when the
 last one dies, its first death is the job's failure, reported as today.
+Parameter servers (``--num-servers``) are not members: the workers that are
+left keep pushing to them, a server's death is survived while every key
+range has a server left (``--ps-replication``), and they are stopped once
+the workers are done.
 """
 
 from __future__ import annotations
@@ -72,8 +76,11 @@ class SurvivingGroup(WorkerGroup):
             for spec in specs:
                 if signals.received is not None:
                     break
-                self._start_member(spec)
-        self.members = [self.member_of[i] for i in range(len(self.procs))]
+                if spec.server is None:
+                    self._start_member(spec)
+                else:
+                    self._start_one(spec)
+        self.members = list(self.member_of.values())
         self._originals = len(self.members)
         self._announce()
 
@@ -89,7 +96,7 @@ class SurvivingGroup(WorkerGroup):
         self.member_of[index] = member
         self.pipes[member] = down_w
         if self.members:
-            os.write(down_w, (json.dumps({"epoch": self.epoch, "members": self.members}) + "\n").encode())
+            os.write(down_w, self._view())
         threading.Thread(target=self._read_replies, args=(up_r, member), daemon=True).start()
 
     def _read_replies(self, fd: int, member: int) -> None:
@@ -100,8 +107,12 @@ class SurvivingGroup(WorkerGroup):
                 elif line.strip() == b"joined":
                     self._joined.add(member)
 
+    def _view(self) -> bytes:
+        return (json.dumps({"epoch": self.epoch, "members": self.members,
+                            "servers_gone": sorted(self.dead_servers)}) + "\n").encode()
+
     def _announce(self) -> None:
-        line = (json.dumps({"epoch": self.epoch, "members": self.members}) + "\n").encode()
+        line = self._view()
         for fd in self.pipes.values():  # a replacement not yet admitted too: it waits for the view that has it
             try:
                 os.write(fd, line)
@@ -111,7 +122,7 @@ class SurvivingGroup(WorkerGroup):
     def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
              ) -> Failure | RemoteFailure | str | None:
         """Until every live worker exited 0 (None) or none is left (the first death's :class:`Failure`)."""
-        live = set(range(len(self.procs)))
+        live = set(self.member_of)
         finished = 0
         dismissed: set[int] = set()
         first: Failure | None = None
@@ -121,6 +132,13 @@ class SurvivingGroup(WorkerGroup):
             except queue.Empty:
                 if not finished:
                     self._admit_ready()
+                continue
+            if self.specs[index].server is not None:
+                if code != 0:
+                    if not self.server_replaced(index, code):
+                        self.stop()
+                        return self.failure(index, code)
+                    self._announce()  # the same epoch: the workers' requests to it stop waiting
                 continue
             live.discard(index)
             member = self.member_of[index]
@@ -162,12 +180,13 @@ class SurvivingGroup(WorkerGroup):
                     "left); it joins at a step boundary once ready")
         for fd in list(self.pipes):
             self._close(fd)
+        self.stop_servers()
         return None if finished else first
 
     def _dismiss_joining(self, live: set[int]) -> set[int]:
         """A worker finished, so training is over: stop the replacements that never got the state (they would
         wait for members that are gone, or train alone from the start). Their indices."""
-        joining = {i for i in live if self.member_of[i] not in self._joined}
+        joining = {i for i in live if self.member_of[i] >= self._originals and self.member_of[i] not in self._joined}
         if joining:
             say(f"training is over: stopping {len(joining)} replacement(s) that had not joined yet")
             terminate([self.procs[i] for i in joining], self.launch.grace_period_s)

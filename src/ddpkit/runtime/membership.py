@@ -18,7 +18,9 @@ comes (a join too: a member that saw it first has left the old group). The
 abandoned operation keeps its buffers until its own timeout; its owner must
 not reuse them.
 
-The pipe carries one JSON line per view; a replacement answers on
+The pipe carries one JSON line per view (with the parameter servers that
+died, which are not members: a server's death is announced in the same
+epoch); a replacement answers on
 ``DDPKIT_FT_REPLY_FD`` with ``ready`` once it can take part.
 """
 
@@ -49,6 +51,9 @@ class View:
 
     epoch: int
     members: tuple[int, ...]
+    servers_gone: tuple[int, ...] = ()
+    """The job's parameter servers that died (``--num-servers``; the members go on while their key ranges
+    live on another server)."""
 
     def rank_of(self, member: int) -> int:
         return self.members.index(member)
@@ -100,7 +105,8 @@ class Membership:
                 *lines, buffered = buffered.split(b"\n")
                 for line in lines:
                     message = json.loads(line)
-                    view = View(int(message["epoch"]), tuple(int(m) for m in message["members"]))
+                    view = View(int(message["epoch"]), tuple(int(m) for m in message["members"]),
+                                tuple(int(s) for s in message.get("servers_gone", ())))
                     with self._cond:
                         self.noticed_at[view.epoch] = time.time()
                         self._views.append(view)
@@ -116,6 +122,11 @@ class Membership:
                 raise RuntimeError("the launcher announced no membership: is this process started by "
                                    "ddpkit launch --on-failure continue?")
             return self._views[-1]
+
+    def server_gone(self, server: int) -> bool:
+        """Whether the launcher announced parameter server ``server``'s death."""
+        with self._cond:
+            return bool(self._views) and server in self._views[-1].servers_gone
 
     def lost_since(self, view: View) -> tuple[int, ...]:
         """Members of ``view`` that a newer view no longer has."""

@@ -52,8 +52,20 @@ ROLE_ENV = "DDPKIT_ROLE"
 SERVER_RANK_ENV = "DDPKIT_SERVER_RANK"
 PS_PORT_ENV = "DDPKIT_PS_PORT"
 """Port of the parameter servers' store on ``MASTER_ADDR`` (default ``MASTER_PORT + 1``)."""
+PS_REPLICATION_ENV = "DDPKIT_PS_REPLICATION"
+"""On how many servers each key range of the parameters lives (default 1: no copy)."""
 SERVER_MODULE = "ddpkit.parallel.ps.server"
 """What a parameter server process runs (``python -m``)."""
+
+
+def key_range_chain(k: int, servers: int, replication: int) -> list[int]:
+    """The parameter servers holding key range ``k``, head first: ``k, k+1, ..., k+R-1`` (mod K)."""
+    return [(k + i) % servers for i in range(replication)]
+
+
+def lost_key_ranges(dead: set[int], servers: int, replication: int) -> list[int]:
+    """The key ranges none of whose servers is left, when the servers ``dead`` died."""
+    return [k for k in range(servers) if all(s in dead for s in key_range_chain(k, servers, replication))]
 
 
 def set_process_name(name: str) -> None:

@@ -16,12 +16,17 @@ Environment (set by ``ddpkit train`` and ``ddpkit launch --num-servers K``):
 ``DDPKIT_NUM_SERVERS``   K, in every process of the job
 ``DDPKIT_ROLE``          ``server`` in a server process (workers: unset or ``worker``)
 ``DDPKIT_SERVER_RANK``   the server's index ``0 .. K-1``
+``DDPKIT_PS_REPLICATION`` R, the servers each key range lives on (default 1; see
+                         :mod:`ddpkit.parallel.ps.keyrange`)
 ``DDPKIT_PS_PORT``       the port of the channel's store on ``MASTER_ADDR`` (default ``MASTER_PORT + 1``);
                          worker rank 0 serves it
 ``WORLD_SIZE``           the number of workers, in servers as in workers
 
-Wire format: every request is a header (:data:`HEADER` int64 values) and,
-when the header says so, its payload; every reply likewise. Objects
+Wire format: every request is a header (:data:`HEADER` int64 values; the
+last one names the key range) and, when the header says so, its payload;
+every reply likewise. Servers hand updates down a key range's chain on a
+tag of that range (:func:`forward_tag`), one message at a time, each
+acknowledged (:func:`ack_tag`). Objects
 (optimizer settings and state) travel as ``torch.save`` bytes and are read
 back with ``weights_only=True``: nothing is unpickled.
 """
@@ -38,32 +43,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime.process import NUM_SERVERS_ENV, ROLE_ENV, SERVER_RANK_ENV
+from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, ROLE_ENV, SERVER_RANK_ENV, key_range_chain
 from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
 
 __all__ = [
-    "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "connect", "from_bytes", "header",
-    "ps_place", "recv_blob", "to_bytes",
+    "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "ack_tag", "connect", "forward_tag",
+    "from_bytes", "header", "lost_peer", "ps_place", "recv_blob", "request", "to_bytes",
 ]
 
 HEADER = 8
-"""int64 values in every header: ``[op, a, b, c, d, e, f, g]`` (the op's fields)."""
+"""int64 values in every header: ``[op, a, b, c, d, e, f, k]`` (the op's fields; a request's key range ``k``)."""
 
 
 TAG_HEADER, TAG_TO_SERVER, TAG_TO_WORKER = 11, 12, 13
+_TAG_CHAINS = 100
+
+
+def forward_tag(k: int) -> int:
+    """The tag of key range ``k``'s updates handed down its chain."""
+    return _TAG_CHAINS + 2 * k
+
+
+def ack_tag(k: int) -> int:
+    """The tag of their acknowledgements."""
+    return _TAG_CHAINS + 2 * k + 1
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether a send or receive failed because the process at the other end is gone (Gloo: its connection
+    closed or was reset)."""
+    text = str(error).lower()
+    return any(word in text for word in ("connection closed", "reset by peer", "broken pipe"))
 
 
 class Op:
     """Request kinds (the first value of a header)."""
 
-    SETUP = 1     # worker 0: [op, bytes]; blob: the optimizer, its groups and this server's parameters
+    SETUP = 1     # worker 0: [op, bytes]; blob: the optimizer, its groups and one key range's parameters
     PUSH = 2      # [op, clock, version computed on, with mask]; mask (uint8) + gradients; reply: parameters
     PULL = 3      # reply: header + parameters
     STATE = 4     # reply: header + blob of this server's optimizer state
     LOAD = 5      # [op, bytes]; every worker, worker 0 with the blob: replaces the optimizer state
     SETTINGS = 6  # [op, bytes]; blob: the groups' hyperparameters (a scheduler changed them)
     STOP = 7      # this worker is done
-
+    FORWARD = 8   # server to server: [op, kind, worker, clock, bytes]; an update handed down a chain
 
 @dataclass(frozen=True)
 class PSPlace:
@@ -77,6 +100,8 @@ class PSPlace:
     servers: int
     master_addr: str
     port: int
+    replication: int = 1
+    """On how many servers each key range lives."""
 
     @property
     def rank(self) -> int:
@@ -85,6 +110,14 @@ class PSPlace:
 
     def server_rank(self, k: int) -> int:
         return self.workers + k
+
+    def chain(self, k: int) -> list[int]:
+        """The servers holding key range ``k``, head first: ``k, k+1, ..., k+R-1`` (mod K)."""
+        return key_range_chain(k, self.servers, self.replication)
+
+    def ranges_of(self, server: int) -> list[int]:
+        """The key ranges server ``server`` holds: its own, then the ones it keeps a copy of."""
+        return [(server - i) % self.servers for i in range(self.replication)]
 
 
 def ps_place(environ: Mapping[str, str] = os.environ) -> PSPlace | None:
@@ -120,10 +153,14 @@ def ps_place(environ: Mapping[str, str] = os.environ) -> PSPlace | None:
             raise ValueError(f"{SERVER_RANK_ENV}={index} is not below {NUM_SERVERS_ENV}={servers}")
     else:
         index = whole("RANK", environ.get("RANK", "0"), 0)
+    replication = whole(PS_REPLICATION_ENV, environ.get(PS_REPLICATION_ENV) or "1", 1)
+    if replication > servers:
+        raise ValueError(f"{PS_REPLICATION_ENV}={replication} is more than the {servers} server(s): a key range "
+                         f"cannot live on more servers than there are; give at most {servers}")
     master_port = whole("MASTER_PORT", environ.get("MASTER_PORT", "29500"), 1)
     port = whole(PORT_ENV, environ.get(PORT_ENV) or str(master_port + 1), 1)
     return PSPlace(role=role, index=index, workers=workers, servers=servers,
-                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), port=port)
+                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), port=port, replication=replication)
 
 
 def connect(place: PSPlace, timeout: float = 300.0) -> dist.ProcessGroup:
@@ -151,6 +188,13 @@ def header(op: int, *fields: int) -> torch.Tensor:
     out[0] = op
     for i, v in enumerate(fields):
         out[1 + i] = int(v)
+    return out
+
+
+def request(op: int, k: int, *fields: int) -> torch.Tensor:
+    """A worker's request about key range ``k``."""
+    out = header(op, *fields)
+    out[HEADER - 1] = k
     return out
 
 

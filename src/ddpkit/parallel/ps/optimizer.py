@@ -33,6 +33,7 @@ Example (under ``ddpkit launch --nproc-per-node 2 --num-servers 1 train.py``)::
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -50,16 +51,18 @@ from ddpkit.parallel.ps.channel import (
     connect,
     from_bytes,
     header,
+    lost_peer,
     ps_place,
-    recv_blob,
+    request,
     to_bytes,
 )
-from ddpkit.parallel.ps.server import optimizer_class as importable_optimizer
-from ddpkit.runtime import events
+from ddpkit.parallel.ps.keyrange import optimizer_class as importable_optimizer
+from ddpkit.runtime import events, membership
 
 __all__ = ["PSStats", "ParameterServerOptimizer", "partition"]
 
 MODES = ("sync", "async")
+_POLL_S = 0.002
 
 _channel: tuple[PSPlace, dist.ProcessGroup] | None = None
 
@@ -197,9 +200,16 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.servers = self.place.servers
         self.owner = partition([p.numel() for p in params], self.servers)
         self.shares = [[i for i, k in enumerate(self.owner) if k == s] for s in range(self.servers)]
+        """The parameters of each key range."""
         self.numels = [sum(params[i].numel() for i in share) for share in self.shares]
         self.dtype = next(iter(dtypes))
         self.versions = [0] * self.servers
+        self.dead: set[int] = set()
+        """Servers this worker found gone (their key ranges go to the next server of each chain)."""
+        try:
+            self._membership = membership.current()
+        except RuntimeError:  # ddpkit.init() did not run: nobody tells this process of a death
+            self._membership = None
         self.clock = 0
         self.stats = PSStats()
         self.closed = False
@@ -207,7 +217,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         if self.place.index == 0:
             for k in range(self.servers):
-                self._send_blob(k, Op.SETUP, self._setup_blob(k, state))
+                blob = self._setup_blob(k, state)
+                for s in self.place.chain(k):
+                    self._send_blob(s, k, Op.SETUP, blob)
         self.pull()
 
     def _setup_blob(self, k: int, state: dict[str, Any] | None) -> dict[str, Any]:
@@ -217,7 +229,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             else torch.zeros(0, dtype=self.dtype)
         mine = set(share)
         return {
-            "optimizer": self.optimizer_name, "mode": self.mode, "staleness": self.staleness,
+            "range": k, "optimizer": self.optimizer_name, "mode": self.mode, "staleness": self.staleness,
             "indices": share, "shapes": [list(params[i].shape) for i in share], "values": values,
             "groups": self._indexed_groups(),
             "state": {i: s for i, s in state["state"].items() if i in mine} if state else None,
@@ -236,41 +248,108 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     # -- messages ------------------------------------------------------------------------------------------------
 
-    def _send_blob(self, k: int, op: int, obj: Any) -> None:
-        data = to_bytes(obj) if obj is not None else torch.zeros(0, dtype=torch.uint8)
-        dst = self.place.server_rank(k)
-        self.pg.send([header(op, data.numel())], dst, TAG_HEADER).wait()
-        if data.numel():
-            self.pg.send([data], dst, TAG_TO_SERVER).wait()
+    def _head(self, k: int) -> int:
+        """The first live server of key range ``k``'s chain.
 
-    def _receive_parameters(self, replies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        Raises:
+            RuntimeError: every server of the chain died.
+        """
+        for s in self.place.chain(k):
+            if s not in self.dead:
+                return s
+        raise RuntimeError(
+            f"ParameterServerOptimizer: key range {k} is lost: its server(s) {self.place.chain(k)} died "
+            f"(replication {self.place.replication}); start the job with a larger --ps-replication to survive "
+            "that many servers' deaths"
+        )
+
+    def _wait(self, work: Any, server: int) -> None:
+        """Wait for ``work`` with server ``server``. Under ``ddpkit launch --on-failure continue`` the launcher
+        says when a server dies, and the wait stops then (raised as a lost peer): Gloo does not always fail a
+        receive whose sender died halfway through its message."""
+        if self._membership is None:
+            work.wait()
+            return
+        done, failure = threading.Event(), []
+
+        def run() -> None:
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                failure.append(e)
+            done.set()
+
+        threading.Thread(target=run, name="ps-wait", daemon=True).start()
+        while not done.wait(_POLL_S):
+            if self._membership.server_gone(server):
+                raise RuntimeError(f"parameter server {server}: connection closed (its launcher saw it die)")
+        if failure:
+            raise failure[0]
+
+    def _send_blob(self, server: int, k: int, op: int, obj: Any) -> None:
+        data = to_bytes(obj) if obj is not None else torch.zeros(0, dtype=torch.uint8)
+        dst = self.place.server_rank(server)
+        self._wait(self.pg.send([request(op, k, data.numel())], dst, TAG_HEADER), server)
+        if data.numel():
+            self._wait(self.pg.send([data], dst, TAG_TO_SERVER), server)
+
+    def _receive_parameters(self, replies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         params = self._all()
         with torch.no_grad():
-            for k, (_, flat) in enumerate(replies):
+            for k, (_, flat) in replies.items():
                 at = 0
                 for i in self.shares[k]:
                     p = params[i]
                     p.copy_(flat[at : at + p.numel()].view_as(p))
                     at += p.numel()
 
-    def _exchange(self, requests: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Send each server its tensors (header first), then receive each one's header and parameters."""
-        works = []
-        for k, tensors in enumerate(requests):
-            dst = self.place.server_rank(k)
-            works.append(self.pg.send([tensors[0]], dst, TAG_HEADER))
-            works += [self.pg.send([t], dst, TAG_TO_SERVER) for t in tensors[1:] if t.numel()]
-        replies = []
-        for k in range(self.servers):
-            src = self.place.server_rank(k)
-            head, flat = torch.zeros(HEADER, dtype=torch.int64), torch.empty(self.numels[k], dtype=self.dtype)
-            works.append(self.pg.recv([head], src, TAG_TO_WORKER))
-            if flat.numel():
-                works.append(self.pg.recv([flat], src, TAG_TO_WORKER))
-            replies.append((head, flat))
-        for w in works:
-            w.wait()
-        return replies
+    def _exchange(self, requests: dict[int, list[torch.Tensor]], parameters: bool = True,
+                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Send each key range's head its request (header first), then receive each one's header (and, with
+        ``parameters``, the range's parameters). A head found dead is replaced by the next server of its chain,
+        which gets the request again (after the current settings, which the dead one may not have handed on):
+        a step it had applied already is answered, not applied twice."""
+        replies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pending, moved = dict(requests), set()
+        while pending:
+            posted: dict[int, tuple[int, list[Any], torch.Tensor, torch.Tensor]] = {}
+            for k, tensors in pending.items():
+                s = self._head(k)
+                dst = self.place.server_rank(s)
+                head = torch.zeros(HEADER, dtype=torch.int64)
+                flat = torch.empty(self.numels[k] if parameters else 0, dtype=self.dtype)
+                works: list[Any] = []
+                try:
+                    if k in moved:
+                        self._send_blob(s, k, Op.SETTINGS, self._settings)
+                    works.append(self.pg.send([tensors[0]], dst, TAG_HEADER))
+                    works += [self.pg.send([t], dst, TAG_TO_SERVER) for t in tensors[1:] if t.numel()]
+                    works.append(self.pg.recv([head], dst, TAG_TO_WORKER))
+                    if flat.numel():
+                        works.append(self.pg.recv([flat], dst, TAG_TO_WORKER))
+                except RuntimeError as e:
+                    if not lost_peer(e):
+                        raise
+                    works.append(None)  # found dead while sending
+                posted[k] = (s, works, head, flat)
+            failed = {}
+            for k, (s, works, head, flat) in posted.items():
+                try:
+                    for w in works:
+                        if w is None:
+                            raise RuntimeError("connection closed")
+                        self._wait(w, s)
+                    replies[k] = (head, flat)
+                except RuntimeError as e:
+                    if not lost_peer(e):
+                        raise
+                    self.dead.add(s)
+                    failed[k] = pending[k]
+            for s in {posted[k][0] for k in failed}:
+                events.collective(f"parameter servers: server {s} is gone, its key ranges go to the next server of "
+                                  "their chains", nbytes=0)
+            pending, moved = failed, moved | set(failed)
+        return dict(sorted(replies.items()))
 
     # -- the optimizer -------------------------------------------------------------------------------------------
 
@@ -285,18 +364,18 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if (now := self._current_settings()) != self._settings:
             # A scheduler (or the user) changed a setting: the servers step with the new one from now on.
-            for k in range(self.servers):
-                self._send_blob(k, Op.SETTINGS, now)
             self._settings = now
+            for k in range(self.servers):
+                self._tell_settings(k)
         params = self._all()
-        requests = []
+        requests = {}
         for k, share in enumerate(self.shares):
             mask = torch.tensor([params[i].grad is not None for i in share], dtype=torch.uint8)
             grads = torch.cat([
                 (params[i].grad.detach().reshape(-1).to("cpu", self.dtype) if params[i].grad is not None
                  else torch.zeros(params[i].numel(), dtype=self.dtype)) for i in share
             ]) if share else torch.zeros(0, dtype=self.dtype)
-            requests.append([header(Op.PUSH, self.clock, self.versions[k], 1), mask, grads])
+            requests[k] = [request(Op.PUSH, k, self.clock, self.versions[k], 1), mask, grads]
         events.collective("parameter servers: push gradients, pull parameters",
                           nbytes=4 * sum(self.numels) + len(params))
         start = time.perf_counter()
@@ -304,7 +383,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.stats.wait_s += time.perf_counter() - start
         self._receive_parameters(replies)
         lag = lead = bound = 0
-        for k, (head, _) in enumerate(replies):
+        for k, (head, _) in replies.items():
             self.versions[k] = int(head[1])
             lag, lead, bound = max(lag, int(head[2])), max(lead, int(head[3])), max(bound, int(head[4]))
         self.clock += 1
@@ -315,24 +394,47 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self._consolidated = None
         return loss
 
+    def _tell_settings(self, k: int) -> None:
+        """The current settings to key range ``k``'s head (it hands them down its chain)."""
+        while True:
+            s = self._head(k)
+            try:
+                self._send_blob(s, k, Op.SETTINGS, self._settings)
+                return
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                self.dead.add(s)
+
     def pull(self) -> None:
         """Copy the servers' current parameters into this worker's (for an evaluation or a checkpoint in async
         mode, after the workers met: ``ddpkit.barrier()``; in sync mode they are current after every step)."""
         self._check_open()
-        replies = self._exchange([[header(Op.PULL)] for _ in range(self.servers)])
+        replies = self._exchange({k: [request(Op.PULL, k)] for k in range(self.servers)})
         self._receive_parameters(replies)
-        for k, (head, _) in enumerate(replies):
+        for k, (head, _) in replies.items():
             self.versions[k] = int(head[1])
 
     def _fetch_state(self) -> dict[str, Any]:
         self._check_open()
         merged: dict[int, Any] = {}
         for k in range(self.servers):
-            src = self.place.server_rank(k)
-            self.pg.send([header(Op.STATE)], src, TAG_HEADER).wait()
-            head = torch.zeros(HEADER, dtype=torch.int64)
-            self.pg.recv([head], src, TAG_TO_WORKER).wait()
-            merged.update(from_bytes(recv_blob(self.pg, src, TAG_TO_WORKER, int(head[1]))))
+            while True:
+                s = self._head(k)
+                src = self.place.server_rank(s)
+                try:
+                    self._wait(self.pg.send([request(Op.STATE, k)], src, TAG_HEADER), s)
+                    head = torch.zeros(HEADER, dtype=torch.int64)
+                    self._wait(self.pg.recv([head], src, TAG_TO_WORKER), s)
+                    blob = torch.empty(int(head[1]), dtype=torch.uint8)
+                    if blob.numel():
+                        self._wait(self.pg.recv([blob], src, TAG_TO_WORKER), s)
+                    merged.update(from_bytes(blob))
+                    break
+                except RuntimeError as e:
+                    if not lost_peer(e):
+                        raise
+                    self.dead.add(s)
         return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": self._indexed_groups()}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -356,14 +458,14 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self._settings = self._current_settings()
         state = state_dict.get("state", {})
+        requests = {}
         for k in range(self.servers):
             mine = set(self.shares[k])
-            blob = {"state": {i: s for i, s in state.items() if i in mine}, "settings": self._settings} \
-                if self.place.index == 0 else None
-            self._send_blob(k, Op.LOAD, blob)
-        for k in range(self.servers):  # the LOAD is done on every server once every worker got this
-            head = torch.zeros(HEADER, dtype=torch.int64)
-            self.pg.recv([head], self.place.server_rank(k), TAG_TO_WORKER).wait()
+            blob = to_bytes({"state": {i: s for i, s in state.items() if i in mine}, "settings": self._settings}) \
+                if self.place.index == 0 else torch.zeros(0, dtype=torch.uint8)
+            requests[k] = [request(Op.LOAD, k, blob.numel()), blob]
+        # The LOAD is made on every server of a chain once every worker sent it (the replies say so).
+        self._exchange(requests, parameters=False)
         self._consolidated = None
 
     def close(self) -> None:
@@ -371,8 +473,15 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if self.closed:
             return
         self.closed = True
-        for k in range(self.servers):
-            self.pg.send([header(Op.STOP)], self.place.server_rank(k), TAG_HEADER).wait()
+        for s in range(self.servers):
+            if s in self.dead:
+                continue
+            try:
+                self._wait(self.pg.send([header(Op.STOP)], self.place.server_rank(s), TAG_HEADER), s)
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                self.dead.add(s)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -1,28 +1,21 @@
-"""A parameter server: its share of the parameters and their optimizer, updated by the workers' gradients.
+"""A parameter server: the key ranges it holds, served to the workers and handed down their chains.
 
-A server knows nothing of the model until worker 0 sends it its share (the
-parameters' indices, shapes and values, the optimizer class, its groups'
-settings and, when resuming, their state): servers are generic processes,
-started by ``ddpkit train`` or ``ddpkit launch --num-servers K`` as
-``python -m ddpkit.parallel.ps.server``. One thread per worker receives its
-requests (:class:`ddpkit.parallel.ps.channel.Op`).
+A server knows nothing of the model until worker 0 sends it its key ranges
+(for each: the parameters' indices, shapes and values, the optimizer class,
+its groups' settings and, when resuming, their state): servers are generic
+processes, started by ``ddpkit train`` or ``ddpkit launch --num-servers K``
+as ``python -m ddpkit.parallel.ps.server``. One thread per worker receives
+its requests (:class:`ddpkit.parallel.ps.channel.Op`), and with replication
+one thread per key range it holds behind another server receives what that
+server hands down (:mod:`ddpkit.parallel.ps.keyrange` has the ranges, the
+chains and the consistency modes).
 
-Consistency (chosen by the workers' :class:`ddpkit.ParameterServerOptimizer`):
-
-``sync``
-    a step waits for every worker's gradient; the server adds them in worker
-    order, each divided by the number of workers first (as DDP divides before
-    its all-reduce), steps its optimizer once, and every worker gets the
-    same new parameters. One version per step.
-``async``
-    each gradient is applied as it arrives, divided by the number of workers
-    (its share of a synchronous average, so learning rates and checkpoints
-    are those of ``sync``), and the worker gets whatever parameters are
-    current. With a staleness bound ``S`` (stale-synchronous parallel, Ho et
-    al. 2013) the reply to a worker that has pushed ``c`` gradients waits
-    until every other worker has pushed at least ``c - S``: no worker
-    computes more than ``S`` steps ahead of the slowest (``S = 0``: every
-    step waits for all). A worker that said STOP no longer holds the others back.
+Deaths: a worker whose connection closes (it exited, or was killed) is done;
+its request, if it had not arrived whole, is dropped, never half applied. A
+server that dies takes no update with it that a worker was answered for:
+the workers send their requests for its ranges to the next server of each
+chain, and the server before it in a chain hands its updates to the one
+after it.
 
 Every reply to a push carries the version of the parameters sent, the
 gradient's staleness (versions applied between the parameters it was
@@ -32,11 +25,9 @@ microseconds the reply waited for the bound.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -50,273 +41,233 @@ from ddpkit.parallel.ps.channel import (
     TAG_TO_WORKER,
     Op,
     PSPlace,
+    ack_tag,
     connect,
+    forward_tag,
     from_bytes,
     header,
+    lost_peer,
     ps_place,
     recv_blob,
     to_bytes,
 )
+from ddpkit.parallel.ps.keyrange import KeyRange, Update, optimizer_class
 from ddpkit.runtime.process import exit_now, set_process_name
 
 __all__ = ["ParameterServer", "main", "optimizer_class"]
 
-
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The optimizer class named ``module.QualName`` (what the workers send).
-
-    Raises:
-        ValueError: the name does not lead to an optimizer class.
-    """
-    module, _, qual = name.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError):
-        obj = None
-    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer class {name!r} cannot be imported by the parameter servers: use a class "
-                         "defined at the top level of an importable module (torch.optim.SGD, ...)")
-    return obj
+_KINDS = ("apply", "settings", "load")
 
 
-class _Round:
-    """Workers meeting for one collective request (a sync step, a LOAD): the last to arrive acts for all."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self.arrived: dict[int, Any] = {}
-        self.generation = 0
+class _WorkerGone(Exception):
+    """The worker's connection closed in the middle of a request: it is done, its request dropped."""
 
 
 class ParameterServer:
-    """Server ``place.index`` of the job: serves until every worker has said STOP (see the module notes)."""
+    """Server ``place.index`` of the job: serves until every worker has said STOP or is gone (module notes)."""
 
     def __init__(self, pg: dist.ProcessGroup, place: PSPlace) -> None:
         self.pg, self.place = pg, place
         self.workers = place.workers
-        self.lock = threading.Condition()
+        self.held = place.ranges_of(place.index)
+        """The key ranges this server holds (its own first), in chain order."""
+        self.ranges: dict[int, KeyRange] = {}
         self.ready = threading.Event()
-        self.version = 0
-        self.clocks = [0] * self.workers
-        self.stopped = [False] * self.workers
-        self.rounds: dict[int, _Round] = {Op.PUSH: _Round(self.workers), Op.LOAD: _Round(self.workers)}
+        self.alive = [True] * place.servers
+        """The servers not known dead (a forward down a chain failed)."""
         self.failure: BaseException | None = None
-        self.mode = "sync"
-        self.staleness: int | None = None
-        self.indices: list[int] = []
-        self.flat = torch.zeros(0)
-        self.grad_flat = torch.zeros(0)
-        self.params: list[torch.Tensor] = []
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.group_of: list[int] = []
-        """The workers' group index of each of this server's groups."""
+        self._lock = threading.Lock()
 
-    # -- set-up and state ------------------------------------------------------------------------------------
+    # -- set-up ---------------------------------------------------------------------------------------------------
 
     def setup(self, blob: dict[str, Any]) -> None:
-        self.mode, self.staleness = blob["mode"], blob["staleness"]
-        self.indices = list(blob["indices"])
-        self.flat = blob["values"].clone()
-        self.grad_flat = torch.zeros_like(self.flat)
-        self.params, self.grads = [], []
-        at = 0
-        for shape in blob["shapes"]:
-            n = int(torch.Size(shape).numel())
-            self.params.append(self.flat[at : at + n].view(shape))
-            self.grads.append(self.grad_flat[at : at + n].view(shape))
-            at += n
-        local = {g: i for i, g in enumerate(self.indices)}
-        groups, self.group_of = [], []
-        for gi, group in enumerate(blob["groups"]):
-            mine = [self.params[local[g]] for g in group["params"] if g in local]
-            if mine:
-                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine})
-                self.group_of.append(gi)
-        cls = optimizer_class(blob["optimizer"])
-        self.optimizer = cls(groups) if groups else None
-        if blob.get("state") and self.optimizer is not None:
-            self._load(blob["state"])
+        k = int(blob["range"])
+        if k not in self.held:
+            raise RuntimeError(f"parameter server {self.place.index} was sent key range {k}, which its chains "
+                               f"do not give it (it holds {self.held}): the workers and the servers disagree on "
+                               "DDPKIT_NUM_SERVERS or DDPKIT_PS_REPLICATION")
+        self.ranges[k] = KeyRange(k, blob, self.workers, self._forward)
+        if len(self.ranges) == len(self.held):
+            for k in self.held:
+                if self.place.chain(k).index(self.place.index) > 0:
+                    self._listen(k)
+            self.ready.set()
 
-    def _local_groups(self) -> list[dict[str, Any]]:
-        assert self.optimizer is not None
-        return self.optimizer.state_dict()["param_groups"]
+    def _range(self, k: int) -> KeyRange:
+        if k not in self.ranges:
+            raise RuntimeError(f"parameter server {self.place.index} was asked for key range {k}, which it does "
+                               f"not hold (it holds {self.held})")
+        return self.ranges[k]
 
-    def _load(self, state: dict[int, Any]) -> None:
-        """Optimizer state keyed by the workers' parameter indices (this server's share of them)."""
-        assert self.optimizer is not None
-        local = {g: i for i, g in enumerate(self.indices)}
-        self.optimizer.load_state_dict({
-            "state": {local[g]: s for g, s in state.items() if g in local},
-            "param_groups": self._local_groups(),
-        })
+    # -- the chains ------------------------------------------------------------------------------------------------
 
-    def state(self) -> dict[int, Any]:
-        """This server's optimizer state keyed by the workers' parameter indices."""
-        if self.optimizer is None:
-            return {}
-        # The local state dict numbers the parameters group by group, in the order the groups hold them.
-        order = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
-        position = {id(p): self.indices[i] for i, p in enumerate(self.params)}
-        local = self.optimizer.state_dict()["state"]
-        return {position[order[i]]: s for i, s in local.items()}
+    def _forward(self, key_range: KeyRange, update: Update) -> None:
+        """Hand ``update`` to the next live server of the range's chain; returns once it acknowledged (it hands
+        it on first). A server found dead is skipped for the one after it."""
+        chain = self.place.chain(key_range.index)
+        for s in chain[chain.index(self.place.index) + 1 :]:
+            if not self.alive[s]:
+                continue
+            try:
+                self._send_update(s, key_range.index, update)
+                return
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                self.alive[s] = False
 
-    def restore(self, blob: dict[str, Any]) -> None:
-        """Worker 0's LOAD: the groups' settings and the optimizer state."""
-        self.settings(blob["settings"])
-        if self.optimizer is not None:
-            self._load(blob["state"])
+    def _send_update(self, s: int, k: int, update: Update) -> None:
+        dst, tag = self.place.server_rank(s), forward_tag(k)
+        if update.kind == "apply":
+            assert update.grad is not None and update.have is not None
+            head = header(Op.FORWARD, _KINDS.index("apply"), update.worker, update.clock)
+            payload = [update.have, update.grad]
+        else:
+            blob = to_bytes(update.blob)
+            head, payload = header(Op.FORWARD, _KINDS.index(update.kind), 0, 0, blob.numel()), [blob]
+        self.pg.send([head], dst, tag).wait()
+        for t in payload:
+            if t.numel():
+                self.pg.send([t], dst, tag).wait()
+        ack = torch.zeros(HEADER, dtype=torch.int64)
+        self.pg.recv([ack], dst, ack_tag(k)).wait()
 
-    def settings(self, groups: list[dict[str, Any]]) -> None:
-        if self.optimizer is None:
-            return
-        for mine, gi in zip(self.optimizer.param_groups, self.group_of):
-            mine.update({k: v for k, v in groups[gi].items() if k != "params"})
+    def _listen(self, k: int) -> None:
+        """A thread per server before this one in range ``k``'s chain, taking what it hands down."""
+        chain = self.place.chain(k)
+        for s in chain[: chain.index(self.place.index)]:
+            threading.Thread(target=self._guard, args=(self._take_from, s, k), name=f"ps-chain{s}-range{k}",
+                             daemon=True).start()
 
-    # -- the step ---------------------------------------------------------------------------------------------
-
-    def _apply(self, pushes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Gradients (each divided by the number of workers, added in the order given), then one step."""
-        self.version += 1
-        if self.optimizer is None:
-            return  # more servers than tensors: this one holds none
-        self.grad_flat.zero_()
-        have = torch.zeros(len(self.params), dtype=torch.bool)
-        for mask, grads in pushes:
-            self.grad_flat += grads / self.workers
-            have |= mask.bool()
-        for p, g, h in zip(self.params, self.grads, have.tolist()):
-            p.grad = g if h else None
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
-
-    def _lead(self, w: int) -> int:
-        running = [c for c, s in zip(self.clocks, self.stopped) if not s]
-        return self.clocks[w] - min(running) if running else 0
-
-    def push(self, w: int, clock: int, computed_on: int, mask: torch.Tensor,
-             grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One gradient of worker ``w``; returns the reply: its header and the parameters to send."""
-        with self.lock:
-            lag = self.version - computed_on
-            if self.mode == "sync":
-                self._meet(Op.PUSH, w, (mask, grads), lambda got: self._apply([got[i] for i in range(self.workers)]))
-            else:
-                self._apply([(mask, grads)])
-            self.clocks[w] = clock + 1
-            self.lock.notify_all()
-            start = time.perf_counter()
-            if self.mode == "async" and self.staleness is not None:
-                while self._lead(w) > self.staleness and self.failure is None:
-                    self.lock.wait(timeout=1.0)
-            waited = time.perf_counter() - start
-            lead = self._lead(w) if self.mode == "async" else 0  # sync: every worker is at the same step
-            return header(Op.PUSH, self.version, lag, lead, int(waited * 1e6)), self.flat.clone()
-
-    def _meet(self, op: int, w: int, item: Any, act: Any) -> None:
-        """Wait (holding the lock's condition) until every worker brought its ``item``; the last one calls ``act``."""
-        r = self.rounds[op]
-        generation = r.generation
-        r.arrived[w] = item
-        if len(r.arrived) == self.workers:
-            got, r.arrived = r.arrived, {}
-            act(got)
-            r.generation += 1
-            self.lock.notify_all()
-            return
-        while r.generation == generation and self.failure is None:
-            if gone := [v for v in range(self.workers) if self.stopped[v] and v not in r.arrived]:
-                raise RuntimeError(
-                    f"worker {gone[0]} left (it closed its ParameterServerOptimizer or exited) while worker {w} "
-                    "waits for it in a synchronous request: every worker must take the same steps (or use "
-                    "mode='async')"
-                )
-            self.lock.wait(timeout=1.0)
-        if self.failure is not None:
-            raise RuntimeError("another worker's thread of this parameter server failed") from self.failure
+    def _take_from(self, s: int, k: int) -> None:
+        src, tag, key_range = self.place.server_rank(s), forward_tag(k), self.ranges[k]
+        while True:
+            head = torch.zeros(HEADER, dtype=torch.int64)
+            try:
+                self.pg.recv([head], src, tag).wait()
+                kind = _KINDS[int(head[1])]
+                if kind == "apply":
+                    have = torch.empty(len(key_range.params), dtype=torch.uint8)
+                    grad = torch.empty_like(key_range.flat)
+                    for t in (have, grad):
+                        if t.numel():
+                            self.pg.recv([t], src, tag).wait()
+                    update = Update("apply", int(head[2]), int(head[3]), grad, have)
+                else:
+                    update = Update(kind, blob=from_bytes(recv_blob(self.pg, src, tag, int(head[4]))))
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                return  # that server died; what it had not handed down whole was not acknowledged to anyone
+            key_range.take(update)
+            try:
+                self.pg.send([header(Op.FORWARD)], src, ack_tag(k)).wait()
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                return
 
     # -- serving ----------------------------------------------------------------------------------------------
 
+    def _recv(self, w: int, tensors: list[torch.Tensor], tag: int) -> None:
+        for t in tensors:
+            if t.numel():
+                try:
+                    self.pg.recv([t], w, tag).wait()
+                except RuntimeError as e:
+                    if lost_peer(e):
+                        raise _WorkerGone from None
+                    raise
+
     def _send(self, w: int, head: torch.Tensor, payload: torch.Tensor | None = None) -> None:
-        self.pg.send([head], w, TAG_TO_WORKER).wait()
-        if payload is not None and payload.numel():
-            self.pg.send([payload], w, TAG_TO_WORKER).wait()
+        try:
+            self.pg.send([head], w, TAG_TO_WORKER).wait()
+            if payload is not None and payload.numel():
+                self.pg.send([payload], w, TAG_TO_WORKER).wait()
+        except RuntimeError as e:
+            if lost_peer(e):
+                raise _WorkerGone from None
+            raise
 
     def serve_worker(self, w: int) -> None:
-        pg = self.pg
-        while True:
-            h = torch.zeros(HEADER, dtype=torch.int64)
-            try:
-                pg.recv([h], w, TAG_HEADER).wait()
-            except RuntimeError as e:
-                if not any(word in str(e).lower() for word in ("closed", "reset by peer")):
-                    raise
-                # The worker's process ended without a STOP (a script that never closed the optimizer, or a
-                # crash, which its supervisor reports): it no longer takes part.
-                h = header(Op.STOP)
-            op = int(h[0])
-            if op == Op.SETUP:
-                self.setup(from_bytes(recv_blob(pg, w, TAG_TO_SERVER, int(h[1]))))
-                self.ready.set()
-                continue
-            self.ready.wait()
-            if op == Op.PUSH:
-                mask = torch.empty(len(self.params), dtype=torch.uint8)
-                grads = torch.empty_like(self.flat)
-                if mask.numel():
-                    pg.recv([mask], w, TAG_TO_SERVER).wait()
-                if grads.numel():
-                    pg.recv([grads], w, TAG_TO_SERVER).wait()
-                self._send(w, *self.push(w, int(h[1]), int(h[2]), mask, grads))
-            elif op == Op.PULL:
-                with self.lock:
-                    out, version = self.flat.clone(), self.version
-                self._send(w, header(Op.PULL, version), out)
-            elif op == Op.STATE:
-                with self.lock:
-                    blob = to_bytes(self.state())
-                self._send(w, header(Op.STATE, blob.numel()), blob)
-            elif op == Op.LOAD:
-                data = from_bytes(recv_blob(pg, w, TAG_TO_SERVER, int(h[1]))) if int(h[1]) else None
-                with self.lock:
-                    self._meet(Op.LOAD, w, data, lambda got: self.restore(got[0]))
-                self._send(w, header(Op.LOAD))
-            elif op == Op.SETTINGS:
-                groups = from_bytes(recv_blob(pg, w, TAG_TO_SERVER, int(h[1])))
-                with self.lock:
-                    self.settings(groups)
-            elif op == Op.STOP:
-                with self.lock:
-                    self.stopped[w] = True
-                    self.lock.notify_all()
-                return
-            else:
-                raise RuntimeError(f"parameter server {self.place.index}: unknown request {op} from worker {w}")
+        try:
+            while self._request(w):
+                pass
+        except _WorkerGone:
+            # The worker's process ended without a STOP (a script that never closed the optimizer, or a crash,
+            # which its supervisor reports): it no longer takes part, and a request it had not sent whole is
+            # dropped.
+            pass
+        for key_range in self.ranges.values():
+            key_range.stop(w)
+
+    def _request(self, w: int) -> bool:
+        """Serve one request of worker ``w``; False once it said STOP."""
+        h = torch.zeros(HEADER, dtype=torch.int64)
+        self._recv(w, [h], TAG_HEADER)
+        op, k = int(h[0]), int(h[7])
+        if op == Op.SETUP:
+            self.setup(from_bytes(self._blob(w, int(h[1]))))
+            return True
+        if op == Op.STOP:
+            return False
+        self.ready.wait()
+        if op == Op.PUSH:
+            key_range = self._range(k)
+            mask = torch.empty(len(key_range.params), dtype=torch.uint8)
+            grads = torch.empty_like(key_range.flat)
+            self._recv(w, [mask, grads], TAG_TO_SERVER)
+            fields, out = key_range.push(w, int(h[1]), int(h[2]), mask, grads)
+            self._send(w, header(Op.PUSH, *fields), out)
+        elif op == Op.PULL:
+            key_range = self._range(k)
+            with key_range.lock:
+                out, version = key_range.flat.clone(), key_range.version
+            self._send(w, header(Op.PULL, version), out)
+        elif op == Op.STATE:
+            key_range = self._range(k)
+            with key_range.lock:
+                blob = to_bytes(key_range.state())
+            self._send(w, header(Op.STATE, blob.numel()), blob)
+        elif op == Op.LOAD:
+            data = from_bytes(self._blob(w, int(h[1]))) if int(h[1]) else None
+            self._range(k).load(w, data)
+            self._send(w, header(Op.LOAD))
+        elif op == Op.SETTINGS:
+            self._range(k).settings(from_bytes(self._blob(w, int(h[1]))))
+        else:
+            raise RuntimeError(f"parameter server {self.place.index}: unknown request {op} from worker {w}")
+        return True
+
+    def _blob(self, w: int, nbytes: int) -> torch.Tensor:
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        self._recv(w, [data], TAG_TO_SERVER)
+        return data
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        """Run a serving thread; its failure fails the server (every wait of every range stops)."""
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
+            with self._lock:
+                self.failure = self.failure or e
+            for key_range in list(self.ranges.values()):
+                key_range.fail(e)
+            self.ready.set()
 
     def serve(self) -> None:
-        """Serve every worker until all said STOP; a failure in any worker's thread fails the server."""
-        def run(w: int) -> None:
-            try:
-                self.serve_worker(w)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
-                with self.lock:
-                    self.failure = self.failure or e
-                    self.lock.notify_all()
-                self.ready.set()
-
-        threads = [threading.Thread(target=run, args=(w,), name=f"ps-worker{w}", daemon=True)
-                   for w in range(self.workers)]
+        """Serve every worker until all said STOP or are gone; a failure in any thread fails the server."""
+        threads = [threading.Thread(target=self._guard, args=(self.serve_worker, w), name=f"ps-worker{w}",
+                                    daemon=True) for w in range(self.workers)]
         for t in threads:
             t.start()
         for t in threads:
             while t.is_alive():
                 t.join(timeout=0.5)
                 if self.failure is not None:
-                    raise RuntimeError(f"parameter server {self.place.index} failed: {self.failure}") from self.failure
-        if self.failure is not None:
-            raise RuntimeError(f"parameter server {self.place.index} failed: {self.failure}") from self.failure
+                    break
+            if self.failure is not None:
+                raise RuntimeError(f"parameter server {self.place.index} failed: {self.failure}") from self.failure
 
 
 def main() -> int:
