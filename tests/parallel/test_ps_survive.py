@@ -73,6 +73,16 @@ def test_a_server_death_that_loses_a_key_range_fails_the_job_naming_the_server(t
     assert "parameter server 0 failed first: killed by signal SIGKILL" in done.stderr
 
 
+def test_a_synchronous_job_that_loses_a_worker_fails_at_once_saying_why(tmp_path: Path) -> None:
+    # The server raises (a synchronous step needs every worker); its replica would raise the same, so the job
+    # ends at the first server's failure instead of handing the range down the chain.
+    done = _run(tmp_path / "run", "--steps", "400", "--kill-self", "1@0.3", servers=2)
+    assert done.returncode != 0
+    assert "failed first: exit code 1" in done.stderr
+    assert "worker 1 left" in done.stderr
+    assert "its key ranges are served by the next server" not in done.stderr
+
+
 def test_key_ranges_are_lost_only_when_a_whole_chain_died() -> None:
     assert lost_key_ranges({0}, 3, 2) == []
     assert lost_key_ranges({0, 1}, 3, 2) == [0]

@@ -66,7 +66,9 @@ def test_a_batch_the_shards_do_not_divide_is_refused_with_a_fix() -> None:
 
 @pytest.mark.parametrize("extra,match", [
     ({"zero": 2}, "a ZeRO shard exists once"),
-    ({"strategy": "ps-sync"}, "needs --engine ddpkit --strategy ddp"),
+    ({"strategy": "ssp"}, "needs --engine ddpkit --strategy ddp"),
+    ({"strategy": "ps-async", "max_restarts": 1}, "cannot take a seat in the parameter servers"),
+    ({"strategy": "ps-sync", "deterministic_shards": 2}, "no shards to order"),
     ({"grad_accum": 2}, "the step's shards are its micro-batches"),
     ({"resume": True, "output_dir": "x"}, "keeps its state in the surviving processes"),
     ({"comm_hook": "fp16"}, "reduces whole steps"),
@@ -75,6 +77,14 @@ def test_a_batch_the_shards_do_not_divide_is_refused_with_a_fix() -> None:
 def test_train_refuses_what_the_mode_cannot_keep(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         TrainConfig(on_failure="continue", **extra)
+
+
+def test_server_replication_needs_the_mode_and_enough_servers() -> None:
+    with pytest.raises(ConfigError, match="needs --strategy ps-sync|ps-async and --on-failure continue"):
+        TrainConfig(strategy="ps-async", num_servers=2, ps_replication=2)
+    with pytest.raises(ConfigError, match="must be between 1 and --num-servers 2"):
+        TrainConfig(strategy="ps-async", num_servers=2, ps_replication=3, on_failure="continue")
+    TrainConfig(strategy="ps-async", num_servers=2, ps_replication=2, on_failure="continue")
 
 
 def test_deterministic_shards_need_the_mode_and_a_fitting_count() -> None:

@@ -201,13 +201,14 @@ class WorkerGroup:
             terminate(servers, self.launch.grace_period_s, signal.SIGTERM)
 
     def server_replaced(self, index: int, code: int) -> bool:
-        """Process ``index`` died with ``code``: whether it is a parameter server whose key ranges all live on
-        another server still (``--ps-replication``), so that the job goes on without it (said here). Only
+        """Process ``index`` died with ``code``: whether it is a parameter server killed by a signal whose key
+        ranges all live on another server still (``--ps-replication``), so that the job goes on without it
+        (said here). Only
         ``--on-failure continue`` asks: its launcher tells the workers, whose requests to the dead server
         would otherwise wait for an answer (Gloo does not always fail a receive from a dead peer)."""
         spec = self.specs[index]
-        if spec.server is None:
-            return False
+        if spec.server is None or code > 0:
+            return False  # a server that raised (and said why) fails the job: its replica would raise the same
         self.dead_servers.add(spec.server)
         replication = int(spec.env.get(PS_REPLICATION_ENV, "1"))
         servers = sum(s.server is not None for s in self.specs)

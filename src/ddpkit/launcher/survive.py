@@ -70,6 +70,7 @@ class SurvivingGroup(WorkerGroup):
         self._joined: set[int] = set()
         """Members that hold the training state (their first group built and agreed on)."""
         self._next_member = 0
+        self.server_pipes: list[int] = []
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         with signals.deferred():
@@ -79,7 +80,7 @@ class SurvivingGroup(WorkerGroup):
                 if spec.server is None:
                     self._start_member(spec)
                 else:
-                    self._start_one(spec)
+                    self._start_server(spec)
         self.members = list(self.member_of.values())
         self._originals = len(self.members)
         self._announce()
@@ -99,6 +100,15 @@ class SurvivingGroup(WorkerGroup):
             os.write(down_w, self._view())
         threading.Thread(target=self._read_replies, args=(up_r, member), daemon=True).start()
 
+    def _start_server(self, spec: WorkerSpec) -> None:
+        """A parameter server: not a member, but told of the deaths (its waits on another server end when that
+        one dies) on a pipe of its own."""
+        down_r, down_w = os.pipe()
+        spec.env[FT_FD] = str(down_r)
+        self._start_one(spec, pass_fds=(down_r,))
+        os.close(down_r)
+        self.server_pipes.append(down_w)
+
     def _read_replies(self, fd: int, member: int) -> None:
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             for line in pipe:
@@ -113,7 +123,7 @@ class SurvivingGroup(WorkerGroup):
 
     def _announce(self) -> None:
         line = self._view()
-        for fd in self.pipes.values():  # a replacement not yet admitted too: it waits for the view that has it
+        for fd in [*self.pipes.values(), *self.server_pipes]:  # a replacement not yet admitted too
             try:
                 os.write(fd, line)
             except OSError:
@@ -181,6 +191,8 @@ class SurvivingGroup(WorkerGroup):
         for fd in list(self.pipes):
             self._close(fd)
         self.stop_servers()
+        for fd in self.server_pipes:
+            os.close(fd)
         return None if finished else first
 
     def _dismiss_joining(self, live: set[int]) -> set[int]:

@@ -78,12 +78,14 @@ class Membership:
     Args:
         fd: the read end of the launcher's pipe.
         member: this worker's member id.
-        store: the launcher's store (it outlives every worker), under the job's key prefix.
+        store: the launcher's store (it outlives every worker), under the job's key prefix (None: a process
+            that only listens, such as a parameter server, which builds no group).
         timeout_s: the timeout of each group built (an abandoned operation waits at most this long).
         reply_fd: the write end of the pipe back to the launcher, if any.
     """
 
-    def __init__(self, fd: int, member: int, store: dist.Store, timeout_s: float, reply_fd: int | None = None):
+    def __init__(self, fd: int, member: int, store: dist.Store | None, timeout_s: float,
+                 reply_fd: int | None = None):
         self.member = member
         self.store = store
         self.timeout = timedelta(seconds=timeout_s)
@@ -91,7 +93,8 @@ class Membership:
         self._cond = threading.Condition()
         self._views: list[View] = []
         self._closed = False
-        self._groups: list[dist.ProcessGroup] = []
+        self._by_epoch: dict[int, dist.ProcessGroup] = {}
+        """Every group built, by epoch (kept while the process lives, see :meth:`group`)."""
         self.noticed_at: dict[int, float] = {}
         """``time.time()`` at which each epoch's view reached this worker."""
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
@@ -166,12 +169,29 @@ class Membership:
         if self._closed:
             raise RuntimeError("the launcher closed the membership pipe (it stopped): this worker stops too")
 
+    def barrier(self) -> View:
+        """Wait until every member of the newest view got here; after a change, until every member of the next
+        one did. The view it ended in."""
+        while True:
+            view = self.latest()
+            if self.member not in view.members:
+                raise RuntimeError(f"member {self.member} is not in membership epoch {view.epoch}: a replacement "
+                                   "joins through ddpkit.FaultTolerance")
+            try:
+                self.wait(self.group(view).allreduce([torch.zeros(1)]), view)
+                return view
+            except MembershipChanged:
+                continue
+
     def group(self, view: View) -> dist.ProcessGroup:
-        """The gloo group of ``view`` (this worker's rank: its place in ``view.members``).
+        """The gloo group of ``view`` (this worker's rank: its place in ``view.members``), built once per view.
 
         Every member first marks its arrival in the store and waits for the others, watching the view, so a
         member that dies before arriving makes this raise :class:`MembershipChanged` instead of hanging.
         """
+        if view.epoch in self._by_epoch:
+            return self._by_epoch[view.epoch]
+        assert self.store is not None, "a listening Membership builds no group"
         prefix = f"ft/{view.epoch}/"
         self.store.set(f"{prefix}arrived/{self.member}", "1")
         keys = [f"{prefix}arrived/{m}" for m in view.members]
@@ -197,7 +217,7 @@ class Membership:
             raise built["error"]
         # Never destroyed while the process lives: a group abandoned with an operation in flight would block its
         # destructor until that operation's timeout.
-        self._groups.append(built["group"])
+        self._by_epoch[view.epoch] = built["group"]
         return built["group"]
 
     def wait_for_member(self, view: View) -> None:

@@ -31,6 +31,7 @@ import pickle
 import re
 import socket
 import struct
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ __all__ = [
     "save_json",
     "save_weights",
     "strip_prefix",
+    "write_atomic",
+    "write_or_warn",
 ]
 
 _META_KEY = "ddpkit"
@@ -189,6 +192,14 @@ def write_atomic(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
 
+
+
+def write_or_warn(path: Path, text: str) -> None:
+    """:func:`write_atomic` of ``text``; a failure is a warning on stderr (training goes on)."""
+    try:
+        write_atomic(path, text.encode())
+    except OSError as e:
+        print(f"ddpkit train: warning: could not write {path}: {e}; training goes on", file=sys.stderr, flush=True)
 
 def _collective_write(path: str | os.PathLike, make_bytes, within: str | os.PathLike | None = None) -> None:
     """Rank 0 writes ``make_bytes()`` to ``path`` (atomically); every rank returns once it is on disk, or raises.

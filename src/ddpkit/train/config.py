@@ -78,6 +78,10 @@ class TrainConfig:
         1, "--strategy ps-sync/ps-async: parameter server processes, the parameters sharded over them by tensor",
         metavar="K",
     )
+    ps_replication: int = option(
+        1, "--strategy ps-sync/ps-async with --on-failure continue: each key range of the parameters lives on R of "
+        "the servers (chain replication), so the run survives R - 1 servers' deaths", metavar="R",
+    )
     straggler: str | None = option(
         None, "slow one worker down: RANK:FACTOR makes each of its steps FACTOR times as long (a sleep after its "
         "forward and backward), to see how each strategy copes", metavar="RANK:FACTOR",
@@ -177,6 +181,11 @@ class TrainConfig:
         elif self.strategy == "ssp":
             self.staleness = SSP_STALENESS
         need(self.num_servers >= 1, "num_servers", "must be at least 1")
+        need(1 <= self.ps_replication <= self.num_servers, "ps_replication",
+             f"must be between 1 and --num-servers {self.num_servers}")
+        need(self.ps_replication == 1 or (self.strategy in SERVER_STRATEGIES and self.on_failure == "continue"),
+             "ps_replication", "needs --strategy ps-sync|ps-async and --on-failure continue (only that mode's "
+             "launcher tells the workers of a server's death)")
         need(self.num_servers == 1 or self.strategy in SERVER_STRATEGIES, "num_servers",
              f"needs --strategy ps-sync or ps-async, not --strategy {self.strategy}")
         need(self.strategy not in (*SERVER_STRATEGIES, "ssp") or self.amp != "fp16", "amp",
@@ -255,9 +264,14 @@ class TrainConfig:
         if self.on_failure != "continue":
             return
         why = "does not fit --on-failure continue"
-        need(self.engine == "ddpkit" and self.strategy == "ddp", "on_failure", f"needs --engine ddpkit --strategy "
-             f"ddp (the survivors reduce the gradients themselves), not --engine {self.engine} --strategy "
-             f"{self.strategy}")
+        need(self.engine == "ddpkit" and self.strategy in ("ddp", *SERVER_STRATEGIES), "on_failure",
+             f"needs --engine ddpkit --strategy ddp (the survivors reduce the gradients themselves) or ps-sync|"
+             f"ps-async (the servers step), not --engine {self.engine} --strategy {self.strategy}")
+        if self.strategy in SERVER_STRATEGIES:
+            need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy "
+                 f"{self.strategy}: the servers apply each worker's gradient, there are no shards to order")
+            need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy {self.strategy}: a replacement "
+                 "cannot take a seat in the parameter servers' channel; the workers left go on")
         need(self.zero == 0, "zero", f"{why}: a ZeRO shard exists once, on the rank that dies with it (no copy "
              "is kept on another rank); train without --zero, or use --on-failure restart")
         need(self.comm_hook == "none", "comm_hook", f"{why}: the mode reduces whole steps, not DDP's buckets")

@@ -1,4 +1,5 @@
-"""Loss and accuracy over the whole test split, each sample counted exactly once across ranks."""
+"""Loss and accuracy over the whole test split: each sample counted exactly once across ranks, or on one rank
+alone (``--on-failure continue``, where members may die)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ddpkit.parallel.zero.stage3 import engine_of
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_tensor
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "evaluate_alone"]
 
 
 def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
@@ -49,3 +50,20 @@ def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
     dist.all_reduce(totals)
     loss_sum, correct, n = totals.tolist()
     return loss_sum / n, correct / n, int(n)
+
+
+def evaluate_alone(model: torch.nn.Module, test: TensorDataset, device: torch.device,
+                   autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float, int]:
+    """``(loss, accuracy, samples)`` of ``model`` over the whole ``test`` split on this rank alone (no collective:
+    under ``--on-failure continue`` members may die)."""
+    loss, correct = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(test), 256):
+            xb, yb = test.images[start : start + 256].to(device), test.labels[start : start + 256].to(device)
+            with autocast():
+                out = model(xb)
+            loss += float(F.cross_entropy(out.float(), yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    model.train()
+    return loss / len(test), correct / len(test), len(test)

@@ -11,14 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddpkit.data.datasets import load_dataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.models import build_model
 from ddpkit.parallel.dp import DataParallel
 from ddpkit.parallel.syncbn import SyncBatchNorm
+from ddpkit.runtime.group import DistContext, init
+from ddpkit.runtime.options import ConfigError
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
@@ -78,6 +82,29 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def start_survivor(config: TrainConfig) -> tuple[DistContext, Path, Any]:
+    """A worker of ``--on-failure continue`` under its launcher: joined (no default group), deterministic if asked,
+    one thread share of the cores, its ``--output-dir`` made, the dataset loaded; ``(context, output dir, data)``.
+
+    Raises:
+        ConfigError: no ``--output-dir`` (workers whose first rank may die cannot agree on a new name).
+    """
+    ctx = init(backend=config.backend)
+    if config.deterministic:
+        make_deterministic()
+    if config.output_dir is None:
+        raise ConfigError("--on-failure continue under ddpkit launch needs --output-dir: the same folder for every "
+                          "worker")
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
+    config.check_world(ctx.world_size)
+    data = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
+                        synthetic_samples=config.synthetic_samples)
+    return ctx, out, data
 
 
 def dp_devices(config: TrainConfig) -> list[int] | list[str]:

@@ -1,5 +1,7 @@
 """``ddpkit train --on-failure continue``: the training command on :class:`~ddpkit.train.survive.FaultTolerance`.
 
+With ``--strategy ps-sync|ps-async`` the workers are those of
+:mod:`ddpkit.train.survive_servers` (the servers step); otherwise the engine's.
 Two ways in, as for the default mode:
 
 * ``ddpkit train --on-failure continue`` alone claims the run directory and
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -39,16 +40,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddpkit.data.datasets import load_dataset
 from ddpkit.runtime import membership
 from ddpkit.runtime.discovery import discover
-from ddpkit.runtime.group import init, shutdown
+from ddpkit.runtime.group import shutdown
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
-from ddpkit.train.checkpoint import save_weights, write_atomic
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.recipe import autocast_for, build_state, make_deterministic
+from ddpkit.train.checkpoint import save_weights, write_or_warn
+from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.evaluate import evaluate_alone
+from ddpkit.train.recipe import autocast_for, build_state, start_survivor
 from ddpkit.train.survive import FaultTolerance, Step
+from ddpkit.train.survive_servers import worker as servers_worker
 
 __all__ = ["train"]
 
@@ -65,9 +67,10 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
         ConfigError: settings the mode cannot run, or a launcher other than ``ddpkit launch --on-failure continue``.
         RunError: every worker died.
     """
+    servers = config.strategy in SERVER_STRATEGIES
     if os.environ.get(membership.FD_ENV):
         try:
-            return worker(config)
+            return servers_worker(config) if servers else worker(config)
         finally:
             shutdown()
     place = discover(os.environ, master_needed=False)
@@ -86,7 +89,8 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
         os.environ[CONFIG_ENV] = json.dumps(settings)
         code = run(LaunchConfig(program="ddpkit.train.survive_loop", module=True, nproc_per_node=nproc,
                                 standalone=True, on_failure="continue", max_restarts=config.max_restarts,
-                                backend=config.backend))
+                                backend=config.backend, num_servers=config.num_servers if servers else 0,
+                                ps_replication=config.ps_replication))
     finally:
         os.environ.pop(CONFIG_ENV, None)
         rundir.release()
@@ -124,20 +128,8 @@ class Progress:
 
 def worker(config: TrainConfig) -> dict[str, Any]:
     """One worker of the mode (see the module notes)."""
-    ctx = init(backend=config.backend)
-    if config.deterministic:
-        make_deterministic()
-    if config.output_dir is None:
-        raise ConfigError("--on-failure continue under ddpkit launch needs --output-dir: the same folder for every "
-                          "worker")
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
+    ctx, out, data = start_survivor(config)
     world = ctx.world_size  # the starting world: the global batch and the learning rate keep it
-    config.check_world(world)
-    data = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
-                        synthetic_samples=config.synthetic_samples)
     state = build_state(config, data, world, ctx.device)
     model, optimizer = state.model, state.optimizer
     x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
@@ -178,21 +170,6 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     return _finish(config, ft, progress, len(data.test), out, time.perf_counter() - start)
 
 
-def _evaluate(model: torch.nn.Module, test: Any, device: torch.device, autocast: Any) -> tuple[float, float, int]:
-    """Loss and accuracy over the whole test split, on this rank alone (no collective: members may die)."""
-    loss, correct = 0.0, 0
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(test), 256):
-            xb, yb = test.images[start : start + 256].to(device), test.labels[start : start + 256].to(device)
-            with autocast():
-                out = model(xb)
-            loss += float(F.cross_entropy(out.float(), yb, reduction="sum"))
-            correct += int((out.argmax(1) == yb).sum())
-    model.train()
-    return loss / len(test), correct / len(test), len(test)
-
-
 def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Progress, test: Any, out: Path,
                autocast: Any, elapsed: float) -> None:
     epoch = step.epoch + 1
@@ -201,7 +178,7 @@ def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Pr
                               "min_seen": int(progress.seen.min()), "max_seen": int(progress.seen.max()),
                               "world_size": ft.world_size, "epoch_time_s": round(elapsed, 4)}
     # Every member evaluates (the replicas are equal), so that every one holds the same history to hand on.
-    loss, accuracy, _ = _evaluate(ft.model, test, ft.device, autocast)
+    loss, accuracy, _ = evaluate_alone(ft.model, test, ft.device, autocast)
     record.update(test_loss=loss, test_accuracy=accuracy)
     if ft.rank == 0:
         print(f"epoch {epoch}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss {loss:.4f}, test "
@@ -210,14 +187,7 @@ def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Pr
     progress.seen.zero_()
     progress.loss_sum, progress.count = 0.0, 0
     if ft.rank == 0:
-        _write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in progress.history))
-
-
-def _write(path: Path, text: str) -> None:
-    try:
-        write_atomic(path, text.encode())
-    except OSError as e:
-        print(f"ddpkit train: warning: could not write {path}: {e}; training goes on", file=sys.stderr, flush=True)
+        write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in progress.history))
 
 
 def _write_changes(out: Path, ft: FaultTolerance) -> None:
@@ -240,7 +210,7 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
                "model": config.model, "dataset": config.dataset, "on_failure": "continue"}
     if ft.rank == 0:
         save_weights(out / "model.safetensors", ft.model.state_dict())
-        _write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {loss:.4f}), {config.epochs} epoch(s) "
               f"in {wall:.1f} s, {ft.world_size} worker(s) at the end after {len(ft.changes)} membership change(s); "
               f"weights in {out / 'model.safetensors'}", flush=True)

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,7 +49,7 @@ from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
 
 __all__ = [
     "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "ack_tag", "connect", "forward_tag",
-    "from_bytes", "header", "lost_peer", "ps_place", "recv_blob", "request", "to_bytes",
+    "from_bytes", "header", "lost_peer", "ps_place", "request", "to_bytes", "wait_for",
 ]
 
 HEADER = 8
@@ -67,6 +68,34 @@ def forward_tag(k: int) -> int:
 def ack_tag(k: int) -> int:
     """The tag of their acknowledgements."""
     return _TAG_CHAINS + 2 * k + 1
+
+
+_POLL_S = 0.002
+
+
+def wait_for(work: Any, gone: Callable[[], bool] | None = None, peer: str = "the peer") -> None:
+    """Wait for ``work`` (a send or receive). With ``gone``, stop waiting once it says the peer died (raised as a
+    lost peer, see :func:`lost_peer`): Gloo does not always fail a send or receive whose peer died in the middle
+    of a message (measured: a worker waited for a dead server's parameters, a server for its send to a dead
+    successor, until the test's timeout), so the launcher's word decides."""
+    if gone is None:
+        work.wait()
+        return
+    done, failure = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(e)
+        done.set()
+
+    threading.Thread(target=run, name="ps-wait", daemon=True).start()
+    while not done.wait(_POLL_S):
+        if gone():
+            raise RuntimeError(f"{peer}: connection closed (its launcher saw it die)")
+    if failure:
+        raise failure[0]
 
 
 def lost_peer(error: BaseException) -> bool:
@@ -206,10 +235,3 @@ def to_bytes(obj: Any) -> torch.Tensor:
 
 def from_bytes(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-
-
-def recv_blob(pg: dist.ProcessGroup, src: int, tag: int, nbytes: int) -> torch.Tensor:
-    data = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        pg.recv([data], src, tag).wait()
-    return data

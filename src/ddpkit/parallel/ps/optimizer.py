@@ -33,7 +33,6 @@ Example (under ``ddpkit launch --nproc-per-node 2 --num-servers 1 train.py``)::
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -55,6 +54,7 @@ from ddpkit.parallel.ps.channel import (
     ps_place,
     request,
     to_bytes,
+    wait_for,
 )
 from ddpkit.parallel.ps.keyrange import optimizer_class as importable_optimizer
 from ddpkit.runtime import events, membership
@@ -62,7 +62,6 @@ from ddpkit.runtime import events, membership
 __all__ = ["PSStats", "ParameterServerOptimizer", "partition"]
 
 MODES = ("sync", "async")
-_POLL_S = 0.002
 
 _channel: tuple[PSPlace, dist.ProcessGroup] | None = None
 
@@ -264,27 +263,11 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         )
 
     def _wait(self, work: Any, server: int) -> None:
-        """Wait for ``work`` with server ``server``. Under ``ddpkit launch --on-failure continue`` the launcher
-        says when a server dies, and the wait stops then (raised as a lost peer): Gloo does not always fail a
-        receive whose sender died halfway through its message."""
-        if self._membership is None:
-            work.wait()
-            return
-        done, failure = threading.Event(), []
-
-        def run() -> None:
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                failure.append(e)
-            done.set()
-
-        threading.Thread(target=run, name="ps-wait", daemon=True).start()
-        while not done.wait(_POLL_S):
-            if self._membership.server_gone(server):
-                raise RuntimeError(f"parameter server {server}: connection closed (its launcher saw it die)")
-        if failure:
-            raise failure[0]
+        """Wait for ``work`` with server ``server``; under ``ddpkit launch --on-failure continue`` the wait stops
+        when the launcher says the server died (see :func:`ddpkit.parallel.ps.channel.wait_for`)."""
+        watch = self._membership
+        wait_for(work, (lambda: watch.server_gone(server)) if watch is not None else None,
+                 f"parameter server {server}")
 
     def _send_blob(self, server: int, k: int, op: int, obj: Any) -> None:
         data = to_bytes(obj) if obj is not None else torch.zeros(0, dtype=torch.uint8)

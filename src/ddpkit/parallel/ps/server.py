@@ -48,10 +48,11 @@ from ddpkit.parallel.ps.channel import (
     header,
     lost_peer,
     ps_place,
-    recv_blob,
     to_bytes,
+    wait_for,
 )
 from ddpkit.parallel.ps.keyrange import KeyRange, Update, optimizer_class
+from ddpkit.runtime.membership import FD_ENV, Membership
 from ddpkit.runtime.process import exit_now, set_process_name
 
 __all__ = ["ParameterServer", "main", "optimizer_class"]
@@ -77,6 +78,14 @@ class ParameterServer:
         """The servers not known dead (a forward down a chain failed)."""
         self.failure: BaseException | None = None
         self._lock = threading.Lock()
+        fd = os.environ.get(FD_ENV)
+        self._watch = Membership(int(fd), -1, None, 60.0) if fd else None
+        """The launcher's word on deaths (``--on-failure continue``), for the waits on the other servers."""
+
+    def _wait(self, work: Any, s: int) -> None:
+        """Wait for ``work`` with server ``s`` (stopped once the launcher says it died)."""
+        watch = self._watch
+        wait_for(work, (lambda: watch.server_gone(s)) if watch is not None else None, f"parameter server {s}")
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
@@ -125,12 +134,12 @@ class ParameterServer:
         else:
             blob = to_bytes(update.blob)
             head, payload = header(Op.FORWARD, _KINDS.index(update.kind), 0, 0, blob.numel()), [blob]
-        self.pg.send([head], dst, tag).wait()
+        self._wait(self.pg.send([head], dst, tag), s)
         for t in payload:
             if t.numel():
-                self.pg.send([t], dst, tag).wait()
+                self._wait(self.pg.send([t], dst, tag), s)
         ack = torch.zeros(HEADER, dtype=torch.int64)
-        self.pg.recv([ack], dst, ack_tag(k)).wait()
+        self._wait(self.pg.recv([ack], dst, ack_tag(k)), s)
 
     def _listen(self, k: int) -> None:
         """A thread per server before this one in range ``k``'s chain, taking what it hands down."""
@@ -144,24 +153,26 @@ class ParameterServer:
         while True:
             head = torch.zeros(HEADER, dtype=torch.int64)
             try:
-                self.pg.recv([head], src, tag).wait()
+                self._wait(self.pg.recv([head], src, tag), s)
                 kind = _KINDS[int(head[1])]
                 if kind == "apply":
                     have = torch.empty(len(key_range.params), dtype=torch.uint8)
                     grad = torch.empty_like(key_range.flat)
-                    for t in (have, grad):
-                        if t.numel():
-                            self.pg.recv([t], src, tag).wait()
-                    update = Update("apply", int(head[2]), int(head[3]), grad, have)
+                    payload = [have, grad]
                 else:
-                    update = Update(kind, blob=from_bytes(recv_blob(self.pg, src, tag, int(head[4]))))
+                    payload = [torch.empty(int(head[4]), dtype=torch.uint8)]
+                for t in payload:
+                    if t.numel():
+                        self._wait(self.pg.recv([t], src, tag), s)
+                update = Update("apply", int(head[2]), int(head[3]), grad, have) if kind == "apply" \
+                    else Update(kind, blob=from_bytes(payload[0]))
             except RuntimeError as e:
                 if not lost_peer(e):
                     raise
                 return  # that server died; what it had not handed down whole was not acknowledged to anyone
             key_range.take(update)
             try:
-                self.pg.send([header(Op.FORWARD)], src, ack_tag(k)).wait()
+                self._wait(self.pg.send([header(Op.FORWARD)], src, ack_tag(k)), s)
             except RuntimeError as e:
                 if not lost_peer(e):
                     raise

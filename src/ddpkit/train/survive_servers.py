@@ -1,0 +1,109 @@
+"""``ddpkit train --strategy ps-sync|ps-async --on-failure continue``: the servers step, the workers go on.
+
+Each worker builds the default mode's model and optimizer (the learning rate
+scaled by the starting world size, ps-async's momentum compensated as in the
+default mode) and hands the optimizer to the ``--num-servers`` servers
+(:class:`ddpkit.ParameterServerOptimizer`, ``--ps-replication`` copies of
+each key range). It trains its own shard of every epoch (a
+``DistributedSampler`` of the starting world) and pushes each batch's
+gradient. A worker's death leaves the others training (ps-async: the
+servers stop waiting for it; ps-sync needs every worker and fails naming
+the one that left); its remaining data of the epoch is trained by nobody.
+A server's death is survived while every key range has a live server.
+
+At the end of each of its epochs a worker pulls the servers' parameters and
+evaluates on the whole test split alone; the first member of the current
+view writes ``metrics.jsonl`` (its own history). When every live worker is
+done (a barrier over the membership that survives deaths), each pulls the
+final parameters and the first member writes ``model.safetensors`` and
+``summary.json``. Buffers (BatchNorm's statistics) are each worker's own:
+the servers hold the parameters only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
+from ddpkit.runtime import membership
+from ddpkit.train.checkpoint import save_weights, write_or_warn
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.evaluate import evaluate_alone
+from ddpkit.train.recipe import autocast_for, build_state, start_survivor
+from ddpkit.train.strategy import async_momentum
+
+__all__ = ["worker"]
+
+
+def worker(config: TrainConfig) -> dict[str, Any]:
+    """One worker of the mode with parameter servers (see the module notes); the summary."""
+    ctx, out, data = start_survivor(config)
+    world, rank = ctx.world_size, ctx.rank
+    members = membership.current()
+    assert members is not None  # ddpkit.init() made it under the mode's launcher
+    state = build_state(config, data, world, ctx.device)
+    model = state.model
+    mode = "sync" if config.strategy == "ps-sync" else "async"
+    if mode == "async" and config.optimizer == "sgd":
+        for group in state.optimizer.param_groups:
+            group["momentum"] = async_momentum(config.momentum, world)
+    ps = ParameterServerOptimizer.from_optimizer(state.optimizer, mode=mode, staleness=config.staleness)
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed)
+    x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
+    autocast = autocast_for(config, ctx.device)
+    if rank == 0:
+        print(f"ddpkit train: {config.model} on {config.dataset}, --strategy {config.strategy} --on-failure continue "
+              f"with {world} worker(s), {config.num_servers} server(s) (replication {config.ps_replication}), lr "
+              f"{config.lr:g} x {world}, output {out}", flush=True)
+    history: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for epoch in range(config.epochs):
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler), dtype=torch.long)
+        loss_sum, count, began = 0.0, 0, time.perf_counter()
+        for at in range(0, len(order), config.batch_size):
+            b = order[at : at + config.batch_size]
+            ps.zero_grad(set_to_none=True)
+            with autocast():
+                logits = model(x[b])
+            loss = F.cross_entropy(logits.float(), y[b])
+            loss.backward()
+            ps.step()
+            loss_sum += float(loss.detach()) * len(b)
+            count += len(b)
+        ps.pull()
+        test_loss, accuracy, _ = evaluate_alone(model, data.test, ctx.device, autocast)
+        view = members.latest()
+        record = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss,
+                  "test_accuracy": accuracy, "workers": view.size, "servers_gone": list(view.servers_gone),
+                  "samples": count, "epoch_time_s": round(time.perf_counter() - began, 4), "rank": rank}
+        history.append(record)
+        if view.members[0] == members.member:
+            print(f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss "
+                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s), "
+                  f"{config.num_servers - len(view.servers_gone)} server(s))", flush=True)
+            write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+    view = members.barrier()  # every worker still alive has pushed its last gradient
+    ps.pull()
+    test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
+    wall = time.perf_counter() - start
+    summary = {"test_accuracy": accuracy, "test_loss": test_loss, "test_samples": n, "epochs": config.epochs,
+               "world_size": view.size, "started_with": world, "servers": config.num_servers,
+               "servers_gone": list(view.servers_gone), "ps_replication": config.ps_replication,
+               "strategy": config.strategy, "wall_time_s": round(wall, 3), "model": config.model,
+               "dataset": config.dataset, "on_failure": "continue", "ps": ps.stats.as_dict()}
+    if view.members[0] == members.member:
+        save_weights(out / "model.safetensors", model.state_dict())
+        write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "
+              f"epoch(s) in {wall:.1f} s, {view.size} of {world} worker(s) and "
+              f"{config.num_servers - len(view.servers_gone)} of {config.num_servers} server(s) at the end; weights "
+              f"in {out / 'model.safetensors'}", flush=True)
+    ps.close()
+    return summary

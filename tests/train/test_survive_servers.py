@@ -1,0 +1,96 @@
+"""``ddpkit train --strategy ps-sync|ps-async --on-failure continue``: the parameter servers' strategies through deaths.
+
+Real processes: ``ddpkit train`` starts its workers and servers through ``ddpkit launch --on-failure continue``;
+the test SIGKILLs a worker and a server from outside once the first epoch is written, and compares the run with
+the same run without a death.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import ROOT, base_env, children
+
+MNIST = ROOT.parent / "shared" / "data" / "mnist"
+
+
+def _args(out: Path, strategy: str, epochs: int, workers: int = 3, mode: tuple[str, ...] = (
+        "--ps-replication", "2", "--on-failure", "continue")) -> list[str]:
+    return [sys.executable, "-m", "ddpkit", "train", "--strategy", strategy, "--num-servers", "2", *mode,
+            "--nproc-per-node", str(workers), "--epochs", str(epochs), "--dataset", "mnist", "--data-dir", str(MNIST),
+            "--no-progress", "--output-dir", str(out)]
+
+
+def _processes(root: int) -> list[int]:
+    """Every descendant of ``root``."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for child, _ in children(pid):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _find(root: int, *, rank: int | None = None, server: int | None = None) -> int:
+    for pid in _processes(root):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if server is not None and comm == f"ddpkit-server{server}":
+            return pid
+        if rank is not None and f"RANK={rank}".encode() in environ and b"DDPKIT_ROLE=server" not in environ \
+                and any(b"DDPKIT_FT_MEMBER=" in e for e in environ):
+            return pid
+    raise AssertionError(f"no process of rank {rank} / server {server} under {root}")
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("two runs of three workers and two servers on MNIST, one with a worker's and a server's death")
+def test_ps_async_trains_on_through_a_worker_and_a_server_death_to_the_same_accuracy(tmp_path: Path) -> None:
+    plain = subprocess.run(_args(tmp_path / "plain", "ps-async", 3), env=base_env(), capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_args(out, "ps-async", 3), env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first epoch"
+        time.sleep(0.05)
+    os.kill(_find(proc.pid, rank=2), signal.SIGKILL)
+    os.kill(_find(proc.pid, server=0), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "member 2 (rank 2 at the start) died" in stderr and "parameter server 0 died" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    reference = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["servers_gone"] == [0]
+    # Rank 2's data after its death is not trained (asynchronous servers): a little less data, the same model.
+    assert summary["test_accuracy"] > reference["test_accuracy"] - 0.02, (summary, reference)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+def test_ps_sync_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
+    # The servers make DDP's update in both; rank 0 evaluates with its own buffers in both.
+    from safetensors.torch import load_file
+
+    for name, mode in (("default", ()), ("continue", ("--ps-replication", "2", "--on-failure", "continue"))):
+        done = subprocess.run(_args(tmp_path / name, "ps-sync", 1, workers=2, mode=mode), env=base_env(),
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-3000:]
+    default, survive = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("default", "continue"))
+    assert survive["test_accuracy"] == default["test_accuracy"] > 0.9
+    assert survive["world_size"] == 2 and survive["servers_gone"] == []
+    a, b = load_file(tmp_path / "default" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
