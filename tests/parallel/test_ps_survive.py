@@ -7,6 +7,7 @@ same run without a death, or counted update by update.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,16 @@ def test_a_synchronous_job_that_loses_a_worker_fails_at_once_saying_why(tmp_path
     assert "failed first: exit code 1" in done.stderr
     assert "worker 1 left" in done.stderr
     assert "its key ranges are served by the next server" not in done.stderr
+
+
+def test_a_worker_that_dies_before_the_channel_is_built_ends_the_job_at_once(tmp_path: Path) -> None:
+    # The channel is one group of every worker and server: without the launcher's word the others would wait
+    # for the dead one until the channel's timeout (300 s).
+    start = time.monotonic()
+    done = _run(tmp_path / "run", "--exit-early", "1")
+    assert done.returncode != 0
+    assert "worker(s) 1 died before it was built" in done.stderr
+    assert time.monotonic() - start < 60
 
 
 def test_key_ranges_are_lost_only_when_a_whole_chain_died() -> None:

@@ -10,9 +10,12 @@ its steps were answered to ``OUT/acked{R}`` after each one.
 
 ``--kill-server K@STEP``: worker 0 SIGKILLs the job's server K before its step STEP.
 ``--kill-self R@SECONDS``: worker R SIGKILLs itself that long after its first step, wherever it is.
+Every worker writes the wall time (``time.time()``) at which each of its steps was answered to
+``OUT/times{R}.json``, and worker 0 the moment of its kill to ``OUT/killed_at``.
 """
 
 import argparse
+import json
 import os
 import signal
 import threading
@@ -31,6 +34,7 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--kill-server", default="")
 parser.add_argument("--kill-self", default="")
 parser.add_argument("--out", required=True)
+parser.add_argument("--exit-early", type=int, default=-1, help="this worker exits 3 before joining the servers")
 args = parser.parse_args()
 rank = int(os.environ["RANK"])
 out = Path(args.out)
@@ -51,6 +55,8 @@ def server_pid(k: int) -> int:
 
 
 ddpkit.init()
+if rank == args.exit_early:
+    raise SystemExit(3)
 torch.manual_seed(0)
 if args.model == "mlp":
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -62,9 +68,11 @@ else:
 kill_server = tuple(map(int, args.kill_server.split("@"))) if args.kill_server else None
 kill_self = args.kill_self.split("@") if args.kill_self else None
 g = torch.Generator().manual_seed(100 + rank)
+answered = []
 for step in range(args.steps):
     if kill_server and rank == 0 and step == kill_server[1]:
         os.kill(server_pid(kill_server[0]), signal.SIGKILL)
+        (out / "killed_at").write_text(repr(time.time()))
     opt.zero_grad()
     if args.model == "mlp":
         x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
@@ -75,6 +83,7 @@ for step in range(args.steps):
     if step == 1 and kill_self and int(kill_self[0]) == rank:
         threading.Timer(float(kill_self[1]), os.kill, (os.getpid(), signal.SIGKILL)).start()
     opt.step()
+    answered.append(time.time())
     if args.model == "ones":
         (out / f"acked{rank}.tmp").write_text(str(step + 1))
         os.replace(out / f"acked{rank}.tmp", out / f"acked{rank}")  # whole, even when this process is killed
@@ -86,4 +95,5 @@ if args.model == "ones":
         time.sleep(0.01)
     opt.pull()
 torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{rank}.pt")
+(out / f"times{rank}.json").write_text(json.dumps(answered))
 opt.close()

@@ -194,7 +194,8 @@ class LaunchConfig:
     num_servers: int = option(
         0, "parameter server processes to start on node 0 beside the workers (python -m ddpkit.parallel.ps.server: "
         "ddpkit.ParameterServerOptimizer, ddpkit train --strategy ps-sync|ps-async); their channel listens on "
-        "MASTER_PORT + 1 unless DDPKIT_PS_PORT says; they stop when every worker has finished", metavar="K",
+        "a free port on one node, MASTER_PORT + 1 across nodes, unless DDPKIT_PS_PORT says; they stop when every "
+        "worker has finished", metavar="K",
     )
     ps_replication: int = option(
         1, "on how many parameter servers each key range of the parameters lives (chain replication): with R, "

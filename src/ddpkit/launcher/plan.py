@@ -12,7 +12,15 @@ from string import Template
 
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV
-from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, SERVER_MODULE, server_env, worker_env
+from ddpkit.runtime.process import (
+    NUM_SERVERS_ENV,
+    PS_PORT_ENV,
+    PS_REPLICATION_ENV,
+    SERVER_MODULE,
+    free_port,
+    server_env,
+    worker_env,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +101,9 @@ def plan_workers(
     """
     cfg, nproc = launch.config, launch.nproc
     slot = slot or NodeSlot.static(launch, master_port)
+    # On one node the servers' channel gets a port of its own that is free now (MASTER_PORT + 1 may not be);
+    # across nodes every node must name the same one, so MASTER_PORT + 1 stays the rule there.
+    ps_port = str(free_port()) if cfg.num_servers and slot.nnodes == 1 and not base_env.get(PS_PORT_ENV) else None
     workers = []
     for local_rank in range(nproc):
         rank = slot.rank_base + local_rank
@@ -122,6 +133,8 @@ def plan_workers(
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if cfg.num_servers:
             env[NUM_SERVERS_ENV] = str(cfg.num_servers)
+            if ps_port:
+                env[PS_PORT_ENV] = ps_port
             if cfg.ps_replication > 1:
                 env[PS_REPLICATION_ENV] = str(cfg.ps_replication)
         workers.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=worker_argv(launch, local_rank), env=env))

@@ -126,6 +126,12 @@ class Membership:
                                    "ddpkit launch --on-failure continue?")
             return self._views[-1]
 
+    def left(self, members: range | list[int]) -> list[int]:
+        """Which of ``members`` the newest view no longer has (none before the first view)."""
+        with self._cond:
+            newest = self._views[-1].members if self._views else None
+        return [] if newest is None else [m for m in members if m not in newest]
+
     def server_gone(self, server: int) -> bool:
         """Whether the launcher announced parameter server ``server``'s death."""
         with self._cond:

@@ -49,7 +49,7 @@ from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
 
 __all__ = [
     "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "ack_tag", "connect", "forward_tag",
-    "from_bytes", "header", "lost_peer", "ps_place", "request", "to_bytes", "wait_for",
+    "from_bytes", "header", "lost_peer", "ps_place", "request", "to_bytes", "wait_for", "workers_lost",
 ]
 
 HEADER = 8
@@ -192,24 +192,54 @@ def ps_place(environ: Mapping[str, str] = os.environ) -> PSPlace | None:
                    master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), port=port, replication=replication)
 
 
-def connect(place: PSPlace, timeout: float = 300.0) -> dist.ProcessGroup:
+def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | None] | None = None,
+            ) -> dist.ProcessGroup:
     """The channel's Gloo group (see the module notes); worker 0 serves its store.
 
+    ``gone`` (under ``ddpkit launch --on-failure continue``) says why the channel can no longer be built (a
+    worker died before it was), and the wait stops then instead of at the timeout.
+
     Raises:
-        RuntimeError: the channel's members did not meet within ``timeout`` s, naming the address.
+        RuntimeError: the channel's members did not meet within ``timeout`` s (naming the address), or ``gone``
+            said why they never will.
     """
-    try:
-        store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1,
-                              place.role == "worker" and place.index == 0, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
-        return dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-ps/", store), place.rank,
-                                     place.workers + place.servers, timedelta(seconds=timeout))
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1,
+                                  place.role == "worker" and place.index == 0, timeout=timedelta(seconds=timeout),
+                                  wait_for_workers=False)
+            built["group"] = dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-ps/", store), place.rank,
+                                                   place.workers + place.servers, timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - torch raises several types here
+            built["error"] = e
+
+    if gone is None:
+        build()
+    else:
+        thread = threading.Thread(target=build, name="ps-connect", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.01)
+            if thread.is_alive() and (why := gone()):
+                raise RuntimeError(f"{place.role} {place.index} could not join the parameter servers' channel: "
+                                   f"{why}")
+    if "error" in built:
         raise RuntimeError(
             f"{place.role} {place.index} could not join the parameter servers' channel at "
-            f"{place.master_addr}:{place.port} ({e}): worker rank 0 serves it there ({PORT_ENV}, default "
+            f"{place.master_addr}:{place.port} ({built['error']}): worker rank 0 serves it there ({PORT_ENV}, default "
             "MASTER_PORT + 1); check that the port is free and the same for every process"
         ) from None
+    return built["group"]
+
+
+def workers_lost(left: list[int]) -> str | None:
+    """Why the channel cannot be built once the workers ``left`` died (None when none did)."""
+    if not left:
+        return None
+    return (f"worker(s) {', '.join(map(str, left))} died before it was built (the channel is one group of every "
+            "worker and server, made once), so this job cannot go on; see the first failure above")
 
 
 def header(op: int, *fields: int) -> torch.Tensor:

@@ -55,6 +55,7 @@ from ddpkit.parallel.ps.channel import (
     request,
     to_bytes,
     wait_for,
+    workers_lost,
 )
 from ddpkit.parallel.ps.keyrange import optimizer_class as importable_optimizer
 from ddpkit.runtime import events, membership
@@ -81,7 +82,12 @@ def _join() -> tuple[PSPlace, dist.ProcessGroup]:
             )
         if place.role != "worker":
             raise RuntimeError("ParameterServerOptimizer runs in the workers; this process is a parameter server")
-        _channel = (place, connect(place))
+        try:
+            watch = membership.current()
+        except RuntimeError:  # ddpkit.init() did not run: nobody tells this process of a death
+            watch = None
+        gone = (lambda: workers_lost(watch.left(range(place.workers)))) if watch is not None else None
+        _channel = (place, connect(place, gone=gone))
     return _channel
 
 

@@ -50,6 +50,7 @@ from ddpkit.parallel.ps.channel import (
     ps_place,
     to_bytes,
     wait_for,
+    workers_lost,
 )
 from ddpkit.parallel.ps.keyrange import KeyRange, Update, optimizer_class
 from ddpkit.runtime.membership import FD_ENV, Membership
@@ -67,7 +68,7 @@ class _WorkerGone(Exception):
 class ParameterServer:
     """Server ``place.index`` of the job: serves until every worker has said STOP or is gone (module notes)."""
 
-    def __init__(self, pg: dist.ProcessGroup, place: PSPlace) -> None:
+    def __init__(self, pg: dist.ProcessGroup, place: PSPlace, watch: Membership | None = None) -> None:
         self.pg, self.place = pg, place
         self.workers = place.workers
         self.held = place.ranges_of(place.index)
@@ -78,8 +79,7 @@ class ParameterServer:
         """The servers not known dead (a forward down a chain failed)."""
         self.failure: BaseException | None = None
         self._lock = threading.Lock()
-        fd = os.environ.get(FD_ENV)
-        self._watch = Membership(int(fd), -1, None, 60.0) if fd else None
+        self._watch = watch
         """The launcher's word on deaths (``--on-failure continue``), for the waits on the other servers."""
 
     def _wait(self, work: Any, s: int) -> None:
@@ -296,7 +296,10 @@ def main() -> int:
         return 2
     set_process_name(f"ddpkit-server{place.index}")  # what ps and top show (the tests find it so, too)
     torch.set_num_threads(1)
-    ParameterServer(connect(place), place).serve()
+    fd = os.environ.get(FD_ENV)
+    watch = Membership(int(fd), -1, None, 60.0) if fd else None
+    gone = (lambda: workers_lost(watch.left(range(place.workers)))) if watch is not None else None
+    ParameterServer(connect(place, gone=gone), place, watch).serve()
     return 0
 
 
