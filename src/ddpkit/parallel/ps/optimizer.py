@@ -38,58 +38,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ddpkit.parallel.ps.channel import (
-    HEADER,
-    TAG_HEADER,
-    TAG_TO_SERVER,
-    TAG_TO_WORKER,
-    Op,
-    PSPlace,
-    connect,
-    from_bytes,
-    header,
-    lost_peer,
-    ps_place,
-    request,
-    to_bytes,
-    wait_for,
-    workers_lost,
-)
+from ddpkit.parallel.ps.channel import HEADER, TAG_HEADER, TAG_TO_WORKER, Op, from_bytes, request, to_bytes
 from ddpkit.parallel.ps.keyrange import optimizer_class as importable_optimizer
-from ddpkit.runtime import events, membership
+from ddpkit.parallel.ps.routes import Routes
+from ddpkit.runtime import events
 
 __all__ = ["PSStats", "ParameterServerOptimizer", "partition"]
 
 MODES = ("sync", "async")
-
-_channel: tuple[PSPlace, dist.ProcessGroup] | None = None
-
-
-def _join() -> tuple[PSPlace, dist.ProcessGroup]:
-    """This process's channel to the servers (joined once per process)."""
-    global _channel
-    if _channel is None:
-        try:
-            place = ps_place()
-        except ValueError as e:
-            raise ValueError(f"ParameterServerOptimizer: {e}") from None
-        if place is None:
-            raise RuntimeError(
-                "ParameterServerOptimizer: this job has no parameter servers (DDPKIT_NUM_SERVERS is unset): start it "
-                "with ddpkit launch --num-servers K ..., or ddpkit train --strategy ps-sync|ps-async"
-            )
-        if place.role != "worker":
-            raise RuntimeError("ParameterServerOptimizer runs in the workers; this process is a parameter server")
-        try:
-            watch = membership.current()
-        except RuntimeError:  # ddpkit.init() did not run: nobody tells this process of a death
-            watch = None
-        gone = (lambda: workers_lost(watch.left(range(place.workers)))) if watch is not None else None
-        _channel = (place, connect(place, gone=gone))
-    return _channel
-
 
 def partition(numels: list[int], servers: int) -> list[int]:
     """The server of each parameter: in order, to the server holding the fewest elements so far (ties: lowest)."""
@@ -201,20 +158,16 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise ValueError(f"ParameterServerOptimizer: the parameters are of dtypes {sorted(map(str, dtypes))}: "
                              "the servers keep one floating dtype; convert the model (model.float())")
-        self.place, self.pg = _join()
+        self.routes = Routes(next(iter(dtypes)))
+        self.place = self.routes.place
         self.servers = self.place.servers
         self.owner = partition([p.numel() for p in params], self.servers)
         self.shares = [[i for i, k in enumerate(self.owner) if k == s] for s in range(self.servers)]
         """The parameters of each key range."""
         self.numels = [sum(params[i].numel() for i in share) for share in self.shares]
+        self.routes.numels = self.numels
         self.dtype = next(iter(dtypes))
         self.versions = [0] * self.servers
-        self.dead: set[int] = set()
-        """Servers this worker found gone (their key ranges go to the next server of each chain)."""
-        try:
-            self._membership = membership.current()
-        except RuntimeError:  # ddpkit.init() did not run: nobody tells this process of a death
-            self._membership = None
         self.clock = 0
         self.stats = PSStats()
         self.closed = False
@@ -224,7 +177,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             for k in range(self.servers):
                 blob = self._setup_blob(k, state)
                 for s in self.place.chain(k):
-                    self._send_blob(s, k, Op.SETUP, blob)
+                    self.routes.send_blob(s, k, Op.SETUP, blob)
         self.pull()
 
     def _setup_blob(self, k: int, state: dict[str, Any] | None) -> dict[str, Any]:
@@ -253,35 +206,6 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     # -- messages ------------------------------------------------------------------------------------------------
 
-    def _head(self, k: int) -> int:
-        """The first live server of key range ``k``'s chain.
-
-        Raises:
-            RuntimeError: every server of the chain died.
-        """
-        for s in self.place.chain(k):
-            if s not in self.dead:
-                return s
-        raise RuntimeError(
-            f"ParameterServerOptimizer: key range {k} is lost: its server(s) {self.place.chain(k)} died "
-            f"(replication {self.place.replication}); start the job with a larger --ps-replication to survive "
-            "that many servers' deaths"
-        )
-
-    def _wait(self, work: Any, server: int) -> None:
-        """Wait for ``work`` with server ``server``; under ``ddpkit launch --on-failure continue`` the wait stops
-        when the launcher says the server died (see :func:`ddpkit.parallel.ps.channel.wait_for`)."""
-        watch = self._membership
-        wait_for(work, (lambda: watch.server_gone(server)) if watch is not None else None,
-                 f"parameter server {server}")
-
-    def _send_blob(self, server: int, k: int, op: int, obj: Any) -> None:
-        data = to_bytes(obj) if obj is not None else torch.zeros(0, dtype=torch.uint8)
-        dst = self.place.server_rank(server)
-        self._wait(self.pg.send([request(op, k, data.numel())], dst, TAG_HEADER), server)
-        if data.numel():
-            self._wait(self.pg.send([data], dst, TAG_TO_SERVER), server)
-
     def _receive_parameters(self, replies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         params = self._all()
         with torch.no_grad():
@@ -291,54 +215,6 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                     p = params[i]
                     p.copy_(flat[at : at + p.numel()].view_as(p))
                     at += p.numel()
-
-    def _exchange(self, requests: dict[int, list[torch.Tensor]], parameters: bool = True,
-                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Send each key range's head its request (header first), then receive each one's header (and, with
-        ``parameters``, the range's parameters). A head found dead is replaced by the next server of its chain,
-        which gets the request again (after the current settings, which the dead one may not have handed on):
-        a step it had applied already is answered, not applied twice."""
-        replies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        pending, moved = dict(requests), set()
-        while pending:
-            posted: dict[int, tuple[int, list[Any], torch.Tensor, torch.Tensor]] = {}
-            for k, tensors in pending.items():
-                s = self._head(k)
-                dst = self.place.server_rank(s)
-                head = torch.zeros(HEADER, dtype=torch.int64)
-                flat = torch.empty(self.numels[k] if parameters else 0, dtype=self.dtype)
-                works: list[Any] = []
-                try:
-                    if k in moved:
-                        self._send_blob(s, k, Op.SETTINGS, self._settings)
-                    works.append(self.pg.send([tensors[0]], dst, TAG_HEADER))
-                    works += [self.pg.send([t], dst, TAG_TO_SERVER) for t in tensors[1:] if t.numel()]
-                    works.append(self.pg.recv([head], dst, TAG_TO_WORKER))
-                    if flat.numel():
-                        works.append(self.pg.recv([flat], dst, TAG_TO_WORKER))
-                except RuntimeError as e:
-                    if not lost_peer(e):
-                        raise
-                    works.append(None)  # found dead while sending
-                posted[k] = (s, works, head, flat)
-            failed = {}
-            for k, (s, works, head, flat) in posted.items():
-                try:
-                    for w in works:
-                        if w is None:
-                            raise RuntimeError("connection closed")
-                        self._wait(w, s)
-                    replies[k] = (head, flat)
-                except RuntimeError as e:
-                    if not lost_peer(e):
-                        raise
-                    self.dead.add(s)
-                    failed[k] = pending[k]
-            for s in {posted[k][0] for k in failed}:
-                events.collective(f"parameter servers: server {s} is gone, its key ranges go to the next server of "
-                                  "their chains", nbytes=0)
-            pending, moved = failed, moved | set(failed)
-        return dict(sorted(replies.items()))
 
     # -- the optimizer -------------------------------------------------------------------------------------------
 
@@ -368,7 +244,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         events.collective("parameter servers: push gradients, pull parameters",
                           nbytes=4 * sum(self.numels) + len(params))
         start = time.perf_counter()
-        replies = self._exchange(requests)
+        replies = self.routes.exchange(requests, self._settings)
         self.stats.wait_s += time.perf_counter() - start
         self._receive_parameters(replies)
         lag = lead = bound = 0
@@ -385,45 +261,34 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     def _tell_settings(self, k: int) -> None:
         """The current settings to key range ``k``'s head (it hands them down its chain)."""
-        while True:
-            s = self._head(k)
-            try:
-                self._send_blob(s, k, Op.SETTINGS, self._settings)
-                return
-            except RuntimeError as e:
-                if not lost_peer(e):
-                    raise
-                self.dead.add(s)
+        self.routes.on_head(k, lambda s: self.routes.send_blob(s, k, Op.SETTINGS, self._settings))
 
     def pull(self) -> None:
         """Copy the servers' current parameters into this worker's (for an evaluation or a checkpoint in async
         mode, after the workers met: ``ddpkit.barrier()``; in sync mode they are current after every step)."""
         self._check_open()
-        replies = self._exchange({k: [request(Op.PULL, k)] for k in range(self.servers)})
+        replies = self.routes.exchange({k: [request(Op.PULL, k)] for k in range(self.servers)}, self._settings)
         self._receive_parameters(replies)
         for k, (head, _) in replies.items():
             self.versions[k] = int(head[1])
 
     def _fetch_state(self) -> dict[str, Any]:
         self._check_open()
+        routes = self.routes
+
+        def fetch(s: int, k: int) -> dict[int, Any]:
+            src = self.place.server_rank(s)
+            routes.wait(routes.pg.send([request(Op.STATE, k)], src, TAG_HEADER), s)
+            head = torch.zeros(HEADER, dtype=torch.int64)
+            routes.wait(routes.pg.recv([head], src, TAG_TO_WORKER), s)
+            blob = torch.empty(int(head[1]), dtype=torch.uint8)
+            if blob.numel():
+                routes.wait(routes.pg.recv([blob], src, TAG_TO_WORKER), s)
+            return from_bytes(blob)
+
         merged: dict[int, Any] = {}
         for k in range(self.servers):
-            while True:
-                s = self._head(k)
-                src = self.place.server_rank(s)
-                try:
-                    self._wait(self.pg.send([request(Op.STATE, k)], src, TAG_HEADER), s)
-                    head = torch.zeros(HEADER, dtype=torch.int64)
-                    self._wait(self.pg.recv([head], src, TAG_TO_WORKER), s)
-                    blob = torch.empty(int(head[1]), dtype=torch.uint8)
-                    if blob.numel():
-                        self._wait(self.pg.recv([blob], src, TAG_TO_WORKER), s)
-                    merged.update(from_bytes(blob))
-                    break
-                except RuntimeError as e:
-                    if not lost_peer(e):
-                        raise
-                    self.dead.add(s)
+            merged.update(routes.on_head(k, lambda s, k=k: fetch(s, k)))
         return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": self._indexed_groups()}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -454,7 +319,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 if self.place.index == 0 else torch.zeros(0, dtype=torch.uint8)
             requests[k] = [request(Op.LOAD, k, blob.numel()), blob]
         # The LOAD is made on every server of a chain once every worker sent it (the replies say so).
-        self._exchange(requests, parameters=False)
+        self.routes.exchange(requests, self._settings, parameters=False)
         self._consolidated = None
 
     def close(self) -> None:
@@ -462,15 +327,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         if self.closed:
             return
         self.closed = True
-        for s in range(self.servers):
-            if s in self.dead:
-                continue
-            try:
-                self._wait(self.pg.send([header(Op.STOP)], self.place.server_rank(s), TAG_HEADER), s)
-            except RuntimeError as e:
-                if not lost_peer(e):
-                    raise
-                self.dead.add(s)
+        self.routes.stop()
 
     def _check_open(self) -> None:
         if self.closed:
