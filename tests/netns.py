@@ -72,3 +72,42 @@ exec ip netns exec "$ns" /bin/sh -c "$*"
 """)
     agent.chmod(0o755)
     return agent
+
+
+@contextmanager
+def bridged_nodes(count: int) -> Iterator[tuple[list[str], list[str], list[str]]]:
+    """Yield ``(names, addresses, links)`` of ``count`` namespaces on one bridge; ``links[k]`` is node k's cable
+    (its veth end on the bridge: ``ip link set LINK down`` cuts node k off).
+
+    Skips the test (with the reason) where namespaces cannot be made.
+    """
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 (ip netns) for multi-node tests")
+    tag = f"dk{os.getpid() % 100000}"
+    names = [f"{tag}n{k}" for k in range(count)]
+    links = [f"{tag}h{k}" for k in range(count)]
+    octet = 10 + os.getpid() % 200
+    addresses = [f"10.{octet}.1.{k + 1}" for k in range(count)]
+    bridge = f"{tag}br"
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"a bridge cannot be made here: {e.stderr.strip()}")
+    try:
+        _ip("link", "set", bridge, "up")
+        for name, link, address in zip(names, links, addresses):
+            _ip("netns", "add", name)
+            _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+            _ip("link", "set", f"{link}p", "netns", name)
+            _ip("link", "set", link, "master", bridge)
+            _ip("link", "set", link, "up")
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", f"{link}p")
+            _ip("-n", name, "link", "set", f"{link}p", "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield names, addresses, links
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for link in links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,3 +88,62 @@ def wait_for(condition: Callable[[], bool], timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the run never reached the kill point")
         time.sleep(0.005)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+class Streamed:
+    """A process (a node's launcher), its output read as it comes, so that a test waits for a line instead of
+    sleeping."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.lines: tuple[list[str], list[str]] = ([], [])
+        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                        for stream, lines in zip((self.proc.stdout, self.proc.stderr), self.lines)]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            lines.append(line)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        """Until ``text`` is in this node's output (stdout or stderr)."""
+        deadline = time.monotonic() + timeout
+
+        def seen() -> bool:
+            return any(text in line for lines in self.lines for line in lines)
+
+        while not seen():
+            if self.proc.poll() is not None:
+                for reader in self.readers:
+                    reader.join(timeout=10)  # what it printed before it ended
+                assert seen(), f"the node ended without {text!r}: {self.lines}"
+                return
+            assert time.monotonic() < deadline, f"{text!r} not within {timeout} s: {self.lines}"
+            time.sleep(0.05)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        self.proc.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return "".join(self.lines[0]), "".join(self.lines[1])

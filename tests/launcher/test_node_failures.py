@@ -6,87 +6,30 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from ddpkit.runtime.process import free_port
 from tests.netns import in_namespace, two_nodes, veth_end
-from tests.procs import SCRIPTS, base_env
-
-
-class _Node:
-    """A node's launcher, its output read as it comes, so that a test waits for a line instead of sleeping."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self.pid = self.proc.pid
-        self.lines: tuple[list[str], list[str]] = ([], [])
-        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                        for stream, lines in zip((self.proc.stdout, self.proc.stderr), self.lines)]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, lines: list[str]) -> None:  # type: ignore[no-untyped-def]
-        for line in stream:
-            lines.append(line)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait_for(self, text: str, timeout: float = 60) -> None:
-        """Until ``text`` is in this node's output (stdout or stderr)."""
-        deadline = time.monotonic() + timeout
-
-        def seen() -> bool:
-            return any(text in line for lines in self.lines for line in lines)
-
-        while not seen():
-            if self.proc.poll() is not None:
-                for reader in self.readers:
-                    reader.join(timeout=10)  # what it printed before it ended
-                assert seen(), f"the node ended without {text!r}: {self.lines}"
-                return
-            assert time.monotonic() < deadline, f"{text!r} not within {timeout} s: {self.lines}"
-            time.sleep(0.05)
-
-    def communicate(self, timeout: float) -> tuple[str, str]:
-        self.proc.wait(timeout=timeout)
-        for reader in self.readers:
-            reader.join(timeout=10)
-        return "".join(self.lines[0]), "".join(self.lines[1])
+from tests.procs import SCRIPTS, Streamed, alive, base_env
 
 
 def _node(node: int, port: int, mode: str, *flags: str, addr: str = "127.0.0.1", prefix: list[str] | None = None,
-          **env: str) -> _Node:
+          **env: str) -> Streamed:
     argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
             "1", "--master-addr", addr, "--master-port", str(port), "--rdzv-id", "nodes-test", *flags,
             str(SCRIPTS / "nodes.py"), mode]
-    return _Node((prefix or []) + argv, base_env(**env))
+    return Streamed((prefix or []) + argv, base_env(**env))
 
 
-def _finish(procs: list[_Node], timeout: float) -> list[tuple[str, str]]:
+def _finish(procs: list[Streamed], timeout: float) -> list[tuple[str, str]]:
     try:
         return [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _pids(out: str) -> list[int]:
@@ -105,7 +48,7 @@ def test_a_crash_on_one_node_stops_every_node_and_names_it():
     assert "RuntimeError: deliberate failure on rank 1" in err0
     assert "stopped this node's workers" in err0
     assert "DONE" not in out0 and took < 45
-    assert not any(_alive(pid) for pid in _pids(out0))
+    assert not any(alive(pid) for pid in _pids(out0))
 
 
 @pytest.mark.slow("two launchers, a crash and a second round of fresh workers on each node")
@@ -139,7 +82,7 @@ def test_a_killed_node_is_named_by_the_others_and_nothing_is_left_running():
     assert procs[0].returncode == 1
     assert "node 1 failed first: its launcher stopped answering" in err0, err0
     assert took < 20, took
-    assert not any(_alive(pid) for pid in _pids(out0))
+    assert not any(alive(pid) for pid in _pids(out0))
 
 
 @pytest.mark.slow("two network namespaces, then DDPKIT_TIMEOUT (10 s) of silence before both nodes end")

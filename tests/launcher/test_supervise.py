@@ -13,23 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import ROOT, SCRIPTS, base_env, launch, script
+from procs import ROOT, SCRIPTS, alive, base_env, launch, script
 
 from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.job import standalone_addr
 from ddpkit.launcher.output import LogLayout, Pump
 from ddpkit.launcher.supervise import WorkerGroup, extract_traceback
 from ddpkit.runtime.process import Interrupted, SignalCatcher, free_port
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is dead for our purposes.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 def test_ddpkit_script_gets_the_torchrun_env_contract():
@@ -116,9 +106,9 @@ def test_crash_reports_the_root_cause_and_leaves_nothing_behind(tmp_path):
     pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert len(pids) == 2
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), "a worker's child outlived the launcher"
+    assert not any(alive(pid) for pid in pids), "a worker's child outlived the launcher"
 
 
 @pytest.mark.slow("a launched job restarted, fresh workers each round")
@@ -147,7 +137,7 @@ def test_a_signal_to_the_launcher_tears_the_group_down(sig):
     assert proc.wait(timeout=30) == 128 + sig
     assert f"received {sig.name}: stopping all workers" in proc.stderr.read()
     time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.slow("two launchers and their workers")

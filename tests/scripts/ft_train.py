@@ -2,8 +2,9 @@
 
 Environment: ``KILL=MEMBER:STEP[,MEMBER:STEP...]`` makes that member SIGKILL itself at the start of that step
 (in the middle of its micro-batches); ``DET=1`` the deterministic mode; ``EPOCHS`` (default 2); ``SLEEP`` seconds
-after each step (time for a replacement to start); ``OUT`` where the first member saves the
-final state dict and a JSON account (its membership changes, steps, the samples each step reduced).
+after each step (time for a replacement to start); ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
+first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
+reduced).
 """
 
 import json
@@ -28,6 +29,9 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
 ft = ddpkit.FaultTolerance(model, opt, TensorDataset(x, y), batch_size=48, virtual_shards=6,
                            deterministic=os.environ.get("DET") == "1", state={"scheduler": sched})
 member = int(os.environ.get("DDPKIT_FT_MEMBER", "0"))
+if os.environ.get("PIDS"):
+    with open(os.environ["PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\n")
 kills = {tuple(map(int, k.split(":"))) for k in os.environ.get("KILL", "").split(",") if k}
 trained = {}
 for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):

@@ -97,9 +97,13 @@ def test_deterministic_shards_need_the_mode_and_a_fitting_count() -> None:
         TrainConfig(on_failure="continue", deterministic_shards=2, batch_size=32).check_world(4)
 
 
-def test_launch_refuses_the_mode_across_nodes_and_replacements_beside_servers() -> None:
-    with pytest.raises(ConfigError, match="runs on one node"):
-        LaunchConfig(program="x.py", on_failure="continue", nnodes=2, master_addr="127.0.0.1")
+def test_launch_refuses_elastic_nodes_servers_across_nodes_and_replacements_beside_servers() -> None:
+    LaunchConfig(program="x.py", on_failure="continue", nnodes=3, node_rank=1, master_addr="127.0.0.1")
+    with pytest.raises(ConfigError, match="an elastic range is not built"):
+        LaunchConfig(program="x.py", on_failure="continue", nnodes="2:3", rdzv_backend="c10d",
+                     rdzv_endpoint="127.0.0.1:29400")
+    with pytest.raises(ConfigError, match="survive deaths on one node only"):
+        LaunchConfig(program="x.py", on_failure="continue", nnodes=3, num_servers=1, master_addr="127.0.0.1")
     with pytest.raises(ConfigError, match="cannot take a seat in the parameter servers' channel"):
         LaunchConfig(program="x.py", on_failure="continue", num_servers=1, max_restarts=1)
     LaunchConfig(program="x.py", on_failure="continue", num_servers=2, ps_replication=2)

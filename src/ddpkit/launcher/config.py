@@ -104,7 +104,8 @@ class LaunchConfig:
     on_failure: str = option(
         "restart", "what a worker's death does: restart (stop every worker; restart them all while "
         "--max-restarts allows) or continue (the survivors go on in the same processes, the job's membership "
-        "changes; see ddpkit.FaultTolerance)", choices=["restart", "continue"],
+        "changes; see ddpkit.FaultTolerance; across --nnodes N the launchers decide each membership by "
+        "majority)", choices=["restart", "continue"],
     )
     rdzv_backend: str = option(
         "static", "static (node ranks from --node-rank) or c10d (nodes agree on ranks and world size at "
@@ -263,10 +264,15 @@ class LaunchConfig:
     def _check_on_failure(self, high: int) -> None:
         if self.on_failure != "continue":
             return
-        if high != 1:
-            raise ConfigError(f"--on-failure continue with --nnodes {self.nnodes}: the mode runs on one node for "
-                              "now (several nodes need a membership their agents agree on, not built yet); use "
-                              "--on-failure restart across nodes")
+        if high != 1 and (node_range(self.nnodes)[0] != high or self.rdzv_backend == "c10d"):
+            raise ConfigError(f"--on-failure continue with --nnodes {self.nnodes}"
+                              f"{' and --rdzv-backend c10d' if self.rdzv_backend == 'c10d' else ''}: across nodes "
+                              "the mode starts with a fixed set of nodes (--nnodes N, --node-rank on each) whose "
+                              "launchers then decide each membership by majority; an elastic range is not built")
+        if high != 1 and self.num_servers:
+            raise ConfigError(f"--on-failure continue with --num-servers {self.num_servers} and --nnodes "
+                              f"{self.nnodes}: the parameter servers survive deaths on one node only (they all "
+                              "run on node 0); use one node, or --on-failure restart")
         if self.num_servers and self.max_restarts:
             raise ConfigError(f"--on-failure continue with --num-servers {self.num_servers} and --max-restarts "
                               f"{self.max_restarts}: a replacement cannot take a seat in the parameter servers' "

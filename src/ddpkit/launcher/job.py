@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from ddpkit.launcher.agent_store import AgentStore
 from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.council import Council, take_seat
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.mpi_group import MPIWorkerGroup
 from ddpkit.launcher.output import LogLayout
@@ -167,6 +168,8 @@ class _Job:
         self.store: AgentStore | None = None
         """One node: the store the launcher serves for every round (see :mod:`ddpkit.launcher.agent_store`)."""
         self.group: WorkerGroup | None = None
+        self.council: Council | None = None
+        """Several nodes under ``--on-failure continue``: the agents' majority membership."""
 
     def _round(self, attempt: int, restart_count: int, slot: NodeSlot,
                watch: Callable[[], RemoteFailure | str | None] | None) -> Failure | RemoteFailure | str | None:
@@ -178,7 +181,8 @@ class _Job:
                              slot=slot, error_files=errors)
         mpi = os.environ.get("DDPKIT_BACKEND", "").strip().lower() == "mpi"
         if launch.config.on_failure == "continue":
-            self.group = SurvivingGroup(launch, self.layout, replacements=launch.config.max_restarts)
+            self.group = SurvivingGroup(launch, self.layout, replacements=launch.config.max_restarts,
+                                        council=self.council)
         else:
             self.group = (MPIWorkerGroup if mpi else WorkerGroup)(launch, self.layout)
         self.group.start(specs, self.signals)
@@ -189,7 +193,7 @@ class _Job:
             self.group.finish()
         else:
             self.group.stop()
-        if isinstance(outcome, Failure) and self.rdzv is not None:
+        if isinstance(outcome, Failure) and self.rdzv is not None and self.council is None:
             # Another node stopped its workers for a membership change before
             # this one looked: the broken connection is that, not a failure.
             if change := self.rdzv.declared_change(attempt):
@@ -197,7 +201,7 @@ class _Job:
         if isinstance(outcome, RemoteFailure):
             say(f"{outcome.describe()}\nstopped this node's workers")
         elif isinstance(outcome, Failure):
-            cause = _share(self.rdzv, attempt, slot.node_rank, outcome) if self.rdzv else None
+            cause = _share(self.rdzv, attempt, slot.node_rank, outcome) if self.rdzv and not self.council else None
             report(outcome)
             if cause is not None and cause.node != slot.node_rank:
                 say(f"root cause on another node: {cause.describe()}")
@@ -219,6 +223,8 @@ class _Job:
         launch, rdzv, port = self.launch, self.rdzv, self.port
         max_restarts = launch.config.max_restarts if launch.config.on_failure == "restart" else 0
         first = rdzv.current_round() if rdzv else 0
+        if rdzv and launch.config.on_failure == "continue":
+            return self.council_round(rdzv)
         if first:
             say(f"joining the job in progress at restart round {first}")
         for attempt in range(first, max_restarts + 1):
@@ -241,6 +247,30 @@ class _Job:
             elif rdzv:
                 rdzv.finish(attempt, ok=False)
         return 1
+
+    def council_round(self, rdzv: NodeRendezvous) -> int:
+        """Several nodes under ``--on-failure continue``: one round, its memberships decided by the agents'
+        majority (:mod:`ddpkit.launcher.council`); the first store is needed only to meet."""
+        launch = self.launch
+        try:
+            self.council, served = take_seat(rdzv, node=rdzv.node, nnodes=launch.nnodes, nproc=launch.nproc,
+                                             master_addr=self.master_addr, port=self.port, token=self.token,
+                                             timeout_s=rendezvous_timeout())
+        except RuntimeError as e:
+            say(str(e))
+            return 1
+        rdzv.begin(0)
+        rdzv.close()  # its heartbeats to node 0's store: the council's beats judge the nodes from now on
+        if rdzv.node == 0 and launch.nnodes == 2:
+            say("--on-failure continue with 2 nodes: a worker's death is survived, a node's loss is not (neither "
+                "node alone is a majority); use 3 or more nodes to survive one")
+        try:
+            outcome = self._round(0, 0, NodeSlot.static(launch, self.port, self.master_addr), None)
+        finally:
+            self.council.close()
+            if served is not None:
+                served.close()
+        return 0 if outcome is None else 1
 
     def elastic_rounds(self) -> int:
         """Dynamic rendezvous: each round's nodes agree on ranks; failures and arrivals form the next round."""

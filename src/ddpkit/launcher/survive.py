@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ddpkit.launcher.council import SUSPECT_S, Council, Entry
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.rendezvous import RemoteFailure
@@ -37,6 +39,8 @@ from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
 __all__ = ["Death", "SurvivingGroup"]
 
 _POLL_S = 0.05
+_TORCH_LOG = re.compile(r"\[[IWEF]\d{4} ")
+"""A line of torch's C++ log (``[W1128 02:46:49.469 socket.cpp:207] ...``), not the worker's own words."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,13 @@ class Death:
 class SurvivingGroup(WorkerGroup):
     """The workers of a job that goes on without its dead: a pipe to each, a view per death or arrival."""
 
-    def __init__(self, launch: LaunchSettings, layout: LogLayout, replacements: int = 0) -> None:
+    def __init__(self, launch: LaunchSettings, layout: LogLayout, replacements: int = 0,
+                 council: Council | None = None) -> None:
         super().__init__(launch, layout)
+        self.council = council
+        """Several nodes: the agents' majority decides each view (None: this launcher is the job)."""
+        self.entry: Entry | None = council.entry if council else None
+        """The council's newest entry this launcher acted on."""
         self.epoch = 0
         self.members: list[int] = []
         self.pipes: dict[int, int] = {}
@@ -81,13 +90,12 @@ class SurvivingGroup(WorkerGroup):
                     self._start_member(spec)
                 else:
                     self._start_server(spec)
-        self.members = list(self.member_of.values())
+        self.members = list(self.entry.members if self.entry else self.member_of.values())
         self._originals = len(self.members)
         self._announce()
 
-    def _start_member(self, spec: WorkerSpec) -> None:
-        member = self._next_member
-        self._next_member += 1
+    def _start_member(self, spec: WorkerSpec, replacing: bool = False) -> None:
+        member = self._member_id(spec, replacing)
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         spec.env.update({FT_FD: str(down_r), FT_REPLY_FD: str(up_w), FT_MEMBER: str(member)})
@@ -109,6 +117,19 @@ class SurvivingGroup(WorkerGroup):
         os.close(down_r)
         self.server_pipes.append(down_w)
 
+    def _member_id(self, spec: WorkerSpec, replacing: bool) -> int:
+        """A worker's member id: its first rank; a replacement's, the next one unused (across nodes, this node's
+        next one: the world size + the node + a multiple of the number of nodes)."""
+        if self.council is None:
+            member = self._next_member
+        elif not replacing:
+            member = spec.rank
+        else:
+            nodes = len(self.council.places)
+            member = self.launch.world_size + self.council.node + self._next_member * nodes
+        self._next_member += 1
+        return member
+
     def _read_replies(self, fd: int, member: int) -> None:
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             for line in pipe:
@@ -116,10 +137,14 @@ class SurvivingGroup(WorkerGroup):
                     self._ready.put(member)
                 elif line.strip() == b"joined":
                     self._joined.add(member)
+                    if self.council is not None:
+                        self.council.tell(joined=[member])
 
     def _view(self) -> bytes:
-        return (json.dumps({"epoch": self.epoch, "members": self.members,
-                            "servers_gone": sorted(self.dead_servers)}) + "\n").encode()
+        view = {"epoch": self.epoch, "members": self.members, "servers_gone": sorted(self.dead_servers)}
+        if self.entry is not None:
+            view["store"] = self.entry.store
+        return (json.dumps(view) + "\n").encode()
 
     def _announce(self) -> None:
         line = self._view()
@@ -136,7 +161,12 @@ class SurvivingGroup(WorkerGroup):
         finished = 0
         dismissed: set[int] = set()
         first: Failure | None = None
-        while live:
+        while live or (self.entry is not None and not self.entry.done):
+            if self.council is not None:
+                if not live and not self.council.report.finished:
+                    self.council.tell(finished=True, succeeded=finished > 0)
+                if (cut_off := self._follow(live, dismissed)) is not None:
+                    return None if not live and self.council.report.succeeded else cut_off
             try:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
@@ -162,38 +192,91 @@ class SurvivingGroup(WorkerGroup):
             failure = self.failure(index, code)
             first = first or failure
             self._close(member)
-            if member in self.members:
-                self.members.remove(member)
-            self.epoch += 1
-            self.deaths.append(Death(member, code, time.time(), self.epoch))
-            why = (failure.traceback.splitlines() or failure.last_lines or [""])[-1].strip()
-            # Who holds the training state: the members that joined, and the first ones before anyone trained.
-            holders = [m for m in self.members if m in self._joined or m < self._originals]
-            if not holders:
-                say(f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
-                    + (f" ({why})" if why else "") + "; no worker holding the training state is left"
-                    + (f" (stopping {len(live)} replacement(s) that had not joined)" if live else ""))
-                terminate([self.procs[i] for i in live], self.launch.grace_period_s)
+            said = [line for line in failure.last_lines if not _TORCH_LOG.match(line)]  # not c10d's warnings
+            why = (failure.traceback.splitlines() or said or [""])[-1].strip()
+            died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
+                    + (f" ({why})" if why else ""))
+            self.deaths.append(Death(member, code, time.time(), self.epoch + 1))
+            if self.council is not None:
+                self.council.tell(dead=[member])
+                say(f"{died}; the nodes' majority decides the next membership")
+            elif not self._drop(member, died, live):
                 dismissed |= live
                 break
-            say(f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
-                + (f" ({why})" if why else "")
-                + f"; the job goes on with {len(self.members)} worker(s), membership epoch {self.epoch}")
-            self._announce()
             if self.replacements > 0 and not finished:
                 self.replacements -= 1
                 dead = self.specs[index]  # the replacement takes the dead worker's place (rank, local rank, GPU)
-                self._start_member(replace(dead, env={k: v for k, v in dead.env.items()
-                                                      if not k.startswith("DDPKIT_FT_")}))
+                env = {k: v for k, v in dead.env.items() if not k.startswith("DDPKIT_FT_")}
+                if self.entry is not None:  # it meets on the store of now (node 0's may be gone)
+                    env["MASTER_ADDR"], env["MASTER_PORT"] = self.entry.store.rsplit(":", 1)
+                self._start_member(replace(dead, env=env), replacing=True)
                 live.add(len(self.procs) - 1)
-                say(f"started member {self._next_member - 1} to replace it ({self.replacements} replacement(s) "
-                    "left); it joins at a step boundary once ready")
+                say(f"started member {self.member_of[len(self.procs) - 1]} to replace it ({self.replacements} "
+                    "replacement(s) left); it joins at a step boundary once ready")
         for fd in list(self.pipes):
             self._close(fd)
         self.stop_servers()
         for fd in self.server_pipes:
             os.close(fd)
+        if self.entry is not None:
+            return None if self.entry.succeeded else first or "every worker of the job died"
         return None if finished else first
+
+    def _drop(self, member: int, died: str, live: set[int]) -> bool:
+        """One node: this launcher's word is the next view. False when no worker holding the state is left (the
+        replacements in ``live`` are stopped)."""
+        if member in self.members:
+            self.members.remove(member)
+        self.epoch += 1
+        # Who holds the training state: the members that joined, and the first ones before anyone trained.
+        if not self._holders(self.members, self._joined):
+            say(f"{died}; no worker holding the training state is left"
+                + (f" (stopping {len(live)} replacement(s) that had not joined)" if live else ""))
+            terminate([self.procs[i] for i in live], self.launch.grace_period_s)
+            return False
+        say(f"{died}; the job goes on with {len(self.members)} worker(s), membership epoch {self.epoch}")
+        self._announce()
+        return True
+
+    def _holders(self, members: list[int], joined: set[int]) -> list[int]:
+        return [m for m in members if m in joined or m < self.launch.world_size]
+
+    def _follow(self, live: set[int], dismissed: set[int]) -> str | None:
+        """Several nodes: act on the council's newest entry (announce its view); why this node stopped, if so."""
+        assert self.council is not None and self.entry is not None
+        entry = self.council.entry
+        if self.council.cut_off is not None and not entry.done:
+            if live:
+                say(f"{self.council.cut_off}; stopping this node's {len(live)} worker(s)")
+                self.stop()
+            else:  # its workers are done (exit 0 ends this launcher well): the others' end it cannot see
+                say(f"{self.council.cut_off}; this node's workers had ended")
+            return self.council.cut_off
+        if entry.index == self.entry.index:
+            return None
+        gone = [n for n in self.entry.nodes if n not in entry.nodes]
+        if gone:
+            say(f"node(s) {', '.join(map(str, gone))} left the job (its launcher died, or was not heard for "
+                f"{SUSPECT_S:g} s): {len(entry.nodes)} node(s) go on"
+                + (f", the workers' store moves to node {min(entry.nodes)}" if entry.store != self.entry.store
+                   else ""))
+        self.entry = entry
+        if entry.epoch == self.epoch:
+            return None
+        left = [m for m in self.members if m not in entry.members]
+        came = [m for m in entry.members if m not in self.members]
+        self.members, self.epoch = list(entry.members), entry.epoch
+        say(f"membership epoch {entry.epoch}: {len(self.members)} worker(s)"
+            + (f", member(s) {', '.join(map(str, left))} left" if left else "")
+            + (f", member(s) {', '.join(map(str, came))} joined" if came else ""))
+        self._announce()
+        if self.members and not self._holders(self.members, set(entry.joined)):
+            waiting = {i for i in live if i not in dismissed}
+            say(f"no worker holding the training state is left (stopping {len(waiting)} replacement(s) of this "
+                "node that had not joined)")
+            terminate([self.procs[i] for i in waiting], self.launch.grace_period_s)
+            dismissed |= waiting
+        return None
 
     def _dismiss_joining(self, live: set[int]) -> set[int]:
         """A worker finished, so training is over: stop the replacements that never got the state (they would
@@ -214,7 +297,9 @@ class SurvivingGroup(WorkerGroup):
                 break
             if member in self.pipes and member not in self.members:
                 joined.append(member)
-        if joined:
+        if joined and self.council is not None:
+            self.council.tell(ready=joined)  # the nodes' majority admits them
+        elif joined:
             self.members.extend(joined)
             self.epoch += 1
             say(f"member(s) {', '.join(map(str, joined))} joined: {len(self.members)} worker(s), "

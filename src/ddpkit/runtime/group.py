@@ -229,7 +229,14 @@ def _init_surviving(place: Placement, backend: str, join_timeout: float, collect
     deadline = time.monotonic() + join_timeout
     store = open_store(place, join_timeout, deadline) if place.world_size > 1 else dist.HashStore()
     token = os.environ.get(JOB_TOKEN_ENV) or None
-    membership.current(dist.PrefixStore(f"{job_keys(token)[1]}ft/", store), collective_timeout)
+    prefix = f"{job_keys(token)[1]}ft/"
+
+    def reach(where: str) -> dist.Store:  # across nodes, the store moves when its node is lost
+        host, port = where.rsplit(":", 1) if where else (place.master_addr, str(place.master_port))
+        return dist.PrefixStore(prefix, dist.TCPStore(host, int(port), None, False, timeout=timedelta(
+            seconds=join_timeout), wait_for_workers=False))
+
+    membership.current(dist.PrefixStore(prefix, store), collective_timeout, reach if place.world_size > 1 else None)
     if place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
         if interface := route_interface(place.master_addr, place.master_port):
             os.environ["GLOO_SOCKET_IFNAME"] = interface

@@ -30,6 +30,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,6 +55,9 @@ class View:
     servers_gone: tuple[int, ...] = ()
     """The job's parameter servers that died (``--num-servers``; the members go on while their key ranges
     live on another server)."""
+    store: str = ""
+    """``host:port`` of the store this view's group is built on, across nodes (the launchers' lowest node
+    serves it, so it moves when that node is lost); empty: the job's first store."""
 
     def rank_of(self, member: int) -> int:
         return self.members.index(member)
@@ -82,12 +86,15 @@ class Membership:
             that only listens, such as a parameter server, which builds no group).
         timeout_s: the timeout of each group built (an abandoned operation waits at most this long).
         reply_fd: the write end of the pipe back to the launcher, if any.
+        reach: opens a connection to the store at ``host:port`` (``""``: the job's first store), under the job's
+            key prefix: each group is built on one of its own.
     """
 
     def __init__(self, fd: int, member: int, store: dist.Store | None, timeout_s: float,
-                 reply_fd: int | None = None):
+                 reply_fd: int | None = None, reach: Callable[[str], dist.Store] | None = None):
         self.member = member
         self.store = store
+        self._reach = reach
         self.timeout = timedelta(seconds=timeout_s)
         self._reply_fd = reply_fd
         self._cond = threading.Condition()
@@ -109,7 +116,7 @@ class Membership:
                 for line in lines:
                     message = json.loads(line)
                     view = View(int(message["epoch"]), tuple(int(m) for m in message["members"]),
-                                tuple(int(s) for s in message.get("servers_gone", ())))
+                                tuple(int(s) for s in message.get("servers_gone", ())), message.get("store", ""))
                     with self._cond:
                         self.noticed_at[view.epoch] = time.time()
                         self._views.append(view)
@@ -160,12 +167,16 @@ class Membership:
             future.wait()
         except Exception:
             # A peer's death reaches gloo as a reset connection, often before the launcher's word reaches us.
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline:
-                self._check(view)
-                with self._cond:
-                    self._cond.wait(0.05)
+            self._expect_change(view)
             raise
+
+    def _expect_change(self, view: View, grace_s: float = 5.0) -> None:
+        """After a failed operation: raise :class:`MembershipChanged` if a newer view comes within ``grace_s``."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._check(view)
+            with self._cond:
+                self._cond.wait(0.05)
 
     def _check(self, view: View) -> None:
         # Any newer view ends the wait, a join too: a member that saw it first has left this view's group to
@@ -197,34 +208,43 @@ class Membership:
         """
         if view.epoch in self._by_epoch:
             return self._by_epoch[view.epoch]
-        assert self.store is not None, "a listening Membership builds no group"
         prefix = f"ft/{view.epoch}/"
-        self.store.set(f"{prefix}arrived/{self.member}", "1")
-        keys = [f"{prefix}arrived/{m}" for m in view.members]
-        while not self.store.check(keys):
-            self._check(view)
-            time.sleep(_POLL_S)
         built: dict[str, Any] = {}
-        done = threading.Event()
+        done, abandoned = threading.Event(), threading.Event()
 
-        def build() -> None:
+        def build() -> None:  # on a thread: the store itself may die with its node (or hang, cut off)
             try:
-                built["group"] = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}group/", self.store),
+                store = self._store_of(view)
+                store.set(f"{prefix}arrived/{self.member}", "1")
+                keys = [f"{prefix}arrived/{m}" for m in view.members]
+                while not store.check(keys):
+                    if abandoned.wait(_POLL_S):
+                        return
+                built["group"] = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}group/", store),
                                                        view.rank_of(self.member), view.size, self.timeout)
             except Exception as e:  # noqa: BLE001 - re-raised on the caller's thread
                 built["error"] = e
             done.set()
 
         threading.Thread(target=build, name=f"ddpkit-group-{view.epoch}", daemon=True).start()
-        while not done.wait(_POLL_S):
-            self._check(view)
-        if "error" in built:
-            self._check(view)
-            raise built["error"]
+        try:
+            while not done.wait(_POLL_S):
+                self._check(view)
+            if "error" in built:
+                self._expect_change(view)  # a member, or the store's node, died: the launchers are about to say
+                raise built["error"]
+        finally:
+            abandoned.set()
         # Never destroyed while the process lives: a group abandoned with an operation in flight would block its
         # destructor until that operation's timeout.
         self._by_epoch[view.epoch] = built["group"]
         return built["group"]
+
+    def _store_of(self, view: View) -> dist.Store:
+        """A connection of its own to the store ``view``'s group meets on (the first one, or the one the launchers
+        moved it to): a group abandoned while it was being built may hold its connection in a wait."""
+        assert self.store is not None, "a listening Membership builds no group"
+        return self.store if self._reach is None else self._reach(view.store)
 
     def wait_for_member(self, view: View) -> None:
         """Wait for a view newer than ``view`` (a replacement waits for the view that admits it)."""
@@ -252,7 +272,8 @@ class Membership:
 _membership: Membership | None = None
 
 
-def current(store: dist.Store | None = None, timeout_s: float = 1800.0) -> Membership | None:
+def current(store: dist.Store | None = None, timeout_s: float = 1800.0,
+            reach: Callable[[str], dist.Store] | None = None) -> Membership | None:
     """This process's :class:`Membership` when its launcher runs the job with ``--on-failure continue``, else None.
 
     ``store`` (the launcher's store, under the job's prefix) is needed the first time.
@@ -263,5 +284,5 @@ def current(store: dist.Store | None = None, timeout_s: float = 1800.0) -> Membe
             raise RuntimeError("membership: the first call needs the launcher's store")
         reply = os.environ.get(REPLY_FD_ENV)
         _membership = Membership(int(fd), int(os.environ[MEMBER_ENV]), store, timeout_s,
-                                 int(reply) if reply else None)
+                                 int(reply) if reply else None, reach)
     return _membership

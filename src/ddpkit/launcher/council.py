@@ -1,0 +1,521 @@
+"""Several nodes under ``--on-failure continue``: the nodes' launchers agree on every membership by majority.
+
+On one node the launcher is the job, and its word is the membership. Across
+nodes every launcher (an *agent*) sees only its own workers die, and any
+agent, the one serving the job's store included, may die or be cut off. So
+the agents hold the job's state together as a log of :class:`Entry` (the
+workers' membership epoch and members, the voting nodes, the store the
+workers build their groups on), and each entry is decided by a majority of
+the nodes of the entry before it, Paxos-style: a proposer's ballot is
+promised by a majority, a value accepted by a majority is what a later
+proposer must carry on, then it is committed to every node. Two majorities
+of the same nodes share a node, so no two entries are ever decided for one
+place of the log.
+
+Roles:
+
+reports
+    Every agent sends each other one a beat every :data:`BEAT_S` carrying its
+    report (its workers that died, replacements ready or joined, whether its
+    workers are done), and at once when the report changes.
+leader
+    The lowest-numbered node of the last entry that is still heard proposes
+    the next entry: it removes the members that died and the nodes not heard
+    for :data:`SUSPECT_S` (a killed launcher is noticed at once, since its
+    connections close), admits replacements, and moves the workers' store to
+    the lowest node left (each agent serves one from the start).
+minority
+    An agent that hears fewer than a majority of the last entry's nodes for
+    :data:`SUSPECT_S`, or that an entry leaves out, stops its workers: a node
+    cut off never trains alone (split brain is refused). With two nodes a
+    node's loss therefore stops the job, as no side is a majority.
+
+Only the job's launchers take part: each connection starts with a
+challenge answered with an HMAC of the job's secret (``--rdzv-id``), both
+ways; a process without it is refused before it can send or read anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ddpkit.launcher.supervise import say
+
+__all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report"]
+
+BEAT_S = 0.1
+"""How often an agent sends its report to every other."""
+SUSPECT_S = 1.0
+"""An agent not heard for this long has failed (the majority removes it; a minority stops itself)."""
+ROUND_S = 1.0
+"""How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One decided state of the job."""
+
+    index: int
+    """Its place in the log (0: the start)."""
+    epoch: int
+    """The workers' membership epoch (it changes only with the members)."""
+    members: tuple[int, ...]
+    nodes: tuple[int, ...]
+    """The nodes that vote on the next entry."""
+    store: str
+    """``host:port`` of the store the workers build this epoch's groups on (served by the lowest node)."""
+    finished: tuple[int, ...] = ()
+    """Nodes with no worker still training."""
+    succeeded: bool = False
+    """Some worker finished training (exit 0)."""
+    joined: tuple[int, ...] = ()
+    """Replacements that hold the training state."""
+
+    @property
+    def done(self) -> bool:
+        """Every voting node is finished: the job is over."""
+        return set(self.nodes) <= set(self.finished)
+
+    def majority(self) -> int:
+        return len(self.nodes) // 2 + 1
+
+    @staticmethod
+    def of(data: dict[str, Any]) -> Entry:
+        return Entry(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclass
+class Report:
+    """What one agent knows of its own workers."""
+
+    dead: list[int] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)
+    joined: list[int] = field(default_factory=list)
+    finished: bool = False
+    succeeded: bool = False
+
+
+@dataclass
+class _Peer:
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Council:
+    """This agent's seat: its connections to the other agents, the log, and the reports.
+
+    Args:
+        node: this node's rank.
+        places: every node's ``(host, council port, store address)``, by node rank.
+        listener: this agent's listening socket (the council port of ``places[node]``).
+        members: the job's first members (the workers' global ranks).
+        node_of: the node a member runs on.
+        token: the job's secret (None: the job has none, and neither does the council).
+        meet_s: how long to wait for every other agent's connection.
+
+    Raises:
+        RuntimeError: some agent did not connect within ``meet_s`` (or could not prove the job's secret).
+    """
+
+    def __init__(self, node: int, places: list[tuple[str, int, str]], listener: socket.socket,
+                 members: list[int], node_of: Callable[[int], int], token: str | None, meet_s: float = 60.0) -> None:
+        self.node = node
+        self.places = places
+        self.node_of = node_of
+        self._key = hashlib.sha256(f"ddpkit council {token or ''}".encode()).digest()
+        nodes = tuple(range(len(places)))
+        self.entry = Entry(0, 0, tuple(members), nodes, places[0][2])
+        self.report = Report()
+        self.cut_off: str | None = None
+        """Why this node stopped taking part (a minority, or an entry that left it out)."""
+        self._cond = threading.Condition()
+        self._peers: dict[int, _Peer] = {}
+        self._reports: dict[int, Report] = {}
+        self._heard: dict[int, float] = {}
+        self._promised: tuple[int, int] = (0, -1)
+        self._accepted: tuple[tuple[int, int], Entry] | None = None
+        self._counter = 0
+        self._replies: dict[str, list[dict[str, Any]]] = {}
+        self._sequence = 0
+        self._wake = threading.Event()
+        """Something to decide may have changed (a report, a lost peer, a commit)."""
+        self._told = threading.Event()
+        """This node's report changed: send it now."""
+        self._stop = threading.Event()
+        self._listener = listener
+        self._minority_since: float | None = None
+        self._connect(nodes, meet_s)
+        threading.Thread(target=self._beat_loop, name="ddpkit-council-beat", daemon=True).start()
+        threading.Thread(target=self._tick_loop, name="ddpkit-council", daemon=True).start()
+
+    # -- connections -------------------------------------------------------
+
+    def _connect(self, nodes: tuple[int, ...], timeout_s: float) -> None:
+        """Every pair of agents shares one connection: the higher node dials the lower, both prove the secret."""
+        threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
+        for other in nodes:
+            if other >= self.node:
+                continue
+            host, port, _ = self.places[other]
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    sock = socket.create_connection((host, port), timeout=5.0)
+                    break
+                except OSError as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"node {other}'s launcher at {host}:{port} did not answer within "
+                                           f"{timeout_s:g} s ({e})") from None
+                    time.sleep(0.05)
+            self._handshake(sock, dialed=other)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._peers) < len(nodes) - 1:
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    missing = sorted(set(nodes) - set(self._peers) - {self.node})
+                    raise RuntimeError(f"node(s) {missing} did not join the job's council within {timeout_s:g} s "
+                                       "(a launcher not started, or started with another --rdzv-id)")
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock, None), daemon=True).start()
+
+    def _mac(self, nonce: str, node: int) -> str:
+        return hmac.new(self._key, f"{nonce}|{node}".encode(), "sha256").hexdigest()
+
+    def _handshake(self, sock: socket.socket, dialed: int | None) -> None:
+        """Challenge and answer both ways; then the connection is the peer's (a reader thread per peer)."""
+        sock.settimeout(10.0)
+        reader = sock.makefile("rb")
+        try:
+            mine = os.urandom(16).hex()
+            _send_line(sock, {"node": self.node, "nonce": mine})
+            theirs = json.loads(reader.readline())
+            _send_line(sock, {"mac": self._mac(theirs["nonce"], self.node)})
+            proof = json.loads(reader.readline())
+            peer = int(theirs["node"])
+            if not hmac.compare_digest(str(proof.get("mac")), self._mac(mine, peer)):
+                raise PermissionError("not this job's secret")
+            if dialed is not None and peer != dialed:
+                raise PermissionError(f"answered as node {peer}, not {dialed}")
+        except (OSError, ValueError, KeyError, PermissionError) as e:
+            if isinstance(e, PermissionError):
+                say(f"refused a council connection from {_peer_name(sock)}: {e} (--rdzv-id)")
+            sock.close()
+            return
+        sock.settimeout(None)
+        with self._cond:
+            self._peers[peer] = _Peer(sock)
+            self._heard[peer] = time.monotonic()
+            self._cond.notify_all()
+        threading.Thread(target=self._read_loop, args=(peer, reader), name=f"ddpkit-council-{peer}",
+                         daemon=True).start()
+
+    def _read_loop(self, peer: int, reader: Any) -> None:
+        try:
+            for line in reader:
+                self._handle(peer, json.loads(line))
+        except (OSError, ValueError):
+            pass
+        with self._cond:  # its launcher is gone (killed: the kernel closed its socket)
+            self._heard[peer] = float("-inf")
+            self._cond.notify_all()
+        self._wake.set()
+
+    def _send(self, peer: int, message: dict[str, Any]) -> None:
+        if peer == self.node:
+            self._handle(self.node, message)
+            return
+        with self._cond:
+            connection = self._peers.get(peer)
+        if connection is None:
+            return
+        try:
+            with connection.lock:
+                _send_line(connection.sock, message)
+        except OSError:
+            pass  # its reader notices the loss
+
+    # -- messages ----------------------------------------------------------
+
+    def _handle(self, peer: int, message: dict[str, Any]) -> None:
+        kind = message["kind"]
+        with self._cond:
+            if self._heard.get(peer, 0.0) != float("-inf"):
+                self._heard[peer] = time.monotonic()
+            if "re" in message:
+                self._replies.setdefault(message["re"], []).append(message)
+                self._cond.notify_all()
+                return
+            if kind == "beat":
+                self._reports[peer] = Report(**message["report"])
+                behind = message["index"] < self.entry.index
+                self._wake.set()
+            elif kind == "commit":
+                self._adopt(Entry.of(message["entry"]))
+                return
+            else:
+                answer = self._vote(message)
+        if kind == "beat":
+            if behind:
+                self._send(peer, {"kind": "commit", "entry": asdict(self.entry)})
+            return
+        answer["re"] = message["id"]
+        self._send(peer, answer)
+
+    def _vote(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An acceptor's answer to ``prepare`` or ``accept`` (under the lock)."""
+        base = Entry.of(message["base"])
+        if base.index > self.entry.index:
+            self._adopt(base)  # decided before: this node missed its commit
+        if base.index < self.entry.index:
+            return {"kind": "newer", "entry": asdict(self.entry)}
+        ballot = tuple(message["ballot"])
+        if ballot < self._promised:
+            return {"kind": "refused", "promised": list(self._promised)}
+        self._promised = ballot  # type: ignore[assignment]
+        if message["kind"] == "prepare":
+            accepted = self._accepted
+            return {"kind": "promise",
+                    "accepted": [list(accepted[0]), asdict(accepted[1])] if accepted else None}
+        self._accepted = (ballot, Entry.of(message["entry"]))  # type: ignore[assignment]
+        return {"kind": "accepted"}
+
+    def _adopt(self, entry: Entry) -> None:
+        """A decided entry (under the lock)."""
+        if entry.index <= self.entry.index:
+            return
+        self.entry = entry
+        self._promised, self._accepted = (0, -1), None
+        self._cond.notify_all()
+        self._wake.set()
+
+    # -- proposing ---------------------------------------------------------
+
+    def _ask(self, nodes: tuple[int, ...], message: dict[str, Any], want: int) -> list[dict[str, Any]]:
+        """Send ``message`` to ``nodes``; the answers, once ``want`` of one kind came, or at :data:`ROUND_S`."""
+        with self._cond:
+            self._sequence += 1
+            ask_id = f"{self.node}.{self._sequence}"
+            self._replies[ask_id] = []
+        message = {**message, "id": ask_id}
+        for node in nodes:
+            self._send(node, message)
+        deadline = time.monotonic() + ROUND_S
+        with self._cond:
+            def enough() -> bool:  # a refusal: another proposer holds a higher ballot, so this one cannot win
+                kinds = [r["kind"] for r in self._replies[ask_id]]
+                return ("newer" in kinds or "refused" in kinds
+                        or max((kinds.count(k) for k in set(kinds)), default=0) >= want)
+            self._cond.wait_for(lambda: enough() or len(self._replies[ask_id]) >= len(nodes),
+                                max(0.0, deadline - time.monotonic()))
+            return self._replies.pop(ask_id)
+
+    def _propose(self, base: Entry, wanted: Entry) -> bool:
+        """One ballot for the entry after ``base``; True once some entry was decided there."""
+        with self._cond:
+            self._counter = max(self._counter, self._promised[0]) + 1
+            ballot = [self._counter, self.node]
+        common = {"ballot": ballot, "base": asdict(base)}
+        answers = self._ask(base.nodes, {"kind": "prepare", **common}, base.majority())
+        if newer := [a for a in answers if a["kind"] == "newer"]:
+            with self._cond:
+                self._adopt(Entry.of(newer[0]["entry"]))
+            return True
+        promises = [a for a in answers if a["kind"] == "promise"]
+        self._learn_ballots(answers)
+        if len(promises) < base.majority():
+            return False
+        prior = [a["accepted"] for a in promises if a["accepted"]]
+        value = Entry.of(max(prior, key=lambda a: tuple(a[0]))[1]) if prior else wanted
+        answers = self._ask(base.nodes, {"kind": "accept", **common, "entry": asdict(value)}, base.majority())
+        self._learn_ballots(answers)
+        if sum(a["kind"] == "accepted" for a in answers) < base.majority():
+            return False
+        for node in sorted(set(base.nodes) | set(value.nodes)):
+            self._send(node, {"kind": "commit", "entry": asdict(value)})
+        return True
+
+    def _learn_ballots(self, answers: list[dict[str, Any]]) -> None:
+        with self._cond:
+            for a in answers:
+                if a["kind"] == "refused":
+                    self._counter = max(self._counter, a["promised"][0])
+
+    def _wanted(self, entry: Entry, heard: set[int]) -> Entry:
+        """The next entry as the leader sees the reports: ``entry`` itself when nothing changed."""
+        nodes = tuple(n for n in entry.nodes if n in heard)
+        reports = {n: r for n, r in self._reports.items() if n in nodes}
+        reports[self.node] = self.report
+        dead = {m for r in reports.values() for m in r.dead}
+        members = [m for m in entry.members if m not in dead and self.node_of(m) in nodes]
+        members += [m for n in nodes for m in reports.get(n, Report()).ready
+                    if m not in members and m not in dead and self.node_of(m) == n]
+        joined = tuple(sorted((set(entry.joined) | {m for r in reports.values() for m in r.joined})
+                              & set(members)))
+        changed = tuple(members) != entry.members
+        return replace(entry, index=entry.index + 1, epoch=entry.epoch + changed, members=tuple(members),
+                       nodes=nodes, store=self.places[min(nodes)][2],
+                       finished=tuple(n for n in nodes if reports.get(n, Report()).finished),
+                       succeeded=entry.succeeded or any(r.succeeded for r in reports.values()), joined=joined)
+
+    def _beat_loop(self) -> None:
+        while not self._stop.is_set():
+            self._told.wait(BEAT_S)
+            self._told.clear()
+            with self._cond:
+                beat = {"kind": "beat", "report": asdict(self.report), "index": self.entry.index}
+                nodes = self.entry.nodes
+            for node in nodes:
+                if node != self.node:
+                    self._send(node, beat)
+
+    def _tick_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(BEAT_S)
+            self._wake.clear()
+            now = time.monotonic()
+            with self._cond:
+                entry = self.entry
+                heard = {self.node} | {n for n in entry.nodes if now - self._heard.get(n, now) < SUSPECT_S}
+            if entry.done or self._judge_minority(entry, heard, now):
+                return
+            if len(heard) < entry.majority() or min(heard) != self.node:
+                continue
+            with self._cond:
+                wanted = self._wanted(entry, heard)
+            if replace(wanted, index=entry.index) != entry and not self._stop.is_set():
+                if not self._propose(entry, wanted):
+                    time.sleep(random.uniform(0, BEAT_S / 2))  # two proposers at once: one of them wins next
+
+    def _judge_minority(self, entry: Entry, heard: set[int], now: float) -> bool:
+        if self.node not in entry.nodes:
+            self._give_up(f"the other nodes' majority left node {self.node} out of membership entry "
+                          f"{entry.index} (it was not heard for {SUSPECT_S:g} s)")
+            return True
+        if len(heard & set(entry.nodes)) >= entry.majority():
+            self._minority_since = None
+            return False
+        self._minority_since = self._minority_since or now
+        if now - self._minority_since < SUSPECT_S:
+            return False
+        self._give_up(f"node {self.node} hears {len(heard & set(entry.nodes))} of the job's {len(entry.nodes)} "
+                      f"nodes, not a majority ({entry.majority()}): it is cut off, or the others are gone; it stops "
+                      "instead of training alone (split brain refused)")
+        return True
+
+    def _give_up(self, why: str) -> None:
+        with self._cond:
+            self.cut_off = why
+            self._cond.notify_all()
+
+    # -- the launcher's side -----------------------------------------------
+
+    def tell(self, **changes: Any) -> None:
+        """Update this node's report (``dead=[...]`` etc. are added to, flags set) and send it at once."""
+        with self._cond:
+            for name, value in changes.items():
+                if isinstance(value, list):
+                    getattr(self.report, name).extend(value)
+                else:
+                    setattr(self.report, name, value)
+        self._told.set()
+        self._wake.set()
+
+    def wait_change(self, entry: Entry, timeout_s: float) -> Entry:
+        """The newest entry, once it is newer than ``entry`` (or at the timeout, or when cut off)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.entry.index > entry.index or self.cut_off is not None, timeout_s)
+            return self.entry
+
+    def close(self) -> None:
+        """Leave: tell the others the job's end once more (one that missed the last commit learns it) and close."""
+        entry = self.entry
+        for node in entry.nodes:
+            if node != self.node:
+                self._send(node, {"kind": "commit", "entry": asdict(entry)})
+        self._stop.set()
+        with self._cond:
+            peers = list(self._peers.values())
+        for peer in peers:
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            peer.sock.close()
+        self._listener.close()
+
+
+def _send_line(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall((json.dumps(message) + "\n").encode())
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a peer"
+
+
+def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str, port: int, token: str | None,
+              timeout_s: float) -> tuple[Council, Any]:
+    """Meet the other nodes' agents through the job's first store and open this one's seat.
+
+    Each agent publishes where it can be reached (its council port, and the store it serves for the workers
+    should it become the lowest node: node 0's is the job's store itself), then dials the lower nodes.
+    Returns the council and the store this agent serves (None on node 0, whose rendezvous serves it).
+
+    Raises:
+        RuntimeError: this node had a seat already (a lost node does not come back), or the others did not all
+            come within ``timeout_s``.
+    """
+    from ddpkit.launcher.agent_store import AgentStore
+    from ddpkit.runtime.network import local_address_towards
+    from ddpkit.runtime.process import free_port
+
+    if rdzv.store.check([f"council/{node}"]):
+        raise RuntimeError(f"node {node} already took its seat in this job, which goes on without it: under "
+                           "--on-failure continue a lost node does not come back (the nodes left go on with their "
+                           "workers; start a new job to use this node again)")
+    host = master_addr if node == 0 else (local_address_towards(master_addr, port) or master_addr)
+    served = None
+    store = f"{master_addr}:{port}"
+    if node:
+        served = AgentStore(host, free_port(host), lambda: timeout_s)
+        served.start()
+        store = served.where
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", 0))
+    listener.listen(64)
+    rdzv.store.set(f"council/{node}", json.dumps([host, listener.getsockname()[1], store]))
+    keys = [f"council/{n}" for n in range(nnodes)]
+    deadline = time.monotonic() + timeout_s
+    while not rdzv.store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [n for n in range(nnodes) if not rdzv.store.check([f"council/{n}"])]
+            raise RuntimeError(f"node(s) {missing} did not publish their council seat within {timeout_s:g} s")
+        time.sleep(0.05)
+    places = [tuple(json.loads(rdzv.store.get(k))) for k in keys]
+    world = nnodes * nproc
+
+    def node_of(member: int) -> int:
+        return member // nproc if member < world else (member - world) % nnodes
+
+    council = Council(node, places, listener, list(range(world)), node_of, token)  # type: ignore[arg-type]
+    return council, served

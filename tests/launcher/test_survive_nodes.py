@@ -1,0 +1,135 @@
+"""``ddpkit launch --on-failure continue`` across nodes: the launchers decide each membership by majority.
+
+Three launchers as three nodes (on loopback, or in three network namespaces
+on one bridge for a cut cable), each with one worker of
+``tests/scripts/ft_train.py`` in the deterministic mode, so that a run with
+deaths must end bitwise equal to the run without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit.runtime.process import free_port
+from tests.netns import bridged_nodes, in_namespace
+from tests.procs import Streamed, alive, base_env, launch, script
+
+_RUN = {"DET": "1", "EPOCHS": "3", "SLEEP": "0.1"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same training without a death, on one node."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_train.py"),
+                  env=base_env(OUT=str(out), **_RUN), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(f"{out}.pt")
+
+
+@pytest.fixture(scope="module")
+def reference_long(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Six epochs without a death, on one node."""
+    out = tmp_path_factory.mktemp("reference_long") / "run"
+    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_train.py"),
+                  env=base_env(OUT=str(out), **{**_RUN, "EPOCHS": "6"}), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(f"{out}.pt")
+
+
+def _nodes(out: Path, addresses: list[str], *flags: str, namespaces: list[str] | None = None,
+           **env: str) -> list[Streamed]:
+    port = free_port() if namespaces is None else 29611
+    nodes = []
+    for node, address in enumerate(addresses):
+        argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", str(len(addresses)), "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-addr", addresses[0], "--master-port", str(port), "--rdzv-id",
+                "council-test", "--on-failure", "continue", *flags, script("ft_train.py")]
+        if namespaces is not None:
+            argv = in_namespace(namespaces[node], argv)
+        nodes.append(Streamed(argv, base_env(OUT=str(out), **{**_RUN, **env})))
+    return nodes
+
+
+def _finish(nodes: list[Streamed], timeout: float = 120) -> list[str]:
+    try:
+        return [node.communicate(timeout=timeout)[1] for node in nodes]
+    except subprocess.TimeoutExpired:
+        shown = "\n".join(f"node {n}:\n" + "".join(line for line in node.lines[1] if not line.startswith("frame"))
+                          for n, node in enumerate(nodes))
+        raise AssertionError(f"a node did not end within {timeout} s:\n{shown}") from None
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow("three launchers: a worker's death, its replacement, then the store's node killed")
+def test_the_store_s_node_and_a_worker_die_and_the_others_end_bitwise_equal(
+        tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    out = tmp_path / "run"
+    nodes = _nodes(out, ["127.0.0.1"] * 3, "--max-restarts", "1", KILL="1:3")
+    nodes[1].wait_for("member(s) 7 joined", timeout=90)  # node 1's replacement for member 1 has the state
+    os.kill(nodes[0].pid, signal.SIGKILL)  # node 0's launcher: it serves the store, it leads; its worker dies with it
+    errs = _finish(nodes)
+    assert [n.returncode for n in nodes] == [-signal.SIGKILL, 0, 0], errs
+    for err in errs[1:]:
+        assert "member 1 (rank 1 at the start) died" in errs[1]
+        assert "node(s) 0 left the job" in err and "the workers' store moves to node 1" in err, err
+        assert "membership epoch 3: 2 worker(s), member(s) 0 left" in err, err
+    assert _equal(torch.load(f"{out}.pt"), reference)
+    account = json.loads(Path(f"{out}.json").read_text())
+    first, last = account["changes"][0], account["changes"][-1]
+    assert (first["epoch"], first["size"], last["epoch"], last["size"]) == (1, 2, 3, 2), account["changes"]
+    assert last["resumed"] - last["noticed"] < 5
+
+
+@pytest.mark.slow("three launchers in three network namespaces, one node's cable cut")
+def test_a_node_cut_off_stops_itself_and_the_majority_ends_bitwise_equal(
+        tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    out = tmp_path / "run"
+    with bridged_nodes(3) as (names, addresses, links):
+        nodes = _nodes(out, addresses, namespaces=names, KILL="0:2")
+        nodes[2].wait_for("membership epoch 1", timeout=90)
+        subprocess.run(["ip", "link", "set", links[2], "down"], check=True)
+        errs = _finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0, 1], errs
+    assert "not a majority" in errs[2] and "split brain refused" in errs[2], errs[2]
+    for err in errs[:2]:
+        assert "node(s) 2 left the job" in err and "membership epoch 2: 1 worker(s), member(s) 2 left" in err, err
+    assert _equal(torch.load(f"{out}.pt"), reference)
+    last = json.loads(Path(f"{out}.json").read_text())["changes"][-1]  # epoch 1 may be skipped (cut meanwhile)
+    assert (last["epoch"], last["size"]) == (2, 1)
+
+
+@pytest.mark.slow("three namespaces: workers and a replacement die on two nodes, then a node's cable is cut")
+def test_deaths_replacements_and_a_cut_across_nodes_leave_the_weights_and_no_process(
+        tmp_path: Path, reference_long: dict[str, torch.Tensor]) -> None:
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    with bridged_nodes(3) as (names, addresses, links):
+        # members 0 and 1 die; node 1's replacement (7) dies too if it joined in time (node 0's, 6, lives on: a
+        # holder of the state must outlive the cut, or the job rightly ends with no one to hand the state on)
+        nodes = _nodes(out, addresses, "--max-restarts", "2", namespaces=names, EPOCHS="6", PIDS=str(pids),
+                       KILL="1:2,0:12,7:30")
+        nodes[2].wait_for("membership epoch 4", timeout=120)  # both deaths and both joins, in some order
+        subprocess.run(["ip", "link", "set", links[2], "down"], check=True)
+        errs = _finish(nodes, timeout=180)
+    assert [n.returncode for n in nodes] == [0, 0, 1], errs
+    assert "split brain refused" in errs[2]
+    assert _equal(torch.load(f"{out}.pt"), reference_long)
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) >= 5 and not [pid for pid in started if alive(pid)]
+
+
