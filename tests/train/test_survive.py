@@ -201,8 +201,10 @@ def _train(out: Path, *args: str) -> dict:
 def test_train_in_the_mode_trains_ddps_bits_when_nobody_dies(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    ddp = _train(tmp_path / "ddp", "--nproc-per-node", "2")
-    survive = _train(tmp_path / "continue", "--nproc-per-node", "2", "--on-failure", "continue")
+    # With a warm-up: the learning rate of every step is the default mode's too.
+    ddp = _train(tmp_path / "ddp", "--nproc-per-node", "2", "--warmup-epochs", "0.5")
+    survive = _train(tmp_path / "continue", "--nproc-per-node", "2", "--warmup-epochs", "0.5", "--on-failure",
+                     "continue")
     assert survive["test_accuracy"] == ddp["test_accuracy"] and survive["steps"] == ddp["steps"]
     a, b = load_file(tmp_path / "ddp" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
     assert all(a[k].equal(b[k]) for k in a)

@@ -26,8 +26,8 @@ from ddpkit.runtime.options import ConfigError
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
-__all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "shard_state",
-           "sharded_params", "with_comm_hook", "wrap"]
+__all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "set_lr", "shard_state",
+           "sharded_params", "warmup_lr", "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -155,6 +155,22 @@ def build_state(config: TrainConfig, data: Any, world: int, device: torch.device
         keep=config.keep_checkpoints,
         count_steps=False,  # the loop counts its steps itself (an fp16 step skipped for inf still counts)
     )
+
+
+def warmup_lr(config: TrainConfig, scale: int, step: int, steps_per_epoch: int) -> float:
+    """The learning rate of optimizer step ``step`` (from 0): ``--lr`` x ``scale``, reached linearly from one
+    process's over ``--warmup-epochs`` (a function of the step alone, so a resumed run or a replacement takes the
+    same rates)."""
+    target = config.lr * scale
+    ramp = config.warmup_epochs * steps_per_epoch
+    if step >= ramp:
+        return target
+    return config.lr + (target - config.lr) * step / ramp
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def sharded_params(config: TrainConfig) -> bool:

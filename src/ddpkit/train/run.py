@@ -27,7 +27,7 @@ from ddpkit.runtime.group import print0
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import CheckpointError, describe_write_error
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.recipe import replicas
+from ddpkit.train.recipe import replicas, warmup_lr
 from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy
 
@@ -88,10 +88,7 @@ class Run:
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (from 0): :attr:`lr`, reached linearly from one process's
         over ``--warmup-epochs`` (a function of the step alone, so a resumed run takes the same rates)."""
-        ramp = self.config.warmup_epochs * self.steps_per_epoch
-        if step >= ramp:
-            return self.lr
-        return self.config.lr + (self.lr - self.config.lr) * step / ramp
+        return warmup_lr(self.config, self.scale, step, self.steps_per_epoch)
 
     @property
     def batch(self) -> int:

@@ -48,7 +48,7 @@ from ddpkit.train import rundir
 from ddpkit.train.checkpoint import save_weights, write_or_warn
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
-from ddpkit.train.recipe import autocast_for, build_state, start_survivor
+from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.survive import FaultTolerance, Step
 from ddpkit.train.survive_servers import worker as servers_worker
 
@@ -158,6 +158,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
         if step.sync(values=loss_sum):
+            if config.warmup_epochs:  # the starting world's scaled rate: the global batch keeps its size
+                set_lr(optimizer, warmup_lr(config, world, step.index, ft.steps_per_epoch))
             optimizer.step()
             progress.account(step, ft.shards)
             progress.loss_sum += float(step.values[0])

@@ -35,7 +35,7 @@ from ddpkit.runtime import membership
 from ddpkit.train.checkpoint import save_weights, write_or_warn
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
-from ddpkit.train.recipe import autocast_for, build_state, start_survivor
+from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.strategy import async_momentum
 
 __all__ = ["worker"]
@@ -67,8 +67,12 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         sampler.set_epoch(epoch)
         order = torch.tensor(list(sampler), dtype=torch.long)
         loss_sum, count, began = 0.0, 0, time.perf_counter()
+        steps_per_epoch = -(-len(order) // config.batch_size)
         for at in range(0, len(order), config.batch_size):
             b = order[at : at + config.batch_size]
+            if config.warmup_epochs:
+                set_lr(ps, warmup_lr(config, world, epoch * steps_per_epoch + at // config.batch_size,
+                                     steps_per_epoch))
             ps.zero_grad(set_to_none=True)
             with autocast():
                 logits = model(x[b])
