@@ -66,7 +66,9 @@ def test_a_batch_the_shards_do_not_divide_is_refused_with_a_fix() -> None:
 
 @pytest.mark.parametrize("extra,match", [
     ({"zero": 2}, "a ZeRO shard exists once"),
-    ({"strategy": "ssp"}, "needs --engine ddpkit --strategy ddp"),
+    ({"strategy": "local-sgd"}, "needs --engine ddpkit --strategy ddp"),
+    ({"strategy": "ssp", "max_restarts": 1}, "nothing would hand a replacement the training state"),
+    ({"strategy": "ssp", "deterministic_shards": 2}, "no shards to order"),
     ({"strategy": "ps-async", "max_restarts": 1}, "cannot take a seat in the parameter servers"),
     ({"strategy": "ps-sync", "deterministic_shards": 2}, "no shards to order"),
     ({"grad_accum": 2}, "the step's shards are its micro-batches"),

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ddpkit.parallel.common.broadcast import world_group
 from ddpkit.parallel.local_sgd import average_parameters
-from ddpkit.runtime import events
+from ddpkit.runtime import events, membership
 
 __all__ = ["StaleSynchronousOptimizer"]
 
@@ -54,6 +54,19 @@ class _InFlight:
     total: torch.Tensor
     """Becomes the sum of every worker's share when ``work`` completes."""
     work: Any
+    merged: bool = False
+    """A step done again after a membership change: ``total`` is ``[h, h x the total, the shares]`` (see
+    :meth:`_StaleSynchronous._reconcile`)."""
+    had: bool = False
+    """This worker applied the step's total before the change: it takes part for the others only."""
+
+    def result(self) -> torch.Tensor:
+        """The step's total, once ``work`` completed."""
+        if not self.merged:
+            return self.total
+        n = self.own.numel()
+        holders = float(self.total[0])
+        return self.total[1 : 1 + n] / holders if holders else self.total[1 + n :]
 
 
 class _StaleSynchronous(torch.optim.Optimizer):
@@ -61,8 +74,21 @@ class _StaleSynchronous(torch.optim.Optimizer):
 
     def _setup(self, staleness: int, group: dist.ProcessGroup | None) -> None:
         self.staleness = staleness
+        self.membership = membership.current() if group is None else None
+        """Under ``ddpkit launch --on-failure continue``: the job's membership, whose groups change at deaths."""
+        self.view = None
+        if self.membership is not None:
+            group = self._join_view()
         self.process_group = group
         self.world = 1 if group is None else dist.get_world_size(group)
+        self.recent: dict[int, torch.Tensor] = {}
+        """Under the membership: the totals of the last steps applied (a survivor that missed one gets it)."""
+        self.carry: torch.Tensor | None = None
+        """Under the membership: totals that came during a change, applied with the next step."""
+        self.merged_until = 0
+        """Steps before this one are all-reduced in the merged form (a change is being made good)."""
+        self.posted_step = -1
+        """The last step whose all-reduce this worker started."""
         self.in_flight: collections.deque[_InFlight] = collections.deque()
         self.clock = 0
         self.ages: collections.Counter[int] = collections.Counter()
@@ -88,10 +114,110 @@ class _StaleSynchronous(torch.optim.Optimizer):
                 p.grad.copy_(g)
             at += p.numel()
 
-    def _arrive(self, item: _InFlight) -> None:
+    def _arrive(self, item: _InFlight) -> bool:
+        """Wait for ``item``; False when the membership changed meanwhile (the steps in flight were made good)."""
         start = time.perf_counter()
-        item.work.wait()
-        self.wait_s += time.perf_counter() - start
+        try:
+            if self.membership is None:
+                item.work.wait()
+            else:
+                self.membership.wait(item.work, self.view)
+        except membership.MembershipChanged:
+            self._reconcile()
+            return False
+        finally:
+            self.wait_s += time.perf_counter() - start
+        return True
+
+    def _applied(self, item: _InFlight) -> torch.Tensor:
+        """What ``item`` adds to this worker's update (nothing for a step it had applied), remembered."""
+        total = item.result()
+        if self.membership is not None:
+            self.recent[item.step] = total
+            for old in [s for s in self.recent if s < item.step - 2 * self.staleness - 2]:
+                del self.recent[old]
+        return torch.zeros_like(item.own) if item.had else total - item.own
+
+    def _join_view(self) -> dist.ProcessGroup:
+        assert self.membership is not None
+        while True:
+            self.view = self.membership.latest()
+            if self.membership.member not in self.view.members:
+                raise RuntimeError(f"member {self.membership.member} is a replacement: a stale-synchronous job takes "
+                                   "none (nothing hands it the training state); run it without --max-restarts")
+            try:
+                return self.membership.group(self.view)
+            except membership.MembershipChanged:
+                continue
+
+    def _post(self, step: int, own: torch.Tensor, total: torch.Tensor | None = None, had: bool = False) -> None:
+        """Start the all-reduce of ``step``: ``own``, or, in the merged form, ``total`` where this worker has it."""
+        merged = step < self.merged_until
+        if merged:
+            n = own.numel()
+            payload = torch.zeros(1 + 2 * n, dtype=own.dtype, device=own.device)
+            if total is not None:
+                payload[0], payload[1 : 1 + n] = 1, total
+            else:
+                payload[1 + n :] = own
+        else:
+            payload = own.clone()
+        events.collective("StaleSynchronousOptimizer: all-reduce step {}'s gradients", step,
+                          nbytes=payload.numel() * payload.element_size())
+        work = dist.all_reduce(payload, group=self.process_group, async_op=True)
+        self.in_flight.append(_InFlight(step, own, payload, work, merged, had))
+        self.posted_step = max(self.posted_step, step)
+
+    def _reconcile(self) -> None:
+        """After a membership change: every survivor ends with the same steps applied, the dead's in-flight share
+        whole or not at all.
+
+        The all-reduces in flight are abandoned. The survivors build the new view's group, agree on the first step
+        one of them lacks (``L``) and the last one started (``R``), and do steps ``L..R-1`` again, each once, in
+        order, in a merged form ``[has, its total, its share]``: a step whose old all-reduce completed on some
+        survivor comes out as that total (the dead's share in it) for everyone; one that completed nowhere as the
+        survivors' shares (the dead's dropped). A survivor applies what it lacked; the steps it has not started
+        yet it posts in the merged form when it gets to them.
+
+        Raises:
+            RuntimeError: a member joined: a stale-synchronous job takes no replacement (it would start from
+                scratch).
+        """
+        assert self.membership is not None and self.view is not None
+        before = set(self.view.members)
+        while True:
+            lacking: list[_InFlight] = []
+            for item in self.in_flight:
+                done = item.work.is_completed() and not _failed(item.work)
+                if done and item.step not in self.recent and not item.had:
+                    extra = self._applied(item)  # it came meanwhile: its total is the one every survivor takes
+                    self.carry = extra if self.carry is None else self.carry + extra
+                elif not done and not item.had:
+                    lacking.append(item)
+            self.in_flight = collections.deque(lacking)  # abandoned works: looked at again if this fails
+            group = self._join_view()
+            if joined := set(self.view.members) - before:
+                raise RuntimeError(f"member(s) {sorted(joined)} joined a stale-synchronous job: a replacement would "
+                                   "train from scratch; run StaleSynchronousOptimizer without --max-restarts")
+            self.process_group, self.world = group, self.view.size
+            posted = self.clock + (self.posted_step == self.clock)  # this step's own may be posted already
+            first = min([i.step for i in lacking], default=posted)
+            bounds = torch.tensor([-first, posted], dtype=torch.int64)
+            try:
+                self.membership.wait(dist.all_reduce(bounds, dist.ReduceOp.MAX, group=group, async_op=True),
+                                     self.view)
+            except membership.MembershipChanged:
+                continue
+            low, self.merged_until = -int(bounds[0]), int(bounds[1])
+            own = {i.step: i.own for i in lacking}
+            self.in_flight.clear()
+            for step in range(low, posted):
+                self._post(step, own.get(step, self._zeros()), self.recent.get(step), had=step not in own)
+            return
+
+    def _zeros(self) -> torch.Tensor:
+        params = self._params()
+        return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -99,27 +225,25 @@ class _StaleSynchronous(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.world == 1:
+        if self.world == 1 and self.membership is None:
             return super().step()
         own = self._flat_grads().div_(self.world)
-        total = own.clone()
-        events.collective("StaleSynchronousOptimizer: all-reduce step {}'s gradients", self.clock,
-                          nbytes=total.numel() * total.element_size())
-        work = dist.all_reduce(total, group=self.process_group, async_op=True)
-        self.in_flight.append(_InFlight(self.clock, own, total, work))
-        if self.staleness == 0:
-            item = self.in_flight.popleft()
-            self._arrive(item)
-            self.ages[0] += 1
-            combined = item.total  # the plain average: DDP's update
-        else:
-            combined = own.clone()
-            while self.in_flight and (self.in_flight[0].step <= self.clock - self.staleness
-                                      or self.in_flight[0].work.is_completed()):
-                item = self.in_flight.popleft()
-                self._arrive(item)
-                combined += item.total - item.own
-                self.ages[self.clock - item.step] += 1
+        self._post(self.clock, own)
+        # S = 0 waits for this step's all-reduce and steps with the plain average (DDP's update); S > 0 steps
+        # with its own share and whatever of the others' has come.
+        combined = torch.zeros_like(own) if self.staleness == 0 else own.clone()
+        while self.in_flight and (self.in_flight[0].step <= self.clock - self.staleness
+                                  or self.in_flight[0].work.is_completed()):
+            item = self.in_flight[0]
+            if not self._arrive(item):
+                continue  # the membership changed: the steps in flight were posted again
+            self.in_flight.popleft()
+            extra = self._applied(item)
+            combined += item.result() if self.staleness == 0 and item.step == self.clock else extra
+            self.ages[self.clock - item.step] += 1
+        if self.carry is not None:
+            combined += self.carry
+            self.carry = None
         self._set_grads(combined)
         self.clock += 1
         super().step()
@@ -128,15 +252,21 @@ class _StaleSynchronous(torch.optim.Optimizer):
     @torch.no_grad()
     def synchronize(self) -> None:
         """Every worker: wait for the all-reduces in flight, step with what they bring, average the replicas."""
-        if self.world == 1:
+        if self.world == 1 and self.membership is None:
             return
-        if self.in_flight:
-            combined = torch.zeros_like(self.in_flight[0].own)
-            while self.in_flight:
-                item = self.in_flight.popleft()
-                self._arrive(item)
-                combined += item.total - item.own
-                self.ages[self.clock - item.step] += 1
+        combined = None
+        while self.in_flight:
+            item = self.in_flight[0]
+            if not self._arrive(item):
+                continue
+            self.in_flight.popleft()
+            extra = self._applied(item)
+            combined = extra if combined is None else combined + extra
+            self.ages[self.clock - item.step] += 1
+        if self.carry is not None:
+            combined = self.carry if combined is None else combined + self.carry
+            self.carry = None
+        if combined is not None:
             self._set_grads(combined)
             # The last gradients of the others, in one more step of the same optimizer: not a training step,
             # so without the step hooks (a TrainState would count it).
@@ -145,7 +275,25 @@ class _StaleSynchronous(torch.optim.Optimizer):
         params = self._params()
         tensors = params + [v for p in params for k, v in self.state.get(p, {}).items()
                             if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
-        average_parameters(tensors, self.process_group)  # type: ignore[arg-type]
+        if self.membership is None:
+            average_parameters(tensors, self.process_group)  # type: ignore[arg-type]
+        elif not self._average(tensors):
+            self.synchronize()  # a member died meanwhile: the steps it left in flight first
+
+    def _average(self, tensors: list[torch.Tensor]) -> bool:
+        """Under the membership: ``tensors`` replaced by their mean over the view; False if it changed first."""
+        assert self.membership is not None
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]) / self.world
+        try:
+            self.membership.wait(dist.all_reduce(flat, group=self.process_group, async_op=True), self.view)
+        except membership.MembershipChanged:
+            self._reconcile()
+            return False
+        at = 0
+        for t in tensors:
+            t.copy_(flat[at : at + t.numel()].view_as(t))
+            at += t.numel()
+        return True
 
     def stats(self) -> dict[str, Any]:
         """Ages of the other workers' gradients when applied, and the time waited."""
@@ -188,3 +336,12 @@ def StaleSynchronousOptimizer(
     # Not patched for step hooks: the wrapped class's own step (which ours calls) runs them, once per step.
     wrapped._setup(staleness, world_group(process_group))
     return wrapped
+
+
+def _failed(work: Any) -> bool:
+    """Whether a completed ``work`` ended in an error (a peer died in the middle of it)."""
+    try:
+        work.get_future().value()
+    except Exception:  # noqa: BLE001 - any error: its result is not a total
+        return True
+    return False

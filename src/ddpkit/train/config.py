@@ -264,14 +264,19 @@ class TrainConfig:
         if self.on_failure != "continue":
             return
         why = "does not fit --on-failure continue"
-        need(self.engine == "ddpkit" and self.strategy in ("ddp", *SERVER_STRATEGIES), "on_failure",
-             f"needs --engine ddpkit --strategy ddp (the survivors reduce the gradients themselves) or ps-sync|"
-             f"ps-async (the servers step), not --engine {self.engine} --strategy {self.strategy}")
+        need(self.engine == "ddpkit" and self.strategy in ("ddp", "ssp", *SERVER_STRATEGIES), "on_failure",
+             f"needs --engine ddpkit --strategy ddp (the survivors reduce the gradients themselves), ps-sync|"
+             f"ps-async (the servers step) or ssp, not --engine {self.engine} --strategy {self.strategy}")
         if self.strategy in SERVER_STRATEGIES:
             need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy "
                  f"{self.strategy}: the servers apply each worker's gradient, there are no shards to order")
             need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy {self.strategy}: a replacement "
                  "cannot take a seat in the parameter servers' channel; the workers left go on")
+        if self.strategy == "ssp":
+            need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy ssp: each worker "
+                 "applies its own gradient at once, there are no shards to order")
+            need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy ssp: nothing would hand a "
+                 "replacement the training state; the workers left go on")
         need(self.zero == 0, "zero", f"{why}: a ZeRO shard exists once, on the rank that dies with it (no copy "
              "is kept on another rank); train without --zero, or use --on-failure restart")
         need(self.comm_hook == "none", "comm_hook", f"{why}: the mode reduces whole steps, not DDP's buckets")

@@ -1,7 +1,7 @@
 """``ddpkit train --on-failure continue``: the training command on :class:`~ddpkit.train.survive.FaultTolerance`.
 
-With ``--strategy ps-sync|ps-async`` the workers are those of
-:mod:`ddpkit.train.survive_servers` (the servers step); otherwise the engine's.
+With ``--strategy ps-sync|ps-async|ssp`` the workers are those of
+:mod:`ddpkit.train.survive_async` (the servers step, or SSP's all-reduces in flight); otherwise the engine's.
 Two ways in, as for the default mode:
 
 * ``ddpkit train --on-failure continue`` alone claims the run directory and
@@ -50,7 +50,7 @@ from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.survive import FaultTolerance, Step
-from ddpkit.train.survive_servers import worker as servers_worker
+from ddpkit.train.survive_async import worker as async_worker
 
 __all__ = ["train"]
 
@@ -70,7 +70,7 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
     servers = config.strategy in SERVER_STRATEGIES
     if os.environ.get(membership.FD_ENV):
         try:
-            return servers_worker(config) if servers else worker(config)
+            return async_worker(config) if servers or config.strategy == "ssp" else worker(config)
         finally:
             shutdown()
     place = discover(os.environ, master_needed=False)

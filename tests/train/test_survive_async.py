@@ -21,11 +21,12 @@ from procs import ROOT, base_env, children
 MNIST = ROOT.parent / "shared" / "data" / "mnist"
 
 
-def _args(out: Path, strategy: str, epochs: int, workers: int = 3, mode: tuple[str, ...] = (
+def _args(out: Path | None, strategy: str, epochs: int, workers: int = 3, mode: tuple[str, ...] = (
         "--ps-replication", "2", "--on-failure", "continue")) -> list[str]:
-    return [sys.executable, "-m", "ddpkit", "train", "--strategy", strategy, "--num-servers", "2", *mode,
+    servers = () if strategy == "ssp" else ("--num-servers", "2")
+    return [sys.executable, "-m", "ddpkit", "train", "--strategy", strategy, *servers, *mode,
             "--nproc-per-node", str(workers), "--epochs", str(epochs), "--dataset", "mnist", "--data-dir", str(MNIST),
-            "--no-progress", "--output-dir", str(out)]
+            "--no-progress", *(("--output-dir", str(out)) if out else ())]
 
 
 def _processes(root: int) -> list[int]:
@@ -54,30 +55,37 @@ def _find(root: int, *, rank: int | None = None, server: int | None = None) -> i
     raise AssertionError(f"no process of rank {rank} / server {server} under {root}")
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
-@pytest.mark.slow("two runs of three workers and two servers on MNIST, one with a worker's and a server's death")
-def test_ps_async_trains_on_through_a_worker_and_a_server_death_to_the_same_accuracy(tmp_path: Path) -> None:
-    plain = subprocess.run(_args(tmp_path / "plain", "ps-async", 3), env=base_env(), capture_output=True, text=True,
-                           timeout=600, cwd=ROOT)
+def _with_and_without_deaths(tmp_path: Path, args: list[str], kills: list[dict[str, int]]) -> tuple[dict, dict, str]:
+    """The run without a death, then the same run with ``kills`` (``_find``'s arguments) SIGKILLed once its first
+    epoch was written: both summaries and the second run's stderr."""
+    plain = subprocess.run([*args, "--output-dir", str(tmp_path / "plain")], env=base_env(), capture_output=True,
+                           text=True, timeout=600, cwd=ROOT)
     assert plain.returncode == 0, plain.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_args(out, "ps-async", 3), env=base_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*args, "--output-dir", str(out)], env=base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first epoch"
         time.sleep(0.05)
-    os.kill(_find(proc.pid, rank=2), signal.SIGKILL)
-    os.kill(_find(proc.pid, server=0), signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=600)
+    for kill in kills:
+        os.kill(_find(proc.pid, **kill), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    return (json.loads((tmp_path / "plain" / "summary.json").read_text()),
+            json.loads((out / "summary.json").read_text()), stderr)
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("two runs of three workers and two servers on MNIST, one with a worker's and a server's death")
+def test_ps_async_trains_on_through_a_worker_and_a_server_death_to_the_same_accuracy(tmp_path: Path) -> None:
+    reference, summary, stderr = _with_and_without_deaths(tmp_path, _args(None, "ps-async", 3),
+                                                          [{"rank": 2}, {"server": 0}])
     assert "member 2 (rank 2 at the start) died" in stderr and "parameter server 0 died" in stderr
-    summary = json.loads((out / "summary.json").read_text())
-    reference = json.loads((tmp_path / "plain" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["servers_gone"] == [0]
     # Rank 2's data after its death is not trained (asynchronous servers): a little less data, the same model.
     assert summary["test_accuracy"] > reference["test_accuracy"] - 0.02, (summary, reference)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
@@ -96,3 +104,27 @@ def test_ps_sync_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> Non
     assert survive["world_size"] == 2 and survive["servers_gone"] == []
     a, b = load_file(tmp_path / "default" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+def test_ssp_without_staleness_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    ssp = ("--staleness", "0", "--warmup-epochs", "0.5")
+    for name, mode in (("default", ssp), ("continue", (*ssp, "--on-failure", "continue"))):
+        done = subprocess.run(_args(tmp_path / name, "ssp", 1, workers=2, mode=mode), env=base_env(),
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-3000:]
+    a, b = load_file(tmp_path / "default" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("two runs of three SSP workers on MNIST, one with a worker's death")
+def test_ssp_trains_on_through_a_workers_death_to_the_same_accuracy(tmp_path: Path) -> None:
+    mode = ("--staleness", "2", "--warmup-epochs", "0.3", "--on-failure", "continue")
+    reference, summary, stderr = _with_and_without_deaths(tmp_path, _args(None, "ssp", 3, mode=mode), [{"rank": 1}])
+    assert "member 1 (rank 1 at the start) died" in stderr
+    assert summary["world_size"] == 2 and summary["started_with"] == 3
+    # Rank 1's data after its death is not trained: a little less data, the same model.
+    assert summary["test_accuracy"] > reference["test_accuracy"] - 0.02, (summary, reference)

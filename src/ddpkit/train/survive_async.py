@@ -1,23 +1,29 @@
-"""``ddpkit train --strategy ps-sync|ps-async --on-failure continue``: the servers step, the workers go on.
+"""``ddpkit train --strategy ps-sync|ps-async|ssp --on-failure continue``: the workers step without the engine.
 
 Each worker builds the default mode's model and optimizer (the learning rate
-scaled by the starting world size, ps-async's momentum compensated as in the
-default mode) and hands the optimizer to the ``--num-servers`` servers
-(:class:`ddpkit.ParameterServerOptimizer`, ``--ps-replication`` copies of
-each key range). It trains its own shard of every epoch (a
-``DistributedSampler`` of the starting world) and pushes each batch's
-gradient. A worker's death leaves the others training (ps-async: the
-servers stop waiting for it; ps-sync needs every worker and fails naming
-the one that left); its remaining data of the epoch is trained by nobody.
-A server's death is survived while every key range has a live server.
+scaled by the starting world size, asynchronous momentum compensated as in
+the default mode) and either hands the optimizer to the ``--num-servers``
+servers (:class:`ddpkit.ParameterServerOptimizer`, ``--ps-replication``
+copies of each key range) or makes it stale-synchronous
+(:func:`ddpkit.StaleSynchronousOptimizer`: all-reduces in flight, at most
+``--staleness`` steps old, over the membership's groups). It trains its own
+shard of every epoch (a ``DistributedSampler`` of the starting world) and
+steps after each batch. A worker's death leaves the others training
+(ps-async: the servers stop waiting for it; ssp: the survivors make good the
+steps it left in flight, its share of each applied by all or by none; ps-sync
+needs every worker and fails naming the one that left); its remaining data
+of the epoch is trained by nobody. A server's death is survived while every
+key range has a live server.
 
-At the end of each of its epochs a worker pulls the servers' parameters and
-evaluates on the whole test split alone; the first member of the current
-view writes ``metrics.jsonl`` (its own history). When every live worker is
-done (a barrier over the membership that survives deaths), each pulls the
-final parameters and the first member writes ``model.safetensors`` and
-``summary.json``. Buffers (BatchNorm's statistics) are each worker's own:
-the servers hold the parameters only.
+At the end of each of its epochs a worker settles (pulls the servers'
+parameters; ssp: waits for the all-reduces in flight and averages the
+replicas with the others) and evaluates on the whole test split alone; the
+first member of the current view writes ``metrics.jsonl`` (its own history).
+When every live worker is done (a barrier over the membership that survives
+deaths), each settles once more and the first member writes
+``model.safetensors`` and ``summary.json``. Buffers (BatchNorm's statistics)
+are each worker's own: the servers, and the replicas' average, hold the
+parameters only.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
+from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.runtime import membership
 from ddpkit.train.checkpoint import save_weights, write_or_warn
 from ddpkit.train.config import TrainConfig
@@ -42,25 +49,32 @@ __all__ = ["worker"]
 
 
 def worker(config: TrainConfig) -> dict[str, Any]:
-    """One worker of the mode with parameter servers (see the module notes); the summary."""
+    """One worker of the mode with parameter servers or SSP (see the module notes); the summary."""
     ctx, out, data = start_survivor(config)
     world, rank = ctx.world_size, ctx.rank
     members = membership.current()
     assert members is not None  # ddpkit.init() made it under the mode's launcher
     state = build_state(config, data, world, ctx.device)
     model = state.model
+    ssp = config.strategy == "ssp"
     mode = "sync" if config.strategy == "ps-sync" else "async"
-    if mode == "async" and config.optimizer == "sgd":
+    if config.optimizer == "sgd" and (config.staleness if ssp else mode == "async"):
         for group in state.optimizer.param_groups:
             group["momentum"] = async_momentum(config.momentum, world)
-    ps = ParameterServerOptimizer.from_optimizer(state.optimizer, mode=mode, staleness=config.staleness)
+    if ssp:
+        opt = StaleSynchronousOptimizer(state.optimizer, staleness=config.staleness or 0)
+        settle = opt.synchronize  # type: ignore[attr-defined]
+    else:
+        opt = ps = ParameterServerOptimizer.from_optimizer(state.optimizer, mode=mode, staleness=config.staleness)
+        settle = ps.pull
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed)
     x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
     autocast = autocast_for(config, ctx.device)
+    servers = (f"staleness {config.staleness or 0}" if ssp else
+               f"{config.num_servers} server(s) (replication {config.ps_replication})")
     if rank == 0:
         print(f"ddpkit train: {config.model} on {config.dataset}, --strategy {config.strategy} --on-failure continue "
-              f"with {world} worker(s), {config.num_servers} server(s) (replication {config.ps_replication}), lr "
-              f"{config.lr:g} x {world}, output {out}", flush=True)
+              f"with {world} worker(s), {servers}, lr {config.lr:g} x {world}, output {out}", flush=True)
     history: list[dict[str, Any]] = []
     start = time.perf_counter()
     for epoch in range(config.epochs):
@@ -71,17 +85,17 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         for at in range(0, len(order), config.batch_size):
             b = order[at : at + config.batch_size]
             if config.warmup_epochs:
-                set_lr(ps, warmup_lr(config, world, epoch * steps_per_epoch + at // config.batch_size,
-                                     steps_per_epoch))
-            ps.zero_grad(set_to_none=True)
+                set_lr(opt, warmup_lr(config, world, epoch * steps_per_epoch + at // config.batch_size,
+                                      steps_per_epoch))
+            opt.zero_grad(set_to_none=True)
             with autocast():
                 logits = model(x[b])
             loss = F.cross_entropy(logits.float(), y[b])
             loss.backward()
-            ps.step()
+            opt.step()
             loss_sum += float(loss.detach()) * len(b)
             count += len(b)
-        ps.pull()
+        settle()
         test_loss, accuracy, _ = evaluate_alone(model, data.test, ctx.device, autocast)
         view = members.latest()
         record = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss,
@@ -89,25 +103,32 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                   "samples": count, "epoch_time_s": round(time.perf_counter() - began, 4), "rank": rank}
         history.append(record)
         if view.members[0] == members.member:
+            left = "" if ssp else f", {config.num_servers - len(view.servers_gone)} server(s)"
             print(f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss "
-                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s), "
-                  f"{config.num_servers - len(view.servers_gone)} server(s))", flush=True)
+                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s)"
+                  f"{left})", flush=True)
             write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
     view = members.barrier()  # every worker still alive has pushed its last gradient
-    ps.pull()
+    settle()
     test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
     wall = time.perf_counter() - start
     summary = {"test_accuracy": accuracy, "test_loss": test_loss, "test_samples": n, "epochs": config.epochs,
                "world_size": view.size, "started_with": world, "servers": config.num_servers,
                "servers_gone": list(view.servers_gone), "ps_replication": config.ps_replication,
                "strategy": config.strategy, "wall_time_s": round(wall, 3), "model": config.model,
-               "dataset": config.dataset, "on_failure": "continue", "ps": ps.stats.as_dict()}
+               "dataset": config.dataset, "on_failure": "continue"}
+    if ssp:
+        summary.update(servers=0, ssp=opt.stats())  # type: ignore[attr-defined]
+    else:
+        summary["ps"] = ps.stats.as_dict()
     if view.members[0] == members.member:
         save_weights(out / "model.safetensors", model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        left = "" if ssp else (f" and {config.num_servers - len(view.servers_gone)} of {config.num_servers} "
+                               "server(s)")
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "
-              f"epoch(s) in {wall:.1f} s, {view.size} of {world} worker(s) and "
-              f"{config.num_servers - len(view.servers_gone)} of {config.num_servers} server(s) at the end; weights "
-              f"in {out / 'model.safetensors'}", flush=True)
-    ps.close()
+              f"epoch(s) in {wall:.1f} s, {view.size} of {world} worker(s){left} at the end; weights in "
+              f"{out / 'model.safetensors'}", flush=True)
+    if not ssp:
+        ps.close()
     return summary

@@ -1,0 +1,39 @@
+"""``ddpkit.StaleSynchronousOptimizer`` under ``ddpkit launch --on-failure continue``: a worker's death does not
+stop the others, and its in-flight share is applied by every survivor or by none (``tests/scripts/ssp_survive.py``:
+every gradient is all ones, so the values count the shares applied)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from procs import base_env, launch, script
+
+STEPS = 40
+
+
+def _run(staleness: int, kill: str = "") -> tuple[list[dict], str]:
+    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ssp_survive.py"),
+                  env=base_env(STALENESS=str(staleness), KILL=kill, STEPS=str(STEPS)), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stderr
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_without_a_death_every_share_of_every_step_is_applied(staleness: int) -> None:
+    workers, _ = _run(staleness)
+    assert len(workers) == 3
+    assert all(w["applied"] == pytest.approx(-STEPS, abs=1e-4) and w["uniform"] for w in workers)
+
+
+@pytest.mark.parametrize("staleness,kill", [(2, "1:5"), (2, "0:17"), (0, "2:9")])
+def test_a_dead_workers_in_flight_share_is_applied_by_every_survivor_or_by_none(staleness: int, kill: str) -> None:
+    workers, err = _run(staleness, kill)
+    assert f"member {kill.split(':')[0]} (rank" in err and "the job goes on with 2 worker(s)" in err
+    assert len(workers) == 2 and all(w["world"] == 2 and w["uniform"] for w in workers)
+    applied = [w["applied"] for w in workers]
+    assert applied[0] == pytest.approx(applied[1], abs=1e-4), "the survivors applied different shares"
+    # Each step brings whole shares of a third (three workers) or a half (two): the steps the dead worker never
+    # contributed to lose its third on every survivor alike, at most the S + 1 it had not started.
+    lost_thirds = 3 * (STEPS + applied[0])
+    assert lost_thirds == pytest.approx(round(lost_thirds), abs=1e-3) and 1 <= round(lost_thirds) <= staleness + 1
