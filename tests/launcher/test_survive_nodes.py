@@ -96,6 +96,18 @@ def test_the_store_s_node_and_a_worker_die_and_the_others_end_bitwise_equal(
     assert last["resumed"] - last["noticed"] < 5
 
 
+@pytest.mark.slow("two launchers: a worker's death survived, then a node's loss stops the other")
+def test_with_two_nodes_a_workers_death_is_survived_and_a_nodes_loss_stops_the_job(tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path / "run", ["127.0.0.1"] * 2, EPOCHS="20", KILL="1:3")
+    nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
+    assert nodes[1].poll() is None, "node 1's launcher goes on without workers: it still votes"
+    os.kill(nodes[1].pid, signal.SIGKILL)
+    errs = _finish(nodes)
+    assert nodes[0].returncode == 1
+    assert "--on-failure continue with 2 nodes: a worker's death is survived, a node's loss is not" in errs[0]
+    assert "node 0 hears 1 of the job's 2 nodes, not a majority (2)" in errs[0], errs[0]
+
+
 @pytest.mark.slow("three launchers in three network namespaces, one node's cable cut")
 def test_a_node_cut_off_stops_itself_and_the_majority_ends_bitwise_equal(
         tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
