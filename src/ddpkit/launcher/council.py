@@ -43,6 +43,7 @@ import json
 import os
 import random
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +58,8 @@ BEAT_S = 0.1
 """How often an agent sends its report to every other."""
 SUSPECT_S = 1.0
 """An agent not heard for this long has failed (the majority removes it; a minority stops itself)."""
+_SEND_S = 2
+"""Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
 
@@ -212,12 +215,17 @@ class Council:
                 raise PermissionError("not this job's secret")
             if dialed is not None and peer != dialed:
                 raise PermissionError(f"answered as node {peer}, not {dialed}")
+            if dialed is None and not self.node < peer < len(self.places):
+                raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{len(self.places) - 1} "
+                                      "call this one")
         except (OSError, ValueError, KeyError, PermissionError) as e:
             if isinstance(e, PermissionError):
                 say(f"refused a council connection from {_peer_name(sock)}: {e} (--rdzv-id)")
             sock.close()
             return
         sock.settimeout(None)
+        # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_S, 0))
         with self._cond:
             self._peers[peer] = _Peer(sock)
             self._heard[peer] = time.monotonic()
