@@ -33,7 +33,8 @@ def test_a_dead_workers_in_flight_share_is_applied_by_every_survivor_or_by_none(
     assert len(workers) == 2 and all(w["world"] == 2 and w["uniform"] for w in workers)
     applied = [w["applied"] for w in workers]
     assert applied[0] == pytest.approx(applied[1], abs=1e-4), "the survivors applied different shares"
-    # Each step brings whole shares of a third (three workers) or a half (two): the steps the dead worker never
-    # contributed to lose its third on every survivor alike, at most the S + 1 it had not started.
-    lost_thirds = 3 * (STEPS + applied[0])
-    assert lost_thirds == pytest.approx(round(lost_thirds), abs=1e-3) and 1 <= round(lost_thirds) <= staleness + 1
+    # Each share is a third (posted by three workers) or a half (posted after the change): a step the dead worker
+    # never contributed to brings the survivors' shares only, on every survivor alike; at most the S + 1 steps it
+    # had not started lose anything, each at most its third.
+    lost_sixths = 6 * (STEPS + applied[0])
+    assert lost_sixths == pytest.approx(round(lost_sixths), abs=1e-3) and 0 <= round(lost_sixths) <= 2 * (staleness + 1)

@@ -204,8 +204,8 @@ class _StaleSynchronous(torch.optim.Optimizer):
             first = min([i.step for i in lacking], default=posted)
             bounds = torch.tensor([-first, posted], dtype=torch.int64)
             try:
-                self.membership.wait(dist.all_reduce(bounds, dist.ReduceOp.MAX, group=group, async_op=True),
-                                     self.view)
+                work = dist.all_reduce(bounds, dist.ReduceOp.MAX, group=group, async_op=True)  # cpu group: gloo's
+                self.membership.wait(work, self.view)
             except membership.MembershipChanged:
                 continue
             low, self.merged_until = -int(bounds[0]), int(bounds[1])
