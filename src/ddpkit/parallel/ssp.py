@@ -129,14 +129,17 @@ class _StaleSynchronous(torch.optim.Optimizer):
             self.wait_s += time.perf_counter() - start
         return True
 
-    def _applied(self, item: _InFlight) -> torch.Tensor:
-        """What ``item`` adds to this worker's update (nothing for a step it had applied), remembered."""
+    def _applied(self, item: _InFlight, whole: bool = False) -> torch.Tensor:
+        """What ``item`` adds to this worker's update (nothing for a step it had applied; ``whole``: its own share
+        too), remembered."""
         total = item.result()
         if self.membership is not None:
             self.recent[item.step] = total
             for old in [s for s in self.recent if s < item.step - 2 * self.staleness - 2]:
                 del self.recent[old]
-        return torch.zeros_like(item.own) if item.had else total - item.own
+        if item.had:
+            return torch.zeros_like(item.own)
+        return total if whole else total - item.own
 
     def _join_view(self) -> dist.ProcessGroup:
         assert self.membership is not None
@@ -238,8 +241,7 @@ class _StaleSynchronous(torch.optim.Optimizer):
             if not self._arrive(item):
                 continue  # the membership changed: the steps in flight were posted again
             self.in_flight.popleft()
-            extra = self._applied(item)
-            combined += item.result() if self.staleness == 0 and item.step == self.clock else extra
+            combined += self._applied(item, whole=self.staleness == 0 and item.step == self.clock)
             self.ages[self.clock - item.step] += 1
         if self.carry is not None:
             combined += self.carry
