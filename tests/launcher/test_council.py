@@ -6,10 +6,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
-from ddpkit.launcher.council import SUSPECT_S, Council
+from ddpkit.launcher.council import SUSPECT_S, Council, take_seat
 
 
 def _listener() -> socket.socket:
@@ -19,27 +20,44 @@ def _listener() -> socket.socket:
     return sock
 
 
-def _councils(count: int, tokens: list[str] | None = None, meet_s: float = 10.0) -> list[Council | Exception]:
-    listeners = [_listener() for _ in range(count)]
-    places = [("127.0.0.1", s.getsockname()[1], f"127.0.0.1:{5000 + n}") for n, s in enumerate(listeners)]
-    made: list[Council | Exception] = [RuntimeError("not made")] * count
+Seat = Callable[[int, str, dict[int, tuple[str, int, str]]], Council]
+
+
+def _seats(count: int, most: int, meet_s: float) -> tuple[Seat, dict[int, tuple[str, int, str]]]:
+    """A job of ``count`` starting nodes (two workers each) and spares up to ``most``: how to seat a node, and
+    every node's place."""
+    listeners = [_listener() for _ in range(most)]
+    places = {n: ("127.0.0.1", s.getsockname()[1], f"127.0.0.1:{5000 + n}") for n, s in enumerate(listeners)}
 
     def node_of(member: int) -> int:  # two workers a node, replacements numbered as the launcher does
-        return member // 2 if member < 2 * count else (member - 2 * count) % count
+        return member // 2 if member < 2 * count else (member - 2 * count) % most
 
-    def seat(node: int) -> None:
+    def seat(node: int, token: str, seats: dict[int, tuple[str, int, str]]) -> Council:
+        return Council(node, seats, listeners[node], list(range(2 * count)), node_of, token, meet_s=meet_s,
+                       starting=count, most=most)
+
+    return seat, places
+
+
+def _councils(count: int, tokens: list[str] | None = None, meet_s: float = 10.0, most: int | None = None,
+              ) -> tuple[list[Council | Exception], Callable[..., Council]]:
+    """``count`` starting nodes' councils, and how to seat spare node ``n`` (``count <= n < most``) later, as
+    ``take_seat`` does: with the seats published so far."""
+    seat, places = _seats(count, most or count, meet_s)
+    made: list[Council | Exception] = [RuntimeError("not made")] * count
+
+    def founding(node: int) -> None:
         try:
-            made[node] = Council(node, places, listeners[node], list(range(2 * count)), node_of,
-                                 (tokens or ["job"] * count)[node], meet_s=meet_s)
+            made[node] = seat(node, (tokens or ["job"] * count)[node], {n: places[n] for n in range(count)})
         except Exception as e:  # noqa: BLE001 - the test looks at it
             made[node] = e
 
-    threads = [threading.Thread(target=seat, args=(n,)) for n in range(count)]
+    threads = [threading.Thread(target=founding, args=(n,)) for n in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return made
+    return made, lambda node, token="job": seat(node, token, {n: p for n, p in places.items() if n <= node})
 
 
 def _until(condition, timeout: float = 5.0) -> float:  # type: ignore[no-untyped-def]
@@ -51,7 +69,7 @@ def _until(condition, timeout: float = 5.0) -> float:  # type: ignore[no-untyped
 
 
 def test_a_death_is_decided_once_for_every_node_and_a_lost_node_moves_the_store() -> None:
-    councils = _councils(3)
+    councils, _ = _councils(3)
     assert all(isinstance(c, Council) for c in councils), councils
     try:
         councils[2].tell(dead=[5])
@@ -79,13 +97,13 @@ def test_a_death_is_decided_once_for_every_node_and_a_lost_node_moves_the_store(
 
 
 def test_a_process_without_the_jobs_secret_never_takes_a_seat() -> None:
-    councils = _councils(2, tokens=["job", "another job"], meet_s=1.5)
+    councils, _ = _councils(2, tokens=["job", "another job"], meet_s=1.5)
     assert isinstance(councils[1], RuntimeError) and "did not join the job's council" in str(councils[1])
     assert isinstance(councils[0], RuntimeError)
 
 
 def test_with_two_nodes_neither_side_of_a_loss_is_a_majority_so_the_survivor_stops() -> None:
-    councils = _councils(2)
+    councils, _ = _councils(2)
     assert all(isinstance(c, Council) for c in councils), councils
     start = time.monotonic()
     councils[1].close()
@@ -98,7 +116,7 @@ def test_with_two_nodes_neither_side_of_a_loss_is_a_majority_so_the_survivor_sto
 
 @pytest.mark.parametrize("lost", [1, 2])
 def test_the_majority_goes_on_without_a_silent_node(lost: int) -> None:
-    councils = _councils(3)
+    councils, _ = _councils(3)
     try:
         councils[lost]._stop.set()  # alive but silent: it sends no beat and proposes nothing; its sockets open
         took = _until(lambda: all(lost not in c.entry.nodes for n, c in enumerate(councils) if n != lost),
@@ -107,3 +125,61 @@ def test_the_majority_goes_on_without_a_silent_node(lost: int) -> None:
     finally:
         for c in councils:
             c.close()
+
+
+def test_a_spare_becomes_a_voting_node_its_workers_join_and_it_keeps_the_job_through_a_loss() -> None:
+    councils, spare_seat = _councils(2, most=4)
+    assert all(isinstance(c, Council) for c in councils), councils
+    spare = spare_seat(2)
+    try:
+        entry = spare.wait_admitted(5.0)
+        assert entry is not None and entry.nodes == (0, 1, 2) and entry.epoch == 0, "a voter, the same members"
+        _until(lambda: all(c.entry == entry for c in councils))  # the commit reaches each in turn
+        spare.tell(ready=[6])  # its worker: the starting world (4) + its node
+        _until(lambda: all(c.entry.members == (0, 1, 2, 3, 6) for c in [*councils, spare]))
+        councils[0].close()  # with three voters one loss leaves a majority: nodes 1 and 2 go on
+        _until(lambda: spare.entry.nodes == (1, 2) and councils[1].entry.nodes == (1, 2))
+        assert spare.entry.members == (2, 3, 6) and spare.entry.store == "127.0.0.1:5001"
+        assert spare.cut_off is None and councils[1].cut_off is None
+    finally:
+        for c in [*councils[1:], spare]:
+            c.close()
+
+
+def test_a_spare_with_another_secret_or_after_training_is_never_admitted() -> None:
+    councils, spare_seat = _councils(2, most=4)
+    assert all(isinstance(c, Council) for c in councils), councils
+    try:
+        with pytest.raises(RuntimeError, match="none of the job's launchers answered"):
+            spare_seat(2, token="another job")
+        assert all(c.entry.nodes == (0, 1) for c in councils)
+        for c in councils:
+            c.tell(finished=True, succeeded=True)
+        late = spare_seat(3)
+        assert late.wait_admitted(3.0) is None, "training is over: no one is left to join"
+        assert late.entry.done and late.entry.succeeded and late.entry.nodes == (0, 1)
+        late.close()
+    finally:
+        for c in councils:
+            c.close()
+
+
+class _Rendezvous:
+    """What ``take_seat`` uses of a launcher's rendezvous: its store."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.HashStore()
+
+
+def test_a_node_with_another_worker_count_or_a_taken_rank_is_refused_before_it_sits() -> None:
+    rdzv = _Rendezvous()
+    rdzv.store.set("council/nproc", "2")
+    common = {"nnodes": 2, "master_addr": "127.0.0.1", "port": 1, "token": "job", "timeout_s": 1.0, "most": 3}
+    with pytest.raises(RuntimeError, match="node 2 runs --nproc-per-node 4, node 0 runs 2: under --on-failure"):
+        take_seat(rdzv, node=2, nproc=4, **common)
+    assert not rdzv.store.check(["seat/2"]), "refused before it took the seat: it may come again with 2"
+    rdzv.store.add("seat/1", 1)  # node 1 sat (and was lost since)
+    with pytest.raises(RuntimeError, match="node 1 already took its seat in this job"):
+        take_seat(rdzv, node=1, nproc=2, **common)

@@ -46,15 +46,16 @@ def reference_long(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
 
 
 def _nodes(out: Path, addresses: list[str], *flags: str, namespaces: list[str] | None = None,
-           **env: str) -> list[Streamed]:
-    port = free_port() if namespaces is None else 29611
+           nnodes: str | None = None, port: int | None = None, first: int = 0, **env: str) -> list[Streamed]:
+    """One launcher per address (node ``first`` on), all meeting at ``addresses[0]``'s port (``port``)."""
+    port = port or (free_port() if namespaces is None else 29611)
     nodes = []
-    for node, address in enumerate(addresses):
-        argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", str(len(addresses)), "--node-rank", str(node),
-                "--nproc-per-node", "1", "--master-addr", addresses[0], "--master-port", str(port), "--rdzv-id",
-                "council-test", "--on-failure", "continue", *flags, script("ft_train.py")]
+    for node, address in enumerate(addresses, start=first):
+        argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", nnodes or str(len(addresses)), "--node-rank",
+                str(node), "--nproc-per-node", "1", "--master-addr", addresses[0], "--master-port", str(port),
+                "--rdzv-id", "council-test", "--on-failure", "continue", *flags, script("ft_train.py")]
         if namespaces is not None:
-            argv = in_namespace(namespaces[node], argv)
+            argv = in_namespace(namespaces[node - first], argv)
         nodes.append(Streamed(argv, base_env(OUT=str(out), **{**_RUN, **env})))
     return nodes
 
@@ -81,7 +82,7 @@ def test_the_store_s_node_and_a_worker_die_and_the_others_end_bitwise_equal(
         tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     out = tmp_path / "run"
     nodes = _nodes(out, ["127.0.0.1"] * 3, "--max-restarts", "1", KILL="1:3")
-    nodes[1].wait_for("member(s) 7 joined", timeout=90)  # node 1's replacement for member 1 has the state
+    nodes[1].wait_for("member 7 holds the training state", timeout=90)  # node 1's replacement for member 1
     os.kill(nodes[0].pid, signal.SIGKILL)  # node 0's launcher: it serves the store, it leads; its worker dies with it
     errs = _finish(nodes)
     assert [n.returncode for n in nodes] == [-signal.SIGKILL, 0, 0], errs
@@ -144,4 +145,25 @@ def test_deaths_replacements_and_a_cut_across_nodes_leave_the_weights_and_no_pro
     started = [int(pid) for pid in pids.read_text().split()]
     assert len(started) >= 5 and not [pid for pid in started if alive(pid)]
 
+
+@pytest.mark.slow("two launchers and a spare: the spare joins the running job, then node 0 is killed")
+def test_a_spare_node_joins_the_running_job_and_carries_it_through_node_0s_loss(
+        tmp_path: Path, reference_long: dict[str, torch.Tensor]) -> None:
+    out, port = tmp_path / "run", free_port()
+    run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25"}
+    nodes = _nodes(out, ["127.0.0.1"] * 2, nnodes="2:3", port=port, **run)
+    nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
+    assert nodes[1].poll() is None, "node 1's launcher goes on without workers: it still votes"
+    nodes += _nodes(out, ["127.0.0.1"], nnodes="2:3", port=port, first=2, **run)  # the spare comes now
+    nodes[2].wait_for("member 4 holds the training state", timeout=90)
+    os.kill(nodes[0].pid, signal.SIGKILL)  # store host and leader: nodes 1 and 2 are a majority of three
+    errs = _finish(nodes)
+    assert [n.returncode for n in nodes] == [-signal.SIGKILL, 0, 0], errs
+    assert "spare node 2 admitted: 3 voting nodes" in errs[2], errs[2]
+    for err in errs[1:]:
+        assert "node(s) 0 left the job" in err and "the workers' store moves to node 1" in err, err
+        assert "membership epoch 3: 1 worker(s), member(s) 0 left" in err, err
+    assert _equal(torch.load(f"{out}.pt"), reference_long)
+    sizes = [(c["epoch"], c["size"]) for c in json.loads(Path(f"{out}.json").read_text())["changes"]]
+    assert sizes == [(2, 2), (3, 1)], sizes  # as the spare's worker lived them: it writes, the only one left
 

@@ -20,6 +20,7 @@ from procs import ROOT, base_env, launch, script
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.data.shards import VirtualShards
 from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.settings import resolve
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.config import TrainConfig
 
@@ -99,9 +100,14 @@ def test_deterministic_shards_need_the_mode_and_a_fitting_count() -> None:
         TrainConfig(on_failure="continue", deterministic_shards=2, batch_size=32).check_world(4)
 
 
-def test_launch_refuses_elastic_nodes_servers_across_nodes_and_replacements_beside_servers() -> None:
+def test_launch_refuses_c10d_nodes_servers_across_nodes_and_replacements_beside_servers() -> None:
     LaunchConfig(program="x.py", on_failure="continue", nnodes=3, node_rank=1, master_addr="127.0.0.1")
-    with pytest.raises(ConfigError, match="an elastic range is not built"):
+    spare = LaunchConfig(program=str(script("ft_train.py")), on_failure="continue", nnodes="2:4", node_rank=3,
+                         master_addr="127.0.0.1")
+    assert resolve(spare).spare and resolve(spare).world_size == 2 and resolve(spare).max_nodes == 4
+    with pytest.raises(ConfigError, match="--node-rank 4 is out of range for --nnodes 4"):
+        LaunchConfig(program="x.py", on_failure="continue", nnodes="2:4", node_rank=4, master_addr="127.0.0.1")
+    with pytest.raises(ConfigError, match="--rdzv-backend c10d: across nodes the mode's launchers decide"):
         LaunchConfig(program="x.py", on_failure="continue", nnodes="2:3", rdzv_backend="c10d",
                      rdzv_endpoint="127.0.0.1:29400")
     with pytest.raises(ConfigError, match="survive deaths on one node only"):

@@ -92,7 +92,8 @@ class LaunchConfig:
         "core), as torchrun", metavar="N|cpu|gpu|auto"
     )
     nnodes: int | str = option(
-        1, "number of nodes (one launcher per node), or MIN:MAX for an elastic job (needs --rdzv-backend c10d)",
+        1, "number of nodes (one launcher per node), or MIN:MAX for an elastic job (needs --rdzv-backend c10d; "
+        "under --on-failure continue: MIN nodes start the job, nodes MIN..MAX-1 are spares that join it running)",
         metavar="N|MIN:MAX",
     )
     node_rank: int = option(0, "this node's index in 0..nnodes-1 (static rendezvous); node 0 hosts the rendezvous")
@@ -238,7 +239,7 @@ class LaunchConfig:
             if not self.rdzv_endpoint:
                 raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT], the same on every node")
             parse_endpoint(self.rdzv_endpoint, ENDPOINT_PORT)
-        elif low != high and not self.standalone:
+        elif low != high and not self.standalone and self.on_failure != "continue":
             raise ConfigError(f"--nnodes {self.nnodes} is a range, which needs the nodes to agree on their ranks: "
                               "add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT]")
         elif self.rdzv_endpoint and not self.standalone:
@@ -264,11 +265,11 @@ class LaunchConfig:
     def _check_on_failure(self, high: int) -> None:
         if self.on_failure != "continue":
             return
-        if high != 1 and (node_range(self.nnodes)[0] != high or self.rdzv_backend == "c10d"):
-            raise ConfigError(f"--on-failure continue with --nnodes {self.nnodes}"
-                              f"{' and --rdzv-backend c10d' if self.rdzv_backend == 'c10d' else ''}: across nodes "
-                              "the mode starts with a fixed set of nodes (--nnodes N, --node-rank on each) whose "
-                              "launchers then decide each membership by majority; an elastic range is not built")
+        if high != 1 and self.rdzv_backend == "c10d":
+            raise ConfigError(f"--on-failure continue with --nnodes {self.nnodes} and --rdzv-backend c10d: across "
+                              "nodes the mode's launchers decide each membership by majority among themselves; give "
+                              "--rdzv-backend static (the default) with --node-rank on each node (with MIN:MAX, "
+                              "nodes 0..MIN-1 start the job and nodes MIN..MAX-1 join it as spares)")
         if high != 1 and self.num_servers:
             raise ConfigError(f"--on-failure continue with --num-servers {self.num_servers} and --nnodes "
                               f"{self.nnodes}: the parameter servers survive deaths on one node only (they all "

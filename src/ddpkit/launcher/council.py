@@ -24,6 +24,13 @@ leader
     for :data:`SUSPECT_S` (a killed launcher is noticed at once, since its
     connections close), admits replacements, and moves the workers' store to
     the lowest node left (each agent serves one from the start).
+spares
+    Under ``--nnodes MIN:MAX`` nodes MIN..MAX-1 may come while the job runs.
+    A spare's agent dials every seat published in node 0's store, learns the
+    newest entry from the first answer, and says in its report that it asks
+    to join; the leader's next entry makes it a voting node (decided by the
+    majority of the nodes before it, as every entry). Its workers then join
+    as replacements do, with the state from a peer.
 minority
     An agent that hears fewer than a majority of the last entry's nodes for
     :data:`SUSPECT_S`, or that an entry leaves out, stops its workers: a node
@@ -40,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import random
 import socket
@@ -106,6 +114,8 @@ class Report:
     joined: list[int] = field(default_factory=list)
     finished: bool = False
     succeeded: bool = False
+    join: bool = False
+    """A spare node asking to become a voting node."""
 
 
 @dataclass
@@ -119,26 +129,33 @@ class Council:
 
     Args:
         node: this node's rank.
-        places: every node's ``(host, council port, store address)``, by node rank.
+        places: the nodes' ``(host, council port, store address)`` by node rank: every starting node's (and a
+            spare's, the seats published so far).
         listener: this agent's listening socket (the council port of ``places[node]``).
         members: the job's first members (the workers' global ranks).
         node_of: the node a member runs on.
         token: the job's secret (None: the job has none, and neither does the council).
         meet_s: how long to wait for every other agent's connection.
+        starting: how many nodes started the job (nodes ``0..starting-1``; default every place).
+        most: the most nodes the job may have (spares are ``starting..most-1``).
 
     Raises:
-        RuntimeError: some agent did not connect within ``meet_s`` (or could not prove the job's secret).
+        RuntimeError: some agent did not connect within ``meet_s`` (or could not prove the job's secret); a
+            spare: no seat answered.
     """
 
-    def __init__(self, node: int, places: list[tuple[str, int, str]], listener: socket.socket,
-                 members: list[int], node_of: Callable[[int], int], token: str | None, meet_s: float = 60.0) -> None:
+    def __init__(self, node: int, places: dict[int, tuple[str, int, str]], listener: socket.socket,
+                 members: list[int], node_of: Callable[[int], int], token: str | None, meet_s: float = 60.0,
+                 *, starting: int | None = None, most: int | None = None) -> None:
         self.node = node
-        self.places = places
+        self.places = dict(places)
         self.node_of = node_of
+        self.starting = len(places) if starting is None else starting
+        self.most = max(self.starting, most or 0)
         self._key = hashlib.sha256(f"ddpkit council {token or ''}".encode()).digest()
-        nodes = tuple(range(len(places)))
+        nodes = tuple(range(self.starting))
         self.entry = Entry(0, 0, tuple(members), nodes, places[0][2])
-        self.report = Report()
+        self.report = Report(join=node >= self.starting)
         self.cut_off: str | None = None
         """Why this node stopped taking part (a minority, or an entry that left it out)."""
         self._cond = threading.Condition()
@@ -157,7 +174,14 @@ class Council:
         self._stop = threading.Event()
         self._listener = listener
         self._minority_since: float | None = None
-        self._connect(nodes, meet_s)
+        self._joiners: set[int] = set()
+        """Spares connected and not yet voting nodes: they hear the beats too."""
+        self._admitted = node < self.starting
+        """This node has been a voting node (a spare: once an entry named it)."""
+        if self._admitted:
+            self._connect(nodes, meet_s)
+        else:
+            self._dial_seats(meet_s)
         threading.Thread(target=self._beat_loop, name="ddpkit-council-beat", daemon=True).start()
         threading.Thread(target=self._tick_loop, name="ddpkit-council", daemon=True).start()
 
@@ -189,6 +213,38 @@ class Council:
                     raise RuntimeError(f"node(s) {missing} did not join the job's council within {timeout_s:g} s "
                                        "(a launcher not started, or started with another --rdzv-id)")
 
+    def _dial_seats(self, timeout_s: float) -> None:
+        """A spare: dial every seat published (a node lost since does not answer), then learn the newest entry."""
+        threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
+
+        def dial(other: int) -> None:
+            host, port, _ = self.places[other]
+            try:
+                sock = socket.create_connection((host, port), timeout=min(5.0, timeout_s))
+            except OSError:
+                return  # its launcher is gone (or cut off): the others say what became of it
+            self._handshake(sock, dialed=other)
+
+        dials = [threading.Thread(target=dial, args=(n,), daemon=True) for n in self.places if n != self.node]
+        for t in dials:
+            t.start()
+        for t in dials:
+            t.join()
+        with self._cond:
+            if not self._peers:
+                raise RuntimeError(f"spare node {self.node}: none of the job's launchers answered at their seats "
+                                   f"(nodes {sorted(n for n in self.places if n != self.node)}): the job is over, "
+                                   "or cut off from this node")
+        self._told.set()  # the first beat: a peer with a newer entry answers with it
+
+    def wait_admitted(self, timeout_s: float) -> Entry | None:
+        """A spare: the first entry that names this node a voting node (None: not within ``timeout_s``, the job
+        ended first, or this node was cut off)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.node in self.entry.nodes or self.entry.done
+                                or self.cut_off is not None, timeout_s)
+            return self.entry if self.node in self.entry.nodes else None
+
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -206,7 +262,7 @@ class Council:
         reader = sock.makefile("rb")
         try:
             mine = os.urandom(16).hex()
-            _send_line(sock, {"node": self.node, "nonce": mine})
+            _send_line(sock, {"node": self.node, "nonce": mine, "place": list(self.places[self.node])})
             theirs = json.loads(reader.readline())
             _send_line(sock, {"mac": self._mac(theirs["nonce"], self.node)})
             proof = json.loads(reader.readline())
@@ -215,9 +271,9 @@ class Council:
                 raise PermissionError("not this job's secret")
             if dialed is not None and peer != dialed:
                 raise PermissionError(f"answered as node {peer}, not {dialed}")
-            if dialed is None and not self.node < peer < len(self.places):
-                raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{len(self.places) - 1} "
-                                      "call this one")
+            if dialed is None and not (self.node < peer < self.starting or self.starting <= peer < self.most):
+                raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
+                                      f"and spares {self.starting}..{self.most - 1} call this one")
         except (OSError, ValueError, KeyError, PermissionError) as e:
             if isinstance(e, PermissionError):
                 say(f"refused a council connection from {_peer_name(sock)}: {e} (--rdzv-id)")
@@ -227,8 +283,14 @@ class Council:
         # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_S, 0))
         with self._cond:
+            if dialed is None and peer in self._peers and self._heard.get(peer) != float("-inf"):
+                sock.close()  # a second connection from a live peer: it has one
+                return
             self._peers[peer] = _Peer(sock)
             self._heard[peer] = time.monotonic()
+            self.places.setdefault(peer, tuple(theirs["place"]))  # type: ignore[arg-type]
+            if peer >= self.starting and peer not in self.entry.nodes:
+                self._joiners.add(peer)
             self._cond.notify_all()
         threading.Thread(target=self._read_loop, args=(peer, reader), name=f"ddpkit-council-{peer}",
                          daemon=True).start()
@@ -309,6 +371,10 @@ class Council:
             return
         self.entry = entry
         self._promised, self._accepted = (0, -1), None
+        self._joiners -= set(entry.nodes)
+        if self.node in entry.nodes and not self._admitted:
+            self._admitted = True
+            self.report.join = False
         self._cond.notify_all()
         self._wake.set()
 
@@ -354,7 +420,9 @@ class Council:
         self._learn_ballots(answers)
         if sum(a["kind"] == "accepted" for a in answers) < base.majority():
             return False
-        for node in sorted(set(base.nodes) | set(value.nodes)):
+        with self._cond:
+            told = set(base.nodes) | set(value.nodes) | self._joiners
+        for node in sorted(told):
             self._send(node, {"kind": "commit", "entry": asdict(value)})
         return True
 
@@ -364,15 +432,18 @@ class Council:
                 if a["kind"] == "refused":
                     self._counter = max(self._counter, a["promised"][0])
 
-    def _wanted(self, entry: Entry, heard: set[int]) -> Entry:
-        """The next entry as the leader sees the reports: ``entry`` itself when nothing changed."""
-        nodes = tuple(n for n in entry.nodes if n in heard)
+    def _wanted(self, entry: Entry, heard: set[int], joining: set[int]) -> Entry:
+        """The next entry as the leader sees the reports: ``entry`` itself when nothing changed. ``joining``:
+        spares heard that ask to vote (not once training is over)."""
+        over = entry.succeeded or any(r.succeeded for r in self._reports.values())
+        nodes = tuple(sorted([n for n in entry.nodes if n in heard] + ([] if over else sorted(joining))))
         reports = {n: r for n, r in self._reports.items() if n in nodes}
         reports[self.node] = self.report
         dead = {m for r in reports.values() for m in r.dead}
         members = [m for m in entry.members if m not in dead and self.node_of(m) in nodes]
-        members += [m for n in nodes for m in reports.get(n, Report()).ready
-                    if m not in members and m not in dead and self.node_of(m) == n]
+        if not over:  # a replacement admitted after the others finished would wait for them forever
+            members += [m for n in nodes for m in reports.get(n, Report()).ready
+                        if m not in members and m not in dead and self.node_of(m) == n]
         joined = tuple(sorted((set(entry.joined) | {m for r in reports.values() for m in r.joined})
                               & set(members)))
         changed = tuple(members) != entry.members
@@ -387,7 +458,8 @@ class Council:
             self._told.clear()
             with self._cond:
                 beat = {"kind": "beat", "report": asdict(self.report), "index": self.entry.index}
-                nodes = self.entry.nodes
+                nodes = self.entry.nodes if self._admitted else tuple(self._peers)
+                nodes = tuple(sorted(set(nodes) | self._joiners))
             for node in nodes:
                 if node != self.node:
                     self._send(node, beat)
@@ -399,19 +471,23 @@ class Council:
             now = time.monotonic()
             with self._cond:
                 entry = self.entry
-                heard = {self.node} | {n for n in entry.nodes if now - self._heard.get(n, now) < SUSPECT_S}
+                heard = {self.node} | {n for n in entry.nodes if now - self._heard.get(n, -math.inf) < SUSPECT_S}
+                joining = {n for n in self._joiners if now - self._heard.get(n, -math.inf) < SUSPECT_S
+                           and n in self._reports and self._reports[n].join}
             if entry.done or self._judge_minority(entry, heard, now):
                 return
-            if len(heard) < entry.majority() or min(heard) != self.node:
+            if self.node not in entry.nodes or len(heard) < entry.majority() or min(heard) != self.node:
                 continue
             with self._cond:
-                wanted = self._wanted(entry, heard)
+                wanted = self._wanted(entry, heard, joining)
             if replace(wanted, index=entry.index) != entry and not self._stop.is_set():
                 if not self._propose(entry, wanted):
                     time.sleep(random.uniform(0, BEAT_S / 2))  # two proposers at once: one of them wins next
 
     def _judge_minority(self, entry: Entry, heard: set[int], now: float) -> bool:
-        if self.node not in entry.nodes:
+        if self.node not in entry.nodes and not self._admitted:
+            heard = heard - {self.node}  # a spare not yet voting: it must still hear a majority of the job
+        elif self.node not in entry.nodes:
             self._give_up(f"the other nodes' majority left node {self.node} out of membership entry "
                           f"{entry.index} (it was not heard for {SUSPECT_S:g} s)")
             return True
@@ -452,8 +528,9 @@ class Council:
 
     def close(self) -> None:
         """Leave: tell the others the job's end once more (one that missed the last commit learns it) and close."""
-        entry = self.entry
-        for node in entry.nodes:
+        with self._cond:
+            entry, told = self.entry, set(self.entry.nodes) | self._joiners
+        for node in sorted(told):
             if node != self.node:
                 self._send(node, {"kind": "commit", "entry": asdict(entry)})
         self._stop.set()
@@ -481,12 +558,14 @@ def _peer_name(sock: socket.socket) -> str:
 
 
 def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str, port: int, token: str | None,
-              timeout_s: float) -> tuple[Council, Any]:
+              timeout_s: float, most: int | None = None) -> tuple[Council, Any]:
     """Meet the other nodes' agents through the job's first store and open this one's seat.
 
     Each agent publishes where it can be reached (its council port, and the store it serves for the workers
-    should it become the lowest node: node 0's is the job's store itself), then dials the lower nodes.
-    Returns the council and the store this agent serves (None on node 0, whose rendezvous serves it).
+    should it become the lowest node: node 0's is the job's store itself), then dials the lower nodes. A spare
+    (``node >= nnodes``, the starting nodes' count; ``most``: the job's most nodes) waits for the starting nodes'
+    seats, then dials every seat published. Returns the council and the store this agent serves (None on node
+    0, whose rendezvous serves it).
 
     Raises:
         RuntimeError: this node had a seat already (a lost node does not come back), or the others did not all
@@ -496,10 +575,20 @@ def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str
     from ddpkit.runtime.network import local_address_towards
     from ddpkit.runtime.process import free_port
 
-    if rdzv.store.check([f"council/{node}"]):
+    most = max(nnodes, most or 0)
+    deadline = time.monotonic() + timeout_s
+    if node == 0:
+        rdzv.store.set("council/nproc", str(nproc))
+    else:  # ranks and member ids count on one number of workers a node: check it before taking a seat
+        _wait_keys(rdzv.store, ["council/nproc"], deadline, "node 0 did not open the job's council")
+        if (theirs := int(rdzv.store.get("council/nproc"))) != nproc:
+            raise RuntimeError(f"node {node} runs --nproc-per-node {nproc}, node 0 runs {theirs}: under "
+                               "--on-failure continue every node, a spare too, runs the same number of workers")
+    if rdzv.store.add(f"seat/{node}", 1) != 1:  # atomic: two launchers given one node rank, one seat
         raise RuntimeError(f"node {node} already took its seat in this job, which goes on without it: under "
                            "--on-failure continue a lost node does not come back (the nodes left go on with their "
-                           "workers; start a new job to use this node again)")
+                           "workers; start a new job to use this node again, or give a spare an unused "
+                           f"--node-rank below {most})")
     host = master_addr if node == 0 else (local_address_towards(master_addr, port) or master_addr)
     served = None
     store = f"{master_addr}:{port}"
@@ -512,18 +601,24 @@ def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str
     listener.bind(("", 0))
     listener.listen(64)
     rdzv.store.set(f"council/{node}", json.dumps([host, listener.getsockname()[1], store]))
-    keys = [f"council/{n}" for n in range(nnodes)]
-    deadline = time.monotonic() + timeout_s
-    while not rdzv.store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [n for n in range(nnodes) if not rdzv.store.check([f"council/{n}"])]
-            raise RuntimeError(f"node(s) {missing} did not publish their council seat within {timeout_s:g} s")
-        time.sleep(0.05)
-    places = [tuple(json.loads(rdzv.store.get(k))) for k in keys]
+    _wait_keys(rdzv.store, [f"council/{n}" for n in range(nnodes)], deadline,
+               "node(s) {missing} did not publish their council seat")
+    seats = [n for n in range(most) if n < nnodes or n == node or rdzv.store.check([f"council/{n}"])]
+    places = {n: tuple(json.loads(rdzv.store.get(f"council/{n}"))) for n in seats}
     world = nnodes * nproc
 
     def node_of(member: int) -> int:
-        return member // nproc if member < world else (member - world) % nnodes
+        return member // nproc if member < world else (member - world) % most
 
-    council = Council(node, places, listener, list(range(world)), node_of, token)  # type: ignore[arg-type]
+    council = Council(node, places, listener, list(range(world)), node_of, token,  # type: ignore[arg-type]
+                      starting=nnodes, most=most)
     return council, served
+
+
+def _wait_keys(store: Any, keys: list[str], deadline: float, what: str) -> None:
+    """Until every key is in ``store``; RuntimeError ``what`` (``{missing}``: the keys' nodes) at the deadline."""
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = ", ".join(k.rsplit("/", 1)[1] for k in keys if not store.check([k]))
+            raise RuntimeError(what.format(missing=missing) + " within the rendezvous timeout")
+        time.sleep(0.05)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ddpkit.launcher.agent_store import AgentStore
 from ddpkit.launcher.config import LaunchConfig
-from ddpkit.launcher.council import Council, take_seat
+from ddpkit.launcher.council import Council, Entry, take_seat
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.mpi_group import MPIWorkerGroup
 from ddpkit.launcher.output import LogLayout
@@ -54,7 +54,7 @@ def run(cfg: LaunchConfig) -> int:
         raise ConfigError(str(e)) from None
     if cfg.backend:
         os.environ["DDPKIT_BACKEND"] = cfg.backend  # what every worker's ddpkit.init() reads
-    check_backend(os.environ.get("DDPKIT_BACKEND", ""), launch.nnodes)
+    check_backend(os.environ.get("DDPKIT_BACKEND", ""), launch.max_nodes)
     if cfg.on_failure == "continue" and os.environ.get("DDPKIT_BACKEND", "").strip().lower() not in ("", "gloo"):
         raise ConfigError(f"--on-failure continue with the {os.environ['DDPKIT_BACKEND']} backend: the survivors "
                           "rebuild gloo groups (an MPI job cannot lose a process and go on; NCCL's abort path is "
@@ -90,7 +90,7 @@ def run(cfg: LaunchConfig) -> int:
                         job.rdzv = DynamicRendezvous(launch, token)
                         if job.rdzv.serving:
                             say(f"serving the rendezvous at {job.rdzv.where}: the job ends if this launcher stops")
-                    elif launch.nnodes > 1:
+                    elif launch.max_nodes > 1:
                         job.rdzv = NodeRendezvous(host=master_addr, port=port, node=cfg.node_rank,
                                                   nnodes=launch.nnodes, token=token, timeout_s=rendezvous_timeout())
                     else:
@@ -149,7 +149,7 @@ def job_token(launch: LaunchSettings) -> str | None:
     runs without, and the launcher says so.
     """
     token = launch.config.rdzv_id or os.environ.get(JOB_TOKEN_ENV) or None
-    if token is None and launch.nnodes == 1:
+    if token is None and launch.max_nodes == 1:
         token = mint_job_token()
     if token is None:
         say(f"no job secret (--rdzv-id or {JOB_TOKEN_ENV}, the same on every node): any process that reaches the "
@@ -250,12 +250,13 @@ class _Job:
 
     def council_round(self, rdzv: NodeRendezvous) -> int:
         """Several nodes under ``--on-failure continue``: one round, its memberships decided by the agents'
-        majority (:mod:`ddpkit.launcher.council`); the first store is needed only to meet."""
+        majority (:mod:`ddpkit.launcher.council`); the first store is needed only to meet. A spare node
+        (``--nnodes MIN:MAX``, ``--node-rank`` MIN or more) joins the running job."""
         launch = self.launch
         try:
             self.council, served = take_seat(rdzv, node=rdzv.node, nnodes=launch.nnodes, nproc=launch.nproc,
                                              master_addr=self.master_addr, port=self.port, token=self.token,
-                                             timeout_s=rendezvous_timeout())
+                                             timeout_s=rendezvous_timeout(), most=launch.max_nodes)
         except RuntimeError as e:
             say(str(e))
             return 1
@@ -263,14 +264,38 @@ class _Job:
         rdzv.close()  # its heartbeats to node 0's store: the council's beats judge the nodes from now on
         if rdzv.node == 0 and launch.nnodes == 2:
             say("--on-failure continue with 2 nodes: a worker's death is survived, a node's loss is not (neither "
-                "node alone is a majority); use 3 or more nodes to survive one")
+                "node alone is a majority); use 3 or more nodes to survive one"
+                + (", or let a spare join first" if launch.max_nodes > 2 else ""))
         try:
-            outcome = self._round(0, 0, NodeSlot.static(launch, self.port, self.master_addr), None)
+            slot = NodeSlot.static(launch, self.port, self.master_addr)
+            if launch.spare:
+                entry = self._admitted(self.council)
+                if entry is None:
+                    return 0 if self.council.entry.succeeded and self.council.cut_off is None else 1
+                slot = NodeSlot.spare(launch, entry.store)
+            outcome = self._round(0, 0, slot, None)
         finally:
             self.council.close()
             if served is not None:
                 served.close()
         return 0 if outcome is None else 1
+
+    def _admitted(self, council: Council) -> Entry | None:
+        """A spare node: wait until the job's nodes make it a voting node; the entry that did (None: it was not,
+        said why)."""
+        node = council.node
+        say(f"spare node {node}: joining the running job; the nodes' majority admits it")
+        entry = council.wait_admitted(rendezvous_timeout())
+        if entry is not None:
+            say(f"spare node {node} admitted: {len(entry.nodes)} voting nodes; its {self.launch.nproc} worker(s) "
+                "join at a step boundary with the training state from a peer")
+        elif council.cut_off is not None:
+            say(council.cut_off)
+        elif council.entry.succeeded:
+            say(f"spare node {node}: the job's training ended before it was admitted; nothing left to do")
+        else:
+            say(f"spare node {node}: not admitted within {rendezvous_timeout():g} s")
+        return entry
 
     def elastic_rounds(self) -> int:
         """Dynamic rendezvous: each round's nodes agree on ranks; failures and arrivals form the next round."""

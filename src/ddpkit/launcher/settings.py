@@ -46,7 +46,8 @@ class LaunchSettings:
     nproc: int
     """Workers on this node."""
     nnodes: int
-    """Nodes in the job (the most, for an elastic range)."""
+    """Nodes in the job (the most, for an elastic range; under ``--on-failure continue`` the nodes that start it,
+    MIN: nodes MIN..MAX-1 are spares)."""
     min_nodes: int
     max_nodes: int
     standalone: bool
@@ -73,6 +74,11 @@ class LaunchSettings:
     @property
     def elastic(self) -> bool:
         return self.min_nodes != self.max_nodes
+
+    @property
+    def spare(self) -> bool:
+        """Under ``--on-failure continue``: this node is not one of the MIN that start the job; it joins it."""
+        return self.config.on_failure == "continue" and self.config.node_rank >= self.nnodes
 
     @property
     def world_size(self) -> int:
@@ -156,8 +162,10 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str] | None = None) -> Laun
         raise ConfigError(f"--log-dir {str(cfg.log_dir)!r} is a file: give a directory")
     no_python = cfg.no_python and not cfg.run_path  # torchrun: --run-path takes precedence over --no-python
     _check_program(cfg, no_python)
+    # --on-failure continue: MIN nodes start the job (its world); the others join it running, as spares.
+    starting = min_nodes if cfg.on_failure == "continue" else max_nodes
     return LaunchSettings(
-        config=cfg, nproc=nproc, nnodes=max_nodes, min_nodes=min_nodes, max_nodes=max_nodes, standalone=standalone,
+        config=cfg, nproc=nproc, nnodes=starting, min_nodes=min_nodes, max_nodes=max_nodes, standalone=standalone,
         master_addr=master_addr, master_port=master_port, endpoint=endpoint, conf=conf, unknown_conf=unknown,
         redirect_map=parse_std(cfg.redirects, nproc, "--redirects"), tee_map=parse_std(cfg.tee, nproc, "--tee"),
         shown_ranks=_shown_ranks(cfg.local_ranks_filter, nproc), signals=signal_numbers(cfg.signals_to_handle),

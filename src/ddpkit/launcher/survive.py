@@ -74,25 +74,27 @@ class SurvivingGroup(WorkerGroup):
         self.deaths: list[Death] = []
         self.replacements = replacements
         self._ready: queue.Queue[int] = queue.Queue()
-        self._originals = 0
-        """How many members the job started with (ids from there on are replacements)."""
         self._joined: set[int] = set()
         """Members that hold the training state (their first group built and agreed on)."""
         self._next_member = 0
         self.server_pipes: list[int] = []
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
+        """Start this node's workers (a spare node's join the running job as replacements do)."""
+        spare = self.launch.spare
+        if spare:
+            self.members, self.epoch = list(self.entry.members), self.entry.epoch  # type: ignore[union-attr]
         with signals.deferred():
             for spec in specs:
                 if signals.received is not None:
                     break
                 if spec.server is None:
-                    self._start_member(spec)
+                    self._start_member(spec, replacing=spare)
                 else:
                     self._start_server(spec)
-        self.members = list(self.entry.members if self.entry else self.member_of.values())
-        self._originals = len(self.members)
-        self._announce()
+        if not spare:
+            self.members = list(self.entry.members if self.entry else self.member_of.values())
+            self._announce()
 
     def _start_member(self, spec: WorkerSpec, replacing: bool = False) -> None:
         member = self._member_id(spec, replacing)
@@ -125,8 +127,7 @@ class SurvivingGroup(WorkerGroup):
         elif not replacing:
             member = spec.rank
         else:
-            nodes = len(self.council.places)
-            member = self.launch.world_size + self.council.node + self._next_member * nodes
+            member = self.launch.world_size + self.council.node + self._next_member * self.launch.max_nodes
         self._next_member += 1
         return member
 
@@ -137,6 +138,8 @@ class SurvivingGroup(WorkerGroup):
                     self._ready.put(member)
                 elif line.strip() == b"joined":
                     self._joined.add(member)
+                    if member >= self.launch.world_size:  # a replacement's or a spare's: it can train now
+                        say(f"member {member} holds the training state")
                     if self.council is not None:
                         self.council.tell(joined=[member])
 
@@ -261,6 +264,8 @@ class SurvivingGroup(WorkerGroup):
                 + (f", the workers' store moves to node {min(entry.nodes)}" if entry.store != self.entry.store
                    else ""))
         self.entry = entry
+        if entry.succeeded and (waiting := live - dismissed):  # training is over: no one is left to join
+            dismissed |= self._dismiss_joining(waiting)
         if entry.epoch == self.epoch:
             return None
         left = [m for m in self.members if m not in entry.members]
@@ -281,7 +286,8 @@ class SurvivingGroup(WorkerGroup):
     def _dismiss_joining(self, live: set[int]) -> set[int]:
         """A worker finished, so training is over: stop the replacements that never got the state (they would
         wait for members that are gone, or train alone from the start). Their indices."""
-        joining = {i for i in live if self.member_of[i] >= self._originals and self.member_of[i] not in self._joined}
+        joining = {i for i in live
+                   if self.member_of[i] >= self.launch.world_size and self.member_of[i] not in self._joined}
         if joining:
             say(f"training is over: stopping {len(joining)} replacement(s) that had not joined yet")
             terminate([self.procs[i] for i in joining], self.launch.grace_period_s)
