@@ -156,7 +156,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)
             time.sleep((slow - 1) * (time.perf_counter() - began))
-        if config.warmup_epochs:
+        if config.warmup_for(run.scale):
             for group in state.optimizer.param_groups:
                 group["lr"] = run.lr_at(state.step)
         with tracer.phase("optimizer"):
@@ -243,7 +243,7 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
         f"engine {config.engine}, {run.world} process(es) x {run.scale // run.world} replica(s), global batch "
         f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}"
-        f"{f' (reached over {config.warmup_epochs:g} epochs of warm-up)' if config.warmup_epochs else ''}, "
+        f"{f' (reached over {warmup:g} epochs of warm-up)' if (warmup := config.warmup_for(run.scale)) else ''}, "
         f"output {run.out}"
     )
     if config.trace is not None:

@@ -162,7 +162,7 @@ def warmup_lr(config: TrainConfig, scale: int, step: int, steps_per_epoch: int) 
     process's over ``--warmup-epochs`` (a function of the step alone, so a resumed run or a replacement takes the
     same rates)."""
     target = config.lr * scale
-    ramp = config.warmup_epochs * steps_per_epoch
+    ramp = config.warmup_for(scale) * steps_per_epoch
     if step >= ramp:
         return target
     return config.lr + (target - config.lr) * step / ramp

@@ -84,7 +84,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         steps_per_epoch = -(-len(order) // config.batch_size)
         for at in range(0, len(order), config.batch_size):
             b = order[at : at + config.batch_size]
-            if config.warmup_epochs:
+            if config.warmup_for(world):
                 set_lr(opt, warmup_lr(config, world, epoch * steps_per_epoch + at // config.batch_size,
                                       steps_per_epoch))
             opt.zero_grad(set_to_none=True)

@@ -158,7 +158,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
         if step.sync(values=loss_sum):
-            if config.warmup_epochs:  # the starting world's scaled rate: the global batch keeps its size
+            if config.warmup_for(world):  # the starting world's scaled rate: the global batch keeps its size
                 set_lr(optimizer, warmup_lr(config, world, step.index, ft.steps_per_epoch))
             optimizer.step()
             progress.account(step, ft.shards)
