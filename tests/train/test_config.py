@@ -7,6 +7,7 @@ import pytest
 
 from ddpkit import models
 from ddpkit.data import datasets as data
+from ddpkit.runtime.options import ConfigError
 from ddpkit.train.config import DATASETS, MODELS, TrainConfig
 
 
@@ -81,3 +82,11 @@ def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():
     older = {k: v for k, v in now.items() if k not in ("strategy", "local_sgd", "local_sgd_warmup")}
     assert _differences(older, now) == []
     assert _differences(older, TrainConfig(local_sgd=4).to_dict()) == ["local_sgd", "strategy"]
+
+
+def test_the_default_warm_up_follows_how_many_times_the_rate_is_scaled_and_a_given_one_wins() -> None:
+    default = TrainConfig()
+    assert [default.warmup_for(scale) for scale in (1, 2, 3, 4, 8)] == [0, 0, 1.5, 2, 4]
+    assert TrainConfig(warmup_epochs=0).warmup_for(4) == 0 and TrainConfig(warmup_epochs=0.5).warmup_for(1) == 0.5
+    with pytest.raises(ConfigError, match="--warmup-epochs -1 must be 0"):
+        TrainConfig(warmup_epochs=-1)
