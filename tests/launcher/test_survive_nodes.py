@@ -167,3 +167,22 @@ def test_a_spare_node_joins_the_running_job_and_carries_it_through_node_0s_loss(
     sizes = [(c["epoch"], c["size"]) for c in json.loads(Path(f"{out}.json").read_text())["changes"]]
     assert sizes == [(2, 2), (3, 1)], sizes  # as the spare's worker lived them: it writes, the only one left
 
+
+
+@pytest.mark.slow("three namespaces: a spare joins on its own network, then node 0's cable is cut")
+def test_a_spare_on_its_own_network_joins_and_outvotes_node_0_cut_off(
+        tmp_path: Path, reference_long: dict[str, torch.Tensor]) -> None:
+    out = tmp_path / "run"
+    run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25"}
+    with bridged_nodes(3) as (names, addresses, links):
+        nodes = _nodes(out, addresses[:2], nnodes="2:3", namespaces=names[:2], **run)
+        nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
+        nodes += _nodes(out, addresses[:1], nnodes="2:3", namespaces=names[2:], first=2, **run)
+        nodes[2].wait_for("member 4 holds the training state", timeout=90)
+        subprocess.run(["ip", "link", "set", links[0], "down"], check=True)  # the store's node and the leader
+        errs = _finish(nodes)
+    assert [n.returncode for n in nodes] == [1, 0, 0], errs
+    assert "split brain refused" in errs[0], errs[0]
+    for err in errs[1:]:
+        assert "node(s) 0 left the job" in err and "the workers' store moves to node 1" in err, err
+    assert _equal(torch.load(f"{out}.pt"), reference_long)
