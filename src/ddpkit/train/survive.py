@@ -91,7 +91,8 @@ VALUES = 16
 
 @dataclass
 class Change:
-    """One membership change as this rank lived it (``time.time()`` stamps)."""
+    """One membership change as this rank lived it (``time.time()`` stamps): the view it rebuilt its group for,
+    which may stand for several views announced meanwhile."""
 
     epoch: int
     size: int
@@ -248,6 +249,9 @@ class FaultTolerance:
         self.committed = 0
         """Steps applied on this rank."""
         self.changes: list[Change] = []
+        """One entry per group this rank rebuilt: views announced while it was between two rebuilds (a death
+        and a join close together, a join while a step waited) are taken together, as the newest one, so two
+        ranks' lists may differ in the epochs they name (each names the last one)."""
         self.group: dist.ProcessGroup | None = None
         if self.membership is not None:
             self.membership.ready()
