@@ -12,9 +12,10 @@ from procs import base_env, launch, script
 STEPS = 40
 
 
-def _run(staleness: int, kill: str = "") -> tuple[list[dict], str]:
-    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ssp_survive.py"),
-                  env=base_env(STALENESS=str(staleness), KILL=kill, STEPS=str(STEPS)), timeout=120)
+def _run(staleness: int, kill: str = "", *flags: str, sleep: float = 0.02) -> tuple[list[dict], str]:
+    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", *flags,
+                  script("ssp_survive.py"), timeout=120,
+                  env=base_env(STALENESS=str(staleness), KILL=kill, STEPS=str(STEPS), SLEEP=str(sleep)))
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stderr
 
@@ -38,3 +39,10 @@ def test_a_dead_workers_in_flight_share_is_applied_by_every_survivor_or_by_none(
     # had not started lose anything, each at most its third.
     lost_sixths = 6 * (STEPS + applied[0])
     assert lost_sixths == pytest.approx(round(lost_sixths), abs=1e-3) and 0 <= round(lost_sixths) <= 2 * (staleness + 1)
+
+
+def test_a_replacement_stops_at_once_saying_why_and_the_survivors_go_on() -> None:
+    workers, err = _run(2, "1:5", "--max-restarts", "1", sleep=0.2)  # 8 s: time for the replacement to start
+    assert "member 3 joins a running job (a replacement, or a spare node's worker): a stale-synchronous job takes " \
+           "none" in err, err[-3000:]
+    assert len(workers) == 2 and all(w["world"] == 2 and w["uniform"] for w in workers)

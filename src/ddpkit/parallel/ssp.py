@@ -146,8 +146,9 @@ class _StaleSynchronous(torch.optim.Optimizer):
         while True:
             self.view = self.membership.latest()
             if self.membership.member not in self.view.members:
-                raise RuntimeError(f"member {self.membership.member} is a replacement: a stale-synchronous job takes "
-                                   "none (nothing hands it the training state); run it without --max-restarts")
+                raise RuntimeError(f"member {self.membership.member} joins a running job (a replacement, or a spare "
+                                   "node's worker): a stale-synchronous job takes none (nothing hands it the "
+                                   "training state); run it without --max-restarts and without spare nodes")
             try:
                 return self.membership.group(self.view)
             except membership.MembershipChanged:
