@@ -42,7 +42,7 @@ def _seats(count: int, most: int, meet_s: float) -> tuple[Seat, dict[int, tuple[
 def _councils(count: int, tokens: list[str] | None = None, meet_s: float = 10.0, most: int | None = None,
               ) -> tuple[list[Council | Exception], Callable[..., Council]]:
     """``count`` starting nodes' councils, and how to seat spare node ``n`` (``count <= n < most``) later, as
-    ``take_seat`` does: with the seats published so far."""
+    ``take_seat`` does: with the seats published so far (the lower nodes', and ``seen``)."""
     seat, places = _seats(count, most or count, meet_s)
     made: list[Council | Exception] = [RuntimeError("not made")] * count
 
@@ -57,7 +57,8 @@ def _councils(count: int, tokens: list[str] | None = None, meet_s: float = 10.0,
         t.start()
     for t in threads:
         t.join()
-    return made, lambda node, token="job": seat(node, token, {n: p for n, p in places.items() if n <= node})
+    return made, lambda node, token="job", seen=None: seat(
+        node, token, {n: p for n, p in places.items() if n <= node or n in (seen or ())})
 
 
 def _until(condition, timeout: float = 5.0) -> float:  # type: ignore[no-untyped-def]
@@ -183,3 +184,29 @@ def test_a_node_with_another_worker_count_or_a_taken_rank_is_refused_before_it_s
     rdzv.store.add("seat/1", 1)  # node 1 sat (and was lost since)
     with pytest.raises(RuntimeError, match="node 1 already took its seat in this job"):
         take_seat(rdzv, node=1, nproc=2, **common)
+
+
+def test_two_spares_that_come_at_once_connect_once_and_carry_the_job_when_the_starting_nodes_are_gone() -> None:
+    councils, spare_seat = _councils(2, most=4)
+    assert all(isinstance(c, Council) for c in councils), councils
+    spares: dict[int, Council] = {}
+
+    def come(node: int) -> None:  # each saw the other's seat: both dial, one connection must stay
+        spares[node] = spare_seat(node, seen=(2, 3))
+
+    threads = [threading.Thread(target=come, args=(n,)) for n in (2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        _until(lambda: all(c.entry.nodes == (0, 1, 2, 3) for c in [*councils, *spares.values()]))
+        councils[0].close()
+        _until(lambda: spares[3].entry.nodes == (1, 2, 3))
+        councils[1].close()  # two of three left: still a majority, if the spares hear each other
+        _until(lambda: spares[3].entry.nodes == (2, 3) and spares[2].entry.nodes == (2, 3), timeout=3 * SUSPECT_S)
+        assert spares[2].cut_off is None and spares[3].cut_off is None
+        assert spares[2].entry.store == "127.0.0.1:5002"
+    finally:
+        for c in spares.values():
+            c.close()

@@ -282,27 +282,35 @@ class Council:
         sock.settimeout(None)
         # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_S, 0))
+        stale = None
         with self._cond:
-            if dialed is None and peer in self._peers and self._heard.get(peer) != float("-inf"):
-                sock.close()  # a second connection from a live peer: it has one
-                return
+            if peer in self._peers and self._heard.get(peer) != float("-inf"):
+                # Two connections between one pair (two spares that dialed each other): both sides keep the one
+                # the higher node dialed.
+                if (self.node if dialed is not None else peer) < max(self.node, peer):
+                    sock.close()
+                    return
+                stale = self._peers[peer].sock
             self._peers[peer] = _Peer(sock)
             self._heard[peer] = time.monotonic()
             self.places.setdefault(peer, tuple(theirs["place"]))  # type: ignore[arg-type]
             if peer >= self.starting and peer not in self.entry.nodes:
                 self._joiners.add(peer)
             self._cond.notify_all()
-        threading.Thread(target=self._read_loop, args=(peer, reader), name=f"ddpkit-council-{peer}",
+        if stale is not None:
+            _close(stale)
+        threading.Thread(target=self._read_loop, args=(peer, reader, sock), name=f"ddpkit-council-{peer}",
                          daemon=True).start()
 
-    def _read_loop(self, peer: int, reader: Any) -> None:
+    def _read_loop(self, peer: int, reader: Any, sock: socket.socket) -> None:
         try:
             for line in reader:
                 self._handle(peer, json.loads(line))
         except (OSError, ValueError):
             pass
-        with self._cond:  # its launcher is gone (killed: the kernel closed its socket)
-            self._heard[peer] = float("-inf")
+        with self._cond:  # its launcher is gone (killed: the kernel closed its socket), unless this one was replaced
+            if self._peers[peer].sock is sock:
+                self._heard[peer] = float("-inf")
             self._cond.notify_all()
         self._wake.set()
 
@@ -537,12 +545,16 @@ class Council:
         with self._cond:
             peers = list(self._peers.values())
         for peer in peers:
-            try:
-                peer.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            peer.sock.close()
+            _close(peer.sock)
         self._listener.close()
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _send_line(sock: socket.socket, message: dict[str, Any]) -> None:
