@@ -178,6 +178,7 @@ class Council:
         """Spares connected and not yet voting nodes: they hear the beats too."""
         self._admitted = node < self.starting
         """This node has been a voting node (a spare: once an entry named it)."""
+        threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
         if self._admitted:
             self._connect(nodes, meet_s)
         else:
@@ -189,7 +190,6 @@ class Council:
 
     def _connect(self, nodes: tuple[int, ...], timeout_s: float) -> None:
         """Every pair of agents shares one connection: the higher node dials the lower, both prove the secret."""
-        threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
         for other in nodes:
             if other >= self.node:
                 continue
@@ -215,7 +215,6 @@ class Council:
 
     def _dial_seats(self, timeout_s: float) -> None:
         """A spare: dial every seat published (a node lost since does not answer), then learn the newest entry."""
-        threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
 
         def dial(other: int) -> None:
             host, port, _ = self.places[other]

@@ -49,8 +49,8 @@ class NodeSlot:
     @classmethod
     def spare(cls, launch: LaunchSettings, store: str) -> NodeSlot:
         """A spare node's slot under ``--on-failure continue``: its workers join the running job as replacements
-        do, on the store of the moment (``host:port``), each standing in for a rank of the starting world (its
-        ``RANK``; the job knows it by its member id)."""
+        do, on the store of the moment (``host:port``), each standing in for a rank of node 0's (its ``RANK``,
+        below the starting world since every node runs as many workers; the job knows it by its member id)."""
         host, port = store.rsplit(":", 1)
         return cls(node_rank=launch.config.node_rank, nnodes=launch.nnodes, rank_base=0,
                    world_size=launch.world_size, master_addr=host, master_port=int(port))
@@ -115,7 +115,7 @@ def plan_workers(
     ps_port = str(free_port()) if cfg.num_servers and slot.nnodes == 1 and not base_env.get(PS_PORT_ENV) else None
     workers = []
     for local_rank in range(nproc):
-        rank = (slot.rank_base + local_rank) % slot.world_size  # a spare's workers stand in for starting ranks
+        rank = slot.rank_base + local_rank
         env = worker_env(
             rank=rank, local_rank=local_rank, world_size=slot.world_size, local_world_size=nproc,
             master_addr=slot.master_addr, master_port=slot.master_port, node_rank=slot.node_rank,
