@@ -1,23 +1,43 @@
 """The suite's time budget, kept by the suite itself (a pytest plugin, loaded by ``tests/conftest.py``).
 
-* A test that takes longer than the budget (``BUDGET_S``, 30 s, setup and
-  call together; ``DDPKIT_TEST_BUDGET_S`` overrides it) fails, in its own
-  report (the terminal, ``--junitxml``, the exit status), unless it carries
+* A test that costs more than the budget (``BUDGET_S``, 30; setup and call
+  together; ``DDPKIT_TEST_BUDGET_S`` overrides it) fails, in its own report
+  (the terminal, ``--junitxml``, the exit status), unless it carries
   ``@pytest.mark.slow("why it needs that long")``: the suite grows by a
   minute whenever a feature adds a slow test unnoticed, and this makes each
   one a decision with a reason. Only that marker excuses a test (not a
   keyword of the same name: a parameter's id, an attribute), and the marker
-  without its reason is a usage error.
-* At the end of every run it prints its own wall time and its slowest tests.
+  without its reason is a usage error. The cost is counted twice, and either
+  may exceed it: CPU-seconds, of the test process and of every process it
+  started (what the test costs, whatever else the machine runs), and wall
+  seconds, the budget times the number of pytest-xdist workers sharing the
+  machine (what catches a test that mostly waits). Work a test does for the
+  whole session (a reference run shared by several tests,
+  ``tests/shared_runs.py``) is not the test's: :func:`charge_to_session`.
+* Under pytest-xdist the tests marked slow are handed out first: the longest
+  tests start early and the short ones fill the end, instead of one worker
+  running a long test alone at the end.
+* At the end of every run it prints its own wall time, its slowest tests, and
+  the CPU-seconds each folder of ``tests/`` spent (the test process and every
+  process it started, see :func:`cpu_seconds`) against that folder's budget
+  (``FOLDER_CPU_S``): a folder over its budget is named in red, so that the
+  next capability sees what its tests cost. CPU-seconds, unlike wall time,
+  hardly depend on what else the machine runs (pytest-xdist's other worker);
+  the report does not fail the run (timing is never a pass/fail test), the
+  per-test budget does. ``DDPKIT_TEST_TIMES=FILE`` writes every test's wall
+  and CPU seconds there as JSON.
 
 The check runs where the test runs, so under pytest-xdist each worker fails
 its own tests and checks the marker's reason; the controller prints the
-summary from every worker's reports.
+summary from every worker's reports (each test's CPU-seconds ride in its
+report's ``user_properties``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -28,6 +48,74 @@ BUDGET_S = 30.0
 """A test (setup and call together) may take this long without saying why."""
 SLOWEST_SHOWN = 8
 _SPENT = pytest.StashKey[float]()
+_CPU_AT = pytest.StashKey[float]()
+_CPU = pytest.StashKey[float]()
+FOLDER_CPU_S: dict[str, float] = {}
+"""The CPU-seconds each folder of ``tests/`` may spend in a whole run (the folders' sum is the suite's), set from
+a measured run with room for one more capability; a folder not listed has no budget."""
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _live_descendants_cpu(root: int) -> float:
+    """User and system CPU-seconds so far of the live processes descended from ``root``, and of the children they
+    reaped (from ``/proc``)."""
+    parent_of: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(name)
+        parent_of[pid] = int(fields[1])
+        # utime, stime, and cutime, cstime: the children it reaped (a pool's ranks, reaped by their forkserver)
+        ticks[pid] = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, parent in parent_of.items():
+        children[parent].append(pid)
+    total, todo = 0, list(children[root])
+    while todo:
+        pid = todo.pop()
+        total += ticks[pid]
+        todo.extend(children[pid])
+    return total * _TICK_S
+
+
+def cpu_seconds() -> float:
+    """CPU-seconds of this process, of its reaped descendants, and of its live ones so far.
+
+    The difference of two readings is what happened between them: a process alive at both counts the time it
+    spent in between; one reaped in between counts its whole life (the first reading held what it had then);
+    a process that outlives its parent (an orphan a kill left behind) stops counting when it is re-parented.
+    """
+    me, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (me.ru_utime + me.ru_stime + reaped.ru_utime + reaped.ru_stime
+            + _live_descendants_cpu(os.getpid()))
+
+
+_SESSION = [0.0, 0.0]
+"""CPU and wall seconds spent so far, in this process, on work that is the session's, not a test's."""
+_SESSION_AT = pytest.StashKey[tuple[float, float]]()
+
+
+def charge_to_session(cpu_s: float, wall_s: float) -> None:
+    """Say that ``cpu_s`` CPU-seconds and ``wall_s`` seconds of the running test were the session's work (a
+    reference run computed once for every test that compares with it): the test's budget does not count them."""
+    _SESSION[0] += cpu_s
+    _SESSION[1] += wall_s
+
+
+def folder_of(nodeid: str) -> str:
+    """The folder of ``tests/`` a test belongs to (``tests`` for the files at its top)."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
 
 
 def budget_s() -> float:
@@ -55,12 +143,20 @@ class Budget:
     def __init__(self, worker: bool) -> None:
         self.worker = worker
         self.limit = budget_s()  # read once, at the start: a test that changes the variable changes no budget
+        self.sharing = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) if worker else 1
+        """How many pytest-xdist workers share the machine (1 without xdist): the wall-clock limit's factor."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
             if not self.worker and _unexplained(item):
                 raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.slow needs the reason as its argument")
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the slow ones first
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> None:
+        item.stash[_CPU_AT] = cpu_seconds()
+        item.stash[_SESSION_AT] = (_SESSION[0], _SESSION[1])
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if _unexplained(item):
@@ -71,11 +167,24 @@ class Budget:
         report = yield
         if report.when in ("setup", "call"):
             item.stash[_SPENT] = item.stash.get(_SPENT, 0.0) + report.duration
-        spent = item.stash.get(_SPENT, 0.0)
-        if report.when == "call" and report.passed and spent > self.limit and _reason(item) is None:
+        if report.when == "teardown":  # the whole test, its fixtures' set-up and tear-down included
+            report.user_properties.append(("cpu_s", cpu_seconds() - item.stash.get(_CPU_AT, cpu_seconds())))
+        if report.when != "call" or not report.passed or _reason(item) is not None:
+            return report
+        spent, cpu = item.stash.get(_SPENT, 0.0), cpu_seconds() - item.stash.get(_CPU_AT, cpu_seconds())
+        session = item.stash.get(_SESSION_AT, (0.0, 0.0))
+        cpu, spent = cpu - (_SESSION[0] - session[0]), spent - (_SESSION[1] - session[1])
+        wall_limit = self.limit * self.sharing
+        over = []
+        if cpu > self.limit:
+            over.append(f"{cpu:.1f} CPU-seconds (itself and its processes), more than {self.limit:g}")
+        if spent > wall_limit:
+            over.append(f"{spent:.1f} s, more than {wall_limit:g} s"
+                        + (f" ({self.limit:g} s x {self.sharing} workers)" if self.sharing > 1 else ""))
+        if over:
             report.outcome = "failed"
-            report.longrepr = (f"OVER BUDGET: {item.nodeid} took {spent:.1f} s, more than {self.limit:g} s, and "
-                               "carries no @pytest.mark.slow(\"why\"): make it cheaper, or mark it with the reason")
+            report.longrepr = (f"OVER BUDGET: {item.nodeid} took {' and '.join(over)}, and carries no "
+                               "@pytest.mark.slow(\"why\"): make it cheaper, or mark it with the reason")
         return report
 
 
@@ -85,10 +194,14 @@ class Summary:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.over: list[str] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                self.cpu[report.nodeid] += value
         if report.failed and isinstance(report.longrepr, str) and report.longrepr.startswith("OVER BUDGET"):
             self.over.append(report.longrepr)
 
@@ -99,8 +212,34 @@ class Summary:
                                         f"{len(self.seconds)} tests")
         for nodeid, seconds in slowest:
             terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+        self._folders(terminalreporter)
+        if path := os.environ.get("DDPKIT_TEST_TIMES"):  # every test's wall and CPU seconds, for a closer look
+            with open(path, "w") as f:
+                json.dump({n: {"wall_s": round(s, 2), "cpu_s": round(self.cpu.get(n, 0.0), 2)}
+                           for n, s in sorted(self.seconds.items())}, f, indent=1)
         for line in self.over:
             terminalreporter.write_line(line, red=True)
+
+
+    def _folders(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
+        wall: dict[str, float] = defaultdict(float)
+        cpu: dict[str, float] = defaultdict(float)
+        count: dict[str, int] = defaultdict(int)
+        for nodeid, seconds in self.seconds.items():
+            folder = folder_of(nodeid)
+            wall[folder] += seconds
+            cpu[folder] += self.cpu.get(nodeid, 0.0)
+            count[folder] += 1
+        if not any(cpu.values()):
+            return
+        terminalreporter.write_sep("-", f"CPU-seconds by folder: {sum(cpu.values()):.0f} in all "
+                                        "(the tests and the processes they started)")
+        for folder in sorted(cpu, key=lambda f: -cpu[f]):
+            budget = FOLDER_CPU_S.get(folder)
+            over = budget is not None and cpu[folder] > budget
+            terminalreporter.write_line(
+                f"{cpu[folder]:8.0f} CPU-s {wall[folder]:7.0f} s  {count[folder]:4d} tests  {folder}"
+                + (f"  (budget {budget:g}{': OVER' if over else ''})" if budget is not None else ""), red=over)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import RankPool  # noqa: E402
 from mpi_harness import MPIRankPool, mpi_missing, skip_or_fail  # noqa: E402
 
-pytest_plugins = ["budget"]  # the suite's time budget (tests/budget.py)
+pytest_plugins = ["budget", "fast_tier"]  # the suite's time budget (tests/budget.py), the fast tier's reach (tests/fast_tier.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
@@ -42,6 +42,16 @@ def dist4() -> Iterator[RankPool]:
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory):  # -> SharedRuns
+    """Reference runs computed once per session, shared by the tests (and pytest-xdist's workers) that compare
+    with them (``tests/shared_runs.py``)."""
+    from shared_runs import SharedRuns  # here: it imports the budget plugin, which pytest must import first
+
+    base = tmp_path_factory.getbasetemp()
+    return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
 
 
 @pytest.fixture(scope="session")

@@ -12,22 +12,27 @@ import pytest
 pytest_plugins = ["pytester"]
 
 SUITE = """
-import time
+import subprocess, sys, time
 import pytest
 
 def test_quick():
     pass
 
 def test_slow_unmarked():
-    time.sleep(0.3)
+    time.sleep(0.5)
 
 @pytest.mark.slow("waits on purpose")
 def test_slow_marked():
-    time.sleep(0.3)
+    time.sleep(0.5)
 
 @pytest.mark.parametrize("case", ["slow"])
 def test_slow_by_name_only(case):
-    time.sleep(0.3)
+    time.sleep(0.5)
+
+def test_busy_in_a_subprocess():
+    # 0.1 s of wall time at most, and the CPU of a process it started: counted too
+    subprocess.run([sys.executable, "-c", "import time\\nend = time.process_time() + 0.25\\n"
+                    "while time.process_time() < end: pass"], check=True)
 """
 
 
@@ -45,14 +50,18 @@ def test_a_test_over_budget_without_a_reason_fails_itself(pytester: pytest.Pytes
     junit = pytester.path / "junit.xml"
     result = _run(pytester, SUITE, "--junitxml", str(junit), *(["-n", "2"] if xdist else []))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*suite wall time * s (* min), 4 tests*",
-                                 "*OVER BUDGET: test_suite.py::test_slow_unmarked took * s, more than 0.2 s*"])
+    wall = "more than 0.4 s (0.2 s x 2 workers)" if xdist else "more than 0.2 s"
+    result.stdout.fnmatch_lines(["*suite wall time * s (* min), 5 tests*",
+                                 f"*OVER BUDGET: test_suite.py::test_slow_unmarked took * s, {wall}*"])
     out = result.stdout.str()
     assert "OVER BUDGET: test_suite.py::test_slow_marked" not in out
     assert "OVER BUDGET: test_suite.py::test_slow_by_name_only[slow]" in out  # a keyword is not the marker
-    result.assert_outcomes(passed=2, failed=2)
+    assert "OVER BUDGET: test_suite.py::test_busy_in_a_subprocess took 0." in out
+    assert "CPU-seconds (itself and its processes), more than 0.2" in out
+    result.assert_outcomes(passed=2, failed=3)
     xml = junit.read_text()
-    assert xml.count("<failure") == 2 and "OVER BUDGET" in xml  # the JUnit file says so too
+    assert xml.count("<failure") == 3 and "OVER BUDGET" in xml  # the JUnit file says so too
+    result.stdout.fnmatch_lines(["*CPU-seconds by folder*", "* CPU-s * s     5 tests  test_suite.py*"])
 
 
 def test_the_slow_marker_needs_its_reason_under_xdist_too(pytester: pytest.Pytester) -> None:

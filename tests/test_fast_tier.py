@@ -1,70 +1,16 @@
-"""The fast tier (``pytest -m "not slow"``, what a developer runs before each commit) touches every module of the
-package and runs every command, measured, not claimed.
-
-The tier runs once under coverage.py, its subprocesses and forked ranks too
-(the launcher's workers, the rank pools, ``ddpkit train``'s processes). A
-module passes when some line inside one of its functions ran (a module of
-constants and re-exports: when it was imported); a command when its handler
-in ``ddpkit.cli`` ran. The whole suite stays what CI runs; this test is part
-of it, and of the full suite only.
-"""
+"""The fast tier's reach (``tests/fast_tier.py``): the checks themselves, and the plugin on a suite of its own,
+in one process and under pytest-xdist, with a slow test whose code must not count and a subprocess whose must."""
 
 from __future__ import annotations
 
-import ast
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fast_tier import PACKAGE, commands_not_run, function_lines, untouched
 
+pytest_plugins = ["pytester"]
 pytest.importorskip("coverage", reason="coverage.py measures the fast tier: pip install 'ddpkit[test]'")
-
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "src" / "ddpkit"
-COMMANDS = {"ddpkit launch": "_launch", "ddpkit train": "_train", "ddpkit bench": "_bench",
-            "ddpkit bench collectives": "_bench_collectives", "ddpkit bench strategies": "_bench_strategies",
-            "ddpkit bench backends": "_bench_backends", "ddpkit bench failures": "_bench_failures",
-            "ddpkit doctor": "_doctor"}
-"""Each command and its handler in ``ddpkit/cli.py``."""
-RC = """[run]
-source_pkgs = ddpkit
-parallel = true
-concurrency = thread, multiprocessing
-patch = subprocess, _exit
-sigterm = true
-data_file = {data}
-disable_warnings = no-data-collected, module-not-measured, no-sysmon
-"""
-
-
-def function_lines(path: Path) -> dict[str, set[int]]:
-    """The lines of each function's body in a module (nested functions counted in their own right)."""
-    found: dict[str, set[int]] = {}
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            lines = {n.lineno for stmt in node.body for n in ast.walk(stmt) if hasattr(n, "lineno")}
-            found.setdefault(node.name, set()).update(lines)
-    return found
-
-
-def untouched(executed: dict[str, set[int]]) -> list[str]:
-    """The package's modules of which no function ran (or, without functions, that were never imported), from
-    ``executed``: file path -> lines run."""
-    missing = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        ran = executed.get(str(path), set())
-        bodies = set().union(*function_lines(path).values()) if function_lines(path) else set()
-        if not (ran & bodies if bodies else ran):
-            missing.append(str(path.relative_to(PACKAGE.parent)))
-    return missing
-
-
-def commands_not_run(executed: dict[str, set[int]]) -> list[str]:
-    handlers = function_lines(PACKAGE / "cli.py")
-    ran = executed.get(str(PACKAGE / "cli.py"), set())
-    return [command for command, handler in COMMANDS.items() if not ran & handlers[handler]]
 
 
 def test_the_checks_see_what_did_not_run() -> None:
@@ -80,20 +26,47 @@ def test_the_checks_see_what_did_not_run() -> None:
     assert commands_not_run(everything) == ["ddpkit doctor"]
 
 
-@pytest.mark.slow("runs the whole fast tier (about 4 minutes) under coverage.py, subprocesses included")
-def test_the_fast_tier_touches_every_module_and_runs_every_command(tmp_path: Path) -> None:
-    import coverage
+SUITE = '''
+import subprocess, sys
+import pytest
 
-    rc = tmp_path / "coveragerc"
-    rc.write_text(RC.format(data=tmp_path / ".coverage"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
-    done = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q",
-                           "-m", "not slow", "-p", "no:cacheprovider", str(ROOT / "tests")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    cov = coverage.Coverage(config_file=str(rc))
-    cov.combine(data_paths=[str(tmp_path)])
-    data = cov.get_data()
-    executed = {str(Path(f).resolve()): set(data.lines(f) or ()) for f in data.measured_files()}
-    assert untouched(executed) == [], "modules the fast tier does not run: give each a fast test"
-    assert commands_not_run(executed) == [], "commands the fast tier does not run: give each a fast test"
+def test_fast_in_process():
+    import ddpkit.runtime.process  # imported only: no function of it runs here
+    from ddpkit.runtime.variables import backend
+    backend({})
+
+def test_fast_in_a_subprocess():
+    subprocess.run([sys.executable, "-c", "from ddpkit.data.shards import VirtualShards; VirtualShards(8, 4, 2)"],
+                   check=True)
+
+@pytest.mark.slow("its code must not count")
+def test_slow():
+    from ddpkit.parallel.zero.partition import partition
+    partition([{"params": []}], 2)
+    subprocess.run([sys.executable, "-c", "from ddpkit.runtime.process import key_range_chain; "
+                    "key_range_chain(0, 2, 1)"], check=True)
+'''
+
+
+@pytest.mark.parametrize("xdist", [pytest.param(False, marks=pytest.mark.slow("the plugin without xdist: what CI runs is the xdist "
+                                                                     "case")), pytest.param(True, marks=pytest.mark.slow(
+    "two pytest runs of their own; the whole suite runs the plugin for real"))], ids=["one process", "pytest-xdist"])
+def test_the_run_fails_naming_the_modules_only_slow_tests_or_none_ran(pytester: pytest.Pytester, monkeypatch,
+                                                                      xdist: bool) -> None:
+    pytester.makeconftest('pytest_plugins = ["budget", "fast_tier"]\n')
+    pytester.makepyfile(test_suite=SUITE)
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("DDPKIT_FAST_TIER_CHECK", "1")
+    monkeypatch.delenv("DDPKIT_FAST_TIER_DATA", raising=False)
+    monkeypatch.delenv("COVERAGE_PROCESS_CONFIG", raising=False)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *(["-n", "2"] if xdist else []))
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out
+    result.assert_outcomes(passed=3)
+    missing = next(line for line in out.splitlines() if line.startswith("modules the fast tier does not run"))
+    assert "ddpkit/runtime/variables.py" not in missing  # run in the test process
+    assert "ddpkit/data/shards.py" not in missing  # run in a process a fast test started
+    assert "ddpkit/runtime/process.py" in missing  # imported by a fast test, run by a slow one only
+    assert "ddpkit/parallel/zero/partition.py" in missing  # run by a slow test only
+    assert "commands the fast tier does not run (give each a fast test): ddpkit launch, ddpkit train" in out

@@ -46,13 +46,14 @@ _EXPORTS = {
     "save_sharded": "ddpkit.parallel.zero.shards",
     "load_sharded": "ddpkit.parallel.zero.shards",
     "consolidate_sharded": "ddpkit.parallel.zero.shards",
+    "verify_sharded": "ddpkit.parallel.zero.shards",
     "ParameterServerOptimizer": "ddpkit.parallel.ps.optimizer",
     "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
     "FaultTolerance": "ddpkit.train.survive",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
-    "CheckpointError": "ddpkit.train.checkpoint",
+    "CheckpointError": "ddpkit.runtime.durable",
     "load_checkpoint": "ddpkit.train.checkpoint",
     "save_checkpoint": "ddpkit.train.checkpoint",
 }
@@ -104,8 +105,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.ssp import StaleSynchronousOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.parallel.unwrap import unwrap
-    from ddpkit.parallel.zero.shards import consolidate_sharded, load_sharded, save_sharded
+    from ddpkit.parallel.zero.shards import consolidate_sharded, load_sharded, save_sharded, verify_sharded
     from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
+    from ddpkit.runtime.durable import CheckpointError
     from ddpkit.runtime.group import (
         DistContext,
         barrier,
@@ -121,6 +123,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.runtime.objects import all_gather_object, broadcast_object, gather, gather_for_metrics, reduce_value
     from ddpkit.runtime.rendezvous import RendezvousError
     from ddpkit.runtime.spawn import WorkerError, spawn
-    from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from ddpkit.train.checkpoint import load_checkpoint, save_checkpoint
     from ddpkit.train.state import TrainState
     from ddpkit.train.survive import FaultTolerance

@@ -100,9 +100,9 @@ def _torchrun_env_defaults(config: type, values: dict[str, Any]) -> None:
                               f"{'0 or 1' if kind == 'bool' else 'a valid value'}: fix or unset it") from None
 
 
-def _build(config: type, args: argparse.Namespace) -> Any:
+def _build(config: type, args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
     names = {f.name for f in dataclasses.fields(config)}
-    values = {k: v for k, v in vars(args).items() if k in names}
+    values = {**(defaults or {}), **{k: v for k, v in vars(args).items() if k in names}}
     if args.command == "launch":
         _torchrun_env_defaults(config, values)
     for f in dataclasses.fields(config):
@@ -117,11 +117,45 @@ def _launch(args: argparse.Namespace) -> int:
     return run(_build(LaunchConfig, args))
 
 
+def _saved_settings(args: argparse.Namespace, config: type) -> dict[str, Any]:
+    """The settings a ``ddpkit train`` starts from before its flags: ``--config FILE``'s, else, with ``--resume
+    --output-dir DIR``, the run's own ``DIR/config.json`` (so that a resumption needs no flag retyped); the
+    flags given override them.
+
+    Raises:
+        ConfigError: a file that cannot be read as a JSON object of settings.
+    """
+    import json
+
+    path = getattr(args, "config_file", None)
+    if path is None and getattr(args, "resume", False) and getattr(args, "output_dir", None) is not None:
+        path = Path(args.output_dir) / "config.json"
+        if not path.is_file():
+            return {}  # a run that never started: the flags (and defaults) decide, and the resume says so
+    if path is None:
+        return {}
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--config {path}: cannot read its settings ({e}): give a JSON object such as a run's "
+                          "config.json") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--config {path}: not a JSON object of settings (a run's config.json is one)")
+    names = {f.name for f in dataclasses.fields(config)} - {"resume"}
+    unknown = sorted(set(saved) - names - {"resume", "data_fingerprint"})
+    if unknown and getattr(args, "config_file", None) is not None:
+        raise ConfigError(f"--config {path}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a "
+                          "setting of ddpkit train (see ddpkit train --help)")
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(config)}
+    return {k: tuple(v) if isinstance(v, list) and kinds[k].startswith("tuple[") else v
+            for k, v in saved.items() if k in names}
+
+
 def _train(args: argparse.Namespace) -> int:
     from ddpkit.train.config import TrainConfig
     from ddpkit.train.preload import start_early
 
-    config = _build(TrainConfig, args)
+    config = _build(TrainConfig, args, _saved_settings(args, TrainConfig))
     start_early(config)  # the workers' imports start now, beside this process's own
     from ddpkit.train.loop import train
 
@@ -302,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)
         _add_config_flags(p, config())
         p.set_defaults(handler=handler, parser=p)
+        if name == "train":
+            p.add_argument("--config", dest="config_file", type=Path, default=None, metavar="FILE",
+                           help="start from the settings in FILE (JSON, as a run's config.json); flags given "
+                                "override them. With --resume --output-dir DIR, DIR/config.json is the default")
         if name == "bench":
             _add_bench_suites(p)
     return parser

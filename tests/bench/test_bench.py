@@ -24,7 +24,8 @@ def _measure(name: str) -> WorkloadResult:
     return bench_workload(name, BenchConfig(**TOY))
 
 
-@pytest.mark.parametrize("name", ["convnet", "mlp", "resnet"])
+@pytest.mark.parametrize("name", ["convnet", *(pytest.param(n, marks=pytest.mark.slow("another workload on the same path as "
+                                                                         "the convnet's")) for n in ("mlp", "resnet"))])
 def test_each_workload_is_measured_on_real_ranks(dist2, name):
     r = dist2.run(_measure, name)[0]
     assert r.workload == name and r.params == PARAMS[name] and r.buckets >= 1
@@ -173,6 +174,7 @@ def _measure_compiled(name: str) -> tuple[WorkloadResult, int]:
     return result, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow("torch.compile of the bench's models on two ranks")
 def test_compile_times_compiled_models(dist2):
     r, graphs = dist2.run(_measure_compiled, "convnet")[0]
     assert r.ddpkit_ms > 0 and r.torch_ms > 0 and r.steps == TOY["steps"]

@@ -15,7 +15,11 @@ runs the ``nccl`` ranks on gloo and the CPU, so that every test's own logic
 runs in the CPU suite, and in CI, before a GPU machine (whose time is
 scarce) runs it for real. What needs CUDA itself (NCCL, autocast on CUDA,
 CUDA memory, device ids) is skipped there, saying so; the DDP cases, the
-commands and the strategies run.
+commands and the strategies run. There the gloo ranks of :func:`run` are a
+pool of persistent ranks per world size (``tests/harness.py``), started once
+and reused by every case, as the CPU suite's unit tests do; a case that
+needs an environment of its own, parameter servers or another backend
+starts fresh ranks.
 """
 
 from __future__ import annotations
@@ -63,11 +67,29 @@ def _rank(rank: int, fn: Callable[..., Any], out: str, args: tuple) -> None:
         ddpkit.shutdown()
 
 
+_POOLS: dict[int, Any] = {}
+"""The rehearsal's persistent gloo ranks, by world size."""
+
+
+def _pooled(fn: Callable[..., Any], args: tuple) -> Any:
+    import ddpkit
+
+    os.environ.update(DETERMINISTIC_ENV)
+    deterministic()
+    return fn(ddpkit.init(), *args)
+
+
 def run(fn: Callable[..., Any], world: int, backend: str, *args: Any, env: dict[str, str] | None = None,
         num_servers: int = 0) -> list:
     """``fn(ctx, *args)`` on ``world`` ranks over ``backend``; each rank's return value (tensors to the CPU)."""
     from ddpkit.runtime.process import environment
     from ddpkit.runtime.spawn import spawn
+
+    if ON_CPU and backend == "gloo" and not env and not num_servers:
+        from harness import RankPool
+
+        pool = _POOLS.get(world) or _POOLS.setdefault(world, RankPool(world))
+        return pool.run(_pooled, fn, args, timeout=300)
 
     with environment({**DETERMINISTIC_ENV, **(env or {})}), tempfile.TemporaryDirectory() as tmp:
         spawn(_rank, world, args=(fn, tmp, args), backend=backend, num_servers=num_servers)

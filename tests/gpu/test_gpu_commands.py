@@ -37,8 +37,16 @@ SHORT = ["--epochs", "2"]
 """Long enough for every strategy to step, checkpoint and evaluate; bitwise comparisons need no more."""
 PATHS = {"nccl": [], "gloo": ["--backend", "gloo", "--nproc-per-node", "2"]}
 """The two ways ranks meet a GPU (see the module notes)."""
+SAME_JOB = "rehearsal: on the CPU the gloo path is the nccl path's job (gloo, two processes), rehearsed there"
+"""Why the CPU rehearsal runs a test on one path only: both paths are gloo with two processes there."""
 BY_REFERENCE = [pytest.param(path, marks=pytest.mark.xdist_group(f"ddp-{path}"), id=path) for path in PATHS]
 """The paths, each test on a worker with the others that compare with the same DDP run."""
+
+
+def once_per_job(path: str) -> None:
+    """Skip, in the CPU rehearsal, the gloo path of a test that runs the nccl path too (:data:`SAME_JOB`)."""
+    if ON_CPU and path == "gloo":
+        pytest.skip(SAME_JOB)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -90,15 +98,15 @@ def test_train_reaches_torchs_accuracy_and_writes_tensorboard(tmp_path):
 # -- every strategy against DDP on the same path -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory) -> dict[str, Path]:
-    """The DDP run of each path, trained once per worker and only when a test asks for it."""
-    cache: dict[str, Path] = {}
+def ddp_runs(shared_runs) -> dict[str, Path]:
+    """The DDP run of each path, trained once per session (``shared_runs``) and only when a test asks for it; in
+    the CPU rehearsal both paths are one job, trained once."""
 
     def get(path: str) -> Path:
-        if path not in cache:
-            cache[path] = tmp_path_factory.mktemp(f"ddp-{path}") / "run"
-            train(cache[path], *SHORT, *PATHS[path])
-        return cache[path]
+        path = "nccl" if ON_CPU else path
+        _, folder = shared_runs.get(f"gpu commands: ddp {path} {SHORT}", lambda folder: train(folder / "run", *SHORT,
+                                                                                                *PATHS[path]))
+        return folder / "run"
 
     return get  # type: ignore[return-value]
 
@@ -116,6 +124,7 @@ BITWISE = {
 @pytest.mark.parametrize("path", BY_REFERENCE)
 @pytest.mark.parametrize("name", list(BITWISE))
 def test_strategy_makes_ddps_update_bit_for_bit(tmp_path, ddp_runs, path, name):
+    once_per_job(path)
     summary = train(tmp_path / name, *SHORT, *PATHS[path], *BITWISE[name])
     assert_same_weights(tmp_path / name, ddp_runs(path))
     if name == "zero-3":  # and against torch's DDP itself, not only through ddpkit's stage 0
@@ -127,6 +136,7 @@ def test_strategy_makes_ddps_update_bit_for_bit(tmp_path, ddp_runs, path, name):
 
 @pytest.mark.parametrize("path", BY_REFERENCE)
 def test_sync_parameter_servers_train_ddps_weights(tmp_path, ddp_runs, path):
+    once_per_job(path)
     summary = train(tmp_path / "ps", *SHORT, *PATHS[path], "--strategy", "ps-sync", "--num-servers", "2")
     assert all(r["staleness_max"] == 0 for r in summary["per_rank"])
     # The servers step on the CPU (CUDA workers push and pull), DDP on the GPU: within float32's rounding.
@@ -145,6 +155,7 @@ def test_local_sgd_at_world_1_is_ddp(tmp_path, ddp_runs):
 @pytest.mark.parametrize("flags", [["--strategy", "ps-async"], ["--strategy", "ssp"], ["--strategy", "local-sgd"]],
                          ids=["ps-async", "ssp", "local-sgd"])
 def test_asynchronous_strategies_reach_the_cpu_bar(tmp_path, path, flags):
+    once_per_job(path)
     summary = train(tmp_path / "run", *PATHS[path], *flags)
     assert summary["test_accuracy"] >= 0.97, summary  # tests/train/test_consistency.py's bar, default epochs
 
@@ -156,6 +167,7 @@ def test_asynchronous_strategies_reach_the_cpu_bar(tmp_path, path, flags):
 def test_comm_hook_in_train_on_both_engines(tmp_path, path, hook):
     if ON_CPU and hook == "bf16":
         pytest.skip("rehearsal: torch's DDP takes the bf16 hook with CUDA and NCCL only")
+    once_per_job(path)
     flags = [*SHORT, *PATHS[path], "--comm-hook", hook]
     ours = train(tmp_path / "ddpkit", *flags)
     train(tmp_path / "torch", *flags, "--engine", "torch")

@@ -210,3 +210,123 @@ def test_two_spares_that_come_at_once_connect_once_and_carry_the_job_when_the_st
     finally:
         for c in spares.values():
             c.close()
+
+
+# ---------------------------------------------------------------- intruders without the secret
+
+
+def _line(sock: socket.socket) -> dict:
+    import json
+
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        assert chunk, "the connection closed"
+        data += chunk
+    return json.loads(data)
+
+
+def _send(sock: socket.socket, message: dict) -> None:
+    import json
+
+    sock.sendall((json.dumps(message) + "\n").encode())
+
+
+def test_a_relayed_handshake_takes_no_seat(capfd) -> None:
+    # The attack on the handshake that signed any nonce: call node 0 as node 2, then have the real node 2 answer
+    # node 0's challenge (calling it as spare node 3). Node 2's answer is bound to its own role, nonce and ids now.
+    councils, _ = _councils(3, most=4)
+    assert all(isinstance(c, Council) for c in councils), councils
+    node0, node2 = (socket.create_connection(("127.0.0.1", c._listener.getsockname()[1])) for c in
+                    (councils[0], councils[2]))
+    try:
+        genuine = councils[0]._peers[2]
+        _send(node0, {"node": 2, "nonce": "ab" * 16, "place": ["127.0.0.1", 1, "x:1"]})
+        challenge = _line(node0)
+        _send(node2, {"node": 3, "nonce": challenge["nonce"], "place": ["127.0.0.1", 1, "x:1"]})
+        signed = _line(node2)  # node 2's proof, for a call from node 3 with node 0's nonce
+        _send(node0, {"mac": signed["mac"]})
+        _until(lambda: "refused a council connection" in capfd.readouterr().err)
+        assert councils[0]._peers[2] is genuine, "the genuine link stays node 2's"
+        councils[1].tell(dead=[3])  # and the job goes on deciding
+        _until(lambda: all(c.entry.members == (0, 1, 2, 4, 5) for c in councils))
+    finally:
+        for sock in (node0, node2):
+            sock.close()
+        for c in councils:
+            c.close()
+
+
+class _Middle:
+    """A relay between node 1 and node 0 (node 1 dials it as node 0): it forwards each line, keeps node 1's, and
+    can put lines of its own in node 0's way."""
+
+    def __init__(self, target: int) -> None:
+        self.listener = _listener()
+        self.target = target
+        self.from_1: list[bytes] = []
+        self.to_0: socket.socket | None = None
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    def _run(self) -> None:
+        one, _ = self.listener.accept()
+        self.to_0 = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pump, args=(self.to_0, one, None), daemon=True).start()
+        self._pump(one, self.to_0, self.from_1)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, keep: list[bytes] | None) -> None:
+        reader = src.makefile("rb")
+        for line in reader:
+            if keep is not None:
+                keep.append(line)
+            try:
+                dst.sendall(line)
+            except OSError:
+                return
+
+    def inject(self, line: bytes) -> None:
+        assert self.to_0 is not None
+        self.to_0.sendall(line)
+
+
+def test_forged_and_replayed_messages_are_refused_and_the_job_goes_on(capfd) -> None:
+    import json
+
+    listeners = [_listener() for _ in range(3)]
+    places = {n: ("127.0.0.1", s.getsockname()[1], f"127.0.0.1:{5000 + n}") for n, s in enumerate(listeners)}
+    middle = _Middle(places[0][1])
+    made: dict[int, Council] = {}
+
+    def seat(node: int) -> None:
+        seen = dict(places)
+        if node == 1:
+            seen[0] = ("127.0.0.1", middle.port, places[0][2])  # node 1 reaches node 0 through the relay
+        made[node] = Council(node, seen, listeners[node], list(range(6)), lambda m: m // 2, "job", meet_s=10.0)
+
+    threads = [threading.Thread(target=seat, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    councils = [made[n] for n in range(3)]
+    try:
+        _until(lambda: len(middle.from_1) > 4)  # the handshake and some sealed beats went through
+        before = councils[0].entry
+        forged = {"kind": "commit", "entry": {**before.__dict__, "index": 99, "nodes": [0], "members": [0]}}
+        middle.inject((json.dumps({"seq": 10**6, "body": json.dumps(forged), "mac": "00" * 32}) + "\n").encode())
+        middle.inject(middle.from_1[-1])  # a genuine sealed message of node 1, sent again
+        said: list[str] = []
+        _until(lambda: said.append(capfd.readouterr().err) or ("refused a forged or altered message" in "".join(said)
+                                                               and "refused a replayed message" in "".join(said)))
+        assert councils[0].entry.index < 99 and councils[0].entry.nodes == (0, 1, 2), "no forged entry adopted"
+        councils[2].tell(dead=[5])
+        _until(lambda: all(c.entry.members == (0, 1, 2, 3, 4) for c in councils))
+        assert all(c.cut_off is None for c in councils)
+    finally:
+        for c in councils:
+            c.close()

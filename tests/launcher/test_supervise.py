@@ -127,7 +127,8 @@ def test_without_restarts_a_failure_is_final():
     assert "Root cause: rank 0" in done.stderr and "restarting" not in done.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow(
+    "the same launch as SIGTERM's, for the other signal"))])
 def test_a_signal_to_the_launcher_tears_the_group_down(sig):
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--nproc-per-node", "2", "--standalone",
                              script("sleeper.py")], env=base_env(), stdout=subprocess.PIPE,

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,24 +26,27 @@ from tests.procs import Streamed, alive, base_env, launch, script
 _RUN = {"DET": "1", "EPOCHS": "3", "SLEEP": "0.1"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same training without a death, on one node."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_train.py"),
-                  env=base_env(OUT=str(out), **_RUN), timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(f"{out}.pt")
+def _one_node(epochs: int) -> Callable[[Path], dict[str, torch.Tensor]]:
+    def make(folder: Path) -> dict[str, torch.Tensor]:
+        out = folder / "run"
+        done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_train.py"),
+                      env=base_env(OUT=str(out), DET="1", EPOCHS=str(epochs)), timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return torch.load(f"{out}.pt")
+
+    return make
 
 
-@pytest.fixture(scope="module")
-def reference_long(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+@pytest.fixture
+def reference(shared_runs) -> dict[str, torch.Tensor]:
+    """The same training without a death, on one node (computed once per session)."""
+    return shared_runs.get("ft_train.py 3 workers det=True epochs=3 weights", _one_node(3))[0]
+
+
+@pytest.fixture
+def reference_long(shared_runs) -> dict[str, torch.Tensor]:
     """Six epochs without a death, on one node."""
-    out = tmp_path_factory.mktemp("reference_long") / "run"
-    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_train.py"),
-                  env=base_env(OUT=str(out), **{**_RUN, "EPOCHS": "6"}), timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(f"{out}.pt")
+    return shared_runs.get("ft_train.py 3 workers det=True epochs=6 weights", _one_node(6))[0]
 
 
 def _nodes(out: Path, addresses: list[str], *flags: str, namespaces: list[str] | None = None,
@@ -81,7 +85,8 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_the_store_s_node_and_a_worker_die_and_the_others_end_bitwise_equal(
         tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     out = tmp_path / "run"
-    nodes = _nodes(out, ["127.0.0.1"] * 3, "--max-restarts", "1", KILL="1:3")
+    nodes = _nodes(out, ["127.0.0.1"] * 3, "--max-restarts", "1", KILL="1:3", GROW="3",  # waits for member 7
+                   GROW_WAITS="1")
     nodes[1].wait_for("member 7 holds the training state", timeout=90)  # node 1's replacement for member 1
     os.kill(nodes[0].pid, signal.SIGKILL)  # node 0's launcher: it serves the store, it leads; its worker dies with it
     errs = _finish(nodes)

@@ -73,7 +73,11 @@ def test_dim_1_and_plain_linear_equal_the_whole_batch(rows):
     out = ddpkit.DataParallel(net, device_ids=["cpu", "cpu"], dim=1)(x)
     out.sum().backward()
     ref(x).sum().backward()
-    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)  # row-wise: the same kernels, exact
+    # Exact against the reference run on the same chunks: the whole batch at once may take another kernel (a
+    # matrix of 8 rows is blocked differently from two of 4 on some CPUs), within rounding.
+    chunks = torch.cat([ref(c) for c in x.chunk(2, dim=1)], dim=1)
+    torch.testing.assert_close(out, chunks, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref(x), **TOL)
     torch.testing.assert_close(net.weight.grad, ref.weight.grad, **TOL)
 
 

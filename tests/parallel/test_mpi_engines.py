@@ -23,7 +23,10 @@ pytestmark = pytest.mark.slow("trains every engine over mpirun ranks and gloo ra
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 WORLD3 = {"rtol": 1e-6, "atol": 1e-7}
-HALF_WORLD3 = {"fp16_hook": {"rtol": 0.0, "atol": 1.5e-4}, "bf16_hook": {"rtol": 0.0, "atol": 2e-3}}
+HALF_WORLD3 = {"fp16_hook": {"rtol": 0.0, "atol": 1.5e-4}, "bf16_hook": {"rtol": 0.0, "atol": 2e-3},
+               # Sparse gradients: each backend coalesces the duplicate rows of three ranks in its own order, and
+               # the rows hold sums of many terms (seen: 1.2e-6 relative, about ten float32 ulps, on a loaded machine)
+               "sparse": {"rtol": 1e-5, "atol": 1e-6}}
 """The compression hooks sum in float16/bfloat16: three gradients added in another order differ by a unit in the
 last place of that dtype (1e-3 and 8e-3 relative), and four steps of lr 0.1 carry that into the parameters."""
 

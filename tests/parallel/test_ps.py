@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -326,3 +327,41 @@ def _leaves_early(rank: int) -> None:
 def test_a_worker_that_leaves_a_synchronous_job_early_is_named_not_waited_for() -> None:
     with pytest.raises(WorkerError, match="worker 1 left .* while worker 0 waits for it in a synchronous request"):
         _spawn(_leaves_early, 2, num_servers=1)
+
+
+def test_the_channel_meets_under_the_jobs_secret_and_listens_where_the_store_does(monkeypatch) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from ddpkit.parallel.ps.channel import PSPlace, connect
+    from ddpkit.runtime.process import free_port
+    from ddpkit.runtime.rendezvous import job_keys
+
+    monkeypatch.setenv("DDPKIT_JOB_TOKEN", "a secret of this job")
+    port = free_port()
+    places = [PSPlace(role="worker", index=0, workers=1, servers=1, master_addr="127.0.0.1", port=port),
+              PSPlace(role="server", index=0, workers=1, servers=1, master_addr="127.0.0.1", port=port)]
+    groups: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i: groups.__setitem__(i, connect(places[i], timeout=30)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups)
+    client = dist.TCPStore("127.0.0.1", port, None, False, wait_for_workers=False)
+    prefix = job_keys("a secret of this job")[1]
+    assert client.check([f"{prefix}ps//0/0"]) and not client.check(["ddpkit-ps//0/0"])  # not a fixed prefix any more
+    outside = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
+    outside |= {a for a in _interface_addresses() if not a.startswith("127.")}
+    for address in outside:  # loopback alone, as the job's address is loopback
+        with pytest.raises(OSError):
+            socket.create_connection((address, port), timeout=2).close()
+
+
+def _interface_addresses() -> set[str]:
+    import subprocess
+
+    done = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True)
+    return {line.split()[3].split("/")[0] for line in done.stdout.splitlines() if len(line.split()) > 3}

@@ -30,22 +30,28 @@ def _params(out: Path, rank: int) -> list[torch.Tensor]:
     return torch.load(out / f"rank{rank}.pt")
 
 
+def _plain(folder: Path) -> list[list[torch.Tensor]]:
+    plain = _run(folder / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return [_params(folder / "plain", rank) for rank in range(2)]
+
+
+@pytest.mark.slow("a whole job of two workers and three servers, a server killed, against the run without (shared)")
 @pytest.mark.parametrize("kill", ["0@3", "1@7"])
-def test_a_synchronous_job_loses_a_server_and_ends_bitwise_equal_to_the_run_without(tmp_path: Path,
+def test_a_synchronous_job_loses_a_server_and_ends_bitwise_equal_to_the_run_without(tmp_path: Path, shared_runs,
                                                                                     kill: str) -> None:
     # Momentum and weight decay: the replica must have made every update the dead head made, in its order.
-    plain = _run(tmp_path / "plain")
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain, _ = shared_runs.get("ps_survive sync 2 workers 3 servers replication 2", _plain)
     killed = _run(tmp_path / "killed", "--kill-server", kill)
     assert killed.returncode == 0, killed.stderr[-3000:]
     server = kill.split("@")[0]
     assert f"parameter server {server} died: killed by signal SIGKILL; its key ranges are served by the next " \
            "server of their chains (--ps-replication 2), the job goes on with 2 server(s)" in killed.stderr
     for rank in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(_params(tmp_path / "plain", rank),
-                                                      _params(tmp_path / "killed", rank)))
+        assert all(torch.equal(a, b) for a, b in zip(plain[rank], _params(tmp_path / "killed", rank)))
 
 
+@pytest.mark.slow("a whole job of three workers and two servers through two deaths")
 def test_asynchronous_workers_go_on_through_a_worker_and_a_server_death_losing_no_answered_update(
         tmp_path: Path) -> None:
     # Every gradient is all ones: each update a server applies takes 1/3 off each element of its tensors, so
@@ -68,12 +74,14 @@ def test_asynchronous_workers_go_on_through_a_worker_and_a_server_death_losing_n
         assert applied - sum(acked.values()) in (0, 1)
 
 
+@pytest.mark.slow("a whole job of two workers and two servers, a server killed")
 def test_a_server_death_that_loses_a_key_range_fails_the_job_naming_the_server(tmp_path: Path) -> None:
     done = _run(tmp_path / "run", "--kill-server", "0@3", servers=2, replication=1)
     assert done.returncode != 0
     assert "parameter server 0 failed first: killed by signal SIGKILL" in done.stderr
 
 
+@pytest.mark.slow("a whole job of two workers and two servers, a worker killed")
 def test_a_synchronous_job_that_loses_a_worker_fails_at_once_saying_why(tmp_path: Path) -> None:
     # The server raises (a synchronous step needs every worker); its replica would raise the same, so the job
     # ends at the first server's failure instead of handing the range down the chain.

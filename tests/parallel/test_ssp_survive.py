@@ -20,6 +20,7 @@ def _run(staleness: int, kill: str = "", *flags: str, sleep: float = 0.02) -> tu
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stderr
 
 
+@pytest.mark.slow("whole jobs of three workers (the fast tier runs the mode's SSP through a death)")
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_without_a_death_every_share_of_every_step_is_applied(staleness: int) -> None:
     workers, _ = _run(staleness)
@@ -27,7 +28,10 @@ def test_without_a_death_every_share_of_every_step_is_applied(staleness: int) ->
     assert all(w["applied"] == pytest.approx(-STEPS, abs=1e-4) and w["uniform"] for w in workers)
 
 
-@pytest.mark.parametrize("staleness,kill", [(2, "1:5"), (2, "0:17"), (0, "2:9")])
+@pytest.mark.parametrize("staleness,kill", [
+    pytest.param(2, "1:5", marks=pytest.mark.slow("a whole job of three workers through a death")),
+    pytest.param(2, "0:17", marks=pytest.mark.slow("a whole job of three workers through a death")),
+    (0, "2:9")])
 def test_a_dead_workers_in_flight_share_is_applied_by_every_survivor_or_by_none(staleness: int, kill: str) -> None:
     workers, err = _run(staleness, kill)
     assert f"member {kill.split(':')[0]} (rank" in err and "the job goes on with 2 worker(s)" in err
@@ -41,6 +45,7 @@ def test_a_dead_workers_in_flight_share_is_applied_by_every_survivor_or_by_none(
     assert lost_sixths == pytest.approx(round(lost_sixths), abs=1e-3) and 0 <= round(lost_sixths) <= 2 * (staleness + 1)
 
 
+@pytest.mark.slow("a whole job of three workers, a death and a replacement's interpreter (8 s of steps)")
 def test_a_replacement_stops_at_once_saying_why_and_the_survivors_go_on() -> None:
     workers, err = _run(2, "1:5", "--max-restarts", "1", sleep=0.2)  # 8 s: time for the replacement to start
     assert "member 3 joins a running job (a replacement, or a spare node's worker): a stale-synchronous job takes " \

@@ -524,7 +524,8 @@ def _compiled(name: str, backend: str, depth: int) -> dict:
             "gathered": [u.full.untyped_storage().size() for u in z3.reducer.units]}
 
 
-@pytest.mark.parametrize("name", ["blocks", "transformer"])
+@pytest.mark.parametrize("name", ["blocks", pytest.param("transformer", marks=pytest.mark.slow(
+    "torch.compile of a transformer under stage 3 (the fast tier compiles the blocks)"))])
 def test_torch_compile_of_the_stage3_model_trains_as_ddp(dist2, name):
     # The gathers, frees and bindings run eagerly at each unit's edge (the graph breaks there), the units' own
     # modules compiled between them; traced, the hooks were recompiled for every unit and step.

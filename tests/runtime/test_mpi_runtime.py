@@ -104,6 +104,7 @@ def test_spawn_runs_the_ranks_under_mpirun(needs_mpi):
     assert "planted on rank 1" in str(caught.value)
 
 
+@pytest.mark.slow("a whole mpirun job under ddpkit launch (the fast tier starts ranks under mpirun with spawn)")
 def test_launch_backend_mpi_runs_torchrun_scripts_as_one_mpi_job(needs_mpi):
     done = launch("--backend", "mpi", "--nproc-per-node", "2", script("report_env.py"), "a1")
     assert done.returncode == 0, done.stderr
@@ -114,6 +115,7 @@ def test_launch_backend_mpi_runs_torchrun_scripts_as_one_mpi_job(needs_mpi):
     assert reports[0]["argv"] == ["a1"]
 
 
+@pytest.mark.slow("a whole mpirun job under ddpkit launch whose rank fails")
 def test_launch_backend_mpi_names_the_failing_rank_and_leaves_nothing_behind(needs_mpi, tmp_path: Path):
     done = launch("--backend", "mpi", "--nproc-per-node", "3", "--max-restarts", "1", script("crash.py"),
                   str(tmp_path), timeout=120)

@@ -19,6 +19,8 @@ BAD = [
     ({"DDPKIT_RDZV_ROUND": "two"}, "DDPKIT_RDZV_ROUND='two' is not a whole number >= 0"),
     ({"TORCHELASTIC_RESTART_COUNT": "-1"}, "TORCHELASTIC_RESTART_COUNT='-1' is not a whole number >= 0"),
     ({"GLOO_SOCKET_IFNAME": "nosuchif0"}, "GLOO_SOCKET_IFNAME='nosuchif0': this machine has no interface nosuchif0"),
+    ({"DDPKIT_MPI_CUDA_AWARE": "maybe"}, "DDPKIT_MPI_CUDA_AWARE='maybe' is neither 0 nor 1"),
+    ({"DDPKIT_MPIRUN": "/nonexistent/mpirun"}, "DDPKIT_MPIRUN='/nonexistent/mpirun' is not a program on PATH"),
 ]
 
 
@@ -35,10 +37,13 @@ def test_good_values_and_unset_ones_pass() -> None:
                                  "GLOO_SOCKET_IFNAME": "lo", "DDPKIT_JOB_TOKEN": "anything"})
     assert variables.timeout_seconds({"DDPKIT_TIMEOUT": "2.5"}) == 2.5
     assert variables.stall_warn_seconds({}, 60.0) == 60.0
+    assert variables.mpi_cuda_aware({"DDPKIT_MPI_CUDA_AWARE": "0"}) is False
+    assert variables.mpi_cuda_aware({}) is None
+    assert variables.mpirun_program({"DDPKIT_MPIRUN": sys.executable}) == sys.executable
 
 
 @pytest.mark.parametrize("command", ["launch", "train"])
-@pytest.mark.parametrize(("env", "message"), [BAD[0], BAD[3]])
+@pytest.mark.parametrize(("env", "message"), [BAD[0], BAD[3], BAD[-1]])
 def test_the_commands_refuse_a_bad_variable_in_one_line_before_any_worker(
         command: str, env: dict[str, str], message: str, tmp_path) -> None:
     argv = (["launch", "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "report_env.py")] if command == "launch"

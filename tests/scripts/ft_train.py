@@ -2,15 +2,26 @@
 
 Environment: ``KILL=MEMBER:STEP[,MEMBER:STEP...]`` makes that member SIGKILL itself at the start of that step
 (in the middle of its micro-batches); ``DET=1`` the deterministic mode; ``EPOCHS`` (default 2); ``SLEEP`` seconds
-after each step (time for a replacement to start); ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
+after each step; ``GROW=N``: after a step applied by fewer than N workers, wait (at most 120 s, at most ``GROW_WAITS``
+times) for the next membership (a replacement's admission) before the next step, so that a replacement joins however long its
+interpreter takes to start; ``METRIC=1``: an ``ft.all_reduce`` of a metric between the micro-batches and
+``step.sync()``, and a ``KILL`` entry ``MEMBER:STEP:metric`` kills that member just before it (so the others are
+inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a joiner started otherwise than the
+job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
+the step's reduction); ``NOISE=1``: inputs get noise from NumPy's and Python's global generators (data
+augmentation as users write it); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
+precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
 first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
 reduced).
 """
 
 import json
 import os
+import random
 import signal
 import time
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -23,28 +34,63 @@ ddpkit.init()
 torch.manual_seed(0)
 x = torch.randn(600, 20)
 y = (x[:, :10].sum(1) > 0).long()
-model = nn.Sequential(nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 2))
+class Counters(nn.Module):
+    """Buffers float32 cannot carry: a float64 that moves by 1e-12, an int64 above 2**53."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fine", torch.tensor([0.1], dtype=torch.float64))
+        self.register_buffer("big", torch.tensor([2**60 + 1], dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.fine += 1e-12 * x.shape[0]
+            self.big += 3
+        return x
+
+
+layers = [nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 2)]
+model = nn.Sequential(*layers, *([Counters()] if os.environ.get("COUNTERS") == "1" else []))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
-ft = ddpkit.FaultTolerance(model, opt, TensorDataset(x, y), batch_size=48, virtual_shards=6,
-                           deterministic=os.environ.get("DET") == "1", state={"scheduler": sched})
 member = int(os.environ.get("DDPKIT_FT_MEMBER", "0"))
+replacement = member >= int(os.environ.get("WORLD_SIZE", "1"))
+shards = int(os.environ["REPLACEMENT_SHARDS"]) if replacement and os.environ.get("REPLACEMENT_SHARDS") else 6
+ft = ddpkit.FaultTolerance(model, opt, TensorDataset(x, y), batch_size=48, virtual_shards=shards,
+                           deterministic=os.environ.get("DET") == "1", state={"scheduler": sched})
 if os.environ.get("PIDS"):
     with open(os.environ["PIDS"], "a") as f:
         f.write(f"{os.getpid()}\n")
-kills = {tuple(map(int, k.split(":"))) for k in os.environ.get("KILL", "").split(",") if k}
+kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k and k.count(":") == 1}
+metric_kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":metric")}
+quit_at = tuple(map(int, os.environ["QUIT"].split(":"))) if os.environ.get("QUIT") else None
 trained = {}
+waits = 0
 for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):
+    if (member, step.index) == quit_at:
+        break  # leaves without a word: exit 0 below
     for i, (xb, yb) in enumerate(step):
         if i == 1 and (member, step.index) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("NOISE") == "1":  # augmentation from the global generators, seeded per shard by ddpkit
+            xb = xb + torch.from_numpy(np.random.standard_normal(xb.shape)).float() * 0.05 + random.random() * 0.05
         F.cross_entropy(model(xb), yb).backward()
+    if os.environ.get("METRIC") == "1":
+        if (member, step.index) in metric_kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ft.all_reduce(torch.tensor([float(step.index)]))
     if step.sync():
         opt.step()
         sched.step()
         trained[step.index] = step.trained
     opt.zero_grad()
     time.sleep(float(os.environ.get("SLEEP", "0")))
+    if step.synced and ft.world_size < int(os.environ.get("GROW", "0")) and ft.committed < ft.steps_per_epoch * \
+            int(os.environ.get("EPOCHS", "2")) and waits < int(os.environ.get("GROW_WAITS", "1000")):
+        waits += 1
+        deadline = time.monotonic() + 120
+        while ft.membership.latest().epoch == ft.view.epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
 if ft.rank == 0 and os.environ.get("OUT"):
     torch.save(model.state_dict(), os.environ["OUT"] + ".pt")
     with open(os.environ["OUT"] + ".json", "w") as f:

@@ -75,6 +75,24 @@ def test_backend_is_checked_before_any_worker_starts(capsys, monkeypatch, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def test_a_launcher_that_cannot_run_the_backend_is_one_line_not_a_traceback(tmp_path) -> None:
+    # torchrun's variables and --backend mpi: MPI did not start the process, so no communicator can form.
+    import subprocess
+    import sys
+
+    from procs import base_env
+
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--backend", "mpi", "--output-dir",
+                           str(tmp_path / "run"), "--epochs", "1"], capture_output=True, text=True, timeout=120,
+                          env=base_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1"))
+    if "needs mpi4py" in done.stderr:
+        pytest.skip("mpi4py is not installed (bash scripts/setup.sh installs it)")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "ddpkit train: error: backend 'mpi' needs MPI's launcher" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():
     from ddpkit.train.rundir import _differences
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -87,3 +88,57 @@ def test_settings_that_change_the_result_are_refused_each_named(tmp_path: Path) 
                    "local_sgd: None -> 4"):
         assert detail in message, message
     assert "resume with the original values" in message
+    changeable = message.split("only operational settings (", 1)[1].split(")", 1)[0]
+    assert "nproc_per_node" not in changeable and "--nproc-per-node only to the same world size" in message
+
+
+def test_resume_takes_the_runs_own_settings_and_flags_given_override_them(tmp_path: Path) -> None:
+    import json
+    from argparse import Namespace
+
+    from ddpkit.cli import _saved_settings
+
+    out, config = _started_run(tmp_path, lr=0.05, seed=4, batch_size=16)
+    (out / "config.json").write_text(json.dumps(config.to_dict()))
+    saved = _saved_settings(Namespace(resume=True, output_dir=out, config_file=None), TrainConfig)
+    assert saved["lr"] == 0.05 and saved["seed"] == 4 and "resume" not in saved
+    assert _saved_settings(Namespace(resume=False, output_dir=out, config_file=None), TrainConfig) == {}
+    (tmp_path / "bad.json").write_text('{"lr": 0.1, "learning_rate": 3}')
+    with pytest.raises(ConfigError, match="--config .*bad.json: learning_rate is not a setting of ddpkit train"):
+        _saved_settings(Namespace(resume=False, output_dir=None, config_file=tmp_path / "bad.json"), TrainConfig)
+    (tmp_path / "cut.json").write_text('{"lr": 0.')
+    with pytest.raises(ConfigError, match="--config .*cut.json: cannot read its settings"):
+        _saved_settings(Namespace(resume=False, output_dir=None, config_file=tmp_path / "cut.json"), TrainConfig)
+
+
+@pytest.mark.slow("three short ddpkit train runs of two processes: straight, stopped, resumed")
+def test_resume_with_the_output_dir_alone_is_bit_identical(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from procs import base_env, wait_for
+    from safetensors.torch import load_file
+
+    flags = ["--dataset", "synthetic", "--synthetic-samples", "512", "--batch-size", "16", "--lr", "0.01",
+             "--seed", "3", "--checkpoint-every", "4", "--no-progress"]
+    train = [sys.executable, "-m", "ddpkit", "train"]
+    straight = subprocess.run([*train, *flags, "--epochs", "3", "--output-dir", str(tmp_path / "straight")],
+                              env=base_env(), capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*train, *flags, "--epochs", "3", "--output-dir", str(run)], env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").is_file(), timeout=240)  # the first epoch is checkpointed
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = subprocess.run([*train, "--resume", "--output-dir", str(run)], env=base_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed" in resumed.stdout and "changed settings" not in resumed.stdout
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

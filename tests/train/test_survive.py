@@ -60,6 +60,23 @@ def test_at_the_world_size_the_shards_are_the_batches_of_torchs_sampler() -> Non
 def test_a_batch_the_shards_do_not_divide_is_refused_with_a_fix() -> None:
     with pytest.raises(ValueError, match="batch_size 50 is not a multiple of virtual_shards 8.*e.g. 56"):
         VirtualShards(100, 50, 8)
+    with pytest.raises(ValueError, match="^the dataset is empty: 0 samples make no step$"):
+        VirtualShards(0, 8, 2)  # without drop_last: the message does not blame it
+    with pytest.raises(ValueError, match="^5 samples make no step of 8 with drop_last$"):
+        VirtualShards(5, 8, 2, drop_last=True)
+
+
+@pytest.mark.parametrize("shards", [0, -2, 1.5, True])
+def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    model = torch.nn.Linear(2, 1)
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    with pytest.raises(ValueError, match=f"virtual_shards={shards!r} is not a whole number of shards of at least 1"):
+        ddpkit.FaultTolerance(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=4,
+                              virtual_shards=shards)
 
 
 # ---------------------------------------------------------------- settings
@@ -117,6 +134,30 @@ def test_launch_refuses_c10d_nodes_servers_across_nodes_and_replacements_beside_
     LaunchConfig(program="x.py", on_failure="continue", num_servers=2, ps_replication=2)
 
 
+TRAIN_SMALL = ["-m", "ddpkit", "train", "--dataset", "synthetic", "--synthetic-samples", "96", "--batch-size", "16",
+               "--epochs", "1", "--no-progress"]
+
+
+@pytest.mark.slow("a whole ddpkit train job of two workers under the mode's launcher")
+def test_ddpkit_train_under_the_modes_launcher_takes_the_mode(tmp_path: Path) -> None:
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", *TRAIN_SMALL, "--output-dir",
+                  str(tmp_path / "run"), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training in that mode, as with --on-failure continue" in done.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["on_failure"] == "continue"
+
+
+def test_a_workers_usage_error_before_it_holds_the_state_ends_the_job_without_replacements(tmp_path: Path) -> None:
+    # --grad-accum is a flag the mode refuses: each worker exits 2 with one line; a replacement would too.
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", "--max-restarts", "2",
+                  *TRAIN_SMALL, "--grad-accum", "2", "--output-dir", str(tmp_path / "run"), timeout=180)
+    assert done.returncode != 0
+    assert "ddpkit train: error: " in done.stderr and "the step's shards are its micro-batches" in done.stderr
+    assert "exited with code 2 before it held the training state: a usage error" in done.stderr, done.stderr[-3000:]
+    assert "to replace it" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow("a whole launch of two workers that fail")
 def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp_path: Path) -> None:
     plain = tmp_path / "plain.py"
     plain.write_text("import torch, ddpkit\nddpkit.init()\nddpkit.DDP(torch.nn.Linear(2, 2))\n")
@@ -129,17 +170,25 @@ def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp
 
 
 def _ft_run(tmp_path: Path, name: str, *, kill: str = "", det: bool = True, nproc: int = 3,
-            replacements: int = 0, epochs: int = 2, sleep: float = 0.0) -> tuple[dict, dict, str]:
+            replacements: int = 0, epochs: int = 2, grow: int = 0, **extra: str) -> tuple[dict, dict, str]:
     out = tmp_path / name
-    env = base_env(OUT=str(out), KILL=kill, DET="1" if det else "0", EPOCHS=str(epochs), SLEEP=str(sleep))
+    env = base_env(OUT=str(out), KILL=kill, DET="1" if det else "0", EPOCHS=str(epochs), GROW=str(grow), **extra)
     done = launch("--standalone", "--nproc-per-node", str(nproc), "--on-failure", "continue", "--max-restarts",
                   str(replacements), script("ft_train.py"), env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(f"{out}.pt"), json.loads(Path(f"{out}.json").read_text()), done.stderr
 
 
-def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(tmp_path: Path) -> None:
-    reference, plain, _ = _ft_run(tmp_path, "reference")
+def _reference(shared_runs, *, det: bool = True, epochs: int = 2, **extra: str) -> tuple[dict, dict, str]:
+    """The run of three workers without a death (shared by the tests that compare with it)."""
+    run, _ = shared_runs.get(f"ft_train.py 3 workers det={det} epochs={epochs} {sorted(extra.items())}",
+                             lambda folder: _ft_run(folder, "reference", det=det, epochs=epochs, **extra))
+    return run
+
+
+@pytest.mark.slow("a whole job of three workers through a death, against the run without (shared)")
+def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(tmp_path: Path, shared_runs) -> None:
+    reference, plain, _ = _reference(shared_runs)
     weights, account, stderr = _ft_run(tmp_path, "killed", kill="1:4")
     assert "member 1 (rank 1 at the start) died: killed by signal SIGKILL; the job goes on with 2 worker(s)" in stderr
     assert account["world_size"] == 2 and len(account["changes"]) == 1
@@ -152,9 +201,76 @@ def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(t
     assert all(weights[k].equal(reference[k]) for k in reference)  # batch norm, dropout, momentum included
 
 
+@pytest.mark.slow("a whole job of three workers through a death inside a step's all_reduce (the reference shared)")
+def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_path: Path, shared_runs) -> None:
+    # Member 1 dies just before its step-4 ft.all_reduce, which the others are inside: the step is done again at
+    # the new size on every member, never applied with member 1's shards missing.
+    reference, plain, _ = _reference(shared_runs)
+    weights, account, stderr = _ft_run(tmp_path, "metric", kill="1:4:metric", METRIC="1")
+    assert "member 1 (rank 1 at the start) died" in stderr
+    assert account["world_size"] == 2 and account["committed"] == 26
+    assert account["trained"] == plain["trained"]  # each step's own count: every shard once, none missing
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+@pytest.mark.slow("a whole job of three workers through a death and a replacement refused (the reference shared)")
+def test_a_replacement_started_otherwise_is_refused_by_name_and_the_job_goes_on(tmp_path: Path, shared_runs) -> None:
+    reference, _, _ = _reference(shared_runs)
+    weights, account, stderr = _ft_run(tmp_path, "other", kill="1:2", replacements=1, grow=3, GROW_WAITS="1",
+                                       REPLACEMENT_SHARDS="4")
+    assert "member 3 runs another configuration than member 0, whose state the job takes: virtual_shards 4 " \
+           "here, 6 there" in stderr, stderr[-3000:]
+    assert account["world_size"] == 2 and account["committed"] == 26
+    assert all(weights[k].equal(reference[k]) for k in reference)  # the replacement never trained a shard
+
+
+@pytest.mark.slow("two whole jobs of three workers, one through a death")
+def test_numpy_and_python_randomness_and_wide_buffers_stay_bitwise_through_a_death(tmp_path: Path,
+                                                                                    shared_runs) -> None:
+    # Augmentation from NumPy's and Python's global generators follows the shard (seeded as torch's is), and a
+    # float64 and an int64 buffer beyond float32's precision reach every member bit for bit.
+    extra = {"NOISE": "1", "COUNTERS": "1"}
+    reference, _, _ = _reference(shared_runs, **extra)
+    weights, account, stderr = _ft_run(tmp_path, "noisy", kill="2:5", **extra)
+    assert "member 2 (rank 2 at the start) died" in stderr and account["committed"] == 26
+    assert all(weights[k].equal(reference[k]) for k in reference), [k for k in reference
+                                                                     if not weights[k].equal(reference[k])]
+    assert int(weights["5.big"]) == 2**60 + 1 + 3 * 26  # one forward of shard 0 a step: moved once per step
+    assert weights["5.fine"].dtype == torch.float64 and float(weights["5.fine"]) != 0.1
+
+
+def test_a_member_that_exits_0_leaves_the_view_and_no_one_waits_for_it(tmp_path: Path) -> None:
+    # Member 1 leaves the loop at step 3 and exits 0 while member 0 waits for it in step 3's reduction: the
+    # launcher announces the view without it, and member 0 trains on alone (before: it waited out the timeout).
+    out = tmp_path / "quit"
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", script("ft_train.py"),
+                  env=base_env(OUT=str(out), QUIT="1:3", DET="1"), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    account = json.loads(Path(f"{out}.json").read_text())
+    assert account["committed"] == 26 and account["world_size"] == 1
+
+
+@pytest.mark.parametrize("broadcast_buffers", [False, True])
+def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: bool) -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 4))
+    make = lambda: ddpkit.FaultTolerance(model, torch.optim.SGD(model.parameters(), lr=0.1), data,  # noqa: E731
+                                         batch_size=4, broadcast_buffers=broadcast_buffers)
+    if broadcast_buffers:
+        make()
+    else:
+        with pytest.raises(ValueError, match=r"broadcast_buffers=False\) with a model that has buffers"):
+            make()
+
+
 @pytest.mark.slow("four runs of three workers: both modes, with and without a death")
-def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additions(tmp_path: Path) -> None:
-    reference, _, _ = _ft_run(tmp_path, "reference", det=False)
+def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additions(tmp_path: Path,
+                                                                                   shared_runs) -> None:
+    reference, _, _ = _reference(shared_runs, det=False)
     weights, _, _ = _ft_run(tmp_path, "killed", kill="2:3", det=False)
     for name, ref in reference.items():
         scale = ref.double().abs().max().clamp(min=1e-12)
@@ -162,16 +278,17 @@ def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additi
 
 
 @pytest.mark.slow("two runs of three workers, one with two deaths and their replacements")
-def test_replacements_join_live_and_take_the_state_from_a_peer(tmp_path: Path) -> None:
-    reference, _, _ = _ft_run(tmp_path, "reference", epochs=6)
-    # 78 steps of 0.15 s: time for the replacements' interpreters to start and join.
-    weights, account, stderr = _ft_run(tmp_path, "replaced", kill="1:2,2:3", replacements=2, epochs=6, sleep=0.15)
+def test_replacements_join_live_and_take_the_state_from_a_peer(tmp_path: Path, shared_runs) -> None:
+    reference, _, _ = _reference(shared_runs, epochs=6)
+    # The survivors wait for each replacement's admission (GROW): it joins however long its interpreter takes.
+    weights, account, stderr = _ft_run(tmp_path, "replaced", kill="1:2,2:3", replacements=2, epochs=6, grow=3)
     assert stderr.count("to replace it") == 2 and stderr.count("joined:") == 2
     assert account["world_size"] == 3  # grown back
     assert [c["size"] for c in account["changes"]][-1] == 3 and account["committed"] == 78
     assert all(weights[k].equal(reference[k]) for k in reference)
 
 
+@pytest.mark.slow("a whole job of three workers through two deaths and two replacements' interpreters")
 def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path: Path) -> None:
     # Two deaths in a short run: the last worker finishes before the replacements' interpreters are up.
     _, account, stderr = _ft_run(tmp_path, "short", kill="1:2,2:3", replacements=2)
@@ -179,6 +296,7 @@ def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path:
     assert account["world_size"] == 1 and account["committed"] == 26
 
 
+@pytest.mark.slow("a whole job of two workers through two deaths")
 def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path) -> None:
     done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", script("ft_train.py"),
                   env=base_env(KILL="0:2,1:5"), timeout=120)
@@ -187,6 +305,7 @@ def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path)
     assert "no worker holding the training state is left" in done.stderr
 
 
+@pytest.mark.slow("a whole job of two workers, two deaths and a replacement's interpreter")
 def test_a_replacement_never_trains_from_scratch_when_every_holder_of_the_state_died(tmp_path: Path) -> None:
     # Member 1 dies, its replacement starts; member 0 dies before the replacement joined: nobody can hand it the
     # state, so the job fails (a replacement alone would start training again from step 0).
@@ -205,6 +324,7 @@ def _train(out: Path, *args: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow("two ddpkit train runs of two workers on MNIST, one in the mode")
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
 def test_train_in_the_mode_trains_ddps_bits_when_nobody_dies(tmp_path: Path) -> None:
     from safetensors.torch import load_file

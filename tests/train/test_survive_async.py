@@ -88,6 +88,7 @@ def test_ps_async_trains_on_through_a_worker_and_a_server_death_to_the_same_accu
     assert summary["test_accuracy"] > reference["test_accuracy"] - 0.02, (summary, reference)
 
 
+@pytest.mark.slow("two ddpkit train runs of two workers and two servers on MNIST, one in the mode")
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
 def test_ps_sync_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
     # The servers make DDP's update in both; rank 0 evaluates with its own buffers in both.
@@ -107,6 +108,7 @@ def test_ps_sync_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> Non
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("two ddpkit train runs of two SSP workers on MNIST, one in the mode")
 def test_ssp_without_staleness_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

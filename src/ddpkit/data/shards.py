@@ -53,7 +53,8 @@ class VirtualShards:
                              "shard of a full step must hold as many samples; choose a batch size that "
                              f"{virtual_shards} divides (e.g. {fit})")
         if num_samples < (batch_size if drop_last else 1):
-            raise ValueError(f"{num_samples} samples make no step of {batch_size} with drop_last")
+            raise ValueError(f"{num_samples} samples make no step of {batch_size} with drop_last" if drop_last
+                             else "the dataset is empty: 0 samples make no step")
         self.num_samples, self.batch_size, self.virtual_shards = num_samples, batch_size, virtual_shards
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.steps_per_epoch = num_samples // batch_size if drop_last else math.ceil(num_samples / batch_size)

@@ -37,9 +37,19 @@ minority
     cut off never trains alone (split brain is refused). With two nodes a
     node's loss therefore stops the job, as no side is a majority.
 
-Only the job's launchers take part: each connection starts with a
-challenge answered with an HMAC of the job's secret (``--rdzv-id``), both
-ways; a process without it is refused before it can send or read anything.
+Only the job's launchers take part. Each connection starts with a
+handshake that binds both nonces, both node ids and both roles: the dialer
+sends its node and a nonce; the answering agent checks that such a node may
+call it, then answers with its own nonce and an HMAC (keyed by the job's
+secret) of ``accept`` and that transcript; the dialer checks it and answers
+with the HMAC of ``dial`` and the same transcript. A proof made for one
+connection or role is worth nothing in another, so a process without the
+secret cannot take a seat by relaying one agent's answers to another. Each
+side then derives a session key from the secret and the transcript, and
+every later message carries its sequence number and an HMAC of both under
+that key: a forged, altered or replayed message is refused (the connection
+goes on, so an intruder in the middle can delay or drop, as a bad network
+can, but never speak for a node).
 """
 
 from __future__ import annotations
@@ -110,6 +120,8 @@ class Report:
     """What one agent knows of its own workers."""
 
     dead: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+    """Its workers that finished (exit 0): they leave the membership as the dead do, but are no failure."""
     ready: list[int] = field(default_factory=list)
     joined: list[int] = field(default_factory=list)
     finished: bool = False
@@ -120,8 +132,15 @@ class Report:
 
 @dataclass
 class _Peer:
+    """One authenticated connection: its session key and the sequence numbers of each direction."""
+
     sock: socket.socket
+    key: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: int = 0
+    """The last sequence number this agent sent on it."""
+    received: int = 0
+    """The last sequence number this agent accepted on it (a message must carry the next one)."""
 
 
 class Council:
@@ -252,36 +271,54 @@ class Council:
                 return
             threading.Thread(target=self._handshake, args=(sock, None), daemon=True).start()
 
-    def _mac(self, nonce: str, node: int) -> str:
-        return hmac.new(self._key, f"{nonce}|{node}".encode(), "sha256").hexdigest()
+    def _mac(self, role: str, transcript: tuple[str, str, int, int]) -> str:
+        """The proof of ``role`` (``accept`` or ``dial``) for a handshake's transcript: (dialer's nonce, acceptor's
+        nonce, dialer's node, acceptor's node)."""
+        return hmac.new(self._key, json.dumps([role, *transcript]).encode(), "sha256").hexdigest()
 
     def _handshake(self, sock: socket.socket, dialed: int | None) -> None:
-        """Challenge and answer both ways; then the connection is the peer's (a reader thread per peer)."""
+        """The handshake of the module notes, as the dialer (``dialed``: the node called) or the answering agent;
+        then the connection is the peer's (a reader thread per peer)."""
         sock.settimeout(10.0)
         reader = sock.makefile("rb")
+        mine = os.urandom(16).hex()
+        place = list(self.places[self.node])
         try:
-            mine = os.urandom(16).hex()
-            _send_line(sock, {"node": self.node, "nonce": mine, "place": list(self.places[self.node])})
-            theirs = json.loads(reader.readline())
-            _send_line(sock, {"mac": self._mac(theirs["nonce"], self.node)})
-            proof = json.loads(reader.readline())
-            peer = int(theirs["node"])
-            if not hmac.compare_digest(str(proof.get("mac")), self._mac(mine, peer)):
-                raise PermissionError("not this job's secret")
-            if dialed is not None and peer != dialed:
-                raise PermissionError(f"answered as node {peer}, not {dialed}")
-            if dialed is None and not (self.node < peer < self.starting or self.starting <= peer < self.most):
-                raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
-                                      f"and spares {self.starting}..{self.most - 1} call this one")
-        except (OSError, ValueError, KeyError, PermissionError) as e:
+            if dialed is not None:
+                _send_line(sock, {"node": self.node, "nonce": mine, "place": place})
+                theirs = json.loads(reader.readline())
+                peer, nonce = int(theirs["node"]), str(theirs["nonce"])
+                if peer != dialed:
+                    raise PermissionError(f"answered as node {peer}, not {dialed}")
+                transcript = (mine, nonce, self.node, peer)
+                if not hmac.compare_digest(str(theirs.get("mac")), self._mac("accept", transcript)):
+                    raise PermissionError("not this job's secret")
+                _send_line(sock, {"mac": self._mac("dial", transcript)})
+            else:
+                theirs = json.loads(reader.readline())
+                peer, nonce = int(theirs["node"]), str(theirs["nonce"])
+                if not (self.node < peer < self.starting or self.starting <= peer < self.most):
+                    raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
+                                          f"and spares {self.starting}..{self.most - 1} call this one")
+                transcript = (nonce, mine, peer, self.node)
+                _send_line(sock, {"node": self.node, "nonce": mine, "place": place,
+                                  "mac": self._mac("accept", transcript)})
+                proof = json.loads(reader.readline())
+                if not hmac.compare_digest(str(proof.get("mac")), self._mac("dial", transcript)):
+                    raise PermissionError("not this job's secret")
+            if len(nonce) != 32:
+                raise PermissionError("a malformed nonce")
+        except (OSError, ValueError, KeyError, TypeError, PermissionError) as e:
             if isinstance(e, PermissionError):
-                say(f"refused a council connection from {_peer_name(sock)}: {e} (--rdzv-id)")
+                say(f"refused a council connection from {_peer_name(sock)}: {e} (the job's secret)")
             sock.close()
             return
+        session = hmac.new(self._key, json.dumps(["session", *transcript]).encode(), "sha256").digest()
         sock.settimeout(None)
         # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_S, 0))
         stale = None
+        connection = _Peer(sock, session)
         with self._cond:
             if peer in self._peers and self._heard.get(peer) != float("-inf"):
                 # Two connections between one pair (two spares that dialed each other): both sides keep the one
@@ -290,7 +327,7 @@ class Council:
                     sock.close()
                     return
                 stale = self._peers[peer].sock
-            self._peers[peer] = _Peer(sock)
+            self._peers[peer] = connection
             self._heard[peer] = time.monotonic()
             self.places.setdefault(peer, tuple(theirs["place"]))  # type: ignore[arg-type]
             if peer >= self.starting and peer not in self.entry.nodes:
@@ -298,17 +335,45 @@ class Council:
             self._cond.notify_all()
         if stale is not None:
             _close(stale)
-        threading.Thread(target=self._read_loop, args=(peer, reader, sock), name=f"ddpkit-council-{peer}",
+        threading.Thread(target=self._read_loop, args=(peer, reader, connection), name=f"ddpkit-council-{peer}",
                          daemon=True).start()
 
-    def _read_loop(self, peer: int, reader: Any, sock: socket.socket) -> None:
+    def _seal(self, connection: _Peer, peer: int, message: dict[str, Any]) -> dict[str, Any]:
+        """``message`` as sent to ``peer``: its body, the next sequence number, and their HMAC (under the lock)."""
+        connection.sent += 1
+        body = json.dumps(message, sort_keys=True)
+        label = f"{self.node}>{peer}|{connection.sent}|{body}"
+        return {"seq": connection.sent, "body": body,
+                "mac": hmac.new(connection.key, label.encode(), "sha256").hexdigest()}
+
+    def _opened(self, connection: _Peer, peer: int, line: bytes) -> dict[str, Any] | None:
+        """A sealed line from ``peer``: its message, or None (said once per kind) when it is forged, altered or
+        replayed."""
+        try:
+            sealed = json.loads(line)
+            seq, body = int(sealed["seq"]), str(sealed["body"])
+            label = f"{peer}>{self.node}|{seq}|{body}"
+            good = hmac.compare_digest(str(sealed["mac"]), hmac.new(connection.key, label.encode(),
+                                                                    "sha256").hexdigest())
+        except (ValueError, KeyError, TypeError):
+            good, seq, body = False, -1, ""
+        if not good or seq != connection.received + 1:
+            why = "a forged or altered message" if not good else f"a replayed message (number {seq}, expected " \
+                                                                   f"{connection.received + 1})"
+            say(f"refused {why} on node {peer}'s council connection ({_peer_name(connection.sock)})")
+            return None
+        connection.received = seq
+        return json.loads(body)
+
+    def _read_loop(self, peer: int, reader: Any, connection: _Peer) -> None:
         try:
             for line in reader:
-                self._handle(peer, json.loads(line))
+                if (message := self._opened(connection, peer, line)) is not None:
+                    self._handle(peer, message)
         except (OSError, ValueError):
             pass
         with self._cond:  # its launcher is gone (killed: the kernel closed its socket), unless this one was replaced
-            if self._peers[peer].sock is sock:
+            if self._peers[peer] is connection:
                 self._heard[peer] = float("-inf")
             self._cond.notify_all()
         self._wake.set()
@@ -323,7 +388,7 @@ class Council:
             return
         try:
             with connection.lock:
-                _send_line(connection.sock, message)
+                _send_line(connection.sock, self._seal(connection, peer, message))
         except OSError:
             pass  # its reader notices the loss
 
@@ -446,7 +511,7 @@ class Council:
         nodes = tuple(sorted([n for n in entry.nodes if n in heard] + ([] if over else sorted(joining))))
         reports = {n: r for n, r in self._reports.items() if n in nodes}
         reports[self.node] = self.report
-        dead = {m for r in reports.values() for m in r.dead}
+        dead = {m for r in reports.values() for m in [*r.dead, *r.left]}
         members = [m for m in entry.members if m not in dead and self.node_of(m) in nodes]
         if not over:  # a replacement admitted after the others finished would wait for them forever
             members += [m for n in nodes for m in reports.get(n, Report()).ready

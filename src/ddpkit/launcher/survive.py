@@ -9,7 +9,9 @@ the survivors rebuild their group and go on in the same processes. With
 view after next once it says it is ready (a peer hands it the training state).
 
 The job succeeds when the workers still alive at the end exit 0; when the
-last one dies, its first death is the job's failure, reported as today.
+last one dies, its first death is the job's failure, reported as today. A
+worker that exits with code 2 (a usage error) before it held the training
+state ends the job at once: a replacement would make the same mistake.
 Parameter servers (``--num-servers``) are not members: the workers that are
 left keep pushing to them, a server's death is survived while every key
 range has a server left (``--ps-replication``), and they are stopped once
@@ -39,6 +41,9 @@ from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
 __all__ = ["Death", "SurvivingGroup"]
 
 _POLL_S = 0.05
+USAGE_EXIT = 2
+"""The exit code of a usage error (argparse's, ``ddpkit``'s command line): a worker that exits with it before it
+held the training state ends the job instead of being replaced."""
 _TORCH_LOG = re.compile(r"\[[IWEF]\d{4} ")
 """A line of torch's C++ log (``[W1128 02:46:49.469 socket.cpp:207] ...``), not the worker's own words."""
 
@@ -191,9 +196,18 @@ class SurvivingGroup(WorkerGroup):
                 if not finished:
                     dismissed |= self._dismiss_joining(live)
                 finished += 1
+                self._leave(member, live)
                 continue
             failure = self.failure(index, code)
             first = first or failure
+            if code == USAGE_EXIT and member not in self._joined:
+                # Exit 2 before the worker held the training state: a usage error (a bad flag, a wrong launcher),
+                # which every replacement would make again. Not a death to survive.
+                say(f"member {member} (rank {failure.rank} at the start) exited with code {USAGE_EXIT} before it held "
+                    "the training state: a usage error (its own line says which), not a death to survive; stopping "
+                    "the job")
+                self.stop()
+                return failure
             self._close(member)
             said = [line for line in failure.last_lines if not _TORCH_LOG.match(line)]  # not c10d's warnings
             why = (failure.traceback.splitlines() or said or [""])[-1].strip()
@@ -224,6 +238,20 @@ class SurvivingGroup(WorkerGroup):
         if self.entry is not None:
             return None if self.entry.succeeded else first or "every worker of the job died"
         return None if finished else first
+
+    def _leave(self, member: int, live: set[int]) -> None:
+        """A member finished (exit 0): the next view is announced without it, so that a peer still waiting in a
+        collective with it (its last step's, interrupted by a death or a join) rebuilds without it instead of
+        waiting for a process that is gone. Across nodes the majority decides that view too."""
+        self._close(member)
+        if not live:
+            return  # the last one: no one is left to tell
+        if self.council is not None:
+            self.council.tell(left=[member])
+        elif member in self.members:
+            self.members.remove(member)
+            self.epoch += 1
+            self._announce()
 
     def _drop(self, member: int, died: str, live: set[int]) -> bool:
         """One node: this launcher's word is the next view. False when no worker holding the state is left (the

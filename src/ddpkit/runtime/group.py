@@ -47,6 +47,10 @@ DEFAULT_TIMEOUT_S = 1800.0
 """Collective timeout when none is configured (torch's own default)."""
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 """How long ranks wait for each other at the rendezvous when no timeout is configured."""
+SURVIVING_TIMEOUT_S = 300.0
+"""Collective timeout of the groups of ``--on-failure continue`` when none is configured: a death ends their waits
+at once (the launcher's word), so this bounds only how long an abandoned operation holds its buffers (and a
+healthy step's longest wait for a slow peer, a first compilation included: raise it with ``DDPKIT_TIMEOUT``)."""
 
 @dataclass(frozen=True, kw_only=True)
 class DistContext:
@@ -138,7 +142,8 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         backend: ``gloo``, ``nccl`` or ``mpi``. Default: ``DDPKIT_BACKEND``,
             else ``nccl`` with CUDA and ``gloo`` without.
         timeout: seconds for the rendezvous and each collective. Default:
-            ``DDPKIT_TIMEOUT``, else 300 s to meet and 1800 s per collective.
+            ``DDPKIT_TIMEOUT``, else 300 s to meet and 1800 s per collective (300 s under
+            ``--on-failure continue``, whose abandoned operations hold their buffers that long).
 
     Returns:
         The :class:`DistContext` of this process.
@@ -172,7 +177,8 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         place = _init_plugin(plugin, place, join_timeout, collective_timeout)
     device = _choose_device(place, backend)
     if not dist.is_initialized() and os.environ.get(membership.FD_ENV):
-        _init_surviving(place, backend, join_timeout, collective_timeout)
+        configured = timeout is not None or variables.timeout_seconds(os.environ) is not None
+        _init_surviving(place, backend, join_timeout, collective_timeout if configured else SURVIVING_TIMEOUT_S)
     elif not dist.is_initialized():
         if place.world_size == 1:
             store: dist.Store = dist.HashStore()

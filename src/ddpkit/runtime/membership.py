@@ -101,7 +101,10 @@ class Membership:
         self._views: list[View] = []
         self._closed = False
         self._by_epoch: dict[int, dist.ProcessGroup] = {}
-        """Every group built, by epoch (kept while the process lives, see :meth:`group`)."""
+        """The groups built, by epoch; an older one is freed once no abandoned operation of it is left
+        (:meth:`_free_old`)."""
+        self._abandoned: dict[int, list[threading.Event]] = {}
+        """By epoch: the operations abandoned on a change (each event set once the operation ended)."""
         self.noticed_at: dict[int, float] = {}
         """``time.time()`` at which each epoch's view reached this worker."""
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
@@ -162,7 +165,11 @@ class Membership:
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         while not done.wait(_POLL_S):
-            self._check(view)
+            try:
+                self._check(view)
+            except MembershipChanged:
+                self._abandoned.setdefault(view.epoch, []).append(done)  # its group is freed once it ends
+                raise
         try:
             future.wait()
         except Exception:
@@ -179,10 +186,12 @@ class Membership:
                 self._cond.wait(0.05)
 
     def _check(self, view: View) -> None:
-        # Any newer view ends the wait, a join too: a member that saw it first has left this view's group to
-        # build the next one, so an operation here could never complete.
-        if (newest := self.latest()).epoch > view.epoch:
-            raise MembershipChanged(newest, self.lost_since(view))
+        # A view that lost a member of this one ends the wait: the operation cannot complete. A view that only
+        # adds members (a replacement, a spare node's worker) does not: every member of this view finishes the
+        # operation, and the newcomer is built into the group at the next step boundary.
+        newest = self.latest()
+        if newest.epoch > view.epoch and (lost := self.lost_since(view)):
+            raise MembershipChanged(newest, lost)
         if self._closed:
             raise RuntimeError("the launcher closed the membership pipe (it stopped): this worker stops too")
 
@@ -235,10 +244,18 @@ class Membership:
                 raise built["error"]
         finally:
             abandoned.set()
-        # Never destroyed while the process lives: a group abandoned with an operation in flight would block its
-        # destructor until that operation's timeout.
         self._by_epoch[view.epoch] = built["group"]
+        self._free_old(view.epoch)
         return built["group"]
+
+    def _free_old(self, current: int) -> None:
+        """Let go of the groups of views before ``current`` whose abandoned operations have all ended (completed,
+        or failed at the group's timeout): a group with one still in flight would block its destructor until
+        then, so it is kept until a later rebuild finds it done."""
+        for epoch in [e for e in self._by_epoch if e < current]:
+            if all(done.is_set() for done in self._abandoned.get(epoch, [])):
+                del self._by_epoch[epoch]
+                self._abandoned.pop(epoch, None)
 
     def _store_of(self, view: View) -> dist.Store:
         """A connection of its own to the store ``view``'s group meets on (the first one, or the one the launchers

@@ -20,11 +20,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ddpkit.runtime.options import ConfigError
+
 __all__ = ["Launcher", "MpirunError", "check", "command", "find", "library_of_mpi4py"]
 
 
-class MpirunError(RuntimeError):
-    """No usable ``mpirun``, or one that does not match mpi4py's MPI; the message says which and the fix."""
+class MpirunError(ConfigError):
+    """No usable ``mpirun``, or one that does not match mpi4py's MPI; the message says which and the fix (a
+    setting of this machine: the command line shows it in one line, as any :class:`ConfigError`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +47,7 @@ def find(mpirun: str | None = None) -> Launcher:
     Raises:
         MpirunError: none found, or it does not answer ``--version`` as Open MPI's or Hydra's does.
     """
-    name = mpirun or os.environ.get("DDPKIT_MPIRUN") or "mpirun"
+    name = mpirun or os.environ.get("DDPKIT_MPIRUN") or "mpirun"  # checked by variables.mpirun_program first
     path = shutil.which(name)
     if path is None:
         raise MpirunError(f"{name} is not on PATH: install an MPI (apt-get install openmpi-bin, or mpich) or name "

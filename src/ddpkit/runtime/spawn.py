@@ -102,7 +102,35 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
         conn.send(encode_failure(exc))
         exit_now(1)
+    _leave_in_order()
     exit_now(0)
+
+
+def _leave_in_order() -> None:
+    """After ``fn`` returned: leave the process group so that rank 0, whose process serves the store, goes last.
+
+    A rank that returns right after ``ddpkit.init()`` would otherwise close the store while a peer still talks
+    to it (its stall inspector's connection, the end of its own set-up): the peer fails with "Connection reset
+    by peer" in a job that did nothing wrong. Every rank first meets the others (a barrier: all are past their
+    set-up and their ``fn``), stops its stall inspector, meets them again (no one uses the store any more),
+    then tears its group down. A peer that failed is the parent's to report: then this rank just exits.
+    """
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    from ddpkit.runtime import stall
+    from ddpkit.runtime.group import shutdown
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        dist.barrier()
+        stall.stop()
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer failed or left: the parent reports it
+        return
+    shutdown()
 
 
 def serve_module(_index: int, module: str) -> None:

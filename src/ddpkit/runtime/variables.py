@@ -17,16 +17,19 @@ variable                        value
 ``DDPKIT_FT_FD``                set by ``ddpkit launch --on-failure continue``: the membership pipe
 ``DDPKIT_FT_REPLY_FD``          set by it too: the pipe back to the launcher
 ``DDPKIT_FT_MEMBER``            set by it too: this worker's member id
+``DDPKIT_MPI_CUDA_AWARE``       ``0`` or ``1``: overrides the MPI library's answer
+``DDPKIT_MPIRUN``               the MPI launcher to use: a program on ``PATH``, or a path
 ==============================  =============================================
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
 from collections.abc import Mapping
 
 __all__ = ["BACKENDS", "FT_FD", "FT_MEMBER", "FT_REPLY_FD", "backend", "check_environment", "count",
-           "stall_warn_seconds", "timeout_seconds"]
+           "mpi_cuda_aware", "mpirun_program", "stall_warn_seconds", "timeout_seconds"]
 
 BACKENDS = ("gloo", "nccl", "mpi")
 FT_FD = "DDPKIT_FT_FD"
@@ -102,6 +105,36 @@ def count(environ: Mapping[str, str], name: str) -> int:
     return int(raw)
 
 
+def mpi_cuda_aware(environ: Mapping[str, str]) -> bool | None:
+    """``DDPKIT_MPI_CUDA_AWARE`` (None when unset: the MPI library's own answer counts).
+
+    Raises:
+        ValueError: not 0 or 1.
+    """
+    raw = environ.get("DDPKIT_MPI_CUDA_AWARE", "")
+    if not raw.strip():
+        return None
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"DDPKIT_MPI_CUDA_AWARE={raw!r} is neither 0 nor 1: 1 says the MPI library reads CUDA "
+                         "memory itself, 0 that it does not; unset it to take the library's own answer")
+    return raw.strip() == "1"
+
+
+def mpirun_program(environ: Mapping[str, str]) -> str | None:
+    """``DDPKIT_MPIRUN`` (None when unset): a program found on ``PATH``, or a path to one.
+
+    Raises:
+        ValueError: no such program.
+    """
+    raw = environ.get("DDPKIT_MPIRUN", "")
+    if not raw.strip():
+        return None
+    if shutil.which(raw) is None:
+        raise ValueError(f"DDPKIT_MPIRUN={raw!r} is not a program on PATH nor an executable file: name the MPI "
+                         "launcher (e.g. DDPKIT_MPIRUN=/usr/bin/mpirun), or unset it to use mpirun on PATH")
+    return raw
+
+
 def _interfaces(environ: Mapping[str, str]) -> None:
     raw = environ.get("GLOO_SOCKET_IFNAME", "")
     if not raw.strip():
@@ -124,4 +157,6 @@ def check_environment(environ: Mapping[str, str], stall_default: float = 60.0) -
     stall_warn_seconds(environ, stall_default)
     count(environ, "DDPKIT_RDZV_ROUND")
     count(environ, "TORCHELASTIC_RESTART_COUNT")
+    mpi_cuda_aware(environ)
+    mpirun_program(environ)
     _interfaces(environ)

@@ -24,19 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import pickle
-import re
-import socket
 import struct
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
@@ -44,20 +39,25 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from ddpkit.runtime.devices import comm_tensor
-from ddpkit.runtime.process import pid_alive
-from ddpkit.train.encoding import CheckpointError, decode, encode_state
+from ddpkit.runtime.durable import (
+    CheckpointError,
+    describe_write_error,
+    digest,
+    one_line,
+    remove_stale_temporaries,
+    tensor_digest,
+    write_atomic,
+)
+from ddpkit.train.encoding import decode, encode_state
 
 __all__ = [
     "CheckpointError",
     "load_checkpoint",
     "load_model_state",
-    "describe_write_error",
     "save_checkpoint",
     "save_json",
     "save_weights",
     "strip_prefix",
-    "write_atomic",
-    "write_or_warn",
 ]
 
 _META_KEY = "ddpkit"
@@ -66,38 +66,9 @@ _FORMAT = 3
 """1: tensors and skeleton. 2: plus checksums of every tensor and of the skeleton."""
 
 
-_CAUSES = {
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.EFBIG: "the file is larger than this process may write (ulimit -f)",
-    errno.ENOENT: "its folder no longer exists (removed while the run was going on)",
-    errno.EISDIR: "a folder is in the way",
-}
-
-
-def describe_write_error(error: BaseException) -> str:
-    """Why a write failed, in words: the cause behind an ``OSError``'s number, else the error itself."""
-    if isinstance(error, OSError) and error.errno in _CAUSES:
-        return _CAUSES[error.errno]
-    return f"{type(error).__name__}: {error}"
-
-
-def _digest(data: bytes | memoryview | np.ndarray) -> str:
-    # blake2b: as strong as needed against bit rot and torn writes, and about
-    # three times faster than sha256 here (hashlib releases the GIL).
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    return _digest(t.reshape(-1).view(torch.uint8).numpy())
-
-
 def _checksums(meta: str | None, tensors: Mapping[str, torch.Tensor]) -> str:
-    sums = {name: _tensor_digest(t) for name, t in tensors.items()}
-    return json.dumps({"skeleton": _digest(meta.encode()) if meta is not None else None, "tensors": sums})
+    sums = {name: tensor_digest(t) for name, t in tensors.items()}
+    return json.dumps({"skeleton": digest(meta.encode()) if meta is not None else None, "tensors": sums})
 
 
 def _to_bytes(state: Any) -> bytes:
@@ -120,8 +91,8 @@ def _verify(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Ten
         stored = json.loads(meta[_SUM_KEY])
         sums, skeleton = dict(stored["tensors"]), stored["skeleton"]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise CheckpointError(f"checkpoint {path} is damaged: unreadable checksums ({_line(e)})") from e
-    if skeleton is not None and _digest(meta.get(_META_KEY, "").encode()) != skeleton:
+        raise CheckpointError(f"checkpoint {path} is damaged: unreadable checksums ({one_line(e)})") from e
+    if skeleton is not None and digest(meta.get(_META_KEY, "").encode()) != skeleton:
         raise CheckpointError(
             f"checkpoint {path} is damaged: its metadata (step, settings, structure) does not match "
             "its checksum"
@@ -131,75 +102,13 @@ def _verify(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Ten
             f"checkpoint {path} is damaged: it holds {len(tensors)} tensors, its checksums name {len(sums)}"
         )
     for name, t in tensors.items():
-        if _tensor_digest(t) != sums[name]:
+        if tensor_digest(t) != sums[name]:
             shown = name.split(":", 1)[-1] or name
             raise CheckpointError(
                 f"checkpoint {path} is damaged: tensor {shown!r} does not match its checksum "
                 "(its bytes changed after it was written)"
             )
 
-
-# ---------------------------------------------------------------- atomic write
-
-
-_TMP = re.compile(r"^\..+\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)$")
-
-
-
-
-def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Delete the temporary files of interrupted writes in ``folder``; return them.
-
-    A temporary is stale when the process that wrote it (named in the file
-    name, with its host) is gone. Files of other hosts are left alone: their
-    writer may be alive on a shared file system.
-    """
-    removed = []
-    if not folder.is_dir():
-        return removed
-    host = socket.gethostname().replace("-", "_")
-    for entry in folder.iterdir():
-        m = _TMP.match(entry.name)
-        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-                removed.append(entry)
-    return removed
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` durably: temporary file, fsync, rename, fsync of the folder.
-
-    Temporaries that earlier, interrupted writes left in the folder are removed first.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path.parent)
-    host = socket.gethostname().replace("-", "_")
-    tmp = path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    # The rename is durable only once the folder's entry is on disk too.
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-
-def write_or_warn(path: Path, text: str) -> None:
-    """:func:`write_atomic` of ``text``; a failure is a warning on stderr (training goes on)."""
-    try:
-        write_atomic(path, text.encode())
-    except OSError as e:
-        print(f"ddpkit train: warning: could not write {path}: {e}; training goes on", file=sys.stderr, flush=True)
 
 def _collective_write(path: str | os.PathLike, make_bytes, within: str | os.PathLike | None = None) -> None:
     """Rank 0 writes ``make_bytes()`` to ``path`` (atomically); every rank returns once it is on disk, or raises.
@@ -303,7 +212,7 @@ def _safetensors_metadata(data: bytes, path: Path) -> dict[str, str]:
     try:
         header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable header ({_line(e)})") from e
+        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable header ({one_line(e)})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint {path} is corrupt: header is not a JSON object")
     meta = header.get("__metadata__") or {}
@@ -413,7 +322,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     try:
         tensors = _st_load(data)
     except SafetensorError as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {_line(e)}") from e
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {one_line(e)}") from e
     with _as_corrupt(path):
         _verify(path, meta, tensors)
         skeleton = _skeleton(path, meta) if _META_KEY in meta else None
@@ -440,12 +349,6 @@ def _skeleton(path: Path, meta: Mapping[str, str]) -> dict[str, Any]:
     return skeleton
 
 
-def _line(error: BaseException) -> str:
-    """An error's message on one short line (a file's damage is reported in one)."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
 @contextlib.contextmanager
 def _as_corrupt(path: Path) -> Iterator[None]:
     """Whatever reading a damaged or foreign file raises, as a :class:`CheckpointError` of one line: so that a
@@ -455,7 +358,7 @@ def _as_corrupt(path: Path) -> Iterator[None]:
     except CheckpointError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:  # RecursionError too
-        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({type(e).__name__}: {_line(e)})") from e
+        raise CheckpointError(f"checkpoint {path} is corrupt: bad skeleton ({type(e).__name__}: {one_line(e)})") from e
 
 
 # ---------------------------------------------------------------- module. prefixes

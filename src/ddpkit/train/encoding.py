@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddpkit.runtime.durable import CheckpointError
+
 __all__ = ["DTYPES", "CheckpointError", "decode", "encode", "encode_state"]
 
 DTYPES = frozenset(d for d in (
@@ -34,17 +36,6 @@ DTYPES = frozenset(d for d in (
 ) if d is not None)
 """What a checkpoint holds: plain numbers safetensors stores (quantized and bit-packed types, whose meaning lies
 outside their bytes, are refused when saved and when read)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read (corrupt, truncated, not a checkpoint) or written.
-
-    ``gone`` is True when the folder it was to be written in no longer exists (removed while the run was going on).
-    """
-
-    def __init__(self, message: str, gone: bool = False) -> None:
-        super().__init__(message)
-        self.gone = gone
 
 
 def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor], bool]:

@@ -42,6 +42,7 @@ of epochs would change when ``epochs`` grows on resume.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -103,6 +104,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError("--engine torch --comm-hook bf16: torch's DDP takes the bf16 hook only from a torch built "
                           "with CUDA and NCCL, and this one has neither: use --engine ddpkit, which runs it on gloo "
                           "too, or --comm-hook fp16")
+    if os.environ.get(variables.FT_FD) and config.on_failure != "continue":
+        # A worker of `ddpkit launch --on-failure continue`: the launcher's mode is the run's (and a flag the mode
+        # cannot keep is a usage error, exit 2, which the launcher does not take for a death to replace).
+        config = dataclasses.replace(config, on_failure="continue")
+        if os.environ.get("RANK", "0") == "0":
+            print("ddpkit train: started by ddpkit launch --on-failure continue: training in that mode, as with "
+                  "--on-failure continue", flush=True)
     if config.on_failure == "continue":
         return survive_loop.train(config, check=lambda: _load_data(config))
     return restart.attempts(config, worker, check=lambda: _load_data(config))
@@ -206,7 +214,10 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
 
 def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run:
     """Join the group, load the data, build or restore the state, wrap the model."""
-    ctx = init(backend=config.backend)
+    try:
+        ctx = init(backend=config.backend)
+    except ValueError as e:  # the environment makes no job of this backend (--backend mpi under torchrun, ...)
+        raise ConfigError(str(e)) from None
     if config.deterministic:
         make_deterministic()
     if "OMP_NUM_THREADS" not in os.environ:

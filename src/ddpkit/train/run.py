@@ -23,9 +23,9 @@ from ddpkit.integrations.tensorboard import EpochBoard
 from ddpkit.parallel.common.trace import UNTRACED, Recorder, Untraced
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_device, comm_tensor
+from ddpkit.runtime.durable import CheckpointError, describe_write_error
 from ddpkit.runtime.group import print0
 from ddpkit.train import rundir
-from ddpkit.train.checkpoint import CheckpointError, describe_write_error
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.recipe import replicas, warmup_lr
 from ddpkit.train.state import TrainState, checkpoint_files

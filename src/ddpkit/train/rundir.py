@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.data.datasets import fingerprint
+from ddpkit.runtime.durable import write_atomic
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.checkpoint import write_atomic
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.lock import LOCK_FILE, RunLock
 from ddpkit.train.state import checkpoint_files, newest_valid_checkpoint
@@ -303,8 +303,10 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in differs)
         raise ConfigError(
             f"--resume: the run in {str(out)!r} ({path.name}) was started with different settings that would "
-            f"change its result ({detail}): resume with the original values; only operational settings "
-            f"({', '.join(sorted(OPERATIONAL - {'resume', 'output_dir'}))}) may change"
+            f"change its result ({detail}): resume with the original values (`ddpkit train --resume "
+            f"--output-dir {out}` alone takes them from its config.json); only operational settings "
+            f"({', '.join(sorted(OPERATIONAL - {'resume', 'output_dir', 'nproc_per_node'}))}) may change, and "
+            "--nproc-per-node only to the same world size"
         )
     if notes:
         print(f"ddpkit train: resuming {str(out)!r} with changed settings: {', '.join(notes)}", flush=True)

@@ -67,11 +67,14 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
@@ -118,7 +121,12 @@ class Step:
     """The virtual shards this rank trains in this step."""
     samples: int
     """The step's global batch: samples in all its shards."""
+    view_epoch: int = 0
+    """The membership epoch the step began in: it is applied only if every shard was trained in that view."""
     synced: bool | None = None
+    aborted: bool = False
+    """A collective of the step (:meth:`FaultTolerance.all_reduce`) met a membership change: the step is done
+    again, and its later collectives do not communicate."""
     trained: list[int] = field(default_factory=list)
     """After a successful :meth:`sync`: samples each shard of the step contributed, as reduced over the job
     (from whichever rank trained it): the step's own account that no shard was lost or counted twice."""
@@ -142,7 +150,7 @@ class Step:
             indices = engine.shards.shard(self.index, shard)
             if not indices:
                 continue
-            torch.manual_seed(engine.micro_batch_seed(self.index, shard))  # dropout follows the shard
+            engine.seed_generators(engine.micro_batch_seed(self.index, shard))  # randomness follows the shard
             yield engine.load(indices)
             engine.harvest(self._buffer, k, shard, len(indices), self.samples)
             if keep_buffers:
@@ -169,7 +177,7 @@ class Step:
                              "more with ft.all_reduce()")
         buffer = self._buffer if self._buffer is not None else self.engine.new_buffer()
         self._buffer = None
-        reduced = self.engine.reduce(buffer, values)
+        reduced = self.engine.reduce(buffer, values, self)
         self.synced = reduced is not None
         if reduced is not None:
             counts, sums = reduced
@@ -199,7 +207,9 @@ class FaultTolerance:
         state: more objects with ``state_dict``/``load_state_dict`` to move with the model (an LR scheduler, a
             grad scaler).
         broadcast_buffers: as DDP's: rank 0's buffers (batch-norm statistics) to every rank, here at the end of
-            every applied step, with the gradients (default True). They travel as float32.
+            every applied step, bit for bit whatever their dtype (default True). False is refused for a model
+            with buffers: every member must hold the same ones, since any of them may hand the state to a
+            replacement.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -229,7 +239,12 @@ class FaultTolerance:
         self.view = self.membership.latest() if self.membership else View(0, tuple(range(ctx.world_size)))
         self.started_with = ctx.world_size
         """The world size the job started with (member ids from it on are replacements)."""
-        virtual_shards = virtual_shards or ctx.world_size  # the starting world, the same for a replacement
+        if virtual_shards is not None and (isinstance(virtual_shards, bool) or not isinstance(virtual_shards, int)
+                                           or virtual_shards < 1):
+            raise ValueError(f"virtual_shards={virtual_shards!r} is not a whole number of shards of at least 1: give "
+                             "at least the largest world size the job may have, or None for the starting world size")
+        if virtual_shards is None:
+            virtual_shards = ctx.world_size  # the starting world, the same for a replacement
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
                              "needs at least one shard of each step; give at least the largest world size")
@@ -238,8 +253,23 @@ class FaultTolerance:
         self.dataset = dataset
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers()]
-        self.buffer_numel = sum(b.numel() for b in self.buffers)
+        if self.buffers and not broadcast_buffers:
+            raise ValueError("FaultTolerance(broadcast_buffers=False) with a model that has buffers (batch-norm "
+                             "statistics): every member must hold the same buffers, since any of them may hand the "
+                             "state to a replacement or be the one left; leave broadcast_buffers=True (rank 0's, "
+                             "which train shard 0, go to all with each step)")
+        self._buffer_spans = _byte_spans(self.buffers)
+        """Where each buffer's bytes lie in the blob that carries them (8-byte aligned)."""
         self.numel = sum(p.numel() for p in self.params)
+        self.configuration = {"virtual_shards": virtual_shards, "batch_size": batch_size, "seed": seed,
+                              "shuffle": int(shuffle), "drop_last": int(drop_last), "samples": len(dataset),
+                              "deterministic": int(deterministic),
+                              "parameters": _layout_hash((n, p) for n, p in model.named_parameters()),
+                              "buffers": _layout_hash(model.named_buffers())}
+        """What every member must share to train the same samples into the same model (compared at each
+        agreement: a member started otherwise is refused by name)."""
+        self._step: Step | None = None
+        """The step in flight (from its start to the next one's), whose collectives abort it on a change."""
         self._pool: list[torch.Tensor] = []
         """The two send buffers steps take in turn (:meth:`new_buffer`)."""
         self._written: set[tuple[int, int]] = set()
@@ -275,6 +305,15 @@ class FaultTolerance:
         digest = hashlib.sha256(f"ddpkit shard {self.seed} {step} {shard}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
+    @staticmethod
+    def seed_generators(seed: int) -> None:
+        """Seed torch's, Python's and NumPy's global generators for one micro-batch: dropout and data
+        augmentation draw the same numbers for a shard whichever member trains it. (Generators of your own, a
+        ``torch.Generator`` or ``numpy.random.default_rng``, are yours to seed from the step and shard.)"""
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+
     # -- the steps
 
     def steps(self, epochs: int | None = None, *, max_steps: int | None = None) -> Iterator[Step]:
@@ -285,21 +324,47 @@ class FaultTolerance:
         if epochs is None and max_steps is None:
             raise ValueError("steps() needs epochs or max_steps")
         end = min(x for x in (epochs and epochs * self.shards.steps_per_epoch, max_steps) if x is not None)
-        while self.committed < end:
-            if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
-                self._rebuild()
-                continue
-            index = self.committed
-            step = Step(self, index, self.shards.epoch_of(index),
-                        self.shards.shards_of(self.rank, self.world_size), len(self.shards.step(index)))
-            yield step
-            if step.synced is None:
-                raise RuntimeError(f"step {index}: the loop body did not call step.sync(); call it once per step "
-                                   "(after the micro-batches' backward, before optimizer.step())")
-            if step.synced:
-                self.committed = index + 1
-                if self.changes and self.changes[-1].resumed is None:
-                    self.changes[-1].resumed = time.time()
+        try:
+            while True:
+                while self.committed < end:
+                    if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
+                        self._rebuild()
+                        continue
+                    index = self.committed
+                    step = self._step = Step(self, index, self.shards.epoch_of(index),
+                                             self.shards.shards_of(self.rank, self.world_size),
+                                             len(self.shards.step(index)), view_epoch=self.view.epoch)
+                    yield step
+                    if step.synced is None:
+                        raise RuntimeError(f"step {index}: the loop body did not call step.sync(); call it once per "
+                                           "step (after the micro-batches' backward, before optimizer.step())")
+                    if step.synced:
+                        self.committed = index + 1
+                        if self.changes and self.changes[-1].resumed is None:
+                            self.changes[-1].resumed = time.time()
+                self._step = None
+                if self._finished(end):
+                    return
+        finally:
+            self._step = None
+
+    def _finished(self, end: int) -> bool:
+        """Whether every member applied the last step (one collective): only then may a member return and exit,
+        since one whose last reduction a death interrupted needs a peer that still holds the final state. False
+        after a membership change (the state is agreed again, and the steps go on from the lowest member's)."""
+        if self.membership is None or self.group is None or self.world_size == 1:
+            return True
+        applied = torch.tensor([self.committed], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        try:
+            self._wait(self.group.allreduce([applied], options))
+        except MembershipChanged:
+            self._rebuild()
+            return False
+        if int(applied) < end:  # a member that joined since: it trains on (cannot happen once one has finished)
+            return False
+        return True
 
     @property
     def steps_per_epoch(self) -> int:
@@ -343,7 +408,8 @@ class FaultTolerance:
         counts = self.numel
         marks = counts + (1 if self.deterministic else self.shards.virtual_shards)
         buffers = marks + len(self.params)
-        values = buffers + self.buffer_numel
+        words = (self._buffer_spans[-1] if self._buffer_spans else 0) // 4 if self.deterministic else 0
+        values = buffers + words
         return counts, marks, buffers, values, values + VALUES
 
     def harvest(self, buffer: torch.Tensor, k: int, shard: int, samples: int, total: int) -> None:
@@ -385,14 +451,21 @@ class FaultTolerance:
                     row[offset : offset + p.numel()] = 0
                 offset += p.numel()
 
-    def reduce(self, buffer: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def reduce(self, buffer: torch.Tensor, values: torch.Tensor | None,
+               step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's ``buffer`` (:meth:`new_buffer`) summed over the job, the gradients into ``.grad``.
 
         Returns the samples each shard contributed and the summed values, or None when the membership changed
         (the gradients are then discarded and the group rebuilt). A parameter no micro-batch of any rank gave a
         gradient keeps ``.grad`` None, as under DDP.
+
+        Raises:
+            RuntimeError: a shard's samples were lost or counted twice without a membership change (a bug: the
+                step is not applied).
         """
-        if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
+        if step is not None and (step.aborted or step.view_epoch != self.view.epoch):
+            return self._discard()  # a shard of it was trained in another view (or a collective of it failed)
+        if self.membership is not None and self.membership.lost_since(self.view):
             return self._discard()
         v, p = self.shards.virtual_shards, len(self.params)
         c0, m0, b0, v0, end = self._layout()
@@ -400,8 +473,8 @@ class FaultTolerance:
         first = buffer[0] if self.deterministic else buffer
         if values is not None:
             first[v0 : v0 + values.numel()] = values.reshape(-1)
-        if self.buffers and self.rank == 0 and self.broadcast_buffers:
-            first[b0:v0] = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
+        if self.buffers and self.deterministic:  # rank 0's bytes as float32 words: a gather copies them exactly
+            first[b0:v0] = self._buffer_blob().view(torch.float32) if self.rank == 0 else 0
         try:
             if self.deterministic:
                 received = self._gather(buffer)
@@ -413,27 +486,53 @@ class FaultTolerance:
                     total.add_(row[: self.numel])
                     counts[shard] = row[c0]
                     had.add_(row[m0 : m0 + p])
-                buffers = received[0][0][b0:v0]
+                blob = received[0][0][b0:v0].view(torch.uint8).clone()  # aligned: each buffer views its dtype
                 sums = sum(rows[0][v0:end] for rows in received)
             else:
                 if self.group is not None and self.world_size > 1:
                     self._wait(self.group.allreduce([buffer]))
                 total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
-                buffers, sums = buffer[b0:v0], buffer[v0:end]
+                sums = buffer[v0:end]
+                blob = self._broadcast_blob() if self.buffers else None  # rank 0's bytes: a sum would change them
         except MembershipChanged:
             return self._discard()
+        if step is not None:
+            expected = [len(self.shards.shard(step.index, s)) for s in range(v)]
+            if [round(float(c)) for c in counts] != expected:
+                raise RuntimeError(f"step {step.index}: the shards' sample counts after the reduction are "
+                                   f"{[round(float(c)) for c in counts]}, not {expected}, without a membership "
+                                   "change: a shard was lost or counted twice; the step is not applied (please "
+                                   "report this with the job's lines)")
         offset = 0
         for i, param in enumerate(self.params):
             n = param.numel()
             param.grad = total[offset : offset + n].view_as(param).to(param.dtype) if had[i] > 0 else None
             offset += n
-        if self.buffers and self.broadcast_buffers:  # rank 0's, which hold shard 0's update: every rank's now
-            offset = 0
-            with torch.no_grad():
-                for b in self.buffers:
-                    b.copy_(buffers[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+        if blob is not None:  # rank 0's buffers, which hold shard 0's update: every rank's now, bit for bit
+            self._restore_blob(blob)
         return counts, sums
+
+    def _buffer_blob(self) -> torch.Tensor:
+        """This rank's buffers' bytes, each at its span (:func:`_byte_spans`), as one uint8 tensor."""
+        blob = torch.zeros(self._buffer_spans[-1] if self._buffer_spans else 0, dtype=torch.uint8,
+                           device=self.device)
+        for b, start in zip(self.buffers, self._buffer_spans):
+            n = b.numel() * b.element_size()
+            blob[start : start + n] = b.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
+        return blob
+
+    def _restore_blob(self, blob: torch.Tensor) -> None:
+        with torch.no_grad():
+            for b, start in zip(self.buffers, self._buffer_spans):
+                n = b.numel() * b.element_size()
+                b.copy_(blob[start : start + n].view(b.dtype).view(b.shape))
+
+    def _broadcast_blob(self) -> torch.Tensor | None:
+        """Rank 0's buffers' bytes, on every rank (one collective; a world of one: its own)."""
+        blob = self._buffer_blob()
+        if self.group is not None and self.world_size > 1:
+            self._wait(self.group.broadcast([blob], _root(0)))
+        return blob
 
     def _gather(self, send: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's rows, to every rank."""
@@ -466,19 +565,44 @@ class FaultTolerance:
             self.membership.wait(work, self.view)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` in place over the current members (for metrics); done again after a change."""
-        original = tensor.clone()
-        while self.group is not None and self.world_size > 1:
-            try:
-                self._wait(self.group.allreduce([tensor]))
-                return tensor
-            except MembershipChanged:
-                tensor.copy_(original)
-                self._rebuild()
+        """Sum ``tensor`` in place over the step's members (a metric) and return it.
+
+        Under ``--on-failure continue`` it is a collective of the step in flight, to be called between its
+        micro-batches and ``step.sync()``: when the membership loses a member during it, ``tensor`` keeps its
+        own value, the step is aborted (``step.sync()`` returns False without communicating, and the step comes
+        again), and the step's later collectives return at once. It is refused elsewhere in the mode (after
+        ``step.sync()``, outside the steps): a member that finished such a collective may have gone on, so it
+        could be neither done again nor trusted. Without the mode (no launcher, torchrun) it may be called
+        anywhere, and a death fails the job as under DDP.
+
+        Raises:
+            RuntimeError: in the mode, outside a step's window (the message says where to call it instead).
+        """
+        step = self._step
+        if self.membership is not None and (step is None or step.synced is not None):
+            where = "after step.sync()" if step is not None else "outside ft.steps()"
+            raise RuntimeError(f"ft.all_reduce() / ft.barrier() {where}: under --on-failure continue they are "
+                               "collectives of a step, called between its micro-batches and step.sync() (a death "
+                               "then aborts the step on every member alike); move the call before step.sync(), "
+                               "or pass up to 16 values to step.sync(values=...)")
+        if self.group is None or self.world_size == 1 or (step is not None and step.aborted):
+            return tensor
+        if step is not None and self.membership is not None and self.membership.lost_since(self.view):
+            step.aborted = True
+            return tensor
+        summed = tensor.detach().clone()  # an abandoned operation may still write its tensor: never the caller's
+        try:
+            self._wait(self.group.allreduce([summed]))
+        except MembershipChanged:
+            assert step is not None
+            step.aborted = True
+            return tensor
+        with torch.no_grad():
+            tensor.copy_(summed)
         return tensor
 
     def barrier(self) -> None:
-        """Wait until every current member gets here (done again after a change)."""
+        """Wait until every member of the step gets here (see :meth:`all_reduce` for where it may be called)."""
         self.all_reduce(torch.zeros(1, device=self.device))
 
     # -- membership changes
@@ -503,14 +627,34 @@ class FaultTolerance:
             return
 
     def _agree(self, force: bool) -> int:
-        """Compare applied steps; the lowest rank of the furthest sends its state to all. Bytes received."""
-        mine = torch.tensor([self.committed, int(force)], dtype=torch.int64)
+        """Compare applied steps and configurations; the lowest rank of the furthest sends its state to all. Bytes
+        received.
+
+        Raises:
+            RuntimeError: this member runs another configuration than the member whose state the others take, or
+                has no shard to train (more members than virtual shards); the message names both.
+        """
+        fields = list(self.configuration)
+        mine = torch.tensor([self.committed, int(force), *self.configuration.values()], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._wait(self.group.allgather([gathered], [mine]))
         steps = [int(t[0]) for t in gathered]
+        source = steps.index(max(steps))
+        theirs = gathered[source][2:].tolist()
+        differ = [(name, a, b) for name, a, b in zip(fields, self.configuration.values(), theirs) if a != b]
+        if differ:
+            what = ", ".join(f"{name} {a} here, {b} there" if name not in ("parameters", "buffers") else
+                             f"the model's {name} (names, shapes, dtypes)" for name, a, b in differ)
+            raise RuntimeError(f"member {self._member} runs another configuration than member "
+                               f"{self.view.members[source]}, whose state the job takes: {what}; start every worker "
+                               "(replacements and spare nodes too) with the job's settings, dataset and model")
+        if self.rank >= self.shards.virtual_shards:
+            raise RuntimeError(f"member {self._member} joined a job of {self.shards.virtual_shards} virtual shards "
+                               f"that has {self.shards.virtual_shards} members already: no shard is left for it, it "
+                               "would only idle; start the job with more virtual shards (--deterministic-shards, "
+                               "FaultTolerance(virtual_shards=...)) or fewer workers")
         if not any(int(t[1]) for t in gathered) and len(set(steps)) == 1:
             return 0
-        source = steps.index(max(steps))
         return self._transfer(source)
 
     def _transfer(self, source: int) -> int:
@@ -546,6 +690,22 @@ class FaultTolerance:
         for name, obj in self.state.items():
             obj.load_state_dict(state["state"][name])
         self.committed = int(state["committed"])
+
+
+def _byte_spans(buffers: Sequence[torch.Tensor]) -> list[int]:
+    """Where each buffer's bytes start in one blob (8-byte aligned, so each can be viewed as its dtype), and the
+    blob's length last (a multiple of 8)."""
+    spans, at = [], 0
+    for b in buffers:
+        spans.append(at)
+        at += -(-(b.numel() * b.element_size()) // 8) * 8
+    return [*spans, at]
+
+
+def _layout_hash(named: Any) -> int:
+    """A 63-bit digest of named tensors' names, shapes and dtypes (the model's layout, not its values)."""
+    text = json.dumps([(name, list(t.shape), str(t.dtype)) for name, t in named])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _root(rank: int) -> dist.BroadcastOptions:

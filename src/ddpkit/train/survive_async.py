@@ -39,7 +39,8 @@ from ddpkit.data.sampler import DistributedSampler
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.runtime import membership
-from ddpkit.train.checkpoint import save_weights, write_or_warn
+from ddpkit.runtime.durable import write_or_warn
+from ddpkit.train.checkpoint import save_weights
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr

@@ -42,10 +42,11 @@ import torch.nn.functional as F
 
 from ddpkit.runtime import membership
 from ddpkit.runtime.discovery import discover
+from ddpkit.runtime.durable import write_or_warn
 from ddpkit.runtime.group import shutdown
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
-from ddpkit.train.checkpoint import save_weights, write_or_warn
+from ddpkit.train.checkpoint import save_weights
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr

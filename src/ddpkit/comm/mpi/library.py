@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ddpkit.runtime import variables
+
 __all__ = ["Library", "MPIUnavailable", "describe", "load", "require_threads"]
 
 
@@ -151,10 +153,13 @@ def cuda_aware() -> bool | None:
     """True when the MPI library reads and writes CUDA device memory itself; None when it cannot tell.
 
     ``DDPKIT_MPI_CUDA_AWARE=0``/``1`` overrides the library's answer (some builds answer wrongly).
+
+    Raises:
+        ValueError: ``DDPKIT_MPI_CUDA_AWARE`` is set to something else.
     """
-    forced = os.environ.get("DDPKIT_MPI_CUDA_AWARE", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = variables.mpi_cuda_aware(os.environ)
+    if forced is not None:
+        return forced
     MPI = load()
     query = getattr(MPI, "Query_cuda_support", None)
     if query is None:

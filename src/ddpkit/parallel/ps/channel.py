@@ -19,7 +19,9 @@ Environment (set by ``ddpkit train`` and ``ddpkit launch --num-servers K``):
 ``DDPKIT_PS_REPLICATION`` R, the servers each key range lives on (default 1; see
                          :mod:`ddpkit.parallel.ps.keyrange`)
 ``DDPKIT_PS_PORT``       the port of the channel's store on ``MASTER_ADDR`` (default ``MASTER_PORT + 1``);
-                         worker rank 0 serves it
+                         worker rank 0 serves it, on loopback alone when ``MASTER_ADDR`` is a loopback
+                         address, and its keys live under the prefix of the job's secret
+                         (``DDPKIT_JOB_TOKEN``), as the rendezvous's do
 ``WORLD_SIZE``           the number of workers, in servers as in workers
 
 Wire format: every request is a header (:data:`HEADER` int64 values; the
@@ -44,8 +46,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV
+from ddpkit.runtime.network import loopback_listener
 from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, ROLE_ENV, SERVER_RANK_ENV, key_range_chain
 from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
+from ddpkit.runtime.rendezvous import job_keys
 
 __all__ = [
     "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "ack_tag", "connect", "forward_tag",
@@ -205,12 +210,18 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
     """
     built: dict[str, Any] = {}
 
+    # The job's keys: under the prefix its secret makes (as the rendezvous's), so a process without the secret
+    # cannot address the channel's meeting, and on loopback alone where the job's address is loopback.
+    prefix = f"{job_keys(os.environ.get(JOB_TOKEN_ENV) or None)[1]}ps/"
+    serving = place.role == "worker" and place.index == 0
+
     def build() -> None:
         try:
-            store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1,
-                                  place.role == "worker" and place.index == 0, timeout=timedelta(seconds=timeout),
-                                  wait_for_workers=False)
-            built["group"] = dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-ps/", store), place.rank,
+            fd = loopback_listener(place.master_addr, place.port) if serving else None
+            store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1, serving,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                                  **({"master_listen_fd": fd} if fd is not None else {}))
+            built["group"] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), place.rank,
                                                    place.workers + place.servers, timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             built["error"] = e

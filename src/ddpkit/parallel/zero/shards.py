@@ -9,8 +9,19 @@ world size, without the whole model ever on one rank.
   ``I``-th parameter);
 * ``index.json`` (rank 0, written last: a directory without it is an
   unfinished save): the world size, each parameter's name, shape and dtype,
-  and the optimizer's param groups and its other state (AdamW's ``step``: the
-  same on every rank).
+  the optimizer's param groups and its other state (AdamW's ``step``: the
+  same on every rank), and for every rank file its size and the digest of
+  each of its tensors; the index carries a digest of itself.
+
+Every file is written as whole checkpoints are (:func:`ddpkit.runtime.durable.write_atomic`:
+fsynced, renamed into place, the same file mode), and verified as they are:
+before a load or a consolidation reads a row, the index's own digest and
+every rank file's size and tensor digests are checked (the files shared out
+over the loading ranks, each read once), and a file that is missing,
+truncated, foreign, or whose bytes changed is a one-line
+:class:`~ddpkit.runtime.durable.CheckpointError` naming it, raised on every
+rank (the ranks agree before any of them reads a row, so none is left
+waiting in a collective).
 
 :func:`load_sharded` reads them back into a ZeRO-3 model (and optimizer) with
 the same parameters, at any world size and with any units: each rank reads,
@@ -31,20 +42,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from ddpkit.parallel.zero.stage3 import ShardedParameters, engine_of
 from ddpkit.parallel.zero.units import UnitParam, like_param, local_of
 from ddpkit.parallel.zero.whole import indexed_params, per_element
+from ddpkit.runtime.durable import CheckpointError, digest, one_line, tensor_digest, write_atomic
 
-__all__ = ["FORMAT", "INDEX", "consolidate_sharded", "load_sharded", "save_sharded"]
+__all__ = ["FORMAT", "INDEX", "consolidate_sharded", "load_sharded", "save_sharded", "verify_sharded"]
 
 INDEX = "index.json"
 """The file that makes a directory a finished sharded checkpoint."""
-FORMAT = "ddpkit-zero3-sharded/2"
-"""Each parameter cut by rows (format 1, before, cut the units' flat buffers)."""
+FORMAT = "ddpkit-zero3-sharded/3"
+"""Each parameter cut by rows, every file's tensors and the index digested (format 2, before, carried no digests
+and is read unchecked; format 1 cut the units' flat buffers)."""
+READABLE = ("ddpkit-zero3-sharded/2", FORMAT)
 
 
 def _engine(model: nn.Module) -> ShardedParameters:
@@ -97,16 +111,127 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
     }
     if optimizer is not None:
         index["optimizer"] = _optimizer_shards(engine, optimizer, tensors)
-    tmp = _rank_file(directory, engine.rank, engine.world_size).with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, _rank_file(directory, engine.rank, engine.world_size))
-    _barrier(engine)  # every rank's file is on disk before the index says the checkpoint is whole
+    path = _rank_file(directory, engine.rank, engine.world_size)
+    data = safetensors_bytes(tensors)
+    write_atomic(path, data)
+    mine = {"file": path.name, "bytes": len(data), "tensors": {k: tensor_digest(t) for k, t in tensors.items()}}
+    files = [None] * engine.world_size
+    if engine.world_size > 1:  # every rank's file is on disk before the index says the checkpoint is whole
+        dist.all_gather_object(files, mine, group=engine.group)
+    else:
+        files = [mine]
     if engine.rank == 0:
-        tmp = directory / (INDEX + ".tmp")
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, directory / INDEX)
+        index["files"] = {f["file"]: {"bytes": f["bytes"], "tensors": f["tensors"]} for f in files}
+        index["digest"] = _index_digest(index)
+        write_atomic(directory / INDEX, json.dumps(index, indent=1).encode())
     _barrier(engine)
     return directory
+
+
+def _index_digest(index: dict[str, Any]) -> str:
+    """The digest of an index's content (all but its ``digest``), in a canonical form."""
+    return digest(json.dumps({k: v for k, v in index.items() if k != "digest"}, sort_keys=True).encode())
+
+
+def _read_index(directory: Path) -> dict[str, Any]:
+    """The index of the checkpoint in ``directory``, its form and (format 3) its digest checked.
+
+    Raises:
+        FileNotFoundError: no index (a save that did not end, or another directory).
+        CheckpointError: an index that is not JSON, not a sharded checkpoint's, of an unknown format, or damaged.
+    """
+    path = directory / INDEX
+    if not path.exists():
+        raise FileNotFoundError(f"{directory} holds no finished sharded checkpoint ({INDEX} is missing: a save "
+                                "that did not end, or another directory)")
+    try:
+        index = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"sharded checkpoint index {path} is damaged or truncated: not JSON "
+                              f"({one_line(e)})") from e
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path} is not a ddpkit sharded checkpoint's index (not a JSON object)")
+    found = index.get("format")
+    if found not in READABLE:
+        older = " (saved by an older ddpkit, whose layout this one does not read)" if str(found).startswith(
+            "ddpkit-zero3-sharded/") else ""
+        raise CheckpointError(f"{path} is not a ddpkit sharded checkpoint of format {FORMAT}{older}")
+    if found == FORMAT and index.get("digest") != _index_digest(index):
+        raise CheckpointError(f"sharded checkpoint index {path} is damaged: its content does not match its digest "
+                              "(its bytes changed after it was written)")
+    try:
+        world = int(index["world_size"])
+        params = [(str(p["name"]), [int(n) for n in p["shape"]], str(p["dtype"])) for p in index["params"]]
+        if world < 1 or (found == FORMAT and sorted(index["files"]) != sorted(
+                _rank_file(directory, r, world).name for r in range(world))):
+            raise ValueError(f"world size {world} and the files it names disagree")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"sharded checkpoint index {path} is damaged: {one_line(e)}") from e
+    for _, _, dtype in params:
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise CheckpointError(f"sharded checkpoint index {path} is damaged: {dtype!r} is not a torch dtype")
+    return index
+
+
+def _verify_file(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
+    """Why rank file ``name`` does not hold what the index says it does (its size, its tensors' digests), or
+    None."""
+    path = directory / name
+    if not path.is_file():
+        return f"sharded checkpoint file {path} is missing"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return (f"sharded checkpoint file {path} is damaged: {size} bytes, the index says {expected['bytes']} "
+                "(truncated, or another file in its place)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            if names != set(expected["tensors"]):
+                return (f"sharded checkpoint file {path} is not the one its index names: it holds {len(names)} "
+                        f"tensors, the index {len(expected['tensors'])}")
+            for key, want in expected["tensors"].items():
+                if tensor_digest(f.get_tensor(key)) != want:
+                    return (f"sharded checkpoint file {path} is damaged: tensor {key!r} does not match its digest "
+                            "(its bytes changed after it was written)")
+    except (SafetensorError, OSError, ValueError) as e:
+        return f"sharded checkpoint file {path} is damaged or not a safetensors file: {one_line(e)}"
+    return None
+
+
+def verify_sharded(directory: str | os.PathLike, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Check a sharded checkpoint (see the module notes); its index. With ``rank`` and ``world``, this process
+    checks its share of the files only (every ``world``-th, from ``rank``); the caller agrees on the outcome.
+
+    Raises:
+        FileNotFoundError: no finished checkpoint in ``directory``.
+        CheckpointError: the index or a file (of this share) is damaged, truncated, foreign or missing.
+    """
+    directory = Path(directory)
+    index = _read_index(directory)
+    for name in sorted(index.get("files", {}))[rank::world]:
+        if (why := _verify_file(directory, name, index["files"][name])) is not None:
+            raise CheckpointError(why)
+    return index
+
+
+def _agreed_index(engine: ShardedParameters, directory: Path) -> dict[str, Any]:
+    """Every loading rank checks its share of the files; all raise the first problem any found, or go on."""
+    error: BaseException | None = None
+    index: dict[str, Any] = {}
+    try:
+        index = verify_sharded(directory, engine.rank, engine.world_size)
+    except (CheckpointError, FileNotFoundError) as e:
+        error = e
+    if engine.world_size > 1:
+        said = [None] * engine.world_size
+        dist.all_gather_object(said, None if error is None else (type(error).__name__, str(error)),
+                               group=engine.group)
+        first = next((s for s in said if s is not None), None)
+        if first is not None and error is None:
+            error = (FileNotFoundError if first[0] == "FileNotFoundError" else CheckpointError)(first[1])
+    if error is not None:
+        raise error
+    return index
 
 
 def _optimizer_shards(engine: ShardedParameters, optimizer: torch.optim.Optimizer,
@@ -132,10 +257,6 @@ def _optimizer_shards(engine: ShardedParameters, optimizer: torch.optim.Optimize
 
 
 def _check(engine: ShardedParameters, index: dict[str, Any], directory: Path) -> None:
-    if index.get("format") != FORMAT:
-        older = " (saved by an older ddpkit, whose layout this one does not read)" if str(
-            index.get("format", "")).startswith("ddpkit-zero3-sharded/") else ""
-        raise ValueError(f"{directory / INDEX} is not a ddpkit sharded checkpoint of format {FORMAT}{older}")
     mine = [(q.name, list(q.shape)) for q in _params(engine)]
     theirs = [(p["name"], p["shape"]) for p in index["params"]]
     if mine != theirs:
@@ -148,22 +269,27 @@ def _check(engine: ShardedParameters, index: dict[str, Any], directory: Path) ->
 def _read(directory: Path, world: int, name: str, q: UnitParam, start: int, stop: int,
           like: torch.Tensor) -> torch.Tensor:
     """Rows ``start:stop`` of ``name`` (shaped as parameter ``q``), from the ``world`` files that hold its rows."""
-    if q.replicated:
-        with safe_open(str(_rank_file(directory, 0, world)), framework="pt") as f:
-            return f.get_tensor(name).to(like.dtype)
-    out = torch.zeros((stop - start, *q.shape[1:]), dtype=like.dtype)
-    per_rank = math.ceil(q.rows / world)
-    for rank in range(world):
-        low = min(rank * per_rank, q.rows)
-        high = min(low + per_rank, q.rows)
-        a, z = max(start, low), min(stop, high)
-        if a >= z:
-            continue
-        with safe_open(str(_rank_file(directory, rank, world)), framework="pt") as f:
-            if name not in set(f.keys()):
-                continue  # nothing of this state was saved (no rank had stepped the parameter)
-            out[a - start: z - start] = f.get_slice(name)[a - low: z - low].to(like.dtype)
-    return out
+    path = _rank_file(directory, 0, world)
+    try:
+        if q.replicated:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name).to(like.dtype)
+        out = torch.zeros((stop - start, *q.shape[1:]), dtype=like.dtype)
+        per_rank = math.ceil(q.rows / world)
+        for rank in range(world):
+            low = min(rank * per_rank, q.rows)
+            high = min(low + per_rank, q.rows)
+            a, z = max(start, low), min(stop, high)
+            if a >= z:
+                continue
+            path = _rank_file(directory, rank, world)
+            with safe_open(str(path), framework="pt") as f:
+                if name not in set(f.keys()):
+                    continue  # nothing of this state was saved (no rank had stepped the parameter)
+                out[a - start: z - start] = f.get_slice(name)[a - low: z - low].to(like.dtype)
+        return out
+    except (SafetensorError, OSError) as e:  # checked before, so only a file changed meanwhile (or an old format)
+        raise CheckpointError(f"sharded checkpoint file {path} cannot be read: {one_line(e)}") from e
 
 
 @torch.no_grad()
@@ -173,15 +299,13 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
 
     Raises:
         FileNotFoundError: no finished checkpoint in ``directory`` (its index is missing).
+        CheckpointError: the index or a rank file is damaged, truncated, foreign or missing (on every rank).
         ValueError: the checkpoint is of another model, or holds no optimizer state and ``optimizer`` is given.
     """
     engine = _engine(model)
     engine.adopt()
     directory = Path(directory)
-    if not (directory / INDEX).exists():
-        raise FileNotFoundError(f"{directory} holds no finished sharded checkpoint ({INDEX} is missing: a save "
-                                "that did not end, or another directory)")
-    index = json.loads((directory / INDEX).read_text())
+    index = _agreed_index(engine, directory)
     _check(engine, index, directory)
     world = int(index["world_size"])
     if optimizer is not None and "optimizer" not in index:
@@ -231,15 +355,11 @@ def consolidate_sharded(directory: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no finished checkpoint in ``directory``.
-        ValueError: ``directory`` holds another kind of checkpoint.
+        CheckpointError: ``directory`` holds another kind of checkpoint, or its index or a rank file is damaged,
+            truncated, foreign or missing.
     """
     directory = Path(directory)
-    if not (directory / INDEX).exists():
-        raise FileNotFoundError(f"{directory} holds no finished sharded checkpoint ({INDEX} is missing: a save "
-                                "that did not end, or another directory)")
-    index = json.loads((directory / INDEX).read_text())
-    if index.get("format") != FORMAT:
-        raise ValueError(f"{directory / INDEX} is not a ddpkit sharded checkpoint of format {FORMAT}")
+    index = verify_sharded(directory)
     world = int(index["world_size"])
     layout = []
     for entry in index["params"]:

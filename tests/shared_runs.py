@@ -1,0 +1,47 @@
+"""Reference runs computed once per session and shared by every test that compares with them.
+
+Many fault tests compare a run that met a fault with the same run without one; the run without one is the same
+job whichever test asks for it. :class:`SharedRuns` (the session fixture ``shared_runs`` of
+``tests/conftest.py``) computes each such run once, in a folder of its own, and hands every later caller the
+stored result: under pytest-xdist the folder lies beside the workers' temporary folders and a lock per run makes
+the second worker wait for the first instead of computing it again.
+
+A run's key names everything that makes it (its arguments); its result is what ``make`` returns, stored with
+``torch.save`` (tensors, dicts, strings), plus whatever files ``make`` wrote into the folder it was given. Its
+cost is the session's, not the test's that happened to ask first (``budget.charge_to_session``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import filelock
+import torch
+from budget import charge_to_session, cpu_seconds
+
+
+class SharedRuns:
+    """Runs computed once per session, by key (see the module notes)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, key: str, make: Callable[[Path], Any]) -> tuple[Any, Path]:
+        """``make(folder)``'s result for ``key`` and its folder: computed by the first caller of the session, read
+        back by every other. A failed ``make`` stores nothing (the next caller tries again, and fails alike)."""
+        name = hashlib.sha256(key.encode()).hexdigest()[:16]
+        folder, result = self.root / name, self.root / f"{name}.pt"
+        cpu, wall = cpu_seconds(), time.monotonic()
+        with filelock.FileLock(str(self.root / f"{name}.lock")):
+            if not result.exists():
+                folder.mkdir(exist_ok=True)
+                value = make(folder)
+                torch.save(value, self.root / f"{name}.tmp")
+                (self.root / f"{name}.tmp").rename(result)
+        charge_to_session(cpu_seconds() - cpu, time.monotonic() - wall)  # computed, or waited for: the session's
+        return torch.load(result, weights_only=False), folder
