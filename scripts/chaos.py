@@ -215,6 +215,11 @@ class Job:
         from ddpkit.runtime.process import free_port
 
         env = {**os.environ, MARK: self.mark, "OMP_NUM_THREADS": "1", "DDPKIT_TIMEOUT": "60"}
+        if self.mode == "nodes":  # a job across nodes needs a secret its launchers share (not on a command line)
+            import secrets
+
+            self.secret = getattr(self, "secret", None) or secrets.token_hex(16)
+            env["DDPKIT_JOB_TOKEN"] = self.secret
         self.port = getattr(self, "port", None) or free_port()
         targets = list(nodes) if self.mode == "nodes" else [None]
         for node in targets:

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import RankPool  # noqa: E402
 from mpi_harness import MPIRankPool, mpi_missing, skip_or_fail  # noqa: E402
 
-pytest_plugins = ["budget", "fast_tier"]  # the suite's time budget (tests/budget.py), the fast tier's reach (tests/fast_tier.py)
+# the suite's time budget (tests/budget.py), the fast tier's reach (tests/fast_tier.py), tests that run alone (tests/alone.py)
+pytest_plugins = ["budget", "fast_tier", "alone"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[1]
+NODES_SECRET = "5ec2e7f00d5ec2e7f00d5ec2e7f00d42"
+"""The secret the tests give the launchers of a job across nodes (such a job needs one of 128 bits)."""
 
 
 @dataclass

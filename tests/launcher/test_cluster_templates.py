@@ -78,11 +78,18 @@ def _expand(word: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), word)
 
 
+SECRET = "f00dfeed" * 4
+"""What ``kubectl create secret ... ddpkit-train-secret`` would hold (the templates' comment makes one so)."""
+
+
 def _container(manifest: dict) -> tuple[list[str], dict[str, str]]:
     template = manifest["template"] if "template" in manifest else manifest["spec"]["template"]
     container = template["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-    return list(container["command"]) + list(container.get("args", [])), env
+    secrets = {e["name"]: SECRET for e in container.get("env", [])
+               if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "ddpkit-train-secret"}
+    assert secrets == {"DDPKIT_JOB_TOKEN": SECRET}, "the job's secret comes from a Secret, as the kubelet gives it"
+    return list(container["command"]) + list(container.get("args", [])), {**env, **secrets}
 
 
 def _pod(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:

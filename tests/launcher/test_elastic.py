@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.runtime.process import free_port
-from tests.procs import SCRIPTS, Done, base_env
+from tests.procs import NODES_SECRET, SCRIPTS, Done, base_env
 
 
 def _launcher(port: int, job: str, *args: str, nnodes: str = "2", log: Path | None = None,
@@ -23,7 +23,8 @@ def _launcher(port: int, job: str, *args: str, nnodes: str = "2", log: Path | No
     return subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "launch", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
          "--rdzv-id", job, "--nnodes", nnodes, "--rdzv-conf", conf, "--nproc-per-node", "1", *args],
-        env=base_env(), stdout=out, stderr=subprocess.STDOUT if log else subprocess.PIPE, text=True,
+        env=base_env(DDPKIT_JOB_TOKEN=NODES_SECRET), stdout=out, stderr=subprocess.STDOUT if log else subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
 

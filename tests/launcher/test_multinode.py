@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.netns import in_namespace, two_nodes
-from tests.procs import SCRIPTS, base_env, launch
+from tests.procs import NODES_SECRET, SCRIPTS, base_env, launch
 
 
 def _checksum(text: str) -> str:
@@ -21,6 +21,7 @@ def test_two_namespaces_train_without_gloo_socket_ifname_like_one_node():
     env.pop("GLOO_SOCKET_IFNAME", None)
     one = launch("--nproc-per-node", "2", str(SCRIPTS / "tiny_train.py"), env=env, timeout=120)
     assert one.returncode == 0, one.stderr
+    env["DDPKIT_JOB_TOKEN"] = NODES_SECRET
     with two_nodes() as (names, addresses):
         procs = [
             subprocess.Popen(in_namespace(name, [

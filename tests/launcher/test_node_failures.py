@@ -12,7 +12,9 @@ import pytest
 
 from ddpkit.runtime.process import free_port
 from tests.netns import in_namespace, two_nodes, veth_end
-from tests.procs import SCRIPTS, Streamed, alive, base_env
+from tests.procs import NODES_SECRET, SCRIPTS, Streamed, alive, base_env
+
+pytestmark = pytest.mark.alone("several launchers and their workers, deaths judged by how long a node is not heard")
 
 
 def _node(node: int, port: int, mode: str, *flags: str, addr: str = "127.0.0.1", prefix: list[str] | None = None,
@@ -20,7 +22,7 @@ def _node(node: int, port: int, mode: str, *flags: str, addr: str = "127.0.0.1",
     argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
             "1", "--master-addr", addr, "--master-port", str(port), "--rdzv-id", "nodes-test", *flags,
             str(SCRIPTS / "nodes.py"), mode]
-    return Streamed((prefix or []) + argv, base_env(**env))
+    return Streamed((prefix or []) + argv, base_env(**{"DDPKIT_JOB_TOKEN": NODES_SECRET, **env}))
 
 
 def _finish(procs: list[Streamed], timeout: float) -> list[tuple[str, str]]:
@@ -128,3 +130,16 @@ def test_a_node_that_comes_back_joins_the_restart_round():
     assert "node 1 failed first: its launcher stopped answering" in outs[0][1]
     assert "joining the job in progress at restart round 1" in outs[1][1], outs[1][1]
     assert "DONE 0 round 1" in outs[0][0] and "DONE 1 round 1" in outs[1][0]
+
+
+@pytest.mark.slow("waits 15 s for the first word of a rendezvous that lacks a node")
+def test_a_job_missing_a_node_says_within_20_s_whom_it_waits_for() -> None:
+    # --nnodes 2 with node 1 never started: before, nothing was said until the rendezvous timeout (300 s).
+    node = _node(0, free_port(), "crash", DDPKIT_TIMEOUT="120")
+    try:
+        node.wait_for("waits at the rendezvous", timeout=20)
+        said = "".join(node.lines[1])
+        assert "rank 0 waits at the rendezvous at 127.0.0.1:" in said and "for rank 1 (1 of 2 joined)" in said
+        assert "it gives up in " in said and "(DDPKIT_TIMEOUT)" in said
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)

@@ -72,11 +72,20 @@ def test_a_process_without_the_secret_is_refused_and_the_job_finishes(tmp_path):
     assert "claiming rank 1 without the job's secret" in refused[0] and "with another job's secret" in refused[1]
 
 
+SECRET = "0123456789abcdef0123456789abcdef"
+"""A secret long enough for a job across nodes (128 bits as hex)."""
+
+
 @pytest.mark.slow("a launched job and its workers")
-def test_the_launcher_passes_the_given_rdzv_id_as_the_secret(tmp_path):
-    job, port = _start_job(tmp_path, "--rdzv-id", "job-42", "--master-port", str(free_port()))
+def test_the_launcher_passes_the_secret_file_and_not_the_rdzv_id(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    job, port = _start_job(tmp_path, "--rdzv-id", "job-42", "--job-secret-file", str(secret), "--master-port",
+                           str(free_port()))
     try:
-        intruder = _intruder(port, DDPKIT_JOB_TOKEN="job-42")
+        guessed = _intruder(port, DDPKIT_JOB_TOKEN="job-42")  # the job's name, in every process list: not its secret
+        assert guessed.returncode == 1 and "is not the job's secret" in guessed.stderr, guessed.stderr
+        intruder = _intruder(port, DDPKIT_JOB_TOKEN=SECRET)
         # The right secret gets past the check; claiming a rank that is taken is then the error.
         assert intruder.returncode == 1 and "was refused" not in intruder.stderr
         assert "rank 1 is claimed by more than one process" in intruder.stderr, intruder.stderr
@@ -94,35 +103,64 @@ def test_job_keys_hide_the_prefix_behind_the_verifier():
     assert job_keys(None) == ("none", "ddpkit/")
 
 
+def test_the_verifier_is_no_fast_hash_of_the_secret():
+    # What the store shows is derived through scrypt (memory-hard), not sha256 of the secret: a dictionary of guesses
+    # costs a scrypt each, as against the plain hash the store published before.
+    import hashlib
+    import hmac
+
+    from ddpkit.runtime.rendezvous import job_key
+
+    verifier = job_keys(SECRET)[0]
+    assert verifier != hashlib.sha256(f"ddpkit verifier {SECRET}".encode()).hexdigest()
+    key = hashlib.scrypt(SECRET.encode(), salt=b"ddpkit job secret v1", n=1 << 14, r=8, p=1, dklen=32)
+    assert job_key(SECRET) == key and verifier == hmac.new(key, b"ddpkit verifier", "sha256").hexdigest()
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    ({}, [], "--nnodes 2: a job across nodes needs a secret that only its launchers hold"),
+    ({"DDPKIT_JOB_TOKEN": "my-job"}, [], "the job's secret has 6 characters: across nodes it needs at least 32"),
+    ({}, ["--rdzv-id", "a-long-job-name-that-is-no-secret-at-all"], "a job across nodes needs a secret"),
+])
+def test_a_job_across_nodes_without_a_secret_of_128_bits_is_refused_in_one_line(env, flags, message):
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", "0",
+                           "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           *flags, str(SCRIPTS / "nodes.py")], env=base_env(**env), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "secrets.token_hex(16)" in lines[0], lines
+
+
 @pytest.mark.slow("a job and a refused stranger launcher beside it")
-def test_a_node_with_another_rdzv_id_is_refused_before_any_worker_and_the_job_goes_on():
+def test_a_node_with_another_secret_is_refused_before_any_worker_and_the_job_goes_on():
     import os
     import signal
 
     port = free_port()
 
-    def node(rank: int, job: str) -> subprocess.Popen:
+    def node(rank: int, secret: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
-             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", job,
+             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", "job",
              str(SCRIPTS / "nodes.py"), "crash"],
-            env=base_env(CRASH_RANK="9"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+            env=base_env(CRASH_RANK="9", DDPKIT_JOB_TOKEN=secret), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
 
-    first = node(0, "job-a")
+    first = node(0, SECRET)
     procs = [first]
     try:
         time.sleep(2)
-        intruder = node(1, "job-b")
+        intruder = node(1, SECRET[::-1])
         procs.append(intruder)
         out, err = intruder.communicate(timeout=60)
         assert intruder.returncode == 2, err
         assert err.strip().splitlines() == [
             f"ddpkit launch: error: the job at 127.0.0.1:{port} refused this node: it was started with another "
-            "--rdzv-id (the job's secret): give every node the same --rdzv-id, or choose another --master-port / "
-            "--rdzv-endpoint for a job of its own"]
+            "secret (DDPKIT_JOB_TOKEN, --job-secret-file): give every node the same, or choose another "
+            "--master-port / --rdzv-endpoint for a job of its own"]
         assert "PID" not in out  # no worker started
-        second = node(1, "job-a")
+        second = node(1, SECRET)
         procs.append(second)
         results = [p.communicate(timeout=120) for p in (first, second)]
     finally:
@@ -131,4 +169,4 @@ def test_a_node_with_another_rdzv_id_is_refused_before_any_worker_and_the_job_go
                 os.killpg(p.pid, signal.SIGKILL)
     assert first.returncode == 0 and second.returncode == 0, results
     assert "DONE 0 round 0" in results[0][0] and "DONE 1 round 0" in results[1][0]
-    assert "refused a launcher on " in results[0][1] and "joining as node 1 with another job's --rdzv-id" in results[0][1]
+    assert "refused a launcher on " in results[0][1] and "joining as node 1 with another job's secret" in results[0][1]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import ROOT, SCRIPTS, alive, base_env, launch, script
+from procs import NODES_SECRET, ROOT, SCRIPTS, alive, base_env, launch, script
 
 from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.job import standalone_addr
@@ -146,7 +146,8 @@ def test_two_nodes_on_one_machine_get_global_ranks():
     port = str(free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
     nodes = [subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", *common, "--node-rank", str(n),
-                               script("report_env.py")], env=base_env(), stdout=subprocess.PIPE,
+                               script("report_env.py")], env=base_env(DDPKIT_JOB_TOKEN=NODES_SECRET),
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     outs = [n.communicate(timeout=60) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs

@@ -21,7 +21,9 @@ import torch
 
 from ddpkit.runtime.process import free_port
 from tests.netns import bridged_nodes, in_namespace
-from tests.procs import Streamed, alive, base_env, launch, script
+from tests.procs import NODES_SECRET, Streamed, alive, base_env, launch, script
+
+pytestmark = pytest.mark.alone("three launchers and their workers, a node judged by how long it is not heard")
 
 _RUN = {"DET": "1", "EPOCHS": "3", "SLEEP": "0.1"}
 
@@ -60,7 +62,7 @@ def _nodes(out: Path, addresses: list[str], *flags: str, namespaces: list[str] |
                 "--rdzv-id", "council-test", "--on-failure", "continue", *flags, script("ft_train.py")]
         if namespaces is not None:
             argv = in_namespace(namespaces[node - first], argv)
-        nodes.append(Streamed(argv, base_env(OUT=str(out), **{**_RUN, **env})))
+        nodes.append(Streamed(argv, base_env(OUT=str(out), DDPKIT_JOB_TOKEN=NODES_SECRET, **{**_RUN, **env})))
     return nodes
 
 
@@ -139,9 +141,10 @@ def test_deaths_replacements_and_a_cut_across_nodes_leave_the_weights_and_no_pro
     with bridged_nodes(3) as (names, addresses, links):
         # members 0 and 1 die; node 1's replacement (7) dies too if it joined in time (node 0's, 6, lives on: a
         # holder of the state must outlive the cut, or the job rightly ends with no one to hand the state on)
+        # (steps of 0.25 s: the training left after the cut outlasts the 6 s in which the others judge node 2)
         nodes = _nodes(out, addresses, "--max-restarts", "2", namespaces=names, EPOCHS="6", PIDS=str(pids),
-                       KILL="1:2,0:12,7:30")
-        nodes[2].wait_for("membership epoch 4", timeout=120)  # both deaths and both joins, in some order
+                       KILL="1:2,0:12,7:30", SLEEP="0.25")
+        nodes[0].wait_for("member 6 holds the training state", timeout=120)  # after both deaths, in some order
         subprocess.run(["ip", "link", "set", links[2], "down"], check=True)
         errs = _finish(nodes, timeout=180)
     assert [n.returncode for n in nodes] == [0, 0, 1], errs

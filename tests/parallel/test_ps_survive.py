@@ -18,6 +18,8 @@ from ddpkit.launcher.config import LaunchConfig
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import lost_key_ranges
 
+pytestmark = pytest.mark.alone("a parameter server's job, and faults sent while it trains")
+
 
 def _run(out: Path, *args: str, workers: int = 2, servers: int = 3, replication: int = 2, timeout: float = 120):
     out.mkdir()

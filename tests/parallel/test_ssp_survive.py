@@ -9,6 +9,8 @@ import json
 import pytest
 from procs import base_env, launch, script
 
+pytestmark = pytest.mark.alone("a stale-synchronous job, and faults sent while it trains")
+
 STEPS = 40
 
 

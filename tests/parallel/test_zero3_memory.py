@@ -22,7 +22,8 @@ from torch import nn
 import ddpkit
 from ddpkit.bench.limit import MemoryCap, unavailable
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no memory cap here: {unavailable()}")
+pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=f"no memory cap here: {unavailable()}"),
+              pytest.mark.alone("four ranks at a time, each under a kernel memory cap")]
 
 DEPTH, WIDTH = 96, 512
 WHOLE = DEPTH * (WIDTH * WIDTH + WIDTH) * 4

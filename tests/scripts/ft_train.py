@@ -2,9 +2,10 @@
 
 Environment: ``KILL=MEMBER:STEP[,MEMBER:STEP...]`` makes that member SIGKILL itself at the start of that step
 (in the middle of its micro-batches); ``DET=1`` the deterministic mode; ``EPOCHS`` (default 2); ``SLEEP`` seconds
-after each step; ``GROW=N``: after a step applied by fewer than N workers, wait (at most 120 s, at most ``GROW_WAITS``
-times) for the next membership (a replacement's admission) before the next step, so that a replacement joins however long its
-interpreter takes to start; ``METRIC=1``: an ``ft.all_reduce`` of a metric between the micro-batches and
+after each step; ``GROW=N``: after a step applied by fewer than N workers, wait (at most 120 s; at most
+``GROW_WAITS`` times, and only while fewer replacements have joined the job) for the next membership (a
+replacement's admission) before the next step, so that a replacement joins however long its interpreter takes to
+start; ``METRIC=1``: an ``ft.all_reduce`` of a metric between the micro-batches and
 ``step.sync()``, and a ``KILL`` entry ``MEMBER:STEP:metric`` kills that member just before it (so the others are
 inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a joiner started otherwise than the
 job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
@@ -65,6 +66,7 @@ kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").s
 metric_kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":metric")}
 quit_at = tuple(map(int, os.environ["QUIT"].split(":"))) if os.environ.get("QUIT") else None
 trained = {}
+joiners: set[int] = set()
 waits = 0
 for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):
     if (member, step.index) == quit_at:
@@ -85,8 +87,9 @@ for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):
         trained[step.index] = step.trained
     opt.zero_grad()
     time.sleep(float(os.environ.get("SLEEP", "0")))
+    joiners |= {m for m in ft.view.members if m >= ft.started_with}  # replacements admitted (this one too)
     if step.synced and ft.world_size < int(os.environ.get("GROW", "0")) and ft.committed < ft.steps_per_epoch * \
-            int(os.environ.get("EPOCHS", "2")) and waits < int(os.environ.get("GROW_WAITS", "1000")):
+            int(os.environ.get("EPOCHS", "2")) and max(waits, len(joiners)) < int(os.environ.get("GROW_WAITS", "99")):
         waits += 1
         deadline = time.monotonic() + 120
         while ft.membership.latest().epoch == ft.view.epoch and time.monotonic() < deadline:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from procs import ROOT, base_env
 
+pytestmark = pytest.mark.alone("whole jobs of two to four ranks, and faults sent while a step runs")
+
 
 def _chaos(tmp_path: Path, *args: str) -> dict:
     report = tmp_path / "report.json"

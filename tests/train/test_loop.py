@@ -216,6 +216,9 @@ def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "test accuracy:" in proc.stdout and "lr 0.02 x 2 = 0.04" in proc.stdout
+    # The header says how the job runs: what a log read weeks later needs first.
+    assert ("engine ddpkit, backend gloo, strategy ddp, on failure: the job stops (--max-restarts 0), "
+            "2 process(es)") in proc.stdout, proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     for key in ("test_accuracy", "test_loss", "epochs", "world_size", "global_batch_size", "lr",
                 "wall_time_s", "samples_per_s", "engine"):

@@ -24,6 +24,8 @@ from ddpkit.launcher.settings import resolve
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.config import TrainConfig
 
+pytestmark = pytest.mark.alone("jobs of three and four ranks, and faults sent while a step runs")
+
 MNIST = ROOT.parent / "shared" / "data" / "mnist"
 
 
@@ -400,3 +402,5 @@ print("OK")
 def test_alone_the_engine_gives_the_global_batchs_gradient_and_leaves_unused_ones_none(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", ALONE], env=base_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+    # once, whatever the number of steps() loops: the engine is not fault-tolerant here, and says so
+    assert done.stderr.count("FaultTolerance runs outside the fault-tolerant mode") == 1, done.stderr

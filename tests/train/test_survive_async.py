@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from procs import ROOT, base_env, children
 
+pytestmark = pytest.mark.alone("a parameter server's job, and faults sent while it trains")
+
 MNIST = ROOT.parent / "shared" / "data" / "mnist"
 
 

@@ -20,9 +20,11 @@ serves it, on loopback only when ``MASTER_ADDR`` is a loopback address; with
 several nodes node 0's launcher serves it for the whole job (see
 :mod:`ddpkit.launcher.rendezvous`: restart rounds, the first failure,
 heartbeats). The other nodes' launchers are started with the same address,
-port, ``--nnodes`` and ``--rdzv-id``. Every job has a secret (``--rdzv-id``,
-``DDPKIT_JOB_TOKEN``, or a random one on a single node) that a process must
-present to join as a rank. With ``--rdzv-backend c10d`` every node runs the
+port, ``--nnodes`` and ``--rdzv-id``. Every job has a secret
+(``--job-secret-file``, ``DDPKIT_JOB_TOKEN``, or a random one on a single
+node; a job across nodes must be given one of at least 128 bits, and
+``--rdzv-id`` is only its name) that a process must present to join as a
+rank. With ``--rdzv-backend c10d`` every node runs the
 same command and the nodes agree on their ranks and the world size at
 ``--rdzv-endpoint``, elastically with ``--nnodes MIN:MAX`` (see
 :mod:`ddpkit.launcher.elastic`). Where worker output goes (console, log

@@ -117,8 +117,13 @@ class LaunchConfig:
         "serves it. With static: replaces --master-addr/--master-port", metavar="HOST[:PORT]",
     )
     rdzv_id: str | None = option(
-        None, "the job's id and secret, the same on every node: only processes started with it may join "
-        "(default: DDPKIT_JOB_TOKEN, else a random one for a single-node job)", metavar="ID",
+        None, "the job's name (torchrun's run id), the same on every node; not its secret, which any process "
+        "list shows no more: see --job-secret-file", metavar="ID",
+    )
+    job_secret_file: Path | None = option(
+        None, "a file holding the job's secret (at least 32 characters: 128 bits as hex), the same on every "
+        "node; default DDPKIT_JOB_TOKEN, else a random one for a single-node job. A job across nodes needs one: "
+        "only processes that hold it join the job", metavar="FILE",
     )
     rdzv_conf: str = option(
         "", "rendezvous settings key=value,...: join_timeout (600 s), last_call_timeout (30 s), read_timeout "
@@ -255,6 +260,11 @@ class LaunchConfig:
                               "and give --rdzv-backend c10d --rdzv-endpoint HOST[:PORT] on every node")
         if self.rdzv_id is not None and not self.rdzv_id.strip():
             raise ConfigError("--rdzv-id is empty: give the job an id (the same on every node), or leave it out")
+        if self.job_secret_file is not None:
+            self.job_secret_file = Path(self.job_secret_file)
+            if not self.job_secret_file.is_file():
+                raise ConfigError(f"--job-secret-file {self.job_secret_file}: no such file (write the secret there "
+                                  "first, e.g. python3 -c 'import secrets; print(secrets.token_hex(16))' > FILE)")
         if self.no_python and self.module and not self.run_path:
             raise ConfigError("--no-python and -m cannot go together: -m runs a module with python")
         if not self.role.strip():

@@ -21,8 +21,9 @@ reports
 leader
     The lowest-numbered node of the last entry that is still heard proposes
     the next entry: it removes the members that died and the nodes not heard
-    for :data:`SUSPECT_S` (a killed launcher is noticed at once, since its
-    connections close), admits replacements, and moves the workers' store to
+    for ``suspect_s`` (:data:`SUSPECT_S`, 6 s by default, from ``--rdzv-conf``'s
+    keep-alive; a killed launcher is noticed a second after its connections
+    close, when dialing it again fails), admits replacements, and moves the workers' store to
     the lowest node left (each agent serves one from the start).
 spares
     Under ``--nnodes MIN:MAX`` nodes MIN..MAX-1 may come while the job runs.
@@ -33,7 +34,7 @@ spares
     as replacements do, with the state from a peer.
 minority
     An agent that hears fewer than a majority of the last entry's nodes for
-    :data:`SUSPECT_S`, or that an entry leaves out, stops its workers: a node
+    ``suspect_s``, or that an entry leaves out, stops its workers: a node
     cut off never trains alone (split brain is refused). With two nodes a
     node's loss therefore stops the job, as no side is a majority.
 
@@ -54,7 +55,6 @@ can, but never speak for a node).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import math
@@ -69,13 +69,20 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ddpkit.launcher.supervise import say
+from ddpkit.runtime.rendezvous import job_key
 
 __all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report"]
 
 BEAT_S = 0.1
 """How often an agent sends its report to every other."""
-SUSPECT_S = 1.0
-"""An agent not heard for this long has failed (the majority removes it; a minority stops itself)."""
+SUSPECT_S = 6.0
+"""By default, an agent not heard for this long has failed (the majority removes it; a minority stops itself):
+torchrun's keep-alive, ``keep_alive_interval`` (1 s) times ``keep_alive_max_attempt`` (6), which ``--rdzv-conf``
+sets for the council too. A pause of a few seconds (a swapping machine, a long GC, a stopped process) is not a
+death."""
+REDIAL_S = 1.0
+"""How long a closed connection is given to be dialed again before its agent counts as gone: a launcher that was
+killed does not answer (its node is removed a second after its connections closed), a reset link does."""
 _SEND_S = 2
 """Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
 ROUND_S = 1.0
@@ -157,6 +164,7 @@ class Council:
         meet_s: how long to wait for every other agent's connection.
         starting: how many nodes started the job (nodes ``0..starting-1``; default every place).
         most: the most nodes the job may have (spares are ``starting..most-1``).
+        suspect_s: how long an agent may go unheard before it counts as failed (:data:`SUSPECT_S`).
 
     Raises:
         RuntimeError: some agent did not connect within ``meet_s`` (or could not prove the job's secret); a
@@ -165,13 +173,17 @@ class Council:
 
     def __init__(self, node: int, places: dict[int, tuple[str, int, str]], listener: socket.socket,
                  members: list[int], node_of: Callable[[int], int], token: str | None, meet_s: float = 60.0,
-                 *, starting: int | None = None, most: int | None = None) -> None:
+                 *, starting: int | None = None, most: int | None = None, suspect_s: float = SUSPECT_S) -> None:
+        if not suspect_s > BEAT_S:
+            raise ValueError(f"the council's failure timeout {suspect_s:g} s must be longer than its beat "
+                             f"({BEAT_S:g} s): raise keep_alive_interval x keep_alive_max_attempt (--rdzv-conf)")
         self.node = node
+        self.suspect_s = suspect_s
         self.places = dict(places)
         self.node_of = node_of
         self.starting = len(places) if starting is None else starting
         self.most = max(self.starting, most or 0)
-        self._key = hashlib.sha256(f"ddpkit council {token or ''}".encode()).digest()
+        self._key = hmac.new(job_key(token) if token else b"", b"ddpkit council", "sha256").digest()
         nodes = tuple(range(self.starting))
         self.entry = Entry(0, 0, tuple(members), nodes, places[0][2])
         self.report = Report(join=node >= self.starting)
@@ -181,6 +193,10 @@ class Council:
         self._peers: dict[int, _Peer] = {}
         self._reports: dict[int, Report] = {}
         self._heard: dict[int, float] = {}
+        """When each agent was last heard (``time.monotonic()``)."""
+        self._closed: set[int] = set()
+        """Agents whose connection closed and has not been replaced (dialed again, or redialed by them)."""
+        self._redialing: set[int] = set()
         self._promised: tuple[int, int] = (0, -1)
         self._accepted: tuple[tuple[int, int], Entry] | None = None
         self._counter = 0
@@ -230,7 +246,7 @@ class Council:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
                     missing = sorted(set(nodes) - set(self._peers) - {self.node})
                     raise RuntimeError(f"node(s) {missing} did not join the job's council within {timeout_s:g} s "
-                                       "(a launcher not started, or started with another --rdzv-id)")
+                                       "(a launcher not started, or started with another secret)")
 
     def _dial_seats(self, timeout_s: float) -> None:
         """A spare: dial every seat published (a node lost since does not answer), then learn the newest entry."""
@@ -320,7 +336,10 @@ class Council:
         stale = None
         connection = _Peer(sock, session)
         with self._cond:
-            if peer in self._peers and self._heard.get(peer) != float("-inf"):
+            if self._stop.is_set():  # this agent has left: it takes no connection any more
+                sock.close()
+                return
+            if peer in self._peers and peer not in self._closed:
                 # Two connections between one pair (two spares that dialed each other): both sides keep the one
                 # the higher node dialed.
                 if (self.node if dialed is not None else peer) < max(self.node, peer):
@@ -328,6 +347,7 @@ class Council:
                     return
                 stale = self._peers[peer].sock
             self._peers[peer] = connection
+            self._closed.discard(peer)
             self._heard[peer] = time.monotonic()
             self.places.setdefault(peer, tuple(theirs["place"]))  # type: ignore[arg-type]
             if peer >= self.starting and peer not in self.entry.nodes:
@@ -372,9 +392,12 @@ class Council:
                     self._handle(peer, message)
         except (OSError, ValueError):
             pass
-        with self._cond:  # its launcher is gone (killed: the kernel closed its socket), unless this one was replaced
+        with self._cond:  # its launcher is gone (killed: the kernel closed its socket), or the link was reset
             if self._peers[peer] is connection:
-                self._heard[peer] = float("-inf")
+                # Counted as gone REDIAL_S from now unless the connection is made again meanwhile (the higher of
+                # the two dials it, see _redial): a killed launcher does not answer, a reset link does.
+                self._closed.add(peer)
+                self._heard[peer] = min(self._heard.get(peer, 0.0), time.monotonic() - self.suspect_s + REDIAL_S)
             self._cond.notify_all()
         self._wake.set()
 
@@ -397,7 +420,7 @@ class Council:
     def _handle(self, peer: int, message: dict[str, Any]) -> None:
         kind = message["kind"]
         with self._cond:
-            if self._heard.get(peer, 0.0) != float("-inf"):
+            if peer not in self._closed:
                 self._heard[peer] = time.monotonic()
             if "re" in message:
                 self._replies.setdefault(message["re"], []).append(message)
@@ -535,6 +558,29 @@ class Council:
             for node in nodes:
                 if node != self.node:
                     self._send(node, beat)
+            self._redial()
+
+    def _redial(self) -> None:
+        """Dial again the lower agents whose connection closed (the higher of two always dials): a reset link
+        comes back within a beat, and the agent is not lost for it."""
+        with self._cond:
+            wanted = [n for n in self._closed if n < self.node and n not in self._redialing and n in self.places
+                      and (n in self.entry.nodes or n in self._joiners)]
+            self._redialing.update(wanted)
+
+        def dial(other: int) -> None:
+            host, port, _ = self.places[other]
+            try:
+                sock = socket.create_connection((host, port), timeout=min(REDIAL_S, 5.0))
+                self._handshake(sock, dialed=other)
+            except OSError:
+                pass  # gone, or not yet back: the next beat tries again while it may still count as heard
+            finally:
+                with self._cond:
+                    self._redialing.discard(other)
+
+        for other in wanted:
+            threading.Thread(target=dial, args=(other,), name=f"ddpkit-council-redial-{other}", daemon=True).start()
 
     def _tick_loop(self) -> None:
         while not self._stop.is_set():
@@ -543,8 +589,9 @@ class Council:
             now = time.monotonic()
             with self._cond:
                 entry = self.entry
-                heard = {self.node} | {n for n in entry.nodes if now - self._heard.get(n, -math.inf) < SUSPECT_S}
-                joining = {n for n in self._joiners if now - self._heard.get(n, -math.inf) < SUSPECT_S
+                heard = {self.node} | {n for n in entry.nodes
+                                       if now - self._heard.get(n, -math.inf) < self.suspect_s}
+                joining = {n for n in self._joiners if now - self._heard.get(n, -math.inf) < self.suspect_s
                            and n in self._reports and self._reports[n].join}
             if entry.done or self._judge_minority(entry, heard, now):
                 return
@@ -561,13 +608,13 @@ class Council:
             heard = heard - {self.node}  # a spare not yet voting: it must still hear a majority of the job
         elif self.node not in entry.nodes:
             self._give_up(f"the other nodes' majority left node {self.node} out of membership entry "
-                          f"{entry.index} (it was not heard for {SUSPECT_S:g} s)")
+                          f"{entry.index} (it was not heard for {self.suspect_s:g} s)")
             return True
         if len(heard & set(entry.nodes)) >= entry.majority():
             self._minority_since = None
             return False
         self._minority_since = self._minority_since or now
-        if now - self._minority_since < SUSPECT_S:
+        if now - self._minority_since < self.suspect_s:
             return False
         self._give_up(f"node {self.node} hears {len(heard & set(entry.nodes))} of the job's {len(entry.nodes)} "
                       f"nodes, not a majority ({entry.majority()}): it is cut off, or the others are gone; it stops "
@@ -606,11 +653,11 @@ class Council:
             if node != self.node:
                 self._send(node, {"kind": "commit", "entry": asdict(entry)})
         self._stop.set()
+        self._listener.close()  # first: a peer that sees its connection close dials again, and must find no one
         with self._cond:
             peers = list(self._peers.values())
         for peer in peers:
             _close(peer.sock)
-        self._listener.close()
 
 
 def _close(sock: socket.socket) -> None:
@@ -634,7 +681,7 @@ def _peer_name(sock: socket.socket) -> str:
 
 
 def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str, port: int, token: str | None,
-              timeout_s: float, most: int | None = None) -> tuple[Council, Any]:
+              timeout_s: float, most: int | None = None, suspect_s: float = SUSPECT_S) -> tuple[Council, Any]:
     """Meet the other nodes' agents through the job's first store and open this one's seat.
 
     Each agent publishes where it can be reached (its council port, and the store it serves for the workers
@@ -687,7 +734,7 @@ def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str
         return member // nproc if member < world else (member - world) % most
 
     council = Council(node, places, listener, list(range(world)), node_of, token,  # type: ignore[arg-type]
-                      starting=nnodes, most=most)
+                      starting=nnodes, most=most, suspect_s=suspect_s)
     return council, served
 
 

@@ -142,18 +142,40 @@ def standalone_addr(local_addr: str | None) -> str:
     return LOOPBACK
 
 
-def job_token(launch: LaunchSettings) -> str | None:
-    """The job's secret: ``--rdzv-id``, else ``DDPKIT_JOB_TOKEN``, else a random one on a single node.
+SECRET_MIN_CHARS = 32
+"""The shortest job secret a job across nodes takes: 128 bits as hex (``secrets.token_hex(16)``)."""
 
-    Several nodes must share one, so none is made up for them: the job then
-    runs without, and the launcher says so.
+
+def job_token(launch: LaunchSettings) -> str | None:
+    """The job's secret: ``--job-secret-file``'s content, else ``DDPKIT_JOB_TOKEN``, else, on a single node, a
+    random one. Not ``--rdzv-id``, which names the job and is in every process list.
+
+    Raises:
+        ConfigError: a job across nodes without a secret, or with one shorter than :data:`SECRET_MIN_CHARS`
+            (the nodes must share it, so none can be made up for them; one a dictionary guesses opens the job).
     """
-    token = launch.config.rdzv_id or os.environ.get(JOB_TOKEN_ENV) or None
-    if token is None and launch.max_nodes == 1:
-        token = mint_job_token()
+    path = launch.config.job_secret_file
+    if path is not None:
+        try:
+            token: str | None = path.read_text().strip() or None
+        except OSError as e:
+            raise ConfigError(f"--job-secret-file {path}: cannot read it ({e.strerror})") from None
+        if token is None:
+            raise ConfigError(f"--job-secret-file {path} is empty: write the job's secret in it")
+    else:
+        token = os.environ.get(JOB_TOKEN_ENV) or None
+    if token is None and (launch.max_nodes == 1 or launch.standalone):  # its rendezvous is this machine's alone
+        return mint_job_token()
+    fix = (f"make one on one machine (python3 -c 'import secrets; print(secrets.token_hex(16))') and give every "
+           f"node the same, in {JOB_TOKEN_ENV} or a file named by --job-secret-file (not on the command line, "
+           "which every process list shows)")
     if token is None:
-        say(f"no job secret (--rdzv-id or {JOB_TOKEN_ENV}, the same on every node): any process that reaches the "
-            "rendezvous can join this job as a rank")
+        raise ConfigError(f"--nnodes {launch.config.nnodes}: a job across nodes needs a secret that only its "
+                          f"launchers hold, or any process that reaches the rendezvous joins it: {fix}")
+    if launch.max_nodes > 1 and not launch.standalone and len(token) < SECRET_MIN_CHARS:
+        raise ConfigError(f"the job's secret has {len(token)} characters: across nodes it needs at least "
+                          f"{SECRET_MIN_CHARS} (128 bits as hex), or a dictionary guesses it from what the "
+                          f"rendezvous store shows; {fix}")
     return token
 
 
@@ -254,9 +276,12 @@ class _Job:
         (``--nnodes MIN:MAX``, ``--node-rank`` MIN or more) joins the running job."""
         launch = self.launch
         try:
+            # The failure detector is the rendezvous's keep-alive (--rdzv-conf): interval x attempts, 6 s by default.
+            suspect_s = float(launch.conf["keep_alive_interval"]) * int(launch.conf["keep_alive_max_attempt"])
             self.council, served = take_seat(rdzv, node=rdzv.node, nnodes=launch.nnodes, nproc=launch.nproc,
                                              master_addr=self.master_addr, port=self.port, token=self.token,
-                                             timeout_s=rendezvous_timeout(), most=launch.max_nodes)
+                                             timeout_s=rendezvous_timeout(), most=launch.max_nodes,
+                                             suspect_s=suspect_s)
         except RuntimeError as e:
             say(str(e))
             return 1

@@ -21,7 +21,7 @@ heartbeat
 
 Keys live under the job's secret prefix (see :func:`ddpkit.runtime.rendezvous.job_keys`).
 The serving launcher publishes the job's verifier; a launcher started with
-another ``--rdzv-id`` (or none) is refused before it starts any worker, with
+another secret (``DDPKIT_JOB_TOKEN``, ``--job-secret-file``) is refused before it starts any worker, with
 one line naming the fix, and the running job only notes it (rank 0 prints a
 line) and goes on.
 """
@@ -131,10 +131,10 @@ class NodeRendezvous:
             return
         n = store.add(REFUSED_KEY, 1)
         store.set(f"{REFUSED_KEY}/{n}", f"a launcher on {socket.gethostname()} joining as node {self.node} "
-                                        f"{'without the job' if not token else 'with another job'}'s --rdzv-id")
+                                        f"{'without the job' if not token else 'with another job'}'s secret")
         raise ConfigError(
-            f"the job at {self.where} refused this node: it was started with another --rdzv-id (the job's secret)"
-            f"{' and this node has none' if not token else ''}: give every node the same --rdzv-id, or choose "
+            f"the job at {self.where} refused this node: it was started with another secret (DDPKIT_JOB_TOKEN, "
+            f"--job-secret-file){' and this node has none' if not token else ''}: give every node the same, or choose "
             "another --master-port / --rdzv-endpoint for a job of its own"
         )
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ddpkit.launcher.council import SUSPECT_S, Council, Entry
+from ddpkit.launcher.council import Council, Entry
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.rendezvous import RemoteFailure
@@ -288,7 +288,7 @@ class SurvivingGroup(WorkerGroup):
         gone = [n for n in self.entry.nodes if n not in entry.nodes]
         if gone:
             say(f"node(s) {', '.join(map(str, gone))} left the job (its launcher died, or was not heard for "
-                f"{SUSPECT_S:g} s): {len(entry.nodes)} node(s) go on"
+                f"{self.council.suspect_s:g} s): {len(entry.nodes)} node(s) go on"
                 + (f", the workers' store moves to node {min(entry.nodes)}" if entry.store != self.entry.store
                    else ""))
         self.entry = entry

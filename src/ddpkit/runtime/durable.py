@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -104,19 +105,27 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
     return removed
 
 
-def write_atomic(path: Path, data: bytes | memoryview) -> None:
+def write_atomic(path: Path, data: bytes | memoryview | Callable[[Path], object]) -> None:
     """Write ``data`` to ``path`` durably: temporary file, fsync, rename, fsync of the folder.
 
-    Temporaries that earlier, interrupted writes left in the folder are removed first.
+    ``data``: the bytes, or a function that writes the file it is given (a safetensors writer streaming tensors to
+    disk: no second copy of them in memory). Temporaries that earlier, interrupted writes left in the folder are
+    removed first.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
     host = socket.gethostname().replace("-", "_")
     tmp = path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        with open(tmp, "wb") as f:  # created here, with the mode every file gets (the umask's)
+            if not callable(data):
+                f.write(data)
+                f.flush()
+        if callable(data):
+            mode = os.stat(tmp).st_mode & 0o7777
+            data(tmp)
+            os.chmod(tmp, mode)  # a writer's own mode may be 0600 (safetensors')
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:

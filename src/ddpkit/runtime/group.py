@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -168,6 +169,12 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
     if dist.is_initialized():
         # Someone (the user, a test harness) created the group already: adopt it.
         backend = _ddpkit_name(str(dist.get_backend()))
+    elif os.environ.get(membership.FD_ENV) and backend is None and variables.backend(os.environ) is None:
+        # --on-failure continue rebuilds gloo groups: its default, on a GPU machine too (CUDA tensors go through it).
+        backend = "gloo"
+        if torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
+            print("ddpkit: --on-failure continue: the collectives go over gloo (the mode rebuilds gloo groups after "
+                  "a death; NCCL's abort path is not built), CUDA tensors included", file=sys.stderr, flush=True)
     else:
         backend = choose_backend(backend)
     # A backend of ddpkit's own (mpi) meets over its own library: it needs no rendezvous address.
@@ -284,7 +291,7 @@ def _check_same_backend(asked: str | None) -> None:
 def shutdown() -> None:
     """Destroy the process group. Harmless when :func:`init` was never called."""
     global _ctx
-    stall.stop()
+    stall.stop("left the job (ddpkit.shutdown())")
     if dist.is_initialized():
         dist.destroy_process_group()
         _let_backend_threads_finish()
@@ -324,7 +331,7 @@ _finishing = False
 
 def _at_exit() -> None:
     """At interpreter exit: stop the stall inspector, then the same wait as :func:`shutdown`."""
-    stall.stop()
+    stall.stop("exited with an exception (exit code 1)" if stall.unhandled() else "exited (exit code 0)")
     _let_backend_threads_finish()
 
 

@@ -17,9 +17,12 @@ deadline (``DDPKIT_TIMEOUT``), never a silent hang:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 
@@ -30,6 +33,14 @@ from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement
 from ddpkit.runtime.network import loopback_listener
 
 _POLL_S = 0.01
+SPEAK_S = 15.0
+"""A wait for other processes says, this often, whom it waits for and how long is left."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 2, 3``, or the first few of many."""
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) != 1 else ''} {shown}"
 
 
 class RendezvousError(RuntimeError):
@@ -88,6 +99,14 @@ def _loopback_listener(place: Placement) -> int | None:
         ) from None
 
 
+@functools.lru_cache(maxsize=8)
+def job_key(token: str) -> bytes:
+    """The key every other one of the job is derived from: scrypt of its secret (a slow, memory-hard function,
+    about 0.1 s and 16 MB here, once per process), so that what the store shows of it cannot be checked against
+    a dictionary of guesses at the speed of a plain hash."""
+    return hashlib.scrypt(token.encode(), salt=b"ddpkit job secret v1", n=1 << 14, r=8, p=1, dklen=32)
+
+
 def job_keys(token: str | None) -> tuple[str, str]:
     """``(verifier, key prefix)`` of the job whose secret is ``token`` (``DDPKIT_JOB_TOKEN``).
 
@@ -95,12 +114,14 @@ def job_keys(token: str | None) -> tuple[str, str]:
     can learn that it holds the wrong secret; the job's keys (census, process
     group, stall inspector) live under the prefix, which cannot be derived
     from the verifier, so a process without the secret cannot even address them.
+    Both come from :func:`job_key`, never from a fast hash of the secret.
     """
     if not token:
         return "none", "ddpkit/"
+    key = job_key(token)
 
     def digest(purpose: str) -> str:
-        return hashlib.sha256(f"ddpkit {purpose} {token}".encode()).hexdigest()
+        return hmac.new(key, f"ddpkit {purpose}".encode(), "sha256").hexdigest()
 
     return digest("verifier"), f"ddpkit/{digest('prefix')[:32]}/"
 
@@ -126,12 +147,13 @@ def admit(store: dist.Store, place: Placement, token: str | None) -> None:
                                     f"{place.rank} {'without the job' if not token else 'with another job'}'s secret")
     if not token:
         why = ("the job there has a secret and this process presents none: start ranks with ddpkit launch, or "
-               f"give every rank the job's {JOB_TOKEN_ENV} (--rdzv-id)")
+               f"give every rank the job's {JOB_TOKEN_ENV} (--job-secret-file)")
     elif theirs == "none":
         why = (f"this process presents a secret ({JOB_TOKEN_ENV}) but the job there has none: unset it, or start "
                "rank 0 with the same one")
     else:
-        why = f"its {JOB_TOKEN_ENV} is not the job's secret: give every rank the same --rdzv-id / {JOB_TOKEN_ENV}"
+        why = (f"its {JOB_TOKEN_ENV} is not the job's secret: give every rank the same {JOB_TOKEN_ENV} "
+               "(--job-secret-file)")
     raise RendezvousError(f"rank {place.rank} was refused by the rendezvous at {where}: {why}")
 
 
@@ -179,6 +201,7 @@ def census(store: dist.Store, place: Placement, join_timeout: float, deadline: f
     where = f"{place.master_addr}:{place.master_port}"
     advice = "check that WORLD_SIZE matches the number of processes started on all nodes"
     joined = 0
+    speak = time.monotonic() + SPEAK_S
     try:
         while (joined := store.add("joined", 0)) < place.world_size:
             if store.check(["error"]):
@@ -188,6 +211,12 @@ def census(store: dist.Store, place: Placement, join_timeout: float, deadline: f
                     f"only {joined} of WORLD_SIZE={place.world_size} processes joined the rendezvous "
                     f"at {where} within {join_timeout:g} s: {advice}"
                 )
+            if place.rank == 0 and time.monotonic() >= speak:  # a wait that says what it waits for
+                speak = time.monotonic() + SPEAK_S
+                missing = [r for r in range(place.world_size) if not store.check([f"claim/{r}"])]
+                print(f"ddpkit: rank 0 waits at the rendezvous at {where} for {_ranks(missing)} ({joined} of "
+                      f"{place.world_size} joined); it gives up in {max(0.0, deadline - time.monotonic()):.0f} s "
+                      "(DDPKIT_TIMEOUT)", file=sys.stderr, flush=True)
             time.sleep(_POLL_S)
     except RendezvousError:
         raise

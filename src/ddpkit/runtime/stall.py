@@ -115,6 +115,14 @@ def diagnose(me: int, states: dict[int, dict[str, Any] | None], now: float, stal
             if s is None:
                 lines.append(f"  rank {r}: never published a heartbeat: process not started, stopped or hung early")
                 continue
+            if s.get("ended"):
+                where = f"last seen entering {_op(s)}" if s["seq"] else "no collective"
+                lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}; then its process {s['ended']}, "
+                             "without issuing this collective: a collective some ranks never call")
+                if "zero-3" in str(lead.get("op", "")):
+                    lines.append("  a ZeRO-3 model's state_dict() and forward gather its parameters: a collective "
+                                 "every rank calls (not `if rank == 0: model.state_dict()`; see ddpkit.save_sharded)")
+                continue
             beat = now - s["wall"]
             where = f"last seen entering {_op(s)}, {now - s['since']:.0f} s ago" if s["seq"] else "no collective yet"
             alive = (f"no heartbeat for {beat:.0f} s: process stopped, hung or gone" if beat > stale_s
@@ -166,8 +174,15 @@ class Inspector(threading.Thread):
                     self._store_gone(e)
                 return
 
-    def stop(self) -> None:
+    def stop(self, ended: str | None = None) -> None:
+        """Stop watching; with ``ended`` (how this process ends), publish it last, so that a peer waiting for this
+        rank in a collective is told it will never come (one bounded store call; the store may be gone)."""
         self._stop_event.set()
+        if ended is not None and not self._broken:
+            try:
+                self.store.set(f"{_KEY}{self.rank}", json.dumps({**events.snapshot(), "ended": ended}))
+            except Exception:  # noqa: BLE001 - the store (rank 0's process) may be gone first
+                pass
 
     def _store_gone(self, error: Exception) -> None:
         with self._lock:
@@ -287,12 +302,26 @@ def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout
     _inspector.start()
     _install_excepthook()
     atexit.unregister(stop)  # once, however often init() runs
-    atexit.register(stop)
+    atexit.register(_stop_at_exit)
     return _inspector
 
 
-def stop() -> None:
-    """Stop the inspector and wait for its thread (``ddpkit.shutdown``, and at exit).
+def unhandled() -> bool:
+    """Whether an exception escaped this process's main thread (it exits with code 1)."""
+    return bool(_UNHANDLED)
+
+
+def _stop_at_exit() -> None:
+    stop("exited with an exception (exit code 1)" if _UNHANDLED else "exited (exit code 0)")
+
+
+_UNHANDLED: list[BaseException] = []
+"""An exception that escaped the main thread (seen by the excepthook): the process exits with code 1."""
+
+
+def stop(ended: str | None = None) -> None:
+    """Stop the inspector and wait for its thread (``ddpkit.shutdown``, and at exit: ``ended`` says how this
+    process ends, for its peers' reports; at exit it defaults to the exit it is making).
 
     Waiting matters: a thread still inside a store call while the process
     group and the store are torn down can abort the process at exit.
@@ -300,7 +329,7 @@ def stop() -> None:
     global _inspector
     inspector, _inspector = _inspector, None
     if inspector is not None:
-        inspector.stop()
+        inspector.stop(ended)
         if inspector.is_alive() and inspector is not threading.current_thread():
             inspector.join(_CALL_TIMEOUT_S + 1.0)
 
@@ -311,6 +340,7 @@ def _install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # noqa: ANN001 - sys.excepthook's signature
+        _UNHANDLED.append(exc)
         inspector = _inspector
         if inspector is not None and inspector.threshold != float("inf") and is_collective_error(exc):
             inspector.final_report()

@@ -250,9 +250,18 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         run.board = EpochBoard(config.tensorboard)
         if claim.checkpoint is not None or attempt:
             run.board.rewrite(run.progress["history"])  # and hides what the attempt before wrote after it
+    how = [f"backend {dist.get_backend()}", f"strategy {config.strategy}"]
+    how += [f"ZeRO stage {config.zero}"] if config.zero else []
+    how += [f"comm hook {config.comm_hook}"] if config.comm_hook != "none" else []
+    if config.on_failure == "continue":
+        how.append(f"on failure: continue ({config.max_restarts} replacement(s))")
+    else:
+        how.append(f"on failure: restart (up to {config.max_restarts})" if config.max_restarts
+                   else "on failure: the job stops (--max-restarts 0)")
     print0(
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
-        f"engine {config.engine}, {run.world} process(es) x {run.scale // run.world} replica(s), global batch "
+        f"engine {config.engine}, {', '.join(how)}, {run.world} process(es) x {run.scale // run.world} replica(s), "
+        "global batch "
         f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}"
         f"{f' (reached over {warmup:g} epochs of warm-up)' if (warmup := config.warmup_for(run.scale)) else ''}, "
         f"output {run.out}"

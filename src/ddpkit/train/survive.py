@@ -69,6 +69,7 @@ import hashlib
 import io
 import json
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -186,6 +187,18 @@ class Step:
         return self.synced
 
 
+_told_outside: list[bool] = []
+
+
+def _say_outside_the_mode(rank: int) -> None:
+    """Once per process, on rank 0: this FaultTolerance is not fault-tolerant (no mode's launcher around it)."""
+    if rank == 0 and not _told_outside:
+        _told_outside.append(True)
+        print("ddpkit: FaultTolerance runs outside the fault-tolerant mode (no `ddpkit launch --on-failure "
+              "continue` around this process): the same steps, but a worker's death ends the job as under DDP",
+              file=sys.stderr, flush=True)
+
+
 class FaultTolerance:
     """Data-parallel training that survives the loss of workers (see the module notes).
 
@@ -287,9 +300,11 @@ class FaultTolerance:
             self.membership.ready()
             self._rebuild(first=True)
             self.membership.joined()
-        elif ctx.world_size > 1:
-            self.group = dist.group.WORLD
-            self._agree(force=True)  # rank 0's state to all, as DDP's construction
+        else:
+            _say_outside_the_mode(ctx.rank)
+            if ctx.world_size > 1:
+                self.group = dist.group.WORLD
+                self._agree(force=True)  # rank 0's state to all, as DDP's construction
 
     # -- where this rank stands
 

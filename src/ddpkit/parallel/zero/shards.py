@@ -43,13 +43,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import save_file
 from torch import nn
 
 from ddpkit.parallel.zero.stage3 import ShardedParameters, engine_of
 from ddpkit.parallel.zero.units import UnitParam, like_param, local_of
 from ddpkit.parallel.zero.whole import indexed_params, per_element
-from ddpkit.runtime.durable import CheckpointError, digest, one_line, tensor_digest, write_atomic
+from ddpkit.runtime.durable import (
+    CheckpointError,
+    digest,
+    one_line,
+    tensor_digest,
+    write_atomic,
+)
 
 __all__ = ["FORMAT", "INDEX", "consolidate_sharded", "load_sharded", "save_sharded", "verify_sharded"]
 
@@ -112,9 +118,8 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
     if optimizer is not None:
         index["optimizer"] = _optimizer_shards(engine, optimizer, tensors)
     path = _rank_file(directory, engine.rank, engine.world_size)
-    data = safetensors_bytes(tensors)
-    write_atomic(path, data)
-    mine = {"file": path.name, "bytes": len(data), "tensors": {k: tensor_digest(t) for k, t in tensors.items()}}
+    write_atomic(path, lambda tmp: save_file(tensors, tmp))  # streamed: no copy of the shard in memory
+    mine = {"file": path.name, "bytes": path.stat().st_size, "tensors": {k: tensor_digest(t) for k, t in tensors.items()}}
     files = [None] * engine.world_size
     if engine.world_size > 1:  # every rank's file is on disk before the index says the checkpoint is whole
         dist.all_gather_object(files, mine, group=engine.group)
