@@ -29,7 +29,15 @@ def _reason(item: pytest.Item) -> str | None:
     return marker.args[0] if marker.args and isinstance(marker.args[0], str) and marker.args[0] else ""
 
 
-class Alone:
+class Reason:
+    """Without xdist: no lock, but the marker still needs its reason."""
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if _reason(item) == "":
+            pytest.fail(f"{item.nodeid}: @pytest.mark.alone needs the reason as its argument", pytrace=False)
+
+
+class Alone(Reason):
     """The locks of one pytest-xdist worker (see the module notes)."""
 
     def __init__(self, folder: Path) -> None:
@@ -50,10 +58,6 @@ class Alone:
         finally:
             fcntl.flock(self.machine, fcntl.LOCK_UN)
 
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        if _reason(item) == "":
-            pytest.fail(f"{item.nodeid}: @pytest.mark.alone needs the reason as its argument", pytrace=False)
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone(reason): no other test runs beside this one under pytest-xdist, and why")
@@ -61,3 +65,5 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker is not None:  # the locks live where every worker of this run finds them
         folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddpkit-alone-{worker['testrunuid']}"
         config.pluginmanager.register(Alone(folder), "ddpkit-alone")
+    elif not hasattr(config.option, "numprocesses") or not config.option.numprocesses:
+        config.pluginmanager.register(Reason(), "ddpkit-alone-reason")

@@ -14,6 +14,7 @@ cost is the session's, not the test's that happened to ask first (``budget.charg
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +40,8 @@ class SharedRuns:
         cpu, wall = cpu_seconds(), time.monotonic()
         with filelock.FileLock(str(self.root / f"{name}.lock")):
             if not result.exists():
-                folder.mkdir(exist_ok=True)
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed caller before left: each try starts clean
+                folder.mkdir()
                 value = make(folder)
                 torch.save(value, self.root / f"{name}.tmp")
                 (self.root / f"{name}.tmp").rename(result)

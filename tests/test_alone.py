@@ -51,9 +51,10 @@ def test_a_test_marked_alone_overlaps_no_other_under_xdist(pytester: pytest.Pyte
     assert any(s < e2 and s2 < e for (s, e) in found.values() for (s2, e2) in found.values() if (s, e) != (s2, e2))
 
 
-def test_the_alone_marker_needs_its_reason(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_the_alone_marker_needs_its_reason(pytester: pytest.Pytester, workers: str) -> None:
     pytester.makeconftest('pytest_plugins = ["alone"]\n')
     pytester.makepyfile(test_suite="import pytest\n\n@pytest.mark.alone\ndef test_x():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", workers)
     result.assert_outcomes(errors=1)  # at its set-up
     result.stdout.fnmatch_lines(["*@pytest.mark.alone needs the reason*"])

@@ -283,20 +283,69 @@ class _Middle:
         threading.Thread(target=self._pump, args=(self.to_0, one, None), daemon=True).start()
         self._pump(one, self.to_0, self.from_1)
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, keep: list[bytes] | None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, keep: list[bytes] | None) -> None:
         reader = src.makefile("rb")
         for line in reader:
             if keep is not None:
+                line = self.alter(line, first=not keep)
                 keep.append(line)
             try:
                 dst.sendall(line)
             except OSError:
                 return
 
+    def alter(self, line: bytes, first: bool) -> bytes:
+        """What the relay makes of node 1's ``line`` (``first``: its handshake's opening): here, nothing."""
+        return line
+
     def inject(self, line: bytes) -> None:
         assert self.to_0 is not None
         self.to_0.sendall(line)
+
+
+class _Rewriter(_Middle):
+    """A relay that rewrites where node 1 says it can be reached (its first line) before node 0 reads it."""
+
+    def alter(self, line: bytes, first: bool) -> bytes:
+        import json
+
+        if not first:
+            return line
+        hello = json.loads(line)
+        hello["place"] = ["203.0.113.9", 1, "203.0.113.9:1"]  # the intruder's host
+        return (json.dumps(hello) + "\n").encode()
+
+
+def test_a_relay_that_rewrites_a_nodes_address_takes_no_seat(capfd) -> None:
+    # Where a node can be reached is part of what both proofs sign: redials, and the workers' store when that node
+    # serves it, go where the node said, never where a relay said.
+    listeners = [_listener() for _ in range(2)]
+    places = {n: ("127.0.0.1", s.getsockname()[1], f"127.0.0.1:{5000 + n}") for n, s in enumerate(listeners)}
+    middle = _Rewriter(places[0][1])
+    made: dict[int, object] = {}
+
+    def seat(node: int) -> None:
+        seen = dict(places)
+        if node == 1:
+            seen[0] = ("127.0.0.1", middle.port, places[0][2])
+        try:
+            made[node] = Council(node, seen, listeners[node], [0, 1], lambda m: m, "job", meet_s=3.0,
+                                 suspect_s=FAST)
+        except RuntimeError as e:
+            made[node] = e
+
+    threads = [threading.Thread(target=seat, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert isinstance(made[0], RuntimeError) and isinstance(made[1], RuntimeError), made
+        assert "refused a council connection" in capfd.readouterr().err
+    finally:
+        for c in made.values():
+            if isinstance(c, Council):
+                c.close()
 
 
 def test_forged_and_replayed_messages_are_refused_and_the_job_goes_on(capfd) -> None:

@@ -109,7 +109,7 @@ def test_the_verifier_is_no_fast_hash_of_the_secret():
     import hashlib
     import hmac
 
-    from ddpkit.runtime.rendezvous import job_key
+    from ddpkit.runtime.discovery import job_key
 
     verifier = job_keys(SECRET)[0]
     assert verifier != hashlib.sha256(f"ddpkit verifier {SECRET}".encode()).hexdigest()

@@ -71,6 +71,8 @@ def test_an_unknown_flag_prints_the_launch_usage():
     (["--rdzv-endpoint", "h:99999"], "--rdzv-endpoint 'h:99999' is not HOST[:PORT]"),
     (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf join_timeout='soon' is not a valid value"),
     (["--rdzv-conf", "last_call_timeout"], "'last_call_timeout' is not KEY=VALUE"),
+    (["--rdzv-conf", "keep_alive_interval=0.05,keep_alive_max_attempt=2"],
+     "= 0.1 s: a node is judged gone after that long unheard, which must be at least 0.5 s"),
     (["--tee", "5"], "--tee '5': '5' is not 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
     (["--redirects", "4:1"], "--redirects '4:1': local rank 4 does not exist on this node (0..1)"),
     (["--local-ranks-filter", "0,x"], "--local-ranks-filter '0,x': list local ranks"),

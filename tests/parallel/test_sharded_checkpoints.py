@@ -157,3 +157,32 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _save_with_a_full_disk_on_rank_1(directory: str) -> str:
+    """What ``save_sharded`` says on this rank when rank 1's disk is full (its writer fails as safetensors' does)."""
+    import errno
+
+    import ddpkit.parallel.zero.shards as shards
+
+    if ddpkit.rank() == 1:
+        def full(tensors, path):  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        shards.save_file = full
+    try:
+        _save(directory, 0)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        from safetensors.torch import save_file
+
+        shards.save_file = save_file
+    return "saved"
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_at_once(dist2, tmp_path) -> None:
+    # Not a rank raising alone while the others wait in the next collective until the timeout (1,800 s).
+    said = dist2.run(_save_with_a_full_disk_on_rank_1, str(tmp_path / "ckpt"), timeout=60)
+    assert said[0] == said[1] and "rank 1 could not write" in said[0] and "No space left on device" in said[0], said
+    assert not (tmp_path / "ckpt" / "index.json").exists()  # never said to be whole

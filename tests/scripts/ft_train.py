@@ -88,8 +88,9 @@ for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):
     opt.zero_grad()
     time.sleep(float(os.environ.get("SLEEP", "0")))
     joiners |= {m for m in ft.view.members if m >= ft.started_with}  # replacements admitted (this one too)
-    if step.synced and ft.world_size < int(os.environ.get("GROW", "0")) and ft.committed < ft.steps_per_epoch * \
-            int(os.environ.get("EPOCHS", "2")) and max(waits, len(joiners)) < int(os.environ.get("GROW_WAITS", "99")):
+    grow, most = int(os.environ.get("GROW", "0")), int(os.environ.get("GROW_WAITS", "99"))
+    if step.synced and ft.world_size < grow and ft.committed < ft.steps_per_epoch * int(os.environ.get("EPOCHS", "2")) \
+            and max(waits, len(joiners)) < most:
         waits += 1
         deadline = time.monotonic() + 120
         while ft.membership.latest().epoch == ft.view.epoch and time.monotonic() < deadline:

@@ -24,7 +24,7 @@ from ddpkit.launcher.settings import resolve
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.config import TrainConfig
 
-pytestmark = pytest.mark.alone("jobs of three and four ranks, and faults sent while a step runs")
+FAULTS = pytest.mark.alone("a job of three or four workers, and faults timed into its steps")
 
 MNIST = ROOT.parent / "shared" / "data" / "mnist"
 
@@ -188,6 +188,7 @@ def _reference(shared_runs, *, det: bool = True, epochs: int = 2, **extra: str) 
     return run
 
 
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through a death, against the run without (shared)")
 def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(tmp_path: Path, shared_runs) -> None:
     reference, plain, _ = _reference(shared_runs)
@@ -203,6 +204,7 @@ def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(t
     assert all(weights[k].equal(reference[k]) for k in reference)  # batch norm, dropout, momentum included
 
 
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through a death inside a step's all_reduce (the reference shared)")
 def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_path: Path, shared_runs) -> None:
     # Member 1 dies just before its step-4 ft.all_reduce, which the others are inside: the step is done again at
@@ -215,6 +217,7 @@ def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_p
     assert all(weights[k].equal(reference[k]) for k in reference)
 
 
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through a death and a replacement refused (the reference shared)")
 def test_a_replacement_started_otherwise_is_refused_by_name_and_the_job_goes_on(tmp_path: Path, shared_runs) -> None:
     reference, _, _ = _reference(shared_runs)
@@ -226,6 +229,7 @@ def test_a_replacement_started_otherwise_is_refused_by_name_and_the_job_goes_on(
     assert all(weights[k].equal(reference[k]) for k in reference)  # the replacement never trained a shard
 
 
+@FAULTS
 @pytest.mark.slow("two whole jobs of three workers, one through a death")
 def test_numpy_and_python_randomness_and_wide_buffers_stay_bitwise_through_a_death(tmp_path: Path,
                                                                                     shared_runs) -> None:
@@ -241,6 +245,7 @@ def test_numpy_and_python_randomness_and_wide_buffers_stay_bitwise_through_a_dea
     assert weights["5.fine"].dtype == torch.float64 and float(weights["5.fine"]) != 0.1
 
 
+@FAULTS
 def test_a_member_that_exits_0_leaves_the_view_and_no_one_waits_for_it(tmp_path: Path) -> None:
     # Member 1 leaves the loop at step 3 and exits 0 while member 0 waits for it in step 3's reduction: the
     # launcher announces the view without it, and member 0 trains on alone (before: it waited out the timeout).
@@ -269,6 +274,7 @@ def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: b
             make()
 
 
+@FAULTS
 @pytest.mark.slow("four runs of three workers: both modes, with and without a death")
 def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additions(tmp_path: Path,
                                                                                    shared_runs) -> None:
@@ -279,6 +285,7 @@ def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additi
         assert float((weights[name].double() - ref.double()).abs().max() / scale) < 1e-5, name
 
 
+@FAULTS
 @pytest.mark.slow("two runs of three workers, one with two deaths and their replacements")
 def test_replacements_join_live_and_take_the_state_from_a_peer(tmp_path: Path, shared_runs) -> None:
     reference, _, _ = _reference(shared_runs, epochs=6)
@@ -290,6 +297,7 @@ def test_replacements_join_live_and_take_the_state_from_a_peer(tmp_path: Path, s
     assert all(weights[k].equal(reference[k]) for k in reference)
 
 
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through two deaths and two replacements' interpreters")
 def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path: Path) -> None:
     # Two deaths in a short run: the last worker finishes before the replacements' interpreters are up.
@@ -298,6 +306,7 @@ def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path:
     assert account["world_size"] == 1 and account["committed"] == 26
 
 
+@FAULTS
 @pytest.mark.slow("a whole job of two workers through two deaths")
 def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path) -> None:
     done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", script("ft_train.py"),
@@ -307,6 +316,7 @@ def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path)
     assert "no worker holding the training state is left" in done.stderr
 
 
+@FAULTS
 @pytest.mark.slow("a whole job of two workers, two deaths and a replacement's interpreter")
 def test_a_replacement_never_trains_from_scratch_when_every_holder_of_the_state_died(tmp_path: Path) -> None:
     # Member 1 dies, its replacement starts; member 0 dies before the replacement joined: nobody can hand it the
@@ -342,6 +352,7 @@ def test_train_in_the_mode_trains_ddps_bits_when_nobody_dies(tmp_path: Path) -> 
     assert metrics[-1]["min_seen"] == metrics[-1]["max_seen"] == 1
 
 
+@FAULTS
 @pytest.mark.slow("a reference run of four workers, then ten faults at random moments in one run (about 2.5 min)")
 def test_ten_faults_in_one_run_of_four_workers_end_bitwise_equal_with_every_sample_once(tmp_path: Path) -> None:
     report = tmp_path / "report.json"

@@ -330,6 +330,11 @@ def node_range(nnodes: int | str) -> tuple[int, int]:
     return lo, hi
 
 
+MIN_SILENCE_S = 0.5
+"""The shortest time a node may go unheard before the others judge it gone (``keep_alive_interval`` x
+``keep_alive_max_attempt``): five of the council's beats of 0.1 s."""
+
+
 def rendezvous_conf(text: str) -> tuple[dict[str, object], list[str]]:
     """``--rdzv-conf key=value,...`` with torchrun's defaults filled in, and the keys ddpkit does not read.
 
@@ -360,6 +365,12 @@ def rendezvous_conf(text: str) -> tuple[dict[str, object], list[str]]:
             raise ConfigError(f"--rdzv-conf {key}={conf[key]} must be a positive number of seconds")
     if conf["keep_alive_max_attempt"] < 1:  # type: ignore[operator]
         raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']} must be 1 or more")
+    silent = conf["keep_alive_interval"] * conf["keep_alive_max_attempt"]  # type: ignore[operator]
+    if silent < MIN_SILENCE_S:
+        raise ConfigError(f"--rdzv-conf keep_alive_interval={conf['keep_alive_interval']} x keep_alive_max_attempt="
+                          f"{conf['keep_alive_max_attempt']} = {silent:g} s: a node is judged gone after that "
+                          f"long unheard, which must be at least {MIN_SILENCE_S:g} s (the launchers speak every "
+                          "0.1 s); the default is 1 x 6 = 6 s")
     return conf, unknown
 
 

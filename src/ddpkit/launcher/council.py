@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ddpkit.launcher.supervise import say
-from ddpkit.runtime.rendezvous import job_key
+from ddpkit.runtime.discovery import job_key
 
 __all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report"]
 
@@ -84,6 +84,10 @@ REDIAL_S = 1.0
 """How long a closed connection is given to be dialed again before its agent counts as gone: a launcher that was
 killed does not answer (its node is removed a second after its connections closed), a reset link does."""
 _SEND_S = 2
+_LINE_MAX = 4096
+"""The longest handshake line read before the caller is known (a stranger's endless line is cut there)."""
+_HANDSHAKES = 16
+"""Handshakes answered at once; a connection beyond them is closed unanswered (no thread per stranger)."""
 """Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
@@ -207,6 +211,7 @@ class Council:
         self._told = threading.Event()
         """This node's report changed: send it now."""
         self._stop = threading.Event()
+        self._handshakes = threading.BoundedSemaphore(_HANDSHAKES)
         self._listener = listener
         self._minority_since: float | None = None
         self._joiners: set[int] = set()
@@ -285,9 +290,18 @@ class Council:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(sock, None), daemon=True).start()
+            if not self._handshakes.acquire(blocking=False):  # a flood of strangers: no thread each
+                _close(sock)
+                continue
+            threading.Thread(target=self._answer, args=(sock,), daemon=True).start()
 
-    def _mac(self, role: str, transcript: tuple[str, str, int, int]) -> str:
+    def _answer(self, sock: socket.socket) -> None:
+        try:
+            self._handshake(sock, None)
+        finally:
+            self._handshakes.release()
+
+    def _mac(self, role: str, transcript: tuple[Any, ...]) -> str:
         """The proof of ``role`` (``accept`` or ``dial``) for a handshake's transcript: (dialer's nonce, acceptor's
         nonce, dialer's node, acceptor's node)."""
         return hmac.new(self._key, json.dumps([role, *transcript]).encode(), "sha256").hexdigest()
@@ -302,24 +316,24 @@ class Council:
         try:
             if dialed is not None:
                 _send_line(sock, {"node": self.node, "nonce": mine, "place": place})
-                theirs = json.loads(reader.readline())
+                theirs = json.loads(reader.readline(_LINE_MAX))
                 peer, nonce = int(theirs["node"]), str(theirs["nonce"])
                 if peer != dialed:
                     raise PermissionError(f"answered as node {peer}, not {dialed}")
-                transcript = (mine, nonce, self.node, peer)
+                transcript = (mine, nonce, self.node, peer, place, list(theirs["place"]))
                 if not hmac.compare_digest(str(theirs.get("mac")), self._mac("accept", transcript)):
                     raise PermissionError("not this job's secret")
                 _send_line(sock, {"mac": self._mac("dial", transcript)})
             else:
-                theirs = json.loads(reader.readline())
+                theirs = json.loads(reader.readline(_LINE_MAX))
                 peer, nonce = int(theirs["node"]), str(theirs["nonce"])
                 if not (self.node < peer < self.starting or self.starting <= peer < self.most):
                     raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
                                           f"and spares {self.starting}..{self.most - 1} call this one")
-                transcript = (nonce, mine, peer, self.node)
+                transcript = (nonce, mine, peer, self.node, list(theirs["place"]), place)
                 _send_line(sock, {"node": self.node, "nonce": mine, "place": place,
                                   "mac": self._mac("accept", transcript)})
-                proof = json.loads(reader.readline())
+                proof = json.loads(reader.readline(_LINE_MAX))
                 if not hmac.compare_digest(str(proof.get("mac")), self._mac("dial", transcript)):
                     raise PermissionError("not this job's secret")
             if len(nonce) != 32:

@@ -149,9 +149,8 @@ class DynamicRendezvous(NodeRendezvous):
                 raise ConfigError(
                     f"rendezvous round {round_}: {count} of the {launch.min_nodes} nodes needed (--nnodes "
                     f"{launch.min_nodes}:{launch.max_nodes}) joined within join_timeout {conf['join_timeout']:g} s: "
-                    "start "
-                    "the other nodes' launchers with the same --rdzv-endpoint, --rdzv-id and secret, or raise join_timeout "
-                    "in --rdzv-conf")
+                    "start the other nodes' launchers with the same --rdzv-endpoint, --rdzv-id and secret, or raise "
+                    "join_timeout in --rdzv-conf")
             time.sleep(0.05)
         restarts = self._restarts_before(round_)
         closed: dict = {"n": min(count, launch.max_nodes), "restarts": restarts}

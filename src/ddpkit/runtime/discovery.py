@@ -31,6 +31,8 @@ rank 0's host.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 import secrets
 from collections.abc import Mapping
@@ -274,3 +276,11 @@ def discover(env: Mapping[str, str], *, master_needed: bool = True) -> Placement
         rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
         master_addr=LOOPBACK, master_port=_port(env), scheme="single",
     )
+
+
+@functools.lru_cache(maxsize=8)
+def job_key(token: str) -> bytes:
+    """The key every other one of the job is derived from: scrypt of its secret (a slow, memory-hard function,
+    about 0.1 s and 16 MB here, once per process), so that what the store shows of it cannot be checked against
+    a dictionary of guesses at the speed of a plain hash."""
+    return hashlib.scrypt(token.encode(), salt=b"ddpkit job secret v1", n=1 << 14, r=8, p=1, dklen=32)

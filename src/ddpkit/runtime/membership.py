@@ -186,12 +186,12 @@ class Membership:
                 self._cond.wait(0.05)
 
     def _check(self, view: View) -> None:
-        # A view that lost a member of this one ends the wait: the operation cannot complete. A view that only
-        # adds members (a replacement, a spare node's worker) does not: every member of this view finishes the
-        # operation, and the newcomer is built into the group at the next step boundary.
-        newest = self.latest()
-        if newest.epoch > view.epoch and (lost := self.lost_since(view)):
-            raise MembershipChanged(newest, lost)
+        # Any newer view ends the wait, a join too: a member that saw it first has left this view's group to
+        # build the next one, so an operation here could never complete. (Letting a join wait for the step's
+        # end needs the members to agree on the step they switch at: a member that switched alone would wait
+        # in the next group for one still in this group's operation.)
+        if (newest := self.latest()).epoch > view.epoch:
+            raise MembershipChanged(newest, self.lost_since(view))
         if self._closed:
             raise RuntimeError("the launcher closed the membership pipe (it stopped): this worker stops too")
 
@@ -209,8 +209,13 @@ class Membership:
             except MembershipChanged:
                 continue
 
-    def group(self, view: View) -> dist.ProcessGroup:
+    def group(self, view: View, *, free_old: bool = False) -> dist.ProcessGroup:
         """The gloo group of ``view`` (this worker's rank: its place in ``view.members``), built once per view.
+
+        ``free_old``: let go of earlier views' groups (:meth:`_free_old`), for a caller that waits on every
+        operation it issues through :meth:`wait` (so every abandoned one is known); a caller that leaves
+        operations in flight unwaited (SSP's) keeps them, since destroying a group with one in flight blocks
+        until that operation's timeout.
 
         Every member first marks its arrival in the store and waits for the others, watching the view, so a
         member that dies before arriving makes this raise :class:`MembershipChanged` instead of hanging.
@@ -245,7 +250,8 @@ class Membership:
         finally:
             abandoned.set()
         self._by_epoch[view.epoch] = built["group"]
-        self._free_old(view.epoch)
+        if free_old:
+            self._free_old(view.epoch)
         return built["group"]
 
     def _free_old(self, current: int) -> None:

@@ -17,8 +17,6 @@ deadline (``DDPKIT_TIMEOUT``), never a silent hang:
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import hmac
 import os
 import socket
@@ -29,7 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddpkit.runtime import stall
-from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, job_key
 from ddpkit.runtime.network import loopback_listener
 
 _POLL_S = 0.01
@@ -97,14 +95,6 @@ def _loopback_listener(place: Placement) -> int | None:
             f"rank 0 could not listen on {place.master_addr}:{place.master_port} ({e.strerror}): the port is "
             "probably busy; choose a free one with --master-port / MASTER_PORT"
         ) from None
-
-
-@functools.lru_cache(maxsize=8)
-def job_key(token: str) -> bytes:
-    """The key every other one of the job is derived from: scrypt of its secret (a slow, memory-hard function,
-    about 0.1 s and 16 MB here, once per process), so that what the store shows of it cannot be checked against
-    a dictionary of guesses at the speed of a plain hash."""
-    return hashlib.scrypt(token.encode(), salt=b"ddpkit job secret v1", n=1 << 14, r=8, p=1, dklen=32)
 
 
 def job_keys(token: str | None) -> tuple[str, str]:

@@ -117,8 +117,8 @@ def diagnose(me: int, states: dict[int, dict[str, Any] | None], now: float, stal
                 continue
             if s.get("ended"):
                 where = f"last seen entering {_op(s)}" if s["seq"] else "no collective"
-                lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}; then its process {s['ended']}, "
-                             "without issuing this collective: a collective some ranks never call")
+                lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}; then its process {s['ended']} "
+                             "before issuing this collective: a collective some ranks never call")
                 if "zero-3" in str(lead.get("op", "")):
                     lines.append("  a ZeRO-3 model's state_dict() and forward gather its parameters: a collective "
                                  "every rank calls (not `if rank == 0: model.state_dict()`; see ddpkit.save_sharded)")
@@ -312,7 +312,7 @@ def unhandled() -> bool:
 
 
 def _stop_at_exit() -> None:
-    stop("exited with an exception (exit code 1)" if _UNHANDLED else "exited (exit code 0)")
+    stop("exited with an exception (exit code 1)" if _UNHANDLED else "exited without an exception")
 
 
 _UNHANDLED: list[BaseException] = []

@@ -17,7 +17,7 @@ error; a ``kill -9`` leaves it, stale.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import hmac
 import json
 import os
 import socket
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpkit.runtime.discovery import JOB_TOKEN_ENV
+from ddpkit.runtime.discovery import JOB_TOKEN_ENV, job_key
 from ddpkit.runtime.options import ConfigError
 
 __all__ = ["HEARTBEAT_S", "LOCK_FILE", "STALE_S", "RunLock"]
@@ -49,8 +49,10 @@ def _start_time(pid: int) -> str | None:
 
 
 def _job_digest() -> str | None:
+    """Which job holds the lock, as a digest of the key derived from its secret (slowly: a lock file on shared
+    storage must not let a dictionary check guesses at a plain hash's speed)."""
     token = os.environ.get(JOB_TOKEN_ENV)
-    return hashlib.blake2b(token.encode(), digest_size=8).hexdigest() if token else None
+    return hmac.new(job_key(token), b"ddpkit run lock", "sha256").hexdigest()[:16] if token else None
 
 
 class RunLock:

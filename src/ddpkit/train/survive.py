@@ -632,7 +632,7 @@ class FaultTolerance:
                 continue
             noticed = self.membership.noticed_at.get(view.epoch, time.time())
             try:
-                group = self.membership.group(view)
+                group = self.membership.group(view, free_old=True)  # it waits on every operation it issues
                 self.view, self.group = view, group
                 received = self._agree(force=first)
             except MembershipChanged:

@@ -97,6 +97,8 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
     Raises:
         FileExistsError: ``directory`` already holds a checkpoint (nothing is overwritten).
         ValueError: ``model`` is not a ZeRO-3 model, or ``optimizer`` steps other tensors than its parameters.
+        ddpkit.CheckpointError: a rank could not write its file, or rank 0 the index (disk full, permissions),
+            on every rank alike, naming the rank and the file.
     """
     engine = _engine(model)
     directory = Path(directory)
@@ -118,19 +120,38 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
     if optimizer is not None:
         index["optimizer"] = _optimizer_shards(engine, optimizer, tensors)
     path = _rank_file(directory, engine.rank, engine.world_size)
-    write_atomic(path, lambda tmp: save_file(tensors, tmp))  # streamed: no copy of the shard in memory
-    mine = {"file": path.name, "bytes": path.stat().st_size, "tensors": {k: tensor_digest(t) for k, t in tensors.items()}}
-    files = [None] * engine.world_size
-    if engine.world_size > 1:  # every rank's file is on disk before the index says the checkpoint is whole
-        dist.all_gather_object(files, mine, group=engine.group)
-    else:
-        files = [mine]
+    mine: dict[str, Any] | str
+    try:
+        write_atomic(path, lambda tmp: save_file(tensors, tmp))  # streamed: no copy of the shard in memory
+        mine = {"file": path.name, "bytes": path.stat().st_size,
+                "tensors": {k: tensor_digest(t) for k, t in tensors.items()}}
+    except (OSError, SafetensorError) as e:  # disk full, quota, permissions: every rank says so, none waits
+        mine = f"rank {engine.rank} could not write {path}: {one_line(e)}"
+    files = _everyones(engine, mine)  # every rank's file is on disk before the index says the checkpoint is whole
+    if failed := [f for f in files if isinstance(f, str)]:
+        raise CheckpointError("; ".join(failed))
+    outcome = [""]
     if engine.rank == 0:
         index["files"] = {f["file"]: {"bytes": f["bytes"], "tensors": f["tensors"]} for f in files}
         index["digest"] = _index_digest(index)
-        write_atomic(directory / INDEX, json.dumps(index, indent=1).encode())
-    _barrier(engine)
+        try:
+            write_atomic(directory / INDEX, json.dumps(index, indent=1).encode())
+        except OSError as e:
+            outcome[0] = f"rank 0 could not write {directory / INDEX}: {one_line(e)}"
+    if engine.world_size > 1:
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(engine.group, 0), group=engine.group)
+    if outcome[0]:
+        raise CheckpointError(outcome[0])
     return directory
+
+
+def _everyones(engine: ShardedParameters, mine: Any) -> list[Any]:
+    """``mine`` from every rank of the engine's group, in rank order."""
+    if engine.world_size == 1:
+        return [mine]
+    gathered: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(gathered, mine, group=engine.group)
+    return gathered
 
 
 def _index_digest(index: dict[str, Any]) -> str:
