@@ -22,7 +22,7 @@ several nodes node 0's launcher serves it for the whole job (see
 heartbeats). The other nodes' launchers are started with the same address,
 port, ``--nnodes`` and ``--rdzv-id``. Every job has a secret
 (``--job-secret-file``, ``DDPKIT_JOB_TOKEN``, or a random one on a single
-node; a job across nodes must be given one of at least 128 bits, and
+node; a job across nodes must be given one of at least 32 characters, and
 ``--rdzv-id`` is only its name) that a process must present to join as a
 rank. With ``--rdzv-backend c10d`` every node runs the
 same command and the nodes agree on their ranks and the world size at

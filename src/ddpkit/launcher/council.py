@@ -84,11 +84,11 @@ REDIAL_S = 1.0
 """How long a closed connection is given to be dialed again before its agent counts as gone: a launcher that was
 killed does not answer (its node is removed a second after its connections closed), a reset link does."""
 _SEND_S = 2
+"""Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
 _LINE_MAX = 4096
 """The longest handshake line read before the caller is known (a stranger's endless line is cut there)."""
 _HANDSHAKES = 16
 """Handshakes answered at once; a connection beyond them is closed unanswered (no thread per stranger)."""
-"""Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
 
@@ -303,7 +303,7 @@ class Council:
 
     def _mac(self, role: str, transcript: tuple[Any, ...]) -> str:
         """The proof of ``role`` (``accept`` or ``dial``) for a handshake's transcript: (dialer's nonce, acceptor's
-        nonce, dialer's node, acceptor's node)."""
+        nonce, dialer's node, acceptor's node, dialer's place, acceptor's place)."""
         return hmac.new(self._key, json.dumps([role, *transcript]).encode(), "sha256").hexdigest()
 
     def _handshake(self, sock: socket.socket, dialed: int | None) -> None:

@@ -331,7 +331,7 @@ _finishing = False
 
 def _at_exit() -> None:
     """At interpreter exit: stop the stall inspector, then the same wait as :func:`shutdown`."""
-    stall.stop("exited with an exception (exit code 1)" if stall.unhandled() else "exited without an exception")
+    stall.stop_at_exit()
     _let_backend_threads_finish()
 
 

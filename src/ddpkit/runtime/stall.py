@@ -301,17 +301,13 @@ def start(host: str, port: int, prefix: str, rank: int, world_size: int, timeout
                            store_owner="the launcher on node 0" if agent else "rank 0")
     _inspector.start()
     _install_excepthook()
-    atexit.unregister(stop)  # once, however often init() runs
-    atexit.register(_stop_at_exit)
+    atexit.unregister(stop_at_exit)  # once, however often init() runs
+    atexit.register(stop_at_exit)
     return _inspector
 
 
-def unhandled() -> bool:
-    """Whether an exception escaped this process's main thread (it exits with code 1)."""
-    return bool(_UNHANDLED)
-
-
-def _stop_at_exit() -> None:
+def stop_at_exit() -> None:
+    """:func:`stop`, saying how this process ends: with an exception that escaped its main thread, or without."""
     stop("exited with an exception (exit code 1)" if _UNHANDLED else "exited without an exception")
 
 
@@ -320,8 +316,8 @@ _UNHANDLED: list[BaseException] = []
 
 
 def stop(ended: str | None = None) -> None:
-    """Stop the inspector and wait for its thread (``ddpkit.shutdown``, and at exit: ``ended`` says how this
-    process ends, for its peers' reports; at exit it defaults to the exit it is making).
+    """Stop the inspector and wait for its thread (``ddpkit.shutdown``, and at exit through :func:`stop_at_exit`);
+    ``ended`` says how this process ends, for its peers' reports.
 
     Waiting matters: a thread still inside a store call while the process
     group and the store are torn down can abort the process at exit.

@@ -49,13 +49,7 @@ from torch import nn
 from ddpkit.parallel.zero.stage3 import ShardedParameters, engine_of
 from ddpkit.parallel.zero.units import UnitParam, like_param, local_of
 from ddpkit.parallel.zero.whole import indexed_params, per_element
-from ddpkit.runtime.durable import (
-    CheckpointError,
-    digest,
-    one_line,
-    tensor_digest,
-    write_atomic,
-)
+from ddpkit.runtime.durable import CheckpointError, digest, one_line, tensor_digest, write_atomic
 
 __all__ = ["FORMAT", "INDEX", "consolidate_sharded", "load_sharded", "save_sharded", "verify_sharded"]
 
