@@ -1,4 +1,9 @@
-"""Initialises, says so, and sleeps: for signal tests."""
+"""Initialises, says so, and sleeps: for signal tests.
+
+In short naps: Python raises ``KeyboardInterrupt`` between bytecodes, so a
+SIGINT that lands after the print but before one long ``time.sleep`` has
+begun would wait for that sleep to end (seen once in 30 launches under load).
+"""
 
 import os
 import time
@@ -7,4 +12,5 @@ import ddpkit
 
 ddpkit.init()
 print("SLEEPING", os.getpid(), flush=True)
-time.sleep(120)
+for _ in range(1200):
+    time.sleep(0.1)
