@@ -9,6 +9,7 @@ the same run without a failure.
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,7 @@ def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) 
     ({"strategy": "ps-async", "max_restarts": 1}, "cannot take a seat in the parameter servers"),
     ({"strategy": "ps-sync", "deterministic_shards": 2}, "no shards to order"),
     ({"grad_accum": 2}, "the step's shards are its micro-batches"),
-    ({"resume": True, "output_dir": "x"}, "keeps its state in the surviving processes"),
+    ({"strategy": "ssp", "resume": True, "output_dir": "x"}, "the state lives in the surviving processes only"),
     ({"comm_hook": "fp16"}, "reduces whole steps"),
     ({"backend": "mpi"}, "rebuild gloo groups"),
 ])
@@ -415,3 +416,77 @@ def test_alone_the_engine_gives_the_global_batchs_gradient_and_leaves_unused_one
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
     # once, whatever the number of steps() loops: the engine is not fault-tolerant here, and says so
     assert done.stderr.count("FaultTolerance runs outside the fault-tolerant mode") == 1, done.stderr
+
+
+# ---------------------------------------------------------------- the floor: checkpoints and --resume
+
+FLOOR = ["--on-failure", "continue", "--deterministic-shards", "4", "--epochs", "2", "--checkpoint-every", "5",
+         "--no-progress"]
+
+
+def _floor_run(out: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", str(nproc), *FLOOR,
+                           "--output-dir", str(out), *extra], env=base_env(), capture_output=True, text=True,
+                          timeout=180, cwd=ROOT)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.slow("three ddpkit train runs of two or three workers in the mode, one killed")
+@pytest.mark.parametrize("victims", ["workers", "launcher"])
+def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp_path: Path, shared_runs,
+                                                                              victims: str) -> None:
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    def reference(folder: Path) -> dict:
+        done = _floor_run(folder / "run", 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return load_file(folder / "run" / "model.safetensors")
+
+    ref, _ = shared_runs.get("floor: " + " ".join(FLOOR), reference)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", *FLOOR, "--output-dir",
+                             str(out)], env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    try:
+        for line in proc.stdout:
+            if "epoch 1/2" in line:
+                break
+        # A checkpoint inside the second epoch (every 5 steps; an epoch is 23 of them), then the kill.
+        deadline = time.monotonic() + 60
+        while not any(int(p.stem.split("-")[1]) > 23 for p in (out / "checkpoints").glob("step-*.safetensors")):
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint in the second epoch"
+            time.sleep(0.01)
+        for pid in _children(proc.pid) if victims == "workers" else [proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not (out / "summary.json").exists()
+    done = _floor_run(out, 3, "--resume")  # another world: the global batch and the shards are the checkpoint's
+    assert done.returncode == 0, done.stderr[-3000:]
+    import re
+
+    resumed_at = int(re.search(r"resumed from step-\d+\.safetensors \(step (\d+)\)", done.stdout).group(1))
+    assert 23 < resumed_at < 46 and "with 3 worker(s)" in done.stdout  # within the second epoch: steps trained
+    mine = load_file(out / "model.safetensors")
+    assert all(ref[k].equal(mine[k]) for k in ref)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2] and all(m["min_seen"] == m["max_seen"] == 1 for m in metrics)
+
+
+@pytest.mark.parametrize("extra,world,start,match", [
+    ({}, 3, 2, "resume with --nproc-per-node 2 or fewer"),
+    ({"deterministic_shards": 4}, 5, 2, "V must be at least the world size"),
+])
+def test_a_resumed_run_of_the_mode_is_checked_against_the_world_it_started_with(extra, world, start, match) -> None:
+    config = TrainConfig(on_failure="continue", **extra)
+    with pytest.raises(ConfigError, match=match):
+        config.check_world(world, start=start)
+    TrainConfig(on_failure="continue", batch_size=2, deterministic_shards=4).check_world(3, start=2)  # 2 x 2 = 4

@@ -275,6 +275,9 @@ class TrainConfig:
                  f"{self.strategy}: the servers apply each worker's gradient, there are no shards to order")
             need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy {self.strategy}: a replacement "
                  "cannot take a seat in the parameter servers' channel; the workers left go on")
+        if self.strategy in (*SERVER_STRATEGIES, "ssp"):
+            need(not self.resume, "resume", f"{why} with --strategy {self.strategy}: the state lives in the "
+                 "surviving processes only (no checkpoint is written); use --strategy ddp for a run that can resume")
         if self.strategy == "ssp":
             need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy ssp: each worker "
                  "applies its own gradient at once, there are no shards to order")
@@ -289,8 +292,6 @@ class TrainConfig:
         need(self.amp != "fp16", "amp", f"{why}: use --amp bf16 or off")
         need(self.trace is None, "trace", f"{why}: there are no DDP buckets to trace")
         need(self.backend in (None, "gloo"), "backend", f"{why}: the survivors rebuild gloo groups")
-        need(not self.resume, "resume", f"{why}: the mode keeps its state in the surviving processes, not in "
-             "checkpoints")
         need(self.straggler is None, "straggler", f"{why}: drop --straggler")
 
     def warmup_for(self, scale: int) -> float:
@@ -302,19 +303,25 @@ class TrainConfig:
             return self.warmup_epochs
         return 0.0 if scale <= 2 else scale / 2
 
-    def check_world(self, world: int) -> None:
+    def check_world(self, world: int, *, start: int | None = None) -> None:
         """The settings that depend on the number of workers, once it is known (``ddpkit train`` before it starts
         them, or from its launcher's environment; ``ddpkit bench strategies`` for each of its world sizes).
+        ``start``: the world a resumed ``--on-failure continue`` run started with (its global batch and shards).
 
         Raises:
-            ConfigError: ``--straggler`` names a rank the job does not have.
+            ConfigError: ``--straggler`` names a rank the job does not have; more workers than shards.
         """
+        first = world if start is None else start
         if self.deterministic_shards is not None:
-            v, batch = self.deterministic_shards, self.batch_size * world
+            v, batch = self.deterministic_shards, self.batch_size * first
             if v < world or batch % v:
                 raise ConfigError(f"--deterministic-shards {v} at {world} process(es): V must be at least the world "
-                                  f"size and divide the global batch ({self.batch_size} x {world} = {batch}); e.g. "
-                                  f"--deterministic-shards {world}")
+                                  f"size and divide the global batch ({self.batch_size} x {first} = {batch}); e.g. "
+                                  f"--deterministic-shards {first}")
+        elif first < world:
+            raise ConfigError(f"--resume with {world} workers: the run started with {first}, and each step of it is "
+                              f"cut into {first} shards, one worker's work each: resume with --nproc-per-node {first} "
+                              "or fewer (a run started with --deterministic-shards V resumes with up to V)")
         if self.slow is not None and self.slow[0] >= world:
             raise ConfigError(f"--straggler {self.straggler}: rank {self.slow[0]} does not exist at world size "
                               f"{world}: choose a rank in 0..{world - 1}")

@@ -84,7 +84,7 @@ def make_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def start_survivor(config: TrainConfig) -> tuple[DistContext, Path, Any]:
+def start_survivor(config: TrainConfig, *, check_world: bool = True) -> tuple[DistContext, Path, Any]:
     """A worker of ``--on-failure continue`` under its launcher: joined (no default group), deterministic if asked,
     one thread share of the cores, its ``--output-dir`` made, the dataset loaded; ``(context, output dir, data)``.
 
@@ -101,7 +101,8 @@ def start_survivor(config: TrainConfig) -> tuple[DistContext, Path, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
-    config.check_world(ctx.world_size)
+    if check_world:  # else the caller checks it against the world the run started with (``--resume``)
+        config.check_world(ctx.world_size)
     data = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
                         synthetic_samples=config.synthetic_samples)
     return ctx, out, data

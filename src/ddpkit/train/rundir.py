@@ -79,6 +79,8 @@ class Claim:
     checkpoint: Path | None = None
     epoch: int = 0
     step: int = 0
+    world_size: int | None = None
+    """The number of processes that wrote the checkpoint."""
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -171,7 +173,7 @@ def _unfinished_default(config: dict[str, Any]) -> Path | None:
     return max(candidates)[1] if candidates else None
 
 
-def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> Claim:
+def claim(config: dict[str, Any], world_size: int, *, restart: bool = False, any_world: bool = False) -> Claim:
     """Pick and check the output directory, and the checkpoint to continue from.
 
     Called by one process only (the parent of the workers, or rank 0 under a
@@ -182,6 +184,8 @@ def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> 
         world_size: The number of training processes this run will have.
         restart: This is a restarted attempt: resume if there is anything to
             resume, else start in the same directory.
+        any_world: A resumed run may have another number of processes (the
+            fault-tolerant mode keeps the starting world's batch at any size).
 
     Raises:
         ConfigError: the directory holds another run; nothing to resume;
@@ -207,14 +211,14 @@ def claim(config: dict[str, Any], world_size: int, *, restart: bool = False) -> 
     fresh_lock = out.resolve() not in _locks
     _lock(out)
     try:
-        return _claim_locked(out, config, world_size, restart)
+        return _claim_locked(out, config, world_size, restart, any_world)
     except BaseException:
         if fresh_lock:
             release(out)  # the directory is not ours after all: leave no lock in it
         raise
 
 
-def _claim_locked(out: Path, config: dict[str, Any], world_size: int, restart: bool) -> Claim:
+def _claim_locked(out: Path, config: dict[str, Any], world_size: int, restart: bool, any_world: bool) -> Claim:
     has_checkpoints = bool(checkpoint_files(out / CHECKPOINT_DIR))
     if config["resume"] and not has_checkpoints and _died_before_a_checkpoint(out, config):
         print(f"ddpkit train: {str(out)!r} holds this run's settings but no checkpoint yet (it stopped before its "
@@ -230,7 +234,7 @@ def _claim_locked(out: Path, config: dict[str, Any], world_size: int, restart: b
         if not (restart and (out / "config.json").is_file()):
             _write_config(out, config)
         return Claim(out)
-    return _resume_claim(out, config, world_size, finished_ok=restart)
+    return _resume_claim(out, config, world_size, finished_ok=restart, any_world=any_world)
 
 
 def _died_before_a_checkpoint(out: Path, config: dict[str, Any]) -> bool:
@@ -274,7 +278,8 @@ def release(out: Path | None = None) -> None:
         _locks.pop(key).release()
 
 
-def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finished_ok: bool) -> Claim:
+def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finished_ok: bool,
+                  any_world: bool = False) -> Claim:
     folder = out / CHECKPOINT_DIR
     if not checkpoint_files(folder):
         raise ConfigError(
@@ -310,7 +315,7 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
         )
     if notes:
         print(f"ddpkit train: resuming {str(out)!r} with changed settings: {', '.join(notes)}", flush=True)
-    if extra.get("world_size") != world_size and not finished_ok:
+    if extra.get("world_size") != world_size and not (finished_ok or any_world):
         raise ConfigError(
             f"--resume: {path.name} was written by {extra.get('world_size')} processes, this run has "
             f"{world_size}: resume with --nproc-per-node {extra.get('world_size')} (the data order, "
@@ -323,4 +328,4 @@ def _resume_claim(out: Path, config: dict[str, Any], world_size: int, *, finishe
             f"--resume: the run in {str(out)!r} has already finished {epoch} epochs: "
             f"pass --epochs greater than {epoch} to train further"
         )
-    return Claim(out, path, epoch, int(payload["step"]))
+    return Claim(out, path, epoch, int(payload["step"]), extra.get("world_size"))

@@ -78,6 +78,8 @@ def newest_valid_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[st
             return path, load_checkpoint(path)
         except CheckpointError as e:
             warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
+        except FileNotFoundError:
+            continue  # removed since the listing (a writer keeping only the newest few): an older one will do
     return None
 
 
@@ -219,7 +221,8 @@ class TrainState:
         self.step = step
         if _is_writer():
             for _, old in checkpoint_files(directory)[: -self.keep]:
-                old.unlink(missing_ok=True)
+                if old != path:  # a damaged newer one (skipped by restore) must not push the new one out
+                    old.unlink(missing_ok=True)
         return path
 
     def restore(self, directory: str | os.PathLike) -> int:

@@ -223,6 +223,9 @@ class FaultTolerance:
             every applied step, bit for bit whatever their dtype (default True). False is refused for a model
             with buffers: every member must hold the same ones, since any of them may hand the state to a
             replacement.
+        resume: a :meth:`state_dict` saved earlier (a checkpoint's) to start from. It is loaded before the
+            members first agree, so the furthest state among them wins: a replacement that joins a running job
+            takes the live state, not the older checkpoint.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -232,7 +235,8 @@ class FaultTolerance:
                  virtual_shards: int | None = None, deterministic: bool = False, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  fetch: Callable[[list[int]], Any] | None = None, device: torch.device | str | None = None,
-                 state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True) -> None:
+                 state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True,
+                 resume: Mapping[str, Any] | None = None) -> None:
         ctx = init()
         if hasattr(model, "module"):
             raise ValueError("FaultTolerance takes the plain module, not a DDP (or DataParallel) wrapper: it "
@@ -296,6 +300,8 @@ class FaultTolerance:
         and a join close together, a join while a step waited) are taken together, as the newest one, so two
         ranks' lists may differ in the epochs they name (each names the last one)."""
         self.group: dist.ProcessGroup | None = None
+        if resume is not None:
+            self.load_state_dict(resume)
         if self.membership is not None:
             self.membership.ready()
             self._rebuild(first=True)
@@ -694,10 +700,16 @@ class FaultTolerance:
         return int(size)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a state transfer (or a checkpoint of the mode) holds: model, optimizer, ``state``, step."""
+        """What a state transfer (or a checkpoint of the mode) holds: model, optimizer, ``state``, step.
+
+        Inside a step's loop body after ``step.sync()`` returned True (and ``optimizer.step()`` ran), the step
+        counts as applied: a checkpoint written there resumes at the next step.
+        """
+        step = self._step
+        committed = step.index + 1 if step is not None and step.synced else self.committed
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},
-                "committed": self.committed}
+                "committed": committed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

@@ -23,8 +23,17 @@ lived it: when the launcher's word arrived, when the group was rebuilt, when
 the first step after it was applied, the state received. At the end the
 first member writes ``model.safetensors`` and ``summary.json``.
 
-No checkpoint is written or read in this mode: its state lives in the
-surviving processes (the last one's death ends the run).
+Its state lives in the surviving processes, and also on disk, as a floor:
+the first member writes a checkpoint (``<output-dir>/checkpoints``, atomic,
+a digest per tensor, ``--keep-checkpoints`` kept) at every epoch's end and
+every ``--checkpoint-every`` steps, holding what a state transfer holds (the
+model, the optimizer, the step, the loop's own sums). When every worker (or
+the launcher) dies, the same command with ``--resume`` continues from the
+newest valid one, at any number of workers: the starting world, which sets
+the global batch, the learning rate and the shards, is the checkpoint's.
+Each step's randomness is seeded by its shard, so no generator state is
+saved; with ``--deterministic-shards`` the resumed run ends bitwise equal to
+the run that never stopped.
 """
 
 from __future__ import annotations
@@ -46,10 +55,11 @@ from ddpkit.runtime.durable import write_or_warn
 from ddpkit.runtime.group import shutdown
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
-from ddpkit.train.checkpoint import save_weights
+from ddpkit.train.checkpoint import CheckpointError, save_checkpoint, save_weights
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
+from ddpkit.train.state import checkpoint_files, checkpoint_name, newest_valid_checkpoint
 from ddpkit.train.survive import FaultTolerance, Step
 from ddpkit.train.survive_async import worker as async_worker
 
@@ -82,10 +92,13 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
     from ddpkit.launcher import LaunchConfig, run  # the launcher runs here, in this process
 
     nproc = config.nproc_per_node or 2
-    config.check_world(nproc)
+    if not config.resume:  # a resumed run: against the world it started with, once the claim found it
+        config.check_world(nproc)
     check()
-    claim = rundir.claim(config.to_dict(), nproc)
+    claim = rundir.claim(config.to_dict(), nproc, any_world=True)
     try:
+        if claim.world_size is not None:
+            config.check_world(nproc, start=claim.world_size)
         settings = {**config.to_dict(), "output_dir": str(claim.out)}
         os.environ[CONFIG_ENV] = json.dumps(settings)
         code = run(LaunchConfig(program="ddpkit.train.survive_loop", module=True, nproc_per_node=nproc,
@@ -129,8 +142,12 @@ class Progress:
 
 def worker(config: TrainConfig) -> dict[str, Any]:
     """One worker of the mode (see the module notes)."""
-    ctx, out, data = start_survivor(config)
-    world = ctx.world_size  # the starting world: the global batch and the learning rate keep it
+    ctx, out, data = start_survivor(config, check_world=not config.resume)
+    resumed = _newest(out, ctx.rank) if config.resume else None
+    # The starting world: the global batch, the learning rate and the shards keep it (a resumed run: the first's).
+    world = int(resumed[1]["extra"]["world_size"]) if resumed else ctx.world_size
+    if config.resume:
+        config.check_world(ctx.world_size, start=world)
     state = build_state(config, data, world, ctx.device)
     model, optimizer = state.model, state.optimizer
     x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
@@ -138,12 +155,19 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     ft = FaultTolerance(model, optimizer, data.train, config.batch_size * world,
                         virtual_shards=config.deterministic_shards or world,
                         deterministic=config.deterministic_shards is not None, seed=config.seed,
-                        fetch=lambda idx: (x[idx], y[idx]), state={"progress": progress})
+                        fetch=lambda idx: (x[idx], y[idx]), state={"progress": progress},
+                        resume=resumed[1]["ft"] if resumed else None)
+    if ft.committed > config.epochs * ft.steps_per_epoch:
+        raise ConfigError(f"--resume --epochs {config.epochs}: the run is at step {ft.committed}, past the end of "
+                          f"epoch {config.epochs} (step {config.epochs * ft.steps_per_epoch}): give --epochs "
+                          f"{-(-ft.committed // ft.steps_per_epoch)} or more")
     if ft.rank == 0 and not ft.changes:
         print(f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
-              f"--on-failure continue with {world} worker(s), global batch {config.batch_size * world} in "
+              f"--on-failure continue with {ctx.world_size} worker(s), global batch {config.batch_size * world} in "
               f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}), "
-              f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}", flush=True)
+              f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}"
+              + (f", resumed from {resumed[0].name} (step {ft.committed})" if resumed else ""), flush=True)
+    saver = Saver(config, out, world, ft.steps_per_epoch)
     autocast = autocast_for(config, ctx.device)
     # dynamic=False: one kernel per shape, whatever shapes a process saw before, so a replacement computes a shard's
     # bits as the others do (automatic dynamic shapes would give it a static kernel where they use a dynamic one).
@@ -169,8 +193,60 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         if step.synced and (step.index + 1) % ft.steps_per_epoch == 0:
             _end_epoch(config, ft, step, progress, data.test, out, autocast, time.perf_counter() - epoch_start)
             epoch_start = time.perf_counter()
+        if step.synced and ft.rank == 0 and saver.due(step.index + 1):
+            saver.save(ft)
     _write_changes(out, ft)
     return _finish(config, ft, progress, len(data.test), out, time.perf_counter() - start)
+
+
+def _newest(out: Path, rank: int) -> tuple[Path, dict[str, Any]] | None:
+    """``--resume``: the newest valid checkpoint of the run (damaged newer ones skipped with a warning), or None:
+    the run stopped before its first (rank 0 says so)."""
+    found = newest_valid_checkpoint(out / rundir.CHECKPOINT_DIR)
+    if found is None:
+        if rank == 0:
+            print(f"ddpkit train: --resume: no checkpoint in {out / rundir.CHECKPOINT_DIR} yet: starting the run "
+                  "from the start", flush=True)
+        return None
+    if "ft" not in found[1]:
+        raise ConfigError(f"--resume: {found[0]} was written by --on-failure restart, not by this mode: resume it "
+                          "with --on-failure restart")
+    return found
+
+
+class Saver:
+    """The first member's checkpoints (see the module notes): one that cannot be written warns once, training goes
+    on (the state still lives in the workers)."""
+
+    def __init__(self, config: TrainConfig, out: Path, world: int, steps_per_epoch: int) -> None:
+        self.config = config
+        self.folder = out / rundir.CHECKPOINT_DIR
+        self.world = world
+        self.steps_per_epoch = steps_per_epoch
+        self.failing = False
+
+    def due(self, committed: int) -> bool:
+        every = self.config.checkpoint_every
+        return committed % self.steps_per_epoch == 0 or bool(every and committed % every == 0)
+
+    def save(self, ft: FaultTolerance) -> None:
+        """After the step's ``optimizer.step()``: the state as of the next step."""
+        state = ft.state_dict()
+        done = state["committed"]
+        extra = {"config": self.config.to_dict(), "world_size": self.world, "epoch": done // self.steps_per_epoch}
+        try:
+            save_checkpoint(self.folder / checkpoint_name(done), {"step": done, "extra": extra, "ft": state})
+        except CheckpointError as e:
+            if not self.failing:
+                print(f"ddpkit train: warning: {e}; training goes on (the state lives in the workers; a --resume "
+                      "after every worker died would take an older checkpoint)", flush=True)
+            self.failing = True
+            return
+        self.failing = False
+        written = self.folder / checkpoint_name(done)
+        for _, old in checkpoint_files(self.folder)[: -self.config.keep_checkpoints]:
+            if old != written:  # a damaged newer one (skipped by --resume) must not push the new one out
+                old.unlink(missing_ok=True)
 
 
 def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Progress, test: Any, out: Path,
