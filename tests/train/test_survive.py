@@ -434,11 +434,12 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-@pytest.mark.slow("three ddpkit train runs of two or three workers in the mode, one killed")
-@pytest.mark.parametrize("victims", ["workers", "launcher"])
+@pytest.mark.slow("two or three ddpkit train runs of two or three workers in the mode, one killed")
+@pytest.mark.parametrize("victims", ["workers", "launcher", "workers, and --max-restarts"])
 def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp_path: Path, shared_runs,
                                                                               victims: str) -> None:
     import os
+    import re
     import signal
 
     from safetensors.torch import load_file
@@ -450,9 +451,10 @@ def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp
 
     ref, _ = shared_runs.get("floor: " + " ".join(FLOOR), reference)
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", *FLOOR, "--output-dir",
-                             str(out)], env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
+    restarts = ["--max-restarts", "1"] if "restarts" in victims else []
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", *FLOOR, *restarts,
+                             "--output-dir", str(out)], env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
         for line in proc.stdout:
             if "epoch 1/2" in line:
@@ -462,19 +464,24 @@ def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp
         while not any(int(p.stem.split("-")[1]) > 23 for p in (out / "checkpoints").glob("step-*.safetensors")):
             assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint in the second epoch"
             time.sleep(0.01)
-        for pid in _children(proc.pid) if victims == "workers" else [proc.pid]:
+        for pid in [proc.pid] if victims == "launcher" else _children(proc.pid):
             os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        said = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
         proc.communicate()
-    assert not (out / "summary.json").exists()
-    done = _floor_run(out, 3, "--resume")  # another world: the global batch and the shards are the checkpoint's
-    assert done.returncode == 0, done.stderr[-3000:]
-    import re
-
-    resumed_at = int(re.search(r"resumed from step-\d+\.safetensors \(step (\d+)\)", done.stdout).group(1))
-    assert 23 < resumed_at < 46 and "with 3 worker(s)" in done.stdout  # within the second epoch: steps trained
+    if restarts:  # the command restarts every worker from the newest checkpoint by itself
+        assert proc.returncode == 0, said[-3000:]
+        assert "no worker holding the training state is left; restart 1 of 1" in said
+        resumed = said
+    else:
+        assert not (out / "summary.json").exists()
+        done = _floor_run(out, 3, "--resume")  # another world: the global batch and the shards are the checkpoint's
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "with 3 worker(s)" in done.stdout
+        resumed = done.stdout
+    resumed_at = int(re.search(r"resumed from step-\d+\.safetensors \(step (\d+)\)", resumed).group(1))
+    assert 23 < resumed_at < 46  # within the second epoch: the resumed run trained steps
     mine = load_file(out / "model.safetensors")
     assert all(ref[k].equal(mine[k]) for k in ref)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,9 @@ Two ways in, as for the default mode:
 
 * ``ddpkit train --on-failure continue`` alone claims the run directory and
   starts its workers through ``ddpkit launch --on-failure continue`` in this
-  process (``--max-restarts`` replacements);
+  process (``--max-restarts`` replacements; and when no worker holding the
+  state is left, up to ``--max-restarts`` restarts of every worker from the
+  newest checkpoint);
 * inside ``ddpkit launch --on-failure continue`` each process is one worker
   (give ``--output-dir``: workers whose first rank may die cannot agree on a
   new name).
@@ -100,11 +102,21 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
         if claim.world_size is not None:
             config.check_world(nproc, start=claim.world_size)
         settings = {**config.to_dict(), "output_dir": str(claim.out)}
-        os.environ[CONFIG_ENV] = json.dumps(settings)
-        code = run(LaunchConfig(program="ddpkit.train.survive_loop", module=True, nproc_per_node=nproc,
-                                standalone=True, on_failure="continue", max_restarts=config.max_restarts,
-                                backend=config.backend, num_servers=config.num_servers if servers else 0,
-                                ps_replication=config.ps_replication))
+        for attempt in range(config.max_restarts + 1):
+            os.environ[CONFIG_ENV] = json.dumps(settings)
+            code = run(LaunchConfig(program="ddpkit.train.survive_loop", module=True, nproc_per_node=nproc,
+                                    standalone=True, on_failure="continue", max_restarts=config.max_restarts,
+                                    backend=config.backend, num_servers=config.num_servers if servers else 0,
+                                    ps_replication=config.ps_replication))
+            if code == 0:
+                break
+            found = newest_valid_checkpoint(claim.out / rundir.CHECKPOINT_DIR)  # (ps and ssp: no restarts, no files)
+            if found is None or attempt == config.max_restarts:
+                break
+            print(f"ddpkit train: no worker holding the training state is left; restart {attempt + 1} of "
+                  f"{config.max_restarts} (--max-restarts): every worker starts again from {found[0]}, the newest "
+                  "checkpoint", flush=True)
+            settings["resume"] = True
     finally:
         os.environ.pop(CONFIG_ENV, None)
         rundir.release()
