@@ -3,7 +3,8 @@
     ddpkit launch --standalone --nproc-per-node 4 --on-failure continue --max-restarts 2 \
         examples/fault_tolerant.py --epochs 5
 
-Kill any worker (kill -9 PID) while it trains: the others go on in the same processes within a
+Each worker prints its PID as it starts, and ``--step-time`` (default 0.05 s) paces the steps so the run lasts
+long enough to kill one by hand (about 20 s at 3 epochs). Kill any worker (kill -9 PID) while it trains: the others go on in the same processes within a
 fraction of a second, its share of each step spread over them, and (with --max-restarts) a
 replacement joins and gets the state from a peer. The final weights, printed as a checksum, are
 the same bits as the run without a failure (--deterministic).
@@ -11,6 +12,8 @@ the same bits as the run without a failure (--deterministic).
 
 import argparse
 import hashlib
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,8 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--batch-size", type=int, default=64, help="the global batch of every step")
 parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                     help="bitwise equal to the run without a failure (default on)")
+parser.add_argument("--step-time", type=float, default=0.05,
+                    help="seconds each step waits (a stand-in for a larger model), so there is time to kill a worker")
 args = parser.parse_args()
 
 ddpkit.init()
@@ -36,7 +41,9 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
 
 ft = ddpkit.FaultTolerance(model, optimizer, TensorDataset(x, y), batch_size=args.batch_size, virtual_shards=4,
                            deterministic=args.deterministic, state={"scheduler": scheduler})
+print(f"worker {ft.rank} of {ft.world_size}: pid {os.getpid()} (kill -9 it to try the mode)", flush=True)
 for step in ft.steps(epochs=args.epochs):
+    time.sleep(args.step_time)
     loss_sum = torch.zeros(1)
     for xb, yb in step:  # this worker's shards of the step, one micro-batch each
         loss = F.cross_entropy(model(xb), yb)

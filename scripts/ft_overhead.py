@@ -25,6 +25,8 @@ parser.add_argument("--hidden", type=int, default=4640, help="MLP width (4640: a
 parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--shards-per-rank", type=int, default=1,
+                    help="virtual shards per rank (V = this x the world size; the docs recommend 4 for spares)")
 args = parser.parse_args()
 
 ctx = ddpkit.init()
@@ -46,7 +48,7 @@ engines = {}
 for name, det in (("fault-tolerance", False), ("deterministic", True)):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ft = ddpkit.FaultTolerance(model, opt, data, batch_size=args.batch * world, virtual_shards=world,
+    ft = ddpkit.FaultTolerance(model, opt, data, batch_size=args.batch * world, virtual_shards=world * args.shards_per_rank,
                                deterministic=det, shuffle=False)
     engines[name] = (model, opt, ft.steps(max_steps=args.steps + args.warmup))
 
@@ -85,7 +87,8 @@ for i in range(args.steps + args.warmup):
             times[name].append(float(elapsed))
 if ctx.rank == 0:
     params = sum(p.numel() for p in ddp_model.parameters())
-    print(f"{params / 1e6:.1f} M parameters, {world} ranks, {args.batch} samples per rank, {args.steps} steps")
+    print(f"{params / 1e6:.1f} M parameters, {world} ranks, {args.batch} samples per rank, {args.steps} steps, "
+          f"V = {world * args.shards_per_rank}")
     ddp = times["ddp"]
     for name, ts in times.items():
         ratios = sorted(t / d for t, d in zip(ts, ddp))
