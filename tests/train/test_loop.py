@@ -226,6 +226,7 @@ def test_cli_end_to_end_two_processes(tmp_path: Path) -> None:
     assert summary["world_size"] == 2 and summary["test_samples"] == 48
     assert (out / "checkpoints" / "step-00000006.safetensors").is_file()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow("a training run under ddpkit launch")
@@ -359,3 +360,18 @@ def test_strategies_optimizer_equals_ddp_and_local_sgd_resumes_exactly(dist2, tm
     for k in a:
         assert torch.equal(a[k], b[k]), f"local SGD resumed: {k}"
     assert all(torch.isfinite(v).all() for v in a.values())
+
+
+def test_the_curves_are_drawn_from_the_history_and_a_failure_only_warns(tmp_path: Path, capsys) -> None:
+    from PIL import Image
+
+    from ddpkit.train.curves import write_curves
+
+    history = [{"epoch": e, "train_loss": 2.0 / e, "test_loss": 1.0 / e, "test_accuracy": 0.8 + 0.05 * e,
+                "world_size": 4 if e < 3 else 3} for e in (1, 2, 3)]
+    path = write_curves(tmp_path, history)
+    assert path == tmp_path / "curves.png" and Image.open(path).size == (810, 324)
+    assert write_curves(tmp_path, []) is None
+    (tmp_path / "a-file").write_text("")
+    assert write_curves(tmp_path / "a-file", history) is None  # cannot be written: a warning, not a failure
+    assert "could not draw" in capsys.readouterr().err

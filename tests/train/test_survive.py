@@ -148,6 +148,7 @@ def test_ddpkit_train_under_the_modes_launcher_takes_the_mode(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training in that mode, as with --on-failure continue" in done.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["on_failure"] == "continue"
+    assert (tmp_path / "run" / "curves.png").read_bytes().startswith(b"\x89PNG")  # the mode's run draws its curves
 
 
 def test_a_workers_usage_error_before_it_holds_the_state_ends_the_job_without_replacements(tmp_path: Path) -> None:

@@ -64,6 +64,7 @@ from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import restart, rundir, survive_loop
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
 from ddpkit.train.config import TrainConfig
+from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate
 from ddpkit.train.recipe import (
     autocast_for,
@@ -356,6 +357,7 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
             raise
         raise RunError(f"{e}; the final weights are in {run.out / 'model.safetensors'}") from e
     if dist.get_rank() == 0:
+        write_curves(run.out, run.progress["history"])
         ran = config.epochs - first_epoch
         epochs = f"{ran} epoch{'s' if ran != 1 else ''}" + (
             f" (epochs {first_epoch + 1}-{config.epochs}, resumed)" if first_epoch else "")

@@ -7,6 +7,7 @@ Layout of ``<output-dir>``::
     checkpoints/step-NNNNNNNN.safetensors   full training state after step N
     model.safetensors         final weights, plain module names
     summary.json              final figures
+    curves.png                the losses and the accuracy over the epochs (at the end)
 
 Rules that keep data safe:
 

@@ -41,6 +41,7 @@ from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.runtime import membership
 from ddpkit.runtime.durable import write_or_warn
 from ddpkit.train.checkpoint import save_weights
+from ddpkit.train.curves import write_curves
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
@@ -126,6 +127,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     if view.members[0] == members.member:
         save_weights(out / "model.safetensors", model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_curves(out, history)
         left = "" if ssp else (f" and {config.num_servers - len(view.servers_gone)} of {config.num_servers} "
                                "server(s)")
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "

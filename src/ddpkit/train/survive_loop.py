@@ -59,6 +59,7 @@ from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import CheckpointError, save_checkpoint, save_weights
 from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.state import checkpoint_files, checkpoint_name, newest_valid_checkpoint
@@ -302,6 +303,7 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
     if ft.rank == 0:
         save_weights(out / "model.safetensors", ft.model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_curves(out, progress.history)
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {loss:.4f}), {config.epochs} epoch(s) "
               f"in {wall:.1f} s, {ft.world_size} worker(s) at the end after {len(ft.changes)} membership change(s); "
               f"weights in {out / 'model.safetensors'}", flush=True)
