@@ -108,8 +108,11 @@ def test_format_results_has_one_row_per_workload():
                            hidden_ddpkit_direct=0.66, buckets=1) for w in ("convnet", "mlp")]
     lines = format_results(rows, 2).splitlines()
     body = [line for line in lines if line.startswith(("convnet", "mlp"))]
-    assert [line.split()[0] for line in body] == ["convnet", "mlp"]
-    assert all("0.500" in line and "2.00" in line and "4.00" in line for line in body)
+    # Two tables of a row each per workload: the times, then where the time goes.
+    assert [line.split()[0] for line in body] == ["convnet", "mlp", "convnet", "mlp"]
+    assert all("0.500" in line and "2.00" in line and "4.00" in line for line in body[:2])
+    assert all("1.50" in line and "66%" in line for line in body[2:])
+    assert max(len(line) for line in lines) <= 100  # a terminal's width, a pasted log's
 
 
 def test_median_confidence_interval_covers_the_median_and_narrows():

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -343,11 +344,9 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
     compiled_note = f", models under torch.compile (backend {compile_backend})" if compile_backend else ""
     where = "gloo, 1 thread per rank" if device == "cpu" else "nccl, one GPU per rank"
     lines = [
-        f"ddpkit bench: world size {world_size}, {where}{compiled_note}; median step times in ms",
+        *_wrap(f"ddpkit bench: world size {world_size}, {where}{compiled_note}; median step times in ms"),
         f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
-        f"{'95% CI':>11} {'ddpkit is':>9}  "
-        f"{'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "
-        f"{'overlap ddpkit/torch':>20}",
+        f"{'95% CI':>11} {'ddpkit is':>9}",
     ]
 
     def share(x: float | None) -> str:
@@ -357,24 +356,38 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
         lines.append(
             f"{r.workload:<11} {r.params:>10,} {r.steps:>5} {r.ddpkit_ms:>9.2f} {r.torch_ms:>9.2f} {r.ratio:>6.3f} "
             f"{r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f} {r.ratio_ci[0]:>5.3f}-{r.ratio_ci[1]:<5.3f} "
-            f"{verdict(r.ratio_ci):>9}  {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} "
-            f"{r.exposed_ddpkit_ms:>10.2f} {r.hidden_ddpkit_direct:>13.0%} "
-            f"{share(r.overlap_ddpkit):>11} /{share(r.overlap_torch):>7}"
+            f"{verdict(r.ratio_ci):>9}"
         )
-    lines.append(
+    lines += _wrap(
         "ratio = median over back-to-back step pairs of ddpkit / torch, with its quartiles (lower is better; it can "
         "sit on the other side of 1 than the two medians when the pairs disagree, which the IQR shows); 95% CI = "
         "confidence interval of that median (order statistics; more --steps narrow it), and ddpkit is faster or "
-        "slower when it lies on one side of 1, else level; compute = "
-        "step without communication; comm alone = all-reduce of the gradients with nothing else running; exposed = "
-        "ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / comm alone; "
-        f"overlap = share of all-reduce time that ran while gradients were still being computed, from the spans of "
-        f"{TRACED_STEPS} traced steps per engine (see --trace)"
-    )
+        "slower when it lies on one side of 1, else level")
+    lines += ["", "where the time goes",
+              f"{'workload':<11} {'compute ms':>10} {'comm alone ms':>13} {'exposed ms':>10} {'hidden direct':>13} "
+              f"{'overlap ddpkit/torch':>20}"]
+    for r in results:
+        lines.append(
+            f"{r.workload:<11} {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} {r.exposed_ddpkit_ms:>10.2f} "
+            f"{r.hidden_ddpkit_direct:>13.0%} {share(r.overlap_ddpkit):>11} /{share(r.overlap_torch):>7}"
+        )
+    lines += _wrap(
+        "compute = step without communication; comm alone = all-reduce of the gradients with nothing else running; "
+        "exposed = ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / "
+        "comm alone; overlap = share of all-reduce time that ran while gradients were still being computed, from "
+        f"the spans of {TRACED_STEPS} traced steps per engine (see --trace)")
     costed = [r for r in results if r.noop_ratio is not None]
     if costed:
         lines += ["", format_engine_cost(costed)]
     return "\n".join(lines)
+
+
+WIDTH = 100
+"""Columns of every line of the tables and their notes (a terminal's, or a pasted log's)."""
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, break_on_hyphens=False)
 
 
 def format_engine_cost(results: list[WorkloadResult]) -> str:
@@ -386,7 +399,7 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
         "engine cost: both engines with the same no-op comm hook (no communication on either side)",
         f"{'workload':<11} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
         f"{'ratio (defaults)':>16} {'peak MiB ddpkit':>15} {'torch':>7}",
-    ]
+    ]  # 94 columns
     for r in results:
         assert r.noop_ratio is not None and r.noop_ratio_iqr is not None
         lines.append(
@@ -394,7 +407,7 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
             f"{r.noop_ratio_iqr[0]:>5.3f}-{r.noop_ratio_iqr[1]:<5.3f} {r.ratio:>16.3f} "
             f"{mib(r.ddpkit_peak_mib):>15} {mib(r.torch_peak_mib):>7}"
         )
-    lines.append(
+    lines += _wrap(
         "ratio = median over back-to-back pairs of ddpkit / torch, each engine with the no-op hook: the engines' own "
         "bookkeeping alone (fair at world 1, where ddpkit skips the all-reduce torch's DDP still runs); ratio "
         "(defaults) = the table above's; peak MiB = peak GPU memory of each engine's steps above what was "
@@ -413,7 +426,7 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
                     f"{us:>8.0f} {us / r.param_tensors:>8.2f} {f'{us / buckets:.1f}' if buckets else '-':>9} "
                     f"{r.engine_ops[engine]:>8}"
                 )
-        lines.append(
+        lines += _wrap(
             "beyond the plain model, each engine with the no-op hook: us/step = median over rounds of the engine's "
             "step minus the plain model's step of the same round (us/param: per parameter tensor; us/bucket: per "
             "ddpkit bucket); ops/step = aten operations dispatched per step (top level, under torch's profiler) "
