@@ -25,6 +25,7 @@ import ddpkit.integrations.lightning  # noqa: F401 - registers the strategy name
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs")
+parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for one process per GPU (--devices of them)")
 parser.add_argument("--epochs", type=int, default=3)
 args = parser.parse_args()
 
@@ -52,7 +53,7 @@ g = torch.Generator().manual_seed(0)
 x = torch.randn(2048, 32, generator=g)
 y = (x[:, :16].sum(1) > x[:, 16:].sum(1)).long()
 L.seed_everything(0, verbose=False)
-trainer = L.Trainer(strategy="ddpkit", accelerator="auto", devices=args.devices, max_epochs=args.epochs,
+trainer = L.Trainer(strategy="ddpkit", accelerator=args.accelerator, devices=args.devices, max_epochs=args.epochs,
                     enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False)
 model = Classifier()
 trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True))

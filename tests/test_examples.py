@@ -95,6 +95,12 @@ def test_the_lightning_example_trains_in_ddpkits_wrapper(tmp_path: Path) -> None
             "DistributedDataParallel") in done.stdout
 
 
+def test_the_hello_example(tmp_path: Path) -> None:
+    done = _run(_launch(str(ROOT / "examples" / "hello_allreduce.py")), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(gloo): all-reduce sum = 3" in done.stdout and "ok: sum 3 == 3" in done.stdout
+
+
 def test_the_hello_example_under_mpirun(tmp_path: Path, mpi_why: str | None) -> None:
     from mpi_harness import skip_or_fail
 

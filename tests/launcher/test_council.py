@@ -65,7 +65,7 @@ def _councils(count: int, tokens: list[str] | None = None, meet_s: float = 10.0,
         node, token, {n: p for n, p in places.items() if n <= node or n in (seen or ())})
 
 
-def _until(condition, timeout: float = 5.0) -> float:  # type: ignore[no-untyped-def]
+def _until(condition, timeout: float = 20.0) -> float:  # type: ignore[no-untyped-def]  # generous: a loaded CI machine
     start = time.monotonic()
     while not condition():
         assert time.monotonic() - start < timeout, "not within the timeout"

@@ -135,8 +135,8 @@ class TrainConfig:
     on_failure: str = option(
         "restart", "what a worker's death does: restart (every worker restarts from the newest checkpoint, "
         "--max-restarts times) or continue (the survivors go on in the same processes, each step's global batch "
-        "spread over them; --max-restarts replacements join live, and when no worker holding the state is left, as many "
-        "restarts of all from the newest checkpoint; see ddpkit.FaultTolerance)",
+        "spread over them; --max-restarts replacements join live, and when no worker holding the state is left, as "
+        "many restarts of all from the newest checkpoint; see ddpkit.FaultTolerance)",
         choices=["restart", "continue"],
     )
     deterministic_shards: int | None = option(

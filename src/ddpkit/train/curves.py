@@ -3,8 +3,9 @@
 Two panels over the epochs: the training loss (the epoch's mean) and the
 test loss, and the test accuracy, with the world size noted where it
 changed (a fault-tolerant run's deaths and joins). matplotlib draws it (a
-dependency of ddpkit) on its file backend; a failure to draw or write warns
-and the run's result stands.
+dependency of ddpkit) on its file canvas, without pyplot (a process that
+called ``train()`` in-process keeps its own figures and backend); a failure
+to draw or write warns and the run's result stands.
 """
 
 from __future__ import annotations
@@ -37,21 +38,21 @@ def write_curves(out: Path, history: Sequence[dict[str, Any]]) -> Path | None:
 
 
 def _png(history: Sequence[dict[str, Any]], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")  # a file, never a window
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     epochs = [r["epoch"] for r in history]
-    fig, (losses, accuracy) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig = Figure(figsize=(9, 3.6))
+    FigureCanvasAgg(fig)
+    losses, accuracy = fig.subplots(1, 2)
     losses.plot(epochs, [r["train_loss"] for r in history], "o-", label="train (epoch mean)")
     losses.plot(epochs, [r["test_loss"] for r in history], "s-", label="test")
     losses.set_ylabel("loss")
     losses.legend()
     accuracy.plot(epochs, [100 * r["test_accuracy"] for r in history], "o-", color="tab:green")
     accuracy.set_ylabel("test accuracy (%)")
-    worlds = [r.get("world_size") for r in history]
+    worlds = [r.get("world_size", r.get("workers")) for r in history]
     for i in range(1, len(history)):
         if worlds[i] != worlds[i - 1] and worlds[i] is not None:
             for ax in (losses, accuracy):
@@ -66,5 +67,4 @@ def _png(history: Sequence[dict[str, Any]], title: str) -> bytes:
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
     return buffer.getvalue()

@@ -357,11 +357,12 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
             raise
         raise RunError(f"{e}; the final weights are in {run.out / 'model.safetensors'}") from e
     if dist.get_rank() == 0:
-        write_curves(run.out, run.progress["history"])
         ran = config.epochs - first_epoch
         epochs = f"{ran} epoch{'s' if ran != 1 else ''}" + (
             f" (epochs {first_epoch + 1}-{config.epochs}, resumed)" if first_epoch else "")
         print(f"test accuracy: {100 * test_acc:.2f}% on {n_test} images (test loss {test_loss:.4f}), {epochs} in "
               f"{wall:.1f} s on {world} process(es); weights in {run.out / 'model.safetensors'}", flush=True)
     barrier()
+    if dist.get_rank() == 0:  # after the others' last wait: drawing (a first matplotlib import) holds no one up
+        write_curves(run.out, run.progress["history"])
     return summary

@@ -40,8 +40,9 @@ from the time it costs:
   all); each micro-batch runs with the RNG seeded by (seed, step, shard).
   The sum no longer depends on which rank computed which shard, so a run
   with any number of deaths ends **bitwise equal** to the run without one.
-  It costs ``V/n`` gradient slots per rank, the same again to receive, and
-  ``V/n`` gradients' worth of bytes where an all-reduce moves one. Without it, a death changes the order of float additions:
+  It costs ``V/n`` gradient slots per rank, about ``V/n + 3`` more gradients'
+  worth of exchange buffers, and ``V/n`` gradients' worth of bytes where an
+  all-reduce moves one. Without it, a death changes the order of float additions:
   the result is within reduction-order noise of the run without a failure.
   At ``V`` = the world size and before any death, the default mode trains
   exactly the batches of a ``DistributedSampler`` job and its gradients
@@ -568,6 +569,11 @@ class FaultTolerance:
         shard's rows of its own block, adds them in shard order, and sends its block's sum to all. Every element
         is ``0 + g_0 + g_1 + ... + g_{V-1}`` as before, so the bits do not depend on the world size, and each rank
         receives ``V/n`` gradients' worth of blocks (plus one gradient), not ``V(n-1)/n`` whole gradients.
+
+        Its buffers are kept from step to step (about ``2 V/n + 3`` gradients' worth: the send and receive
+        layouts, the block sums sent to all, and two results in turn): ``.grad`` views the result, so a
+        gradient kept from one step stays intact through the next step's reduction and is overwritten by the
+        one after, as in the summed mode.
         """
         rows, n, g = buffer.shape[0], self.world_size, self.numel
         if self.group is None or n == 1:
@@ -582,8 +588,8 @@ class FaultTolerance:
                 torch.empty(n, width, dtype=torch.float32, device=self.device) for _ in range(3)]
         send, received, blocks, *totals = self._received
         for b in range(n):
-            lo, hi = b * width, min((b + 1) * width, g)
-            send[b, :, : hi - lo] = buffer[:, lo:hi]  # the last block's tail stays zero
+            lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
+            send[b, :, : hi - lo] = buffer[:, lo:hi]  # the tail past the gradient stays zero
         self._wait(self.group.alltoall_base(received, send, [], []))
         block = blocks[0]
         block.zero_()
