@@ -3,13 +3,19 @@
 Each finished epoch becomes one point, at the run's optimizer step, of the
 scalars ``train/loss``, ``test/loss``, ``test/accuracy``, ``lr``,
 ``perf/samples_per_s`` and ``perf/epoch_time_s`` (the names of Lightning's and
-the Hugging Face Trainer's loggers, ``train/...`` and ``test/...``). Written
-by rank 0 through torch's ``SummaryWriter`` (the ``tensorboard`` package,
-``pip install 'ddpkit[tensorboard]'``).
+the Hugging Face Trainer's loggers, ``train/...`` and ``test/...``). Every
+:data:`STEP_EVERY` optimizer steps rank 0 also adds ``train/loss_step``, the
+mean loss of its own micro-batches of that step (Lightning's ``*_step``
+convention; read back only then, so a GPU step is not made to wait every
+time). Written by rank 0 through torch's ``SummaryWriter`` (the
+``tensorboard`` package, ``pip install 'ddpkit[tensorboard]'``).
 
-A resumed or restarted run writes its whole history again, after a purge
-marker at step 0 that hides every earlier point (TensorBoard's own rule for
-a restarted run): each epoch shows once, as ``metrics.jsonl`` has it.
+A resumed or restarted run puts a purge marker at the step it resumes from
+(TensorBoard's own rule for a restarted run: every point of an earlier
+attempt at or after it is hidden) and writes the epochs from there again:
+each epoch and each logged step shows once, as the run that never stopped
+would show it. Into a directory without earlier event files it writes the
+whole history.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from typing import Any
 
 from ddpkit.runtime.options import ConfigError
 
-__all__ = ["SCALARS", "EpochBoard", "check"]
+__all__ = ["SCALARS", "STEP_EVERY", "EpochBoard", "check"]
 
 SCALARS = {"train_loss": "train/loss", "test_loss": "test/loss", "test_accuracy": "test/accuracy", "lr": "lr",
            "samples_per_s": "perf/samples_per_s", "epoch_time_s": "perf/epoch_time_s"}
 """``metrics.jsonl`` key -> TensorBoard tag."""
+
+STEP_EVERY = 10
+"""Optimizer steps between two points of ``train/loss_step``."""
 
 
 def check(directory: Path) -> None:
@@ -47,24 +56,33 @@ class EpochBoard:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self._writer: Any = None
+        self.steps = True
+        """Whether per-step points are written (False after one could not be)."""
 
-    def _open(self, purge: bool) -> Any:
+    def _open(self, purge_at: int | None) -> Any:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.directory), purge_step=0 if purge else None)
+            self._writer = SummaryWriter(str(self.directory), purge_step=purge_at)
         return self._writer
 
     def write(self, record: Mapping[str, Any]) -> None:
         """One finished epoch (a ``metrics.jsonl`` record) at its optimizer step."""
-        self._add(self._open(purge=False), record)
+        self._add(self._open(purge_at=None), record)
         self._writer.flush()
 
-    def rewrite(self, history: Iterable[Mapping[str, Any]]) -> None:
-        """A resumed run: hide every point written before, then write ``history`` (see the module notes)."""
-        writer = self._open(purge=True)
+    def step(self, step: int, loss: float) -> None:
+        """``train/loss_step`` at optimizer step ``step`` (every :data:`STEP_EVERY`)."""
+        self._open(purge_at=None).add_scalar("train/loss_step", loss, global_step=step)
+
+    def rewrite(self, history: Iterable[Mapping[str, Any]], start: int) -> None:
+        """A run resumed at optimizer step ``start``: hide what earlier attempts wrote from there on, then write the
+        epochs of ``history`` from there (all of them into a directory without earlier events)."""
+        fresh = not any(self.directory.glob("events.out.tfevents.*"))
+        writer = self._open(purge_at=start)
         for record in history:
-            self._add(writer, record)
+            if fresh or int(record["step"]) >= start:
+                self._add(writer, record)
         writer.flush()
 
     @staticmethod

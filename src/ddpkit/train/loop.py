@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ddpkit.data.datasets import load_dataset
-from ddpkit.integrations.tensorboard import EpochBoard
+from ddpkit.integrations.tensorboard import STEP_EVERY, EpochBoard
 from ddpkit.parallel.common.trace import instrument, write
 from ddpkit.runtime import events, variables
 from ddpkit.runtime.devices import comm_tensor
@@ -148,6 +148,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
         tracer = run.tracer()
         began = time.perf_counter()
         state.optimizer.zero_grad(set_to_none=True)
+        step_sum = torch.zeros((), dtype=torch.float64, device=run.device)
         for j, b in enumerate(group):
             with run.strategy.micro_batch(last=j == len(group) - 1):
                 with tracer.phase("data"):
@@ -158,6 +159,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
                     loss = F.cross_entropy(logits.float(), yb)
                 tracer.backward(state.scaler.scale(loss / len(group)).backward)
             loss_sum += loss.detach().double() * len(b)
+            step_sum += loss.detach().double() * len(b)
             run.seen.index_add_(0, b, ones[: len(b)])
             count += len(b)
             consumed += len(b)
@@ -171,6 +173,8 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
         with tracer.phase("optimizer"):
             run.strategy.step(state.scaler, state.optimizer)
         state.step += 1
+        if run.board is not None and state.step % STEP_EVERY == 0:  # read back only then (rank 0)
+            run.publish_step(state.step, step_sum.item() / sum(len(b) for b in group))
         progress["batches_done"] += 1
         bar.update(1)
         more_this_epoch = s + config.grad_accum < len(batches)
@@ -250,7 +254,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     if config.tensorboard is not None and ctx.rank == 0:
         run.board = EpochBoard(config.tensorboard)
         if claim.checkpoint is not None or attempt:
-            run.board.rewrite(run.progress["history"])  # and hides what the attempt before wrote after it
+            # Hides what an attempt before wrote from the resumed step on, and writes those epochs again.
+            run.board.rewrite(run.progress["history"], claim.step if claim.checkpoint is not None else 0)
     how = [f"backend {dist.get_backend()}", f"strategy {config.strategy}"]
     how += [f"ZeRO stage {config.zero}"] if config.zero else []
     how += [f"comm hook {config.comm_hook}"] if config.comm_hook != "none" else []

@@ -161,6 +161,19 @@ class Run:
             print(f"ddpkit train: warning: could not write TensorBoard events to {self.board.directory}: "
                   f"{describe_write_error(e)}; training goes on", flush=True)
 
+    def publish_step(self, step: int, loss: float) -> None:
+        """Rank 0's mean loss of optimizer step ``step`` to the TensorBoard files. A failure warns once and ends
+        the per-step points of this run (the epochs' go on being tried, each failure warning)."""
+        board = self.board
+        if board is None or not board.steps:
+            return
+        try:
+            board.step(step, loss)
+        except OSError as e:
+            board.steps = False
+            print(f"ddpkit train: warning: could not write TensorBoard events to {board.directory}: "
+                  f"{describe_write_error(e)}; training goes on, without per-step points", flush=True)
+
     def write_metrics(self) -> None:
         """Rank 0 rewrites ``metrics.jsonl``; a failure warns (the history is in every checkpoint too)."""
         if dist.get_rank() != 0:
