@@ -55,6 +55,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -214,6 +215,7 @@ class Job:
     def start(self, log: Path, resume: bool = False, nodes: tuple[int, ...] = (0, 1)) -> None:
         from ddpkit.runtime.process import free_port
 
+        self.log = log
         env = {**os.environ, MARK: self.mark, "OMP_NUM_THREADS": "1", "DDPKIT_TIMEOUT": "60"}
         if self.mode == "nodes":  # a job across nodes needs a secret its launchers share (not on a command line)
             import secrets
@@ -292,8 +294,25 @@ def _wait_for_workers(job: Job, count: int, timeout: float) -> dict[int, int]:
     return _workers(job.mark)
 
 
+def _wait_for_holders(job: Job, timeout: float) -> None:
+    """``--mode continue``: until every replacement the launcher started holds the training state (its
+    ``member N holds the training state`` line), so that a fault never finds the state held only by processes
+    still starting. (A job that loses every holder at once ends, by design: the chaos is about faults a job can
+    survive, spaced as the launcher's replacements can follow.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.running():
+        text = job.log.read_text(errors="replace") if job.log.exists() else ""
+        started = set(re.findall(r"started member (\d+) to replace", text))
+        held = set(re.findall(r"member (\d+) holds the training state", text))
+        if started <= held:
+            return
+        time.sleep(0.05)
+
+
 def _send(kind: str, job: Job, rng: random.Random, watcher: Inotify | None, say) -> str:
     """Send one fault; return how the job is expected to live on: ``job``, ``relaunch``."""
+    if job.mode == "continue":
+        _wait_for_holders(job, 120)
     workers = _wait_for_workers(job, 2, 60)
     if not workers:
         return "none"
