@@ -49,7 +49,7 @@ from ddpkit.train.checkpoint import (
     save_checkpoint,
 )
 
-__all__ = ["TrainState", "checkpoint_files", "newest_valid_checkpoint"]
+__all__ = ["TrainState", "checkpoint_files", "newest_valid_checkpoint", "prune_checkpoints"]
 
 _NAME = re.compile(r"^step-(\d+)\.safetensors$")
 
@@ -65,6 +65,14 @@ def checkpoint_files(directory: str | os.PathLike) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
     return sorted(found)
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int, written: Path) -> None:
+    """Delete all but the newest ``keep`` checkpoints of ``directory``, never ``written`` (the one just saved: a
+    damaged newer one, skipped by a resume, must not push it out)."""
+    for _, old in checkpoint_files(directory)[:-keep]:
+        if old != written:
+            old.unlink(missing_ok=True)
 
 
 def newest_valid_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
@@ -220,9 +228,7 @@ class TrainState:
         save_checkpoint(path, self.payload(step, sampler_consumed=sampler_consumed), within=within)
         self.step = step
         if _is_writer():
-            for _, old in checkpoint_files(directory)[: -self.keep]:
-                if old != path:  # a damaged newer one (skipped by restore) must not push the new one out
-                    old.unlink(missing_ok=True)
+            prune_checkpoints(directory, self.keep, path)
         return path
 
     def restore(self, directory: str | os.PathLike) -> int:

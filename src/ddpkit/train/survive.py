@@ -292,7 +292,7 @@ class FaultTolerance:
         """The step in flight (from its start to the next one's), whose collectives abort it on a change."""
         self._pool: list[torch.Tensor] = []
         """The two send buffers steps take in turn (:meth:`new_buffer`)."""
-        self._received: list[torch.Tensor] = []
+        self._exchange: list[torch.Tensor] = []
         """The deterministic mode's exchange buffers (:meth:`_ordered_sum`), kept from step to step (fresh ones
         would be new pages every step); dropped with the send buffers on a membership change."""
         self._written: set[tuple[int, int]] = set()
@@ -583,10 +583,10 @@ class FaultTolerance:
             return total
         width = -(-g // n)  # the block of rank b: elements [b * width, (b + 1) * width)
         shape = (n, rows, width)
-        if not self._received or self._received[0].shape != shape:  # kept: fresh pages every step cost more than
-            self._received = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2)] + [
+        if not self._exchange or self._exchange[0].shape != shape:  # kept between steps (see the docstring)
+            self._exchange = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2)] + [
                 torch.empty(n, width, dtype=torch.float32, device=self.device) for _ in range(3)]
-        send, received, blocks, *totals = self._received
+        send, received, blocks, *totals = self._exchange
         for b in range(n):
             lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
             send[b, :, : hi - lo] = buffer[:, lo:hi]  # the tail past the gradient stays zero
@@ -597,7 +597,7 @@ class FaultTolerance:
             block.add_(received[shard % n, shard // n])
         blocks[1:] = block
         totals.reverse()  # two in turn: ``.grad`` views the last step's while this one's arrives
-        self._received[3:] = totals
+        self._exchange[3:] = totals
         total = totals[0]
         self._wait(self.group.alltoall_base(total, blocks, [], []))
         return total.view(-1)[:g]
@@ -614,7 +614,7 @@ class FaultTolerance:
         for p in self.params:
             p.grad = None
         self._pool = []  # the abandoned operation may still read or write them
-        self._received = []
+        self._exchange = []
         self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
         return None

@@ -62,7 +62,7 @@ from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
-from ddpkit.train.state import checkpoint_files, checkpoint_name, newest_valid_checkpoint
+from ddpkit.train.state import checkpoint_name, newest_valid_checkpoint, prune_checkpoints
 from ddpkit.train.survive import FaultTolerance, Step
 from ddpkit.train.survive_async import worker as async_worker
 
@@ -256,10 +256,7 @@ class Saver:
             self.failing = True
             return
         self.failing = False
-        written = self.folder / checkpoint_name(done)
-        for _, old in checkpoint_files(self.folder)[: -self.config.keep_checkpoints]:
-            if old != written:  # a damaged newer one (skipped by --resume) must not push the new one out
-                old.unlink(missing_ok=True)
+        prune_checkpoints(self.folder, self.config.keep_checkpoints, self.folder / checkpoint_name(done))
 
 
 def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Progress, test: Any, out: Path,
