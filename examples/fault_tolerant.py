@@ -1,6 +1,6 @@
 """Training that goes on when a worker dies: ddpkit.FaultTolerance under ddpkit launch --on-failure continue.
 
-    ddpkit launch --standalone --nproc-per-node 4 --on-failure continue --max-restarts 2 \
+    .venv/bin/ddpkit launch --standalone --nproc-per-node 4 --on-failure continue --max-restarts 2 \
         examples/fault_tolerant.py --epochs 5
 
 Each worker prints its PID as it starts, and ``--step-time`` (default 0.05 s) paces the steps so the run lasts

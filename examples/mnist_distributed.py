@@ -5,9 +5,9 @@ rank from ``--nodes/--gpus/--nr``, calls ``init_process_group`` and wraps the
 ConvNet in torch's DDP. With ddpkit the launcher's environment carries all of
 that, so the same file runs
 
-    python examples/mnist_distributed.py --nprocs 2            # starts its own 2 workers
-    ddpkit launch --nproc-per-node 2 examples/mnist_distributed.py
-    torchrun --nnodes 2 --nproc-per-node 8 ... examples/mnist_distributed.py
+    .venv/bin/python examples/mnist_distributed.py --nprocs 2            # starts its own 2 workers
+    .venv/bin/ddpkit launch --nproc-per-node 2 examples/mnist_distributed.py
+    .venv/bin/torchrun --nnodes 2 --nproc-per-node 8 ... examples/mnist_distributed.py
 
 Data: the MNIST IDX files with ``--data-dir`` (e.g. ../shared/data/mnist), else
 scikit-learn's small digits set scaled to 28x28, which needs no download.

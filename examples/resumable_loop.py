@@ -1,6 +1,6 @@
 """Your own training loop that survives a crash: ddpkit.TrainState under ddpkit launch --max-restarts.
 
-    ddpkit launch --standalone --nproc-per-node 2 --max-restarts 3 examples/resumable_loop.py --out run
+    .venv/bin/ddpkit launch --standalone --nproc-per-node 2 --max-restarts 3 examples/resumable_loop.py --out run
 
 Kill any worker with ``kill -9`` while it runs: the launcher restarts the
 group, ``state.restore`` brings back the newest valid checkpoint (model,

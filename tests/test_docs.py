@@ -140,6 +140,8 @@ USER_SCRIPTS = {"train.py"}
 """The reader's own script, which the pages name as such (``Saved as train.py``)."""
 PLACEHOLDERS = {"NODE": "0", "$probe": "death-in-backward"}
 """Words the pages ask the reader to replace, and a value each."""
+VENV_PROGRAMS = ("ddpkit", "python", "python3", "torchrun")
+"""Programs the project's venv provides: the pages call them by their path in it, as the README does."""
 PROGRAM = re.compile(r"^(?:\.venv/bin/)?(ddpkit|python3?|torchrun|mpirun|srun|bash)$")
 
 
@@ -173,6 +175,8 @@ def problems(argv: list[str]) -> list[str]:
     from ddpkit.cli import build_parser
 
     name = PROGRAM.match(argv[0]).group(1)  # type: ignore[union-attr]
+    if name in VENV_PROGRAMS and argv[0] == name:  # a shell without the venv activated has no such program
+        return [f"{name} without .venv/bin/: every page names the project's venv (`.venv/bin/{name}`)"]
     if name in ("mpirun", "srun"):  # their own flags, then the program they start
         inner = next((i for i, t in enumerate(argv) if PROGRAM.match(t) and i > 0), None)
         return problems(argv[inner:]) if inner is not None else []
@@ -216,13 +220,18 @@ def test_every_documented_command_parses_and_names_files_that_exist(block: Block
 def test_the_command_check_sees_a_wrong_flag_and_a_missing_file(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("<!-- test: not run (x) -->\n```bash\nddpkit launch --nnodes 2 --deterministic-shards 4 \\\n"
-                    "    train.py\npython examples/no_such.py && FOO=1 ddpkit train --epochs 1\n```\n")
+                    "    train.py\n.venv/bin/python examples/no_such.py && FOO=1 .venv/bin/ddpkit train --epochs 1\n"
+                    "mpirun -np 2 python train.py\n```\n")
     [block] = blocks(page)
     found = {" ".join(c): problems(c) for c in shell_commands(block)}
     assert found == {"ddpkit launch --nnodes 2 --deterministic-shards 4 train.py": [
-                         "unrecognized arguments: --deterministic-shards"],
-                     "python examples/no_such.py": ["no file examples/no_such.py"],
-                     "ddpkit train --epochs 1": []}
+                         "ddpkit without .venv/bin/: every page names the project's venv (`.venv/bin/ddpkit`)"],
+                     ".venv/bin/python examples/no_such.py": ["no file examples/no_such.py"],
+                     ".venv/bin/ddpkit train --epochs 1": [],
+                     "mpirun -np 2 python train.py": [
+                         "python without .venv/bin/: every page names the project's venv (`.venv/bin/python`)"]}
+    assert problems([".venv/bin/ddpkit", "launch", "--nnodes", "2", "--deterministic-shards", "4", "train.py"]) == [
+        "unrecognized arguments: --deterministic-shards"]
 
 
 # ---------------------------------------------------------------- navigation agrees with the pages

@@ -457,3 +457,18 @@ def test_the_memory_figures_read_this_process():
     rss, private = in_use()
     peak_rss, peak_private = peaks()
     assert 0 < private <= rss and peak_rss >= rss - 1 and peak_private > 0  # two counters, rounded apart
+
+
+def test_the_scaling_tables_fit_a_terminal_and_carry_every_recorded_point() -> None:
+    from ddpkit.bench.scaling import ScalingPoint, format_scaling
+
+    recorded = json.loads((Path(__file__).parents[2] / "docs" / "bench" / "scaling" / "bench.json").read_text())
+    points = [ScalingPoint(**{**p, "ratio_iqr": tuple(p["ratio_iqr"])}) for p in recorded["points"]]
+    lines = format_scaling(points).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    rows = [line.split() for line in lines if line.startswith(("weak", "strong", "size"))]
+    assert len(rows) == 2 * len(points)  # the times, then the throughput
+    for p, times, rates in zip(points, rows, rows[len(points):]):
+        assert times[:4] == rates[:4] == [p.sweep, p.workload, str(p.world_size), f"{p.params:,}"]
+        assert times[5:] == [f"{p.ddpkit_ms:.2f}", f"{p.torch_ms:.2f}", f"{p.ratio:.3f}"]
+        assert rates[4:6] == [f"{p.throughput('ddpkit'):.1f}", f"{p.throughput('torch'):.1f}"]

@@ -204,7 +204,9 @@ def test_bench_strategies_warms_the_larger_worlds_up_says_so_and_takes_no_progre
     row = RunResult(strategy="ddp", world_size=4, epoch_s=1.0, epoch_iqr=(1.0, 1.0), time_to_target_s=None,
                     final_accuracy=0.99, mb_per_step=0.1, wait_ms_per_step=1.0, max_wait_ms_per_step=1.0,
                     staleness_mean=None, staleness_max=None, max_lead=None, steps=96, warmup_epochs=2.0)
+    table = format_runs([row], cfg)
     assert ("learning rates (the same for every strategy of a world size): world 4: lr 0.02 x 4 = 0.08, reached "
-            "over 2 epochs of warm-up") in format_runs([row], cfg)
+            "over 2 epochs of warm-up") in " ".join(table.split())
+    assert max(map(len, table.splitlines())) <= 100
     assert main(["bench", "strategies", "--no-progress", "--epochs", "0"]) == 2  # the flag is taken
     assert "--repeats 1 and --epochs 0" in capsys.readouterr().err

@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.dispatch import engine_us, top_level_ops
 from ddpkit.bench.progress import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
+from ddpkit.bench.table import note_lines
 from ddpkit.bench.workloads import stepper, sync_device, workload
 from ddpkit.comm.hooks import noop_hook
 from ddpkit.parallel.common import trace
@@ -344,7 +344,7 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
     compiled_note = f", models under torch.compile (backend {compile_backend})" if compile_backend else ""
     where = "gloo, 1 thread per rank" if device == "cpu" else "nccl, one GPU per rank"
     lines = [
-        *_wrap(f"ddpkit bench: world size {world_size}, {where}{compiled_note}; median step times in ms"),
+        *note_lines(f"ddpkit bench: world size {world_size}, {where}{compiled_note}; median step times in ms"),
         f"{'workload':<11} {'params':>10} {'steps':>5} {'ddpkit ms':>9} {'torch ms':>9} {'ratio':>6} {'ratio IQR':>11} "
         f"{'95% CI':>11} {'ddpkit is':>9}",
     ]
@@ -358,7 +358,7 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
             f"{r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f} {r.ratio_ci[0]:>5.3f}-{r.ratio_ci[1]:<5.3f} "
             f"{verdict(r.ratio_ci):>9}"
         )
-    lines += _wrap(
+    lines += note_lines(
         "ratio = median over back-to-back step pairs of ddpkit / torch, with its quartiles (lower is better; it can "
         "sit on the other side of 1 than the two medians when the pairs disagree, which the IQR shows); 95% CI = "
         "confidence interval of that median (order statistics; more --steps narrow it), and ddpkit is faster or "
@@ -371,7 +371,7 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
             f"{r.workload:<11} {r.compute_ms:>10.2f} {r.comm_ms:>13.2f} {r.exposed_ddpkit_ms:>10.2f} "
             f"{r.hidden_ddpkit_direct:>13.0%} {share(r.overlap_ddpkit):>11} /{share(r.overlap_torch):>7}"
         )
-    lines += _wrap(
+    lines += note_lines(
         "compute = step without communication; comm alone = all-reduce of the gradients with nothing else running; "
         "exposed = ddpkit's median wait for communication at the end of backward; hidden direct = 1 - exposed / "
         "comm alone; overlap = share of all-reduce time that ran while gradients were still being computed, from "
@@ -380,14 +380,6 @@ def format_results(results: list[WorkloadResult], world_size: int, compile_backe
     if costed:
         lines += ["", format_engine_cost(costed)]
     return "\n".join(lines)
-
-
-WIDTH = 100
-"""Columns of every line of the tables and their notes (a terminal's, or a pasted log's)."""
-
-
-def _wrap(text: str) -> list[str]:
-    return textwrap.wrap(text, WIDTH, break_on_hyphens=False)
 
 
 def format_engine_cost(results: list[WorkloadResult]) -> str:
@@ -407,7 +399,7 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
             f"{r.noop_ratio_iqr[0]:>5.3f}-{r.noop_ratio_iqr[1]:<5.3f} {r.ratio:>16.3f} "
             f"{mib(r.ddpkit_peak_mib):>15} {mib(r.torch_peak_mib):>7}"
         )
-    lines += _wrap(
+    lines += note_lines(
         "ratio = median over back-to-back pairs of ddpkit / torch, each engine with the no-op hook: the engines' own "
         "bookkeeping alone (fair at world 1, where ddpkit skips the all-reduce torch's DDP still runs); ratio "
         "(defaults) = the table above's; peak MiB = peak GPU memory of each engine's steps above what was "
@@ -426,7 +418,7 @@ def format_engine_cost(results: list[WorkloadResult]) -> str:
                     f"{us:>8.0f} {us / r.param_tensors:>8.2f} {f'{us / buckets:.1f}' if buckets else '-':>9} "
                     f"{r.engine_ops[engine]:>8}"
                 )
-        lines += _wrap(
+        lines += note_lines(
             "beyond the plain model, each engine with the no-op hook: us/step = median over rounds of the engine's "
             "step minus the plain model's step of the same round (us/param: per parameter tensor; us/bucket: per "
             "ddpkit bucket); ops/step = aten operations dispatched per step (top level, under torch's profiler) "

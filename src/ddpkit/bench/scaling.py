@@ -34,6 +34,7 @@ from pathlib import Path
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.engines import bench_workload
 from ddpkit.bench.progress import machine, say
+from ddpkit.bench.table import note_lines
 from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.runtime.options import plain
 
@@ -113,15 +114,23 @@ def efficiency(points: list[ScalingPoint], point: ScalingPoint, engine: str) -> 
 
 
 def format_scaling(points: list[ScalingPoint]) -> str:
-    lines = ["ddpkit bench --scaling: gloo, 1 thread per rank; step times are medians in ms, throughput in samples/s",
+    """Two tables within :data:`~ddpkit.bench.table.WIDTH` columns: the step times, then the throughput."""
+    def key(p: ScalingPoint) -> str:
+        return f"{p.sweep:<7} {p.workload:<11} {p.world_size:>5} {p.params:>12,}"
+
+    lines = [*note_lines("ddpkit bench --scaling: gloo, 1 thread per rank; step times are medians in ms, "
+                         "throughput in samples/s over all ranks, efficiency against linear scaling from the "
+                         "sweep's smallest world"),
              f"{'sweep':<7} {'workload':<11} {'world':>5} {'params':>12} {'batch/rank':>10} {'ddpkit ms':>9} "
-             f"{'torch ms':>9} {'ratio':>6} {'ddpkit/s':>9} {'torch/s':>9} {'eff ddpkit':>10} {'eff torch':>9}"]
+             f"{'torch ms':>9} {'ratio':>6}"]
+    lines += [f"{key(p)} {p.batch_per_rank:>10} {p.ddpkit_ms:>9.2f} {p.torch_ms:>9.2f} "
+              f"{p.ratio:>6.3f}" for p in points]
+    lines += ["", f"{'sweep':<7} {'workload':<11} {'world':>5} {'params':>12} {'ddpkit/s':>9} {'torch/s':>9} "
+                  f"{'eff ddpkit':>10} {'eff torch':>9}"]
     for p in points:
         eff = (f"{efficiency(points, p, 'ddpkit'):>10.0%} {efficiency(points, p, 'torch'):>9.0%}"
-               if p.sweep != "size" else f"{'':>10} {'':>9}")
-        lines.append(f"{p.sweep:<7} {p.workload:<11} {p.world_size:>5} {p.params:>12,} {p.batch_per_rank:>10} "
-                     f"{p.ddpkit_ms:>9.2f} {p.torch_ms:>9.2f} {p.ratio:>6.3f} {p.throughput('ddpkit'):>9.1f} "
-                     f"{p.throughput('torch'):>9.1f} {eff}")
+               if p.sweep != "size" else f"{'-':>10} {'-':>9}")
+        lines.append(f"{key(p)} {p.throughput('ddpkit'):>9.1f} {p.throughput('torch'):>9.1f} {eff}")
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ddpkit.bench.stats import quartiles
+from ddpkit.bench.table import note_lines
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 from ddpkit.train.config import DATASETS, MODELS, STRATEGIES, TrainConfig
 
@@ -224,20 +225,20 @@ def format_runs(rows: list[RunResult], cfg: ConsistencyBenchConfig) -> str:
         + (f", reached over {cfg.warmup_at(w):g} epochs of warm-up" if cfg.warmup_at(w) else ", no warm-up")
         for w in sorted({r.world_size for r in rows}) for base in (cfg.train_config("ddp", w, Path(".")).lr,))
     lines = [
-        f"consistency models: {cfg.model} on {cfg.dataset}, {cfg.epochs} epochs, seed {cfg.seed}"
-        + (f", straggler {cfg.straggler}" if cfg.straggler else "") + f"; target accuracy {cfg.target_accuracy:.0%}",
-        f"learning rates (the same for every strategy of a world size): {rates}",
-        f"{'world':>5} {'strategy':<12} {'s/epoch':>8} {'IQR':>13} {'to target':>9} {'accuracy':>8} "
-        f"{'MB/step':>8} {'wait ms/step':>12} {'max':>7} {'staleness':>9} {'max':>4} {'lead':>4}",
+        *note_lines(f"consistency models: {cfg.model} on {cfg.dataset}, {cfg.epochs} epochs, seed {cfg.seed}"
+                    + (f", straggler {cfg.straggler}" if cfg.straggler else "")
+                    + f"; target accuracy {cfg.target_accuracy:.0%}"),
+        *note_lines(f"learning rates (the same for every strategy of a world size): {rates}"),
+        f"{'world':>5} {'strategy':<12} {'s/epoch':>8} {'IQR':>13} {'to target':>9} {'accuracy':>8}",
     ]
-    for r in rows:
-        lines.append(
-            f"{r.world_size:>5} {r.strategy:<12} {r.epoch_s:>8.3f} {r.epoch_iqr[0]:>6.3f}-{r.epoch_iqr[1]:<6.3f} "
-            f"{num(r.time_to_target_s, '.2f'):>9} {100 * r.final_accuracy:>7.2f}% {num(r.mb_per_step, '.3f'):>8} "
-            f"{r.wait_ms_per_step:>12.2f} {r.max_wait_ms_per_step:>7.2f} {num(r.staleness_mean, '.2f'):>9} "
-            f"{num(r.staleness_max, 'd'):>4} {num(r.max_lead, 'd'):>4}"
-        )
-    lines.append(
+    lines += [f"{r.world_size:>5} {r.strategy:<12} {r.epoch_s:>8.3f} {r.epoch_iqr[0]:>6.3f}-{r.epoch_iqr[1]:<6.3f} "
+              f"{num(r.time_to_target_s, '.2f'):>9} {100 * r.final_accuracy:>7.2f}%" for r in rows]
+    lines += ["", f"{'world':>5} {'strategy':<12} {'MB/step':>8} {'wait ms/step':>12} {'max':>7} {'staleness':>9} "
+                  f"{'max':>4} {'lead':>4}"]
+    lines += [f"{r.world_size:>5} {r.strategy:<12} {num(r.mb_per_step, '.3f'):>8} {r.wait_ms_per_step:>12.2f} "
+              f"{r.max_wait_ms_per_step:>7.2f} {num(r.staleness_mean, '.2f'):>9} {num(r.staleness_max, 'd'):>4} "
+              f"{num(r.max_lead, 'd'):>4}" for r in rows]
+    lines += note_lines(
         "s/epoch: median training time of an epoch (IQR over epochs); to target: training seconds until the first "
         "evaluation at the target ('-': never); MB/step: payload a rank hands to collectives or servers per step; "
         "wait: ms per step blocked on the others (mean over ranks, and the most); staleness: of the gradients "
