@@ -1,0 +1,107 @@
+"""Every strategy and flag of ``ddpkit train`` under every failure mode and backend either runs or is refused in one
+line before any worker starts (issue 65: ``--compile --on-failure continue`` was neither, every worker died).
+
+The answers are walked in-process for every pair of flags (the parser and ``TrainConfig``, what ``ddpkit train``
+checks before it starts a worker); each flag that is taken then trains for real under each failure mode on gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.cli import build_parser, main
+from ddpkit.runtime.options import ConfigError
+from ddpkit.train.config import TrainConfig
+from procs import base_env
+
+FLAGS = {
+    "ddp": [], "optimizer": ["--strategy", "optimizer"], "local-sgd": ["--strategy", "local-sgd"],
+    "ps-sync": ["--strategy", "ps-sync"], "ps-async": ["--strategy", "ps-async"], "ssp": ["--strategy", "ssp"],
+    "torch": ["--engine", "torch"], "dp": ["--engine", "dp"], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"],
+    "zero3": ["--zero", "3"], "fp16-hook": ["--comm-hook", "fp16"], "powersgd": ["--comm-hook", "powersgd"],
+    "compile": ["--compile"], "bf16": ["--amp", "bf16"], "sync-bn": ["--sync-bn"], "accum": ["--grad-accum", "2"],
+    "deterministic": ["--deterministic"],
+}
+"""The strategies and flags of the catalog that found the composition which broke (issue 65)."""
+MODES = {
+    "stop": [], "restart": ["--max-restarts", "1"], "continue": ["--on-failure", "continue"],
+    "continue-ordered": ["--on-failure", "continue", "--max-restarts", "1", "--deterministic-shards", "2"],
+}
+"""The failure modes: the job stops, restarts from its checkpoint, or goes on with the workers left (summed shards),
+or with replacements and ordered shards."""
+BACKENDS = {"gloo": [], "mpi": ["--backend", "mpi"]}
+SMALL = ["--dataset", "synthetic", "--synthetic-samples", "64", "--batch-size", "16", "--epochs", "1",
+         "--no-progress"]
+
+
+def refusal(argv: list[str]) -> str | None:
+    """What ``ddpkit train`` says of ``argv`` before it starts any worker: None where it takes them."""
+    args = build_parser().parse_args(["train", *argv])
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def cells() -> list[list[str]]:
+    """Every flag alone and every pair of flags (of different options), under each mode and backend."""
+    others = [f for f in FLAGS if FLAGS[f]]  # "ddp" is no flag: with another, it is that other alone
+    sets = [[f] for f in FLAGS] + [[a, b] for a, b in itertools.combinations(others, 2)
+                                   if FLAGS[a][0] != FLAGS[b][0]]
+    return [[*(x for f in flags for x in FLAGS[f]), *MODES[m], *BACKENDS[b]]
+            for flags in sets for m in MODES for b in BACKENDS]
+
+
+def test_every_pair_of_flags_is_taken_or_refused_in_one_line_naming_a_flag(capsys) -> None:
+    refused = taken = 0
+    for argv in cells():
+        why = refusal(argv)
+        if why is None:
+            taken += 1
+            continue
+        refused += 1
+        assert "\n" not in why and why.startswith("--"), (argv, why)
+        assert why.split()[0] in argv, (argv, why)  # it names a flag that was given
+    assert taken and refused
+    # The command itself answers the same, exit 2, one line on stderr, nothing started (a sample of the refusals).
+    for argv in (["--zero", "3", "--on-failure", "continue"], ["--comm-hook", "fp16", "--strategy", "ssp"],
+                 ["--strategy", "ps-sync", "--on-failure", "continue", "--max-restarts", "1"],
+                 ["--sync-bn", "--on-failure", "continue", "--backend", "mpi"]):
+        assert main(["train", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("ddpkit train: error: --"), err
+
+
+RUNS = [(flag, mode) for flag in FLAGS for mode in ("restart", "continue", "continue-ordered")
+        if refusal(FLAGS[flag] + MODES[mode]) is None]
+
+
+def test_the_modes_take_what_they_can_train() -> None:
+    # The matrix below is not empty by accident: what the continuing mode takes, and what it refuses.
+    taken = {flag for flag, mode in RUNS if mode == "continue"}
+    assert taken == {"ddp", "ps-sync", "ps-async", "ssp", "compile", "bf16", "deterministic"}
+    assert {flag for flag, mode in RUNS if mode == "continue-ordered"} == {"ddp", "compile", "bf16", "deterministic"}
+    assert {flag for flag, mode in RUNS if mode == "restart"} == set(FLAGS)
+
+
+def _slow_run(flag: str, mode: str) -> list:
+    marks = [pytest.mark.slow("torch.compile's first compilation in each of two workers")] if flag == "compile" else []
+    return pytest.param(flag, mode, marks=marks, id=f"{flag}-{mode}")
+
+
+@pytest.mark.parametrize("flag, mode", [_slow_run(f, m) for f, m in RUNS])
+def test_each_flag_that_is_taken_trains_under_each_failure_mode(flag: str, mode: str, tmp_path: Path) -> None:
+    argv = [*FLAGS[flag], *MODES[mode], *SMALL, "--output-dir", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "train", *argv], capture_output=True, text=True,
+                          timeout=240, env={**base_env(), "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "test accuracy:" in done.stdout and "Traceback" not in done.stderr
+    assert (tmp_path / "run" / "model.safetensors").is_file()
