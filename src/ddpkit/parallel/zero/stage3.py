@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import time
 import weakref
@@ -615,11 +616,21 @@ def optimizer_over_shards(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     engine = engine_of(inner)
     if engine is None:
         raise ValueError(f"{type(model).__name__} does not shard its parameters (zero_stage=3)")
-    if optimizer.state:
+    if any("step" not in state or float(state["step"]) > 0 for state in optimizer.state.values()):
+        # (Adagrad makes its state, at step 0, in its constructor: that is no step.)
         raise ValueError(f"{type(optimizer).__name__} has stepped already: its state cannot move to the shards; "
                          "build the optimizer after wrapping")
     groups = [{**g, "params": [engine.shard_of(p) for p in g["params"]]} for g in optimizer.param_groups]
-    return type(optimizer)(groups, **optimizer.defaults)
+    # The groups carry every setting; of the defaults, only what the constructor takes (AdamW's defaults hold
+    # `decoupled_weight_decay`, which its constructor sets itself and refuses), then all of them as they were.
+    taken = inspect.signature(type(optimizer)).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        given = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    else:
+        given = dict(optimizer.defaults)
+    sharded = type(optimizer)(groups, **given)
+    sharded.defaults = dict(optimizer.defaults)
+    return sharded
 
 
 def sharded_parameters(module: nn.Module, process_group: dist.ProcessGroup | None, find_unused_parameters: bool,
