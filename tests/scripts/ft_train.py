@@ -5,7 +5,8 @@ Environment: ``KILL=MEMBER:STEP[,MEMBER:STEP...]`` makes that member SIGKILL its
 after each step; ``GROW=N``: after a step applied by fewer than N workers, wait (at most 120 s; at most
 ``GROW_WAITS`` times, and only while fewer replacements have joined the job) for the next membership (a
 replacement's admission) before the next step, so that a replacement joins however long its interpreter takes to
-start; ``METRIC=1``: an ``ft.all_reduce`` of a metric between the micro-batches and
+start (``GROW_MID=1``: wait in the middle of the step's micro-batches instead, so the join comes during a step);
+``METRIC=1``: an ``ft.all_reduce`` of a metric between the micro-batches and
 ``step.sync()``, and a ``KILL`` entry ``MEMBER:STEP:metric`` kills that member just before it (so the others are
 inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a joiner started otherwise than the
 job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
@@ -13,7 +14,7 @@ the step's reduction); ``NOISE=1``: inputs get noise from NumPy's and Python's g
 augmentation as users write it); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
 precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
 first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
-reduced).
+reduced, the steps whose ``sync()`` said to do them again).
 """
 
 import json
@@ -66,14 +67,34 @@ kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").s
 metric_kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":metric")}
 quit_at = tuple(map(int, os.environ["QUIT"].split(":"))) if os.environ.get("QUIT") else None
 trained = {}
+discarded = []
 joiners: set[int] = set()
 waits = 0
-for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):
+epochs = int(os.environ.get("EPOCHS", "2"))
+grow, most, grow_mid = int(os.environ.get("GROW", "0")), int(os.environ.get("GROW_WAITS", "99")), os.environ.get("GROW_MID") == "1"
+
+
+def wait_for_a_join() -> None:
+    """Wait (at most 120 s) for the next membership: a replacement's admission."""
+    global waits
+    waits += 1
+    deadline = time.monotonic() + 120
+    while ft.membership.latest().epoch == ft.view.epoch and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def growing() -> bool:
+    return ft.world_size < grow and ft.committed < ft.steps_per_epoch * epochs and max(waits, len(joiners)) < most
+
+
+for step in ft.steps(epochs=epochs):
     if (member, step.index) == quit_at:
         break  # leaves without a word: exit 0 below
     for i, (xb, yb) in enumerate(step):
         if i == 1 and (member, step.index) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
+        if i == 0 and grow_mid and growing():
+            wait_for_a_join()
         if os.environ.get("NOISE") == "1":  # augmentation from the global generators, seeded per shard by ddpkit
             xb = xb + torch.from_numpy(np.random.standard_normal(xb.shape)).float() * 0.05 + random.random() * 0.05
         F.cross_entropy(model(xb), yb).backward()
@@ -85,18 +106,16 @@ for step in ft.steps(epochs=int(os.environ.get("EPOCHS", "2"))):
         opt.step()
         sched.step()
         trained[step.index] = step.trained
+    else:
+        discarded.append(step.index)
     opt.zero_grad()
     time.sleep(float(os.environ.get("SLEEP", "0")))
     joiners |= {m for m in ft.view.members if m >= ft.started_with}  # replacements admitted (this one too)
-    grow, most = int(os.environ.get("GROW", "0")), int(os.environ.get("GROW_WAITS", "99"))
-    if step.synced and ft.world_size < grow and ft.committed < ft.steps_per_epoch * int(os.environ.get("EPOCHS", "2")) \
-            and max(waits, len(joiners)) < most:
-        waits += 1
-        deadline = time.monotonic() + 120
-        while ft.membership.latest().epoch == ft.view.epoch and time.monotonic() < deadline:
-            time.sleep(0.01)
+    if step.synced and not grow_mid and growing():
+        wait_for_a_join()
 if ft.rank == 0 and os.environ.get("OUT"):
     torch.save(model.state_dict(), os.environ["OUT"] + ".pt")
     with open(os.environ["OUT"] + ".json", "w") as f:
         json.dump({"world_size": ft.world_size, "committed": ft.committed, "lr": opt.param_groups[0]["lr"],
-                   "changes": [c.__dict__ for c in ft.changes], "trained": trained}, f)
+                   "changes": [c.__dict__ for c in ft.changes], "trained": trained,
+                   "discarded": discarded}, f)

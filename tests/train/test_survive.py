@@ -300,6 +300,21 @@ def test_replacements_join_live_and_take_the_state_from_a_peer(tmp_path: Path, s
 
 
 @FAULTS
+@pytest.mark.slow("a run of three workers with a death and a replacement (the reference shared)")
+def test_a_join_during_a_step_lets_the_step_finish_and_switches_at_a_boundary(tmp_path: Path, shared_runs) -> None:
+    # The survivors of member 1's death wait inside the redone step until the replacement is admitted: the join
+    # comes during the step's micro-batches. It no longer aborts the step (it did: a second discard of step 2);
+    # the members finish it in the old view and take the joiner in at the next boundary they agree on.
+    reference, _, _ = _reference(shared_runs, epochs=6)
+    weights, account, stderr = _ft_run(tmp_path, "joined", kill="1:2", replacements=1, epochs=6, grow=3,
+                                       GROW_MID="1")
+    assert stderr.count("to replace it") == 1 and stderr.count("joined:") == 1, stderr[-3000:]
+    assert account["world_size"] == 3 and account["committed"] == 78
+    assert account["discarded"] == [2]  # the death's step only
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through two deaths and two replacements' interpreters")
 def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path: Path) -> None:
     # Two deaths in a short run: the last worker finishes before the replacements' interpreters are up.

@@ -14,7 +14,8 @@ member order. Gloo cannot abort an operation in flight (measured:
 ``ProcessGroup.abort()`` leaves it waiting until its timeout), so every wait
 of the mode is :meth:`Membership.wait`: it returns when the operation
 completes and raises :class:`MembershipChanged` as soon as a newer view
-comes (a join too: a member that saw it first has left the old group). The
+comes (a join too, except in a training step's collectives, whose members
+switch to a view that only adds members at a step they agree on). The
 abandoned operation keeps its buffers until its own timeout; its owner must
 not reuse them.
 
@@ -153,8 +154,12 @@ class Membership:
             newest = self._views[-1] if self._views else view
         return tuple(m for m in view.members if m not in newest.members) if newest.epoch > view.epoch else ()
 
-    def wait(self, work: Any, view: View) -> None:
+    def wait(self, work: Any, view: View, *, joins: bool = True) -> None:
         """Wait for ``work`` (a torch Work or Future); raise :class:`MembershipChanged` when a newer view comes.
+
+        ``joins=False``: a newer view that only adds members does not end the wait (a collective of a training
+        step, which the members finish in ``view`` and switch after, at a step they agree on: see
+        :meth:`knows_a_join`); one that loses a member of ``view``, or this member, does.
 
         Raises:
             MembershipChanged: the membership changed (a member left, or one joins); ``work`` is abandoned.
@@ -166,7 +171,7 @@ class Membership:
         future.add_done_callback(lambda _: done.set())
         while not done.wait(_POLL_S):
             try:
-                self._check(view)
+                self._check(view, joins=joins)
             except MembershipChanged:
                 self._abandoned.setdefault(view.epoch, []).append(done)  # its group is freed once it ends
                 raise
@@ -177,6 +182,15 @@ class Membership:
             self._expect_change(view)
             raise
 
+    def knows_a_join(self, view: View) -> bool:
+        """Whether a newer view than ``view`` came that keeps every member of it (and this one): members only
+        join. The members switch to it together, at the first step boundary after a step in which each of
+        them knew of it (they tell each other with the step's reduction), so that no healthy step is aborted
+        and no member waits in the next group for one still in this one's step."""
+        with self._cond:
+            newest = self._views[-1] if self._views else view
+        return newest.epoch > view.epoch and self.member in newest.members and not self.lost_since(view)
+
     def _expect_change(self, view: View, grace_s: float = 5.0) -> None:
         """After a failed operation: raise :class:`MembershipChanged` if a newer view comes within ``grace_s``."""
         deadline = time.monotonic() + grace_s
@@ -185,12 +199,11 @@ class Membership:
             with self._cond:
                 self._cond.wait(0.05)
 
-    def _check(self, view: View) -> None:
-        # Any newer view ends the wait, a join too: a member that saw it first has left this view's group to
-        # build the next one, so an operation here could never complete. (Letting a join wait for the step's
-        # end needs the members to agree on the step they switch at: a member that switched alone would wait
-        # in the next group for one still in this group's operation.)
-        if (newest := self.latest()).epoch > view.epoch:
+    def _check(self, view: View, *, joins: bool = True) -> None:
+        # Any newer view ends the wait, a join too (unless the caller switches at an agreed step, `joins=False`):
+        # a member that saw it first has left this view's group to build the next one, so an operation here
+        # could never complete.
+        if (newest := self.latest()).epoch > view.epoch and (joins or not self.knows_a_join(view)):
             raise MembershipChanged(newest, self.lost_since(view))
         if self._closed:
             raise RuntimeError("the launcher closed the membership pipe (it stopped): this worker stops too")

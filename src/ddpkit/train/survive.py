@@ -301,6 +301,8 @@ class FaultTolerance:
         """The buffers as the current step found them."""
         self.committed = 0
         """Steps applied on this rank."""
+        self._join_agreed = False
+        """The last step's reduction said that every member knew of members joining: switch before the next."""
         self.changes: list[Change] = []
         """One entry per group this rank rebuilt: views announced while it was between two rebuilds (a death
         and a join close together, a join while a step waited) are taken together, as the newest one, so two
@@ -354,7 +356,7 @@ class FaultTolerance:
         try:
             while True:
                 while self.committed < end:
-                    if self.membership is not None and self.membership.latest().epoch != self.view.epoch:
+                    if self._view_changes():
                         self._rebuild()
                         continue
                     index = self.committed
@@ -374,6 +376,13 @@ class FaultTolerance:
                     return
         finally:
             self._step = None
+
+    def _view_changes(self) -> bool:
+        """Whether the next step starts in a newer view: at once when a member was lost (or this one removed);
+        members that only join, at the boundary the last step's reduction agreed on (:meth:`reduce`)."""
+        if self.membership is None or self.membership.latest().epoch == self.view.epoch:
+            return False
+        return self._join_agreed or not self.membership.knows_a_join(self.view)
 
     def _finished(self, end: int) -> bool:
         """Whether every member applied the last step (one collective): only then may a member return and exit,
@@ -431,13 +440,14 @@ class FaultTolerance:
         return buffer
 
     def _layout(self) -> tuple[int, int, int, int, int]:
-        """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end."""
+        """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end (its
+        last word: whether this rank knows of members joining, :meth:`reduce`)."""
         counts = self.numel
         marks = counts + (1 if self.deterministic else self.shards.virtual_shards)
         buffers = marks + len(self.params)
         words = (self._buffer_spans[-1] if self._buffer_spans else 0) // 4 if self.deterministic else 0
         values = buffers + words
-        return counts, marks, buffers, values, values + VALUES
+        return counts, marks, buffers, values, values + VALUES + 1
 
     def harvest(self, buffer: torch.Tensor, k: int, shard: int, samples: int, total: int) -> None:
         """This rank's ``k``-th micro-batch (``shard``, of ``samples`` of the step's ``total``) into ``buffer``,
@@ -500,6 +510,9 @@ class FaultTolerance:
         first = buffer[0] if self.deterministic else buffer
         if values is not None:
             first[v0 : v0 + values.numel()] = values.reshape(-1)
+        # Members that join are taken in at a step boundary every member agrees on: the first after a step whose
+        # reduction says that each of them knew of the join (the step's collectives let a join pass, see _wait).
+        first[end - 1] = float(self.membership is not None and self.membership.knows_a_join(self.view))
         if self.buffers and self.deterministic:  # rank 0's bytes as float32 words: a gather copies them exactly
             first[b0:v0] = self._buffer_blob().view(torch.float32) if self.rank == 0 else 0
         try:
@@ -516,12 +529,13 @@ class FaultTolerance:
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
             else:
                 if self.group is not None and self.world_size > 1:
-                    self._wait(self.group.allreduce([buffer]))
+                    self._wait(self.group.allreduce([buffer]), step=True)
                 total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
                 sums = buffer[v0:end]
                 blob = self._broadcast_blob() if self.buffers else None  # rank 0's bytes: a sum would change them
         except MembershipChanged:
             return self._discard()
+        self._join_agreed = round(float(sums[VALUES])) == self.world_size
         if step is not None:
             expected = [len(self.shards.shard(step.index, s)) for s in range(v)]
             if [round(float(c)) for c in counts] != expected:
@@ -557,7 +571,7 @@ class FaultTolerance:
         """Rank 0's buffers' bytes, on every rank (one collective; a world of one: its own)."""
         blob = self._buffer_blob()
         if self.group is not None and self.world_size > 1:
-            self._wait(self.group.broadcast([blob], _root(0)))
+            self._wait(self.group.broadcast([blob], _root(0)), step=True)
         return blob
 
     def _ordered_sum(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -590,7 +604,7 @@ class FaultTolerance:
         for b in range(n):
             lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
             send[b, :, : hi - lo] = buffer[:, lo:hi]  # the tail past the gradient stays zero
-        self._wait(self.group.alltoall_base(received, send, [], []))
+        self._wait(self.group.alltoall_base(received, send, [], []), step=True)
         block = blocks[0]
         block.zero_()
         for shard in range(self.shards.virtual_shards):  # in shard order: rank s % n holds shard s as its row s // n
@@ -599,7 +613,7 @@ class FaultTolerance:
         totals.reverse()  # two in turn: ``.grad`` views the last step's while this one's arrives
         self._exchange[3:] = totals
         total = totals[0]
-        self._wait(self.group.alltoall_base(total, blocks, [], []))
+        self._wait(self.group.alltoall_base(total, blocks, [], []), step=True)
         return total.view(-1)[:g]
 
     def _gather(self, send: torch.Tensor) -> list[torch.Tensor]:
@@ -607,7 +621,7 @@ class FaultTolerance:
         if self.group is None or self.world_size == 1:
             return [send]
         received = [torch.empty_like(send) for _ in range(self.world_size)]
-        self._wait(self.group.allgather([received], [send.contiguous()]))
+        self._wait(self.group.allgather([received], [send.contiguous()]), step=True)
         return received
 
     def _discard(self) -> None:
@@ -627,11 +641,13 @@ class FaultTolerance:
             for b, v in zip(self.buffers, saved):
                 b.copy_(v)
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Any, *, step: bool = False) -> None:
+        """Wait for ``work`` in the current view; ``step``: a collective of a training step, which a join does
+        not interrupt (the members switch at a step boundary they agree on, :meth:`reduce`)."""
         if self.membership is None:
             work.wait()
         else:
-            self.membership.wait(work, self.view)
+            self.membership.wait(work, self.view, joins=not step)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over the step's members (a metric) and return it.
@@ -661,7 +677,7 @@ class FaultTolerance:
             return tensor
         summed = tensor.detach().clone()  # an abandoned operation may still write its tensor: never the caller's
         try:
-            self._wait(self.group.allreduce([summed]))
+            self._wait(self.group.allreduce([summed]), step=True)
         except MembershipChanged:
             assert step is not None
             step.aborted = True
@@ -688,6 +704,7 @@ class FaultTolerance:
             try:
                 group = self.membership.group(view, free_old=True)  # it waits on every operation it issues
                 self.view, self.group = view, group
+                self._join_agreed = False
                 received = self._agree(force=first)
             except MembershipChanged:
                 continue
