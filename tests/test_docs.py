@@ -140,6 +140,8 @@ USER_SCRIPTS = {"train.py"}
 """The reader's own script, which the pages name as such (``Saved as train.py``)."""
 PLACEHOLDERS = {"NODE": "0", "$probe": "death-in-backward"}
 """Words the pages ask the reader to replace, and a value each."""
+WRAPPERS = ("env", "time", "nohup", "exec")
+"""Commands that run the words after them: the program they start is what is checked."""
 VENV_PROGRAMS = ("ddpkit", "python", "python3", "torchrun")
 """Programs the project's venv provides: the pages call them by their path in it, as the README does."""
 PROGRAM = re.compile(r"^(?:\.venv/bin/)?(ddpkit|python3?|torchrun|mpirun|srun|bash)$")
@@ -157,7 +159,8 @@ def shell_commands(block: Block) -> list[list[str]]:
         command: list[str] = []
         for token in [*shlex.split(line, comments=True), ";"]:
             if token in ("&&", "||", ";", "|"):
-                while command and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", command[0]):
+                # `VAR=value`, and the wrappers that run the next word (`env`, `time`, `nohup`, `exec`)
+                while command and (re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", command[0]) or command[0] in WRAPPERS):
                     command = command[1:]
                 if command:
                     found.append([PLACEHOLDERS.get(t, t) for t in command])
@@ -188,7 +191,7 @@ def problems(argv: list[str]) -> list[str]:
     if name.startswith("python"):
         if argv[1] == "-m":
             if argv[2] == "ddpkit":
-                return problems(["ddpkit", *argv[3:]])
+                return problems([".venv/bin/ddpkit", *argv[3:]])
             return [] if importlib.util.find_spec(argv[2]) else [f"no module {argv[2]}"]
         if argv[1] in USER_SCRIPTS or (ROOT / argv[1]).is_file():
             return []
@@ -221,7 +224,8 @@ def test_the_command_check_sees_a_wrong_flag_and_a_missing_file(tmp_path: Path) 
     page = tmp_path / "page.md"
     page.write_text("<!-- test: not run (x) -->\n```bash\nddpkit launch --nnodes 2 --deterministic-shards 4 \\\n"
                     "    train.py\n.venv/bin/python examples/no_such.py && FOO=1 .venv/bin/ddpkit train --epochs 1\n"
-                    "mpirun -np 2 python train.py\n```\n")
+                    "mpirun -np 2 python train.py\nenv OMP_NUM_THREADS=1 time ddpkit train\n"
+                    ".venv/bin/python -m ddpkit train --epochs 1\n```\n")
     [block] = blocks(page)
     found = {" ".join(c): problems(c) for c in shell_commands(block)}
     assert found == {"ddpkit launch --nnodes 2 --deterministic-shards 4 train.py": [
@@ -229,7 +233,10 @@ def test_the_command_check_sees_a_wrong_flag_and_a_missing_file(tmp_path: Path) 
                      ".venv/bin/python examples/no_such.py": ["no file examples/no_such.py"],
                      ".venv/bin/ddpkit train --epochs 1": [],
                      "mpirun -np 2 python train.py": [
-                         "python without .venv/bin/: every page names the project's venv (`.venv/bin/python`)"]}
+                         "python without .venv/bin/: every page names the project's venv (`.venv/bin/python`)"],
+                     "ddpkit train": [
+                         "ddpkit without .venv/bin/: every page names the project's venv (`.venv/bin/ddpkit`)"],
+                     ".venv/bin/python -m ddpkit train --epochs 1": []}
     assert problems([".venv/bin/ddpkit", "launch", "--nnodes", "2", "--deterministic-shards", "4", "train.py"]) == [
         "unrecognized arguments: --deterministic-shards"]
 

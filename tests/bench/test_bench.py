@@ -308,11 +308,15 @@ def _strategies():
 
 def test_strategies_send_what_each_strategy_should(dist2):
     rows = {r.strategy: r for r in dist2.run(_strategies)[0]}
-    assert list(rows) == ["ddp", "optimizer", "local-sgd", "powersgd"]
+    assert list(rows) == ["ddp", "optimizer", "local-sgd", "powersgd", "ft", "ft:4n", "ft-det", "ft-det:4n"]
     grads = PARAMS["mlp"] * 4  # float32 bytes: what DDP and the optimizer all-reduce every step
     assert rows["ddp"].bytes_per_step == grads and rows["optimizer"].bytes_per_step == grads
     assert rows["local-sgd"].bytes_per_step == grads / 2  # the parameters, every second step
     assert 0 < rows["powersgd"].bytes_per_step < grads / 5  # rank-1 factors of three matrices, and the biases
+    # FaultTolerance: the gradient and a few bookkeeping words in one all-reduce, at V = n and 4n alike (a rank's
+    # shards summed before it); deterministic: each of the rank's V/n shard rows once, then the block sums.
+    for name, gradients in (("ft", 1), ("ft:4n", 1), ("ft-det", 2), ("ft-det:4n", 5)):
+        assert gradients <= rows[name].bytes_per_step / grads < gradients * 1.01, name
     for r in rows.values():
         assert r.ms > 0 and r.steps_per_block == 2 and r.blocks == 2
         assert r.iqr_ms[0] <= r.ms <= r.iqr_ms[1]
@@ -324,7 +328,8 @@ def test_strategies_in_the_report(tmp_path, capfd):
                  "--warmup", "1", "--samples-per-rank", "4", "--local-sgd-period", "2", "--report", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["strategy"] for r in data["strategies"]] == ["ddp", "optimizer", "local-sgd", "powersgd"]
+    assert [r["strategy"] for r in data["strategies"]] == ["ddp", "optimizer", "local-sgd", "powersgd", "ft", "ft:4n",
+                                                           "ft-det", "ft-det:4n"]
     summary = (tmp_path / "summary.md").read_text()
     assert "## Strategies on ddpkit's engine" in summary and "| convnet | local-sgd |" in summary
     assert "MB sent/step" in capfd.readouterr().out

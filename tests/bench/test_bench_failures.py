@@ -51,6 +51,11 @@ def test_the_table_has_a_row_per_mode() -> None:
     row = {"job": "mnist", "world_size": 2, "mode": "continue", "detect_s": 0.01, "next_step_s": 0.05,
            "joined_s": None, "steps_lost": 0.0, "wall_lost_s": 1.0, "cpu_lost_s": 2.0, "every_sample_once": True,
            "bitwise": True, "epoch_s": 1.4, "step_ratio": 1.01, "notes": []}
-    table = format_rows([row]).splitlines()
-    assert len(table) == 3 and table[0].count("|") == table[1].count("|") == table[2].count("|")
-    assert "| 0.01 | 0.05 | - | 0.0 | 1.0 | 2.0 | True | True | 1.40 | 1.010 |" in table[2]
+    lines = format_rows([row, {**row, "mode": "restart", "notes": ["a note"], "step_ratio": None}]).splitlines()
+    assert max(map(len, lines)) <= 100  # two tables, then the notes
+    first, second = lines[:4], lines[5:9]
+    for table in (first, second):
+        assert len({line.count("|") for line in table}) == 1 and table[1].startswith("| --- |")
+    assert first[2] == "| mnist | 2 | continue | 0.01 | 0.05 | - | 0.0 |"
+    assert second[2] == "| mnist | 2 | continue | 1.0 | 2.0 | True | True | 1.40 | 1.010 |"
+    assert second[3].endswith("| 1.40 | - |") and "mnist, 2 workers, restart: a note" in lines

@@ -1,7 +1,7 @@
 """A library user's script under ``ddpkit launch --on-failure continue``: ddpkit.FaultTolerance on a small model.
 
-Environment: ``KILL=MEMBER:STEP[,MEMBER:STEP...]`` makes that member SIGKILL itself at the start of that step
-(in the middle of its micro-batches); ``DET=1`` the deterministic mode; ``EPOCHS`` (default 2); ``SLEEP`` seconds
+Environment: ``KILL=MEMBER:STEP[,MEMBER:STEP...]`` makes that member SIGKILL itself in that step
+(after its first micro-batch's backward); ``DET=1`` the deterministic mode; ``EPOCHS`` (default 2); ``SLEEP`` seconds
 after each step; ``GROW=N``: after a step applied by fewer than N workers, wait (at most 120 s; at most
 ``GROW_WAITS`` times, and only while fewer replacements have joined the job) for the next membership (a
 replacement's admission) before the next step, so that a replacement joins however long its interpreter takes to
@@ -91,13 +91,13 @@ for step in ft.steps(epochs=epochs):
     if (member, step.index) == quit_at:
         break  # leaves without a word: exit 0 below
     for i, (xb, yb) in enumerate(step):
-        if i == 1 and (member, step.index) in kills:
-            os.kill(os.getpid(), signal.SIGKILL)
         if i == 0 and grow_mid and growing():
             wait_for_a_join()
         if os.environ.get("NOISE") == "1":  # augmentation from the global generators, seeded per shard by ddpkit
             xb = xb + torch.from_numpy(np.random.standard_normal(xb.shape)).float() * 0.05 + random.random() * 0.05
         F.cross_entropy(model(xb), yb).backward()
+        if i == 0 and (member, step.index) in kills:  # after its first micro-batch: in the middle of the step
+            os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get("METRIC") == "1":
         if (member, step.index) in metric_kills:
             os.kill(os.getpid(), signal.SIGKILL)

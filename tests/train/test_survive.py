@@ -281,7 +281,8 @@ def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: b
 def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additions(tmp_path: Path,
                                                                                    shared_runs) -> None:
     reference, _, _ = _reference(shared_runs, det=False)
-    weights, _, _ = _ft_run(tmp_path, "killed", kill="2:3", det=False)
+    weights, account, stderr = _ft_run(tmp_path, "killed", kill="2:3", det=False)
+    assert "member 2 (rank 2 at the start) died" in stderr and account["world_size"] == 2
     for name, ref in reference.items():
         scale = ref.double().abs().max().clamp(min=1e-12)
         assert float((weights[name].double() - ref.double()).abs().max() / scale) < 1e-5, name
@@ -534,3 +535,21 @@ def test_the_ordered_reduction_of_a_gradient_smaller_than_its_blocks_gives_the_b
         assert done.returncode == 0, done.stderr[-3000:]
         bits[n] = set(re.findall(r"BITS \d+ (.*)", done.stdout))
     assert len(bits[world]) == 1 and bits[world] == bits[1], bits
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_the_summed_mode_at_four_shards_per_worker_trains_ddps_batches_in_one_micro_batch(
+        backend: str, mpi_why: str | None) -> None:
+    # V = 4n, the setting for spares, trained each shard as a micro-batch of its own (2.25x DDP's step on a 25 M
+    # MLP): until a death a worker's shards are one micro-batch, the batch DistributedSampler gives it, and the
+    # run is DDP's bit for bit. A model with batch norm keeps a micro-batch per shard (its statistics per shard).
+    if backend == "mpi" and mpi_why:
+        from mpi_harness import skip_or_fail
+
+        skip_or_fail(mpi_why)
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "launch", "--standalone", "--nproc-per-node", "2",
+                           "--backend", backend, script("ft_vs_ddp.py")], env=base_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("MICRO [1] EQUAL True") == 2, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("BATCH NORM MICRO [4]") == 2, done.stdout

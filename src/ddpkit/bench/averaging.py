@@ -10,7 +10,12 @@ model on the same data:
 * ``local-sgd``: :class:`ddpkit.LocalSGD` with ``--local-sgd-period`` H, no
   warm-up: local steps, parameters averaged every H steps;
 * ``powersgd``: DDP with :func:`ddpkit.hooks.powersgd_hook` at rank
-  ``--powersgd-rank`` (compressing from the third step, so during all timed steps).
+  ``--powersgd-rank`` (compressing from the third step, so during all timed steps);
+* ``ft``, ``ft:4n``: :class:`ddpkit.FaultTolerance` (the engine of ``--on-failure
+  continue``, here on the job's group: what the mode costs when nothing fails),
+  all-reduced, at ``V`` = the world size and at 4 virtual shards per rank (the
+  setting for spares); ``ft-det``, ``ft-det:4n``: the same with
+  ``deterministic=True`` (the shards added in shard order).
 
 Rounds interleave the strategies (the first of a round rotates), each timed
 over a block of H steps (one averaging period, so local SGD's step time
@@ -33,9 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from ddpkit.bench.config import BenchConfig
 from ddpkit.bench.stats import quartiles
+from ddpkit.bench.table import note_lines
 from ddpkit.bench.workloads import sync_device, workload
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
@@ -43,10 +50,11 @@ from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.optimizer import DistributedOptimizer
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier
+from ddpkit.train.survive import FaultTolerance
 
 __all__ = ["METHODS", "AveragingResult", "bench_averaging", "format_averaging"]
 
-METHODS = ("ddp", "optimizer", "local-sgd", "powersgd")
+METHODS = ("ddp", "optimizer", "local-sgd", "powersgd", "ft", "ft:4n", "ft-det", "ft-det:4n")
 
 
 @dataclass(kw_only=True)
@@ -64,7 +72,32 @@ class AveragingResult:
     steps_per_block: int
 
 
-def _steppers(base: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: BenchConfig) -> dict[str, Callable[[], None]]:
+def _tolerant(base: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, shards_per_rank: int,
+              deterministic: bool) -> Callable[[], None]:
+    """A step of :class:`FaultTolerance` on a copy of ``base``: every rank's step trains this rank's batch's
+    worth of samples (the global batch is ``x`` on every rank), in ``shards_per_rank`` shards per rank."""
+    world = dist.get_world_size()
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data_x, data_y = x.repeat(world, *[1] * (x.dim() - 1)), y.repeat(world)
+    ft = FaultTolerance(model, opt, TensorDataset(data_x, data_y), batch_size=len(data_x),
+                        virtual_shards=world * shards_per_rank, deterministic=deterministic, shuffle=False,
+                        fetch=lambda idx: (data_x[idx], data_y[idx]))
+    it = ft.steps(max_steps=steps)
+
+    def step() -> None:
+        s = next(it)
+        for xb, yb in s:
+            nn.functional.cross_entropy(model(xb), yb).backward()
+        if s.sync():
+            opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _steppers(base: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: BenchConfig,
+              steps: int) -> dict[str, Callable[[], None]]:
     def sgd(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -89,20 +122,23 @@ def _steppers(base: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: BenchConfi
     )
     return {"ddp": loop(ddp, sgd(ddp)), "optimizer": loop(plain, hvd),
             "local-sgd": loop(local_model, sgd(local_model), local.step),
-            "powersgd": loop(compressed, sgd(compressed))}
+            "powersgd": loop(compressed, sgd(compressed)),
+            **{name: _tolerant(base, x, y, steps, per_rank, det)
+               for name, per_rank, det in (("ft", 1, False), ("ft:4n", 4, False), ("ft-det", 1, True),
+                                           ("ft-det:4n", 4, True))}}
 
 
 def _bench_one(name: str, cfg: BenchConfig) -> list[AveragingResult]:
     base, x, y = workload(name, cfg)
-    steps = _steppers(base, x, y, cfg)
     block = cfg.local_sgd_period
-    for _ in range(max(cfg.warmup, 2)):  # PowerSGD compresses from its third step
+    rounds, warmup = max(1, -(-cfg.steps // block)), max(cfg.warmup, 2)  # PowerSGD compresses from its third step
+    steps = _steppers(base, x, y, cfg, warmup + rounds * block)
+    for _ in range(warmup):
         for step in steps.values():
             step()
     counter = ByteCounter()
     times: dict[str, list[float]] = {s: [] for s in steps}
     sent: dict[str, int] = dict.fromkeys(steps, 0)
-    rounds = max(1, -(-cfg.steps // block))
     for r in range(rounds):
         order = METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]
         for strategy in order:
@@ -139,8 +175,10 @@ def bench_averaging(cfg: BenchConfig) -> list[AveragingResult]:
 
 def format_averaging(rows: list[AveragingResult], cfg: BenchConfig) -> str:
     lines = [
-        f"strategies on ddpkit's engine, world size {cfg.world_size}: local SGD averages every "
-        f"{cfg.local_sgd_period} steps, PowerSGD at rank {cfg.powersgd_rank}",
+        *note_lines(f"strategies on ddpkit's engine, world size {cfg.world_size}: local SGD averages every "
+                    f"{cfg.local_sgd_period} steps, PowerSGD at rank {cfg.powersgd_rank}; ft: FaultTolerance "
+                    "(the fault-tolerant mode's engine, nothing failing) at V = the world size and at 4 shards per "
+                    "rank, all-reduced and deterministic (-det)"),
         f"{'workload':<11} {'strategy':<10} {'ms/step':>8} {'IQR':>13} {'/ DDP':>6} {'ratio IQR':>11} "
         f"{'MB sent/step':>12} {'/ DDP':>6}",
     ]
@@ -152,8 +190,8 @@ def format_averaging(rows: list[AveragingResult], cfg: BenchConfig) -> str:
             f"{r.ratio_to_ddp:>6.3f} {r.ratio_iqr[0]:>5.3f}-{r.ratio_iqr[1]:<5.3f} {r.bytes_per_step / 1e6:>12.3f} "
             f"{share:>6.3f}"
         )
-    lines.append(
+    lines += note_lines(
         "ms/step: median over blocks of one averaging period (so local SGD's includes its averaging); / DDP: median "
-        "of per-round ratios to ddpkit's DDP; MB sent/step: payload handed to all-reduce and broadcast per rank"
+        "of per-round ratios to ddpkit's DDP; MB sent/step: payload handed to collectives per rank"
     )
     return "\n".join(lines)

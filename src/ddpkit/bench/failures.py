@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.bench.table import note_lines
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 __all__ = ["FailuresBenchConfig", "format_rows", "run"]
@@ -385,15 +386,26 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table."""
-    head = ("| job | workers | mode | detect (s) | next step (s) | joined (s) | steps lost | wall lost (s) | "
-            "CPU-s lost | every sample once | bitwise | epoch (s) | step vs DDP |")
-    lines = [head, "|" + " --- |" * (head.count(" | ") + 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['job']} | {r['world_size']} | {r['mode']} | {_f(r['detect_s'])} | {_f(r['next_step_s'])} | "
-            f"{_f(r['joined_s'])} | {_f(r['steps_lost'], 1)} | {_f(r['wall_lost_s'], 1)} | {_f(r['cpu_lost_s'], 1)} "
-            f"| {r['every_sample_once']} | {r['bitwise']} | {_f(r['epoch_s'])} | "
-            f"{_f(r['step_ratio'], 3) if r['step_ratio'] else '-'} |"
-            + (f" {'; '.join(r['notes'])}" if r["notes"] else ""))
+    """The rows as two Markdown tables within :data:`~ddpkit.bench.table.WIDTH` columns (what a fault costs; the
+    run as a whole), then each row's notes."""
+    def key(r: dict[str, Any]) -> str:
+        return f"| {r['job']} | {r['world_size']} | {r['mode']} |"
+
+    lines: list[str] = []
+    for head, cells in (
+        ("| job | workers | mode | detect (s) | next step (s) | joined (s) | steps lost |",
+         lambda r: f" {_f(r['detect_s'])} | {_f(r['next_step_s'])} | {_f(r['joined_s'])} | "
+                   f"{_f(r['steps_lost'], 1)} |"),
+        ("| job | workers | mode | wall lost (s) | CPU-s lost | samples once | bitwise | epoch (s) | / DDP |",
+         lambda r: f" {_f(r['wall_lost_s'], 1)} | {_f(r['cpu_lost_s'], 1)} | {r['every_sample_once']} | "
+                   f"{r['bitwise']} | {_f(r['epoch_s'])} | {_f(r['step_ratio'], 3) if r['step_ratio'] else '-'} |"),
+    ):
+        lines += [*([""] if lines else []), head, "|" + " --- |" * (head.count(" | ") + 1)]
+        lines += [key(r) + cells(r) for r in rows]
+    notes = [f"{r['job']}, {r['world_size']} workers, {r['mode']}: {'; '.join(r['notes'])}" for r in rows
+             if r["notes"]]
+    lines += ["", *note_lines("samples once: every sample trained once in every epoch; / DDP: the mode's epoch "
+                              "without a fault over the restart mode's (ddpkit's DDP)")]
+    for note in notes:
+        lines += ["", *note_lines(note)]
     return "\n".join(lines)

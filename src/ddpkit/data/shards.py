@@ -21,6 +21,7 @@ empty when it has fewer samples than shards).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -84,6 +85,15 @@ class VirtualShards:
         sampler deals samples to ranks, so that at ``V`` = the world size shard ``r`` is the batch rank ``r`` of
         a :class:`DistributedSampler` job trains)."""
         return self.step(step)[index :: self.virtual_shards]
+
+    def samples(self, step: int, shards: Sequence[int]) -> list[int]:
+        """The samples of ``shards`` of ``step``, in the step's order: for rank ``r``'s shards at ``V = k n``
+        (``r, r + n, ...``), the positions ``r, r + n, ...`` of the step, the batch rank ``r`` of a
+        :class:`DistributedSampler` job of ``n`` trains."""
+        if len(shards) == 1:
+            return self.shard(step, shards[0])
+        chosen = set(shards)
+        return [i for p, i in enumerate(self.step(step)) if p % self.virtual_shards in chosen]
 
     def shards_of(self, rank: int, world_size: int) -> range:
         """The shard indices rank ``rank`` of ``world_size`` trains in every step."""

@@ -319,6 +319,11 @@ class SurvivingGroup(WorkerGroup):
         if joining:
             say(f"training is over: stopping {len(joining)} replacement(s) that had not joined yet")
             terminate([self.procs[i] for i in joining], self.launch.grace_period_s)
+            gone = [self.member_of[i] for i in joining]  # the next view must not name them (no one waits for them)
+            if self.council is not None:
+                self.council.tell(left=gone)
+            else:
+                self.members = [m for m in self.members if m not in gone]
         return joining
 
     def _admit_ready(self) -> None:

@@ -45,6 +45,8 @@ __all__ = ["FD_ENV", "MEMBER_ENV", "REPLY_FD_ENV", "Membership", "MembershipChan
 
 FD_ENV, REPLY_FD_ENV, MEMBER_ENV = variables.FT_FD, variables.FT_REPLY_FD, variables.FT_MEMBER
 _POLL_S = 0.005
+_LOOK_S = 0.05
+"""How often a wait that lets a join pass looks whether a member went ahead to the joiners' group."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,9 @@ class Membership:
         """By epoch: the operations abandoned on a change (each event set once the operation ended)."""
         self.noticed_at: dict[int, float] = {}
         """``time.time()`` at which each epoch's view reached this worker."""
+        self._looked = 0.0
+        self._lookouts: dict[str, dist.Store] = {}
+        """Connections (by ``host:port``) on which a waiting thread looks for members gone ahead."""
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
         self._reader.start()
 
@@ -173,6 +178,8 @@ class Membership:
             try:
                 self._check(view, joins=joins)
             except MembershipChanged:
+                if done.is_set():
+                    break  # it completed meanwhile: its result stands (the change is met at the next one)
                 self._abandoned.setdefault(view.epoch, []).append(done)  # its group is freed once it ends
                 raise
         try:
@@ -202,11 +209,30 @@ class Membership:
     def _check(self, view: View, *, joins: bool = True) -> None:
         # Any newer view ends the wait, a join too (unless the caller switches at an agreed step, `joins=False`):
         # a member that saw it first has left this view's group to build the next one, so an operation here
-        # could never complete.
-        if (newest := self.latest()).epoch > view.epoch and (joins or not self.knows_a_join(view)):
-            raise MembershipChanged(newest, self.lost_since(view))
+        # could never complete. A join passes only while no member of `view` has gone to a newer group (one
+        # that finished a rebuild's last operation after this one gave it up).
+        if (newest := self.latest()).epoch > view.epoch:
+            if joins or not self.knows_a_join(view) or self._gone_ahead(view, newest):
+                raise MembershipChanged(newest, self.lost_since(view))
         if self._closed:
             raise RuntimeError("the launcher closed the membership pipe (it stopped): this worker stops too")
+
+    def _gone_ahead(self, view: View, newest: View) -> bool:
+        """Whether a member of ``view`` arrived at the group of a view up to ``newest`` (looked up at most every
+        :data:`_LOOK_S`, while a join is pending): it left ``view``'s group, so no operation there completes."""
+        now = time.monotonic()
+        if now - self._looked < _LOOK_S or self._reach is None and self.store is None:
+            return False
+        self._looked = now
+        with self._cond:
+            later = [v for v in self._views if view.epoch < v.epoch <= newest.epoch]
+        for v in later:
+            if v.store not in self._lookouts:  # one connection per store, this thread's own
+                self._lookouts[v.store] = self._store_of(v)
+            newcomers = len(set(v.members) - set(view.members))
+            if self._lookouts[v.store].add(f"ft/{v.epoch}/arrivals", 0) > newcomers:
+                return True
+        return False
 
     def barrier(self) -> View:
         """Wait until every member of the newest view got here; after a change, until every member of the next
@@ -243,6 +269,7 @@ class Membership:
             try:
                 store = self._store_of(view)
                 store.set(f"{prefix}arrived/{self.member}", "1")
+                store.add(f"{prefix}arrivals", 1)  # for members still in an older group (_gone_ahead)
                 keys = [f"{prefix}arrived/{m}" for m in view.members]
                 while not store.check(keys):
                     if abandoned.wait(_POLL_S):

@@ -9,7 +9,9 @@ from the time it costs:
 * **Steps, not ranks, own the data.** Each step's global batch is cut into
   ``virtual_shards`` fixed shards (:class:`~ddpkit.data.shards.VirtualShards`);
   rank ``r`` of ``n`` trains shards ``r, r+n, ...`` as micro-batches and
-  accumulates. A smaller world trains more micro-batches per step: the global
+  accumulates (in the default mode up to ``ceil(V / n)`` shards together, ``n``
+  the starting world: until a death, the batch a ``DistributedSampler`` gives
+  it). A smaller world trains more micro-batches per step: the global
   batch, the step count, the epoch boundaries and so any schedule keyed on
   the step stay those of the run without a failure, and every sample of every
   epoch is trained exactly once.
@@ -25,14 +27,17 @@ from the time it costs:
   step) from the lowest rank that is furthest, in 25 MiB buckets. A
   replacement joins the same way.
 * **Randomness follows the shard.** Each micro-batch runs with torch's RNG
-  seeded by (seed, step, shard), so dropout draws the same masks for a shard
-  whichever rank trains it.
+  seeded by (seed, step, its first shard), so in the deterministic mode (a
+  micro-batch per shard) dropout draws the same masks for a shard whichever
+  rank trains it.
 * **Buffers move once per step.** Every micro-batch starts from the step's
-  buffers (batch-norm statistics) and the step keeps shard 0's update of
-  them, which rank 0 makes at any world size and hands to all with the
-  step's reduction (DDP's ``broadcast_buffers``): a rank that trains two
-  shards does not move the statistics twice, and every rank ends each step
-  with the same buffers (evaluations and state transfers agree).
+  buffers (batch-norm statistics) and the step keeps the update of rank 0's
+  first micro-batch (shard 0's alone for a model with batch norm, which
+  trains a shard per micro-batch), which rank 0 makes at any world size and
+  hands to all with the step's reduction (DDP's ``broadcast_buffers``): a
+  rank that trains two shards does not move the statistics twice, and every
+  rank ends each step with the same buffers (evaluations and state transfers
+  agree).
 * **Deterministic mode** (``deterministic=True``): each shard's gradient is
   kept in its own slot, and the slots are added in shard order ``0..V-1``
   (an ordered reduce-scatter: each rank receives every shard's slice of its
@@ -52,7 +57,7 @@ Use::
 
     ft = ddpkit.FaultTolerance(model, optimizer, dataset, batch_size=256)
     for step in ft.steps(epochs=3):
-        for x, y in step:                 # this rank's shards of the step, one micro-batch each
+        for x, y in step:                 # this rank's shards of the step, in micro-batches
             F.cross_entropy(model(x), y).backward()   # the micro-batch's mean loss
         if step.sync():                   # False: the world changed, the step comes again
             optimizer.step()
@@ -81,10 +86,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
 from ddpkit.data.shards import VirtualShards
-from ddpkit.runtime import membership
+from ddpkit.runtime import events, membership
 from ddpkit.runtime.group import init
 from ddpkit.runtime.membership import MembershipChanged, View
 
@@ -150,15 +156,15 @@ class Step:
         keep_buffers = bool(engine.buffers)
         after_first = None
         self._buffer = engine.new_buffer()
-        for k, shard in enumerate(self.shards):
-            indices = engine.shards.shard(self.index, shard)
-            if not indices:
+        for k, shards in enumerate(engine.micro_batches(self.shards)):
+            sizes = [len(engine.shards.shard(self.index, shard)) for shard in shards]
+            if not sum(sizes):
                 continue
-            engine.seed_generators(engine.micro_batch_seed(self.index, shard))  # randomness follows the shard
-            yield engine.load(indices)
-            engine.harvest(self._buffer, k, shard, len(indices), self.samples)
+            engine.seed_generators(engine.micro_batch_seed(self.index, shards[0]))  # randomness follows the shard
+            yield engine.load(engine.shards.samples(self.index, shards))
+            engine.harvest(self._buffer, k, dict(zip(shards, sizes)), self.samples)
             if keep_buffers:
-                if shard == 0:
+                if shards[0] == 0:
                     after_first = engine.snapshot_buffers()
                 engine.restore_buffers(start)
         if after_first is not None:
@@ -259,6 +265,9 @@ class FaultTolerance:
         self.view = self.membership.latest() if self.membership else View(0, tuple(range(ctx.world_size)))
         self.started_with = ctx.world_size
         """The world size the job started with (member ids from it on are replacements)."""
+        self.first_world = ctx.world_size
+        """The world the job first started with (a resumed run's: its checkpoint's), which sizes the default
+        mode's micro-batches (:meth:`micro_batches`)."""
         if virtual_shards is not None and (isinstance(virtual_shards, bool) or not isinstance(virtual_shards, int)
                                            or virtual_shards < 1):
             raise ValueError(f"virtual_shards={virtual_shards!r} is not a whole number of shards of at least 1: give "
@@ -273,6 +282,8 @@ class FaultTolerance:
         self.dataset = dataset
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers()]
+        self.batch_statistics = any(isinstance(m, _BatchNorm) for m in model.modules())
+        """The model normalises over the batch: its micro-batches are one shard each (:meth:`micro_batches`)."""
         if self.buffers and not broadcast_buffers:
             raise ValueError("FaultTolerance(broadcast_buffers=False) with a model that has buffers (batch-norm "
                              "statistics): every member must hold the same buffers, since any of them may hand the "
@@ -394,7 +405,7 @@ class FaultTolerance:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
         try:
-            self._wait(self.group.allreduce([applied], options))
+            self._wait(self.group.allreduce([applied], options), step=True)  # a join waits: the job ends here
         except MembershipChanged:
             self._rebuild()
             return False
@@ -449,17 +460,31 @@ class FaultTolerance:
         values = buffers + words
         return counts, marks, buffers, values, values + VALUES + 1
 
-    def harvest(self, buffer: torch.Tensor, k: int, shard: int, samples: int, total: int) -> None:
-        """This rank's ``k``-th micro-batch (``shard``, of ``samples`` of the step's ``total``) into ``buffer``,
-        its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
-        weight = samples / total
+    def micro_batches(self, shards: Sequence[int]) -> list[list[int]]:
+        """This rank's ``shards`` of a step, as the micro-batches it trains: one shard each in the deterministic
+        mode (each shard's gradient has its own slot) and for a model with batch normalisation (a shard's batch
+        statistics then stay the same whoever trains it, so a death changes only the order of additions); else
+        up to ``ceil(V / n)`` together, ``n`` the world the job first started with (:attr:`first_world`), so
+        that until a death each rank trains one micro-batch (where ``n`` divides ``V``: the batch a
+        ``DistributedSampler`` job gives it) at DDP's cost, and after one, or resumed at fewer workers, the
+        micro-batches keep that size (their memory too)."""
+        if self.deterministic or self.batch_statistics:
+            return [[shard] for shard in shards]
+        size = -(-self.shards.virtual_shards // self.first_world)
+        return [list(shards[i : i + size]) for i in range(0, len(shards), size)]
+
+    def harvest(self, buffer: torch.Tensor, k: int, samples: Mapping[int, int], total: int) -> None:
+        """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
+        ``buffer``, its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
+        weight = sum(samples.values()) / total
         counts, marks = self._layout()[:2]
         if self.deterministic:
             row = buffer[k]
-            row[counts] = samples
+            [row[counts]] = samples.values()
         else:
             row = buffer
-            row[counts + shard] = samples
+            for shard, n in samples.items():
+                row[counts + shard] = n
         offset = 0
         for i, p in enumerate(self.params):
             grad, n = p.grad, p.numel()
@@ -529,6 +554,7 @@ class FaultTolerance:
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
             else:
                 if self.group is not None and self.world_size > 1:
+                    self._announce("all-reduce of the step", buffer)
                     self._wait(self.group.allreduce([buffer]), step=True)
                 total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
                 sums = buffer[v0:end]
@@ -571,6 +597,7 @@ class FaultTolerance:
         """Rank 0's buffers' bytes, on every rank (one collective; a world of one: its own)."""
         blob = self._buffer_blob()
         if self.group is not None and self.world_size > 1:
+            self._announce("broadcast of rank 0's buffers", blob)
             self._wait(self.group.broadcast([blob], _root(0)), step=True)
         return blob
 
@@ -604,6 +631,7 @@ class FaultTolerance:
         for b in range(n):
             lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
             send[b, :, : hi - lo] = buffer[:, lo:hi]  # the tail past the gradient stays zero
+        self._announce("ordered reduction: the shards' blocks to their ranks", send)
         self._wait(self.group.alltoall_base(received, send, [], []), step=True)
         block = blocks[0]
         block.zero_()
@@ -613,6 +641,7 @@ class FaultTolerance:
         totals.reverse()  # two in turn: ``.grad`` views the last step's while this one's arrives
         self._exchange[3:] = totals
         total = totals[0]
+        self._announce("ordered reduction: each block's sum to all", blocks)
         self._wait(self.group.alltoall_base(total, blocks, [], []), step=True)
         return total.view(-1)[:g]
 
@@ -621,6 +650,7 @@ class FaultTolerance:
         if self.group is None or self.world_size == 1:
             return [send]
         received = [torch.empty_like(send) for _ in range(self.world_size)]
+        self._announce("all-gather of the step's counts and values", send)
         self._wait(self.group.allgather([received], [send.contiguous()]), step=True)
         return received
 
@@ -640,6 +670,11 @@ class FaultTolerance:
         with torch.no_grad():
             for b, v in zip(self.buffers, saved):
                 b.copy_(v)
+
+    def _announce(self, what: str, payload: torch.Tensor) -> None:
+        """Tell the collectives' observers (byte counts, the stall inspector) that a step's collective starts."""
+        events.collective("FaultTolerance: {}", what, step=self._step.index if self._step is not None else None,
+                          nbytes=payload.numel() * payload.element_size())
 
     def _wait(self, work: Any, *, step: bool = False) -> None:
         """Wait for ``work`` in the current view; ``step``: a collective of a training step, which a join does
@@ -676,6 +711,7 @@ class FaultTolerance:
             step.aborted = True
             return tensor
         summed = tensor.detach().clone()  # an abandoned operation may still write its tensor: never the caller's
+        self._announce("ft.all_reduce", summed)
         try:
             self._wait(self.group.allreduce([summed]), step=True)
         except MembershipChanged:
@@ -774,7 +810,7 @@ class FaultTolerance:
         committed = step.index + 1 if step is not None and step.synced else self.committed
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},
-                "committed": committed}
+                "committed": committed, "first_world": self.first_world}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -782,6 +818,7 @@ class FaultTolerance:
         for name, obj in self.state.items():
             obj.load_state_dict(state["state"][name])
         self.committed = int(state["committed"])
+        self.first_world = int(state.get("first_world", self.first_world))  # (files of before it was kept)
 
 
 def _byte_spans(buffers: Sequence[torch.Tensor]) -> list[int]:

@@ -82,6 +82,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import re
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -621,14 +622,23 @@ def optimizer_over_shards(optimizer: torch.optim.Optimizer, model: nn.Module) ->
         raise ValueError(f"{type(optimizer).__name__} has stepped already: its state cannot move to the shards; "
                          "build the optimizer after wrapping")
     groups = [{**g, "params": [engine.shard_of(p) for p in g["params"]]} for g in optimizer.param_groups]
-    # The groups carry every setting; of the defaults, only what the constructor takes (AdamW's defaults hold
-    # `decoupled_weight_decay`, which its constructor sets itself and refuses), then all of them as they were.
+    # The groups carry every setting; of the defaults, what the constructor takes (AdamW's hold
+    # `decoupled_weight_decay`, which its constructor sets itself and refuses, also when a subclass passes
+    # **kwargs on), then all of them as they were.
     taken = inspect.signature(type(optimizer)).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
-        given = {k: v for k, v in optimizer.defaults.items() if k in taken}
-    else:
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
         given = dict(optimizer.defaults)
-    sharded = type(optimizer)(groups, **given)
+    else:
+        given = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    while True:
+        try:
+            sharded = type(optimizer)(groups, **given)
+            break
+        except TypeError as e:
+            refused = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+            if refused is None or refused.group(1) not in given:
+                raise
+            del given[refused.group(1)]
     sharded.defaults = dict(optimizer.defaults)
     return sharded
 
