@@ -261,7 +261,7 @@ def test_bench_on_the_gpu_times_every_workload_with_engine_cost_and_memory(tmp_p
         assert all(r["ddpkit_peak_mib"] > 0 and r["torch_peak_mib"] > 0 for r in rows.values())
         assert report["backend"] == "nccl"
     assert report["dp"]["dp_ms"] > 0 and {r["strategy"] for r in report["strategies"]} == {
-        "ddp", "optimizer", "local-sgd", "powersgd"}
+        "ddp", "optimizer", "local-sgd", "powersgd", "ft", "ft:4n", "ft-det", "ft-det:4n"}
     assert "engine cost: both engines with the same no-op comm hook" in done.stdout
 
 
