@@ -221,7 +221,7 @@ class Membership:
         """Whether a member of ``view`` arrived at the group of a view up to ``newest`` (looked up at most every
         :data:`_LOOK_S`, while a join is pending): it left ``view``'s group, so no operation there completes."""
         now = time.monotonic()
-        if now - self._looked < _LOOK_S or self._reach is None and self.store is None:
+        if now - self._looked < _LOOK_S or (self._reach is None and self.store is None):
             return False
         self._looked = now
         with self._cond:

@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import re
 import time
@@ -622,14 +621,10 @@ def optimizer_over_shards(optimizer: torch.optim.Optimizer, model: nn.Module) ->
         raise ValueError(f"{type(optimizer).__name__} has stepped already: its state cannot move to the shards; "
                          "build the optimizer after wrapping")
     groups = [{**g, "params": [engine.shard_of(p) for p in g["params"]]} for g in optimizer.param_groups]
-    # The groups carry every setting; of the defaults, what the constructor takes (AdamW's hold
-    # `decoupled_weight_decay`, which its constructor sets itself and refuses, also when a subclass passes
-    # **kwargs on), then all of them as they were.
-    taken = inspect.signature(type(optimizer)).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
-        given = dict(optimizer.defaults)
-    else:
-        given = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    # The groups carry every setting; the defaults go to the constructor but for those it refuses (AdamW's hold
+    # `decoupled_weight_decay`, which its constructor sets itself and refuses, also through a subclass's
+    # **kwargs), then all of them are restored as they were.
+    given = dict(optimizer.defaults)
     while True:
         try:
             sharded = type(optimizer)(groups, **given)
