@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ddpkit.launcher.council import REDIAL_S, SUSPECT_S, Council, take_seat
+from ddpkit.launcher.council import MOVES, REDIAL_S, SUSPECT_S, Council, Report, Role, take_seat
 
 FAST = 1.0
 """The failure timeout of most councils here (the default, SUSPECT_S, is 6 s): the mechanics, sooner."""
@@ -407,6 +407,56 @@ def test_a_pause_of_two_seconds_is_no_death_under_the_default_detector() -> None
             c.close()
 
 
+def test_a_node_left_out_while_it_ran_asks_back_and_votes_again() -> None:
+    # Node 2 pauses past the detector (its threads held, its sockets open: a SIGSTOP'ed launcher): the majority
+    # leaves it out, with its workers. Resumed, it learns so from the next entry and, instead of stopping for
+    # good, asks to join again as a spare does; the majority makes it a voting node again, under its own number,
+    # and its new workers (replacements of its node) are admitted. On the code before, it stopped (cut off).
+    councils, _ = _councils(3)
+    assert all(isinstance(c, Council) for c in councils), councils
+    try:
+        start = time.monotonic()
+        councils[0].confirm(10.0)  # a healthy node: a majority answers a beat, within a beat or two
+        assert time.monotonic() - start < 5 and councils[0].entry.index == 0
+        before = councils[2].entry
+        with councils[2]._cond:  # noqa: SLF001 - the pause
+            _until(lambda: councils[0].entry.nodes == (0, 1) and councils[1].entry.nodes == (0, 1))
+        # Let go on, it reads the beats sent before the others left it out (they say nothing of that): confirm()
+        # returns only once it knows, here from the entry that left it out.
+        councils[2].confirm(10.0)
+        assert councils[2].entry.index > before.index
+        assert councils[0].entry.members == (0, 1, 2, 3)  # its workers left with it
+        _until(lambda: all(c.entry.nodes == (0, 1, 2) for c in councils))
+        assert councils[2].returns == 1 and councils[2].cut_off is None and councils[2].role is Role.VOTING
+        assert councils[2].entry.index == councils[0].entry.index >= 2
+        councils[2].tell(ready=[14])  # its first worker anew: member 6 + node 2 + 2 x 3 nodes, as the launcher numbers
+        _until(lambda: all(c.entry.members == (0, 1, 2, 3, 14) for c in councils))
+        councils[0].tell(dead=[0])  # and it votes: a later change is decided with it
+        _until(lambda: all(c.entry.members == (1, 2, 3, 14) for c in councils))
+        assert all(c.cut_off is None for c in councils)
+    finally:
+        for c in councils:
+            c.close()
+
+
+def test_a_node_left_out_once_training_is_over_stops_as_a_node_cut_off() -> None:
+    councils, _ = _councils(3)
+    assert all(isinstance(c, Council) for c in councils), councils
+    try:
+        councils[0].tell(succeeded=True)  # a worker of node 0 finished: no one is taken in any more
+        _until(lambda: all(c.entry.succeeded for c in councils))
+        with councils[2]._cond:  # noqa: SLF001 - the pause
+            _until(lambda: councils[0].entry.nodes == (0, 1))
+        _until(lambda: councils[2].cut_off is not None)
+        assert "left node 2 out of membership entry" in councils[2].cut_off and councils[2].returns == 0
+        assert councils[2].role is Role.STOPPED
+        time.sleep(3 * FAST)
+        assert councils[0].entry.nodes == (0, 1)
+    finally:
+        for c in councils:
+            c.close()
+
+
 def test_a_reset_connection_is_dialed_again_and_loses_no_node() -> None:
     councils, _ = _councils(3)
     assert all(isinstance(c, Council) for c in councils), councils
@@ -421,3 +471,31 @@ def test_a_reset_connection_is_dialed_again_and_loses_no_node() -> None:
     finally:
         for c in councils:
             c.close()
+
+
+@pytest.mark.parametrize("start, to", [(start, to) for start in Role for to in Role if to not in MOVES[start]],
+                         ids=lambda r: r.value)
+def test_a_move_the_roles_do_not_allow_raises(start: Role, to: Role) -> None:
+    council = Council.__new__(Council)  # its state alone: no sockets, no threads
+    council.node, council.role, council.report, council.cut_off = 2, start, Report(), None
+    council._cond = threading.Condition()  # noqa: SLF001
+    with council._cond, pytest.raises(RuntimeError, match=f"no move from {start.value} to {to.value}"):  # noqa: SLF001
+        council._become(to)  # noqa: SLF001
+    assert council.role is start
+
+
+def test_the_roles_allowed_moves() -> None:
+    # A spare is admitted (or cut off first); a voting node asks back when left out while it ran (or is cut off);
+    # a stopped node takes no further part.
+    assert MOVES == {Role.SPARE: {Role.VOTING, Role.STOPPED}, Role.VOTING: {Role.SPARE, Role.STOPPED},
+                     Role.STOPPED: set()}
+    council = Council.__new__(Council)
+    council.node, council.role, council.report, council.cut_off = 2, Role.VOTING, Report(), None
+    council._cond = threading.Condition()  # noqa: SLF001
+    with council._cond:  # noqa: SLF001 - the caller holds the lock
+        council._become(Role.SPARE)  # noqa: SLF001
+        assert council.report.join and council.cut_off is None
+        council._become(Role.VOTING)  # noqa: SLF001
+        assert not council.report.join
+        council._become(Role.STOPPED, "cut off")  # noqa: SLF001
+    assert council.cut_off == "cut off" and not council.report.join

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from ddpkit.runtime.process import free_port
 from tests.netns import bridged_nodes, in_namespace
-from tests.procs import NODES_SECRET, Streamed, alive, base_env, launch, script
+from tests.procs import NODES_SECRET, Streamed, alive, base_env, children, launch, script
 
 pytestmark = pytest.mark.alone("three launchers and their workers, a node judged by how long it is not heard")
 
@@ -158,7 +159,7 @@ def test_deaths_replacements_and_a_cut_across_nodes_leave_the_weights_and_no_pro
 def test_a_spare_node_joins_the_running_job_and_carries_it_through_node_0s_loss(
         tmp_path: Path, reference_long: dict[str, torch.Tensor]) -> None:
     out, port = tmp_path / "run", free_port()
-    run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25"}
+    run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25", "GROW": "2", "GROW_WAITS": "1"}  # waits for the spare
     nodes = _nodes(out, ["127.0.0.1"] * 2, nnodes="2:3", port=port, **run)
     nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
     assert nodes[1].poll() is None, "node 1's launcher goes on without workers: it still votes"
@@ -181,7 +182,7 @@ def test_a_spare_node_joins_the_running_job_and_carries_it_through_node_0s_loss(
 def test_a_spare_on_its_own_network_joins_and_outvotes_node_0_cut_off(
         tmp_path: Path, reference_long: dict[str, torch.Tensor]) -> None:
     out = tmp_path / "run"
-    run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25"}
+    run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25", "GROW": "2", "GROW_WAITS": "1"}  # waits for the spare
     with bridged_nodes(3) as (names, addresses, links):
         nodes = _nodes(out, addresses[:2], nnodes="2:3", namespaces=names[:2], **run)
         nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
@@ -194,3 +195,47 @@ def test_a_spare_on_its_own_network_joins_and_outvotes_node_0_cut_off(
     for err in errs[1:]:
         assert "node(s) 0 left the job" in err and "the workers' store moves to node 1" in err, err
     assert _equal(torch.load(f"{out}.pt"), reference_long)
+
+
+@pytest.mark.slow("three launchers: node 2's paused past the failure detector and its worker's timeout")
+def test_a_node_paused_past_the_detector_is_left_out_and_comes_back_as_a_spare(
+        tmp_path: Path, reference_long: dict[str, torch.Tensor]) -> None:
+    # A launcher stopped longer than the detector's timeout (2 s here) is judged gone with its worker, which dies
+    # meanwhile (its group's timeout, 20 s here, with no view from its stopped launcher). Let go on, the launcher
+    # learns that it was left out (the worker's exit is no death: no replacement is spent on it), asks back, is
+    # made a voting node again, and its new worker joins with the state from a peer. The code before stopped it
+    # for good.
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    nodes = _nodes(out, ["127.0.0.1"] * 3, "--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=4",
+                   "--max-restarts", "1", EPOCHS="6", SLEEP="0.25", PIDS=str(pids), GROW="3", GROW_WAITS="1",
+                   DDPKIT_TIMEOUT="20")
+    _until_lines(pids, 3)  # every worker trains
+    [(worker, _)] = children(nodes[2].pid)
+    os.kill(nodes[2].pid, signal.SIGSTOP)  # its launcher alone: its worker trains on until the others leave it
+    try:
+        nodes[0].wait_for("node(s) 2 left the job", timeout=60)
+        deadline = time.monotonic() + 90
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker), "node 2's worker outlived its group's timeout"
+    finally:
+        os.kill(nodes[2].pid, signal.SIGCONT)
+    nodes[2].wait_for("node 2 is a voting node again", timeout=60)
+    errs = _finish(nodes)
+    assert [n.returncode for n in nodes] == [0, 0, 0], errs
+    assert "left node 2 out of membership entry" in errs[2] and "node 2 asks to join again as a spare" in errs[2]
+    assert all("node(s) 2 came back: 3 voting nodes" in err for err in errs[:2]), errs
+    assert not any("member 2 (rank 2 at the start) died" in err or "replacement(s) left" in err for err in errs), errs
+    assert "member 8 holds the training state" in errs[2], errs[2]  # world 3 + node 2 + 1 x 3 nodes
+    assert _equal(torch.load(f"{out}.pt"), reference_long)
+    sizes = [c["size"] for c in json.loads(Path(f"{out}.json").read_text())["changes"]]
+    assert sizes == [2, 3], sizes
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 4 and not [pid for pid in started if alive(pid)]
+
+
+def _until_lines(path: Path, count: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and len(path.read_text().split()) >= count):
+        assert time.monotonic() < deadline, f"{path}: fewer than {count} lines within {timeout} s"
+        time.sleep(0.05)

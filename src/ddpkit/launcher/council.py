@@ -34,9 +34,17 @@ spares
     as replacements do, with the state from a peer.
 minority
     An agent that hears fewer than a majority of the last entry's nodes for
-    ``suspect_s``, or that an entry leaves out, stops its workers: a node
-    cut off never trains alone (split brain is refused). With two nodes a
-    node's loss therefore stops the job, as no side is a majority.
+    ``suspect_s`` stops its workers: a node cut off never trains alone
+    (split brain is refused). With two nodes a node's loss therefore stops
+    the job, as no side is a majority.
+return
+    An agent that an entry leaves out while it still runs (it was paused,
+    or its beats were held up, longer than ``suspect_s``: wrongly suspected)
+    learns it from the next entry, stops its workers (their members are out
+    of the job) and asks to join again as a spare does, under its own node
+    number; the next entry makes it a voting node again and its workers join
+    with the state from a peer. Not once training is over: then it ends as a
+    node cut off does.
 
 Only the job's launchers take part. Each connection starts with a
 handshake that binds both nonces, both node ids and both roles: the dialer
@@ -55,6 +63,7 @@ can, but never speak for a node).
 
 from __future__ import annotations
 
+import enum
 import hmac
 import json
 import math
@@ -71,7 +80,7 @@ from typing import Any
 from ddpkit.launcher.supervise import say
 from ddpkit.runtime.discovery import job_key
 
-__all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report"]
+__all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
 
 BEAT_S = 0.1
 """How often an agent sends its report to every other."""
@@ -91,6 +100,25 @@ _HANDSHAKES = 16
 """Handshakes answered at once; a connection beyond them is closed unanswered (no thread per stranger)."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
+
+
+class Role(enum.Enum):
+    """A node's part in the council (the module notes' roles); its moves are :data:`MOVES`."""
+
+    SPARE = "spare"
+    """Connected and asking to become a voting node: a spare, or a node left out while it ran (*return*)."""
+    VOTING = "voting"
+    """A node of the job: it reports, votes, and may lead."""
+    STOPPED = "stopped"
+    """Cut off (a minority, or left out once training was over): it takes no further part."""
+
+
+MOVES: dict[Role, frozenset[Role]] = {
+    Role.SPARE: frozenset({Role.VOTING, Role.STOPPED}),  # admitted by an entry; or cut off first
+    Role.VOTING: frozenset({Role.SPARE, Role.STOPPED}),  # left out while it ran: asks back; or cut off
+    Role.STOPPED: frozenset(),
+}
+"""The moves a node's :class:`Role` may make; any other is a bug (:meth:`Council._become` raises)."""
 
 
 @dataclass(frozen=True)
@@ -190,14 +218,20 @@ class Council:
         self._key = hmac.new(job_key(token) if token else b"", b"ddpkit council", "sha256").digest()
         nodes = tuple(range(self.starting))
         self.entry = Entry(0, 0, tuple(members), nodes, places[0][2])
-        self.report = Report(join=node >= self.starting)
+        self.role = Role.VOTING if node < self.starting else Role.SPARE
+        """This node's part (changed by :meth:`_become` alone)."""
+        self.report = Report(join=self.role is Role.SPARE)
         self.cut_off: str | None = None
-        """Why this node stopped taking part (a minority, or an entry that left it out)."""
+        """Why this node stopped taking part (set with :attr:`Role.STOPPED`)."""
+        self.returns = 0
+        """How many times an entry left this node out while it ran and it asked to join again (module notes)."""
         self._cond = threading.Condition()
         self._peers: dict[int, _Peer] = {}
         self._reports: dict[int, Report] = {}
         self._heard: dict[int, float] = {}
         """When each agent was last heard (``time.monotonic()``)."""
+        self._acked: dict[int, int] = {}
+        """The last of this agent's sequence numbers each agent said (in its beats) it had received."""
         self._closed: set[int] = set()
         """Agents whose connection closed and has not been replaced (dialed again, or redialed by them)."""
         self._redialing: set[int] = set()
@@ -216,10 +250,8 @@ class Council:
         self._minority_since: float | None = None
         self._joiners: set[int] = set()
         """Spares connected and not yet voting nodes: they hear the beats too."""
-        self._admitted = node < self.starting
-        """This node has been a voting node (a spare: once an entry named it)."""
         threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
-        if self._admitted:
+        if self.role is Role.VOTING:
             self._connect(nodes, meet_s)
         else:
             self._dial_seats(meet_s)
@@ -442,6 +474,10 @@ class Council:
                 return
             if kind == "beat":
                 self._reports[peer] = Report(**message["report"])
+                self._acked[peer] = int(message.get("ack", 0))
+                self._cond.notify_all()  # a confirm() may wait for it
+                if self._reports[peer].join and peer not in self.entry.nodes:
+                    self._joiners.add(peer)  # a spare, or a node left out that asks to come back
                 behind = message["index"] < self.entry.index
                 self._wake.set()
             elif kind == "commit":
@@ -481,9 +517,8 @@ class Council:
         self.entry = entry
         self._promised, self._accepted = (0, -1), None
         self._joiners -= set(entry.nodes)
-        if self.node in entry.nodes and not self._admitted:
-            self._admitted = True
-            self.report.join = False
+        if self.node in entry.nodes and self.role is Role.SPARE:
+            self._become(Role.VOTING)
         self._cond.notify_all()
         self._wake.set()
 
@@ -567,11 +602,12 @@ class Council:
             self._told.clear()
             with self._cond:
                 beat = {"kind": "beat", "report": asdict(self.report), "index": self.entry.index}
-                nodes = self.entry.nodes if self._admitted else tuple(self._peers)
+                nodes = self.entry.nodes if self.role is Role.VOTING else tuple(self._peers)
                 nodes = tuple(sorted(set(nodes) | self._joiners))
+                acks = {n: c.received for n, c in self._peers.items()}
             for node in nodes:
                 if node != self.node:
-                    self._send(node, beat)
+                    self._send(node, {**beat, "ack": acks.get(node, 0)})  # what this agent has of theirs
             self._redial()
 
     def _redial(self) -> None:
@@ -618,12 +654,14 @@ class Council:
                     time.sleep(random.uniform(0, BEAT_S / 2))  # two proposers at once: one of them wins next
 
     def _judge_minority(self, entry: Entry, heard: set[int], now: float) -> bool:
-        if self.node not in entry.nodes and not self._admitted:
+        if self.node not in entry.nodes and self.role is Role.SPARE:
             heard = heard - {self.node}  # a spare not yet voting: it must still hear a majority of the job
         elif self.node not in entry.nodes:
-            self._give_up(f"the other nodes' majority left node {self.node} out of membership entry "
-                          f"{entry.index} (it was not heard for {self.suspect_s:g} s)")
-            return True
+            if entry.succeeded:
+                self._give_up(self.left_out(entry))
+                return True
+            self._ask_back(entry)
+            return False
         if len(heard & set(entry.nodes)) >= entry.majority():
             self._minority_since = None
             return False
@@ -635,10 +673,37 @@ class Council:
                       "instead of training alone (split brain refused)")
         return True
 
+    def left_out(self, entry: Entry) -> str:
+        """Why ``entry`` does not name this node (which ran when it was decided)."""
+        return (f"the other nodes' majority left node {self.node} out of membership entry {entry.index} (it was "
+                f"not heard for {self.suspect_s:g} s)")
+
+    def _ask_back(self, entry: Entry) -> None:
+        """This node was left out of ``entry`` while it ran: it becomes a spare asking to join again (the module
+        notes' *return*); its launcher stops its workers when it sees the entry."""
+        with self._cond:
+            if self.entry is not entry or self.role is not Role.VOTING:
+                return  # judged on an entry a newer one replaced meanwhile: judged again at the next tick
+            self.returns += 1
+            self._minority_since = None
+            self.report = Report()  # what it reported of its workers is of members no longer in the job
+            self._become(Role.SPARE)
+        self._told.set()
+
     def _give_up(self, why: str) -> None:
         with self._cond:
+            self._become(Role.STOPPED, why)
+
+    def _become(self, role: Role, why: str | None = None) -> None:
+        """This node's move to ``role`` (under the lock); ``why``: a stop's reason. Raises RuntimeError on a move
+        that :data:`MOVES` does not allow."""
+        if role not in MOVES[self.role]:
+            raise RuntimeError(f"council of node {self.node}: no move from {self.role.value} to {role.value}")
+        self.role = role
+        self.report.join = role is Role.SPARE
+        if role is Role.STOPPED:
             self.cut_off = why
-            self._cond.notify_all()
+        self._cond.notify_all()
 
     # -- the launcher's side -----------------------------------------------
 
@@ -652,6 +717,31 @@ class Council:
                     setattr(self.report, name, value)
         self._told.set()
         self._wake.set()
+
+    def standing(self) -> tuple[Entry, int, Role]:
+        """The newest entry, :attr:`returns` and :attr:`role`, read together."""
+        with self._cond:
+            return self.entry, self.returns, self.role
+
+    def confirm(self, timeout_s: float) -> None:
+        """Wait until this node's entry is known to be the job's newest (at most ``timeout_s``): a majority of its
+        nodes, this one counted, answered a beat sent from now on, or a newer entry came, or this node is no
+        longer a voting node. Its launcher calls it after a pause (a stopped process), before it takes a
+        worker's exit for a death: the others may have left this node out meanwhile, and the messages they sent
+        before they did, read only now, say nothing of that."""
+        with self._cond:
+            entry = self.entry
+            if self.role is not Role.VOTING:
+                return
+            marks = {n: self._peers[n].sent for n in entry.nodes if n != self.node and n in self._peers}
+        self._told.set()  # a beat now, numbered after the marks
+
+        def known() -> bool:
+            answered = 1 + sum(self._acked.get(n, 0) > sent for n, sent in marks.items())
+            return self.entry is not entry or self.role is not Role.VOTING or answered >= entry.majority()
+
+        with self._cond:
+            self._cond.wait_for(known, timeout_s)
 
     def wait_change(self, entry: Entry, timeout_s: float) -> Entry:
         """The newest entry, once it is newer than ``entry`` (or at the timeout, or when cut off)."""

@@ -16,6 +16,12 @@ Parameter servers (``--num-servers``) are not members: the workers that are
 left keep pushing to them, a server's death is survived while every key
 range has a server left (``--ps-replication``), and they are stopped once
 the workers are done.
+
+Across nodes, a node that the others' majority leaves out while it still
+runs (wrongly suspected: paused longer than the failure detector's timeout)
+stops its workers, whose members are out of the job, and asks to come back
+as a spare does; once an entry makes it a voting node again it starts its
+workers anew, and they join with the state from a peer.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ddpkit.launcher.council import Council, Entry
+from ddpkit.launcher.council import Council, Entry, Role
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import WorkerSpec
-from ddpkit.launcher.rendezvous import RemoteFailure
+from ddpkit.launcher.rendezvous import RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, WorkerGroup, say
 from ddpkit.runtime.process import SignalCatcher, describe_exit, terminate
@@ -83,6 +89,14 @@ class SurvivingGroup(WorkerGroup):
         """Members that hold the training state (their first group built and agreed on)."""
         self._next_member = 0
         self.server_pipes: list[int] = []
+        self._stopped: list[WorkerSpec] = []
+        """The workers this node stopped when it was left out (it starts them anew when it comes back)."""
+        self._voters: set[int] = set(council.entry.nodes) if council else set()
+        """Every node that was a voting node in an entry this launcher acted on."""
+        self._returns = 0
+        """How many of the council's :attr:`~Council.returns` this launcher has acted on."""
+        self._asked_back: float | None = None
+        """Since when this node, left out, waits to be a voting node again (``time.monotonic()``)."""
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start this node's workers (a spare node's join the running job as replacements do)."""
@@ -169,17 +183,26 @@ class SurvivingGroup(WorkerGroup):
         finished = 0
         dismissed: set[int] = set()
         first: Failure | None = None
+        looked = time.monotonic()
         while live or (self.entry is not None and not self.entry.done):
+            if self.council is not None and self._paused(looked):
+                # This launcher was stopped (or starved): the others may have left this node out meanwhile, and
+                # then its workers are out of the job, and their exits no deaths. Known first, then acted on.
+                self.council.confirm(self.council.suspect_s)
+            looked = time.monotonic()
             if self.council is not None:
-                if not live and not self.council.report.finished:
+                if not live and not self.council.report.finished and self._asked_back is None:
                     self.council.tell(finished=True, succeeded=finished > 0)
-                if (cut_off := self._follow(live, dismissed)) is not None:
+                if (cut_off := self._follow(live, dismissed) or self._come_back(live)) is not None:
                     return None if not live and self.council.report.succeeded else cut_off
             try:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
                 if not finished:
                     self._admit_ready()
+                continue
+            if self.council is not None and code != 0 and index not in dismissed and self._paused(looked):
+                self.exits.put((code, index))  # stopped while waiting for it: handled after the check above
                 continue
             if self.specs[index].server is not None:
                 if code != 0:
@@ -275,17 +298,35 @@ class SurvivingGroup(WorkerGroup):
     def _follow(self, live: set[int], dismissed: set[int]) -> str | None:
         """Several nodes: act on the council's newest entry (announce its view); why this node stopped, if so."""
         assert self.council is not None and self.entry is not None
-        entry = self.council.entry
+        entry, returns, _ = self.council.standing()
+        node = self.council.node
+        # Wrongly suspected: its council asks to join again. Seen on the entry (before its view reaches this node's
+        # workers, who are out of it), or on the council's count should two entries have come since the last look.
+        if node in self.entry.nodes and node not in entry.nodes and not entry.succeeded:
+            self._step_out(self.council.left_out(entry), live, dismissed)
+        elif returns > self._returns:
+            self._step_out(f"the other nodes' majority left node {node} out of an earlier membership entry (it was "
+                           f"not heard for {self.council.suspect_s:g} s)", live, dismissed)
         if self.council.cut_off is not None and not entry.done:
-            if live:
-                say(f"{self.council.cut_off}; stopping this node's {len(live)} worker(s)")
+            if live - dismissed:
+                say(f"{self.council.cut_off}; stopping this node's {len(live - dismissed)} worker(s)")
                 self.stop()
+            elif self._asked_back is not None:  # stopped when it was left out: it waited to be taken back
+                say(f"{self.council.cut_off}; node {node} had stopped its workers when it was left out, and was "
+                    "not taken back")
             else:  # its workers are done (exit 0 ends this launcher well): the others' end it cannot see
                 say(f"{self.council.cut_off}; this node's workers had ended")
             return self.council.cut_off
         if entry.index == self.entry.index:
             return None
-        gone = [n for n in self.entry.nodes if n not in entry.nodes]
+        gone = [n for n in self.entry.nodes if n not in entry.nodes and n != node]
+        back = [n for n in entry.nodes if n not in self.entry.nodes and n != node and n in self._voters]
+        self._voters.update(entry.nodes)
+        if back:  # nodes left out while they ran (a spare's first arrival is said by the spare)
+            say(f"node(s) {', '.join(map(str, back))} came back: {len(entry.nodes)} voting nodes; their workers join "
+                "with the state from a peer"
+                + (f"; the workers' store moves to node {min(entry.nodes)}" if entry.store != self.entry.store
+                   else ""))
         if gone:
             say(f"node(s) {', '.join(map(str, gone))} left the job (its launcher died, or was not heard for "
                 f"{self.council.suspect_s:g} s): {len(entry.nodes)} node(s) go on"
@@ -309,6 +350,57 @@ class SurvivingGroup(WorkerGroup):
                 "node that had not joined)")
             terminate([self.procs[i] for i in waiting], self.launch.grace_period_s)
             dismissed |= waiting
+        return None
+
+    def _paused(self, since: float) -> bool:
+        """Whether this launcher's loop went unrun from ``since`` for long enough that the others may have judged
+        this node gone (half the failure detector's timeout)."""
+        assert self.council is not None
+        return time.monotonic() - since > self.council.suspect_s / 2
+
+    def _step_out(self, why: str, live: set[int], dismissed: set[int]) -> None:
+        """The majority left this node out while it ran (``why``): stop its workers (their members are out of the
+        job: their exits are no deaths) and wait to be a voting node again (:meth:`_come_back`)."""
+        assert self.council is not None
+        self._returns += 1
+        waiting = live - dismissed
+        self._stopped = [self.specs[i] for i in sorted(waiting)]
+        say(f"{why}; stopping this node's {len(waiting)} worker(s), whose members are out of "
+            f"the job; node {self.council.node} asks to join again as a spare")
+        terminate([self.procs[i] for i in waiting], self.launch.grace_period_s)
+        dismissed |= waiting
+        for i in waiting:
+            self._close(self.member_of[i])
+        self._asked_back = time.monotonic()
+
+    def _come_back(self, live: set[int]) -> str | None:
+        """A node left out (:meth:`_step_out`): once an entry names it a voting node again, start its workers
+        anew (they join with the state from a peer, as a spare's do). Why it gives up, if it does: not taken
+        back within the rendezvous timeout."""
+        if self._asked_back is None:
+            return None
+        assert self.council is not None and self.entry is not None
+        entry, node = self.entry, self.council.node
+        if node not in entry.nodes or self.council.role is not Role.VOTING:
+            if entry.succeeded:
+                say(f"node {node}: the job's training ended before it was taken back; nothing left to do")
+                self._asked_back = None
+                return None
+            if time.monotonic() - self._asked_back < rendezvous_timeout():
+                return None
+            why = (f"node {node} was not taken back into the job within {rendezvous_timeout():g} s (waited for the "
+                   f"majority of nodes {', '.join(map(str, entry.nodes))})")
+            say(why)
+            return why
+        self._asked_back = None
+        say(f"node {node} is a voting node again ({len(entry.nodes)} voting nodes): starting its "
+            f"{len(self._stopped)} worker(s) anew; they join at a step boundary with the training state from a peer")
+        host, port = entry.store.rsplit(":", 1)
+        for spec in self._stopped:
+            env = {k: v for k, v in spec.env.items() if not k.startswith("DDPKIT_FT_")}
+            env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
+            self._start_member(replace(spec, env=env), replacing=True)
+            live.add(len(self.procs) - 1)
         return None
 
     def _dismiss_joining(self, live: set[int]) -> set[int]:
