@@ -180,6 +180,8 @@ class _Peer:
     """The last sequence number this agent sent on it."""
     received: int = 0
     """The last sequence number this agent accepted on it (a message must carry the next one)."""
+    acked: int = 0
+    """The last of this agent's sequence numbers on it that the peer said (in its beats) it had received."""
 
 
 class Council:
@@ -225,13 +227,13 @@ class Council:
         """Why this node stopped taking part (set with :attr:`Role.STOPPED`)."""
         self.returns = 0
         """How many times an entry left this node out while it ran and it asked to join again (module notes)."""
+        self.removal = ""
+        """Why it was left out the last time it asked to join again."""
         self._cond = threading.Condition()
         self._peers: dict[int, _Peer] = {}
         self._reports: dict[int, Report] = {}
         self._heard: dict[int, float] = {}
         """When each agent was last heard (``time.monotonic()``)."""
-        self._acked: dict[int, int] = {}
-        """The last of this agent's sequence numbers each agent said (in its beats) it had received."""
         self._closed: set[int] = set()
         """Agents whose connection closed and has not been replaced (dialed again, or redialed by them)."""
         self._redialing: set[int] = set()
@@ -435,6 +437,8 @@ class Council:
         try:
             for line in reader:
                 if (message := self._opened(connection, peer, line)) is not None:
+                    if message.get("kind") == "beat":
+                        connection.acked = int(message.get("ack", 0))  # of this connection's numbers
                     self._handle(peer, message)
         except (OSError, ValueError):
             pass
@@ -457,6 +461,8 @@ class Council:
             return
         try:
             with connection.lock:
+                if message["kind"] == "beat":  # what this agent has read of theirs, on this very connection
+                    message = {**message, "ack": connection.received}
                 _send_line(connection.sock, self._seal(connection, peer, message))
         except OSError:
             pass  # its reader notices the loss
@@ -474,8 +480,7 @@ class Council:
                 return
             if kind == "beat":
                 self._reports[peer] = Report(**message["report"])
-                self._acked[peer] = int(message.get("ack", 0))
-                self._cond.notify_all()  # a confirm() may wait for it
+                self._cond.notify_all()  # a confirm() may wait for its ack
                 if self._reports[peer].join and peer not in self.entry.nodes:
                     self._joiners.add(peer)  # a spare, or a node left out that asks to come back
                 behind = message["index"] < self.entry.index
@@ -604,10 +609,9 @@ class Council:
                 beat = {"kind": "beat", "report": asdict(self.report), "index": self.entry.index}
                 nodes = self.entry.nodes if self.role is Role.VOTING else tuple(self._peers)
                 nodes = tuple(sorted(set(nodes) | self._joiners))
-                acks = {n: c.received for n, c in self._peers.items()}
             for node in nodes:
                 if node != self.node:
-                    self._send(node, {**beat, "ack": acks.get(node, 0)})  # what this agent has of theirs
+                    self._send(node, beat)
             self._redial()
 
     def _redial(self) -> None:
@@ -684,6 +688,7 @@ class Council:
         with self._cond:
             if self.entry is not entry or self.role is not Role.VOTING:
                 return  # judged on an entry a newer one replaced meanwhile: judged again at the next tick
+            self.removal = self.left_out(entry)
             self.returns += 1
             self._minority_since = None
             self.report = Report()  # what it reported of its workers is of members no longer in the job
@@ -725,20 +730,26 @@ class Council:
 
     def confirm(self, timeout_s: float) -> None:
         """Wait until this node's entry is known to be the job's newest (at most ``timeout_s``): a majority of its
-        nodes, this one counted, answered a beat sent from now on, or a newer entry came, or this node is no
-        longer a voting node. Its launcher calls it after a pause (a stopped process), before it takes a
+        nodes, this one counted, answered a beat sent from now on, or an entry came that leaves it out, or this
+        node is no longer a voting node. Its launcher calls it after a pause (a stopped process), before it takes a
         worker's exit for a death: the others may have left this node out meanwhile, and the messages they sent
         before they did, read only now, say nothing of that."""
         with self._cond:
             entry = self.entry
             if self.role is not Role.VOTING:
                 return
-            marks = {n: self._peers[n].sent for n in entry.nodes if n != self.node and n in self._peers}
+            marks = {n: (self._peers[n], self._peers[n].sent) for n in entry.nodes
+                     if n != self.node and n in self._peers}
         self._told.set()  # a beat now, numbered after the marks
 
-        def known() -> bool:
-            answered = 1 + sum(self._acked.get(n, 0) > sent for n, sent in marks.items())
-            return self.entry is not entry or self.role is not Role.VOTING or answered >= entry.majority()
+        def answered(node: int) -> bool:  # a beat of the peer's sent after it read one of this agent's from now on
+            connection, sent = marks[node]
+            now = self._peers.get(node)  # a connection made since (dialed again) carries only later beats
+            return now is not None and (now.acked > sent if now is connection else now.acked > 0)
+
+        def known() -> bool:  # a newer entry that still names this node may be followed by one that does not
+            return (self.node not in self.entry.nodes or self.role is not Role.VOTING
+                    or 1 + sum(map(answered, marks)) >= self.entry.majority())
 
         with self._cond:
             self._cond.wait_for(known, timeout_s)

@@ -185,16 +185,22 @@ class SurvivingGroup(WorkerGroup):
         first: Failure | None = None
         looked = time.monotonic()
         while live or (self.entry is not None and not self.entry.done):
+            now = time.monotonic()  # one reading for the check and the next one: a stop in between counts
             if self.council is not None and self._paused(looked):
                 # This launcher was stopped (or starved): the others may have left this node out meanwhile, and
                 # then its workers are out of the job, and their exits no deaths. Known first, then acted on.
                 self.council.confirm(self.council.suspect_s)
-            looked = time.monotonic()
+                now = time.monotonic()
+            looked = now
             if self.council is not None:
                 if not live and not self.council.report.finished and self._asked_back is None:
                     self.council.tell(finished=True, succeeded=finished > 0)
                 if (cut_off := self._follow(live, dismissed) or self._come_back(live)) is not None:
                     return None if not live and self.council.report.succeeded else cut_off
+                entry, _, role = self.council.standing()
+                if self._deciding(entry, role):
+                    time.sleep(_POLL_S)  # an exit now is of a worker out of the job, not a death: not yet
+                    continue
             try:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
@@ -298,15 +304,13 @@ class SurvivingGroup(WorkerGroup):
     def _follow(self, live: set[int], dismissed: set[int]) -> str | None:
         """Several nodes: act on the council's newest entry (announce its view); why this node stopped, if so."""
         assert self.council is not None and self.entry is not None
-        entry, returns, _ = self.council.standing()
+        entry, returns, role = self.council.standing()
         node = self.council.node
-        # Wrongly suspected: its council asks to join again. Seen on the entry (before its view reaches this node's
-        # workers, who are out of it), or on the council's count should two entries have come since the last look.
-        if node in self.entry.nodes and node not in entry.nodes and not entry.succeeded:
-            self._step_out(self.council.left_out(entry), live, dismissed)
-        elif returns > self._returns:
-            self._step_out(f"the other nodes' majority left node {node} out of an earlier membership entry (it was "
-                           f"not heard for {self.council.suspect_s:g} s)", live, dismissed)
+        if returns > self._returns:  # wrongly suspected: its council asks to join again
+            self._returns = returns
+            self._step_out(self.council.removal, live, dismissed)
+        elif self._deciding(entry, role):
+            return None  # its view is not for this node's workers, who are out of it
         if self.council.cut_off is not None and not entry.done:
             if live - dismissed:
                 say(f"{self.council.cut_off}; stopping this node's {len(live - dismissed)} worker(s)")
@@ -352,6 +356,13 @@ class SurvivingGroup(WorkerGroup):
             dismissed |= waiting
         return None
 
+    def _deciding(self, entry: Entry, role: Role) -> bool:
+        """Whether ``entry`` left this voting node out and its council has not yet asked back or stopped (it does
+        at its next tick)."""
+        assert self.council is not None and self.entry is not None
+        node = self.council.node
+        return node in self.entry.nodes and node not in entry.nodes and role is Role.VOTING
+
     def _paused(self, since: float) -> bool:
         """Whether this launcher's loop went unrun from ``since`` for long enough that the others may have judged
         this node gone (half the failure detector's timeout)."""
@@ -362,9 +373,8 @@ class SurvivingGroup(WorkerGroup):
         """The majority left this node out while it ran (``why``): stop its workers (their members are out of the
         job: their exits are no deaths) and wait to be a voting node again (:meth:`_come_back`)."""
         assert self.council is not None
-        self._returns += 1
         waiting = live - dismissed
-        self._stopped = [self.specs[i] for i in sorted(waiting)]
+        self._stopped += [self.specs[i] for i in sorted(waiting)]
         say(f"{why}; stopping this node's {len(waiting)} worker(s), whose members are out of "
             f"the job; node {self.council.node} asks to join again as a spare")
         terminate([self.procs[i] for i in waiting], self.launch.grace_period_s)
@@ -380,8 +390,11 @@ class SurvivingGroup(WorkerGroup):
         if self._asked_back is None:
             return None
         assert self.council is not None and self.entry is not None
-        entry, node = self.entry, self.council.node
-        if node not in entry.nodes or self.council.role is not Role.VOTING:
+        entry, _, role = self.council.standing()
+        if entry is not self.entry:
+            return None  # followed first (the next turn of the loop)
+        node = self.council.node
+        if node not in entry.nodes or role is not Role.VOTING:
             if entry.succeeded:
                 say(f"node {node}: the job's training ended before it was taken back; nothing left to do")
                 self._asked_back = None
@@ -396,7 +409,8 @@ class SurvivingGroup(WorkerGroup):
         say(f"node {node} is a voting node again ({len(entry.nodes)} voting nodes): starting its "
             f"{len(self._stopped)} worker(s) anew; they join at a step boundary with the training state from a peer")
         host, port = entry.store.rsplit(":", 1)
-        for spec in self._stopped:
+        stopped, self._stopped = self._stopped, []
+        for spec in stopped:
             env = {k: v for k, v in spec.env.items() if not k.startswith("DDPKIT_FT_")}
             env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
             self._start_member(replace(spec, env=env), replacing=True)
