@@ -358,10 +358,12 @@ class SurvivingGroup(WorkerGroup):
 
     def _deciding(self, entry: Entry, role: Role) -> bool:
         """Whether ``entry`` left this voting node out and its council has not yet asked back or stopped (it does
-        at its next tick)."""
+        at its next tick). Not once training is over or the job done: the council then takes no decision (its
+        ticks end with the job), and nothing is left to hold for."""
         assert self.council is not None and self.entry is not None
         node = self.council.node
-        return node in self.entry.nodes and node not in entry.nodes and role is Role.VOTING
+        return (node in self.entry.nodes and node not in entry.nodes and role is Role.VOTING
+                and not entry.succeeded and not entry.done)
 
     def _paused(self, since: float) -> bool:
         """Whether this launcher's loop went unrun from ``since`` for long enough that the others may have judged
