@@ -97,6 +97,8 @@ class SurvivingGroup(WorkerGroup):
         """How many of the council's :attr:`~Council.returns` this launcher has acted on."""
         self._asked_back: float | None = None
         """Since when this node, left out, waits to be a voting node again (``time.monotonic()``)."""
+        self._holding = False
+        """The last entry followed left this node out, and its council has not yet decided (:meth:`_deciding`)."""
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start this node's workers (a spare node's join the running job as replacements do)."""
@@ -197,8 +199,7 @@ class SurvivingGroup(WorkerGroup):
                     self.council.tell(finished=True, succeeded=finished > 0)
                 if (cut_off := self._follow(live, dismissed) or self._come_back(live)) is not None:
                     return None if not live and self.council.report.succeeded else cut_off
-                entry, _, role = self.council.standing()
-                if self._deciding(entry, role):
+                if self._holding:
                     time.sleep(_POLL_S)  # an exit now is of a worker out of the job, not a death: not yet
                     continue
             try:
@@ -309,7 +310,8 @@ class SurvivingGroup(WorkerGroup):
         if returns > self._returns:  # wrongly suspected: its council asks to join again
             self._returns = returns
             self._step_out(self.council.removal, live, dismissed)
-        elif self._deciding(entry, role):
+        self._holding = self._deciding(entry, role)
+        if self._holding:
             return None  # its view is not for this node's workers, who are out of it
         if self.council.cut_off is not None and not entry.done:
             if live - dismissed:
