@@ -12,7 +12,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit.parallel.common.buckets import assign_buckets, initial_buckets
+from ddpkit.parallel.common.deferred import DeferredReducer
 from ddpkit.parallel.common.observer import BucketEvent, Observer
+from ddpkit.parallel.common.reducer import ASSIGNMENT_MOVES, MOVES, Assignment, Phase, Reducer
 
 MIB = 1024 * 1024
 
@@ -352,3 +354,95 @@ def test_a_sparse_gradient_from_elsewhere_than_a_sparse_embedding_is_an_error_na
     model = ddpkit.DDP(_SparseByHand())
     with pytest.raises(RuntimeError, match="parameter 'table' has a sparse gradient, but DDP expects"):
         model(torch.tensor([1, 2])).sum().backward()
+
+
+def _lone_reducer(**options) -> Reducer:
+    """A reducer of one linear layer on no process group (a world of one)."""
+    layer = nn.Linear(3, 2)
+    return Reducer(list(layer.named_parameters()), process_group=None, **options)
+
+
+@pytest.mark.parametrize("start, to", [(start, to) for start in Phase for to in Phase if to not in MOVES[start]],
+                         ids=lambda p: p.name)
+def test_a_move_the_phases_do_not_allow_raises(start: Phase, to: Phase) -> None:
+    reducer = _lone_reducer()
+    reducer.phase = start  # the state alone, to try one move from it
+    with pytest.raises(RuntimeError, match=f"DDP: the gradient reducer has no move from {start.value} to {to.value}"):
+        reducer._become(to)
+    assert reducer.phase is start
+
+
+@pytest.mark.parametrize("start, to", [(start, to) for start in Assignment for to in Assignment
+                                       if to not in ASSIGNMENT_MOVES[start]], ids=lambda a: a.name)
+def test_a_move_the_bucket_assignment_does_not_allow_raises(start: Assignment, to: Assignment) -> None:
+    reducer = _lone_reducer()
+    reducer.assignment = start
+    with pytest.raises(RuntimeError, match=f"DDP: the bucket assignment has no move from {start.value} to {to.value}"):
+        reducer._assign(to)
+    assert reducer.assignment is start
+
+
+def _phases(static_graph: bool) -> dict[str, list[str]]:
+    """The reducer's phase at each point of the call sequences users write, as ddpkit's DDP drives it."""
+    torch.manual_seed(0)
+    model = ddpkit.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
+                                           static_graph=static_graph)
+    reducer = model.reducer
+    seen: dict[str, list[str]] = {}
+
+    def note(name: str) -> None:
+        seen.setdefault(name, []).append(reducer.phase.value)
+
+    first = model.module[0].weight  # its gradient comes last: the others' hooks have run by then
+    first.register_hook(lambda g: note("during backward") or g)
+    x = torch.randn(5, 4) + dist.get_rank()
+    for _ in range(3):
+        out = model(x)
+        note("after forward")
+        torch.autograd.grad(out.sum(), list(model.parameters()))  # through the model: not the synchronised backward
+        note("after autograd.grad")
+        out = model(x)
+        out.sum().backward()
+        note("after backward")
+        seen.setdefault("assignment after backward", []).append(reducer.assignment.value)
+        with model.no_sync():
+            model(x).sum().backward()
+        note("after a no_sync backward")
+        with torch.no_grad():
+            model(x)
+        note("after a no_grad forward")
+    return seen
+
+
+@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic", "static graph"])
+def test_the_phases_of_the_call_sequences_users_write(dist2, static_graph: bool) -> None:
+    seen = dist2.run(_phases, static_graph)[0]
+    assert seen["after forward"] == ["armed"] * 3
+    assert seen["after autograd.grad"] == ["armed"] * 3  # no hook ran: still armed for the real backward
+    # Per step: autograd.grad (no gradient hook runs; with a static graph DDP's output sink queued the callback,
+    # which finds no hook ran and leaves the reducer armed), the backward (queued; a static graph's later backwards
+    # seed its unused parameters), the no_sync() backward.
+    grad, later = ("queued", "seeded") if static_graph else ("armed", "queued")
+    assert seen["during backward"] == [grad, "queued", "idle"] + [grad, later, "idle"] * 2
+    assert seen["after backward"] == seen["after a no_sync backward"] == ["idle"] * 3
+    assert seen["after a no_grad forward"] == ["idle"] * 3
+    # The rebuild is due after the first synchronised backward (a static graph's second), done at the next forward.
+    rebuild = ["first", "due", "rebuilt"] if static_graph else ["due", "rebuilt", "rebuilt"]
+    assert seen["assignment after backward"] == rebuild
+
+
+def test_deferred_completion_is_in_flight_between_backward_and_collection() -> None:
+    layer = nn.Linear(3, 2)
+    reducer = DeferredReducer(list(layer.named_parameters()), process_group=None, reduce_missing=True,
+                              owner="DistributedOptimizer")  # as DistributedOptimizer makes it
+    reducer.prepare_for_backward()
+    layer(torch.ones(1, 3)).sum().backward()
+    assert reducer.phase is Phase.IN_FLIGHT and reducer.in_flight
+    with pytest.raises(RuntimeError, match="received a gradient while the previous backward's reduction"):
+        layer(torch.ones(1, 3)).sum().backward()
+    reducer.complete()
+    assert reducer.phase is Phase.IDLE
+    reducer.launch_now()  # nothing armed it: armed, then launched at once
+    assert reducer.phase is Phase.IN_FLIGHT
+    reducer.complete()
+    assert reducer.phase is Phase.IDLE and reducer.step == 2

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from ddpkit.parallel.common.reducer import Reducer
+from ddpkit.parallel.common.reducer import Phase, Reducer
 
 __all__ = ["DeferredReducer"]
 
@@ -33,13 +33,16 @@ class DeferredReducer(Reducer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.in_flight = False
-        """The reductions of a backward are launched and not yet collected."""
         self.on_local_backward: Callable[[], None] | None = None
         """Called at the end of each backward that produced gradients while not armed."""
         self.on_overrun: Callable[[str], None] | None = None
         """Called (and expected to raise) when a gradient arrives while a reduction is in flight."""
         self._local_task = -1
+
+    @property
+    def in_flight(self) -> bool:
+        """The reductions of a backward are launched and not yet collected."""
+        return self.phase is Phase.IN_FLIGHT
 
     def _unarmed_gradient(self, index: int, param: torch.Tensor) -> None:
         if self.in_flight:
@@ -67,7 +70,7 @@ class DeferredReducer(Reducer):
         """
         if self.in_flight:
             return
-        if not self._armed:
+        if self.phase is Phase.IDLE:
             self.prepare_for_backward()
         self._launch_deferred()
 
@@ -77,8 +80,7 @@ class DeferredReducer(Reducer):
         except BaseException:
             self._end_step()
             raise
-        self._armed = False
-        self.in_flight = True
+        self._become(Phase.IN_FLIGHT)
 
     def complete(self) -> None:
         """Wait for the launched reductions and write the averages into ``.grad``."""
@@ -87,5 +89,4 @@ class DeferredReducer(Reducer):
         try:
             self._complete()
         finally:
-            self.in_flight = False
             self._end_step()

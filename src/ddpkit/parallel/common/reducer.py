@@ -10,8 +10,22 @@ parameters (:mod:`~ddpkit.parallel.common.unused`), ``static_graph``
 
 States of one synchronised backward
 -----------------------------------
+Each is a :class:`Phase`; the moves between them are :data:`MOVES` (any other raises).
+
+idle
+    No synchronised backward is expected: a gradient accumulates locally (``no_sync()``, or no forward armed it).
 armed
-    A forward that will be followed by a synchronised backward calls :meth:`Reducer.prepare_for_backward`.
+    A forward that will be followed by a synchronised backward calls :meth:`Reducer.prepare_for_backward`. The
+    hooks take the short path when nothing but the buckets is counted (buckets final, no unused-parameter search,
+    no static graph, no logged iteration), chosen here.
+queued
+    The end-of-backward callback is queued on the backward now running: by the first gradient, or by DDP's output
+    sink before any.
+seeded
+    A static graph's later backward: the parameters its first backward did not use are marked ready (once).
+in flight
+    Deferred completion only (:mod:`~ddpkit.parallel.common.deferred`): every bucket is launched, backward has
+    returned, and the reductions run on until the caller collects them.
 ready
     A parameter is ready when autograd has accumulated its gradient for this backward (with a static graph, its last
     gradient). Large parameters are copied into their bucket at once; when the last parameter of a bucket is ready
@@ -27,7 +41,8 @@ finalisation
 rebuild
     After the first synchronised backward (a static graph: the second) the buckets are assigned again in rank 0's
     gradient arrival order, at the next forward with grad enabled (``no_sync()`` ones too). Never with
-    ``find_unused_parameters`` and no static graph (torch's rules).
+    ``find_unused_parameters`` and no static graph (torch's rules). Where the assignment stands is an
+    :class:`Assignment`.
 
 Failure modes, each naming the parameter: no gradient (see :mod:`~ddpkit.parallel.common.unused`); ready twice in one
 backward without ``static_graph``; a sparse gradient where none is expected, or the reverse; a model cast or moved
@@ -36,6 +51,7 @@ after wrapping (at its first backward).
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 from collections.abc import Sequence
@@ -56,7 +72,56 @@ from ddpkit.parallel.common.unused import UnusedParametersError, all_ranks_used,
 from ddpkit.runtime import events
 from ddpkit.runtime.group import finish_backend_at_exit
 
-__all__ = ["Reducer", "UnusedParametersError"]
+__all__ = ["MOVES", "Assignment", "Phase", "Reducer", "UnusedParametersError"]
+
+
+class Phase(enum.Enum):
+    """Where one synchronised backward stands (the module notes' states); its moves are :data:`MOVES`."""
+
+    IDLE = "idle"
+    ARMED = "armed"
+    QUEUED = "queued"
+    SEEDED = "seeded"
+    IN_FLIGHT = "in flight"
+
+    @property
+    def armed(self) -> bool:
+        """A synchronised backward is expected or running: gradients go into buckets."""
+        return self in (Phase.ARMED, Phase.QUEUED, Phase.SEEDED)
+
+
+MOVES: dict[Phase, frozenset[Phase]] = {
+    # Armed by a forward; idle again is idempotent (disarm(), a reset of a reducer that was not armed).
+    Phase.IDLE: frozenset({Phase.IDLE, Phase.ARMED}),
+    # The first gradient or DDP's sink queues the callback; launch_now() launches from here (deferred completion),
+    # seeding a static graph first; disarm(), a new forward, or an error makes it idle.
+    Phase.ARMED: frozenset({Phase.IDLE, Phase.QUEUED, Phase.SEEDED, Phase.IN_FLIGHT}),
+    # A callback that finds no hook ran (torch.autograd.grad through the model) leaves it armed; the end of the
+    # backward makes it idle, or in flight under deferred completion.
+    Phase.QUEUED: frozenset({Phase.IDLE, Phase.ARMED, Phase.SEEDED, Phase.IN_FLIGHT}),
+    Phase.SEEDED: frozenset({Phase.IDLE, Phase.IN_FLIGHT}),
+    Phase.IN_FLIGHT: frozenset({Phase.IDLE}),  # collected (complete()), or given up by an error
+}
+"""The moves a reducer's :class:`Phase` may make; any other is a bug (:meth:`Reducer._become` raises)."""
+
+
+class Assignment(enum.Enum):
+    """Where the assignment of parameters to buckets stands (the module notes' *rebuild*)."""
+
+    FIRST = "first"
+    """The first assignment: a rebuild may come (:attr:`BucketLayout.final` says whether one will)."""
+    DUE = "due"
+    """The rebuild is due at the next forward with grad enabled."""
+    REBUILT = "rebuilt"
+    """Assigned again in the gradients' arrival order: final."""
+
+
+ASSIGNMENT_MOVES: dict[Assignment, frozenset[Assignment]] = {
+    Assignment.FIRST: frozenset({Assignment.DUE}),
+    Assignment.DUE: frozenset({Assignment.REBUILT}),
+    Assignment.REBUILT: frozenset(),
+}
+"""The moves of :class:`Assignment`; any other is a bug (:meth:`Reducer._assign` raises)."""
 
 
 class Reducer:
@@ -121,7 +186,7 @@ class Reducer:
         self._adopt_buckets()
         self.step = 0
         """Synchronised backwards so far (named in the stall inspector's reports and in events)."""
-        self._rebuild_due = self.rebuilt = False
+        self.assignment = Assignment.FIRST
         self.ready_order: list[int] | None = None
         """When a list, the indices of parameters as their gradients become ready (DDP's logging data)."""
         self.unused_here: list[int] = []
@@ -129,6 +194,12 @@ class Reducer:
         self.static = sg.StaticGraph()
         self.last_used_flags: torch.Tensor | None = None
         """The used-parameter map of the last backward (a joined rank sends it while it shadows)."""
+        self.phase = Phase.IDLE
+        """Where the synchronised backward stands; changed by :meth:`_become` only."""
+        self._armed_path = self._counted_gradient
+        """What a gradient does while armed: the short path or the counted one, chosen by each arming."""
+        self._path = self._unarmed_gradient
+        """What a gradient does in the current phase (:meth:`on_gradient`)."""
         self._reset()
         self._used_since_sync = [False] * len(self.params)
         self.outside: list[Any] = []  # the wrapper's own collectives still running (join's): see launch
@@ -147,16 +218,35 @@ class Reducer:
 
     def rebuild_if_due(self) -> bool:
         """Rebuild the buckets if due (a collective, at every forward with grad enabled); whether it did."""
-        if not self._rebuild_due:
+        if self.assignment is not Assignment.DUE:
             return False
-        self._rebuild_due = False
         # The old set goes before the new one is made (see BucketLayout.build): no reference is left here.
         self.buckets, self._slot, self._plans, self._route = [], [], [], []
         order = self.layout.agreed_order(self.group, self.owner, self.step)
         self.layout.rebuild(order, last_bucket_cap=os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1")
         self._adopt_buckets()
-        self.rebuilt = True
+        self._assign(Assignment.REBUILT)
         return True
+
+    @property
+    def rebuilt(self) -> bool:
+        """The buckets were assigned again (DDP's logging data: ``has_rebuilt_buckets``)."""
+        return self.assignment is Assignment.REBUILT
+
+    def _assign(self, assignment: Assignment) -> None:
+        """Move the bucket assignment's state (the only place it changes)."""
+        if assignment not in ASSIGNMENT_MOVES[self.assignment]:
+            raise RuntimeError(f"{self.owner}: the bucket assignment has no move from {self.assignment.value} to "
+                               f"{assignment.value} (a bug in ddpkit: please report it)")
+        self.assignment = assignment
+
+    def _become(self, phase: Phase) -> None:
+        """Move the backward's :class:`Phase` (the only place it changes; :data:`MOVES` says which moves exist)."""
+        if phase not in MOVES[self.phase]:
+            raise RuntimeError(f"{self.owner}: the gradient reducer has no move from {self.phase.value} to "
+                               f"{phase.value} (a bug in ddpkit: please report it)")
+        self.phase = phase
+        self._path = self._armed_path if phase.armed else self._unarmed_gradient
 
     def add_observer(self, observer: Observer) -> ObserverHandle:
         """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.common.observer`)."""
@@ -171,10 +261,10 @@ class Reducer:
         if self.step < 2:  # where a cast or move after wrapping shows
             self.layout.set.check_unchanged(self.names)  # type: ignore[union-attr]
         self._reset()
-        self._armed = True
-        # Nothing but the buckets to count: the gradient hooks take the short path (see on_gradient).
-        self._plain = (not self.find_unused and not self.static_graph and self.layout.final
-                       and self.ready_order is None)
+        # Nothing but the buckets to count: the gradient hooks take the short path.
+        plain = not self.find_unused and not self.static_graph and self.layout.final and self.ready_order is None
+        self._armed_path = self._plain_gradient if plain else self._counted_gradient
+        self._become(Phase.ARMED)
 
     def _rebuild_buckets(self) -> bool:  # torch's name, called by Lightning and Accelerate
         return self.rebuild_if_due()
@@ -187,7 +277,7 @@ class Reducer:
         self._reset()
 
     def _reset(self) -> None:
-        self._armed = self._plain = self._started = self._callback_queued = False
+        self._become(Phase.IDLE)
         self._next_launch = 0
         self._ready = [False] * len(self.params)
         self._hits = [0] * len(self.params)
@@ -198,27 +288,27 @@ class Reducer:
 
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient has been accumulated (its post-accumulate-grad hook)."""
-        # Paid for every parameter in every backward: the common case (armed, buckets final, no unused-parameter
-        # search, no static graph, no logged iteration) checks and counts, and stages nothing until a bucket is
-        # complete.
-        if self._plain:
-            if self._ready[index]:
-                self._twice(index)
-            if not self._callback_queued:
-                self._queue_finish()
-            if self._mark_ready(index):
-                self._launch_ready()
-            return
+        self._path(index, param)  # chosen by the phase (and, armed, by the arming): no test per gradient
+
+    def _plain_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Armed, nothing but the buckets to count: check and count, stage nothing until a bucket is complete."""
+        # Paid for every parameter in every backward of the common case.
+        if self._ready[index]:
+            self._twice(index)
+        if self.phase is Phase.ARMED:
+            self._queue_finish()
+        if self._mark_ready(index):
+            self._launch_ready()
+
+    def _counted_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Armed, with unused parameters searched for, a static graph, buckets not final or a logged iteration."""
         # Autograd also calls the hook with no gradient (an output the loss left out passes None through DDP's sink):
-        # the parameter is ready but, as torch counts it, used only if it holds a gradient.
-        if self._armed:
-            # Counted only where torch keeps a used-map: unused parameters searched for, or a static graph's first
-            # backward. Plain DDP reduces zeros for it and writes them back.
-            if (self.find_unused or self.static_graph) and not self.static.counted and param.grad is None:
-                self._undefined.add(index)
-            self._on_ready(index)
-            return
-        self._unarmed_gradient(index, param)
+        # the parameter is ready but, as torch counts it, used only if it holds a gradient. Counted only where torch
+        # keeps a used-map: unused parameters searched for, or a static graph's first backward. Plain DDP reduces
+        # zeros for it and writes them back.
+        if (self.find_unused or self.static_graph) and not self.static.counted and param.grad is None:
+            self._undefined.add(index)
+        self._on_ready(index)
 
     def _unarmed_gradient(self, index: int, param: torch.Tensor) -> None:
         """A gradient outside a synchronised backward (``no_sync``, or the reducer not armed)."""
@@ -229,13 +319,13 @@ class Reducer:
 
     def expect_backward(self) -> None:
         """Queue the end-of-backward callback on the backward now running (see :mod:`ddpkit.parallel.ddp.sink`)."""
-        if self._armed:
-            self._queue_finish()
+        self._queue_finish()
 
     def _queue_finish(self) -> None:
-        if not self._callback_queued:
+        """Armed: queue the end-of-backward callback (once; queued or seeded, it is)."""
+        if self.phase is Phase.ARMED:
             Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+            self._become(Phase.QUEUED)
 
     def _on_ready(self, index: int) -> None:
         self._queue_finish()
@@ -243,8 +333,8 @@ class Reducer:
             self._hits[index] += 1
             if not self.static.counted:
                 return  # the first backward counts only; everything is reduced at its end
-            if not self._started:
-                self._started = True
+            if self.phase is not Phase.SEEDED:
+                self._become(Phase.SEEDED)
                 self._mark_static_unused()
             # Too many is raised at the end of this backward, once every bucket is out: the other ranks, whose graph
             # may not have changed, are waiting in those all-reduces.
@@ -331,7 +421,8 @@ class Reducer:
     def _finish_backward(self) -> None:
         """End of backward: launch the rest; unless deferred, wait and write ``.grad``."""
         if not self._undefined and not any(self._ready) and not any(self._hits):
-            self._callback_queued = False  # no hook ran: not the synchronised backward (see the module notes)
+            if self.phase is Phase.QUEUED:
+                self._become(Phase.ARMED)  # no hook ran: not the synchronised backward (see the module notes)
             return
         self._end_of_backward()
 
@@ -346,12 +437,13 @@ class Reducer:
     def _end_step(self) -> None:
         self.step += 1
         self.outside.clear()
-        self._rebuild_due = self.layout.rebuild_due(self.step, self.static_graph)
+        if self.assignment is Assignment.FIRST and self.layout.rebuild_due(self.step, self.static_graph):
+            self._assign(Assignment.DUE)
         self._reset()
 
     def set_static_graph(self) -> None:
         """Turn on ``static_graph`` before the first synchronised backward (torch's ``_set_static_graph``)."""
-        if self.step or self._armed:
+        if self.step or self.phase is not Phase.IDLE:
             raise RuntimeError("_set_static_graph() must be called before the first backward: pass "
                                "DistributedDataParallel(..., static_graph=True) instead")
         self.static_graph = True
@@ -367,8 +459,8 @@ class Reducer:
         searched = self.searches_unused()
         if first_static:
             self._ready = self.static.first_done(self._hits)  # the first backward of a static graph reduces here
-        elif self.static_graph and not self._started:
-            self._started = True
+        elif self.static_graph and self.phase is not Phase.SEEDED:
+            self._become(Phase.SEEDED)
             self._mark_static_unused()
         missing = [i for i, r in enumerate(self._ready) if not r] if False in self._ready else []
         local_used = [(r and i not in self._undefined) or u for i, (r, u) in
