@@ -13,7 +13,8 @@ from torch import nn
 
 import ddpkit
 from ddpkit.models import TransformerClassifier
-from ddpkit.parallel.zero.units import local_of
+from ddpkit.parallel.zero.stage3 import BACKWARD_MOVES, Backward, ShardedParameters
+from ddpkit.parallel.zero.units import RESIDENCY_MOVES, Residency, Unit, local_of
 
 ce = nn.functional.cross_entropy
 
@@ -277,7 +278,7 @@ def _held_late_in_backward(case: str) -> dict:
     seen: dict = {}
 
     def late(module: nn.Module, grad_in: tuple, grad_out: tuple) -> None:
-        seen["gathered"] = [u.gathered for u in engine.units]
+        seen["gathered"] = [u.residency.value for u in engine.units]
         seen["whole grads"] = [any(q.leaf is not None and q.leaf.grad is not None for q in u.params)
                                for u in engine.units]
 
@@ -295,7 +296,7 @@ def test_units_are_freed_and_reduced_as_soon_as_backward_is_done_with_them(dist2
     for r in dist2.run(_held_late_in_backward, case):
         assert r["units"] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
         # Every block's backward is over: none is gathered, a frozen one included (FSDP2's post-backward).
-        assert r["gathered"][1:] == [False] * 4
+        assert r["gathered"][1:] == ["freed"] * 4
         if case == "trained":
             # Each block's gradient went out as soon as it was in: none is held whole.
             assert r["whole grads"][1:] == [False] * 4
@@ -391,3 +392,68 @@ def _zero_grad_inside_no_sync() -> bool:
 
 def test_zero_grad_drops_a_no_sync_accumulation_as_under_ddp(dist2):
     assert dist2.run(_zero_grad_inside_no_sync) == [True, True]
+
+
+@pytest.mark.parametrize("start, to", [(s, t) for s in Residency for t in Residency if t not in RESIDENCY_MOVES[s]],
+                         ids=lambda r: r.name)
+def test_a_move_a_units_residency_does_not_allow_raises(start: Residency, to: Residency) -> None:
+    unit = Unit(3, "blocks.1", nn.Linear(2, 2), [], 1, torch.empty(0), residency=start)
+    with pytest.raises(RuntimeError, match=f"zero-3 unit 3 \\(blocks.1\\) has no move from {start.value} to {to.value}"):
+        unit.become(to)
+    assert unit.residency is start
+
+
+@pytest.mark.parametrize("start, to", [(s, t) for s in Backward for t in Backward if t not in BACKWARD_MOVES[s]],
+                         ids=lambda b: b.name)
+def test_a_move_the_stage3_backward_does_not_allow_raises(start: Backward, to: Backward) -> None:
+    engine = ShardedParameters.__new__(ShardedParameters)  # its state alone: no model, no group
+    engine.owner, engine.backward = "DistributedDataParallel", start
+    with pytest.raises(RuntimeError, match=f"the backward has no move from {start.value} to {to.value}"):
+        engine._enter(to)
+    assert engine.backward is start
+
+
+def _states_of_a_call_sequence() -> dict:
+    """The engine's backward and the units' residency at each point of a gradient penalty's call sequence (a
+    backward that gives no gradient, then one that does), and of a no_sync() backward."""
+    torch.manual_seed(0)
+    model = ddpkit.DDP(Blocks(depth=2), zero_stage=3)
+    engine = model.reducer
+    seen: dict[str, list] = {}
+
+    def note(name: str) -> None:
+        seen.setdefault(name, []).append(
+            (engine.backward.value, [u.residency.value for u in engine.units]))
+
+    model.module.head.register_full_backward_hook(lambda *_: note("head's backward"))
+    model.module.emb.register_full_backward_hook(lambda *_: note("embedding's backward"))
+    x, y = _batch(0)
+    x.requires_grad_()
+    loss = ce(model(x), y)
+    note("after forward")
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)  # no parameter gets a gradient: the units are held
+    note("after a backward with no gradient")
+    (loss + gx.pow(2).sum()).backward()
+    note("after the backward")
+    with model.no_sync():
+        ce(model(x), y).backward()
+    note("after a no_sync() backward")
+    seen["units"] = [u.name for u in engine.units]
+    return seen
+
+
+def test_the_backward_and_the_units_states_through_a_gradient_penalty(dist2) -> None:
+    for seen in dist2.run(_states_of_a_call_sequence):
+        assert seen["units"] == ["", "blocks.0", "blocks.1"]
+        # The last unit of the forward is kept for the backward; the root unit is whole for both.
+        assert seen["after forward"] == [("idle", ["gathered", "freed", "gathered"])]
+        # autograd.grad: the head's backward runs before any parameter has its gradient; no gradient at its end.
+        assert seen["head's backward"][0] == ("begun", ["gathered", "freed", "gathered"])
+        assert seen["after a backward with no gradient"] == [("held", ["gathered"] * 3)]
+        # The penalty's backward (held: every unit stays gathered to its end), then the no_sync() one, which frees
+        # each block once backward is done with it.
+        assert seen["head's backward"][1:] == [("accumulating, held", ["gathered"] * 3),
+                                                  ("accumulating", ["gathered", "freed", "gathered"])]
+        assert seen["embedding's backward"][1:] == [("accumulating, held", ["gathered"] * 3),
+                                                 ("accumulating", ["gathered", "freed", "freed"])]
+        assert seen["after the backward"] == seen["after a no_sync() backward"] == [("idle", ["freed"] * 3)]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.parallel.zero.flat import all_gather_flat
-from ddpkit.parallel.zero.units import Unit, in_part, local_of
+from ddpkit.parallel.zero.units import Residency, Unit, in_part, local_of
 from ddpkit.runtime import events
 
 __all__ = ["Gathering", "pack_part"]
@@ -77,13 +77,14 @@ class Gathering:
 
     def gather(self, u: Unit, wait: bool) -> None:
         """Start the unit's all-gathers unless it is gathered (or on its way); with ``wait``, wait for them."""
-        if not u.gathered:
+        if u.residency is Residency.FREED:
             u.full.untyped_storage().resize_(u.nbytes)
             full = u.full.data  # a new version counter: the views autograd saved stay valid
             if self.world_size == 1:
                 with torch.no_grad():
                     for q in u.params:
                         u.whole_view(q, full).copy_(local_of(q.param).reshape(q.shape))
+                u.become(Residency.GATHERED)
             else:
                 part = pack_part(u, self.rank, full.dtype)
                 events.collective("{} zero-3 unit {} all-gather of the parameters", self.owner, u.index,
@@ -97,8 +98,8 @@ class Gathering:
                         works.append(all_gather_flat(full[w * q.offset: w * (q.offset + q.piece)],
                                                      part[q.offset: q.offset + q.piece], self.group, async_op=True))
                 u.work = works
-            u.gathered = True
-        if wait and u.work is not None:
+                u.become(Residency.GATHERING)
+        if wait and u.residency is Residency.GATHERING:
             self._land(u)
 
     def _land(self, u: Unit) -> None:
@@ -115,17 +116,18 @@ class Gathering:
                 torch.split_with_sizes_copy(staged.view(w, u.small), [q.piece for q in small], dim=1,
                                             out=[full[w * q.offset: w * (q.offset + q.piece)].view(w, q.piece)
                                                  for q in small])
+        u.become(Residency.GATHERED)
 
     def free(self, u: Unit) -> None:
         """Give the gathered buffer's memory back (after its all-gather, if one is in flight), and show the
         modules their shards."""
-        if u.work is not None:
+        if u.residency is Residency.GATHERING:
             for work in u.work:
                 work.wait()
             u.work, u.staged = None, None
         self.unbind(u)
         u.full.untyped_storage().resize_(0)
-        u.gathered = False
+        u.become(Residency.FREED)
 
     def bind(self, u: Unit) -> None:
         """Let the unit's modules compute with its leaves (made the first time; their ``requires_grad`` follows

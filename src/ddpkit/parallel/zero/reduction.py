@@ -61,9 +61,7 @@ class Reductions:
             if q.leaf is not None:
                 q.leaf.grad = None  # the engine's now: scaled in place, reduced, let go
             grads.append(grad)
-        u.arrived.clear()
-        u.ready = False
-        u.expect = None
+        u.arrived.clear()  # a unit reduced twice in one backward (reentrant checkpointing) counts afresh
         # The reductions before this one have had a unit's backward to finish: their inputs go now, so that at most
         # one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
         for before in self.units:

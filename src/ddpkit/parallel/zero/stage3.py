@@ -71,6 +71,15 @@ Meta-device models
     See :mod:`ddpkit.parallel.zero.materialize`: a model built on the meta
     device is materialised unit by unit, this rank keeping its shard.
 
+States
+    Where the backward stands is a :class:`Backward` (idle, begun,
+    accumulating, and *held* after a backward that gave no gradient), a
+    unit's memory a :class:`~ddpkit.parallel.zero.units.Residency` (freed,
+    gathering, gathered); each moves by one function, along its table of
+    moves. Whether the backwards of the last forward synchronise
+    (:attr:`ShardedParameters.armed`) is the forward's setting, as DDP's
+    ``require_backward_grad_sync``, not a state of the backward.
+
 Observers (:meth:`ShardedParameters.add_observer`) see each unit's reduction
 as a bucket's. Refused, each with the reason: a comm hook, ``static_graph``,
 ``gradient_as_bucket_view``, ``join()``, sparse gradients.
@@ -79,6 +88,7 @@ as a bucket's. Refused, each with the reason: a comm hook, ``static_graph``,
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import itertools
 import re
@@ -100,6 +110,7 @@ from ddpkit.parallel.common.unused import UnusedParametersError
 from ddpkit.parallel.zero.gathering import Gathering
 from ddpkit.parallel.zero.reduction import Reductions
 from ddpkit.parallel.zero.units import (
+    Residency,
     Unit,
     cast_floats,
     find_units,
@@ -111,7 +122,49 @@ from ddpkit.parallel.zero.units import (
 )
 from ddpkit.runtime.devices import comm_device
 
-__all__ = ["ShardedParameters", "engine_of", "is_sharded", "optimizer_over_shards"]
+__all__ = ["BACKWARD_MOVES", "Backward", "ShardedParameters", "engine_of", "is_sharded", "optimizer_over_shards"]
+
+
+class Backward(enum.Enum):
+    """Where the engine's backward stands (the module notes' *Backward* and *Which backwards synchronise*); its moves
+    are :data:`BACKWARD_MOVES`.
+
+    *Held*: a backward that gave no parameter a gradient (``torch.autograd.grad`` with ``create_graph=True``, a
+    gradient penalty) saved views of the gathered units that the next backward reads in any order, so the units stay
+    gathered until a backward that gives gradients ends.
+    """
+
+    IDLE = "idle"
+    """No backward runs."""
+    HELD = "held"
+    """No backward runs; the last one gave no gradient, and the units stay gathered."""
+    BEGUN = "begun"
+    """A backward runs; no parameter has its gradient yet."""
+    BEGUN_HELD = "begun, held"
+    ACCUMULATING = "accumulating"
+    """A backward runs and has given a gradient: each unit is freed once backward is done with it."""
+    ACCUMULATING_HELD = "accumulating, held"
+    """As accumulating, after a held backward: the units stay gathered to its end."""
+
+    @property
+    def running(self) -> bool:
+        return self not in (Backward.IDLE, Backward.HELD)
+
+    @property
+    def held(self) -> bool:
+        return self in (Backward.HELD, Backward.BEGUN_HELD, Backward.ACCUMULATING_HELD)
+
+
+BACKWARD_MOVES: dict[Backward, frozenset[Backward]] = {
+    Backward.IDLE: frozenset({Backward.BEGUN}),
+    Backward.HELD: frozenset({Backward.BEGUN_HELD}),
+    # The first gradient; a backward that gave none ends held; one that raised is ended by the next root forward.
+    Backward.BEGUN: frozenset({Backward.ACCUMULATING, Backward.HELD, Backward.IDLE}),
+    Backward.BEGUN_HELD: frozenset({Backward.ACCUMULATING_HELD, Backward.HELD}),
+    Backward.ACCUMULATING: frozenset({Backward.IDLE}),  # its end (or, raised, the next root forward's)
+    Backward.ACCUMULATING_HELD: frozenset({Backward.IDLE, Backward.HELD}),  # its end; raised: still held
+}
+"""The moves of :class:`Backward`; any other is a bug (:meth:`ShardedParameters._enter` raises)."""
 
 _ENGINES: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 """id(module) -> (the module, its stage-3 engine), both held weakly."""
@@ -250,13 +303,12 @@ class ShardedParameters:
         self._seen: list[int] = []
         self._calls = itertools.count()
         self._in_forward: dict[int, tuple[int, bool]] = {}
-        self._in_backward = False
+        self.backward = Backward.IDLE
+        """Where the backward stands; changed by :meth:`_enter` only."""
+        self._complete: set[int] = set()
+        """The units every trained parameter of which has its gradient in this backward (they may be reduced)."""
         self._cursor = 0
-        self._any_grad = False
         self._saving: Any = None
-        self._hold = False
-        """A backward that gave no parameter a gradient left the units gathered for the next one (see
-        :meth:`_end_backward`)."""
         self._handles = self._install_hooks()
         if on_meta:
             from ddpkit.parallel.zero.materialize import materialize
@@ -348,10 +400,8 @@ class ShardedParameters:
     # between them): their gathers, frees and bindings change per unit and per step.
     @torch.compiler.disable
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._in_backward:  # a backward that raised never reached its end (a root forward starts afresh)
-            hold, self._hold = self._hold, False
-            self._end_of_backward_state()
-            self._hold = hold
+        if self.backward.running:  # a backward that raised never reached its end (a root forward starts afresh)
+            self._end_of_backward_state(Backward.HELD if self.backward.held else Backward.IDLE)
         self.adopt()
         self._seen = []
         root = self.root
@@ -376,7 +426,7 @@ class ShardedParameters:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, tuple):
             unit, tensor = saved
-            if not unit.gathered or unit.work is not None:
+            if unit.residency is not Residency.GATHERED:
                 self._begin_backward()
                 self.gathering.gather(unit, wait=True)
             return tensor
@@ -390,7 +440,8 @@ class ShardedParameters:
         if self._seen and self._seen != self.order:
             self.order = list(self._seen)
             for u in self.units:  # prefetched in the order of the forward before, and skipped in this one
-                if u.name and u.gathered and u.index not in self._seen and not self._in_backward:
+                if (u.name and u.residency is not Residency.FREED and u.index not in self._seen
+                        and not self.backward.running):
                     self.gathering.free(u)
         grad = torch.is_grad_enabled()
         root = self.root
@@ -406,7 +457,7 @@ class ShardedParameters:
 
     @torch.compiler.disable
     def _pre_forward(self, u: Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._in_backward:  # a recomputation (activation checkpointing): the unit as in the forward
+        if self.backward.running:  # a recomputation (activation checkpointing): the unit as in the forward
             self.gathering.gather(u, wait=True)
             self.gathering.bind(u)
             return self._cast(args, kwargs)
@@ -438,7 +489,7 @@ class ShardedParameters:
 
     @torch.compiler.disable
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_backward:
+        if self.backward.running:
             return  # a recomputation: the unit stays gathered and bound until its backward is done
         self.gathering.unbind(u)
         grad = torch.is_grad_enabled()
@@ -461,9 +512,16 @@ class ShardedParameters:
 
     # -- backward -------------------------------------------------------------------------------------
 
+    def _enter(self, backward: Backward) -> None:
+        """Move :attr:`backward` (the only place it changes; :data:`BACKWARD_MOVES` says which moves exist)."""
+        if backward not in BACKWARD_MOVES[self.backward]:
+            raise RuntimeError(f"{self.owner}(zero_stage=3): the backward has no move from {self.backward.value} to "
+                               f"{backward.value} (a bug in ddpkit: please report it)")
+        self.backward = backward
+
     def _begin_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
+        if not self.backward.running:
+            self._enter(Backward.BEGUN_HELD if self.backward.held else Backward.BEGUN)
             Variable._execution_engine.queue_callback(self._end_backward)
             root = self.root
             if root is not None:  # the root's parameters are used last in forward and first in backward
@@ -483,30 +541,34 @@ class ShardedParameters:
     def _post_backward(self, u: Unit, call: int) -> None:
         """The gradient of one of the unit's forward calls has gone through it: free it if no call is left."""
         u.open_calls.discard(call)
-        if not u.open_calls and u.gathered and u is not self.root and self._any_grad and not self._hold:
+        if (not u.open_calls and u.residency is not Residency.FREED and u is not self.root
+                and self.backward is Backward.ACCUMULATING):
             self.gathering.free(u)
 
     def _on_grad(self, unit: int, i: int) -> None:
         """Autograd has accumulated a gradient into the ``i``-th leaf of unit ``unit``."""
         u = self.units[unit]
         self._begin_backward()
-        self._any_grad = True
-        u.arrived.add(i)
-        if u.expect is None:
+        if self.backward is Backward.BEGUN:
+            self._enter(Backward.ACCUMULATING)
+        elif self.backward is Backward.BEGUN_HELD:
+            self._enter(Backward.ACCUMULATING_HELD)
+        if not u.arrived:  # its first gradient (of this backward, or since it was reduced)
             u.expect = set(u.trained)
-        if u.ready or not u.expect <= u.arrived:
+        u.arrived.add(i)
+        if u.index in self._complete or not u.expect <= u.arrived:
             return
-        u.ready = True
+        self._complete.add(u.index)
         all_trained = len(u.expect) == len(u.params)
         if self.armed:
             position = self.launch_order.index(u)
             if position < self._cursor:  # reduced once in this backward already (reentrant checkpointing)
-                self.reductions.launch(u, self.div_factor, self.step)
+                self._reduce(u)
             else:
                 self._launch_ready()
         # Every trained parameter's gradient is in, so no node of this backward reads them any more; a frozen one
         # may still be read (by another input's gradient), and a call still open reads it all.
-        if not u.open_calls and u is not self.root and all_trained and not self._hold:
+        if not u.open_calls and u is not self.root and all_trained and not self.backward.held:
             self.gathering.free(u)
 
     def _launch_ready(self) -> None:
@@ -514,21 +576,27 @@ class ShardedParameters:
         while self._cursor < len(order):
             u = order[self._cursor]
             if u.trained:
-                if not u.ready:
+                if u.index not in self._complete:
                     return
-                self.reductions.launch(u, self.div_factor, self.step)
+                self._reduce(u)
             self._cursor += 1
+
+    def _reduce(self, u: Unit) -> None:
+        """Launch the unit's reduction; gradients that arrive after it (reentrant checkpointing) count afresh."""
+        self._complete.discard(u.index)
+        self.reductions.launch(u, self.div_factor, self.step)
 
     # -- reduction ------------------------------------------------------------------------------------
 
     def _end_backward(self) -> None:
         """The end of backward (autograd's queued callback)."""
-        self._in_backward = False
-        if not self._any_grad:
+        if not self.backward.running:
+            return  # ended already by a root forward inside it (checkpointing the whole model: not supported)
+        if self.backward in (Backward.BEGUN, Backward.BEGUN_HELD):
             # No parameter got a gradient (torch.autograd.grad): not the backward that synchronises. Its graph, made
             # with create_graph=True (a gradient penalty), saved views of the gathered units that the next backward
             # reads in any order: the units stay gathered until that backward ends.
-            self._hold = True
+            self._enter(Backward.HELD)
             for u in self.units:
                 u.open_calls.clear()
             return
@@ -537,7 +605,7 @@ class ShardedParameters:
                 return  # no_sync: the leaves keep their sums
             for u in self.launch_order[self._cursor:]:
                 if u.trained:
-                    self.reductions.launch(u, self.div_factor, self.step)
+                    self._reduce(u)
             self._cursor = len(self.launch_order)
             used = self.reductions.used_everywhere(self.units, self.step) if self.find_unused else None
             observed = self.observers.wait or self.observers.done
@@ -558,19 +626,18 @@ class ShardedParameters:
         finally:
             self._end_of_backward_state()
 
-    def _end_of_backward_state(self) -> None:
-        self._in_backward = False
-        self._hold = False
+    def _end_of_backward_state(self, after: Backward = Backward.IDLE) -> None:
+        """Every unit freed and its reductions waited for; the backward ``after`` (held, if a backward that raised
+        was after a held one)."""
+        self._enter(after)
         for u in self.units:
             self.reductions.wait(u)
             u.pending = []
             self.gathering.free(u)
             u.open_calls.clear()
             u.arrived.clear()
-            u.ready = False
-            u.expect = None
+        self._complete.clear()
         self._cursor = 0
-        self._any_grad = False
         self._in_forward.clear()
 
     def drop_accumulated(self) -> None:

@@ -33,6 +33,7 @@ The unit's flat layouts
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from collections.abc import Sequence
@@ -48,7 +49,9 @@ __all__ = [
     "CONTAINERS",
     "SEPARATE_BYTES",
     "SHARD_MARK",
+    "RESIDENCY_MOVES",
     "Launched",
+    "Residency",
     "Unit",
     "UnitParam",
     "cast_floats",
@@ -171,6 +174,26 @@ class UnitParam:
         return module._parameters[attr]  # type: ignore[return-value]
 
 
+class Residency(enum.Enum):
+    """Where a unit's whole parameters stand (FSDP2's sharded state); its moves are :data:`RESIDENCY_MOVES`."""
+
+    FREED = "freed"
+    """Only this rank's shards: :attr:`Unit.full` holds no memory and the modules see the shards."""
+    GATHERING = "gathering"
+    """Its all-gathers are in flight into :attr:`Unit.full` (:attr:`Unit.work`); waited for before it is read."""
+    GATHERED = "gathered"
+    """Whole in :attr:`Unit.full`, landed: its modules may compute with it."""
+
+
+RESIDENCY_MOVES: dict[Residency, frozenset[Residency]] = {
+    # Freeing is idempotent (the end of backward frees every unit); a world of one gathers at once (a copy).
+    Residency.FREED: frozenset({Residency.FREED, Residency.GATHERING, Residency.GATHERED}),
+    Residency.GATHERING: frozenset({Residency.GATHERED, Residency.FREED}),  # landed; or freed (waited for first)
+    Residency.GATHERED: frozenset({Residency.FREED}),
+}
+"""The moves of a unit's :class:`Residency`; any other is a bug (:meth:`Unit.become` raises)."""
+
+
 @dataclass(eq=False)
 class Unit:
     """A group of parameters gathered together (see the module notes), and its state in one backward."""
@@ -199,23 +222,29 @@ class Unit:
     """The all-gather in flight into :attr:`full`."""
     staged: torch.Tensor | None = field(default=None, repr=False)
     """Where that all-gather lands, when it cannot land in :attr:`full` itself (several parameters)."""
-    gathered: bool = False
+    residency: Residency = Residency.FREED
+    """Changed by :meth:`become` only."""
     hooked: set[int] = field(default_factory=set)
     """The leaves that carry the engine's gradient hook."""
     open_calls: set[int] = field(default_factory=set)
     """Forward calls whose backward has begun and not yet reached the call's inputs."""
     arrived: set[int] = field(default_factory=set)
     """The parameters whose gradient autograd has accumulated in this backward."""
-    expect: set[int] | None = None
-    """The trained parameters, as this backward found them (``None``: not yet read)."""
-    ready: bool = False
-    """Every trained parameter's gradient is in: the unit may be reduced."""
+    expect: set[int] = field(default_factory=set)
+    """The trained parameters, as the first gradient of :attr:`arrived` found them."""
     pending: list[tuple[torch.Tensor, Any, list[bool]]] = field(default_factory=list, repr=False)
     """Reductions in flight: (this rank's part of the sum, work, which parameters had a gradient here)."""
 
     @property
     def nbytes(self) -> int:
         return self.full.numel() * self.full.element_size()
+
+    def become(self, residency: Residency) -> None:
+        """Move :attr:`residency` (the only place it changes; :data:`RESIDENCY_MOVES` says which moves exist)."""
+        if residency not in RESIDENCY_MOVES[self.residency]:
+            raise RuntimeError(f"zero-3 unit {self.index} ({self.name or 'root'}) has no move from "
+                               f"{self.residency.value} to {residency.value} (a bug in ddpkit: please report it)")
+        self.residency = residency
 
     @functools.cached_property
     def small_params(self) -> list[tuple[int, UnitParam]]:
