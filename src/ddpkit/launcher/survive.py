@@ -22,10 +22,14 @@ runs (wrongly suspected: paused longer than the failure detector's timeout)
 stops its workers, whose members are out of the job, and asks to come back
 as a spare does; once an entry makes it a voting node again it starts its
 workers anew, and they join with the state from a peer.
+
+Each worker's part in the job, as its launcher sees it, is a :class:`WorkerPhase`; it moves by
+:meth:`SurvivingGroup._move` only, along :data:`WORKER_MOVES`.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import queue
@@ -44,7 +48,7 @@ from ddpkit.launcher.supervise import Failure, WorkerGroup, say
 from ddpkit.runtime.process import SignalCatcher, describe_exit, terminate
 from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
 
-__all__ = ["Death", "SurvivingGroup"]
+__all__ = ["WORKER_MOVES", "Death", "SurvivingGroup", "WorkerPhase"]
 
 _POLL_S = 0.05
 USAGE_EXIT = 2
@@ -52,6 +56,47 @@ USAGE_EXIT = 2
 held the training state ends the job instead of being replaced."""
 _TORCH_LOG = re.compile(r"\[[IWEF]\d{4} ")
 """A line of torch's C++ log (``[W1128 02:46:49.469 socket.cpp:207] ...``), not the worker's own words."""
+
+
+class WorkerPhase(enum.Enum):
+    """A worker's part in the job, as its launcher sees it (the module notes); its moves are :data:`WORKER_MOVES`."""
+
+    STARTED = "started"
+    """Running, not yet holding the training state (a first worker before its first group is agreed, or a
+    replacement before a peer handed it the state)."""
+    TRAINING = "training"
+    """Running and holding the training state (it said so: ``joined``)."""
+    DISMISSED = "dismissed"
+    """Stopped by this launcher (training over before it joined, its node left out, no holder of the state left):
+    its member is out of the job, and its exit is no death."""
+    FINISHED = "finished"
+    """Exited 0."""
+    DIED = "died"
+    """Exited otherwise while in the job."""
+    GONE = "gone"
+    """Exited after it was dismissed."""
+
+    @property
+    def running(self) -> bool:
+        """Its exit has not been seen yet."""
+        return self in (WorkerPhase.STARTED, WorkerPhase.TRAINING, WorkerPhase.DISMISSED)
+
+    @property
+    def in_job(self) -> bool:
+        """Running as a member of the job (not dismissed)."""
+        return self in (WorkerPhase.STARTED, WorkerPhase.TRAINING)
+
+
+WORKER_MOVES: dict[WorkerPhase, frozenset[WorkerPhase]] = {
+    WorkerPhase.STARTED: frozenset({WorkerPhase.TRAINING, WorkerPhase.DISMISSED, WorkerPhase.FINISHED,
+                                    WorkerPhase.DIED}),
+    WorkerPhase.TRAINING: frozenset({WorkerPhase.DISMISSED, WorkerPhase.FINISHED, WorkerPhase.DIED}),
+    WorkerPhase.DISMISSED: frozenset({WorkerPhase.GONE}),
+    WorkerPhase.FINISHED: frozenset(),
+    WorkerPhase.DIED: frozenset(),
+    WorkerPhase.GONE: frozenset(),
+}
+"""The moves of a worker's :class:`WorkerPhase`; any other is a bug (:meth:`SurvivingGroup._move` raises)."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +130,12 @@ class SurvivingGroup(WorkerGroup):
         self.deaths: list[Death] = []
         self.replacements = replacements
         self._ready: queue.Queue[int] = queue.Queue()
-        self._joined: set[int] = set()
-        """Members that hold the training state (their first group built and agreed on)."""
+        self.phases: dict[int, WorkerPhase] = {}
+        """worker index -> its phase (members only: parameter servers are not); changed by :meth:`_move` only."""
+        self._index_of: dict[int, int] = {}
+        """member id -> worker index."""
+        self._moving = threading.RLock()
+        """Held by :meth:`_move` (the replies' threads move a worker to training)."""
         self._next_member = 0
         self.server_pipes: list[int] = []
         self._stopped: list[WorkerSpec] = []
@@ -126,6 +175,8 @@ class SurvivingGroup(WorkerGroup):
         os.close(down_r)
         os.close(up_w)
         self.member_of[index] = member
+        self._index_of[member] = index
+        self.phases[index] = WorkerPhase.STARTED
         self.pipes[member] = down_w
         if self.members:
             os.write(down_w, self._view())
@@ -158,7 +209,10 @@ class SurvivingGroup(WorkerGroup):
                 if line.strip() == b"ready":
                     self._ready.put(member)
                 elif line.strip() == b"joined":
-                    self._joined.add(member)
+                    with self._moving:  # read and moved together: the main loop may dismiss it meanwhile
+                        index = self._index_of[member]
+                        if self.phases[index] is WorkerPhase.STARTED:  # not dismissed, its exit not yet seen
+                            self._move(index, WorkerPhase.TRAINING)
                     if member >= self.launch.world_size:  # a replacement's or a spare's: it can train now
                         say(f"member {member} holds the training state")
                     if self.council is not None:
@@ -181,12 +235,9 @@ class SurvivingGroup(WorkerGroup):
     def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
              ) -> Failure | RemoteFailure | str | None:
         """Until every live worker exited 0 (None) or none is left (the first death's :class:`Failure`)."""
-        live = set(self.member_of)
-        finished = 0
-        dismissed: set[int] = set()
         first: Failure | None = None
         looked = time.monotonic()
-        while live or (self.entry is not None and not self.entry.done):
+        while self._running() or (self.entry is not None and not self.entry.done):
             now = time.monotonic()  # one reading for the check and the next one: a stop in between counts
             if self.council is not None and self._paused(looked):
                 # This launcher was stopped (or starved): the others may have left this node out meanwhile, and
@@ -195,20 +246,21 @@ class SurvivingGroup(WorkerGroup):
                 now = time.monotonic()
             looked = now
             if self.council is not None:
-                if not live and not self.council.report.finished and self._asked_back is None:
-                    self.council.tell(finished=True, succeeded=finished > 0)
-                if (cut_off := self._follow(live, dismissed) or self._come_back(live)) is not None:
-                    return None if not live and self.council.report.succeeded else cut_off
+                if not self._running() and not self.council.report.finished and self._asked_back is None:
+                    self.council.tell(finished=True, succeeded=self._finished())
+                if (cut_off := self._follow() or self._come_back()) is not None:
+                    return None if not self._running() and self.council.report.succeeded else cut_off
                 if self._holding:
                     time.sleep(_POLL_S)  # an exit now is of a worker out of the job, not a death: not yet
                     continue
             try:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
-                if not finished:
+                if not self._finished():
                     self._admit_ready()
                 continue
-            if self.council is not None and code != 0 and index not in dismissed and self._paused(looked):
+            if (self.council is not None and code != 0 and self.phases.get(index) is not WorkerPhase.DISMISSED
+                    and self._paused(looked)):
                 self.exits.put((code, index))  # stopped while waiting for it: handled after the check above
                 continue
             if self.specs[index].server is not None:
@@ -218,19 +270,22 @@ class SurvivingGroup(WorkerGroup):
                         return self.failure(index, code)
                     self._announce()  # the same epoch: the workers' requests to it stop waiting
                 continue
-            live.discard(index)
             member = self.member_of[index]
-            if index in dismissed:
+            if self.phases[index] is WorkerPhase.DISMISSED:
+                self._move(index, WorkerPhase.GONE)
                 continue
             if code == 0:
-                if not finished:
-                    dismissed |= self._dismiss_joining(live)
-                finished += 1
-                self._leave(member, live)
+                first_to_finish = not self._finished()
+                self._move(index, WorkerPhase.FINISHED)
+                if first_to_finish:
+                    self._dismiss_joining()
+                self._leave(member)
                 continue
+            usage = code == USAGE_EXIT and self.phases[index] is WorkerPhase.STARTED
+            self._move(index, WorkerPhase.DIED)
             failure = self.failure(index, code)
             first = first or failure
-            if code == USAGE_EXIT and member not in self._joined:
+            if usage:
                 # Exit 2 before the worker held the training state: a usage error (a bad flag, a wrong launcher),
                 # which every replacement would make again. Not a death to survive.
                 say(f"member {member} (rank {failure.rank} at the start) exited with code {USAGE_EXIT} before it held "
@@ -247,17 +302,15 @@ class SurvivingGroup(WorkerGroup):
             if self.council is not None:
                 self.council.tell(dead=[member])
                 say(f"{died}; the nodes' majority decides the next membership")
-            elif not self._drop(member, died, live):
-                dismissed |= live
+            elif not self._drop(member, died):
                 break
-            if self.replacements > 0 and not finished:
+            if self.replacements > 0 and not self._finished():
                 self.replacements -= 1
                 dead = self.specs[index]  # the replacement takes the dead worker's place (rank, local rank, GPU)
                 env = {k: v for k, v in dead.env.items() if not k.startswith("DDPKIT_FT_")}
                 if self.entry is not None:  # it meets on the store of now (node 0's may be gone)
                     env["MASTER_ADDR"], env["MASTER_PORT"] = self.entry.store.rsplit(":", 1)
                 self._start_member(replace(dead, env=env), replacing=True)
-                live.add(len(self.procs) - 1)
                 say(f"started member {self.member_of[len(self.procs) - 1]} to replace it ({self.replacements} "
                     "replacement(s) left); it joins at a step boundary once ready")
         for fd in list(self.pipes):
@@ -267,14 +320,42 @@ class SurvivingGroup(WorkerGroup):
             os.close(fd)
         if self.entry is not None:
             return None if self.entry.succeeded else first or "every worker of the job died"
-        return None if finished else first
+        return None if self._finished() else first
 
-    def _leave(self, member: int, live: set[int]) -> None:
+    def _move(self, index: int, phase: WorkerPhase) -> None:
+        """Move worker ``index`` to ``phase`` (the only place a phase changes; :data:`WORKER_MOVES` says which
+        moves exist)."""
+        with self._moving:
+            now = self.phases[index]
+            if phase not in WORKER_MOVES[now]:
+                raise RuntimeError(f"member {self.member_of[index]}'s worker has no move from {now.value} to "
+                                   f"{phase.value} (a bug in ddpkit: please report it)")
+            self.phases[index] = phase
+
+    def _running(self) -> list[int]:
+        """The workers whose exit has not been seen yet (dismissed ones too)."""
+        return [i for i, phase in self.phases.items() if phase.running]
+
+    def _in_job(self) -> list[int]:
+        """The workers running as members of the job."""
+        return [i for i, phase in self.phases.items() if phase.in_job]
+
+    def _finished(self) -> bool:
+        """Some worker of this node finished training (exit 0)."""
+        return WorkerPhase.FINISHED in self.phases.values()
+
+    def _dismiss(self, indices: list[int]) -> None:
+        """Stop these workers: their members are out of the job, and their exits no deaths."""
+        for i in indices:
+            self._move(i, WorkerPhase.DISMISSED)
+        terminate([self.procs[i] for i in indices], self.launch.grace_period_s)
+
+    def _leave(self, member: int) -> None:
         """A member finished (exit 0): the next view is announced without it, so that a peer still waiting in a
         collective with it (its last step's, interrupted by a death or a join) rebuilds without it instead of
         waiting for a process that is gone. Across nodes the majority decides that view too."""
         self._close(member)
-        if not live:
+        if not self._running():
             return  # the last one: no one is left to tell
         if self.council is not None:
             self.council.tell(left=[member])
@@ -283,17 +364,19 @@ class SurvivingGroup(WorkerGroup):
             self.epoch += 1
             self._announce()
 
-    def _drop(self, member: int, died: str, live: set[int]) -> bool:
+    def _drop(self, member: int, died: str) -> bool:
         """One node: this launcher's word is the next view. False when no worker holding the state is left (the
-        replacements in ``live`` are stopped)."""
+        replacements still running are stopped)."""
         if member in self.members:
             self.members.remove(member)
         self.epoch += 1
         # Who holds the training state: the members that joined, and the first ones before anyone trained.
-        if not self._holders(self.members, self._joined):
+        joined = {self.member_of[i] for i, phase in self.phases.items() if phase is WorkerPhase.TRAINING}
+        if not self._holders(self.members, joined):
+            waiting = self._in_job()
             say(f"{died}; no worker holding the training state is left"
-                + (f" (stopping {len(live)} replacement(s) that had not joined)" if live else ""))
-            terminate([self.procs[i] for i in live], self.launch.grace_period_s)
+                + (f" (stopping {len(waiting)} replacement(s) that had not joined)" if waiting else ""))
+            self._dismiss(waiting)
             return False
         say(f"{died}; the job goes on with {len(self.members)} worker(s), membership epoch {self.epoch}")
         self._announce()
@@ -302,20 +385,20 @@ class SurvivingGroup(WorkerGroup):
     def _holders(self, members: list[int], joined: set[int]) -> list[int]:
         return [m for m in members if m in joined or m < self.launch.world_size]
 
-    def _follow(self, live: set[int], dismissed: set[int]) -> str | None:
+    def _follow(self) -> str | None:
         """Several nodes: act on the council's newest entry (announce its view); why this node stopped, if so."""
         assert self.council is not None and self.entry is not None
         entry, returns, role = self.council.standing()
         node = self.council.node
         if returns > self._returns:  # wrongly suspected: its council asks to join again
             self._returns = returns
-            self._step_out(self.council.removal, live, dismissed)
+            self._step_out(self.council.removal)
         self._holding = self._deciding(entry, role)
         if self._holding:
             return None  # its view is not for this node's workers, who are out of it
         if self.council.cut_off is not None and not entry.done:
-            if live - dismissed:
-                say(f"{self.council.cut_off}; stopping this node's {len(live - dismissed)} worker(s)")
+            if waiting := self._in_job():
+                say(f"{self.council.cut_off}; stopping this node's {len(waiting)} worker(s)")
                 self.stop()
             elif self._asked_back is not None:  # stopped when it was left out: it waited to be taken back
                 say(f"{self.council.cut_off}; node {node} had stopped its workers when it was left out, and was "
@@ -339,8 +422,8 @@ class SurvivingGroup(WorkerGroup):
                 + (f", the workers' store moves to node {min(entry.nodes)}" if entry.store != self.entry.store
                    else ""))
         self.entry = entry
-        if entry.succeeded and (waiting := live - dismissed):  # training is over: no one is left to join
-            dismissed |= self._dismiss_joining(waiting)
+        if entry.succeeded:  # training is over: no one is left to join
+            self._dismiss_joining()
         if entry.epoch == self.epoch:
             return None
         left = [m for m in self.members if m not in entry.members]
@@ -351,11 +434,10 @@ class SurvivingGroup(WorkerGroup):
             + (f", member(s) {', '.join(map(str, came))} joined" if came else ""))
         self._announce()
         if self.members and not self._holders(self.members, set(entry.joined)):
-            waiting = {i for i in live if i not in dismissed}
+            waiting = self._in_job()
             say(f"no worker holding the training state is left (stopping {len(waiting)} replacement(s) of this "
                 "node that had not joined)")
-            terminate([self.procs[i] for i in waiting], self.launch.grace_period_s)
-            dismissed |= waiting
+            self._dismiss(waiting)
         return None
 
     def _deciding(self, entry: Entry, role: Role) -> bool:
@@ -373,21 +455,20 @@ class SurvivingGroup(WorkerGroup):
         assert self.council is not None
         return time.monotonic() - since > self.council.suspect_s / 2
 
-    def _step_out(self, why: str, live: set[int], dismissed: set[int]) -> None:
+    def _step_out(self, why: str) -> None:
         """The majority left this node out while it ran (``why``): stop its workers (their members are out of the
         job: their exits are no deaths) and wait to be a voting node again (:meth:`_come_back`)."""
         assert self.council is not None
-        waiting = live - dismissed
-        self._stopped += [self.specs[i] for i in sorted(waiting)]
+        waiting = self._in_job()
+        self._stopped += [self.specs[i] for i in waiting]
         say(f"{why}; stopping this node's {len(waiting)} worker(s), whose members are out of "
             f"the job; node {self.council.node} asks to join again as a spare")
-        terminate([self.procs[i] for i in waiting], self.launch.grace_period_s)
-        dismissed |= waiting
+        self._dismiss(waiting)
         for i in waiting:
             self._close(self.member_of[i])
         self._asked_back = time.monotonic()
 
-    def _come_back(self, live: set[int]) -> str | None:
+    def _come_back(self) -> str | None:
         """A node left out (:meth:`_step_out`): once an entry names it a voting node again, start its workers
         anew (they join with the state from a peer, as a spare's do). Why it gives up, if it does: not taken
         back within the rendezvous timeout."""
@@ -418,23 +499,21 @@ class SurvivingGroup(WorkerGroup):
             env = {k: v for k, v in spec.env.items() if not k.startswith("DDPKIT_FT_")}
             env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
             self._start_member(replace(spec, env=env), replacing=True)
-            live.add(len(self.procs) - 1)
         return None
 
-    def _dismiss_joining(self, live: set[int]) -> set[int]:
+    def _dismiss_joining(self) -> None:
         """A worker finished, so training is over: stop the replacements that never got the state (they would
-        wait for members that are gone, or train alone from the start). Their indices."""
-        joining = {i for i in live
-                   if self.member_of[i] >= self.launch.world_size and self.member_of[i] not in self._joined}
+        wait for members that are gone, or train alone from the start)."""
+        joining = [i for i, phase in self.phases.items()
+                   if phase is WorkerPhase.STARTED and self.member_of[i] >= self.launch.world_size]
         if joining:
             say(f"training is over: stopping {len(joining)} replacement(s) that had not joined yet")
-            terminate([self.procs[i] for i in joining], self.launch.grace_period_s)
+            self._dismiss(joining)
             gone = [self.member_of[i] for i in joining]  # the next view must not name them (no one waits for them)
             if self.council is not None:
                 self.council.tell(left=gone)
             else:
                 self.members = [m for m in self.members if m not in gone]
-        return joining
 
     def _admit_ready(self) -> None:
         """Replacements that said they are ready join the next view."""
