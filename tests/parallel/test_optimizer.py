@@ -190,6 +190,15 @@ def _misuse() -> dict:
         errors["overrun"] = str(e)
     opt.step()  # still usable: the first pass's reduction completes
     opt.zero_grad()
+    # The same overrun at a later step, once the buckets are final (the engine's short path): Horovod's error too.
+    for step in range(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except AssertionError as e:
+            errors[f"overrun at step {step + 2}"] = str(e)
+        opt.step()
+        opt.zero_grad()
     # Two passes per step: zero_grad after the first is refused too (Horovod's rule).
     model2 = _model("plain")
     opt2 = ddpkit.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), backward_passes_per_step=2)
@@ -209,6 +218,8 @@ def test_zero_grad_and_overrun_errors(dist2):
     assert "zero_grad() was called after loss.backward()" in errors["zero_grad"]
     assert "before optimizer.step() or optimizer.synchronize()" in errors["zero_grad"]
     assert "more than backward_passes_per_step=1" in errors["overrun"]
+    assert "more than backward_passes_per_step=1" in errors["overrun at step 2"]
+    assert "more than backward_passes_per_step=1" in errors["overrun at step 3"]
     assert "zero_grad() was called after loss.backward()" in errors["zero_grad_2"]
 
 

@@ -446,3 +446,22 @@ def test_deferred_completion_is_in_flight_between_backward_and_collection() -> N
     assert reducer.phase is Phase.IN_FLIGHT
     reducer.complete()
     assert reducer.phase is Phase.IDLE and reducer.step == 2
+
+
+def test_a_reducer_let_go_removes_its_gradient_hooks_at_once() -> None:
+    # Its paths are the class's functions, not bound methods kept on it: no reference cycle, so the last reference's
+    # end frees it (and its buckets) and removes its hooks, with the garbage collector off.
+    import gc
+
+    layer = nn.Linear(3, 2)
+    gc.disable()
+    try:
+        for arm in (False, True):
+            reducer = Reducer(list(layer.named_parameters()), process_group=None)
+            if arm:
+                reducer.prepare_for_backward()
+            assert all(len(p._post_accumulate_grad_hooks) == 1 for p in layer.parameters())
+            del reducer
+            assert all(not p._post_accumulate_grad_hooks for p in layer.parameters()), arm
+    finally:
+        gc.enable()

@@ -14,7 +14,7 @@ many before the step) calls ``on_overrun``, which is expected to raise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,21 @@ class DeferredReducer(Reducer):
                 Variable._execution_engine.queue_callback(self.on_local_backward)
 
     def _end_of_backward(self) -> None:
+        if self.phase is Phase.IN_FLIGHT:
+            return  # launch_now() during this backward (synchronize() from a hook) launched it already
         self._launch_deferred()
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
+        if self.in_flight:
+            raise RuntimeError(f"{self.owner}: prepare_for_backward() while the last backward's reduction is in "
+                               "flight: collect it (complete()) first")
+        super().prepare_for_backward(outputs)
+
+    def disarm(self) -> None:
+        if self.in_flight:
+            raise RuntimeError(f"{self.owner}: disarm() while the last backward's reduction is in flight: collect "
+                               "it (complete()) first")
+        super().disarm()
 
     def launch_now(self) -> None:
         """Reduce what ``.grad`` holds now, when no synchronised backward has launched it.

@@ -54,7 +54,7 @@ from __future__ import annotations
 import enum
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -196,9 +196,11 @@ class Reducer:
         """The used-parameter map of the last backward (a joined rank sends it while it shadows)."""
         self.phase = Phase.IDLE
         """Where the synchronised backward stands; changed by :meth:`_become` only."""
-        self._armed_path = self._counted_gradient
+        cls = type(self)  # the paths are the class's functions: a bound method kept here would make a cycle, and
+        # the reducer (its buckets, its gradient hooks) must go when its last reference does
+        self._armed_path: Callable[[Reducer, int, torch.Tensor], None] = cls._counted_gradient
         """What a gradient does while armed: the short path or the counted one, chosen by each arming."""
-        self._path = self._unarmed_gradient
+        self._path: Callable[[Reducer, int, torch.Tensor], None] = cls._unarmed_gradient
         """What a gradient does in the current phase (:meth:`on_gradient`)."""
         self._reset()
         self._used_since_sync = [False] * len(self.params)
@@ -246,7 +248,10 @@ class Reducer:
             raise RuntimeError(f"{self.owner}: the gradient reducer has no move from {self.phase.value} to "
                                f"{phase.value} (a bug in ddpkit: please report it)")
         self.phase = phase
-        self._path = self._armed_path if phase.armed else self._unarmed_gradient
+        if phase is Phase.ARMED:
+            self._path = type(self)._first_gradient
+        else:
+            self._path = self._armed_path if phase.armed else type(self)._unarmed_gradient
 
     def add_observer(self, observer: Observer) -> ObserverHandle:
         """Call ``observer``'s methods at this reducer's events (see :mod:`ddpkit.parallel.common.observer`)."""
@@ -263,7 +268,7 @@ class Reducer:
         self._reset()
         # Nothing but the buckets to count: the gradient hooks take the short path.
         plain = not self.find_unused and not self.static_graph and self.layout.final and self.ready_order is None
-        self._armed_path = self._plain_gradient if plain else self._counted_gradient
+        self._armed_path = type(self)._plain_gradient if plain else type(self)._counted_gradient
         self._become(Phase.ARMED)
 
     def _rebuild_buckets(self) -> bool:  # torch's name, called by Lightning and Accelerate
@@ -288,15 +293,19 @@ class Reducer:
 
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient has been accumulated (its post-accumulate-grad hook)."""
-        self._path(index, param)  # chosen by the phase (and, armed, by the arming): no test per gradient
+        self._path(self, index, param)  # chosen by the phase (and, armed, by the arming): no test per gradient
+
+    def _first_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Armed, the backward's first gradient: queue the end-of-backward callback (queued from now on), then as
+        the arming chose."""
+        self._queue_finish()
+        self._armed_path(self, index, param)
 
     def _plain_gradient(self, index: int, param: torch.Tensor) -> None:
         """Armed, nothing but the buckets to count: check and count, stage nothing until a bucket is complete."""
         # Paid for every parameter in every backward of the common case.
         if self._ready[index]:
             self._twice(index)
-        if self.phase is Phase.ARMED:
-            self._queue_finish()
         if self._mark_ready(index):
             self._launch_ready()
 

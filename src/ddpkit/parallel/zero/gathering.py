@@ -106,7 +106,6 @@ class Gathering:
         """Wait for the unit's all-gathers and lay its small parameters out whole (each contiguous)."""
         for work in u.work:
             work.wait()
-        u.work = None
         if u.staged is not None:
             staged, u.staged = u.staged, None
             full = u.full.data
@@ -116,6 +115,7 @@ class Gathering:
                 torch.split_with_sizes_copy(staged.view(w, u.small), [q.piece for q in small], dim=1,
                                             out=[full[w * q.offset: w * (q.offset + q.piece)].view(w, q.piece)
                                                  for q in small])
+        u.work = None
         u.become(Residency.GATHERED)
 
     def free(self, u: Unit) -> None:

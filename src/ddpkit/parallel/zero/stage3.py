@@ -630,14 +630,14 @@ class ShardedParameters:
         """Every unit freed and its reductions waited for; the backward ``after`` (held, if a backward that raised
         was after a held one)."""
         self._enter(after)
+        self._complete.clear()
+        self._cursor = 0
         for u in self.units:
             self.reductions.wait(u)
             u.pending = []
             self.gathering.free(u)
             u.open_calls.clear()
             u.arrived.clear()
-        self._complete.clear()
-        self._cursor = 0
         self._in_forward.clear()
 
     def drop_accumulated(self) -> None:
