@@ -62,7 +62,7 @@ bench_s=$((SECONDS - start))
 
 start=$SECONDS
 "$py" -m ddpkit doctor --json > "$out/doctor.json" 2> "$out/doctor.err"; doctor=$?
-"$py" -c "import json, sys; from ddpkit.doctor.run import format_report; print(format_report(json.load(open(sys.argv[1]))))" \
+"$py" -c "import json, sys; from ddpkit.doctor.checkup import format_report; print(format_report(json.load(open(sys.argv[1]))))" \
     "$out/doctor.json" > "$out/doctor.txt" 2>> "$out/doctor.err" || cat "$out/doctor.err" > "$out/doctor.txt"
 doctor_s=$((SECONDS - start))
 

@@ -46,7 +46,7 @@ def _worker(rank: int, opts: argparse.Namespace) -> None:
 
     import ddpkit
     from ddpkit._reference import torch_ddp
-    from ddpkit.bench.config import BenchConfig
+    from ddpkit.bench.bench_config import BenchConfig
     from ddpkit.bench.workloads import workload
 
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ the right device), so this reads the code instead.
 
 For every call of a collective (``torch.distributed``'s, point-to-point
 messages as ``dist.P2POp`` included, ddpkit's own in
-:mod:`ddpkit.comm.collectives`, and the aliases in
+:mod:`ddpkit.comm.allreduce`, and the aliases in
 :mod:`ddpkit.runtime.compat`) it follows each argument back through the
 function's assignments, ``append`` calls, list comprehensions, ``*_like``
 constructors and device-keeping methods (``clone``, ``view``, ``double``,
@@ -37,7 +37,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-DIST_MODULES = {"torch.distributed", "ddpkit.comm.collectives", "ddpkit.comm.direct", "ddpkit.runtime.compat",
+DIST_MODULES = {"torch.distributed", "ddpkit.comm.allreduce", "ddpkit.comm.direct", "ddpkit.runtime.compat",
                 "ddpkit.collectives"}
 """Modules whose functions are collectives here (every public function of them takes tensors to reduce/move)."""
 COLLECTIVES = {

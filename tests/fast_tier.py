@@ -21,8 +21,8 @@ the pools run unit tests, whose modules fast tests run as well.
 The check runs only with ``DDPKIT_FAST_TIER_CHECK=1`` (the plugin's own test sets it). It is off in
 CI's run for now: the slow tests run first, so the rank pools are usually started by a slow test and never
 measured, and the whole run of 2026-11-28 named 24 modules, most of them run by fast tests in those pools
-(the DDP and ZeRO internals), a few truly reached by slow tests alone (``train/survive_async.py``,
-``train/survive_loop.py``, ``launcher/mpi_group.py``, ``launcher/mpi_rank.py``, ``bench/dp.py``).
+(the DDP and ZeRO internals), a few truly reached by slow tests alone (``train/fault_tolerant_async.py``,
+``train/fault_tolerant_loop.py``, ``launcher/mpi_group.py``, ``launcher/mpi_rank.py``, ``bench/dp_vs_ddp.py``).
 """
 
 from __future__ import annotations

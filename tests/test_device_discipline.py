@@ -109,7 +109,7 @@ def test_the_package_uses_the_device_rule_at_its_collectives():
     # The places that crashed on the GPU and the ones that had a rule of their own now share one.
     users = {site for site, _ in SITES}
     assert {"train/loop.py", "train/evaluate.py", "train/checkpoint.py", "train/state.py", "bench/engines.py",
-            "runtime/objects.py", "parallel/syncbn.py", "comm/collectives.py"} <= users, users
+            "runtime/objects.py", "parallel/syncbn.py", "comm/allreduce.py"} <= users, users
 
 
 @pytest.mark.parametrize("relative, index", SITES, ids=[f"{s}#{i}" for s, i in SITES])
@@ -143,7 +143,7 @@ def _findings(body: str) -> list[str]:
     "t = torch.stack([x.cpu(), x.cpu()])\ndist.all_reduce(t.clone().view(-1))",
     "t = x.to('cpu')\ndist.all_reduce(t, op=dist.ReduceOp.MAX)",
     "t = x.to(device).double()\nt = t.cpu()\ndist.all_reduce(t)",
-    "import ddpkit.comm.collectives as c\nc.all_reduce(torch.ones(3))",
+    "import ddpkit.comm.allreduce as c\nc.all_reduce(torch.ones(3))",
 ])
 def test_the_check_finds_a_tensor_off_the_device(body):
     assert len(_findings(body)) == 1

@@ -227,8 +227,8 @@ def test_the_checker_passes_a_clean_tree(tmp_path: Path) -> None:
         "runtime/__init__.py": "", "runtime/group.py": "import os\n",
         "parallel/__init__.py": "", "parallel/ddp.py": "from ddpkit.runtime.group import init\nfrom . import sink\n",
         "parallel/sink.py": "from ddpkit.runtime import group\n",
-        "bench/__init__.py": "", "bench/run.py": "from ddpkit._reference import torch_ddp\nfrom ddpkit.parallel import ddp\n",
-        "_reference.py": "", "cli.py": "from ddpkit.bench import run\nfrom ddpkit import __version__\n",
+        "bench/__init__.py": "", "bench/command.py": "from ddpkit._reference import torch_ddp\nfrom ddpkit.parallel import ddp\n",
+        "_reference.py": "", "cli.py": "from ddpkit.bench import command\nfrom ddpkit import __version__\n",
     })
     assert violations(root) == []
 
@@ -263,6 +263,15 @@ def test_test_file_names_are_unique() -> None:
     # so two files of one name in different folders break collection.
     names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_no_two_source_modules_share_a_file_name() -> None:
+    # One name, one module: a reader (and a traceback) that says "survive.py" or "config.py" names one file. Each
+    # name says what its module is, beside the others of its idea (launch_config, train_config, bench_config).
+    paths = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    names = [p.name for p in paths]
+    shared = sorted(str(p.relative_to(PACKAGE)) for p in paths if names.count(p.name) > 1)
+    assert not shared, f"modules sharing a file name: {shared}"
 
 
 def test_source_lines_fit_in_120_columns() -> None:

@@ -37,20 +37,20 @@ _EXPORTS = {
     "UnusedParametersError": "ddpkit.parallel.common.unused",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "DataParallel": "ddpkit.parallel.dp",
-    "DistributedOptimizer": "ddpkit.parallel.optimizer",
+    "DistributedOptimizer": "ddpkit.parallel.horovod_optimizer",
     "broadcast_parameters": "ddpkit.parallel.common.broadcast",
     "broadcast_optimizer_state": "ddpkit.parallel.common.broadcast",
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
     "ZeroRedundancyOptimizer": "ddpkit.parallel.zero.stage1",
-    "save_sharded": "ddpkit.parallel.zero.shards",
-    "load_sharded": "ddpkit.parallel.zero.shards",
-    "consolidate_sharded": "ddpkit.parallel.zero.shards",
-    "verify_sharded": "ddpkit.parallel.zero.shards",
+    "save_sharded": "ddpkit.parallel.zero.sharded_checkpoints",
+    "load_sharded": "ddpkit.parallel.zero.sharded_checkpoints",
+    "consolidate_sharded": "ddpkit.parallel.zero.sharded_checkpoints",
+    "verify_sharded": "ddpkit.parallel.zero.sharded_checkpoints",
     "ParameterServerOptimizer": "ddpkit.parallel.ps.optimizer",
     "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
-    "FaultTolerance": "ddpkit.train.survive",
+    "FaultTolerance": "ddpkit.train.fault_tolerance",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
     "CheckpointError": "ddpkit.runtime.durable",
@@ -100,12 +100,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.ddp.wrapper import DDP, DistributedDataParallel
     from ddpkit.parallel.dp import DataParallel
     from ddpkit.parallel.local_sgd import LocalSGD
-    from ddpkit.parallel.optimizer import DistributedOptimizer
+    from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
     from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
     from ddpkit.parallel.ssp import StaleSynchronousOptimizer
     from ddpkit.parallel.syncbn import SyncBatchNorm
     from ddpkit.parallel.unwrap import unwrap
-    from ddpkit.parallel.zero.shards import consolidate_sharded, load_sharded, save_sharded, verify_sharded
+    from ddpkit.parallel.zero.sharded_checkpoints import consolidate_sharded, load_sharded, save_sharded, verify_sharded
     from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
     from ddpkit.runtime.durable import CheckpointError
     from ddpkit.runtime.group import (
@@ -125,4 +125,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.runtime.spawn import WorkerError, spawn
     from ddpkit.train.checkpoint import load_checkpoint, save_checkpoint
     from ddpkit.train.state import TrainState
-    from ddpkit.train.survive import FaultTolerance
+    from ddpkit.train.fault_tolerance import FaultTolerance

@@ -152,7 +152,7 @@ def _saved_settings(args: argparse.Namespace, config: type) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ddpkit.train.config import TrainConfig
+    from ddpkit.train.train_config import TrainConfig
     from ddpkit.train.preload import start_early
 
     config = _build(TrainConfig, args, _saved_settings(args, TrainConfig))
@@ -167,15 +167,15 @@ def _bench(args: argparse.Namespace) -> int:
     from ddpkit.bench.ranks import start_early
 
     start_early()  # the ranks' imports start now, beside this process's own
-    from ddpkit.bench.run import BenchConfig, run
+    from ddpkit.bench.command import BenchConfig, run
 
     run(_build(BenchConfig, args))
     return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ddpkit.doctor.config import DoctorConfig
-    from ddpkit.doctor.run import run
+    from ddpkit.doctor.doctor_config import DoctorConfig
+    from ddpkit.doctor.checkup import run
 
     return run(_build(DoctorConfig, args))
 
@@ -187,7 +187,7 @@ def _suite_takes_all(args: argparse.Namespace, suite: type) -> None:
     Raises:
         ConfigError: naming each such flag, and the suite's own spelling where it has one (``--world-sizes``).
     """
-    from ddpkit.bench.config import BenchConfig
+    from ddpkit.bench.bench_config import BenchConfig
 
     theirs = {f.name: f for f in dataclasses.fields(BenchConfig)}
     ours = {f.name for f in dataclasses.fields(suite)}
@@ -205,7 +205,7 @@ def _suite_takes_all(args: argparse.Namespace, suite: type) -> None:
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
-    from ddpkit.bench.collectives import CollectivesBenchConfig, run
+    from ddpkit.bench.allreduce_perf import CollectivesBenchConfig, run
 
     _suite_takes_all(args, CollectivesBenchConfig)
     from ddpkit.bench.ranks import start_early
@@ -224,7 +224,7 @@ def _bench_strategies(args: argparse.Namespace) -> int:
 
 
 def _bench_backends(args: argparse.Namespace) -> int:
-    from ddpkit.bench.backends import BackendsBenchConfig, run
+    from ddpkit.bench.mpi_vs_gloo import BackendsBenchConfig, run
 
     _suite_takes_all(args, BackendsBenchConfig)
     run(_build(BackendsBenchConfig, args))
@@ -232,7 +232,7 @@ def _bench_backends(args: argparse.Namespace) -> int:
 
 
 def _bench_failures(args: argparse.Namespace) -> int:
-    from ddpkit.bench.failures import FailuresBenchConfig, run
+    from ddpkit.bench.failure_cost import FailuresBenchConfig, run
 
     _suite_takes_all(args, FailuresBenchConfig)
     run(_build(FailuresBenchConfig, args))
@@ -242,9 +242,9 @@ def _bench_failures(args: argparse.Namespace) -> int:
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     """``ddpkit bench collectives``, ``strategies`` and ``backends``: suites under ``bench`` (plain ``ddpkit bench``
     stays DDP's)."""
-    from ddpkit.bench.backends import BackendsBenchConfig
-    from ddpkit.bench.collectives import CollectivesBenchConfig
-    from ddpkit.bench.failures import FailuresBenchConfig
+    from ddpkit.bench.mpi_vs_gloo import BackendsBenchConfig
+    from ddpkit.bench.allreduce_perf import CollectivesBenchConfig
+    from ddpkit.bench.failure_cost import FailuresBenchConfig
     from ddpkit.bench.strategies import ConsistencyBenchConfig
 
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
@@ -290,19 +290,19 @@ def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[ar
     # Config classes are imported when the parser is built: all three modules
     # are torch-free at import, so `ddpkit launch` still starts without torch.
     def launch_config() -> type:
-        from ddpkit.launcher.config import LaunchConfig
+        from ddpkit.launcher.launch_config import LaunchConfig
         return LaunchConfig
 
     def train_config() -> type:
-        from ddpkit.train.config import TrainConfig
+        from ddpkit.train.train_config import TrainConfig
         return TrainConfig
 
     def bench_config() -> type:
-        from ddpkit.bench.config import BenchConfig
+        from ddpkit.bench.bench_config import BenchConfig
         return BenchConfig
 
     def doctor_config() -> type:
-        from ddpkit.doctor.config import DoctorConfig
+        from ddpkit.doctor.doctor_config import DoctorConfig
         return DoctorConfig
 
     return [

@@ -1,4 +1,4 @@
-"""``ddpkit.collectives``: the public name of :mod:`ddpkit.comm.collectives` (all-reduce algorithms)."""
+"""``ddpkit.collectives``: the public name of :mod:`ddpkit.comm.allreduce` (all-reduce algorithms)."""
 
-from ddpkit.comm.collectives import *  # noqa: F401,F403
-from ddpkit.comm.collectives import __all__  # noqa: F401
+from ddpkit.comm.allreduce import *  # noqa: F401,F403
+from ddpkit.comm.allreduce import __all__  # noqa: F401

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.engines import WorkloadResult, bench_workload, format_results
 from ddpkit.bench.stats import quartiles, relative_spread
 from ddpkit.cli import main
@@ -222,7 +222,7 @@ def test_bench_config_validation():
 
 
 def _dp_vs_ddp():
-    from ddpkit.bench.dp import bench_dp_vs_ddp
+    from ddpkit.bench.dp_vs_ddp import bench_dp_vs_ddp
 
     return bench_dp_vs_ddp(BenchConfig(**TOY))
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 from procs import ROOT, base_env
 
-from ddpkit.doctor.config import DoctorConfig
-from ddpkit.doctor.run import format_report
+from ddpkit.doctor.doctor_config import DoctorConfig
+from ddpkit.doctor.checkup import format_report
 from ddpkit.doctor.selftest import plan
 from ddpkit.runtime.options import ConfigError
 

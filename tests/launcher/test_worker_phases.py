@@ -12,14 +12,14 @@ from procs import base_env
 
 from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.output import LogLayout
-from ddpkit.launcher.survive import WORKER_MOVES, SurvivingGroup, WorkerPhase
+from ddpkit.launcher.fault_tolerant_group import WORKER_MOVES, FaultTolerantGroup, WorkerPhase
 from ddpkit.runtime.process import SignalCatcher, free_port
 
 
 @pytest.mark.parametrize("start, to", [(s, t) for s in WorkerPhase for t in WorkerPhase if t not in WORKER_MOVES[s]],
                          ids=lambda p: p.name)
 def test_a_move_the_worker_phases_do_not_allow_raises(start: WorkerPhase, to: WorkerPhase) -> None:
-    group = SurvivingGroup.__new__(SurvivingGroup)  # its bookkeeping alone: no launcher, no processes
+    group = FaultTolerantGroup.__new__(FaultTolerantGroup)  # its bookkeeping alone: no launcher, no processes
     group.phases, group.member_of, group._moving = {4: start}, {4: 7}, threading.RLock()
     with pytest.raises(RuntimeError, match=f"member 7's worker has no move from {start.value} to {to.value}"):
         group._move(4, to)
@@ -53,7 +53,7 @@ def test_the_phases_of_a_job_that_loses_a_worker_and_dismisses_its_replacement(t
     specs = plan_workers(cfg, master_port=free_port(), restart_count=0, base_env=base_env())
     layout = LogLayout(cfg, "test")
     layout.start_attempt(0, 3)
-    group = SurvivingGroup(cfg, layout, replacements=1)
+    group = FaultTolerantGroup(cfg, layout, replacements=1)
     signals = SignalCatcher()
     previous = signal.signal(signal.SIGTERM, signals)
     try:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from procs import launch, script
 
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.launch_config import LaunchConfig
 from ddpkit.runtime.options import ConfigError
 from ddpkit.runtime.process import lost_key_ranges
 

@@ -163,7 +163,7 @@ def _save_with_a_full_disk_on_rank_1(directory: str) -> str:
     """What ``save_sharded`` says on this rank when rank 1's disk is full (its writer fails as safetensors' does)."""
     import errno
 
-    import ddpkit.parallel.zero.shards as shards
+    import ddpkit.parallel.zero.sharded_checkpoints as shards
 
     if ddpkit.rank() == 1:
         def full(tensors, path):  # type: ignore[no-untyped-def]

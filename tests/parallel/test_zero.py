@@ -218,7 +218,7 @@ def _uneven(engine: str) -> dict:
     if engine == "ours":
         wrapped, z = ddpkit.DDP(model), None
         z = ddpkit.ZeroRedundancyOptimizer(model.parameters(), cls, **kw)
-        join = ddpkit.parallel.common.join.Join
+        join = ddpkit.parallel.common.join_context.Join
     else:
         from torch.distributed.algorithms.join import Join as join  # noqa: N813
 
@@ -234,7 +234,7 @@ def _uneven(engine: str) -> dict:
 
 
 def test_uneven_inputs_under_join_as_torch(dist3):
-    import ddpkit.parallel.common.join  # noqa: F401 - the name the ranks use
+    import ddpkit.parallel.common.join_context  # noqa: F401 - the name the ranks use
 
     ours, theirs = dist3.run(_uneven, "ours"), dist3.run(_uneven, "torch")
     for a, b in zip(ours, theirs):

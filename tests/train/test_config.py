@@ -8,7 +8,7 @@ import pytest
 from ddpkit import models
 from ddpkit.data import datasets as data
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.config import DATASETS, MODELS, TrainConfig
+from ddpkit.train.train_config import DATASETS, MODELS, TrainConfig
 
 
 def test_names_match_the_registries():

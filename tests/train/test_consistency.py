@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import load_checkpoint
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.loop import train
 from ddpkit.train.restart import _check_servers
 from ddpkit.train.state import checkpoint_files

@@ -22,7 +22,7 @@ import pytest
 
 from ddpkit.cli import build_parser, main
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from procs import base_env
 
 FLAGS = {

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train import rundir
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.state import TrainState
 
 

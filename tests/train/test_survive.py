@@ -20,10 +20,10 @@ from procs import ROOT, base_env, launch, script
 
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.data.shards import VirtualShards
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.launch_config import LaunchConfig
 from ddpkit.launcher.settings import resolve
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 
 FAULTS = pytest.mark.alone("a job of three or four workers, and faults timed into its steps")
 

@@ -40,17 +40,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.stats import quartiles
 from ddpkit.bench.table import note_lines
 from ddpkit.bench.workloads import sync_device, workload
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
-from ddpkit.parallel.optimizer import DistributedOptimizer
+from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier
-from ddpkit.train.survive import FaultTolerance
+from ddpkit.train.fault_tolerance import FaultTolerance
 
 __all__ = ["METHODS", "AveragingResult", "bench_averaging", "format_averaging"]
 

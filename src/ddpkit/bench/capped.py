@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.limit import MemoryCap
 
 __all__ = ["CAP_STEPS", "CAP_WORLDS", "format_capped", "measure_capped"]

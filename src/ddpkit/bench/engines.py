@@ -37,7 +37,7 @@ Overlap: how much of the gradient all-reduce is hidden behind backward.
   charges rank skew to communication.
 
 The workloads are :mod:`ddpkit.bench.workloads`; the command's entry is
-:mod:`ddpkit.bench.run`.
+:mod:`ddpkit.bench.command`.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.dispatch import engine_us, top_level_ops
-from ddpkit.bench.progress import progress_bar
+from ddpkit.bench.console import progress_bar
 from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
 from ddpkit.bench.table import note_lines
 from ddpkit.bench.workloads import stepper, sync_device, workload
-from ddpkit.comm.hooks import noop_hook
+from ddpkit.comm.bucket_hooks import noop_hook
 from ddpkit.parallel.common import trace
 from ddpkit.parallel.common.observer import Observer, WaitEvent
 from ddpkit.runtime.devices import comm_tensor

@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.report import memory_ratio
 from ddpkit.bench.workloads import BATCH_FIELD
 

@@ -22,9 +22,9 @@ from ddpkit.runtime.spawn import spawn, start_forkserver
 
 __all__ = ["PRELOAD", "spawn_ranks", "start_early"]
 
-PRELOAD = ("torch", "torch._dynamo", "ddpkit.bench.run", "ddpkit.bench.memory", "ddpkit.bench.zero",
+PRELOAD = ("torch", "torch._dynamo", "ddpkit.bench.command", "ddpkit.bench.memory", "ddpkit.bench.zero",
            "ddpkit.bench.capped",
-           "ddpkit.bench.scaling", "ddpkit.bench.collectives")
+           "ddpkit.bench.scaling", "ddpkit.bench.allreduce_perf")
 """What the server imports once for every rank (the ranks' modules and what they import)."""
 
 

@@ -31,9 +31,9 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.engines import bench_workload
-from ddpkit.bench.progress import machine, say
+from ddpkit.bench.console import machine, say
 from ddpkit.bench.table import note_lines
 from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.runtime.options import plain

@@ -41,7 +41,7 @@ from pathlib import Path
 from ddpkit.bench.stats import quartiles
 from ddpkit.bench.table import note_lines
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
-from ddpkit.train.config import DATASETS, MODELS, STRATEGIES, TrainConfig
+from ddpkit.train.train_config import DATASETS, MODELS, STRATEGIES, TrainConfig
 
 __all__ = ["ConsistencyBenchConfig", "RunResult", "format_runs", "run"]
 

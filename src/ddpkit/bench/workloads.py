@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.models import MLP, ConvNet, DeepLinear, ResNet, TransformerClassifier
 
 __all__ = ["BATCH_FIELD", "stepper", "sync_device", "workload"]

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.memory import MEMORY_STEPS, fix_mmap_threshold, in_use, peaks
 
 SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2", "zero3", "torch fsdp2")

@@ -1,4 +1,4 @@
-"""The all-reduce algorithms of :mod:`ddpkit.comm.collectives`, from point-to-point messages.
+"""The all-reduce algorithms of :mod:`ddpkit.comm.allreduce`, from point-to-point messages.
 
 Each takes the flat tensor to reduce in place, the group ranks taking part
 (``members``, in order), this rank's group rank (``me``) and the op. Messages

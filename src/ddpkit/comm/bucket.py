@@ -1,7 +1,7 @@
 """``GradBucket``: one bucket of gradients as a comm hook sees it.
 
 The reducer (:mod:`ddpkit.parallel.common.reducer`) fills buckets during backward and
-hands each to the registered hook; hooks (:mod:`ddpkit.comm.hooks`, or torch's
+hands each to the registered hook; hooks (:mod:`ddpkit.comm.bucket_hooks`, or torch's
 own) only read and write through the methods below. It lives in ``comm`` so
 that hooks, which sit below the engine, never import the engine.
 """

@@ -34,7 +34,7 @@ Example::
 """
 
 # No ``from __future__ import annotations``: torch's DDP checks the hook's annotations as objects (see
-# ddpkit.comm.hooks), and powersgd_hook runs on torch's DDP too.
+# ddpkit.comm.bucket_hooks), and powersgd_hook runs on torch's DDP too.
 
 import logging
 from typing import Any
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
-from ddpkit.comm.hooks import average
+from ddpkit.comm.bucket_hooks import average
 from ddpkit.runtime import events
 
 __all__ = ["PowerSGDState", "powersgd_hook"]

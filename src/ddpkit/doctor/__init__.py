@@ -2,5 +2,5 @@
 
 Run it first on a new machine or cluster node (:mod:`ddpkit.doctor.environment`
 reports; :mod:`ddpkit.doctor.selftest` starts ranks and checks every backend
-and device; :mod:`ddpkit.doctor.run` is the command).
+and device; :mod:`ddpkit.doctor.checkup` is the command).
 """

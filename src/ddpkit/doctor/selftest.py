@@ -77,7 +77,7 @@ def _check(results: list[dict], name: str, fn: Any) -> None:
 
 
 def _collectives(torch: Any, dist: Any, device: Any) -> str:
-    from ddpkit.comm import collectives
+    from ddpkit.comm import allreduce as collectives
     from ddpkit.runtime.objects import all_gather_object, broadcast_object
 
     rank, world = dist.get_rank(), dist.get_world_size()

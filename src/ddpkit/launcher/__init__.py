@@ -18,7 +18,7 @@ Rendezvous: a TCP store on ``MASTER_ADDR:MASTER_PORT`` (default port 29500;
 ``--standalone`` picks a free one on loopback). On a single node rank 0
 serves it, on loopback only when ``MASTER_ADDR`` is a loopback address; with
 several nodes node 0's launcher serves it for the whole job (see
-:mod:`ddpkit.launcher.rendezvous`: restart rounds, the first failure,
+:mod:`ddpkit.launcher.node_rendezvous`: restart rounds, the first failure,
 heartbeats). The other nodes' launchers are started with the same address,
 port, ``--nnodes`` and ``--rdzv-id``. Every job has a secret
 (``--job-secret-file``, ``DDPKIT_JOB_TOKEN``, or a random one on a single
@@ -36,7 +36,7 @@ processes, a node rank outside ``--nnodes``, a missing script, a busy port on
 node 0, an address that does not resolve) are reported before any worker starts.
 """
 
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.launch_config import LaunchConfig
 from ddpkit.launcher.job import run
 from ddpkit.launcher.plan import WorkerSpec, plan_workers
 from ddpkit.launcher.settings import LaunchSettings, resolve

@@ -4,7 +4,7 @@ torchrun serves the job's TCP store from its agent and tells the workers so
 (``TORCHELASTIC_USE_AGENT_STORE=True``): rank 0 then connects to it as a
 client like every other rank (torch's ``env://`` rendezvous, and ddpkit's,
 read that variable), and the store outlives a restart of the workers. ddpkit's
-multi-node launchers already share a store (:mod:`ddpkit.launcher.rendezvous`);
+multi-node launchers already share a store (:mod:`ddpkit.launcher.node_rendezvous`);
 this is the same contract on one node.
 
 The port is bound at once, before any worker starts (so it cannot be taken

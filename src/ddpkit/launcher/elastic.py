@@ -15,7 +15,7 @@ joining
     the nodes before it. Fewer than ``MIN`` within ``join_timeout``: the
     launcher fails with a message saying how many came.
 running
-    As with a static job (:class:`~ddpkit.launcher.rendezvous.NodeRendezvous`):
+    As with a static job (:class:`~ddpkit.launcher.node_rendezvous.NodeRendezvous`):
     a failure anywhere stops every node, a node silent for
     ``keep_alive_interval x keep_alive_max_attempt`` seconds has failed.
     A launcher that arrives while a round runs waits; if the round has
@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 
 from ddpkit.launcher.plan import NodeSlot
-from ddpkit.launcher.rendezvous import POLL_S, NodeRendezvous, RemoteFailure
+from ddpkit.launcher.node_rendezvous import POLL_S, NodeRendezvous, RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError

@@ -23,16 +23,16 @@ import uuid
 from collections.abc import Callable
 
 from ddpkit.launcher.agent_store import AgentStore
-from ddpkit.launcher.config import LaunchConfig
+from ddpkit.launcher.launch_config import LaunchConfig
 from ddpkit.launcher.council import Council, Entry, take_seat
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.mpi_group import MPIWorkerGroup
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
-from ddpkit.launcher.rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
+from ddpkit.launcher.node_rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
-from ddpkit.launcher.survive import SurvivingGroup
+from ddpkit.launcher.fault_tolerant_group import FaultTolerantGroup
 from ddpkit.runtime import mpirun, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token
 from ddpkit.runtime.network import is_local
@@ -203,7 +203,7 @@ class _Job:
                              slot=slot, error_files=errors)
         mpi = os.environ.get("DDPKIT_BACKEND", "").strip().lower() == "mpi"
         if launch.config.on_failure == "continue":
-            self.group = SurvivingGroup(launch, self.layout, replacements=launch.config.max_restarts,
+            self.group = FaultTolerantGroup(launch, self.layout, replacements=launch.config.max_restarts,
                                         council=self.council)
         else:
             self.group = (MPIWorkerGroup if mpi else WorkerGroup)(launch, self.layout)

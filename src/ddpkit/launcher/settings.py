@@ -1,6 +1,6 @@
 """What a launch is, derived from what was typed: the values the launcher runs with.
 
-:func:`resolve` turns a :class:`~ddpkit.launcher.config.LaunchConfig` into
+:func:`resolve` turns a :class:`~ddpkit.launcher.launch_config.LaunchConfig` into
 :class:`LaunchSettings` before any worker starts. It is where the input meets
 the machine: ``--nproc-per-node cpu|gpu|auto`` is counted (``gpu`` and
 ``auto`` import torch to count GPUs, torchrun's rule), the program is looked
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.launcher.config import (
+from ddpkit.launcher.launch_config import (
     ENDPOINT_PORT,
     RDZV_CONF,
     SHUTDOWN_TIMEOUT_S,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
 from ddpkit.launcher.plan import WorkerSpec
-from ddpkit.launcher.rendezvous import POLL_S, RemoteFailure
+from ddpkit.launcher.node_rendezvous import POLL_S, RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.runtime.process import (
     PS_REPLICATION_ENV,

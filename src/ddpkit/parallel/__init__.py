@@ -18,7 +18,7 @@
     one place it meets ``zero/``.
 
 Beside them, above the folders: ``dp`` (DataParallel in one process),
-``syncbn``, ``optimizer`` (Horovod's ``DistributedOptimizer``), ``local_sgd``
+``syncbn``, ``horovod_optimizer`` (Horovod's ``DistributedOptimizer``), ``local_sgd``
 and ``ssp`` (stale-synchronous training), ``unwrap``.
 
 Folders of one level do not import each other (``tests/test_layers.py``):

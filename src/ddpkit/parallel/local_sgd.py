@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.comm.collectives import ALGORITHMS, all_reduce
+from ddpkit.comm.allreduce import ALGORITHMS, all_reduce
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import events
 

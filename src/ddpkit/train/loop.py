@@ -61,9 +61,9 @@ from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
 from ddpkit.runtime.options import ConfigError, RunError
-from ddpkit.train import restart, rundir, survive_loop
+from ddpkit.train import restart, rundir, fault_tolerant_loop
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate
 from ddpkit.train.recipe import (
@@ -113,7 +113,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             print("ddpkit train: started by ddpkit launch --on-failure continue: training in that mode, as with "
                   "--on-failure continue", flush=True)
     if config.on_failure == "continue":
-        return survive_loop.train(config, check=lambda: _load_data(config))
+        return fault_tolerant_loop.train(config, check=lambda: _load_data(config))
     return restart.attempts(config, worker, check=lambda: _load_data(config))
 
 

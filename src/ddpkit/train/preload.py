@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.spawn import start_forkserver
-from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 
 __all__ = ["PRELOAD", "start_early", "starts_workers"]
 

@@ -23,7 +23,7 @@ from ddpkit.parallel.dp import DataParallel
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.runtime.group import DistContext, init
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "set_lr", "shard_state",
@@ -58,7 +58,7 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
 
 def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
     """``ddp`` (ddpkit's DDP or torch's) reducing its buckets with ``--comm-hook`` (ddpkit's hooks run on both)."""
-    from ddpkit.comm import hooks, powersgd
+    from ddpkit.comm import bucket_hooks as hooks, powersgd
 
     if config.comm_hook == "none":
         return ddp

@@ -35,7 +35,7 @@ from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.runtime.process import NUM_SERVERS_ENV
 from ddpkit.runtime.spawn import WorkerError, spawn, start_forkserver
 from ddpkit.train import rundir
-from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.preload import PRELOAD
 from ddpkit.train.state import TrainState
 

@@ -26,7 +26,7 @@ from ddpkit.runtime.devices import comm_device, comm_tensor
 from ddpkit.runtime.durable import CheckpointError, describe_write_error
 from ddpkit.runtime.group import print0
 from ddpkit.train import rundir
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.recipe import replicas, warmup_lr
 from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy

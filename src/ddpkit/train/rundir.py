@@ -50,7 +50,7 @@ from typing import Any
 from ddpkit.data.datasets import fingerprint
 from ddpkit.runtime.durable import write_atomic
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.lock import LOCK_FILE, RunLock
 from ddpkit.train.state import checkpoint_files, newest_valid_checkpoint
 

@@ -50,12 +50,12 @@ from ddpkit.parallel.common.broadcast import PackedBroadcast
 from ddpkit.parallel.common.observer import Observer, WaitEvent
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.parallel.local_sgd import LocalSGD
-from ddpkit.parallel.optimizer import DistributedOptimizer
+from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from ddpkit.runtime.objects import all_gather_object
-from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
 __all__ = ["Strategy", "make_strategy"]

@@ -11,7 +11,7 @@ torch collective and every ddpkit engine use unchanged.
 - :mod:`~ddpkit.comm.mpi.library`: loading mpi4py and MPI, what the library is;
 - :mod:`~ddpkit.comm.mpi.datatypes`: torch dtypes and reduce ops in MPI's terms;
 - :mod:`~ddpkit.comm.mpi.progress`: the progress threads and the work handles;
-- :mod:`~ddpkit.comm.mpi.group`: the process group;
+- :mod:`~ddpkit.comm.mpi.process_group`: the process group;
 - :mod:`~ddpkit.comm.mpi.world`: the rendezvous over ``MPI_COMM_WORLD``.
 
 The runtime finds this package through the entry point ``mpi`` of the group
@@ -72,7 +72,7 @@ class MPIBackend:
 
     def _create(self, options: Any, _backend_options: Any) -> Any:
         """torch's call for each new group: its communicator (the world's duplicated, or a subgroup's)."""
-        from ddpkit.comm.mpi.group import MPIProcessGroup, group_tag
+        from ddpkit.comm.mpi.process_group import MPIProcessGroup, group_tag
         from ddpkit.comm.mpi.library import load, require_threads
 
         MPI = load()

@@ -5,7 +5,7 @@ Each part it drives has a module: buckets and their assignment
 gradients into buckets and back (:mod:`~ddpkit.parallel.common.staging`), unused
 parameters (:mod:`~ddpkit.parallel.common.unused`), ``static_graph``
 (:mod:`~ddpkit.parallel.common.static_graph`), a joined rank's side
-(:mod:`~ddpkit.parallel.ddp.join`, over :mod:`~ddpkit.parallel.common.join`), deferred completion
+(:mod:`~ddpkit.parallel.ddp.join`, over :mod:`~ddpkit.parallel.common.join_context`), deferred completion
 (:mod:`~ddpkit.parallel.common.deferred`) and observers (:mod:`~ddpkit.parallel.common.observer`).
 
 States of one synchronised backward

@@ -1,4 +1,4 @@
-"""DDP's side of ``Join`` (:mod:`ddpkit.parallel.common.join`): training on uneven inputs with
+"""DDP's side of ``Join`` (:mod:`ddpkit.parallel.common.join_context`): training on uneven inputs with
 :meth:`DistributedDataParallel.join`.
 
 Each step the ranks still training take, a joined rank learns whether it
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddpkit.parallel.common.broadcast import broadcast_once
 from ddpkit.parallel.common.buckets import sparse_zeros
-from ddpkit.parallel.common.join import DISABLED, Join, JoinConfig
+from ddpkit.parallel.common.join_context import DISABLED, Join, JoinConfig
 from ddpkit.parallel.common.unused import all_reduce_used_map
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_device

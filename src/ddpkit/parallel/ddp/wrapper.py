@@ -436,7 +436,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hooks by type: ``dist.BuiltinCommHookType.ALLREDUCE`` or ``FP16_COMPRESS``."""
-        from ddpkit.comm.hooks import allreduce_hook, fp16_compress_hook
+        from ddpkit.comm.bucket_hooks import allreduce_hook, fp16_compress_hook
 
         hooks = {"ALLREDUCE": allreduce_hook, "FP16_COMPRESS": fp16_compress_hook}
         name = getattr(comm_hook_type, "name", str(comm_hook_type))

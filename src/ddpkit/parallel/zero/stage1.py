@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ddpkit.parallel.common.join import DISABLED, Join
+from ddpkit.parallel.common.join_context import DISABLED, Join
 from ddpkit.parallel.zero.partition import (
     checked_params,
     copy_settings,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm.bucket import GradBucket
-from ddpkit.comm.collectives import ALGORITHMS, all_reduce
+from ddpkit.comm.allreduce import ALGORITHMS, all_reduce
 from ddpkit.runtime import events
 
 __all__ = ["AllReduceState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "noop_hook"]

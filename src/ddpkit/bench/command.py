@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.engines import WorkloadResult, bench_workload, format_results
-from ddpkit.bench.progress import machine, say
+from ddpkit.bench.console import machine, say
 from ddpkit.runtime.options import plain
 
 __all__ = ["BenchConfig", "run"]
@@ -29,7 +29,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
 
     torch.set_num_threads(1)
     init()  # the backend spawn() gave these ranks (gloo; nccl with --device cuda, which also picks each GPU)
-    from ddpkit.bench.dp import bench_dp_vs_ddp
+    from ddpkit.bench.dp_vs_ddp import bench_dp_vs_ddp
 
     results, dp, strategies = [], None, None
     for i, name in enumerate(cfg.workloads, 1):
@@ -121,7 +121,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         print(format_results(results, cfg.world_size, cfg.compile_backend if cfg.compile else None, cfg.device),
               flush=True)
     if raw["dp"] is not None:
-        from ddpkit.bench.dp import DPResult, format_dp
+        from ddpkit.bench.dp_vs_ddp import DPResult, format_dp
 
         print(format_dp(DPResult(**raw["dp"])), flush=True)
     if raw.get("strategies"):

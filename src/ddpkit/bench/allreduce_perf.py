@@ -84,7 +84,7 @@ def _worker(rank: int, cfg: CollectivesBenchConfig, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ddpkit.comm.collectives import all_reduce
+    from ddpkit.comm.allreduce import all_reduce
     from ddpkit.runtime.devices import comm_device, comm_tensor
     from ddpkit.runtime.group import init, shutdown
 

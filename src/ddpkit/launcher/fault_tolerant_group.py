@@ -24,7 +24,7 @@ as a spare does; once an entry makes it a voting node again it starts its
 workers anew, and they join with the state from a peer.
 
 Each worker's part in the job, as its launcher sees it, is a :class:`WorkerPhase`; it moves by
-:meth:`SurvivingGroup._move` only, along :data:`WORKER_MOVES`.
+:meth:`FaultTolerantGroup._move` only, along :data:`WORKER_MOVES`.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from dataclasses import dataclass, replace
 from ddpkit.launcher.council import Council, Entry, Role
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import WorkerSpec
-from ddpkit.launcher.rendezvous import RemoteFailure, rendezvous_timeout
+from ddpkit.launcher.node_rendezvous import RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, WorkerGroup, say
 from ddpkit.runtime.process import SignalCatcher, describe_exit, terminate
 from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
 
-__all__ = ["WORKER_MOVES", "Death", "SurvivingGroup", "WorkerPhase"]
+__all__ = ["WORKER_MOVES", "Death", "FaultTolerantGroup", "WorkerPhase"]
 
 _POLL_S = 0.05
 USAGE_EXIT = 2
@@ -96,7 +96,7 @@ WORKER_MOVES: dict[WorkerPhase, frozenset[WorkerPhase]] = {
     WorkerPhase.DIED: frozenset(),
     WorkerPhase.GONE: frozenset(),
 }
-"""The moves of a worker's :class:`WorkerPhase`; any other is a bug (:meth:`SurvivingGroup._move` raises)."""
+"""The moves of a worker's :class:`WorkerPhase`; any other is a bug (:meth:`FaultTolerantGroup._move` raises)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Death:
     """The view announced for it."""
 
 
-class SurvivingGroup(WorkerGroup):
+class FaultTolerantGroup(WorkerGroup):
     """The workers of a job that goes on without its dead: a pipe to each, a view per death or arrival."""
 
     def __init__(self, launch: LaunchSettings, layout: LogLayout, replacements: int = 0,

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from ddpkit.doctor.config import DoctorConfig
+from ddpkit.doctor.doctor_config import DoctorConfig
 from ddpkit.doctor.environment import collect, problems
 from ddpkit.doctor.selftest import plan, run_group
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.config import WorkloadSizes
+from ddpkit.bench.bench_config import WorkloadSizes
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 __all__ = ["BackendsBenchConfig", "format_bandwidth", "format_steps", "run"]

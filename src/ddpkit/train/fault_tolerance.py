@@ -1,7 +1,7 @@
 """Training that goes on through a worker's death, in the same processes, losing no sample.
 
 Under ``ddpkit launch --on-failure continue`` (see
-:mod:`ddpkit.launcher.survive` and :mod:`ddpkit.runtime.membership`) the
+:mod:`ddpkit.launcher.fault_tolerant_group` and :mod:`ddpkit.runtime.membership`) the
 launcher announces every death to the survivors within milliseconds.
 :class:`FaultTolerance` turns that into training that does not notice, apart
 from the time it costs:

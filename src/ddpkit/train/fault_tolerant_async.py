@@ -42,7 +42,7 @@ from ddpkit.runtime import membership
 from ddpkit.runtime.durable import write_or_warn
 from ddpkit.train.checkpoint import save_weights
 from ddpkit.train.curves import write_curves
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.strategy import async_momentum

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 
 __all__ = ["machine", "progress_bar", "say"]
 

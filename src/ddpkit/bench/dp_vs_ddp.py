@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.config import BenchConfig
+from ddpkit.bench.bench_config import BenchConfig
 from ddpkit.bench.workloads import bench_device, stepper
 from ddpkit.models import ConvNet
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel

@@ -172,7 +172,7 @@ def _workers(pid: int) -> list[int]:
     found = []
     for child in _children(pid):
         command = _cmdline(child)
-        if "ddpkit.train.survive_loop" in command:
+        if "ddpkit.train.fault_tolerant_loop" in command:
             found.append(child)
         elif "forkserver" in command:
             found += _children(child)

@@ -1,7 +1,8 @@
-"""``ddpkit train --on-failure continue``: the training command on :class:`~ddpkit.train.survive.FaultTolerance`.
+"""``ddpkit train --on-failure continue``: the training command on
+:class:`~ddpkit.train.fault_tolerance.FaultTolerance`.
 
 With ``--strategy ps-sync|ps-async|ssp`` the workers are those of
-:mod:`ddpkit.train.survive_async` (the servers step, or SSP's all-reduces in flight); otherwise the engine's.
+:mod:`ddpkit.train.fault_tolerant_async` (the servers step, or SSP's all-reduces in flight); otherwise the engine's.
 Two ways in, as for the default mode:
 
 * ``ddpkit train --on-failure continue`` alone claims the run directory and
@@ -58,13 +59,13 @@ from ddpkit.runtime.group import shutdown
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
 from ddpkit.train.checkpoint import CheckpointError, save_checkpoint, save_weights
-from ddpkit.train.config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.state import checkpoint_name, newest_valid_checkpoint, prune_checkpoints
-from ddpkit.train.survive import FaultTolerance, Step
-from ddpkit.train.survive_async import worker as async_worker
+from ddpkit.train.fault_tolerance import FaultTolerance, Step
+from ddpkit.train.fault_tolerant_async import worker as async_worker
 
 __all__ = ["train"]
 
@@ -105,7 +106,7 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
         settings = {**config.to_dict(), "output_dir": str(claim.out)}
         for attempt in range(config.max_restarts + 1):
             os.environ[CONFIG_ENV] = json.dumps(settings)
-            code = run(LaunchConfig(program="ddpkit.train.survive_loop", module=True, nproc_per_node=nproc,
+            code = run(LaunchConfig(program="ddpkit.train.fault_tolerant_loop", module=True, nproc_per_node=nproc,
                                     standalone=True, on_failure="continue", max_restarts=config.max_restarts,
                                     backend=config.backend, num_servers=config.num_servers if servers else 0,
                                     ps_replication=config.ps_replication))
