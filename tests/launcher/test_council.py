@@ -80,19 +80,19 @@ def test_a_death_is_decided_once_for_every_node_and_a_lost_node_moves_the_store(
         councils[2].tell(dead=[5])
         took = _until(lambda: all(c.entry.members == (0, 1, 2, 3, 4) for c in councils))
         assert took < 0.5
-        assert {c.entry.index for c in councils} == {1} and {c.entry.epoch for c in councils} == {1}
+        assert {c.entry.index for c in councils} == {1} and {c.entry.generation for c in councils} == {1}
         councils[0].close()  # node 0 (the leader, the store's host) leaves: its connections close
         took = _until(lambda: all(c.entry.nodes == (1, 2) for c in councils[1:]))
         assert took < REDIAL_S + 0.5, "a closed connection that does not come back is a death once dialing it " \
             "again fails (REDIAL_S), not after the heartbeat timeout"
         entry = councils[1].entry
-        assert entry.members == (2, 3, 4) and entry.epoch == 2 and entry.store == "127.0.0.1:5001"
+        assert entry.members == (2, 3, 4) and entry.generation == 2 and entry.store == "127.0.0.1:5001"
         assert councils[2].entry == entry
         councils[1].tell(ready=[7])  # node 1's first replacement: the world (6) + its node
         _until(lambda: all(c.entry.members == (2, 3, 4, 7) for c in councils[1:]))
         councils[1].tell(joined=[7])
         _until(lambda: councils[2].entry.joined == (7,))
-        assert councils[2].entry.epoch == 3, "a holder of the state is news for the agents, not for the workers"
+        assert councils[2].entry.generation == 3, "a holder of the state is news for the agents, not for the workers"
         for c in councils[1:]:
             c.tell(finished=True, succeeded=True)
         _until(lambda: all(c.entry.done for c in councils[1:]))
@@ -139,7 +139,7 @@ def test_a_spare_becomes_a_voting_node_its_workers_join_and_it_keeps_the_job_thr
     spare = spare_seat(2)
     try:
         entry = spare.wait_admitted(5.0)
-        assert entry is not None and entry.nodes == (0, 1, 2) and entry.epoch == 0, "a voter, the same members"
+        assert entry is not None and entry.nodes == (0, 1, 2) and entry.generation == 0, "a voter, the same members"
         _until(lambda: all(c.entry == entry for c in councils))  # the commit reaches each in turn
         spare.tell(ready=[6])  # its worker: the starting world (4) + its node
         _until(lambda: all(c.entry.members == (0, 1, 2, 3, 6) for c in [*councils, spare]))

@@ -97,18 +97,18 @@ def test_the_store_s_node_and_a_worker_die_and_the_others_end_bitwise_equal(
     for err in errs[1:]:
         assert "member 1 (rank 1 at the start) died" in errs[1]
         assert "node(s) 0 left the job" in err and "the workers' store moves to node 1" in err, err
-        assert "membership epoch 3: 2 worker(s), member(s) 0 left" in err, err
+        assert "membership generation 3: 2 worker(s), member(s) 0 left" in err, err
     assert _equal(torch.load(f"{out}.pt"), reference)
     account = json.loads(Path(f"{out}.json").read_text())
     first, last = account["changes"][0], account["changes"][-1]
-    assert (first["epoch"], first["size"], last["epoch"], last["size"]) == (1, 2, 3, 2), account["changes"]
+    assert (first["generation"], first["size"], last["generation"], last["size"]) == (1, 2, 3, 2), account["changes"]
     assert last["resumed"] - last["noticed"] < 5
 
 
 @pytest.mark.slow("two launchers: a worker's death survived, then a node's loss stops the other")
 def test_with_two_nodes_a_workers_death_is_survived_and_a_nodes_loss_stops_the_job(tmp_path: Path) -> None:
     nodes = _nodes(tmp_path / "run", ["127.0.0.1"] * 2, EPOCHS="20", KILL="1:3")
-    nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
+    nodes[0].wait_for("membership generation 1: 1 worker(s), member(s) 1 left", timeout=90)
     assert nodes[1].poll() is None, "node 1's launcher goes on without workers: it still votes"
     os.kill(nodes[1].pid, signal.SIGKILL)
     errs = _finish(nodes)
@@ -123,16 +123,16 @@ def test_a_node_cut_off_stops_itself_and_the_majority_ends_bitwise_equal(
     out = tmp_path / "run"
     with bridged_nodes(3) as (names, addresses, links):
         nodes = _nodes(out, addresses, namespaces=names, KILL="0:2")
-        nodes[2].wait_for("membership epoch 1", timeout=90)
+        nodes[2].wait_for("membership generation 1", timeout=90)
         subprocess.run(["ip", "link", "set", links[2], "down"], check=True)
         errs = _finish(nodes)
     assert [n.returncode for n in nodes] == [0, 0, 1], errs
     assert "not a majority" in errs[2] and "split brain refused" in errs[2], errs[2]
     for err in errs[:2]:
-        assert "node(s) 2 left the job" in err and "membership epoch 2: 1 worker(s), member(s) 2 left" in err, err
+        assert "node(s) 2 left the job" in err and "membership generation 2: 1 worker(s), member(s) 2 left" in err, err
     assert _equal(torch.load(f"{out}.pt"), reference)
-    last = json.loads(Path(f"{out}.json").read_text())["changes"][-1]  # epoch 1 may be skipped (cut meanwhile)
-    assert (last["epoch"], last["size"]) == (2, 1)
+    last = json.loads(Path(f"{out}.json").read_text())["changes"][-1]  # generation 1 may be skipped (cut meanwhile)
+    assert (last["generation"], last["size"]) == (2, 1)
 
 
 @pytest.mark.slow("three namespaces: workers and a replacement die on two nodes, then a node's cable is cut")
@@ -161,7 +161,7 @@ def test_a_spare_node_joins_the_running_job_and_carries_it_through_node_0s_loss(
     out, port = tmp_path / "run", free_port()
     run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25", "GROW": "2", "GROW_WAITS": "1"}  # waits for the spare
     nodes = _nodes(out, ["127.0.0.1"] * 2, nnodes="2:3", port=port, **run)
-    nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
+    nodes[0].wait_for("membership generation 1: 1 worker(s), member(s) 1 left", timeout=90)
     assert nodes[1].poll() is None, "node 1's launcher goes on without workers: it still votes"
     nodes += _nodes(out, ["127.0.0.1"], nnodes="2:3", port=port, first=2, **run)  # the spare comes now
     nodes[2].wait_for("member 4 holds the training state", timeout=90)
@@ -171,9 +171,9 @@ def test_a_spare_node_joins_the_running_job_and_carries_it_through_node_0s_loss(
     assert "spare node 2 admitted: 3 voting nodes" in errs[2], errs[2]
     for err in errs[1:]:
         assert "node(s) 0 left the job" in err and "the workers' store moves to node 1" in err, err
-        assert "membership epoch 3: 1 worker(s), member(s) 0 left" in err, err
+        assert "membership generation 3: 1 worker(s), member(s) 0 left" in err, err
     assert _equal(torch.load(f"{out}.pt"), reference_long)
-    sizes = [(c["epoch"], c["size"]) for c in json.loads(Path(f"{out}.json").read_text())["changes"]]
+    sizes = [(c["generation"], c["size"]) for c in json.loads(Path(f"{out}.json").read_text())["changes"]]
     assert sizes == [(2, 2), (3, 1)], sizes  # as the spare's worker lived them: it writes, the only one left
 
 
@@ -185,7 +185,7 @@ def test_a_spare_on_its_own_network_joins_and_outvotes_node_0_cut_off(
     run = {"KILL": "1:3", "EPOCHS": "6", "SLEEP": "0.25", "GROW": "2", "GROW_WAITS": "1"}  # waits for the spare
     with bridged_nodes(3) as (names, addresses, links):
         nodes = _nodes(out, addresses[:2], nnodes="2:3", namespaces=names[:2], **run)
-        nodes[0].wait_for("membership epoch 1: 1 worker(s), member(s) 1 left", timeout=90)
+        nodes[0].wait_for("membership generation 1: 1 worker(s), member(s) 1 left", timeout=90)
         nodes += _nodes(out, addresses[:1], nnodes="2:3", namespaces=names[2:], first=2, **run)
         nodes[2].wait_for("member 4 holds the training state", timeout=90)
         subprocess.run(["ip", "link", "set", links[0], "down"], check=True)  # the store's node and the leader

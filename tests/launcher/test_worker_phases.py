@@ -1,4 +1,4 @@
-"""The phases of a worker under ``--on-failure continue``, as its launcher sees them (``launcher/survive.py``):
+"""The phases of a worker under ``--on-failure continue``, as its launcher sees them (``launcher/fault_tolerant_group.py``):
 the moves the table allows and no other, and the phases a small job of interpreters without torch goes through."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def wait_for_a_join() -> None:
     global waits
     waits += 1
     deadline = time.monotonic() + 120
-    while ft.membership.latest().epoch == ft.view.epoch and time.monotonic() < deadline:
+    while ft.membership.latest().generation == ft.view.generation and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -4,7 +4,7 @@ On one node the launcher is the job, and its word is the membership. Across
 nodes every launcher (an *agent*) sees only its own workers die, and any
 agent, the one serving the job's store included, may die or be cut off. So
 the agents hold the job's state together as a log of :class:`Entry` (the
-workers' membership epoch and members, the voting nodes, the store the
+workers' membership generation and members, the voting nodes, the store the
 workers build their groups on), and each entry is decided by a majority of
 the nodes of the entry before it, Paxos-style: a proposer's ballot is
 promised by a majority, a value accepted by a majority is what a later
@@ -127,13 +127,13 @@ class Entry:
 
     index: int
     """Its place in the log (0: the start)."""
-    epoch: int
-    """The workers' membership epoch (it changes only with the members)."""
+    generation: int
+    """The workers' membership generation (it changes only with the members)."""
     members: tuple[int, ...]
     nodes: tuple[int, ...]
     """The nodes that vote on the next entry."""
     store: str
-    """``host:port`` of the store the workers build this epoch's groups on (served by the lowest node)."""
+    """``host:port`` of the store the workers build this generation's groups on (served by the lowest node)."""
     finished: tuple[int, ...] = ()
     """Nodes with no worker still training."""
     succeeded: bool = False
@@ -596,7 +596,7 @@ class Council:
         joined = tuple(sorted((set(entry.joined) | {m for r in reports.values() for m in r.joined})
                               & set(members)))
         changed = tuple(members) != entry.members
-        return replace(entry, index=entry.index + 1, epoch=entry.epoch + changed, members=tuple(members),
+        return replace(entry, index=entry.index + 1, generation=entry.generation + changed, members=tuple(members),
                        nodes=nodes, store=self.places[min(nodes)][2],
                        finished=tuple(n for n in nodes if reports.get(n, Report()).finished),
                        succeeded=entry.succeeded or any(r.succeeded for r in reports.values()), joined=joined)

@@ -2,7 +2,7 @@
 
 The launcher is where a death is known first (its ``waitpid`` returns within
 milliseconds). In this mode it does not stop the other workers: it announces
-a new view (an epoch and the live member ids, see
+a new view (a generation and the live member ids, see
 :mod:`ddpkit.runtime.membership`) on the pipe it holds to every survivor, and
 the survivors rebuild their group and go on in the same processes. With
 ``--max-restarts`` budget left it also starts a replacement, which joins the
@@ -107,7 +107,7 @@ class Death:
     exitcode: int
     at: float
     """``time.time()`` when ``waitpid`` returned."""
-    epoch: int
+    generation: int
     """The view announced for it."""
 
 
@@ -121,7 +121,7 @@ class FaultTolerantGroup(WorkerGroup):
         """Several nodes: the agents' majority decides each view (None: this launcher is the job)."""
         self.entry: Entry | None = council.entry if council else None
         """The council's newest entry this launcher acted on."""
-        self.epoch = 0
+        self.generation = 0
         self.members: list[int] = []
         self.pipes: dict[int, int] = {}
         """member id -> the write end of its pipe."""
@@ -153,7 +153,7 @@ class FaultTolerantGroup(WorkerGroup):
         """Start this node's workers (a spare node's join the running job as replacements do)."""
         spare = self.launch.spare
         if spare:
-            self.members, self.epoch = list(self.entry.members), self.entry.epoch  # type: ignore[union-attr]
+            self.members, self.generation = list(self.entry.members), self.entry.generation  # type: ignore[union-attr]
         with signals.deferred():
             for spec in specs:
                 if signals.received is not None:
@@ -219,7 +219,7 @@ class FaultTolerantGroup(WorkerGroup):
                         self.council.tell(joined=[member])
 
     def _view(self) -> bytes:
-        view = {"epoch": self.epoch, "members": self.members, "servers_gone": sorted(self.dead_servers)}
+        view = {"generation": self.generation, "members": self.members, "servers_gone": sorted(self.dead_servers)}
         if self.entry is not None:
             view["store"] = self.entry.store
         return (json.dumps(view) + "\n").encode()
@@ -268,7 +268,7 @@ class FaultTolerantGroup(WorkerGroup):
                     if not self.server_replaced(index, code):
                         self.stop()
                         return self.failure(index, code)
-                    self._announce()  # the same epoch: the workers' requests to it stop waiting
+                    self._announce()  # the same generation: the workers' requests to it stop waiting
                 continue
             member = self.member_of[index]
             if self.phases[index] is WorkerPhase.DISMISSED:
@@ -298,7 +298,7 @@ class FaultTolerantGroup(WorkerGroup):
             why = (failure.traceback.splitlines() or said or [""])[-1].strip()
             died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
                     + (f" ({why})" if why else ""))
-            self.deaths.append(Death(member, code, time.time(), self.epoch + 1))
+            self.deaths.append(Death(member, code, time.time(), self.generation + 1))
             if self.council is not None:
                 self.council.tell(dead=[member])
                 say(f"{died}; the nodes' majority decides the next membership")
@@ -361,7 +361,7 @@ class FaultTolerantGroup(WorkerGroup):
             self.council.tell(left=[member])
         elif member in self.members:
             self.members.remove(member)
-            self.epoch += 1
+            self.generation += 1
             self._announce()
 
     def _drop(self, member: int, died: str) -> bool:
@@ -369,7 +369,7 @@ class FaultTolerantGroup(WorkerGroup):
         replacements still running are stopped)."""
         if member in self.members:
             self.members.remove(member)
-        self.epoch += 1
+        self.generation += 1
         # Who holds the training state: the members that joined, and the first ones before anyone trained.
         joined = {self.member_of[i] for i, phase in self.phases.items() if phase is WorkerPhase.TRAINING}
         if not self._holders(self.members, joined):
@@ -378,7 +378,7 @@ class FaultTolerantGroup(WorkerGroup):
                 + (f" (stopping {len(waiting)} replacement(s) that had not joined)" if waiting else ""))
             self._dismiss(waiting)
             return False
-        say(f"{died}; the job goes on with {len(self.members)} worker(s), membership epoch {self.epoch}")
+        say(f"{died}; the job goes on with {len(self.members)} worker(s), membership generation {self.generation}")
         self._announce()
         return True
 
@@ -424,12 +424,12 @@ class FaultTolerantGroup(WorkerGroup):
         self.entry = entry
         if entry.succeeded:  # training is over: no one is left to join
             self._dismiss_joining()
-        if entry.epoch == self.epoch:
+        if entry.generation == self.generation:
             return None
         left = [m for m in self.members if m not in entry.members]
         came = [m for m in entry.members if m not in self.members]
-        self.members, self.epoch = list(entry.members), entry.epoch
-        say(f"membership epoch {entry.epoch}: {len(self.members)} worker(s)"
+        self.members, self.generation = list(entry.members), entry.generation
+        say(f"membership generation {entry.generation}: {len(self.members)} worker(s)"
             + (f", member(s) {', '.join(map(str, left))} left" if left else "")
             + (f", member(s) {', '.join(map(str, came))} joined" if came else ""))
         self._announce()
@@ -529,9 +529,9 @@ class FaultTolerantGroup(WorkerGroup):
             self.council.tell(ready=joined)  # the nodes' majority admits them
         elif joined:
             self.members.extend(joined)
-            self.epoch += 1
+            self.generation += 1
             say(f"member(s) {', '.join(map(str, joined))} joined: {len(self.members)} worker(s), "
-                f"membership epoch {self.epoch}")
+                f"membership generation {self.generation}")
             self._announce()
 
     def _close(self, member: int) -> None:

@@ -3,7 +3,7 @@
 Under ``ddpkit launch --on-failure continue`` the launcher owns the job's
 membership. It numbers every worker with a *member id* (its first rank; a
 replacement gets the next unused one) and, whenever a worker dies or a
-replacement is ready, announces a new :class:`View` (an epoch and the live
+replacement is ready, announces a new :class:`View` (a generation and the live
 member ids) on a pipe it holds to every worker (``DDPKIT_FT_FD``). A thread
 in each worker reads that pipe, so a death is known to every survivor within
 milliseconds of the launcher's ``waitpid``, not at a collective's timeout.
@@ -21,7 +21,7 @@ not reuse them.
 
 The pipe carries one JSON line per view (with the parameter servers that
 died, which are not members: a server's death is announced in the same
-epoch); a replacement answers on
+generation); a replacement answers on
 ``DDPKIT_FT_REPLY_FD`` with ``ready`` once it can take part.
 """
 
@@ -51,9 +51,9 @@ _LOOK_S = 0.05
 
 @dataclass(frozen=True)
 class View:
-    """One membership: its epoch (0 at the start, +1 per change) and the live member ids, in rank order."""
+    """One membership: its generation (0 at the start, +1 per change) and the live member ids, in rank order."""
 
-    epoch: int
+    generation: int
     members: tuple[int, ...]
     servers_gone: tuple[int, ...] = ()
     """The job's parameter servers that died (``--num-servers``; the members go on while their key ranges
@@ -74,7 +74,7 @@ class MembershipChanged(RuntimeError):
     """A newer view came while this worker waited: abandon what it waited for and rebuild."""
 
     def __init__(self, view: View, lost: tuple[int, ...]) -> None:
-        super().__init__(f"membership epoch {view.epoch}: member(s) {', '.join(map(str, lost))} left the job")
+        super().__init__(f"membership generation {view.generation}: member(s) {', '.join(map(str, lost))} left the job")
         self.view = view
         self.lost = lost
 
@@ -103,13 +103,13 @@ class Membership:
         self._cond = threading.Condition()
         self._views: list[View] = []
         self._closed = False
-        self._by_epoch: dict[int, dist.ProcessGroup] = {}
-        """The groups built, by epoch; an older one is freed once no abandoned operation of it is left
+        self._by_generation: dict[int, dist.ProcessGroup] = {}
+        """The groups built, by generation; an older one is freed once no abandoned operation of it is left
         (:meth:`_free_old`)."""
         self._abandoned: dict[int, list[threading.Event]] = {}
-        """By epoch: the operations abandoned on a change (each event set once the operation ended)."""
+        """By generation: the operations abandoned on a change (each event set once the operation ended)."""
         self.noticed_at: dict[int, float] = {}
-        """``time.time()`` at which each epoch's view reached this worker."""
+        """``time.time()`` at which each generation's view reached this worker."""
         self._looked = 0.0
         self._lookouts: dict[str, dist.Store] = {}
         """Connections (by ``host:port``) on which a waiting thread looks for members gone ahead."""
@@ -124,10 +124,10 @@ class Membership:
                 *lines, buffered = buffered.split(b"\n")
                 for line in lines:
                     message = json.loads(line)
-                    view = View(int(message["epoch"]), tuple(int(m) for m in message["members"]),
+                    view = View(int(message["generation"]), tuple(int(m) for m in message["members"]),
                                 tuple(int(s) for s in message.get("servers_gone", ())), message.get("store", ""))
                     with self._cond:
-                        self.noticed_at[view.epoch] = time.time()
+                        self.noticed_at[view.generation] = time.time()
                         self._views.append(view)
                         self._cond.notify_all()
         with self._cond:
@@ -157,7 +157,7 @@ class Membership:
         """Members of ``view`` that a newer view no longer has."""
         with self._cond:
             newest = self._views[-1] if self._views else view
-        return tuple(m for m in view.members if m not in newest.members) if newest.epoch > view.epoch else ()
+        return tuple(m for m in view.members if m not in newest.members) if newest.generation > view.generation else ()
 
     def wait(self, work: Any, view: View, *, joins: bool = True) -> None:
         """Wait for ``work`` (a torch Work or Future); raise :class:`MembershipChanged` when a newer view comes.
@@ -180,7 +180,7 @@ class Membership:
             except MembershipChanged:
                 if done.is_set():
                     break  # it completed meanwhile: its result stands (the change is met at the next one)
-                self._abandoned.setdefault(view.epoch, []).append(done)  # its group is freed once it ends
+                self._abandoned.setdefault(view.generation, []).append(done)  # its group is freed once it ends
                 raise
         try:
             future.wait()
@@ -196,7 +196,7 @@ class Membership:
         and no member waits in the next group for one still in this one's step."""
         with self._cond:
             newest = self._views[-1] if self._views else view
-        return newest.epoch > view.epoch and self.member in newest.members and not self.lost_since(view)
+        return newest.generation > view.generation and self.member in newest.members and not self.lost_since(view)
 
     def _expect_change(self, view: View, grace_s: float = 5.0) -> None:
         """After a failed operation: raise :class:`MembershipChanged` if a newer view comes within ``grace_s``."""
@@ -211,7 +211,7 @@ class Membership:
         # a member that saw it first has left this view's group to build the next one, so an operation here
         # could never complete. A join passes only while no member of `view` has gone to a newer group (one
         # that finished a rebuild's last operation after this one gave it up).
-        if (newest := self.latest()).epoch > view.epoch:
+        if (newest := self.latest()).generation > view.generation:
             if joins or not self.knows_a_join(view) or self._gone_ahead(view, newest):
                 raise MembershipChanged(newest, self.lost_since(view))
         if self._closed:
@@ -225,12 +225,12 @@ class Membership:
             return False
         self._looked = now
         with self._cond:
-            later = [v for v in self._views if view.epoch < v.epoch <= newest.epoch]
+            later = [v for v in self._views if view.generation < v.generation <= newest.generation]
         for v in later:
             if v.store not in self._lookouts:  # one connection per store, this thread's own
                 self._lookouts[v.store] = self._store_of(v)
             newcomers = len(set(v.members) - set(view.members))
-            if self._lookouts[v.store].add(f"ft/{v.epoch}/arrivals", 0) > newcomers:
+            if self._lookouts[v.store].add(f"ft/{v.generation}/arrivals", 0) > newcomers:
                 return True
         return False
 
@@ -240,8 +240,8 @@ class Membership:
         while True:
             view = self.latest()
             if self.member not in view.members:
-                raise RuntimeError(f"member {self.member} is not in membership epoch {view.epoch}: a replacement "
-                                   "joins through ddpkit.FaultTolerance")
+                raise RuntimeError(f"member {self.member} is not in membership generation {view.generation}: a "
+                                   "replacement joins through ddpkit.FaultTolerance")
             try:
                 self.wait(self.group(view).allreduce([torch.zeros(1)]), view)
                 return view
@@ -259,9 +259,9 @@ class Membership:
         Every member first marks its arrival in the store and waits for the others, watching the view, so a
         member that dies before arriving makes this raise :class:`MembershipChanged` instead of hanging.
         """
-        if view.epoch in self._by_epoch:
-            return self._by_epoch[view.epoch]
-        prefix = f"ft/{view.epoch}/"
+        if view.generation in self._by_generation:
+            return self._by_generation[view.generation]
+        prefix = f"ft/{view.generation}/"
         built: dict[str, Any] = {}
         done, abandoned = threading.Event(), threading.Event()
 
@@ -280,7 +280,7 @@ class Membership:
                 built["error"] = e
             done.set()
 
-        threading.Thread(target=build, name=f"ddpkit-group-{view.epoch}", daemon=True).start()
+        threading.Thread(target=build, name=f"ddpkit-group-{view.generation}", daemon=True).start()
         try:
             while not done.wait(_POLL_S):
                 self._check(view)
@@ -289,19 +289,19 @@ class Membership:
                 raise built["error"]
         finally:
             abandoned.set()
-        self._by_epoch[view.epoch] = built["group"]
+        self._by_generation[view.generation] = built["group"]
         if free_old:
-            self._free_old(view.epoch)
+            self._free_old(view.generation)
         return built["group"]
 
     def _free_old(self, current: int) -> None:
         """Let go of the groups of views before ``current`` whose abandoned operations have all ended (completed,
         or failed at the group's timeout): a group with one still in flight would block its destructor until
         then, so it is kept until a later rebuild finds it done."""
-        for epoch in [e for e in self._by_epoch if e < current]:
-            if all(done.is_set() for done in self._abandoned.get(epoch, [])):
-                del self._by_epoch[epoch]
-                self._abandoned.pop(epoch, None)
+        for generation in [e for e in self._by_generation if e < current]:
+            if all(done.is_set() for done in self._abandoned.get(generation, [])):
+                del self._by_generation[generation]
+                self._abandoned.pop(generation, None)
 
     def _store_of(self, view: View) -> dist.Store:
         """A connection of its own to the store ``view``'s group meets on (the first one, or the one the launchers
@@ -312,7 +312,7 @@ class Membership:
     def wait_for_member(self, view: View) -> None:
         """Wait for a view newer than ``view`` (a replacement waits for the view that admits it)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or self._views[-1].epoch > view.epoch)
+            self._cond.wait_for(lambda: self._closed or self._views[-1].generation > view.generation)
             if self._closed:
                 raise RuntimeError("the launcher closed the membership pipe before admitting this worker")
 

@@ -24,7 +24,7 @@ from the time it costs:
   ranks and not on others when a peer dies in the middle of it, so after every
   rebuild the ranks compare how many steps they have applied; whoever is
   behind receives the state (model, optimizer, the ``state`` objects, the
-  step) from the lowest rank that is furthest, in 25 MiB buckets. A
+  step) from the lowest rank that is furthest, in 25 MiB chunks. A
   replacement joins the same way.
 * **Randomness follows the shard.** Each micro-batch runs with torch's RNG
   seeded by (seed, step, its first shard), so in the deterministic mode (a
@@ -96,8 +96,8 @@ from ddpkit.runtime.membership import MembershipChanged, View
 
 __all__ = ["FaultTolerance", "Step"]
 
-BUCKET_BYTES = 25 << 20
-"""State transfers go in buckets of this size."""
+CHUNK_BYTES = 25 << 20
+"""State transfers go in chunks of this size (a *chunk*; gradients go in buckets)."""
 VALUES = 16
 """How many values ``step.sync(values=...)`` carries with the gradients."""
 
@@ -107,7 +107,7 @@ class Change:
     """One membership change as this rank lived it (``time.time()`` stamps): the view it rebuilt its group for,
     which may stand for several views announced meanwhile."""
 
-    epoch: int
+    generation: int
     size: int
     noticed: float
     """When the launcher's word reached this rank."""
@@ -131,8 +131,8 @@ class Step:
     """The virtual shards this rank trains in this step."""
     samples: int
     """The step's global batch: samples in all its shards."""
-    view_epoch: int = 0
-    """The membership epoch the step began in: it is applied only if every shard was trained in that view."""
+    view_generation: int = 0
+    """The membership generation the step began in: it is applied only if every shard was trained in that view."""
     synced: bool | None = None
     aborted: bool = False
     """A collective of the step (:meth:`FaultTolerance.all_reduce`) met a membership change: the step is done
@@ -373,7 +373,7 @@ class FaultTolerance:
                     index = self.committed
                     step = self._step = Step(self, index, self.shards.epoch_of(index),
                                              self.shards.shards_of(self.rank, self.world_size),
-                                             len(self.shards.step(index)), view_epoch=self.view.epoch)
+                                             len(self.shards.step(index)), view_generation=self.view.generation)
                     yield step
                     if step.synced is None:
                         raise RuntimeError(f"step {index}: the loop body did not call step.sync(); call it once per "
@@ -391,7 +391,7 @@ class FaultTolerance:
     def _view_changes(self) -> bool:
         """Whether the next step starts in a newer view: at once when a member was lost (or this one removed);
         members that only join, at the boundary the last step's reduction agreed on (:meth:`reduce`)."""
-        if self.membership is None or self.membership.latest().epoch == self.view.epoch:
+        if self.membership is None or self.membership.latest().generation == self.view.generation:
             return False
         return self._join_agreed or not self.membership.knows_a_join(self.view)
 
@@ -525,7 +525,7 @@ class FaultTolerance:
             RuntimeError: a shard's samples were lost or counted twice without a membership change (a bug: the
                 step is not applied).
         """
-        if step is not None and (step.aborted or step.view_epoch != self.view.epoch):
+        if step is not None and (step.aborted or step.view_generation != self.view.generation):
             return self._discard()  # a shard of it was trained in another view (or a collective of it failed)
         if self.membership is not None and self.membership.lost_since(self.view):
             return self._discard()
@@ -736,7 +736,7 @@ class FaultTolerance:
             if self.membership.member not in view.members:
                 self.membership.wait_for_member(view)
                 continue
-            noticed = self.membership.noticed_at.get(view.epoch, time.time())
+            noticed = self.membership.noticed_at.get(view.generation, time.time())
             try:
                 group = self.membership.group(view, free_old=True)  # it waits on every operation it issues
                 self.view, self.group = view, group
@@ -745,7 +745,7 @@ class FaultTolerance:
             except MembershipChanged:
                 continue
             if not first or self.membership.member >= self.started_with:  # a replacement's join is a change too
-                self.changes.append(Change(view.epoch, view.size, noticed, time.time(), transferred=received))
+                self.changes.append(Change(view.generation, view.size, noticed, time.time(), transferred=received))
             return
 
     def _agree(self, force: bool) -> int:
@@ -780,7 +780,7 @@ class FaultTolerance:
         return self._transfer(source)
 
     def _transfer(self, source: int) -> int:
-        """The state of rank ``source`` to every rank, in buckets; the bytes received here (0 on the source)."""
+        """The state of rank ``source`` to every rank, in chunks; the bytes received here (0 on the source)."""
         if self.rank == source:
             buffer = io.BytesIO()
             torch.save(self.state_dict(), buffer)
@@ -791,9 +791,9 @@ class FaultTolerance:
         self._wait(self.group.broadcast([size], _root(source)))
         if self.rank != source:
             payload = torch.empty(int(size), dtype=torch.uint8)
-        for start in range(0, int(size), BUCKET_BYTES):
-            bucket = payload[start : start + BUCKET_BYTES]
-            self._wait(self.group.broadcast([bucket], _root(source)))
+        for start in range(0, int(size), CHUNK_BYTES):
+            chunk = payload[start : start + CHUNK_BYTES]
+            self._wait(self.group.broadcast([chunk], _root(source)))
         if self.rank == source:
             return 0
         self.load_state_dict(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True,
