@@ -90,8 +90,8 @@ def test_a_death_is_decided_once_for_every_node_and_a_lost_node_moves_the_store(
         assert councils[2].entry == entry
         councils[1].tell(ready=[7])  # node 1's first replacement: the world (6) + its node
         _until(lambda: all(c.entry.members == (2, 3, 4, 7) for c in councils[1:]))
-        councils[1].tell(joined=[7])
-        _until(lambda: councils[2].entry.joined == (7,))
+        councils[1].tell(holding=[7])
+        _until(lambda: councils[2].entry.holders == (7,))
         assert councils[2].entry.generation == 3, "a holder of the state is news for the agents, not for the workers"
         for c in councils[1:]:
             c.tell(finished=True, succeeded=True)
@@ -410,7 +410,7 @@ def test_a_pause_of_two_seconds_is_no_death_under_the_default_detector() -> None
 def test_a_node_left_out_while_it_ran_asks_back_and_votes_again() -> None:
     # Node 2 pauses past the detector (its threads held, its sockets open: a SIGSTOP'ed launcher): the majority
     # leaves it out, with its workers. Resumed, it learns so from the next entry and, instead of stopping for
-    # good, asks to join again as a spare does; the majority makes it a voting node again, under its own number,
+    # good, asks to vote again as a spare does; the majority makes it a voting node again, under its own number,
     # and its new workers (replacements of its node) are admitted. On the code before, it stopped (cut off).
     councils, _ = _councils(3)
     assert all(isinstance(c, Council) for c in councils), councils
@@ -494,8 +494,8 @@ def test_the_roles_allowed_moves() -> None:
     council._cond = threading.Condition()  # noqa: SLF001
     with council._cond:  # noqa: SLF001 - the caller holds the lock
         council._become(Role.SPARE)  # noqa: SLF001
-        assert council.report.join and council.cut_off is None
+        assert council.report.candidate and council.cut_off is None
         council._become(Role.VOTING)  # noqa: SLF001
-        assert not council.report.join
+        assert not council.report.candidate
         council._become(Role.STOPPED, "cut off")  # noqa: SLF001
-    assert council.cut_off == "cut off" and not council.report.join
+    assert council.cut_off == "cut off" and not council.report.candidate

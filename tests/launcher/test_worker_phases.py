@@ -35,7 +35,7 @@ started = os.path.join(sys.argv[1], "replacement started")
 if member == 3:
     open(started, "w").close()
     time.sleep(120)
-os.write(int(os.environ["DDPKIT_FT_REPLY_FD"]), b"joined\\n")
+os.write(int(os.environ["DDPKIT_FT_REPLY_FD"]), b"holding\\n")
 if member == 1:
     sys.exit(1)
 deadline = time.monotonic() + 60

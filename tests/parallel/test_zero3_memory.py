@@ -62,7 +62,7 @@ def _under_the_cap(root: str) -> int:
     gc.collect()
     cap = MemoryCap(f"ddpkit-test-{os.getpid()}", BUDGET)
     try:
-        with cap.joined():
+        with cap.entered():
             # Four steps at once...
             model = _sharded(0)
             _steps(model, 0, 4)

@@ -66,7 +66,7 @@ def _worker(rank: int, setup: str, cap_mb: float, tag: str, out: str) -> None:
     fix_mmap_threshold()
     dist.barrier()
     cap = MemoryCap(f"{tag}-{rank}", int(cap_mb * 1e6))
-    with cap.joined():
+    with cap.entered():
         with torch.device("meta" if setup == "zero3" else "cpu"):
             model = nn.Sequential(*[nn.Linear(_WIDTH, _WIDTH) for _ in range(_depth(cap_mb))])
         wrapped = DistributedDataParallel(model, zero_stage=3 if setup == "zero3" else 0)

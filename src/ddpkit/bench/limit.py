@@ -73,7 +73,7 @@ class MemoryCap:
             if swap.exists():
                 swap.write_text("0")
 
-    def join(self, pid: int | None = None) -> None:
+    def enter(self, pid: int | None = None) -> None:
         """Move process ``pid`` (default: this one) into the cap: its new pages count from now on."""
         (self.path / "cgroup.procs").write_text(str(pid or os.getpid()))
 
@@ -82,9 +82,9 @@ class MemoryCap:
         (self.parent / "cgroup.procs").write_text(str(pid or os.getpid()))
 
     @contextlib.contextmanager
-    def joined(self) -> Iterator[MemoryCap]:
+    def entered(self) -> Iterator[MemoryCap]:
         """This process inside the cap for the block."""
-        self.join()
+        self.enter()
         try:
             yield self
         finally:

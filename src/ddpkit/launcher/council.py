@@ -16,8 +16,8 @@ Roles:
 
 reports
     Every agent sends each other one a beat every :data:`BEAT_S` carrying its
-    report (its workers that died, replacements ready or joined, whether its
-    workers are done), and at once when the report changes.
+    report (its workers that died, replacements ready or holding the state,
+    whether its workers are done), and at once when the report changes.
 leader
     The lowest-numbered node of the last entry that is still heard proposes
     the next entry: it removes the members that died and the nodes not heard
@@ -28,8 +28,8 @@ leader
 spares
     Under ``--nnodes MIN:MAX`` nodes MIN..MAX-1 may come while the job runs.
     A spare's agent dials every seat published in node 0's store, learns the
-    newest entry from the first answer, and says in its report that it asks
-    to join; the leader's next entry makes it a voting node (decided by the
+    newest entry from the first answer, and says in its report that it is a
+    *candidate* (asks to vote); the leader's next entry makes it a voting node (decided by the
     majority of the nodes before it, as every entry). Its workers then join
     as replacements do, with the state from a peer.
 minority
@@ -41,7 +41,7 @@ return
     An agent that an entry leaves out while it still runs (it was paused,
     or its beats were held up, longer than ``suspect_s``: wrongly suspected)
     learns it from the next entry, stops its workers (their members are out
-    of the job) and asks to join again as a spare does, under its own node
+    of the job) and asks to vote again as a spare does, under its own node
     number; the next entry makes it a voting node again and its workers join
     with the state from a peer. Not once training is over: then it ends as a
     node cut off does.
@@ -138,8 +138,8 @@ class Entry:
     """Nodes with no worker still training."""
     succeeded: bool = False
     """Some worker finished training (exit 0)."""
-    joined: tuple[int, ...] = ()
-    """Replacements that hold the training state."""
+    holders: tuple[int, ...] = ()
+    """Replacements that hold the training state (the first members hold it from the start)."""
 
     @property
     def done(self) -> bool:
@@ -162,11 +162,12 @@ class Report:
     left: list[int] = field(default_factory=list)
     """Its workers that finished (exit 0): they leave the membership as the dead do, but are no failure."""
     ready: list[int] = field(default_factory=list)
-    joined: list[int] = field(default_factory=list)
+    holding: list[int] = field(default_factory=list)
+    """Its replacements that said they hold the training state."""
     finished: bool = False
     succeeded: bool = False
-    join: bool = False
-    """A spare node asking to become a voting node."""
+    candidate: bool = False
+    """A spare node (or one left out while it ran) asking to become a voting node: a *candidate*."""
 
 
 @dataclass
@@ -222,13 +223,13 @@ class Council:
         self.entry = Entry(0, 0, tuple(members), nodes, places[0][2])
         self.role = Role.VOTING if node < self.starting else Role.SPARE
         """This node's part (changed by :meth:`_become` alone)."""
-        self.report = Report(join=self.role is Role.SPARE)
+        self.report = Report(candidate=self.role is Role.SPARE)
         self.cut_off: str | None = None
         """Why this node stopped taking part (set with :attr:`Role.STOPPED`)."""
         self.returns = 0
-        """How many times an entry left this node out while it ran and it asked to join again (module notes)."""
+        """How many times an entry left this node out while it ran and it asked to vote again (module notes)."""
         self.removal = ""
-        """Why it was left out the last time it asked to join again."""
+        """Why it was left out the last time it asked to vote again."""
         self._cond = threading.Condition()
         self._peers: dict[int, _Peer] = {}
         self._reports: dict[int, Report] = {}
@@ -250,7 +251,7 @@ class Council:
         self._handshakes = threading.BoundedSemaphore(_HANDSHAKES)
         self._listener = listener
         self._minority_since: float | None = None
-        self._joiners: set[int] = set()
+        self._candidates: set[int] = set()
         """Spares connected and not yet voting nodes: they hear the beats too."""
         threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
         if self.role is Role.VOTING:
@@ -399,7 +400,7 @@ class Council:
             self._heard[peer] = time.monotonic()
             self.places.setdefault(peer, tuple(theirs["place"]))  # type: ignore[arg-type]
             if peer >= self.starting and peer not in self.entry.nodes:
-                self._joiners.add(peer)
+                self._candidates.add(peer)
             self._cond.notify_all()
         if stale is not None:
             _close(stale)
@@ -481,8 +482,8 @@ class Council:
             if kind == "beat":
                 self._reports[peer] = Report(**message["report"])
                 self._cond.notify_all()  # a confirm() may wait for its ack
-                if self._reports[peer].join and peer not in self.entry.nodes:
-                    self._joiners.add(peer)  # a spare, or a node left out that asks to come back
+                if self._reports[peer].candidate and peer not in self.entry.nodes:
+                    self._candidates.add(peer)  # a spare, or a node left out that asks to come back
                 behind = message["index"] < self.entry.index
                 self._wake.set()
             elif kind == "commit":
@@ -521,7 +522,7 @@ class Council:
             return
         self.entry = entry
         self._promised, self._accepted = (0, -1), None
-        self._joiners -= set(entry.nodes)
+        self._candidates -= set(entry.nodes)
         if self.node in entry.nodes and self.role is Role.SPARE:
             self._become(Role.VOTING)
         self._cond.notify_all()
@@ -570,7 +571,7 @@ class Council:
         if sum(a["kind"] == "accepted" for a in answers) < base.majority():
             return False
         with self._cond:
-            told = set(base.nodes) | set(value.nodes) | self._joiners
+            told = set(base.nodes) | set(value.nodes) | self._candidates
         for node in sorted(told):
             self._send(node, {"kind": "commit", "entry": asdict(value)})
         return True
@@ -581,11 +582,11 @@ class Council:
                 if a["kind"] == "refused":
                     self._counter = max(self._counter, a["promised"][0])
 
-    def _wanted(self, entry: Entry, heard: set[int], joining: set[int]) -> Entry:
-        """The next entry as the leader sees the reports: ``entry`` itself when nothing changed. ``joining``:
+    def _wanted(self, entry: Entry, heard: set[int], candidates: set[int]) -> Entry:
+        """The next entry as the leader sees the reports: ``entry`` itself when nothing changed. ``candidates``:
         spares heard that ask to vote (not once training is over)."""
         over = entry.succeeded or any(r.succeeded for r in self._reports.values())
-        nodes = tuple(sorted([n for n in entry.nodes if n in heard] + ([] if over else sorted(joining))))
+        nodes = tuple(sorted([n for n in entry.nodes if n in heard] + ([] if over else sorted(candidates))))
         reports = {n: r for n, r in self._reports.items() if n in nodes}
         reports[self.node] = self.report
         dead = {m for r in reports.values() for m in [*r.dead, *r.left]}
@@ -593,13 +594,13 @@ class Council:
         if not over:  # a replacement admitted after the others finished would wait for them forever
             members += [m for n in nodes for m in reports.get(n, Report()).ready
                         if m not in members and m not in dead and self.node_of(m) == n]
-        joined = tuple(sorted((set(entry.joined) | {m for r in reports.values() for m in r.joined})
+        holders = tuple(sorted((set(entry.holders) | {m for r in reports.values() for m in r.holding})
                               & set(members)))
         changed = tuple(members) != entry.members
         return replace(entry, index=entry.index + 1, generation=entry.generation + changed, members=tuple(members),
                        nodes=nodes, store=self.places[min(nodes)][2],
                        finished=tuple(n for n in nodes if reports.get(n, Report()).finished),
-                       succeeded=entry.succeeded or any(r.succeeded for r in reports.values()), joined=joined)
+                       succeeded=entry.succeeded or any(r.succeeded for r in reports.values()), holders=holders)
 
     def _beat_loop(self) -> None:
         while not self._stop.is_set():
@@ -608,7 +609,7 @@ class Council:
             with self._cond:
                 beat = {"kind": "beat", "report": asdict(self.report), "index": self.entry.index}
                 nodes = self.entry.nodes if self.role is Role.VOTING else tuple(self._peers)
-                nodes = tuple(sorted(set(nodes) | self._joiners))
+                nodes = tuple(sorted(set(nodes) | self._candidates))
             for node in nodes:
                 if node != self.node:
                     self._send(node, beat)
@@ -619,7 +620,7 @@ class Council:
         comes back within a beat, and the agent is not lost for it."""
         with self._cond:
             wanted = [n for n in self._closed if n < self.node and n not in self._redialing and n in self.places
-                      and (n in self.entry.nodes or n in self._joiners)]
+                      and (n in self.entry.nodes or n in self._candidates)]
             self._redialing.update(wanted)
 
         def dial(other: int) -> None:
@@ -645,14 +646,14 @@ class Council:
                 entry = self.entry
                 heard = {self.node} | {n for n in entry.nodes
                                        if now - self._heard.get(n, -math.inf) < self.suspect_s}
-                joining = {n for n in self._joiners if now - self._heard.get(n, -math.inf) < self.suspect_s
-                           and n in self._reports and self._reports[n].join}
+                candidates = {n for n in self._candidates if now - self._heard.get(n, -math.inf) < self.suspect_s
+                              and n in self._reports and self._reports[n].candidate}
             if entry.done or self._judge_minority(entry, heard, now):
                 return
             if self.node not in entry.nodes or len(heard) < entry.majority() or min(heard) != self.node:
                 continue
             with self._cond:
-                wanted = self._wanted(entry, heard, joining)
+                wanted = self._wanted(entry, heard, candidates)
             if replace(wanted, index=entry.index) != entry and not self._stop.is_set():
                 if not self._propose(entry, wanted):
                     time.sleep(random.uniform(0, BEAT_S / 2))  # two proposers at once: one of them wins next
@@ -683,7 +684,7 @@ class Council:
                 f"not heard for {self.suspect_s:g} s)")
 
     def _ask_back(self, entry: Entry) -> None:
-        """This node was left out of ``entry`` while it ran: it becomes a spare asking to join again (the module
+        """This node was left out of ``entry`` while it ran: it becomes a spare asking to vote again (the module
         notes' *return*); its launcher stops its workers when it sees the entry."""
         with self._cond:
             if self.entry is not entry or self.role is not Role.VOTING:
@@ -705,7 +706,7 @@ class Council:
         if role not in MOVES[self.role]:
             raise RuntimeError(f"council of node {self.node}: no move from {self.role.value} to {role.value}")
         self.role = role
-        self.report.join = role is Role.SPARE
+        self.report.candidate = role is Role.SPARE
         if role is Role.STOPPED:
             self.cut_off = why
         self._cond.notify_all()
@@ -763,7 +764,7 @@ class Council:
     def close(self) -> None:
         """Leave: tell the others the job's end once more (one that missed the last commit learns it) and close."""
         with self._cond:
-            entry, told = self.entry, set(self.entry.nodes) | self._joiners
+            entry, told = self.entry, set(self.entry.nodes) | self._candidates
         for node in sorted(told):
             if node != self.node:
                 self._send(node, {"kind": "commit", "entry": asdict(entry)})

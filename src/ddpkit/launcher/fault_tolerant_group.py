@@ -208,7 +208,7 @@ class FaultTolerantGroup(WorkerGroup):
             for line in pipe:
                 if line.strip() == b"ready":
                     self._ready.put(member)
-                elif line.strip() == b"joined":
+                elif line.strip() == b"holding":
                     with self._moving:  # read and moved together: the main loop may dismiss it meanwhile
                         index = self._index_of[member]
                         if self.phases[index] is WorkerPhase.STARTED:  # not dismissed, its exit not yet seen
@@ -216,7 +216,7 @@ class FaultTolerantGroup(WorkerGroup):
                     if member >= self.launch.world_size:  # a replacement's or a spare's: it can train now
                         say(f"member {member} holds the training state")
                     if self.council is not None:
-                        self.council.tell(joined=[member])
+                        self.council.tell(holding=[member])
 
     def _view(self) -> bytes:
         view = {"generation": self.generation, "members": self.members, "servers_gone": sorted(self.dead_servers)}
@@ -390,7 +390,7 @@ class FaultTolerantGroup(WorkerGroup):
         assert self.council is not None and self.entry is not None
         entry, returns, role = self.council.standing()
         node = self.council.node
-        if returns > self._returns:  # wrongly suspected: its council asks to join again
+        if returns > self._returns:  # wrongly suspected: its council asks to vote again
             self._returns = returns
             self._step_out(self.council.removal)
         self._holding = self._deciding(entry, role)
@@ -433,7 +433,7 @@ class FaultTolerantGroup(WorkerGroup):
             + (f", member(s) {', '.join(map(str, left))} left" if left else "")
             + (f", member(s) {', '.join(map(str, came))} joined" if came else ""))
         self._announce()
-        if self.members and not self._holders(self.members, set(entry.joined)):
+        if self.members and not self._holders(self.members, set(entry.holders)):
             waiting = self._in_job()
             say(f"no worker holding the training state is left (stopping {len(waiting)} replacement(s) of this "
                 "node that had not joined)")
@@ -462,7 +462,7 @@ class FaultTolerantGroup(WorkerGroup):
         waiting = self._in_job()
         self._stopped += [self.specs[i] for i in waiting]
         say(f"{why}; stopping this node's {len(waiting)} worker(s), whose members are out of "
-            f"the job; node {self.council.node} asks to join again as a spare")
+            f"the job; node {self.council.node} asks to vote again as a spare does")
         self._dismiss(waiting)
         for i in waiting:
             self._close(self.member_of[i])

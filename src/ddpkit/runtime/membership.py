@@ -320,9 +320,9 @@ class Membership:
         """Tell the launcher this (replacement) worker can join the next view."""
         self._reply(b"ready\n")
 
-    def joined(self) -> None:
+    def holds_state(self) -> None:
         """Tell the launcher this worker holds the training state (a replacement stopped before that has none)."""
-        self._reply(b"joined\n")
+        self._reply(b"holding\n")
 
     def _reply(self, line: bytes) -> None:
         if self._reply_fd is not None:

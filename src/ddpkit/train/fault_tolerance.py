@@ -324,7 +324,7 @@ class FaultTolerance:
         if self.membership is not None:
             self.membership.ready()
             self._rebuild(first=True)
-            self.membership.joined()
+            self.membership.holds_state()
         else:
             _say_outside_the_mode(ctx.rank)
             if ctx.world_size > 1:

@@ -69,7 +69,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     else:
         opt = ps = ParameterServerOptimizer.from_optimizer(state.optimizer, mode=mode, staleness=config.staleness)
         settle = ps.pull
-    members.joined()  # past its start: from here on an exit with code 2 is a death, not a usage error
+    members.holds_state()  # past its start: from here on an exit with code 2 is a death, not a usage error
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed)
     x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
     autocast = autocast_for(config, ctx.device)

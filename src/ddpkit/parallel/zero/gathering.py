@@ -40,8 +40,8 @@ def pack_part(u: Unit, rank: int, dtype: torch.dtype, tensors: list[torch.Tensor
         pieces.append(flat)
         if flat.numel() < q.piece:
             pieces.append(flat.new_zeros(q.piece - flat.numel()))
-    if u.chunk > sum(q.piece for q in u.params):
-        pieces.append(pieces[0].new_zeros(u.chunk - sum(q.piece for q in u.params)))
+    if u.part_numel > sum(q.piece for q in u.params):
+        pieces.append(pieces[0].new_zeros(u.part_numel - sum(q.piece for q in u.params)))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
 

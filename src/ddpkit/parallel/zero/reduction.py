@@ -106,7 +106,7 @@ class Reductions:
     def _small_input(u: Unit, small: list[int], grads: list[torch.Tensor | None], dtype: torch.dtype,
                      ) -> torch.Tensor:
         """The small parameters' gradients as one flat input: each rank's rows of each, in rank order."""
-        w = u.full.numel() // u.chunk
+        w = u.full.numel() // u.part_numel
         pieces = []
         for i in small:
             q, grad = u.params[i], grads[i]

@@ -203,7 +203,7 @@ class Unit:
     """Qualified name of the unit's module in the model; ``""`` for the root unit."""
     module: nn.Module
     params: list[UnitParam]
-    chunk: int
+    part_numel: int
     """Elements of a rank's part (every rank's is this long)."""
     full: torch.Tensor = field(repr=False)
     small: int = 0
@@ -259,7 +259,7 @@ class Unit:
     def whole_view(self, q: UnitParam, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` whole as a view of ``buffer`` laid out as :attr:`full` (default :attr:`full`)."""
         buffer = self.full if buffer is None else buffer
-        start = (buffer.numel() // self.chunk) * q.offset
+        start = (buffer.numel() // self.part_numel) * q.offset
         return buffer[start: start + q.numel].view(q.shape)
 
 
@@ -312,7 +312,7 @@ def home(u: Unit, wholes: list[torch.Tensor], mesh: Any, rank: int) -> None:
     each, copied into a new part buffer, the parameters views of it, registered in every module that uses them."""
     first = wholes[0]
     u.dtype, u.device = first.dtype, first.device
-    u.part = torch.zeros(u.chunk, dtype=first.dtype, device=first.device)
+    u.part = torch.zeros(u.part_numel, dtype=first.dtype, device=first.device)
     for q, whole in zip(u.params, wholes):
         shape = q.local_shape(rank)
         local = u.part[q.offset: q.offset + shape.numel()].view(shape)
@@ -425,12 +425,12 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
             q.offset = offset
             offset += q.piece
         small = sum(q.piece for q in layout if not q.separate)
-        chunk = max(offset, 1)
+        part_numel = max(offset, 1)
         first = members[0]
-        full = torch.empty(chunk * world_size, dtype=param_dtype or first.dtype, device=first.device)
+        full = torch.empty(part_numel * world_size, dtype=param_dtype or first.dtype, device=first.device)
         if not full.is_meta:
             full.untyped_storage().resize_(0)  # gathered when first needed
-        unit = Unit(len(units), name, unit_module, layout, chunk, full, small=small)
+        unit = Unit(len(units), name, unit_module, layout, part_numel, full, small=small)
         home(unit, members, mesh, rank)
         units.append(unit)
     return units
