@@ -96,7 +96,7 @@ def test_a_death_is_decided_once_for_every_node_and_a_lost_node_moves_the_store(
         for c in councils[1:]:
             c.tell(finished=True, succeeded=True)
         _until(lambda: all(c.entry.done for c in councils[1:]))
-        assert councils[1].entry.succeeded and councils[1].cut_off is None
+        assert councils[1].entry.succeeded and councils[1].role is not Role.STOPPED
     finally:
         for c in councils[1:]:
             c.close()
@@ -113,9 +113,9 @@ def test_with_two_nodes_neither_side_of_a_loss_is_a_majority_so_the_survivor_sto
     assert all(isinstance(c, Council) for c in councils), councils
     start = time.monotonic()
     councils[1].close()
-    _until(lambda: councils[0].cut_off is not None, timeout=3 * FAST + 2)
+    _until(lambda: councils[0].role is Role.STOPPED, timeout=3 * FAST + 2)
     assert time.monotonic() - start >= FAST
-    assert "not a majority" in councils[0].cut_off and "split brain refused" in councils[0].cut_off
+    assert "not a majority" in councils[0].stop_reason and "split brain refused" in councils[0].stop_reason
     assert councils[0].entry.nodes == (0, 1), "a minority decides nothing"
     councils[0].close()
 
@@ -146,7 +146,7 @@ def test_a_spare_becomes_a_voting_node_its_workers_join_and_it_keeps_the_job_thr
         councils[0].close()  # with three voters one loss leaves a majority: nodes 1 and 2 go on
         _until(lambda: spare.entry.nodes == (1, 2) and councils[1].entry.nodes == (1, 2))
         assert spare.entry.members == (2, 3, 6) and spare.entry.store == "127.0.0.1:5001"
-        assert spare.cut_off is None and councils[1].cut_off is None
+        assert spare.role is not Role.STOPPED and councils[1].role is not Role.STOPPED
     finally:
         for c in [*councils[1:], spare]:
             c.close()
@@ -210,7 +210,7 @@ def test_two_spares_that_come_at_once_connect_once_and_carry_the_job_when_the_st
         _until(lambda: spares[3].entry.nodes == (1, 2, 3))
         councils[1].close()  # two of three left: still a majority, if the spares hear each other
         _until(lambda: spares[3].entry.nodes == (2, 3) and spares[2].entry.nodes == (2, 3), timeout=3 * FAST)
-        assert spares[2].cut_off is None and spares[3].cut_off is None
+        assert spares[2].role is not Role.STOPPED and spares[3].role is not Role.STOPPED
         assert spares[2].entry.store == "127.0.0.1:5002"
     finally:
         for c in spares.values():
@@ -381,7 +381,7 @@ def test_forged_and_replayed_messages_are_refused_and_the_job_goes_on(capfd) -> 
         assert councils[0].entry.index < 99 and councils[0].entry.nodes == (0, 1, 2), "no forged entry adopted"
         councils[2].tell(dead=[5])
         _until(lambda: all(c.entry.members == (0, 1, 2, 3, 4) for c in councils))
-        assert all(c.cut_off is None for c in councils)
+        assert all(c.role is not Role.STOPPED for c in councils)
     finally:
         for c in councils:
             c.close()
@@ -398,7 +398,7 @@ def test_a_pause_of_two_seconds_is_no_death_under_the_default_detector() -> None
         with councils[2]._cond:  # noqa: SLF001 - the pause
             time.sleep(2.0)
         time.sleep(0.5)
-        assert all(c.entry.nodes == (0, 1, 2) and c.cut_off is None for c in councils)
+        assert all(c.entry.nodes == (0, 1, 2) and c.role is not Role.STOPPED for c in councils)
         councils[1].tell(dead=[3])
         _until(lambda: all(c.entry.members == (0, 1, 2, 4, 5) for c in councils))
         assert all(c.entry.nodes == (0, 1, 2) for c in councils)
@@ -427,13 +427,13 @@ def test_a_node_left_out_while_it_ran_asks_back_and_votes_again() -> None:
         assert councils[2].entry.index > before.index
         assert councils[0].entry.members == (0, 1, 2, 3)  # its workers left with it
         _until(lambda: all(c.entry.nodes == (0, 1, 2) for c in councils))
-        assert councils[2].returns == 1 and councils[2].cut_off is None and councils[2].role is Role.VOTING
+        assert councils[2].returns == 1 and councils[2].role is not Role.STOPPED and councils[2].role is Role.VOTING
         assert councils[2].entry.index == councils[0].entry.index >= 2
         councils[2].tell(ready=[14])  # its first worker anew: member 6 + node 2 + 2 x 3 nodes, as the launcher numbers
         _until(lambda: all(c.entry.members == (0, 1, 2, 3, 14) for c in councils))
         councils[0].tell(dead=[0])  # and it votes: a later change is decided with it
         _until(lambda: all(c.entry.members == (1, 2, 3, 14) for c in councils))
-        assert all(c.cut_off is None for c in councils)
+        assert all(c.role is not Role.STOPPED for c in councils)
     finally:
         for c in councils:
             c.close()
@@ -447,8 +447,8 @@ def test_a_node_left_out_once_training_is_over_stops_as_a_node_cut_off() -> None
         _until(lambda: all(c.entry.succeeded for c in councils))
         with councils[2]._cond:  # noqa: SLF001 - the pause
             _until(lambda: councils[0].entry.nodes == (0, 1))
-        _until(lambda: councils[2].cut_off is not None)
-        assert "left node 2 out of membership entry" in councils[2].cut_off and councils[2].returns == 0
+        _until(lambda: councils[2].role is Role.STOPPED)
+        assert "left node 2 out of membership entry" in councils[2].stop_reason and councils[2].returns == 0
         assert councils[2].role is Role.STOPPED
         time.sleep(3 * FAST)
         assert councils[0].entry.nodes == (0, 1)
@@ -465,7 +465,7 @@ def test_a_reset_connection_is_dialed_again_and_loses_no_node() -> None:
         first.sock.shutdown(socket.SHUT_RDWR)  # a reset link between two live launchers
         _until(lambda: councils[2]._peers[0] is not first and 2 not in councils[0]._closed)  # noqa: SLF001
         time.sleep(2 * FAST)
-        assert all(c.entry.nodes == (0, 1, 2) and c.cut_off is None for c in councils)
+        assert all(c.entry.nodes == (0, 1, 2) and c.role is not Role.STOPPED for c in councils)
         councils[0].tell(dead=[0])
         _until(lambda: all(c.entry.members == (1, 2, 3, 4, 5) for c in councils))
     finally:
@@ -477,7 +477,7 @@ def test_a_reset_connection_is_dialed_again_and_loses_no_node() -> None:
                          ids=lambda r: r.value)
 def test_a_move_the_roles_do_not_allow_raises(start: Role, to: Role) -> None:
     council = Council.__new__(Council)  # its state alone: no sockets, no threads
-    council.node, council.role, council.report, council.cut_off = 2, start, Report(), None
+    council.node, council.role, council.report, council.stop_reason = 2, start, Report(), ""
     council._cond = threading.Condition()  # noqa: SLF001
     with council._cond, pytest.raises(RuntimeError, match=f"no move from {start.value} to {to.value}"):  # noqa: SLF001
         council._become(to)  # noqa: SLF001
@@ -490,12 +490,12 @@ def test_the_roles_allowed_moves() -> None:
     assert MOVES == {Role.SPARE: {Role.VOTING, Role.STOPPED}, Role.VOTING: {Role.SPARE, Role.STOPPED},
                      Role.STOPPED: set()}
     council = Council.__new__(Council)
-    council.node, council.role, council.report, council.cut_off = 2, Role.VOTING, Report(), None
+    council.node, council.role, council.report, council.stop_reason = 2, Role.VOTING, Report(), ""
     council._cond = threading.Condition()  # noqa: SLF001
     with council._cond:  # noqa: SLF001 - the caller holds the lock
         council._become(Role.SPARE)  # noqa: SLF001
-        assert council.report.candidate and council.cut_off is None
+        assert council.report.candidate and council.role is not Role.STOPPED
         council._become(Role.VOTING)  # noqa: SLF001
         assert not council.report.candidate
         council._become(Role.STOPPED, "cut off")  # noqa: SLF001
-    assert council.cut_off == "cut off" and not council.report.candidate
+    assert council.stop_reason == "cut off" and not council.report.candidate

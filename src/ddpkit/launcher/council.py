@@ -66,7 +66,6 @@ from __future__ import annotations
 import enum
 import hmac
 import json
-import math
 import os
 import random
 import socket
@@ -111,6 +110,14 @@ class Role(enum.Enum):
     """A node of the job: it reports, votes, and may lead."""
     STOPPED = "stopped"
     """Cut off (a minority, or left out once training was over): it takes no further part."""
+
+
+class Quorum(enum.Enum):
+    """Whether this node hears a majority of its entry's nodes (it stops after ``suspect_s`` without one)."""
+
+    HEARD = "heard"
+    LOST = "lost"
+    """Fewer than a majority heard, since :attr:`Council._minority_since`."""
 
 
 MOVES: dict[Role, frozenset[Role]] = {
@@ -224,8 +231,8 @@ class Council:
         self.role = Role.VOTING if node < self.starting else Role.SPARE
         """This node's part (changed by :meth:`_become` alone)."""
         self.report = Report(candidate=self.role is Role.SPARE)
-        self.cut_off: str | None = None
-        """Why this node stopped taking part (set with :attr:`Role.STOPPED`)."""
+        self.stop_reason = ""
+        """Why this node stopped taking part (set with :attr:`Role.STOPPED`: it is cut off)."""
         self.returns = 0
         """How many times an entry left this node out while it ran and it asked to vote again (module notes)."""
         self.removal = ""
@@ -250,7 +257,10 @@ class Council:
         self._stop = threading.Event()
         self._handshakes = threading.BoundedSemaphore(_HANDSHAKES)
         self._listener = listener
-        self._minority_since: float | None = None
+        self._quorum = Quorum.HEARD
+        self._minority_since = 0.0
+        """Since when a majority of the entry's nodes has not been heard (``time.monotonic()``; while
+        :attr:`Quorum.LOST`)."""
         self._candidates: set[int] = set()
         """Spares connected and not yet voting nodes: they hear the beats too."""
         threading.Thread(target=self._accept_loop, name="ddpkit-council-accept", daemon=True).start()
@@ -316,7 +326,7 @@ class Council:
         ended first, or this node was cut off)."""
         with self._cond:
             self._cond.wait_for(lambda: self.node in self.entry.nodes or self.entry.done
-                                or self.cut_off is not None, timeout_s)
+                                or self.role is Role.STOPPED, timeout_s)
             return self.entry if self.node in self.entry.nodes else None
 
     def _accept_loop(self) -> None:
@@ -644,9 +654,8 @@ class Council:
             now = time.monotonic()
             with self._cond:
                 entry = self.entry
-                heard = {self.node} | {n for n in entry.nodes
-                                       if now - self._heard.get(n, -math.inf) < self.suspect_s}
-                candidates = {n for n in self._candidates if now - self._heard.get(n, -math.inf) < self.suspect_s
+                heard = {self.node} | {n for n in entry.nodes if self._heard_lately(n, now)}
+                candidates = {n for n in self._candidates if self._heard_lately(n, now)
                               and n in self._reports and self._reports[n].candidate}
             if entry.done or self._judge_minority(entry, heard, now):
                 return
@@ -658,6 +667,10 @@ class Council:
                 if not self._propose(entry, wanted):
                     time.sleep(random.uniform(0, BEAT_S / 2))  # two proposers at once: one of them wins next
 
+    def _heard_lately(self, node: int, now: float) -> bool:
+        """Whether ``node``'s agent was heard within the failure detector's timeout (never heard: no)."""
+        return node in self._heard and now - self._heard[node] < self.suspect_s
+
     def _judge_minority(self, entry: Entry, heard: set[int], now: float) -> bool:
         if self.node not in entry.nodes and self.role is Role.SPARE:
             heard = heard - {self.node}  # a spare not yet voting: it must still hear a majority of the job
@@ -668,9 +681,10 @@ class Council:
             self._ask_back(entry)
             return False
         if len(heard & set(entry.nodes)) >= entry.majority():
-            self._minority_since = None
+            self._quorum = Quorum.HEARD
             return False
-        self._minority_since = self._minority_since or now
+        if self._quorum is Quorum.HEARD:
+            self._quorum, self._minority_since = Quorum.LOST, now
         if now - self._minority_since < self.suspect_s:
             return False
         self._give_up(f"node {self.node} hears {len(heard & set(entry.nodes))} of the job's {len(entry.nodes)} "
@@ -691,7 +705,7 @@ class Council:
                 return  # judged on an entry a newer one replaced meanwhile: judged again at the next tick
             self.removal = self.left_out(entry)
             self.returns += 1
-            self._minority_since = None
+            self._quorum = Quorum.HEARD
             self.report = Report()  # what it reported of its workers is of members no longer in the job
             self._become(Role.SPARE)
         self._told.set()
@@ -708,7 +722,7 @@ class Council:
         self.role = role
         self.report.candidate = role is Role.SPARE
         if role is Role.STOPPED:
-            self.cut_off = why
+            self.stop_reason = why or "stopped"
         self._cond.notify_all()
 
     # -- the launcher's side -----------------------------------------------
@@ -758,7 +772,7 @@ class Council:
     def wait_change(self, entry: Entry, timeout_s: float) -> Entry:
         """The newest entry, once it is newer than ``entry`` (or at the timeout, or when cut off)."""
         with self._cond:
-            self._cond.wait_for(lambda: self.entry.index > entry.index or self.cut_off is not None, timeout_s)
+            self._cond.wait_for(lambda: self.entry.index > entry.index or self.role is Role.STOPPED, timeout_s)
             return self.entry
 
     def close(self) -> None:

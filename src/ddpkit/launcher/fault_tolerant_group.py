@@ -396,16 +396,16 @@ class FaultTolerantGroup(WorkerGroup):
         self._holding = self._deciding(entry, role)
         if self._holding:
             return None  # its view is not for this node's workers, who are out of it
-        if self.council.cut_off is not None and not entry.done:
+        if role is Role.STOPPED and not entry.done:
             if waiting := self._in_job():
-                say(f"{self.council.cut_off}; stopping this node's {len(waiting)} worker(s)")
+                say(f"{self.council.stop_reason}; stopping this node's {len(waiting)} worker(s)")
                 self.stop()
             elif self._asked_back is not None:  # stopped when it was left out: it waited to be taken back
-                say(f"{self.council.cut_off}; node {node} had stopped its workers when it was left out, and was "
+                say(f"{self.council.stop_reason}; node {node} had stopped its workers when it was left out, and was "
                     "not taken back")
             else:  # its workers are done (exit 0 ends this launcher well): the others' end it cannot see
-                say(f"{self.council.cut_off}; this node's workers had ended")
-            return self.council.cut_off
+                say(f"{self.council.stop_reason}; this node's workers had ended")
+            return self.council.stop_reason
         if entry.index == self.entry.index:
             return None
         gone = [n for n in self.entry.nodes if n not in entry.nodes and n != node]

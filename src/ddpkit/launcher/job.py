@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ddpkit.launcher.agent_store import AgentStore
 from ddpkit.launcher.launch_config import LaunchConfig
-from ddpkit.launcher.council import Council, Entry, take_seat
+from ddpkit.launcher.council import Council, Entry, Role, take_seat
 from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.mpi_group import MPIWorkerGroup
 from ddpkit.launcher.output import LogLayout
@@ -296,7 +296,7 @@ class _Job:
             if launch.spare:
                 entry = self._admitted(self.council)
                 if entry is None:
-                    return 0 if self.council.entry.succeeded and self.council.cut_off is None else 1
+                    return 0 if self.council.entry.succeeded and self.council.role is not Role.STOPPED else 1
                 slot = NodeSlot.spare(launch, entry.store)
             outcome = self._round(0, 0, slot, None)
         finally:
@@ -314,8 +314,8 @@ class _Job:
         if entry is not None:
             say(f"spare node {node} admitted: {len(entry.nodes)} voting nodes; its {self.launch.nproc} worker(s) "
                 "join at a step boundary with the training state from a peer")
-        elif council.cut_off is not None:
-            say(council.cut_off)
+        elif council.role is Role.STOPPED:
+            say(council.stop_reason)
         elif council.entry.succeeded:
             say(f"spare node {node}: the job's training ended before it was admitted; nothing left to do")
         else:
