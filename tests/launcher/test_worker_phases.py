@@ -1,5 +1,6 @@
-"""The phases of a worker under ``--on-failure continue``, as its launcher sees them (``launcher/fault_tolerant_group.py``):
-the moves the table allows and no other, and the phases a small job of interpreters without torch goes through."""
+"""The phases of a worker under ``--on-failure continue``, as its launcher sees them (``launcher/fault_tolerant_group.py``),
+and a node's standing across nodes (``launcher/council_group.py``): the moves the tables allow and no other, and the
+phases a small job of interpreters without torch goes through."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from procs import base_env
 
 from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.output import LogLayout
+from ddpkit.launcher.council_group import STANDING_MOVES, CouncilGroup, Standing
 from ddpkit.launcher.fault_tolerant_group import WORKER_MOVES, FaultTolerantGroup, WorkerPhase
 from ddpkit.runtime.process import SignalCatcher, free_port
 
@@ -24,6 +26,16 @@ def test_a_move_the_worker_phases_do_not_allow_raises(start: WorkerPhase, to: Wo
     with pytest.raises(RuntimeError, match=f"member 7's worker has no move from {start.value} to {to.value}"):
         group._move(4, to)
     assert group.phases[4] is start
+
+
+@pytest.mark.parametrize("start, to", [(s, t) for s in Standing for t in Standing if t not in STANDING_MOVES[s]],
+                         ids=lambda p: p.name)
+def test_a_move_a_nodes_standing_does_not_allow_raises(start: Standing, to: Standing) -> None:
+    group = CouncilGroup.__new__(CouncilGroup)  # its bookkeeping alone: no council, no processes
+    group.standing, group.council = start, type("Council", (), {"node": 2})()
+    with pytest.raises(RuntimeError, match=f"node 2's launcher has no move from {start.value} to {to.value}"):
+        group._stand(to)
+    assert group.standing is start
 
 
 # Member 0 and 2 hold the state, then finish once the replacement runs; member 1 holds it and dies at once; its

@@ -32,6 +32,7 @@ from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.node_rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
+from ddpkit.launcher.council_group import CouncilGroup
 from ddpkit.launcher.fault_tolerant_group import FaultTolerantGroup
 from ddpkit.runtime import mpirun, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, LOOPBACK, mint_job_token
@@ -203,8 +204,9 @@ class _Job:
                              slot=slot, error_files=errors)
         mpi = os.environ.get("DDPKIT_BACKEND", "").strip().lower() == "mpi"
         if launch.config.on_failure == "continue":
-            self.group = FaultTolerantGroup(launch, self.layout, replacements=launch.config.max_restarts,
-                                        council=self.council)
+            replacements = launch.config.max_restarts
+            self.group = (FaultTolerantGroup(launch, self.layout, replacements) if self.council is None
+                          else CouncilGroup(launch, self.layout, self.council, replacements))
         else:
             self.group = (MPIWorkerGroup if mpi else WorkerGroup)(launch, self.layout)
         self.group.start(specs, self.signals)
