@@ -491,3 +491,20 @@ def test_stage2_refuses_what_it_cannot_do(dist2):
     assert seen[3].startswith("RuntimeError: a comm hook reduces whole buckets")
     assert seen[4].startswith("RuntimeError: join() is not supported with zero_stage=2")
     assert "needs one ZeroRedundancyOptimizer over all of its trainable parameters" in seen[5]
+
+
+def _engines() -> dict:
+    from ddpkit.parallel.ddp.engine import Engine
+
+    out = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        model = ddpkit.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), zero_stage=stage)
+        out[stage] = (type(model.reducer).__name__, isinstance(model.reducer, Engine))
+    return out
+
+
+def test_every_stage_s_engine_is_the_one_interface_ddp_drives(dist2):
+    # DDP's wrapper drives one interface (ddpkit.parallel.ddp.engine.Engine), whatever the stage.
+    assert dist2.run(_engines)[0] == {0: ("Reducer", True), 2: ("ShardedReducer", True),
+                                      3: ("ShardedParameters", True)}

@@ -32,18 +32,18 @@ def check_bucket_cap(value: Any, name: str = "bucket_cap_mb") -> None:
                          f"the default is {DEFAULT_BUCKET_CAP_MB:g}")
 
 
-def bucket_limits(cap_mb: float | None, caps_mb: Sequence[float] | None = None) -> list[int]:
+def bucket_limits(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None = None) -> list[int]:
     """Bucket size limits in bytes, in the order buckets close.
 
     Args:
-        cap_mb: the cap in MiB; ``None``: torch's default, 25 MiB with a first
-            bucket of :data:`FIRST_BUCKET_MB` (a value given caps the first
-            bucket too, torch's rule).
-        caps_mb: one cap per bucket, the last for every bucket after (torch's
-            ``bucket_cap_mb_list``); replaces ``cap_mb``.
+        bucket_cap_mb: the cap in MiB; ``None``: torch's default, 25 MiB with a
+            first bucket of :data:`FIRST_BUCKET_MB` (a value given caps the
+            first bucket too, torch's rule).
+        bucket_cap_mb_list: one cap per bucket, the last for every bucket
+            after (torch's argument of that name); replaces ``bucket_cap_mb``.
     """
-    if caps_mb:
-        return [int(c * _MIB) for c in caps_mb]
-    cap = int((DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb) * _MIB)
-    first = int(FIRST_BUCKET_MB * _MIB) if cap_mb is None else cap
+    if bucket_cap_mb_list:
+        return [int(c * _MIB) for c in bucket_cap_mb_list]
+    cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * _MIB)
+    first = int(FIRST_BUCKET_MB * _MIB) if bucket_cap_mb is None else cap
     return [first, cap] if first < cap else [cap]

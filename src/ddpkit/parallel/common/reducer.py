@@ -132,7 +132,7 @@ class Reducer:
             every rank.
         process_group: the group to reduce over; ``None`` for a world of one without a process group.
         bucket_cap_mb: the cap in MiB (see :func:`ddpkit.parallel.common.bucket_caps.bucket_limits`).
-        bucket_caps_mb: one cap per bucket in MiB; replaces ``bucket_cap_mb``, before the rebuild too.
+        bucket_cap_mb_list: one cap per bucket in MiB; replaces ``bucket_cap_mb``, before the rebuild too.
         find_unused_parameters: see :mod:`ddpkit.parallel.common.unused`.
         gradient_as_bucket_view: make each ``.grad`` a view into bucket memory.
         static_graph: see :mod:`ddpkit.parallel.common.static_graph`.
@@ -152,7 +152,7 @@ class Reducer:
         *,
         process_group: dist.ProcessGroup | None,
         bucket_cap_mb: float | None = None,
-        bucket_caps_mb: Sequence[float] | None = None,
+        bucket_cap_mb_list: Sequence[float] | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
@@ -171,7 +171,7 @@ class Reducer:
         self.div_factor = self.world_size
         """What the no-hook path divides gradients by: the world size, or under
         ``join(divide_by_initial_world_size=False)`` the ranks not yet joined."""
-        self.limits = bucket_limits(bucket_cap_mb, bucket_caps_mb)
+        self.limits = bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
         """Bucket size limits in bytes of the rebuild, in the order buckets close."""
         self.find_unused, self.static_graph, self.reduce_missing = find_unused_parameters, static_graph, reduce_missing
         self.owner = owner
@@ -182,7 +182,7 @@ class Reducer:
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None  # what register_comm_hook gave the hook
         sparse = list(expect_sparse) if expect_sparse is not None else [False] * len(self.params)
-        self.layout = self._make_layout(sparse, gradient_as_bucket_view, bool(bucket_caps_mb))
+        self.layout = self._make_layout(sparse, gradient_as_bucket_view, bool(bucket_cap_mb_list))
         self._adopt_buckets()
         self.step = 0
         """Synchronised backwards so far (named in the stall inspector's reports and in events)."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from ddpkit.parallel.common.bucket_caps import check_bucket_cap
 
-__all__ = ["DDPSettings", "check_arguments", "check_zero_stage"]
+__all__ = ["DDPSettings", "EngineSettings", "check_arguments", "check_zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,30 @@ class DDPSettings:
     """Broadcast buffers before each forward that follows a synchronised one."""
     init_sync_buffers: bool
     """Include buffers in the construction broadcast (all but torch's old ``broadcast_buffers=False``)."""
-    bucket_caps: list[float]
-    """``bucket_cap_mb_list``, or empty."""
+    bucket_cap_mb_list: list[float]
+    """As given, or empty."""
     warnings: list[tuple[str, type[Warning]]] = field(default_factory=list)
     """Warnings to issue at the caller's line (deprecated arguments)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine of a ``DistributedDataParallel`` is made from (:func:`ddpkit.parallel.ddp.engine.make_engine`):
+    the wrapper's settings when it makes one (at construction, and again when a pickled wrapper is loaded)."""
+
+    zero_stage: int
+    bucket_cap_mb: float | None
+    """As given (``None``: torch's default, with a small first bucket)."""
+    bucket_cap_mb_list: list[float]
+    """As given, or empty."""
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    skip_all_reduce_unused_params: bool
+    parameters_to_ignore: frozenset[str]
+    """torch's ``_set_params_and_buffers_to_ignore_for_model`` names."""
+    stage3: dict[str, Any]
+    """Stage 3's own arguments (:func:`check_stage3`)."""
 
 
 def check_arguments(
@@ -118,7 +138,7 @@ def check_arguments(
     output = (device_ids[0] if output_device is None else output_device) if device_ids else None
     return DDPSettings(device_ids=device_ids, output_device=output, devices=devices,
                        forward_sync_buffers=bool(forward_sync_buffers), init_sync_buffers=init_sync_buffers,
-                       bucket_caps=caps, warnings=notes)
+                       bucket_cap_mb_list=caps, warnings=notes)
 
 
 def mesh_group(device_mesh: Any, process_group: Any) -> Any:

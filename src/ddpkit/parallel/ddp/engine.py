@@ -5,21 +5,51 @@ depends on the stage (its engine, the gradient norm of sharded gradients, whethe
 
 from __future__ import annotations
 
-from typing import Any, Union
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from ddpkit.parallel.common.observer import Observer, ObserverHandle
 from ddpkit.parallel.common.reducer import Reducer
+from ddpkit.parallel.ddp.args import EngineSettings
 from ddpkit.parallel.zero.norm import clip_grad_norm
 from ddpkit.parallel.zero.stage2 import ShardedReducer
-from ddpkit.parallel.zero.stage3 import ShardedParameters, sharded_parameters
+from ddpkit.parallel.zero.stage3 import sharded_parameters
 from ddpkit.parallel.zero.units import SHARD_MARK
 
 __all__ = ["Engine", "clip_sharded_grad_norm", "make_engine", "refuse_sharded"]
 
-Engine = Union[Reducer, ShardedReducer, ShardedParameters]
-"""What a ``DistributedDataParallel`` drives (its ``reducer``)."""
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a ``DistributedDataParallel`` drives (its ``reducer``): stage 0's :class:`Reducer`, stage 2's
+    :class:`ShardedReducer`, stage 3's :class:`~ddpkit.parallel.zero.stage3.ShardedParameters`. What one of them
+    cannot do it refuses, naming the stage that can (a comm hook, ``static_graph`` under stage 3)."""
+
+    step: int
+    """Synchronised backwards so far."""
+    div_factor: int | None
+    """What the gradients are averaged over (the wrapper sets it before each forward; ``join()`` changes it)."""
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
+        """The next backward synchronises (a forward outside ``no_sync()``)."""
+
+    def disarm(self) -> None:
+        """The next backward accumulates locally (``no_sync()``)."""
+
+    def rebuild_if_due(self) -> bool:
+        """Lay the buckets out again if due (a collective; every forward with grad enabled); whether it did."""
+
+    def set_static_graph(self) -> None:
+        """Turn on ``static_graph`` before the first backward (torch's ``_set_static_graph``)."""
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Let ``hook`` reduce each bucket."""
+
+    def add_observer(self, observer: Observer) -> ObserverHandle:
+        """Call ``observer`` at the engine's events."""
 
 
 def refuse_sharded(module: nn.Module) -> None:
@@ -35,38 +65,38 @@ def clip_sharded_grad_norm(ddp: Any, max_norm: float, norm_type: float) -> torch
     return clip_grad_norm(grads, max_norm, norm_type, ddp.process_group)
 
 
-def make_engine(ddp: Any) -> Engine:
-    """The engine of ``ddp`` (a ``DistributedDataParallel`` whose settings are kept): the reducer of stage 0, stage
-    2's sharded reducer, or stage 3's sharded parameters."""
-    if ddp.zero_stage == 3:
-        if ddp.parameters_to_ignore:
+def make_engine(module: nn.Module, process_group: Any, settings: EngineSettings) -> Engine:
+    """The engine of a ``DistributedDataParallel`` of ``module`` over ``process_group``: the reducer of stage 0,
+    stage 2's sharded reducer, or stage 3's sharded parameters."""
+    if settings.zero_stage == 3:
+        if settings.parameters_to_ignore:
             raise ValueError(f"zero_stage=3 shards every parameter of the model, and "
-                             f"{sorted(ddp.parameters_to_ignore)} "
+                             f"{sorted(settings.parameters_to_ignore)} "
                              "are set to be ignored: use zero_stage=0 or 2 with ignored parameters")
-        return sharded_parameters(ddp.module, ddp.process_group, ddp.find_unused_parameters, ddp.stage3_settings)
+        return sharded_parameters(module, process_group, settings.find_unused_parameters, settings.stage3)
     # torch's filter names a parameter "<module>.<name>", so the root's own are ".<name>".
-    ignored = ddp.parameters_to_ignore
-    trainable = [(n, p) for n, p in ddp.module.named_parameters()
+    ignored = settings.parameters_to_ignore
+    trainable = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and (n if "." in n else f".{n}") not in ignored]
     # torch's rule: a parameter of an nn.Embedding / nn.EmbeddingBag with sparse=True expects a sparse gradient.
     owner: dict[int, nn.Module] = {}
-    for m in ddp.module.modules():
+    for m in module.modules():
         for p in m.parameters(recurse=False):
             owner.setdefault(id(p), m)
     sparse = [isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse)
               for _, p in trainable]
-    if ddp.zero_stage == 2:
-        return ShardedReducer(trainable, expect_sparse=sparse, process_group=ddp.process_group,
-                              bucket_cap_mb=ddp.bucket_caps_given[0], bucket_caps_mb=ddp.bucket_caps_given[1],
-                              find_unused_parameters=ddp.find_unused_parameters)
+    if settings.zero_stage == 2:
+        return ShardedReducer(trainable, expect_sparse=sparse, process_group=process_group,
+                              bucket_cap_mb=settings.bucket_cap_mb, bucket_cap_mb_list=settings.bucket_cap_mb_list,
+                              find_unused_parameters=settings.find_unused_parameters)
     return Reducer(
         trainable,
         expect_sparse=sparse,
-        process_group=ddp.process_group,
-        bucket_cap_mb=ddp.bucket_caps_given[0],
-        bucket_caps_mb=ddp.bucket_caps_given[1],
-        find_unused_parameters=ddp.find_unused_parameters,
-        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        static_graph=ddp.static_graph,
-        skip_unused=ddp.skip_all_reduce_unused_params,
+        process_group=process_group,
+        bucket_cap_mb=settings.bucket_cap_mb,
+        bucket_cap_mb_list=settings.bucket_cap_mb_list,
+        find_unused_parameters=settings.find_unused_parameters,
+        gradient_as_bucket_view=settings.gradient_as_bucket_view,
+        static_graph=settings.static_graph,
+        skip_unused=settings.skip_all_reduce_unused_params,
     )

@@ -223,7 +223,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def _keep_settings(self, settings: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
         """The settings arguments, and the attributes torch's DDP exposes for them."""
-        devices, caps = settings.devices, settings.bucket_caps
+        devices, caps = settings.devices, settings.bucket_cap_mb_list
         self.device_ids = settings.device_ids
         self.output_device = settings.output_device
         self.is_multi_device_module = len(devices) > 1
@@ -236,15 +236,25 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.bucket_bytes_cap = int(self.bucket_cap_mb * _MIB)
         self.bucket_bytes_cap_list = [int(c * _MIB) for c in caps]
         self.bucket_bytes_cap_default = bucket_cap_mb is None and not caps  # the 1 MiB first bucket
-        self.bucket_caps_given = (bucket_cap_mb, caps)
-        """The caps as given: ``bucket_cap_mb`` and ``bucket_cap_mb_list`` (the engine lays its buckets out by them)."""
+        self._bucket_cap_mb_given, self._bucket_cap_mb_list = bucket_cap_mb, list(caps)
+        """The caps as given (the engine lays its buckets out by them)."""
         # What torch's DDP would do for these, or (refused by the check) their defaults.
         self.mixed_precision = None
         self.broadcast_bucket_size = BROADCAST_CHUNK_BYTES
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
     def _make_reducer(self) -> Engine:
-        return make_engine(self)
+        return make_engine(self.module, self.process_group, self._engine_settings())
+
+    def _engine_settings(self) -> ddp_args.EngineSettings:
+        """The settings the engine is made from, as they stand now (``_set_static_graph`` and torch's ignore list
+        may change them before a pickled wrapper is loaded)."""
+        return ddp_args.EngineSettings(
+            zero_stage=self.zero_stage, bucket_cap_mb=self._bucket_cap_mb_given,
+            bucket_cap_mb_list=self._bucket_cap_mb_list, find_unused_parameters=bool(self.find_unused_parameters),
+            gradient_as_bucket_view=bool(self.gradient_as_bucket_view), static_graph=self.static_graph,
+            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            parameters_to_ignore=frozenset(self.parameters_to_ignore), stage3=self.stage3_settings)
 
     def _set_static_graph(self) -> None:
         """Turn on ``static_graph`` after construction (torch's older API; Lightning calls it)."""

@@ -138,7 +138,7 @@ class ShardedReducer(Reducer):
     """ZeRO stage 2's reducer (see the module notes); the arguments are :class:`Reducer`'s that apply."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], *, process_group: dist.ProcessGroup | None,
-                 bucket_cap_mb: float | None = None, bucket_caps_mb: Sequence[float] | None = None,
+                 bucket_cap_mb: float | None = None, bucket_cap_mb_list: Sequence[float] | None = None,
                  find_unused_parameters: bool = False, expect_sparse: Sequence[bool] | None = None,
                  owner: str = "DDP") -> None:
         sparse = [n for (n, _), s in zip(named_params, expect_sparse or [False] * len(named_params)) if s]
@@ -146,7 +146,7 @@ class ShardedReducer(Reducer):
             raise ValueError(f"zero_stage=2 cannot shard sparse gradients ({', '.join(sparse)}): use "
                              "sparse=False embeddings, or zero_stage=0 with ZeroRedundancyOptimizer (stage 1)")
         super().__init__(named_params, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
-                         bucket_caps_mb=bucket_caps_mb, find_unused_parameters=find_unused_parameters,
+                         bucket_cap_mb_list=bucket_cap_mb_list, find_unused_parameters=find_unused_parameters,
                          owner=owner)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.chunks = [math.ceil(b.numel / self.world_size) for b in self.buckets]
