@@ -34,6 +34,15 @@ PARALLEL_BESIDE = 3
 REFERENCE = "_reference"
 """torch's implementations: imported only where the point is comparison."""
 REFERENCE_USERS = {"train", "bench", "doctor"}
+BY_NAME = "<by name>"
+"""What :func:`imports` gives as the name of a module named in a string (``python -m``, ``importlib``, a preload
+list): a tie the layers see (not an import cycle: nothing is imported at the time)."""
+NAMED_UPWARD = {
+    ("ddpkit.runtime.process", "ddpkit.parallel.ps.server"):
+        "the parameter server's entry point, which ddpkit.spawn and ddpkit launch run by name in a process of "
+        "its own (runtime/spawn.py imports it in that child): named here, in the runtime, so that both find it",
+}
+"""The ties by name that go up a layer, each with why (any other is a breach)."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -51,7 +60,9 @@ def imports(path: Path, root: Path) -> list[tuple[int, str, str | None]]:
     package = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
     modules = {module_name(p, root) for p in root.rglob("*.py")}
     found: list[tuple[int, str, str | None]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    said = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings and bare strings: prose
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -63,6 +74,9 @@ def imports(path: Path, root: Path) -> list[tuple[int, str, str | None]]:
             for alias in node.names:
                 full = f"{source}.{alias.name}"
                 found.append((node.lineno, full, None) if full in modules else (node.lineno, source, alias.name))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value
+              and node.value in modules and id(node) not in said):
+            found.append((node.lineno, node.value, BY_NAME))  # a module named, to be run or imported: an arrow too
     top = root.name
     return [(line, m, n) for line, m, n in found if m == top or m.startswith(top + ".")]
 
@@ -92,7 +106,7 @@ def parallel_layer(module: str, root: Path) -> tuple[int, str] | None:
 def graph(root: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports."""
     modules = {module_name(p, root): p for p in root.rglob("*.py")}
-    return {m: {target for _, target, _ in imports(p, root) if target in modules and target != m}
+    return {m: {target for _, target, name in imports(p, root) if target in modules and target != m and name != BY_NAME}
             for m, p in modules.items()}
 
 
@@ -147,8 +161,8 @@ def violations(root: Path) -> list[str]:
                 if (here.split(".") + [""])[1] not in REFERENCE_USERS:
                     wrong.append(f"{where} imports {module} (torch's references: bench, train and doctor only)")
                 continue
-            if mine != TOP and (layer(module) or 0) > mine:
-                wrong.append(f"{where} imports {module}, a layer above")
+            if mine != TOP and (layer(module) or 0) > mine and (here, module) not in NAMED_UPWARD:
+                wrong.append(f"{where} {'names' if name == BY_NAME else 'imports'} {module}, a layer above")
             inside, target = parallel_layer(here, root), parallel_layer(module, root)
             if inside is not None and target is not None and inside[1] != target[1]:
                 if target[0] > inside[0]:
@@ -160,7 +174,7 @@ def violations(root: Path) -> list[str]:
             private_module = next((p for p in parts[1:] if p.startswith("_") and not p.startswith("__")), None)
             if private_module and module.rsplit(".", 1)[0] != here.rsplit(".", 1)[0]:
                 wrong.append(f"{where} imports {module}, a private module of another package")
-            if name and name.startswith("_") and not name.startswith("__") and module != here:
+            if name and name != BY_NAME and name.startswith("_") and not name.startswith("__") and module != here:
                 wrong.append(f"{where} imports {name} from {module}: a private name of another module")
     wrong += [f"import cycle: {' -> '.join(group)}" for group in cycles(graph(root))]
     return wrong
@@ -202,6 +216,11 @@ def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
      "ddpkit/parallel/x.py:1 imports _hidden from ddpkit.parallel.y: a private name of another module"),
     ({"parallel/__init__.py": "", "parallel/x.py": "from ddpkit._reference import torch_ddp\n", "_reference.py": ""},
      "ddpkit/parallel/x.py:1 imports ddpkit._reference (torch's references: bench, train and doctor only)"),
+    # A module named in a string (run with python -m, imported with importlib) is a tie the layers see; the
+    # docstring that names one is prose.
+    ({"runtime/__init__.py": "", "runtime/x.py": '"""Runs ddpkit.train.loop."""\nMAIN = "ddpkit.train.loop"\n',
+      "train/__init__.py": "", "train/loop.py": ""},
+     "ddpkit/runtime/x.py:2 names ddpkit.train.loop, a layer above"),
     ({"newthing/__init__.py": "", "newthing/x.py": ""},
      "ddpkit.newthing: its package is in no layer: give it one in tests/test_layers.py"),
     # Inside parallel/: ddp/ reaches zero/ only through its engine factory, and nothing below reaches up.

@@ -49,7 +49,7 @@ from ddpkit.runtime import events
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
 
-log = logging.getLogger("ddpkit.hooks")
+log = logging.getLogger(__name__)
 
 
 class PowerSGDState:
