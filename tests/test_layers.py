@@ -161,7 +161,7 @@ def violations(root: Path) -> list[str]:
                 if (here.split(".") + [""])[1] not in REFERENCE_USERS:
                     wrong.append(f"{where} imports {module} (torch's references: bench, train and doctor only)")
                 continue
-            if mine != TOP and (layer(module) or 0) > mine and (here, module) not in NAMED_UPWARD:
+            if mine != TOP and (layer(module) or 0) > mine and (name != BY_NAME or (here, module) not in NAMED_UPWARD):
                 wrong.append(f"{where} {'names' if name == BY_NAME else 'imports'} {module}, a layer above")
             inside, target = parallel_layer(here, root), parallel_layer(module, root)
             if inside is not None and target is not None and inside[1] != target[1]:

@@ -7,7 +7,8 @@ the ready and the holders, and announces each entry it decides to its workers (w
 A node that the others' majority leaves out while it still runs (wrongly suspected: paused longer than the failure
 detector's timeout) stops its workers, whose members are out of the job, and asks to come back as a spare does;
 once an entry makes it a voting node again it starts its workers anew, and they join with the state from a peer.
-Where the node stands is a :class:`Standing`, moved by :meth:`CouncilGroup._stand` along :data:`STANDING_MOVES`.
+Where the node stands is a :class:`Standing`, moved by :meth:`CouncilGroup._stand` along :data:`STANDING_MOVES`;
+whether a turn holds (takes no exit) is decided anew each turn.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from ddpkit.launcher.council import Council, Entry, Role
 from ddpkit.launcher.fault_tolerant_group import GO, HOLD, FaultTolerantGroup, Stop, Turn
-from ddpkit.launcher.node_rendezvous import rendezvous_timeout
+from ddpkit.launcher.node_rendezvous import RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.settings import LaunchSettings
@@ -34,16 +35,12 @@ class Standing(enum.Enum):
 
     FOLLOWING = "following"
     """It acts on each entry (announces its view, takes its workers' exits)."""
-    HOLDING = "holding"
-    """The last entry left it out while it ran and its council has not yet asked back (it does at its next tick):
-    it announces no view and takes no exit (an exit now is of a worker out of the job, not a death)."""
     ASKED_BACK = "asked back"
     """It stopped its workers and waits, since :attr:`CouncilGroup._asked_back_at`, to be a voting node again."""
 
 
 STANDING_MOVES: dict[Standing, frozenset[Standing]] = {
-    Standing.FOLLOWING: frozenset({Standing.HOLDING, Standing.ASKED_BACK}),
-    Standing.HOLDING: frozenset({Standing.FOLLOWING, Standing.ASKED_BACK}),  # training ended first; asked back
+    Standing.FOLLOWING: frozenset({Standing.ASKED_BACK}),
     # A voting node again, or training ended first; or left out again before its launcher saw it come back (the
     # workers it stops are added to those it starts anew).
     Standing.ASKED_BACK: frozenset({Standing.FOLLOWING, Standing.ASKED_BACK}),
@@ -109,6 +106,10 @@ class CouncilGroup(FaultTolerantGroup):
     def _job_over(self) -> bool:
         return self.entry.done
 
+    def wait(self, watch: Any = None) -> Failure | RemoteFailure | str | None:
+        self._looked = time.monotonic()  # the pause clock starts with the loop (starting the workers is no pause)
+        return super().wait(watch)
+
     def _turn(self) -> Turn:
         now = time.monotonic()  # one reading for the check and the next one: a stop in between counts
         if self._paused():
@@ -119,9 +120,11 @@ class CouncilGroup(FaultTolerantGroup):
         self._looked = now
         if not self._running() and not self.council.report.finished and self.standing is not Standing.ASKED_BACK:
             self.council.tell(finished=True, succeeded=self._finished())
-        if (cut_off := self._follow() or self._come_back()) is not None:
-            return Stop(None if not self._running() and self.council.report.succeeded else cut_off)
-        return HOLD if self.standing is Standing.HOLDING else GO
+        turn = self._follow()
+        if isinstance(turn, Stop) or (cut_off := self._come_back()) is not None:
+            why = turn.outcome if isinstance(turn, Stop) else cut_off
+            return Stop(None if not self._running() and self.council.report.succeeded else why)
+        return turn  # HOLD: an entry left this node out and its council has not yet decided
 
     def _postpone(self) -> bool:
         return self._paused()  # stopped while waiting for the exit: handled after the next turn's check
@@ -149,19 +152,16 @@ class CouncilGroup(FaultTolerantGroup):
 
     # -- following the entries -----------------------------------------------------------------------------
 
-    def _follow(self) -> str | None:
-        """Act on the council's newest entry (announce its view); why this node stopped, if so."""
+    def _follow(self) -> Turn:
+        """Act on the council's newest entry (announce its view): go on, hold (the entry left this node out and its
+        council has not yet asked back), or stop (why, if it was cut off)."""
         entry, returns, role = self.council.standing()
         node = self.council.node
         if returns > self._returns:  # wrongly suspected: its council asks to vote again
             self._returns = returns
             self._step_out(self.council.removal)
         if self._deciding(entry, role):
-            if self.standing is Standing.FOLLOWING:
-                self._stand(Standing.HOLDING)
-            return None  # its view is not for this node's workers, who are out of it
-        if self.standing is Standing.HOLDING:
-            self._stand(Standing.FOLLOWING)
+            return HOLD  # its view is not for this node's workers, who are out of it
         if role is Role.STOPPED and not entry.done:
             if waiting := self._in_job():
                 say(f"{self.council.stop_reason}; stopping this node's {len(waiting)} worker(s)")
@@ -171,9 +171,9 @@ class CouncilGroup(FaultTolerantGroup):
                     "not taken back")
             else:  # its workers are done (exit 0 ends this launcher well): the others' end it cannot see
                 say(f"{self.council.stop_reason}; this node's workers had ended")
-            return self.council.stop_reason
+            return Stop(self.council.stop_reason)
         if entry.index == self.entry.index:
-            return None
+            return GO
         gone = [n for n in self.entry.nodes if n not in entry.nodes and n != node]
         back = [n for n in entry.nodes if n not in self.entry.nodes and n != node and n in self._voters]
         self._voters.update(entry.nodes)
@@ -191,7 +191,7 @@ class CouncilGroup(FaultTolerantGroup):
         if entry.succeeded:  # training is over: no one is left to join
             self._dismiss_joining()
         if entry.generation == self.generation:
-            return None
+            return GO
         left = [m for m in self.members if m not in entry.members]
         came = [m for m in entry.members if m not in self.members]
         self.members, self.generation = list(entry.members), entry.generation
@@ -204,7 +204,7 @@ class CouncilGroup(FaultTolerantGroup):
             say(f"no worker holding the training state is left (stopping {len(waiting)} replacement(s) of this "
                 "node that had not joined)")
             self._dismiss(waiting)
-        return None
+        return GO
 
     def _deciding(self, entry: Entry, role: Role) -> bool:
         """Whether ``entry`` left this voting node out and its council has not yet asked back or stopped (it does

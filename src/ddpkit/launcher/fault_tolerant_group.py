@@ -62,7 +62,7 @@ class WorkerPhase(enum.Enum):
     """Running, not yet holding the training state (a first worker before its first group is agreed, or a
     replacement before a peer handed it the state)."""
     TRAINING = "training"
-    """Running and holding the training state (it said so: ``joined``)."""
+    """Running and holding the training state (it said so: ``holding``)."""
     DISMISSED = "dismissed"
     """Stopped by this launcher (training over before it joined, its node left out, no holder of the state left):
     its member is out of the job, and its exit is no death."""

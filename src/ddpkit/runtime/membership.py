@@ -9,7 +9,7 @@ in each worker reads that pipe, so a death is known to every survivor within
 milliseconds of the launcher's ``waitpid``, not at a collective's timeout.
 
 Workers never repair a group whose member died: they *abandon* it and build
-the group of the new view on a fresh store prefix (``ft/EPOCH/``), ranks in
+the group of the new view on a fresh store prefix (``ft/GENERATION/``), ranks in
 member order. Gloo cannot abort an operation in flight (measured:
 ``ProcessGroup.abort()`` leaves it waiting until its timeout), so every wait
 of the mode is :meth:`Membership.wait`: it returns when the operation

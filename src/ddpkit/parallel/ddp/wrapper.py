@@ -300,6 +300,9 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                 "exists here: call ddpkit.init() before loading it, or load the plain module "
                 "(save ddpkit.unwrap(model) instead)"
             )
+        if "bucket_caps_given" in state:  # pickled before the caps went by torch's names
+            state["_bucket_cap_mb_given"], caps = state.pop("bucket_caps_given")
+            state["_bucket_cap_mb_list"] = list(caps)
         super().__setstate__(state)
         self.process_group = dist.group.WORLD if grouped and had_group else None
         self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
