@@ -78,6 +78,7 @@ from typing import Any
 
 from ddpkit.launcher.supervise import say
 from ddpkit.runtime.discovery import job_key
+from ddpkit.runtime.states import check_move
 
 __all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
 
@@ -717,8 +718,7 @@ class Council:
     def _become(self, role: Role, why: str | None = None) -> None:
         """This node's move to ``role`` (under the lock); ``why``: a stop's reason. Raises RuntimeError on a move
         that :data:`MOVES` does not allow."""
-        if role not in MOVES[self.role]:
-            raise RuntimeError(f"council of node {self.node}: no move from {self.role.value} to {role.value}")
+        check_move(MOVES, self.role, role, f"the council of node {self.node}")
         self.role = role
         self.report.candidate = role is Role.SPARE
         if role is Role.STOPPED:

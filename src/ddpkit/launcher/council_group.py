@@ -26,6 +26,7 @@ from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, say
 from ddpkit.runtime.process import SignalCatcher
+from ddpkit.runtime.states import check_move
 
 __all__ = ["STANDING_MOVES", "CouncilGroup", "Standing"]
 
@@ -71,9 +72,7 @@ class CouncilGroup(FaultTolerantGroup):
 
     def _stand(self, standing: Standing) -> None:
         """Move :attr:`standing` (the only place it changes; :data:`STANDING_MOVES` says which moves exist)."""
-        if standing not in STANDING_MOVES[self.standing]:
-            raise RuntimeError(f"node {self.council.node}'s launcher has no move from {self.standing.value} to "
-                               f"{standing.value} (a bug in ddpkit: please report it)")
+        check_move(STANDING_MOVES, self.standing, standing, f"node {self.council.node}'s launcher")
         self.standing = standing
 
     # -- the decisions, the council's ---------------------------------------------------------------------

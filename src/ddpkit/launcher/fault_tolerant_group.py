@@ -43,6 +43,7 @@ from ddpkit.launcher.node_rendezvous import RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, WorkerGroup, say
 from ddpkit.runtime.process import SignalCatcher, describe_exit, terminate
+from ddpkit.runtime.states import check_move
 from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
 
 __all__ = ["GO", "HOLD", "USAGE_EXIT", "WORKER_MOVES", "Death", "FaultTolerantGroup", "Stop", "Turn", "WorkerPhase"]
@@ -343,10 +344,7 @@ class FaultTolerantGroup(WorkerGroup):
         """Move worker ``index`` to ``phase`` (the only place a phase changes; :data:`WORKER_MOVES` says which
         moves exist)."""
         with self._moving:
-            now = self.phases[index]
-            if phase not in WORKER_MOVES[now]:
-                raise RuntimeError(f"member {self.member_of[index]}'s worker has no move from {now.value} to "
-                                   f"{phase.value} (a bug in ddpkit: please report it)")
+            check_move(WORKER_MOVES, self.phases[index], phase, f"member {self.member_of[index]}'s worker")
             self.phases[index] = phase
 
     def _running(self) -> list[int]:

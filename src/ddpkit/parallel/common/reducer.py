@@ -71,6 +71,7 @@ from ddpkit.parallel.common.staging import Staging
 from ddpkit.parallel.common.unused import UnusedParametersError, all_ranks_used, refuse_unused, warn_nothing_unused
 from ddpkit.runtime import events
 from ddpkit.runtime.group import finish_backend_at_exit
+from ddpkit.runtime.states import check_move
 
 __all__ = ["MOVES", "Assignment", "Phase", "Reducer", "UnusedParametersError"]
 
@@ -237,16 +238,12 @@ class Reducer:
 
     def _assign(self, assignment: Assignment) -> None:
         """Move the bucket assignment's state (the only place it changes)."""
-        if assignment not in ASSIGNMENT_MOVES[self.assignment]:
-            raise RuntimeError(f"{self.owner}: the bucket assignment has no move from {self.assignment.value} to "
-                               f"{assignment.value} (a bug in ddpkit: please report it)")
+        check_move(ASSIGNMENT_MOVES, self.assignment, assignment, f"{self.owner}: the bucket assignment")
         self.assignment = assignment
 
     def _become(self, phase: Phase) -> None:
         """Move the backward's :class:`Phase` (the only place it changes; :data:`MOVES` says which moves exist)."""
-        if phase not in MOVES[self.phase]:
-            raise RuntimeError(f"{self.owner}: the gradient reducer has no move from {self.phase.value} to "
-                               f"{phase.value} (a bug in ddpkit: please report it)")
+        check_move(MOVES, self.phase, phase, f"{self.owner}: the gradient reducer")
         self.phase = phase
         if phase is Phase.ARMED:
             self._path = type(self)._first_gradient

@@ -121,6 +121,7 @@ from ddpkit.parallel.zero.units import (
     tensors_in,
 )
 from ddpkit.runtime.devices import comm_device
+from ddpkit.runtime.states import check_move
 
 __all__ = ["BACKWARD_MOVES", "Backward", "ShardedParameters", "engine_of", "is_sharded", "optimizer_over_shards"]
 
@@ -514,9 +515,7 @@ class ShardedParameters:
 
     def _enter(self, backward: Backward) -> None:
         """Move :attr:`backward` (the only place it changes; :data:`BACKWARD_MOVES` says which moves exist)."""
-        if backward not in BACKWARD_MOVES[self.backward]:
-            raise RuntimeError(f"{self.owner}(zero_stage=3): the backward has no move from {self.backward.value} to "
-                               f"{backward.value} (a bug in ddpkit: please report it)")
+        check_move(BACKWARD_MOVES, self.backward, backward, f"{self.owner}(zero_stage=3): the backward")
         self.backward = backward
 
     def _begin_backward(self) -> None:

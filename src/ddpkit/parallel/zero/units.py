@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ddpkit.runtime.states import check_move
+
 __all__ = [
     "CONTAINERS",
     "SEPARATE_BYTES",
@@ -241,9 +243,7 @@ class Unit:
 
     def become(self, residency: Residency) -> None:
         """Move :attr:`residency` (the only place it changes; :data:`RESIDENCY_MOVES` says which moves exist)."""
-        if residency not in RESIDENCY_MOVES[self.residency]:
-            raise RuntimeError(f"zero-3 unit {self.index} ({self.name or 'root'}) has no move from "
-                               f"{self.residency.value} to {residency.value} (a bug in ddpkit: please report it)")
+        check_move(RESIDENCY_MOVES, self.residency, residency, f"zero-3 unit {self.index} ({self.name or 'root'})")
         self.residency = residency
 
     @functools.cached_property
