@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ddpkit.launcher.council import MOVES, REDIAL_S, SUSPECT_S, Council, Report, Role, take_seat
+from ddpkit.launcher.council import MOVES, PROTOCOL, REDIAL_S, SUSPECT_S, Council, Report, Role, take_seat
 
 FAST = 1.0
 """The failure timeout of most councils here (the default, SUSPECT_S, is 6 s): the mechanics, sooner."""
@@ -246,9 +246,10 @@ def test_a_relayed_handshake_takes_no_seat(capfd) -> None:
                     (councils[0], councils[2]))
     try:
         genuine = councils[0]._peers[2]
-        _send(node0, {"node": 2, "nonce": "ab" * 16, "place": ["127.0.0.1", 1, "x:1"]})
+        _send(node0, {"node": 2, "nonce": "ab" * 16, "place": ["127.0.0.1", 1, "x:1"], "protocol": PROTOCOL})
         challenge = _line(node0)
-        _send(node2, {"node": 3, "nonce": challenge["nonce"], "place": ["127.0.0.1", 1, "x:1"]})
+        _send(node2, {"node": 3, "nonce": challenge["nonce"], "place": ["127.0.0.1", 1, "x:1"],
+                      "protocol": PROTOCOL})
         signed = _line(node2)  # node 2's proof, for a call from node 3 with node 0's nonce
         _send(node0, {"mac": signed["mac"]})
         _until(lambda: "refused a council connection" in capfd.readouterr().err)
@@ -258,6 +259,35 @@ def test_a_relayed_handshake_takes_no_seat(capfd) -> None:
     finally:
         for sock in (node0, node2):
             sock.close()
+        for c in councils:
+            c.close()
+
+
+@pytest.mark.parametrize("protocol", [None, 1, PROTOCOL + 1], ids=["none (before protocols)", "1", "next"])
+def test_a_launcher_of_another_protocol_is_refused_by_name_and_the_job_goes_on(capfd, protocol) -> None:
+    # Another ddpkit on one node: its first line says so (or says nothing), and it is refused before anything else
+    # is read, both versions named; the job's launchers go on deciding.
+    councils, _ = _councils(3)
+    assert all(isinstance(c, Council) for c in councils), councils
+    stranger = socket.create_connection(("127.0.0.1", councils[0]._listener.getsockname()[1]))
+    try:
+        hello = {"node": 2, "nonce": "ab" * 16, "place": ["127.0.0.1", 1, "x:1"]}
+        _send(stranger, hello if protocol is None else {**hello, "protocol": protocol})
+        err = ""
+
+        def refused() -> bool:
+            nonlocal err
+            err += capfd.readouterr().err
+            return "refused a council connection" in err
+        _until(refused)
+        shown = 1 if protocol is None else protocol
+        assert f"it speaks council protocol {shown}, this launcher {PROTOCOL}: run one version of ddpkit" in err
+        assert "the job's secret" not in err
+        assert stranger.recv(4096) == b"", "nothing answered"
+        councils[1].tell(dead=[2])
+        _until(lambda: all(c.entry.members == (0, 1, 3, 4, 5) for c in councils))
+    finally:
+        stranger.close()
         for c in councils:
             c.close()
 

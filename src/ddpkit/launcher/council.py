@@ -48,7 +48,8 @@ return
 
 Only the job's launchers take part. Each connection starts with a
 handshake that binds both nonces, both node ids and both roles: the dialer
-sends its node and a nonce; the answering agent checks that such a node may
+sends its node, a nonce and its :data:`PROTOCOL` (another one is refused at
+once, naming both); the answering agent checks that such a node may
 call it, then answers with its own nonce and an HMAC (keyed by the job's
 secret) of ``accept`` and that transcript; the dialer checks it and answers
 with the HMAC of ``dial`` and the same transcript. A proof made for one
@@ -80,7 +81,7 @@ from ddpkit.launcher.supervise import say
 from ddpkit.runtime.discovery import job_key
 from ddpkit.runtime.states import check_move
 
-__all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
+__all__ = ["BEAT_S", "PROTOCOL", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
 
 BEAT_S = 0.1
 """How often an agent sends its report to every other."""
@@ -98,8 +99,24 @@ _LINE_MAX = 4096
 """The longest handshake line read before the caller is known (a stranger's endless line is cut there)."""
 _HANDSHAKES = 16
 """Handshakes answered at once; a connection beyond them is closed unanswered (no thread per stranger)."""
+PROTOCOL = 2
+"""The council's protocol (the fields of its messages: 2 since the membership's counter became a generation and the
+joins holders and candidates). The launchers of one job must speak one: a connection that says another (another
+ddpkit on that node) is refused, naming both, before anything else is read."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
+
+
+class _OtherProtocol(PermissionError):
+    """A launcher that speaks another council protocol (another version of ddpkit)."""
+
+
+def _same_protocol(hello: dict[str, Any]) -> None:
+    """Refuse a handshake's opening line that names another :data:`PROTOCOL` (or none: a ddpkit before it)."""
+    theirs = hello.get("protocol", 1)
+    if theirs != PROTOCOL:
+        raise _OtherProtocol(f"it speaks council protocol {theirs}, this launcher {PROTOCOL}: run one version of "
+                             "ddpkit on every node of the job")
 
 
 class Role(enum.Enum):
@@ -361,8 +378,9 @@ class Council:
         place = list(self.places[self.node])
         try:
             if dialed is not None:
-                _send_line(sock, {"node": self.node, "nonce": mine, "place": place})
+                _send_line(sock, {"node": self.node, "nonce": mine, "place": place, "protocol": PROTOCOL})
                 theirs = json.loads(reader.readline(_LINE_MAX))
+                _same_protocol(theirs)
                 peer, nonce = int(theirs["node"]), str(theirs["nonce"])
                 if peer != dialed:
                     raise PermissionError(f"answered as node {peer}, not {dialed}")
@@ -372,12 +390,13 @@ class Council:
                 _send_line(sock, {"mac": self._mac("dial", transcript)})
             else:
                 theirs = json.loads(reader.readline(_LINE_MAX))
+                _same_protocol(theirs)
                 peer, nonce = int(theirs["node"]), str(theirs["nonce"])
                 if not (self.node < peer < self.starting or self.starting <= peer < self.most):
                     raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
                                           f"and spares {self.starting}..{self.most - 1} call this one")
                 transcript = (nonce, mine, peer, self.node, list(theirs["place"]), place)
-                _send_line(sock, {"node": self.node, "nonce": mine, "place": place,
+                _send_line(sock, {"node": self.node, "nonce": mine, "place": place, "protocol": PROTOCOL,
                                   "mac": self._mac("accept", transcript)})
                 proof = json.loads(reader.readline(_LINE_MAX))
                 if not hmac.compare_digest(str(proof.get("mac")), self._mac("dial", transcript)):
@@ -385,7 +404,9 @@ class Council:
             if len(nonce) != 32:
                 raise PermissionError("a malformed nonce")
         except (OSError, ValueError, KeyError, TypeError, PermissionError) as e:
-            if isinstance(e, PermissionError):
+            if isinstance(e, _OtherProtocol):
+                say(f"refused a council connection from {_peer_name(sock)}: {e}")
+            elif isinstance(e, PermissionError):
                 say(f"refused a council connection from {_peer_name(sock)}: {e} (the job's secret)")
             sock.close()
             return
