@@ -518,6 +518,8 @@ def test_a_resumed_run_of_the_mode_is_checked_against_the_world_it_started_with(
     TrainConfig(on_failure="continue", batch_size=2, deterministic_shards=4).check_world(3, start=2)  # 2 x 2 = 4
 
 
+@pytest.mark.slow("two launches (world 1, the reference, and world 4: three numbers need four blocks to leave "
+                  "some empty): seven interpreters with torch, 32 CPU-s on CI's machine")
 @pytest.mark.parametrize("backend,world", [("gloo", 4), ("mpi", 2)])
 def test_the_ordered_reduction_of_a_gradient_smaller_than_its_blocks_gives_the_bits_of_one_rank(
         backend: str, world: int, mpi_why: str | None) -> None:
