@@ -42,6 +42,7 @@ _EXPORTS = {
     "broadcast_optimizer_state": "ddpkit.parallel.common.broadcast",
     "Compression": "ddpkit.comm.compression",
     "LocalSGD": "ddpkit.parallel.local_sgd",
+    "DiLoCo": "ddpkit.parallel.diloco",
     "ZeroRedundancyOptimizer": "ddpkit.parallel.zero.stage1",
     "save_sharded": "ddpkit.parallel.zero.sharded_checkpoints",
     "load_sharded": "ddpkit.parallel.zero.sharded_checkpoints",
@@ -99,6 +100,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.parallel.common.unused import UnusedParametersError
     from ddpkit.parallel.ddp.wrapper import DDP, DistributedDataParallel
     from ddpkit.parallel.dp import DataParallel
+    from ddpkit.parallel.diloco import DiLoCo
     from ddpkit.parallel.local_sgd import LocalSGD
     from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
     from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer

@@ -84,3 +84,33 @@ def test_real_mnist_t10k() -> None:
     s = load_dataset("mnist", data_dir=MNIST_DIR)
     assert (len(s.train), len(s.test)) == (8000, 2000)
     assert s.test.labels.bincount().tolist() == [207, 230, 198, 207, 194, 169, 202, 215, 187, 191]
+
+
+SHAKESPEARE_DIR = MNIST_DIR.parent / "tinyshakespeare"
+
+
+@pytest.mark.skipif(not SHAKESPEARE_DIR.is_dir(), reason="needs ../shared/data/tinyshakespeare")
+def test_tiny_shakespeare_is_cut_into_samples_whose_targets_are_the_next_characters() -> None:
+    splits = load_dataset("shakespeare", data_dir=SHAKESPEARE_DIR)
+    text = (SHAKESPEARE_DIR / "input.txt").read_text()
+    train, test = splits.train, splits.test
+    assert train.vocab_size == test.vocab_size == 65 and train.block_size == 64
+    assert len(train) == (int(0.9 * len(text)) - 1) // 64 and len(test) == (len(text) - int(0.9 * len(text)) - 1) // 64
+    decode = "".join
+    assert decode(train.symbols[i] for i in train.images[1]) == text[64:128]
+    assert decode(train.symbols[i] for i in train.labels[1]) == text[65:129]
+    assert decode(test.symbols[i] for i in test.images[0]) == text[int(0.9 * len(text)):][:64]
+    first = load_dataset("shakespeare", data_dir=SHAKESPEARE_DIR / "input.txt", train_samples=10, test_samples=3)
+    assert len(first.train) == 10 and len(first.test) == 3 and torch.equal(first.train.images, train.images[:10])
+
+
+def test_a_text_that_is_missing_or_too_short_is_named(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"tiny Shakespeare is not at .*input.txt: point --data-dir"):
+        load_dataset("shakespeare", data_dir=tmp_path)
+    with pytest.raises(DatasetError, match="--dataset shakespeare needs --data-dir"):
+        load_dataset("shakespeare")
+    (tmp_path / "input.txt").write_text("to be or not to be")
+    with pytest.raises(DatasetError, match="holds 18 characters: too few for samples of 64"):
+        load_dataset("shakespeare", data_dir=tmp_path)
+    with pytest.raises(DatasetError, match="train_samples=0 must be at least 1"):
+        load_dataset("digits", train_samples=0)

@@ -102,6 +102,20 @@ def run_case(case: str) -> dict[str, torch.Tensor]:
             opt.step()
             local.step()
         return _plain(model)
+    if case in ("diloco", "diloco_streaming_int8"):
+        model = ddpkit.DDP(make("convbn"))
+        streaming = {"fragments": 2, "delay": 1, "mixing": 0.5, "codec": "int8"} if case != "diloco" else {}
+        diloco = ddpkit.DiLoCo(model, sync_every=2, **streaming)
+        # Inner SGD: Adam's normalisation turns the last bit of a three-rank sum (each backend adds in its own
+        # order) into a step of lr on a near-zero gradient.
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(5):
+            x, y = batch("convbn", 1300 + 10 * step + rank)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            diloco.step()
+        return _plain(model)
     if case == "distributed_optimizer":
         module = make("convbn")
         ddpkit.broadcast_parameters(module.state_dict(), root_rank=0)
@@ -131,7 +145,8 @@ def run_case(case: str) -> dict[str, torch.Tensor]:
 
 
 CASES = ["ddp", "ddp_static_graph", "torch_ddp", "no_sync", "unused", "fp16_hook", "bf16_hook", "powersgd",
-         "syncbn", "join", "zero1", "zero2", "zero3", "local_sgd", "distributed_optimizer", "sparse"]
+         "syncbn", "join", "zero1", "zero2", "zero3", "local_sgd", "diloco", "diloco_streaming_int8", "distributed_optimizer",
+         "sparse"]
 
 
 def _compare(ours: list[dict], theirs: list[dict], tol: dict) -> list[str]:

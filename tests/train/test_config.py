@@ -108,3 +108,40 @@ def test_the_default_warm_up_follows_how_many_times_the_rate_is_scaled_and_a_giv
     assert TrainConfig(warmup_epochs=0).warmup_for(4) == 0 and TrainConfig(warmup_epochs=0.5).warmup_for(1) == 0.5
     with pytest.raises(ConfigError, match="--warmup-epochs -1 must be 0"):
         TrainConfig(warmup_epochs=-1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sync_every": 0}, "--sync-every 0 must be at least 1"),
+    ({"sync_every": 4, "strategy": "ssp"}, "--sync-every 4 does not fit --strategy ssp"),
+    ({"fragments": 2}, "--fragments 2 sets DiLoCo's outer loop: it needs --strategy diloco"),
+    ({"sync_every": 4, "fragments": 5}, r"--fragments 5 must be from 1 to --sync-every \(4\)"),
+    ({"sync_every": 4, "fragment_delay": 4}, r"--fragment-delay 4 must be from 0 to --sync-every - 1 \(3\)"),
+    ({"sync_every": 4, "fragment_mixing": 2.0}, r"--fragment-mixing 2.0 must be in \[0, 1\]"),
+    ({"sync_every": 4, "outer_codec": "int2"}, "--outer-codec 'int2' is not a codec"),
+    ({"sync_every": 4, "outer_momentum": 1.0}, r"--outer-momentum 1.0 must be in \[0, 1\)"),
+    ({"sync_every": 4, "on_failure": "continue"}, "--on-failure 'continue' needs --engine ddpkit --strategy ddp"),
+])
+def test_diloco_settings_are_checked_naming_the_flag(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_sync_every_implies_diloco_and_the_codecs_are_diloco_s():
+    from ddpkit.parallel.diloco import CODECS
+    from ddpkit.train.train_config import DILOCO_CODECS
+
+    assert TrainConfig(sync_every=8).strategy == "diloco"
+    assert TrainConfig(strategy="diloco").sync_every == 100
+    assert DILOCO_CODECS == CODECS
+
+
+def test_the_gpt_reads_the_text_and_the_text_needs_its_folder():
+    with pytest.raises(ConfigError, match="--model 'gpt' does not read --dataset digits: --model gpt reads "
+                                          "--dataset shakespeare"):
+        TrainConfig(model="gpt")
+    with pytest.raises(ConfigError, match="--model 'convnet' does not read --dataset shakespeare"):
+        TrainConfig(dataset="shakespeare", data_dir="x")
+    with pytest.raises(ConfigError, match="--dataset shakespeare needs --data-dir"):
+        TrainConfig(model="gpt", dataset="shakespeare")
+    with pytest.raises(ConfigError, match="--train-samples 0 must be at least 1"):
+        TrainConfig(train_samples=0)

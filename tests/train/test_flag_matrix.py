@@ -27,6 +27,7 @@ from procs import base_env
 
 FLAGS = {
     "ddp": [], "optimizer": ["--strategy", "optimizer"], "local-sgd": ["--strategy", "local-sgd"],
+    "diloco": ["--strategy", "diloco", "--sync-every", "2"],
     "ps-sync": ["--strategy", "ps-sync"], "ps-async": ["--strategy", "ps-async"], "ssp": ["--strategy", "ssp"],
     "torch": ["--engine", "torch"], "dp": ["--engine", "dp"], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"],
     "zero3": ["--zero", "3"], "fp16-hook": ["--comm-hook", "fp16"], "powersgd": ["--comm-hook", "powersgd"],

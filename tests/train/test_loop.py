@@ -375,3 +375,43 @@ def test_the_curves_are_drawn_from_the_history_and_a_failure_only_warns(tmp_path
     (tmp_path / "a-file").write_text("")
     assert write_curves(tmp_path / "a-file", history) is None  # cannot be written: a warning, not a failure
     assert "could not draw" in capsys.readouterr().err
+
+
+def test_diloco_trains_checkpoints_change_nothing_and_a_resume_mid_exchange_is_exact(dist2, tmp_path: Path) -> None:
+    # 6 steps an epoch; H = 4 in two fragments (after steps 2 and 4, then every 4), each exchange applied a step
+    # later and mixed half and half, the pseudo-gradients in int8. A checkpoint at step 4 has fragment 1's
+    # exchange in flight and every rank's own parameters and AdamW state in it.
+    cfg = dict(SMALL, model="mlp", optimizer="adamw", lr=0.002, sync_every=4, fragments=2, fragment_delay=1,
+               fragment_mixing=0.5, outer_codec="int8")
+    quiet = _train(dist2, TrainConfig(**cfg, epochs=2, checkpoint_every=0, output_dir=tmp_path / "quiet"))
+    assert quiet["strategy"] == "diloco" and quiet["outer_syncs"] == 5  # fragment 0: 3, 7, 11; fragment 1: 5, 9
+    assert quiet["outer_bytes_sent"][0] == quiet["outer_bytes_sent"][1] > 0
+    _train(dist2, TrainConfig(**cfg, epochs=2, checkpoint_every=4, output_dir=tmp_path / "busy"))
+    a, b = _weights(tmp_path / "quiet"), _weights(tmp_path / "busy")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"a checkpoint changed training: {k}"
+    cut = tmp_path / "cut"
+    _train(dist2, TrainConfig(**cfg, epochs=1, checkpoint_every=4, output_dir=cut))
+    newest = sorted((cut / "checkpoints").glob("step-*.safetensors"))[-1]
+    assert newest.name == "step-00000006.safetensors"
+    newest.unlink()  # resume from step 4: mid-epoch, an exchange in flight
+    _train(dist2, TrainConfig(**cfg, epochs=2, checkpoint_every=4, output_dir=cut, resume=True))
+    c = _weights(cut)
+    for k in a:
+        assert torch.equal(a[k], c[k]), f"DiLoCo resumed: {k}"
+    assert quiet["test_accuracy"] > 0.3, quiet
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare"
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="needs ../shared/data/tinyshakespeare")
+def test_the_gpt_learns_tiny_shakespeare_under_ddp_and_diloco(dist2, tmp_path: Path) -> None:
+    # 512 samples of 64 characters, 16 steps; the loss per character starts at ln 65 = 4.17.
+    cfg = dict(model="gpt", dataset="shakespeare", data_dir=SHAKESPEARE, train_samples=512, test_samples=32,
+               batch_size=16, optimizer="adamw", lr=0.001, epochs=1, progress=False)
+    ddp = _train(dist2, TrainConfig(**cfg, output_dir=tmp_path / "ddp"))
+    diloco = _train(dist2, TrainConfig(**cfg, sync_every=4, output_dir=tmp_path / "diloco"))
+    assert ddp["test_samples"] == diloco["test_samples"] == 32 * 64  # the symbols predicted
+    assert ddp["test_loss"] < 3.6 and diloco["test_loss"] < 3.9, (ddp, diloco)
+    assert diloco["outer_syncs"] == 4 and "tokens.weight" in _weights(tmp_path / "diloco")

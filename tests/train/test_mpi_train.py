@@ -74,6 +74,14 @@ def test_local_sgd_on_mpi_as_on_gloo(tmp_path: Path):
     _same_weights(tmp_path / "gloo", tmp_path / "mpi")
 
 
+def test_streaming_diloco_on_mpi_as_on_gloo(tmp_path: Path):
+    # int8 pseudo-gradients: every rank decodes every rank's codes and adds them in rank order, on either backend.
+    for backend in ("gloo", "mpi"):
+        _train(tmp_path / backend, "--backend", backend, "--sync-every", "4", "--fragments", "2",
+               "--fragment-delay", "1", "--outer-codec", "int8")
+    _same_weights(tmp_path / "gloo", tmp_path / "mpi")
+
+
 def test_ssp_trains_on_mpi(tmp_path: Path):
     """Stale-synchronous training is not reproducible on any backend (which gradients arrive late depends on
     timing: two gloo runs end with other weights), so the mpi run has to learn as well as gloo's does."""

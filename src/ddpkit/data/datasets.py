@@ -11,6 +11,12 @@
   ``download=True`` fetches the files first (rank 0 of each node; needs network).
 * ``synthetic``: random images of a configurable shape and count whose labels
   a fixed random linear map decides (so it is learnable), for benchmarks.
+* ``shakespeare``: tiny Shakespeare (``input.txt`` in ``data_dir``, 1.1 M
+  characters), character by character for ``--model gpt``: the first 90 %
+  for training, the last 10 % for validation, each cut into samples of
+  ``block_size`` + 1 characters that do not overlap (the input is the first
+  ``block_size``, the target each one's next); the symbols are the text's
+  characters in sorted order (65). A :class:`TokenDataset`.
 
 Every dataset is held in memory as one float tensor of normalised images
 ``(N, C, H, W)`` and one int64 tensor of labels: a training step indexes a
@@ -43,11 +49,12 @@ __all__ = [
     "DatasetError",
     "Splits",
     "TensorDataset",
+    "TokenDataset",
     "load_dataset",
     "read_idx",
 ]
 
-DATASETS = ("digits", "mnist", "synthetic")
+DATASETS = ("digits", "mnist", "synthetic", "shakespeare")
 """Names ``ddpkit train --dataset`` accepts."""
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -91,6 +98,31 @@ class TensorDataset(Dataset):
     @property
     def image_size(self) -> int:
         return self.images.shape[2]
+
+
+class TokenDataset(TensorDataset):
+    """Samples of a text: ``images`` the input symbols ``(N, T)`` (int64), ``labels`` the next ones ``(N, T)``.
+
+    Args:
+        inputs: the symbols of every sample.
+        targets: each symbol's successor.
+        symbols: the characters the symbol numbers stand for, in order.
+    """
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, symbols: str) -> None:
+        if inputs.shape != targets.shape or inputs.dim() != 2:
+            raise DatasetError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must both be "
+                               "(samples, block_size)")
+        super().__init__(inputs, targets, num_classes=len(symbols))
+        self.symbols = symbols
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.symbols)
+
+    @property
+    def block_size(self) -> int:
+        return self.images.shape[1]
 
 
 @dataclass(frozen=True)
@@ -305,6 +337,43 @@ def load_synthetic(
     )
 
 
+SHAKESPEARE_BLOCK = 64
+"""Characters of context of a ``shakespeare`` sample (the GPT's ``block_size``)."""
+
+
+def _shakespeare_file(data_dir: str | Path) -> Path:
+    folder = Path(data_dir)
+    path = folder if folder.is_file() else folder / "input.txt"
+    if not path.is_file():
+        raise DatasetError(f"tiny Shakespeare is not at {path}: point --data-dir at the folder of its input.txt "
+                           "(e.g. ../shared/data/tinyshakespeare)")
+    return path
+
+
+def load_shakespeare(data_dir: str | Path, block_size: int = SHAKESPEARE_BLOCK) -> Splits:
+    """Tiny Shakespeare's characters (see the module notes): 90 % to train on, 10 % to validate on."""
+    path = _shakespeare_file(data_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"cannot read {path} as UTF-8 text: {e}") from None
+    symbols = "".join(sorted(set(text)))
+    cut = int(0.9 * len(text))
+    if block_size < 1 or min(cut, len(text) - cut) < block_size + 1:
+        raise DatasetError(f"{path} holds {len(text)} characters: too few for samples of {block_size} + 1 in both "
+                           "parts (90 % / 10 %)")
+    lookup = np.zeros(max(map(ord, symbols)) + 1, dtype=np.int64)
+    lookup[[ord(c) for c in symbols]] = np.arange(len(symbols))
+    codes = torch.from_numpy(lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)])
+
+    def samples(part: torch.Tensor) -> TokenDataset:
+        n = (len(part) - 1) // block_size
+        return TokenDataset(part[: n * block_size].view(n, block_size).clone(),
+                            part[1 : n * block_size + 1].view(n, block_size).clone(), symbols)
+
+    return Splits(samples(codes[:cut]), samples(codes[cut:]))
+
+
 def source_files(name: str, data_dir: str | Path | None) -> list[Path]:
     """The files a data set is read from (none for ``synthetic``, made from its settings)."""
     if name == "digits":
@@ -313,6 +382,8 @@ def source_files(name: str, data_dir: str | Path | None) -> list[Path]:
         stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                  "t10k-labels-idx1-ubyte")
         return [f for f in (_find(Path(data_dir), s) for s in stems) if f is not None]
+    if name == "shakespeare" and data_dir is not None:
+        return [_shakespeare_file(data_dir)]
     return []
 
 
@@ -335,15 +406,20 @@ def load_dataset(
     download: bool = False,
     synthetic_samples: int = 2048,
     synthetic_shape: Sequence[int] = (1, 28, 28),
+    train_samples: int | None = None,
+    test_samples: int | None = None,
 ) -> Splits:
     """Load a dataset by name.
 
     Args:
-        name: ``digits``, ``mnist`` or ``synthetic``.
-        data_dir: Folder of the MNIST IDX files (``mnist`` only, required there).
+        name: ``digits``, ``mnist``, ``synthetic`` or ``shakespeare``.
+        data_dir: Folder of the MNIST IDX files (``mnist``) or of tiny Shakespeare's ``input.txt``
+            (``shakespeare``); required by both.
         download: Fetch missing MNIST files into ``data_dir`` first (needs network).
         synthetic_samples: Training samples of ``synthetic`` (test: a quarter of it).
         synthetic_shape: ``(C, S, S)`` of ``synthetic`` images.
+        train_samples: keep only the first this many training samples (default all).
+        test_samples: keep only the first this many test samples (default all).
 
     Raises:
         DatasetError: unknown name, missing ``data_dir``, unreadable files.
@@ -353,10 +429,33 @@ def load_dataset(
         >>> len(splits.train), len(splits.test)
         (1438, 359)
     """
+    splits = _load(name, data_dir, download, synthetic_samples, synthetic_shape)
+    for limit, what in ((train_samples, "train_samples"), (test_samples, "test_samples")):
+        if limit is not None and limit < 1:
+            raise DatasetError(f"{what}={limit} must be at least 1")
+    return Splits(_first(splits.train, train_samples), _first(splits.test, test_samples))
+
+
+def _first(part: TensorDataset, limit: int | None) -> TensorDataset:
+    """``part``'s first ``limit`` samples (all of them when None or more)."""
+    if limit is None or limit >= len(part):
+        return part
+    if isinstance(part, TokenDataset):
+        return TokenDataset(part.images[:limit], part.labels[:limit], part.symbols)
+    return TensorDataset(part.images[:limit], part.labels[:limit], part.num_classes)
+
+
+def _load(name: str, data_dir: str | Path | None, download: bool, synthetic_samples: int,
+          synthetic_shape: Sequence[int]) -> Splits:
     if name == "digits":
         return load_digits()
     if name == "synthetic":
         return load_synthetic(synthetic_samples, synthetic_shape)
+    if name == "shakespeare":
+        if data_dir is None:
+            raise DatasetError("--dataset shakespeare needs --data-dir: the folder of tiny Shakespeare's input.txt "
+                               "(e.g. ../shared/data/tinyshakespeare)")
+        return load_shakespeare(data_dir)
     if name == "mnist":
         if data_dir is None:
             raise DatasetError(

@@ -1,4 +1,4 @@
-"""The models ``ddpkit train`` offers, built by name through :func:`build_model`.
+"""The image classifiers ``ddpkit train`` offers (by name: :mod:`ddpkit.models.registry`).
 
 * ``convnet``: the MNIST ConvNet of the distributed-training tutorial this
   project started from (conv 1->16 5x5 pad 2, BN, ReLU, max-pool 2; conv
@@ -7,17 +7,15 @@
 * ``resnet``: a small ResNet (three stages of basic blocks, 16/32/64 channels).
 
 Every builder takes the same keywords: ``in_channels`` (1), ``num_classes``
-(10) and ``image_size`` (28), so any model runs on any dataset.
+(10) and ``image_size`` (28), so any of them runs on any image dataset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "ConvNet", "MLP", "ResNet", "build_model"]
+__all__ = ["ConvNet", "MLP", "ResNet"]
 
 
 class ConvNet(nn.Module):
@@ -131,33 +129,3 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.layers(self.stem(x))
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
-
-
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "convnet": ConvNet,
-    "mlp": MLP,
-    "resnet": ResNet,
-}
-"""Model name -> builder; the names ``ddpkit train --model`` accepts."""
-
-
-def build_model(name: str, **kwargs: object) -> nn.Module:
-    """Build a model by name.
-
-    Args:
-        name: One of :data:`MODELS` (``convnet``, ``mlp``, ``resnet``).
-        **kwargs: Passed to the builder: ``in_channels``, ``num_classes``, ``image_size``, ...
-
-    Raises:
-        ValueError: ``name`` is not a known model.
-
-    Example:
-        >>> model = build_model("convnet")  # the tutorial's MNIST ConvNet
-    """
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model {name!r}: choose one of {', '.join(sorted(MODELS))}"
-        ) from None
-    return builder(**kwargs)

@@ -36,7 +36,27 @@ from ddpkit.comm.allreduce import ALGORITHMS, all_reduce
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import events
 
-__all__ = ["LocalSGD", "average_parameters"]
+__all__ = ["LocalSGD", "average_parameters", "driven"]
+
+
+def driven(model: nn.Module, process_group: dist.ProcessGroup | None, who: str,
+           ) -> tuple[DistributedDataParallel | None, dist.ProcessGroup | None]:
+    """What an averaging scheme (``who``: LocalSGD, DiLoCo) drives: ``model``'s ddpkit DDP (None: a plain module)
+    and the group to average over (the one given, else the DDP's, else the world's; None without one).
+
+    Raises:
+        TypeError: not a module, or torch's DDP.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who} takes a module (ddpkit.DDP or plain), not {type(model).__name__}")
+    if type(model).__name__ == "DistributedDataParallel" and not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"{who} drives ddpkit's DDP: wrap the model with ddpkit.DDP, not torch's")
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    if process_group is None and ddp is not None:
+        process_group = ddp.process_group
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    return ddp, process_group
 
 
 def average_parameters(params: list[torch.Tensor], group: dist.ProcessGroup, algorithm: str = "native") -> None:
@@ -91,24 +111,16 @@ class LocalSGD:
 
     def __init__(self, model: nn.Module, period: int | Mapping[int, int], warmup_steps: int = 0,
                  process_group: dist.ProcessGroup | None = None, algorithm: str = "native") -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"LocalSGD takes a module (ddpkit.DDP or plain), not {type(model).__name__}")
-        if type(model).__name__ == "DistributedDataParallel" and not isinstance(model, DistributedDataParallel):
-            raise TypeError("LocalSGD drives ddpkit's DDP: wrap the model with ddpkit.DDP, not torch's")
+        self.ddp, process_group = driven(model, process_group, "LocalSGD")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r} is not known: choose one of {', '.join(ALGORITHMS)}")
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
         if self.ddp is None and warmup_steps > 0:
             raise ValueError(
                 f"warmup_steps={warmup_steps} needs a ddpkit.DDP model to synchronise the warm-up steps; "
                 "wrap the model with ddpkit.DDP, or pass warmup_steps=0"
             )
-        if process_group is None:
-            process_group = self.ddp.process_group if self.ddp is not None else None
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.module = self.ddp.module if self.ddp is not None else model

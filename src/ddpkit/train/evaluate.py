@@ -21,7 +21,8 @@ __all__ = ["evaluate", "evaluate_alone"]
 
 def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
              autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float, int]:
-    """``(loss, accuracy, samples)`` of the plain ``model`` over ``test`` (a collective).
+    """``(loss, accuracy, samples)`` of the plain ``model`` over ``test`` (a collective); for a text's samples, per
+    symbol: the mean loss and accuracy of predicting each next one, and the number of symbols.
 
     An unpadded sampler gives every sample to exactly one rank, so the shards
     differ in length by one: no per-batch collective (DDP's buffer broadcast)
@@ -41,9 +42,9 @@ def evaluate(model: torch.nn.Module, test: TensorDataset, device: torch.device,
             xb, yb = test.images[b].to(device), test.labels[b].to(device)
             with autocast():
                 out = model(xb)
-            totals[0] += F.cross_entropy(out.float(), yb, reduction="sum").double()
-            totals[1] += (out.argmax(1) == yb).sum()
-            totals[2] += len(b)
+            totals[0] += F.cross_entropy(out.float().flatten(0, -2), yb.flatten(), reduction="sum").double()
+            totals[1] += (out.argmax(-1) == yb).sum()
+            totals[2] += yb.numel()  # a sample, or each symbol of a text's sample
     model.train()
     totals = comm_tensor(totals)
     events.collective("train: sum the evaluation's loss and accuracy", nbytes=totals.numel() * totals.element_size())
@@ -56,14 +57,15 @@ def evaluate_alone(model: torch.nn.Module, test: TensorDataset, device: torch.de
                    autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float, int]:
     """``(loss, accuracy, samples)`` of ``model`` over the whole ``test`` split on this rank alone (no collective:
     under ``--on-failure continue`` members may die)."""
-    loss, correct = 0.0, 0
+    loss, correct, n = 0.0, 0, 0
     model.eval()
     with torch.no_grad():
         for start in range(0, len(test), 256):
             xb, yb = test.images[start : start + 256].to(device), test.labels[start : start + 256].to(device)
             with autocast():
                 out = model(xb)
-            loss += float(F.cross_entropy(out.float(), yb, reduction="sum"))
-            correct += int((out.argmax(1) == yb).sum())
+            loss += float(F.cross_entropy(out.float().flatten(0, -2), yb.flatten(), reduction="sum"))
+            correct += int((out.argmax(-1) == yb).sum())
+            n += yb.numel()
     model.train()
-    return loss / len(test), correct / len(test), len(test)
+    return loss / n, correct / n, n

@@ -93,7 +93,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             with autocast():
                 logits = model(x[b])
-            loss = F.cross_entropy(logits.float(), y[b])
+            loss = F.cross_entropy(logits.float().flatten(0, -2), y[b].flatten())
             loss.backward()
             opt.step()
             loss_sum += float(loss.detach()) * len(b)

@@ -193,7 +193,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         for xb, yb in step:
             with autocast():
                 logits = forward(xb)
-            loss = F.cross_entropy(logits.float(), yb)
+            loss = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten())
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
         if step.sync(values=loss_sum):

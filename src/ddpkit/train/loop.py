@@ -119,7 +119,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 def _load_data(config: TrainConfig) -> Any:
     return load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
-                        synthetic_samples=config.synthetic_samples)
+                        synthetic_samples=config.synthetic_samples, train_samples=config.train_samples,
+                        test_samples=config.test_samples)
 
 
 def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
@@ -156,7 +157,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
                 with tracer.phase("forward"):
                     with autocast():
                         logits = run.forward(xb)
-                    loss = F.cross_entropy(logits.float(), yb)
+                    loss = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten())
                 tracer.backward(state.scaler.scale(loss / len(group)).backward)
             loss_sum += loss.detach().double() * len(b)
             step_sum += loss.detach().double() * len(b)
@@ -212,6 +213,8 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
     progress["partial"] = torch.zeros(run.world, 2, dtype=torch.float64)
     progress["seen"] = torch.zeros_like(seen)
     run.save(0)
+    if progress["epoch"] < run.config.epochs:  # after the last epoch the model stays the replicas' consensus
+        run.strategy.after_consensus(run.state.optimizer)
     run.write_metrics()
     run.publish(record)
     return record
@@ -365,7 +368,8 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
         ran = config.epochs - first_epoch
         epochs = f"{ran} epoch{'s' if ran != 1 else ''}" + (
             f" (epochs {first_epoch + 1}-{config.epochs}, resumed)" if first_epoch else "")
-        print(f"test accuracy: {100 * test_acc:.2f}% on {n_test} images (test loss {test_loss:.4f}), {epochs} in "
+        what = "symbols" if config.dataset == "shakespeare" else "images"
+        print(f"test accuracy: {100 * test_acc:.2f}% on {n_test} {what} (test loss {test_loss:.4f}), {epochs} in "
               f"{wall:.1f} s on {world} process(es); weights in {run.out / 'model.safetensors'}", flush=True)
     barrier()
     if dist.get_rank() == 0:  # after the others' last wait: drawing (a first matplotlib import) holds no one up

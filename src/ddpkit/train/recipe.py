@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.data.datasets import load_dataset
+from ddpkit.data.datasets import TokenDataset, load_dataset
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.models import build_model
 from ddpkit.parallel.dp import DataParallel
@@ -104,7 +104,8 @@ def start_survivor(config: TrainConfig, *, check_world: bool = True) -> tuple[Di
     if check_world:  # else the caller checks it against the world the run started with (``--resume``)
         config.check_world(ctx.world_size)
     data = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download,
-                        synthetic_samples=config.synthetic_samples)
+                        synthetic_samples=config.synthetic_samples, train_samples=config.train_samples,
+                        test_samples=config.test_samples)
     return ctx, out, data
 
 
@@ -131,10 +132,11 @@ def build_state(config: TrainConfig, data: Any, world: int, device: torch.device
     train_set = data.train
     sharded = sharded_params(config)
     with torch.device("meta") if sharded else contextlib.nullcontext():
-        model = build_model(
-            config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
-            num_classes=train_set.num_classes,
-        )
+        if isinstance(train_set, TokenDataset):
+            model = build_model(config.model, vocab_size=train_set.vocab_size, block_size=train_set.block_size)
+        else:
+            model = build_model(config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
+                                num_classes=train_set.num_classes)
     if not sharded:
         model = model.to(device)
     if config.sync_bn:

@@ -113,6 +113,7 @@ class Run:
         self.progress["partial"] = torch.stack(parts).cpu()
         self.sum_seen()
         self.save(consumed)
+        self.strategy.after_consensus(self.state.optimizer)
 
     def sum_seen(self) -> None:
         """Add every rank's count of the samples trained since the last settling to the run's (a collective)."""

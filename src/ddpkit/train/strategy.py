@@ -11,7 +11,10 @@ The loop calls, for every optimizer step of ``grad_accum`` micro-batches:
     does around it;
 ``strategy.consensus(optimizer)``
     before an evaluation or a checkpoint: make the replicas one model again
-    (only local SGD lets them drift apart).
+    (local SGD and DiLoCo let them drift apart);
+``strategy.after_consensus(optimizer)``
+    once the evaluation and the checkpoint are done, before training goes on
+    (DiLoCo puts each rank's own parameters back).
 
 Strategies:
 
@@ -20,6 +23,14 @@ Strategies:
   grad scaler: the averages first, then unscale and step);
 * ``local-sgd``: :class:`ddpkit.LocalSGD`, parameters averaged every
   ``--local-sgd`` steps after ``--local-sgd-warmup`` synchronous ones;
+* ``diloco``: :class:`ddpkit.DiLoCo`, an outer step every ``--sync-every``
+  steps. Its consensus changes nothing in training (a checkpoint or an
+  evaluation must not): the model shows the global parameters, every rank's
+  own parameters and inner optimizer state ride in the checkpoint (gathered
+  to rank 0's ``extra``), and each rank takes its own back afterwards, or
+  on ``--resume`` (at another world size every rank starts from the global
+  model: the inner steps since each fragment's last outer step are lost,
+  and a line says so). The final weights are the global model;
 * ``ps-sync`` / ``ps-async``: :class:`ddpkit.ParameterServerOptimizer` on the
   ``--num-servers`` servers the run started; ps-sync broadcasts rank 0's
   buffers before every forward, as DDP does, so it makes DDP's update;
@@ -49,6 +60,7 @@ import torch.distributed as dist
 from ddpkit.parallel.common.broadcast import PackedBroadcast
 from ddpkit.parallel.common.observer import Observer, WaitEvent
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
+from ddpkit.parallel.diloco import DiLoCo
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
@@ -115,6 +127,9 @@ class Strategy:
     def consensus(self, optimizer: torch.optim.Optimizer) -> None:
         """Nothing to do: the replicas never drift apart."""
 
+    def after_consensus(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to undo."""
+
     def summary(self) -> dict[str, Any]:
         """What ``summary.json`` records of the strategy (a collective: every rank calls it)."""
         return {"wait_s": [round(w, 4) for w in all_gather_object(self.wait_s() + self.epoch_end_s)]}
@@ -153,6 +168,75 @@ class LocalSGDStrategy(Strategy):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "local_sgd_period": self.config.local_sgd,
                 "local_sgd_warmup": self.config.local_sgd_warmup, "parameter_averages": self.local.averages}
+
+
+class DiLoCoStrategy(Strategy):
+    """``--strategy diloco``: inner steps alone, outer steps every ``--sync-every`` (see the module notes)."""
+
+    def __init__(self, model: torch.nn.Module, diloco: DiLoCo, config: TrainConfig, state: TrainState) -> None:
+        super().__init__(model, accumulates=True)
+        self.diloco, self.config, self.state = diloco, config, state
+        self._own: list[torch.Tensor] | None = None
+        if (saved := state.extra.pop("diloco", None)) is not None:
+            self._restore(saved)
+
+    def step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        super().step(scaler, optimizer)
+        start = time.perf_counter()
+        if self.diloco.step():
+            self.waits.seconds += time.perf_counter() - start
+
+    def consensus(self, optimizer: torch.optim.Optimizer) -> None:
+        own = {"params": [p.detach().cpu().clone() for p in self.diloco.params],
+               "inner": _to_cpu(optimizer.state_dict()["state"])}
+        self.state.extra["diloco"] = {"outer": _to_cpu(self.diloco.state_dict()), "ranks": all_gather_object(own)}
+        self._own = [p.detach().clone() for p in self.diloco.params]
+        with torch.no_grad():
+            for p, g in zip(self.diloco.params, self.diloco.global_parameters()):
+                p.copy_(g)
+
+    def after_consensus(self, optimizer: torch.optim.Optimizer) -> None:
+        self.state.extra.pop("diloco", None)
+        if self._own is not None:
+            with torch.no_grad():
+                for p, mine in zip(self.diloco.params, self._own):
+                    p.copy_(mine)
+            self._own = None
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's outer state, and this rank's own parameters and inner state (same world size)."""
+        self.diloco.load_state_dict(saved["outer"])
+        ranks = saved["ranks"]
+        if len(ranks) != dist.get_world_size():
+            if dist.get_rank() == 0:
+                print(f"ddpkit train: DiLoCo resumed at world {dist.get_world_size()} from a checkpoint of world "
+                      f"{len(ranks)}: every rank starts from the global model (each rank's inner steps since its "
+                      "fragments' last outer steps are dropped)", flush=True)
+            return
+        mine = ranks[dist.get_rank()]
+        with torch.no_grad():
+            for p, value in zip(self.diloco.params, mine["params"]):
+                p.copy_(value)
+        inner = self.state.optimizer.state_dict()
+        inner["state"] = mine["inner"]
+        self.state.optimizer.load_state_dict(inner)
+
+    def summary(self) -> dict[str, Any]:
+        c = self.config
+        return {**super().summary(), "sync_every": c.sync_every, "fragments": c.fragments,
+                "fragment_delay": c.fragment_delay, "fragment_mixing": c.fragment_mixing, "outer_codec": c.outer_codec,
+                "outer_syncs": self.diloco.syncs, "outer_bytes_sent": all_gather_object(self.diloco.bytes_sent)}
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor a CPU copy (a checkpoint's, gathered as objects)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 class ServerStrategy(Strategy):
@@ -241,6 +325,15 @@ def make_strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig
             state.optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=config.grad_accum
         )
         return HorovodStrategy(model, accumulates=False)
+    if config.strategy == "diloco":
+        assert config.sync_every is not None
+        params = [p for p in model.parameters() if p.requires_grad]
+        outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
+                                nesterov=config.outer_momentum > 0)
+        diloco = DiLoCo(model, config.sync_every, outer, fragments=config.fragments, delay=config.fragment_delay,
+                        mixing=config.fragment_mixing, codec=config.outer_codec)
+        diloco.step_count = state.step  # the schedule of a fresh run; a checkpoint's state replaces it
+        return DiLoCoStrategy(model, diloco, config, state)
     local = LocalSGD(model, period=config.local_sgd, warmup_steps=config.local_sgd_warmup)
     local.load_state_dict({"step_count": state.step})  # one local step per optimizer step, resumed ones too
     return LocalSGDStrategy(model, local, config)

@@ -15,14 +15,14 @@ from typing import Any
 from ddpkit.integrations import tensorboard
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
-MODELS = ("convnet", "mlp", "resnet")
+MODELS = ("convnet", "mlp", "resnet", "gpt")
 """Names of :data:`ddpkit.models.MODELS` (a test keeps the two in step)."""
-DATASETS = ("digits", "mnist", "synthetic")
+DATASETS = ("digits", "mnist", "synthetic", "shakespeare")
 """Names of :data:`ddpkit.data.DATASETS` (a test keeps the two in step)."""
 ENGINES = ("ddpkit", "torch", "single", "dp")
 """Engines that start one process: ``single`` and ``dp`` (DataParallel over the devices)."""
 OPTIMIZERS = ("sgd", "adamw")
-STRATEGIES = ("ddp", "optimizer", "local-sgd", "ps-sync", "ps-async", "ssp")
+STRATEGIES = ("ddp", "optimizer", "local-sgd", "diloco", "ps-sync", "ps-async", "ssp")
 """How ``--engine ddpkit`` synchronises the replicas."""
 SERVER_STRATEGIES = ("ps-sync", "ps-async")
 """Strategies whose parameters live on parameter servers (``--num-servers``)."""
@@ -30,6 +30,10 @@ SSP_STALENESS = 2
 """``--strategy ssp``'s staleness bound when ``--staleness`` is not given."""
 AMP_MODES = ("off", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+DILOCO_CODECS = ("fp32", "bf16", "int8", "int4")
+"""``--outer-codec``: :data:`ddpkit.parallel.diloco.CODECS` (a test keeps the two in step)."""
+DILOCO_SYNC_EVERY = 100
+"""``--strategy diloco``'s H when ``--sync-every`` is not given."""
 """``--comm-hook``: DDP's gradient reduction (:mod:`ddpkit.hooks`), on ddpkit's engine or torch's."""
 
 
@@ -39,9 +43,14 @@ class TrainConfig:
 
     model: str = option("convnet", "the model", choices=tuple(MODELS))
     dataset: str = option("digits", "the dataset", choices=DATASETS)
-    data_dir: Path | None = option(None, "folder of the MNIST IDX files (--dataset mnist)")
+    data_dir: Path | None = option(None, "folder of the MNIST IDX files (--dataset mnist), or of tiny "
+                                   "Shakespeare's input.txt (--dataset shakespeare)")
     download: bool = option(False, "download missing MNIST files into --data-dir (needs network)")
     synthetic_samples: int = option(2048, "training samples of --dataset synthetic")
+    train_samples: int | None = option(None, "train on the first N samples of the training split only (default all)",
+                                       metavar="N")
+    test_samples: int | None = option(None, "evaluate on the first N samples of the test split only (default all)",
+                                      metavar="N")
     epochs: int = option(8, "epochs to train (in total, when resuming)")
     batch_size: int = option(32, "batch size per process")
     lr: float = option(0.02, "learning rate for one process; multiplied by the world size")
@@ -68,9 +77,11 @@ class TrainConfig:
         "ddp", "how --engine ddpkit keeps the replicas together: ddp (DistributedDataParallel: gradients averaged "
         "every step), optimizer (ddpkit.DistributedOptimizer, Horovod's way: the same averages, the optimizer "
         "wrapped instead of the model), local-sgd (ddpkit.LocalSGD: each process steps alone, parameters "
-        "averaged every --local-sgd steps), ps-sync (parameter servers: every step waits for all workers' "
-        "gradients), ps-async (parameter servers apply each gradient as it arrives; --staleness bounds the lead), "
-        "ssp (stale-synchronous, no server: all-reduces in flight, at most --staleness steps old)", choices=STRATEGIES,
+        "averaged every --local-sgd steps), diloco (ddpkit.DiLoCo: each process steps alone, an outer Nesterov step "
+        "on the averaged change every --sync-every steps), ps-sync (parameter servers: every step waits for all "
+        "workers' gradients), ps-async (parameter servers apply each gradient as it arrives; --staleness bounds the "
+        "lead), ssp (stale-synchronous, no server: all-reduces in flight, at most --staleness steps old)",
+        choices=STRATEGIES,
     )
     staleness: int | None = option(
         None, "--strategy ps-async: no worker more than S steps ahead of the slowest (default: no bound); "
@@ -119,6 +130,28 @@ class TrainConfig:
         metavar="H",
     )
     local_sgd_warmup: int = option(0, "--strategy local-sgd: synchronous DDP steps before the local steps start")
+    sync_every: int | None = option(
+        None, "inner optimizer steps between DiLoCo's outer steps (implies --strategy diloco; default "
+        f"{DILOCO_SYNC_EVERY} with it)", metavar="H",
+    )
+    outer_lr: float = option(0.7, "--strategy diloco: the outer optimizer's learning rate (SGD with Nesterov)")
+    outer_momentum: float = option(0.9, "--strategy diloco: the outer optimizer's momentum (0: plain SGD)")
+    fragments: int = option(
+        1, "--strategy diloco: synchronise the model in P fragments on a staggered schedule (streaming DiLoCo: "
+        "each exchange sends 1/P of the model)", metavar="P",
+    )
+    fragment_delay: int = option(
+        0, "--strategy diloco: inner steps each fragment's exchange overlaps before it is applied (tau, less than "
+        "--sync-every)", metavar="TAU",
+    )
+    fragment_mixing: float = option(
+        0.0, "--strategy diloco: share of its own parameters a fragment keeps when it takes the new global ones "
+        "(alpha; 0 takes them whole)", metavar="ALPHA",
+    )
+    outer_codec: str = option(
+        "fp32", "--strategy diloco: how the outer gradients travel: fp32, bf16, int8 or int4 (block-wise, a scale "
+        "per 128 numbers)", choices=DILOCO_CODECS,
+    )
     nproc_per_node: int | None = option(
         None, "workers to start (default: one per GPU, else 2); ignored under a launcher"
     )
@@ -175,6 +208,30 @@ class TrainConfig:
             self.strategy = "local-sgd"
         elif self.strategy == "local-sgd":
             self.local_sgd = 4
+        if self.sync_every is not None:
+            need(self.strategy in ("ddp", "diloco"), "sync_every", f"does not fit --strategy {self.strategy}: drop one")
+            need(self.sync_every >= 1, "sync_every", "must be at least 1 (inner steps between outer steps)")
+            self.strategy = "diloco"
+        elif self.strategy == "diloco":
+            self.sync_every = DILOCO_SYNC_EVERY
+        need(self.outer_codec in DILOCO_CODECS, "outer_codec", f"is not a codec: choose one of "
+             f"{', '.join(DILOCO_CODECS)}")
+        diloco_set = [n for n, v in (("fragments", self.fragments != 1), ("fragment_delay", self.fragment_delay != 0),
+                                     ("fragment_mixing", self.fragment_mixing != 0.0),
+                                     ("outer_codec", self.outer_codec != "fp32"), ("outer_lr", self.outer_lr != 0.7),
+                                     ("outer_momentum", self.outer_momentum != 0.9)) if v]
+        for name in diloco_set:
+            need(self.strategy == "diloco", name, f"sets DiLoCo's outer loop: it needs --strategy diloco (or "
+                 f"--sync-every), not --strategy {self.strategy}")
+        if self.strategy == "diloco":
+            assert self.sync_every is not None
+            need(1 <= self.fragments <= self.sync_every, "fragments", f"must be from 1 to --sync-every "
+                 f"({self.sync_every}): every fragment synchronises once in H steps")
+            need(0 <= self.fragment_delay < self.sync_every, "fragment_delay", f"must be from 0 to --sync-every - 1 "
+                 f"({self.sync_every - 1}): an exchange ends before the fragment's next one begins")
+            need(0.0 <= self.fragment_mixing <= 1.0, "fragment_mixing", "must be in [0, 1]")
+            need(self.outer_lr > 0, "outer_lr", "must be positive")
+            need(0.0 <= self.outer_momentum < 1.0, "outer_momentum", "must be in [0, 1)")
         need(self.strategy == "ddp" or self.engine == "ddpkit", "strategy",
              f"needs --engine ddpkit (it runs on ddpkit's engine), not --engine {self.engine}")
         if self.staleness is not None:
@@ -241,6 +298,14 @@ class TrainConfig:
             self.engine != "single" or self.nproc_per_node in (None, 1),
             "nproc_per_node", "does not fit --engine single, which trains in one process: drop one of them",
         )
+        need(self.train_samples is None or self.train_samples >= 1, "train_samples", "must be at least 1")
+        need(self.test_samples is None or self.test_samples >= 1, "test_samples", "must be at least 1")
+        text = self.dataset == "shakespeare"
+        need((self.model == "gpt") == text, "model", f"does not read --dataset {self.dataset}: --model gpt reads "
+             "--dataset shakespeare (symbols), the others images")
+        if text and self.data_dir is None:
+            raise ConfigError("--dataset shakespeare needs --data-dir: point it at the folder of tiny Shakespeare's "
+                              "input.txt (e.g. --data-dir ../shared/data/tinyshakespeare)")
         if self.dataset == "mnist" and self.data_dir is None:
             raise ConfigError(
                 "--dataset mnist needs --data-dir: point it at the folder of the MNIST IDX files "
