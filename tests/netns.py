@@ -1,51 +1,45 @@
-"""Two "nodes" on one machine: network namespaces joined by a veth pair (needs root and ``ip netns``)."""
+"""Several "nodes" on one machine for the tests: the project's namespaces testbed (needs root and ``ip netns``)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from ddpkit.bench.links.testbed import Testbed, TestbedError
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+@contextmanager
+def bridged_nodes(count: int) -> Iterator[tuple[list[str], list[str], list[str]]]:
+    """Yield ``(names, addresses, links)`` of ``count`` namespaces on one bridge (the project's
+    :class:`~ddpkit.bench.links.testbed.Testbed`); ``links[k]`` is node k's cable (its veth end on the bridge:
+    ``ip link set LINK down`` cuts node k off).
+
+    Skips the test (with the reason) where namespaces cannot be made.
+    """
+    if (why := Testbed.why_not()) is not None:
+        pytest.skip(f"multi-node tests: {why}")
+    bed = Testbed(count)
+    try:
+        bed.__enter__()
+    except TestbedError as e:
+        pytest.skip(f"network namespaces cannot be made here: {e}")
+    try:
+        yield [n.namespace for n in bed.nodes], [n.address for n in bed.nodes], [n.link for n in bed.nodes]
+    finally:
+        bed.close()
 
 
 @contextmanager
 def two_nodes() -> Iterator[tuple[list[str], list[str]]]:
-    """Yield ``(names, addresses)`` of two namespaces that reach each other over a veth pair.
+    """Yield ``(names, addresses)`` of two namespaces that reach each other (over a bridge).
 
     Skips the test (with the reason) where namespaces cannot be made.
     """
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 (ip netns) for two-node tests")
-    tag = f"dk{os.getpid() % 100000}"
-    names = [f"{tag}n0", f"{tag}n1"]
-    octet = 10 + os.getpid() % 200
-    addresses = [f"10.{octet}.0.1", f"10.{octet}.0.2"]
-    try:
-        for name in names:
-            _ip("netns", "add", name)
-    except subprocess.CalledProcessError as e:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        pytest.skip(f"ip netns is not permitted here: {e.stderr.strip()}")
-    try:
-        _ip("link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
-        for name, end, address in zip(names, (f"{tag}a", f"{tag}b"), addresses):
-            _ip("link", "set", end, "netns", name)
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", end)
-            _ip("-n", name, "link", "set", end, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
+    with bridged_nodes(2) as (names, addresses, _):
         yield names, addresses
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def in_namespace(name: str, argv: list[str]) -> list[str]:
@@ -53,8 +47,8 @@ def in_namespace(name: str, argv: list[str]) -> list[str]:
 
 
 def veth_end(names: list[str], node: int) -> str:
-    """The name of node ``node``'s end of the veth pair made by :func:`two_nodes`."""
-    return names[0][:-2] + "ab"[node]
+    """The name of node ``node``'s cable end inside its namespace (``ip -n NAME link set END down``)."""
+    return f"{names[node][:-len(str(node)) - 1]}h{node}p"
 
 
 def mpirun_agent(folder: Path, names: list[str], addresses: list[str]) -> Path:
@@ -72,42 +66,3 @@ exec ip netns exec "$ns" /bin/sh -c "$*"
 """)
     agent.chmod(0o755)
     return agent
-
-
-@contextmanager
-def bridged_nodes(count: int) -> Iterator[tuple[list[str], list[str], list[str]]]:
-    """Yield ``(names, addresses, links)`` of ``count`` namespaces on one bridge; ``links[k]`` is node k's cable
-    (its veth end on the bridge: ``ip link set LINK down`` cuts node k off).
-
-    Skips the test (with the reason) where namespaces cannot be made.
-    """
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 (ip netns) for multi-node tests")
-    tag = f"dk{os.getpid() % 100000}"
-    names = [f"{tag}n{k}" for k in range(count)]
-    links = [f"{tag}h{k}" for k in range(count)]
-    octet = 10 + os.getpid() % 200
-    addresses = [f"10.{octet}.1.{k + 1}" for k in range(count)]
-    bridge = f"{tag}br"
-    try:
-        _ip("link", "add", bridge, "type", "bridge")
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"a bridge cannot be made here: {e.stderr.strip()}")
-    try:
-        _ip("link", "set", bridge, "up")
-        for name, link, address in zip(names, links, addresses):
-            _ip("netns", "add", name)
-            _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
-            _ip("link", "set", f"{link}p", "netns", name)
-            _ip("link", "set", link, "master", bridge)
-            _ip("link", "set", link, "up")
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", f"{link}p")
-            _ip("-n", name, "link", "set", f"{link}p", "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-        yield names, addresses, links
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        for link in links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)

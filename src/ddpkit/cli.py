@@ -239,12 +239,24 @@ def _bench_failures(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_links(args: argparse.Namespace) -> int:
+    from ddpkit.bench.links.section import LinksBenchConfig, TestbedError, run
+
+    _suite_takes_all(args, LinksBenchConfig)
+    try:
+        run(_build(LinksBenchConfig, args))
+    except TestbedError as e:
+        raise ConfigError(f"ddpkit bench links: {e}") from None
+    return 0
+
+
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     """``ddpkit bench collectives``, ``strategies`` and ``backends``: suites under ``bench`` (plain ``ddpkit bench``
     stays DDP's)."""
     from ddpkit.bench.mpi_vs_gloo import BackendsBenchConfig
     from ddpkit.bench.allreduce_perf import CollectivesBenchConfig
     from ddpkit.bench.failure_cost import FailuresBenchConfig
+    from ddpkit.bench.links.section import LinksBenchConfig
     from ddpkit.bench.strategies import ConsistencyBenchConfig
 
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
@@ -284,6 +296,16 @@ def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     )
     _add_config_flags(p, FailuresBenchConfig)
     p.set_defaults(handler=_bench_failures, parser=p)
+    p = suites.add_parser(
+        "links", help="train across nodes joined by links of each rate: DDP, local SGD, DiLoCo, streaming DiLoCo",
+        description="Network namespaces on one bridge, each cable shaped with tc (rate only): the GPT on tiny "
+                    "Shakespeare across them at each rate, one run per way of keeping the replicas together; "
+                    "seconds a step, symbols a second, bytes sent, validation loss, and the speed-up over DDP at "
+                    "the same rate. Needs root and iproute2.",
+        allow_abbrev=False,
+    )
+    _add_config_flags(p, LinksBenchConfig)
+    p.set_defaults(handler=_bench_links, parser=p)
 
 
 def _subcommands() -> list[tuple[str, str, str, Callable[[], type], Callable[[argparse.Namespace], int]]]:

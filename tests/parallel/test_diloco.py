@@ -250,13 +250,49 @@ def test_fragments_and_outer_optimizers_that_do_not_fit_the_model_are_refused():
         ddpkit.DiLoCo(model, sync_every=4, fragments=[model[0]])
     with pytest.raises(ValueError, match="fragments 0 and 1 share a parameter"):
         ddpkit.DiLoCo(model, sync_every=4, fragments=[model, model[1]])
-    with pytest.raises(ValueError, match="outer_optimizer must hold exactly the model's trainable parameters"):
+    with pytest.raises(ValueError, match=r"outer_optimizer must hold the model's trainable parameters \(it leaves out "
+                                         r"1.weight, 1.bias\)"):
         ddpkit.DiLoCo(model, sync_every=4, outer_optimizer=torch.optim.SGD(model[0].parameters(), lr=0.7))
     with pytest.raises(ValueError, match="not a ZeRO stage 2 shard: wrap the model with ddpkit.DDP"):
         ddpkit.DiLoCo(type("Z", (ddpkit.DDP,), {"__init__": lambda self: None, "zero_stage": 2,
                                                 "process_group": None})(), sync_every=4)
     with pytest.raises(TypeError, match="wrap the model with ddpkit.DDP, not torch's"):
         ddpkit.DiLoCo(type("DistributedDataParallel", (nn.Module,), {})(), sync_every=4)
+
+
+def test_sync_right_after_an_outer_step_moves_nothing_and_after_inner_steps_takes_them_in():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = ddpkit.DiLoCo(model, sync_every=2)  # Nesterov momentum: a zero pseudo-gradient would still move it
+
+    def inner_step() -> None:
+        inner.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        inner.step()
+        diloco.step()
+
+    for _ in range(2):
+        inner_step()
+    after_outer = [p.detach().clone() for p in model.parameters()]
+    diloco.sync(inner)
+    assert diloco.syncs == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), after_outer))
+    inner_step()
+    diloco.sync(inner)
+    assert diloco.syncs == 2
+    assert all(torch.equal(p.detach(), g) for p, g in zip(model.parameters(), diloco.global_parameters()))
+
+
+def test_an_outer_optimizer_over_every_parameter_is_taken_with_frozen_ones_and_bad_values_are_named():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    diloco = ddpkit.DiLoCo(model, sync_every=2, outer_optimizer=torch.optim.SGD(model.parameters(), lr=0.7))
+    assert len(diloco.params) == 3
+    with pytest.raises(ValueError, match="fragments=2.0 must be a count or a list"):
+        ddpkit.DiLoCo(model, sync_every=2, fragments=2.0)
+    with pytest.raises(ValueError, match="it holds parameters of another model"):
+        ddpkit.DiLoCo(model, sync_every=2, outer_optimizer=torch.optim.SGD(
+            [*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.7))
 
 
 def test_a_frozen_parameter_is_left_out_and_the_cut_balances_elements():
@@ -296,3 +332,9 @@ def test_quantisation_keeps_zeros_exact_and_refuses_what_it_cannot_encode():
         dequantize(torch.zeros(3, dtype=torch.uint8), 5, 8)
     with pytest.raises(ValueError, match="bits=2"):
         quantize(values, 2)
+    for bad in (float("inf"), float("nan"), 1e300):
+        with pytest.raises(ValueError, match="the values hold inf or NaN"):
+            quantize(torch.tensor([1.0, bad], dtype=torch.float64), 8)
+    tiny = torch.tensor([3e-39, -1e-38, 0.0, 2e-39])  # a block's scale far below float32's normal range
+    back = dequantize(quantize(tiny, 8, 4), 4, 8, 4)
+    assert (back - tiny).abs().max() <= 1e-38 / 127 / 2 * 1.01

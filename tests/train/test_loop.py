@@ -384,7 +384,9 @@ def test_diloco_trains_checkpoints_change_nothing_and_a_resume_mid_exchange_is_e
     cfg = dict(SMALL, model="mlp", optimizer="adamw", lr=0.002, sync_every=4, fragments=2, fragment_delay=1,
                fragment_mixing=0.5, outer_codec="int8")
     quiet = _train(dist2, TrainConfig(**cfg, epochs=2, checkpoint_every=0, output_dir=tmp_path / "quiet"))
-    assert quiet["strategy"] == "diloco" and quiet["outer_syncs"] == 5  # fragment 0: 3, 7, 11; fragment 1: 5, 9
+    # Fragment 0 begins after steps 2, 6, 10 (applied a step later), fragment 1 after 4, 8, 12; at the end a final
+    # outer step applies fragment 1's last exchange and takes fragment 0's steps 11 and 12 in.
+    assert quiet["strategy"] == "diloco" and quiet["outer_syncs"] == 7
     assert quiet["outer_bytes_sent"][0] == quiet["outer_bytes_sent"][1] > 0
     _train(dist2, TrainConfig(**cfg, epochs=2, checkpoint_every=4, output_dir=tmp_path / "busy"))
     a, b = _weights(tmp_path / "quiet"), _weights(tmp_path / "busy")
@@ -400,6 +402,13 @@ def test_diloco_trains_checkpoints_change_nothing_and_a_resume_mid_exchange_is_e
     for k in a:
         assert torch.equal(a[k], c[k]), f"DiLoCo resumed: {k}"
     assert quiet["test_accuracy"] > 0.3, quiet
+    # Resumed after the last epoch's checkpoint (the final weights lost): nothing to train, the same global model.
+    (tmp_path / "quiet" / "model.safetensors").unlink()
+    (tmp_path / "quiet" / "summary.json").unlink()
+    _train(dist2, TrainConfig(**cfg, epochs=2, checkpoint_every=0, output_dir=tmp_path / "quiet", resume=True))
+    again = _weights(tmp_path / "quiet")
+    for k in a:
+        assert torch.equal(a[k], again[k]), f"the final weights written again: {k}"
 
 
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare"

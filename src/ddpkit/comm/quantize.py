@@ -47,6 +47,9 @@ def quantize(values: torch.Tensor, bits: int, block_size: int = 128) -> torch.Te
     if not values.is_floating_point():
         raise TypeError(f"quantize takes floating-point numbers, not {values.dtype}")
     flat = values.detach().reshape(-1).float()
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("quantize: the values hold inf or NaN (or numbers beyond float32's range): they have no "
+                         "code; the training that made them has diverged")
     blocks = _blocks(flat.numel(), block_size)
     padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=flat.device)
     padded[: flat.numel()] = flat
@@ -54,9 +57,8 @@ def quantize(values: torch.Tensor, bits: int, block_size: int = 128) -> torch.Te
     steps = 2 ** (bits - 1) - 1
     scales = padded.abs().amax(dim=1) / steps
     nonzero = scales > 0
-    inverse = torch.where(nonzero, 1.0 / torch.where(nonzero, scales, torch.ones_like(scales)),
-                          torch.zeros_like(scales))
-    codes = torch.round(padded * inverse[:, None]).clamp_(-steps, steps).to(torch.int16) + steps  # 0..2*steps
+    divisor = torch.where(nonzero, scales, torch.ones_like(scales))  # a block of zeros: codes of zero
+    codes = torch.round(padded / divisor[:, None]).clamp_(-steps, steps).to(torch.int16) + steps  # 0..2*steps
     codes = codes.to(torch.uint8).reshape(-1)
     if bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)

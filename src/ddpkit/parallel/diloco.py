@@ -18,9 +18,10 @@ more inner steps, and the fragment then becomes ``mixing`` (alpha) of the
 local parameters plus ``1 - alpha`` of the new global ones (alpha 0: the
 global ones, as DiLoCo). Any number of fragments may be in flight at once.
 
-The pseudo-gradient travels as ``codec``: ``fp32``, ``bf16`` (an all-reduce
-of the mean in that type), or ``int8`` / ``int4`` (block-wise, one float32
-scale per ``block_size`` numbers, :mod:`ddpkit.comm.quantize`: every rank's
+The pseudo-gradient (computed in float32, float64 where a parameter is)
+travels as ``codec``: ``fp32``, ``bf16`` (an all-reduce of the mean in that
+type, whatever the parameters' dtype), or ``int8`` / ``int4`` (block-wise,
+one float32 scale per ``block_size`` numbers, :mod:`ddpkit.comm.quantize`: every rank's
 codes are gathered and each rank decodes and sums them in rank order, so
 every rank applies the same outer step bit for bit). Nothing is ever sent
 in another form than the one asked for.
@@ -78,6 +79,8 @@ class _Fragment:
     """The averaged pseudo-gradient once the exchange is done (flat, ``dtype``)."""
     due: int = 0
     """The step after which the exchange in flight is applied."""
+    began: int = -1
+    """The step at which its last exchange began."""
     dtype: torch.dtype = torch.float32
     numel: int = field(init=False, default=0)
 
@@ -190,9 +193,11 @@ class DiLoCo:
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise TypeError(f"outer_optimizer must be a torch.optim.Optimizer, not {type(self.outer).__name__}")
         theirs = {id(p) for g in self.outer.param_groups for p in g["params"]}
-        if theirs != {id(p) for p in trainable}:
-            raise ValueError("outer_optimizer must hold exactly the model's trainable parameters (its "
-                             f"{len(theirs)} against the model's {len(trainable)}): build it as "
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        missing = [names[id(p)] for p in trainable if id(p) not in theirs]
+        if missing or not theirs <= set(names):
+            why = f"it leaves out {', '.join(missing[:5])}" if missing else "it holds parameters of another model"
+            raise ValueError(f"outer_optimizer must hold the model's trainable parameters ({why}): build it as "
                              "torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
 
     @staticmethod
@@ -201,7 +206,7 @@ class DiLoCo:
         return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
 
     def _fragments(self, fragments: int | Sequence[Any], trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        if isinstance(fragments, bool):
+        if isinstance(fragments, bool) or not isinstance(fragments, (int, Sequence)) or isinstance(fragments, str):
             raise ValueError(f"fragments={fragments!r} must be a count or a list of modules or parameter lists")
         if isinstance(fragments, int):
             if not 1 <= fragments <= min(len(trainable), self.sync_every):
@@ -262,17 +267,23 @@ class DiLoCo:
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """An outer step of every fragment now, outside the schedule (before evaluating or saving): every rank
-        then holds the global model (mixing 0), the exchanges in flight applied first.
+        then holds the global model (mixing 0), the exchanges in flight applied first. A fragment whose exchange
+        was just applied, or that synchronised at this very step, takes the global values without another outer
+        step (a zero pseudo-gradient would still move it by the outer optimizer's momentum).
 
         With ``optimizer`` (the inner one), its floating-point state (AdamW's moments, momentum) is averaged too,
         so that every rank holds one model and one state: what a checkpoint of one rank needs to be the job's.
         """
         for f in self.fragments:
             if f.in_flight:
+                self._apply(f, 0.0)  # its parameters are the global ones now
+            elif f.began == self.step_count:  # synchronised at this very step: the global values, no outer step
+                with torch.no_grad():
+                    for p, b in zip(f.params, f.backup):
+                        p.copy_(b)
+            else:
+                self._begin(f)
                 self._apply(f, 0.0)
-        for f in self.fragments:
-            self._begin(f)
-            self._apply(f, 0.0)
         if optimizer is not None and self.world_size > 1:
             state = [v for p in self.params for k, v in optimizer.state.get(p, {}).items()
                      if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
@@ -286,16 +297,15 @@ class DiLoCo:
         with torch.no_grad():
             delta = torch.cat([(b.to(f.dtype) - p.detach().to(f.dtype)).reshape(-1)
                                for p, b in zip(f.params, f.backup)])
-        f.due = self.step_count + self.delay
+        f.due, f.began = self.step_count + self.delay, self.step_count
         if self.world_size == 1:
             f.mean = delta
             return
         device = comm_device(self.group, like=delta)
         if self.codec in ("fp32", "bf16"):
             send = (delta / self.world_size).to(device=device, dtype=torch.bfloat16 if self.codec == "bf16"
-                                                else f.dtype)
-            events.collective("DiLoCo: fragment {} pseudo-gradient ({})", f.index, self.codec,
-                              nbytes=send.numel() * send.element_size())
+                                                else torch.float32)
+            events.collective("DiLoCo: fragment {} pseudo-gradient ({})", f.index, self.codec)  # all_reduce counts
             f.buffer = send
             f.work = all_reduce(send, "sum", self.algorithm, self.group, async_op=True, check=False)
             self.bytes_sent += send.numel() * send.element_size()

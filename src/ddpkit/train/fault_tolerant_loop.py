@@ -210,7 +210,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         if step.synced and ft.rank == 0 and saver.due(step.index + 1):
             saver.save(ft)
     _write_changes(out, ft)
-    return _finish(config, ft, progress, len(data.test), out, time.perf_counter() - start)
+    return _finish(config, ft, progress, data.test.labels.numel(), out, time.perf_counter() - start)
 
 
 def _newest(out: Path, rank: int) -> tuple[Path, dict[str, Any]] | None:
@@ -302,7 +302,8 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
         save_weights(out / "model.safetensors", ft.model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_curves(out, progress.history)
-        print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {loss:.4f}), {config.epochs} epoch(s) "
+        what = "symbols" if config.dataset == "shakespeare" else "images"
+        print(f"test accuracy: {100 * accuracy:.2f}% on {n} {what} (test loss {loss:.4f}), {config.epochs} epoch(s) "
               f"in {wall:.1f} s, {ft.world_size} worker(s) at the end after {len(ft.changes)} membership change(s); "
               f"weights in {out / 'model.safetensors'}", flush=True)
     return summary

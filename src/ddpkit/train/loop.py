@@ -69,6 +69,7 @@ from ddpkit.train.evaluate import evaluate
 from ddpkit.train.recipe import (
     autocast_for,
     build_state,
+    check_model,
     make_deterministic,
     replicas,
     shard_state,
@@ -114,7 +115,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                   "--on-failure continue", flush=True)
     if config.on_failure == "continue":
         return fault_tolerant_loop.train(config, check=lambda: _load_data(config))
-    return restart.attempts(config, worker, check=lambda: _load_data(config))
+    return restart.attempts(config, worker, check=lambda: check_model(config, _load_data(config)))
 
 
 def _load_data(config: TrainConfig) -> Any:
@@ -191,7 +192,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
 
 def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time: float) -> dict[str, Any]:
     """Evaluate, record the epoch, checkpoint and rewrite ``metrics.jsonl``."""
-    run.strategy.consensus(run.state.optimizer)
+    run.strategy.consensus(run.state.optimizer, final=run.progress["epoch"] + 1 >= run.config.epochs)
     # BatchNorm statistics drift apart per rank after the last forward:
     # evaluate (and checkpoint) rank 0's, the ones DDP broadcasts anyway.
     for buf in run.state.model.buffers():
@@ -343,7 +344,7 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
     if run.evaluation[2] == 0 and run.progress["history"]:
         # A restart after the last epoch's checkpoint: nothing left to train.
         last = run.progress["history"][-1]
-        run.evaluation = (last["test_loss"], last["test_accuracy"], len(run.test))
+        run.evaluation = (last["test_loss"], last["test_accuracy"], run.test.labels.numel())
     test_loss, test_acc, n_test = run.evaluation
     summary = {
         "test_accuracy": test_acc, "test_loss": test_loss, "test_samples": n_test,

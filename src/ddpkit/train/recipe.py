@@ -26,8 +26,8 @@ from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
-__all__ = ["autocast_for", "build_state", "dp_devices", "make_deterministic", "replicas", "set_lr", "shard_state",
-           "sharded_params", "warmup_lr", "with_comm_hook", "wrap"]
+__all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "make_deterministic", "model_for", "replicas",
+           "set_lr", "shard_state", "sharded_params", "warmup_lr", "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -121,6 +121,29 @@ def replicas(config: TrainConfig) -> int:
     return len(dp_devices(config)) if config.engine == "dp" else 1
 
 
+def model_for(config: TrainConfig, train_set: Any) -> torch.nn.Module:
+    """``config.model`` built for ``train_set``: a text's symbols and context, or an image's shape and classes."""
+    if isinstance(train_set, TokenDataset):
+        return build_model(config.model, vocab_size=train_set.vocab_size, block_size=train_set.block_size)
+    return build_model(config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
+                       num_classes=train_set.num_classes)
+
+
+def check_model(config: TrainConfig, data: Any) -> None:
+    """What only the model can say of ``config``, before any worker starts (the model built without memory).
+
+    Raises:
+        ConfigError: ``--fragments`` beyond the model's trainable parameters.
+    """
+    if config.strategy != "diloco" or config.fragments == 1:
+        return
+    with torch.device("meta"):
+        trainable = sum(1 for p in model_for(config, data.train).parameters() if p.requires_grad)
+    if config.fragments > trainable:
+        raise ConfigError(f"--fragments {config.fragments} must be at most the {trainable} trainable parameters of "
+                          f"--model {config.model}: each fragment holds at least one")
+
+
 def build_state(config: TrainConfig, data: Any, world: int, device: torch.device) -> TrainState:
     """A fresh run's model, optimizer, scaler and sampler; the model seeded by ``config.seed``.
 
@@ -132,11 +155,7 @@ def build_state(config: TrainConfig, data: Any, world: int, device: torch.device
     train_set = data.train
     sharded = sharded_params(config)
     with torch.device("meta") if sharded else contextlib.nullcontext():
-        if isinstance(train_set, TokenDataset):
-            model = build_model(config.model, vocab_size=train_set.vocab_size, block_size=train_set.block_size)
-        else:
-            model = build_model(config.model, in_channels=train_set.in_channels, image_size=train_set.image_size,
-                                num_classes=train_set.num_classes)
+        model = model_for(config, train_set)
     if not sharded:
         model = model.to(device)
     if config.sync_bn:

@@ -9,9 +9,10 @@ The loop calls, for every optimizer step of ``grad_accum`` micro-batches:
 ``strategy.step(scaler, optimizer)``
     the optimizer step (through the grad scaler), with whatever the strategy
     does around it;
-``strategy.consensus(optimizer)``
+``strategy.consensus(optimizer, final)``
     before an evaluation or a checkpoint: make the replicas one model again
-    (local SGD and DiLoCo let them drift apart);
+    (local SGD and DiLoCo let them drift apart); ``final``: the last epoch's
+    end (the model then saved is the run's result);
 ``strategy.after_consensus(optimizer)``
     once the evaluation and the checkpoint are done, before training goes on
     (DiLoCo puts each rank's own parameters back).
@@ -28,9 +29,11 @@ Strategies:
   evaluation must not): the model shows the global parameters, every rank's
   own parameters and inner optimizer state ride in the checkpoint (gathered
   to rank 0's ``extra``), and each rank takes its own back afterwards, or
-  on ``--resume`` (at another world size every rank starts from the global
-  model: the inner steps since each fragment's last outer step are lost,
-  and a line says so). The final weights are the global model;
+  on ``--resume`` before its first step (at another world size every rank
+  starts from the global model: the inner steps since each fragment's last
+  outer step are lost, and a line says so). At the last epoch's end a final
+  outer step of every fragment (:meth:`ddpkit.DiLoCo.sync`) takes the inner
+  steps since the last one into the final weights, the global model;
 * ``ps-sync`` / ``ps-async``: :class:`ddpkit.ParameterServerOptimizer` on the
   ``--num-servers`` servers the run started; ps-sync broadcasts rank 0's
   buffers before every forward, as DDP does, so it makes DDP's update;
@@ -66,7 +69,9 @@ from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.parallel.zero.stage1 import ZeroRedundancyOptimizer
+from ddpkit.runtime import events
 from ddpkit.runtime.objects import all_gather_object
+from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
@@ -124,7 +129,7 @@ class Strategy:
         scaler.step(optimizer)
         scaler.update()
 
-    def consensus(self, optimizer: torch.optim.Optimizer) -> None:
+    def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
         """Nothing to do: the replicas never drift apart."""
 
     def after_consensus(self, optimizer: torch.optim.Optimizer) -> None:
@@ -160,7 +165,7 @@ class LocalSGDStrategy(Strategy):
         if self.local.step():
             self.waits.seconds += time.perf_counter() - start
 
-    def consensus(self, optimizer: torch.optim.Optimizer) -> None:
+    def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
         # Parameters and optimizer state averaged, so an evaluation or a checkpoint sees one model, and a
         # resumed run continues exactly as the uninterrupted one.
         self.local.average(optimizer)
@@ -177,8 +182,16 @@ class DiLoCoStrategy(Strategy):
         super().__init__(model, accumulates=True)
         self.diloco, self.config, self.state = diloco, config, state
         self._own: list[torch.Tensor] | None = None
+        self._resumed: dict[str, Any] | None = None
+        """This rank's own parameters and inner state from a checkpoint, taken before the first step."""
         if (saved := state.extra.pop("diloco", None)) is not None:
             self._restore(saved)
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        if self._resumed is not None:
+            self._take_own(self._resumed)
+            self._resumed = None
+        return super().micro_batch(last)
 
     def step(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         super().step(scaler, optimizer)
@@ -186,10 +199,18 @@ class DiLoCoStrategy(Strategy):
         if self.diloco.step():
             self.waits.seconds += time.perf_counter() - start
 
-    def consensus(self, optimizer: torch.optim.Optimizer) -> None:
+    def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
+        if final:
+            self.diloco.sync(optimizer)
         own = {"params": [p.detach().cpu().clone() for p in self.diloco.params],
-               "inner": _to_cpu(optimizer.state_dict()["state"])}
-        self.state.extra["diloco"] = {"outer": _to_cpu(self.diloco.state_dict()), "ranks": all_gather_object(own)}
+               "inner": _to_cpu(optimizer.state_dict()["state"]),
+               "scaler": self.state.scaler.state_dict() if self.state.scaler is not None else {}}
+        # Only rank 0 writes the checkpoint: the others' own state goes to it alone.
+        ranks: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        events.collective("train: DiLoCo, every rank's own parameters and inner state to rank 0",
+                          nbytes=sum(t.numel() * t.element_size() for t in [*own["params"], *_tensors(own["inner"])]))
+        dist.gather_object(own, ranks, dst=0)
+        self.state.extra["diloco"] = {"outer": _to_cpu(self.diloco.state_dict()), "ranks": ranks}
         self._own = [p.detach().clone() for p in self.diloco.params]
         with torch.no_grad():
             for p, g in zip(self.diloco.params, self.diloco.global_parameters()):
@@ -206,26 +227,41 @@ class DiLoCoStrategy(Strategy):
     def _restore(self, saved: dict[str, Any]) -> None:
         """A checkpoint's outer state, and this rank's own parameters and inner state (same world size)."""
         self.diloco.load_state_dict(saved["outer"])
-        ranks = saved["ranks"]
+        ranks = saved["ranks"] or []
         if len(ranks) != dist.get_world_size():
             if dist.get_rank() == 0:
                 print(f"ddpkit train: DiLoCo resumed at world {dist.get_world_size()} from a checkpoint of world "
                       f"{len(ranks)}: every rank starts from the global model (each rank's inner steps since its "
                       "fragments' last outer steps are dropped)", flush=True)
             return
-        mine = ranks[dist.get_rank()]
+        self._resumed = ranks[dist.get_rank()]  # taken at the first step: a run with none left keeps the global
+
+    def _take_own(self, mine: dict[str, Any]) -> None:
         with torch.no_grad():
             for p, value in zip(self.diloco.params, mine["params"]):
                 p.copy_(value)
         inner = self.state.optimizer.state_dict()
         inner["state"] = mine["inner"]
         self.state.optimizer.load_state_dict(inner)
+        if mine.get("scaler"):  # each rank's own: without an all-reduce, an inf skips one rank's step alone
+            self.state.scaler.load_state_dict(mine["scaler"])
 
     def summary(self) -> dict[str, Any]:
         c = self.config
         return {**super().summary(), "sync_every": c.sync_every, "fragments": c.fragments,
                 "fragment_delay": c.fragment_delay, "fragment_mixing": c.fragment_mixing, "outer_codec": c.outer_codec,
                 "outer_syncs": self.diloco.syncs, "outer_bytes_sent": all_gather_object(self.diloco.bytes_sent)}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _to_cpu(value: Any) -> Any:
@@ -260,7 +296,7 @@ class ServerStrategy(Strategy):
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         return self._buffers_from_rank0() if self.buffers else contextlib.nullcontext()
 
-    def consensus(self, optimizer: torch.optim.Optimizer) -> None:
+    def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
         if self.config.strategy == "ps-async":
             # No push in flight once every worker is here: every worker pulls the same parameters.
             dist.barrier()
@@ -285,7 +321,7 @@ class StaleStrategy(Strategy):
         super().__init__(model, accumulates=False)
         self.ssp, self.config = optimizer, config
 
-    def consensus(self, optimizer: torch.optim.Optimizer) -> None:
+    def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
         self.ssp.synchronize()  # type: ignore[attr-defined]
 
     def wait_s(self) -> float:
@@ -330,8 +366,11 @@ def make_strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig
         params = [p for p in model.parameters() if p.requires_grad]
         outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
                                 nesterov=config.outer_momentum > 0)
-        diloco = DiLoCo(model, config.sync_every, outer, fragments=config.fragments, delay=config.fragment_delay,
-                        mixing=config.fragment_mixing, codec=config.outer_codec)
+        try:
+            diloco = DiLoCo(model, config.sync_every, outer, fragments=config.fragments,
+                            delay=config.fragment_delay, mixing=config.fragment_mixing, codec=config.outer_codec)
+        except ValueError as e:  # a setting this model cannot take (more fragments than parameters)
+            raise ConfigError(f"--strategy diloco: {e}") from None
         diloco.step_count = state.step  # the schedule of a fresh run; a checkpoint's state replaces it
         return DiLoCoStrategy(model, diloco, config, state)
     local = LocalSGD(model, period=config.local_sgd, warmup_steps=config.local_sgd_warmup)

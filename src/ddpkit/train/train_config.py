@@ -30,11 +30,11 @@ SSP_STALENESS = 2
 """``--strategy ssp``'s staleness bound when ``--staleness`` is not given."""
 AMP_MODES = ("off", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+"""``--comm-hook``: DDP's gradient reduction (:mod:`ddpkit.hooks`), on ddpkit's engine or torch's."""
 DILOCO_CODECS = ("fp32", "bf16", "int8", "int4")
 """``--outer-codec``: :data:`ddpkit.parallel.diloco.CODECS` (a test keeps the two in step)."""
 DILOCO_SYNC_EVERY = 100
 """``--strategy diloco``'s H when ``--sync-every`` is not given."""
-"""``--comm-hook``: DDP's gradient reduction (:mod:`ddpkit.hooks`), on ddpkit's engine or torch's."""
 
 
 @dataclass(kw_only=True)
@@ -230,7 +230,7 @@ class TrainConfig:
             need(0 <= self.fragment_delay < self.sync_every, "fragment_delay", f"must be from 0 to --sync-every - 1 "
                  f"({self.sync_every - 1}): an exchange ends before the fragment's next one begins")
             need(0.0 <= self.fragment_mixing <= 1.0, "fragment_mixing", "must be in [0, 1]")
-            need(self.outer_lr > 0, "outer_lr", "must be positive")
+            need(math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr", "must be a positive number")
             need(0.0 <= self.outer_momentum < 1.0, "outer_momentum", "must be in [0, 1)")
         need(self.strategy == "ddp" or self.engine == "ddpkit", "strategy",
              f"needs --engine ddpkit (it runs on ddpkit's engine), not --engine {self.engine}")

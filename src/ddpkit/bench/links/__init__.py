@@ -1,0 +1,1 @@
+"""``ddpkit bench links``: training across shaped links between network namespaces (:mod:`.testbed` makes them)."""

@@ -1,0 +1,189 @@
+"""``ddpkit bench links``: the same training across nodes joined by links of each rate, one way of keeping the
+replicas together after another.
+
+For every link rate (``--rates``; ``none`` is the unshaped veth) a
+:class:`~ddpkit.bench.links.testbed.Testbed` of ``--nodes`` namespaces (one
+worker each) is shaped to it, and every run of ``--runs`` trains the GPT on
+tiny Shakespeare there (``ddpkit launch`` on each node, ``-m ddpkit train
+--model gpt --dataset shakespeare``, AdamW, equal samples per worker):
+
+* ``ddp``: gradients averaged every step;
+* ``local-sgd``: parameters averaged every ``--sync-every`` steps;
+* ``diloco``: ``ddpkit.DiLoCo``, an outer step every ``--sync-every`` steps;
+* ``streaming``: DiLoCo in 4 fragments, each exchange overlapping 2 inner
+  steps, the pseudo-gradients in int8.
+
+Each row: seconds a step and symbols a second (the run's training wall time
+over its steps, evaluation included), MB each rank sent a step (every
+collective, from the run's own count), the validation loss per character,
+and the step time of DDP at the same rate over this run's. The runs of one
+rate follow each other; the rates are measured in the order given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpkit.bench.links.testbed import Testbed, TestbedError, parse_rate
+from ddpkit.bench.table import note_lines
+from ddpkit.runtime.options import ConfigError, option, plain, writable_file
+
+__all__ = ["RUNS", "LinksBenchConfig", "Row", "TestbedError", "format_rows", "run"]
+
+RUNS = {
+    "ddp": lambda h: [],
+    "local-sgd": lambda h: ["--local-sgd", str(h)],
+    "diloco": lambda h: ["--sync-every", str(h)],
+    "streaming": lambda h: ["--sync-every", str(h), "--fragments", "4", "--fragment-delay", "2",
+                            "--outer-codec", "int8"],
+}
+"""Each run's ``ddpkit train`` flags, given ``--sync-every``."""
+BLOCK = 64
+"""Characters a sample of ``--dataset shakespeare``."""
+
+
+@dataclass(kw_only=True)
+class LinksBenchConfig:
+    """What ``ddpkit bench links`` runs."""
+
+    data_dir: Path | None = option(None, "folder of tiny Shakespeare's input.txt (e.g. ../shared/data/tinyshakespeare)")
+    rates: tuple[str, ...] = option(("none", "1gbit", "100mbit"), "link rates, in bit/s ('none': unshaped)",
+                                    metavar="RATE")
+    runs: tuple[str, ...] = option(tuple(RUNS), f"runs, among {', '.join(RUNS)}", metavar="NAME")
+    nodes: int = option(2, "nodes (namespaces), one worker each")
+    sync_every: int = option(16, "H of local SGD and DiLoCo: inner steps between two exchanges")
+    train_samples: int = option(2048, "training samples of 64 characters (the steps: these / (nodes x batch))")
+    batch_size: int = option(32, "samples a worker takes a step")
+    epochs: int = option(1, "epochs per run")
+    timeout: float = option(900.0, "seconds a run may take before it counts as failed")
+    json: Path | None = option(None, "write the rows as JSON here")
+    progress: bool = option(True, "print a line as each run starts", negate="--no-progress", negate_only=True)
+
+    def __post_init__(self) -> None:
+        if self.data_dir is None:
+            raise ConfigError("ddpkit bench links trains the GPT on tiny Shakespeare: give --data-dir "
+                              "(e.g. ../shared/data/tinyshakespeare)")
+        unknown = [r for r in self.runs if r not in RUNS]
+        if unknown:
+            raise ConfigError(f"--runs {' '.join(unknown)}: not a run; choose among {', '.join(RUNS)}")
+        for rate in self.rates:
+            if rate != "none":
+                try:
+                    parse_rate(rate)
+                except ValueError as e:
+                    raise ConfigError(f"--rates: {e}") from None
+        if not 2 <= self.nodes <= 8:
+            raise ConfigError(f"--nodes {self.nodes} must be from 2 to 8 (one worker each, on this machine)")
+        for name in ("sync_every", "train_samples", "batch_size", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.json is not None:
+            self.json = writable_file(self.json, "--json")
+
+
+@dataclass
+class Row:
+    """One run at one rate."""
+
+    rate: str
+    run: str
+    flags: str
+    step_s: float
+    symbols_per_s: float
+    sent_mb_per_step: float | None
+    test_loss: float
+    steps: int
+    vs_ddp: float | None = None
+    """DDP's step time at this rate over this run's (above 1: faster than DDP)."""
+
+
+def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -> Row:
+    flags = RUNS[name](cfg.sync_every)
+    train = ["-m", "ddpkit", "train", "--model", "gpt", "--dataset", "shakespeare", "--data-dir",
+             str(Path(cfg.data_dir).resolve()), "--train-samples", str(cfg.train_samples), "--test-samples", "64",
+             "--batch-size", str(cfg.batch_size), "--epochs", str(cfg.epochs), "--optimizer", "adamw", "--lr",
+             "0.001", "--no-progress", "--checkpoint-every", "0", "--output-dir", str(out), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DDPKIT_JOB_TOKEN": secrets.token_hex(16)}
+    env.pop("GLOO_SOCKET_IFNAME", None)  # each namespace has one interface: gloo finds it
+    procs = [subprocess.Popen(bed.command(k, [
+        sys.executable, "-m", "ddpkit", "launch", "--nnodes", str(cfg.nodes), "--node-rank", str(k),
+        "--nproc-per-node", "1", "--master-addr", bed.nodes[0].address, "--master-port", str(port),
+        "--rdzv-id", f"links-{name}", *train]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k in range(cfg.nodes)]
+    deadline = time.monotonic() + cfg.timeout
+    errors = []
+    for k, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"run {name} at {bed.rate or 'none'}: node {k} did not end within {cfg.timeout:g} s"
+                               ) from None
+        if p.returncode != 0:
+            errors.append(f"node {k} exited {p.returncode}: {err.strip()[-1500:]}")
+    if errors:
+        raise RuntimeError(f"run {name} at {bed.rate or 'none'} failed: " + "; ".join(errors))
+    summary = json.loads((out / "summary.json").read_text())
+    steps = int(summary["steps"])
+    wall = float(summary["wall_time_s"])
+    return Row(rate=bed.rate or "none", run=name, flags=" ".join(flags), step_s=wall / steps,
+               symbols_per_s=steps * cfg.batch_size * cfg.nodes * BLOCK / wall,
+               sent_mb_per_step=summary.get("sent_mb_per_step"), test_loss=float(summary["test_loss"]), steps=steps)
+
+
+def run(cfg: LinksBenchConfig) -> list[dict[str, Any]]:
+    """Run the bench (see the module notes); print the table; the rows.
+
+    Raises:
+        TestbedError: the namespaces cannot be made here (the message says why: root, iproute2).
+    """
+
+    def say(text: str) -> None:
+        if cfg.progress:
+            print(f"ddpkit bench links: {text}", file=sys.stderr, flush=True)
+
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-links-") as work, Testbed(cfg.nodes) as bed:
+        port = 29400 + os.getpid() % 500
+        for rate in cfg.rates:
+            bed.shape(None if rate == "none" else rate)
+            for name in cfg.runs:
+                say(f"{name} across {cfg.nodes} nodes at {rate}")
+                port += 1
+                rows.append(_one(cfg, bed, name, Path(work) / f"{rate}-{name}", port))
+    for row in rows:
+        ddp = next((r for r in rows if r.rate == row.rate and r.run == "ddp"), None)
+        row.vs_ddp = None if ddp is None else ddp.step_s / row.step_s
+    result = [asdict(r) for r in rows]
+    print(format_rows(result, cfg))
+    if cfg.json is not None:
+        cfg.json.write_text(json.dumps({"config": plain(cfg), "rows": result}, indent=2) + "\n")
+    return result
+
+
+def format_rows(rows: list[dict[str, Any]], cfg: LinksBenchConfig) -> str:
+    """The rows as a Markdown table, and what it measured."""
+    lines = ["| link | run | s / step | symbols / s | MB sent / step | val loss | DDP's step / this |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        sent = "-" if r["sent_mb_per_step"] is None else f"{r['sent_mb_per_step']:.3f}"
+        vs = "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}"
+        lines.append(f"| {r['rate']} | {r['run']} | {r['step_s']:.3f} | {r['symbols_per_s']:.0f} | {sent} | "
+                     f"{r['test_loss']:.3f} | {vs} |")
+    lines += [""] + note_lines(
+        f"{cfg.nodes} nodes (network namespaces on one bridge, each cable shaped with tc tbf in both directions), "
+        f"one worker each; the GPT (0.8 M) on tiny Shakespeare, {cfg.train_samples} samples of {BLOCK} characters, "
+        f"batch {cfg.batch_size} a worker, AdamW, {cfg.epochs} epoch(s); --sync-every {cfg.sync_every}; one run "
+        "each. s / step: the training's wall time (evaluation included) over its steps.")
+    return "\n".join(lines)
+

@@ -1,0 +1,103 @@
+"""The namespaces testbed (``ddpkit.bench.links.testbed``) and ``ddpkit bench links`` across it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.bench.links.section import LinksBenchConfig
+from ddpkit.bench.links.testbed import Testbed, parse_rate
+from ddpkit.runtime.options import ConfigError
+from procs import base_env
+
+SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare"
+needs_testbed = pytest.mark.skipif(Testbed.why_not() is not None, reason=f"the testbed {Testbed.why_not()}")
+
+
+def _qdisc(argv: list[str]) -> str:
+    return subprocess.run([*argv], capture_output=True, text=True, check=True).stdout
+
+
+def _reaches(bed: Testbed, src: int, dst: int) -> bool:
+    probe = (f"import socket; s = socket.socket(); s.settimeout(1.5); "
+             f"print(s.connect_ex(({bed.nodes[dst].address!r}, 9)))")
+    out = subprocess.run(bed.command(src, [sys.executable, "-c", probe]), capture_output=True, text=True).stdout
+    return out.strip() == str(111)  # refused by the peer's kernel: it answered; a timeout prints 11 or 110
+
+
+@pytest.mark.parametrize("rate,bits", [("100mbit", 10**8), ("1gbit", 10**9), ("2.5gbit", 25 * 10**8),
+                                       ("800kbit", 8 * 10**5), ("5000", 5000), ("10MBIT", 10**7)])
+def test_rates_read_as_tc_writes_them(rate, bits):
+    assert parse_rate(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["fast", "0mbit", "-1gbit", "1tbit", ""])
+def test_a_rate_in_another_form_is_refused_naming_it(rate):
+    with pytest.raises(ValueError, match=f"rate {rate!r}: give bits per second"):
+        parse_rate(rate)
+
+
+@needs_testbed
+def test_the_testbed_shapes_both_ends_of_every_cable_cuts_one_and_leaves_nothing_behind():
+    with Testbed(3) as bed:
+        names = [n.namespace for n in bed.nodes]
+        assert _reaches(bed, 0, 2) and _reaches(bed, 2, 1)
+        bed.shape("100mbit")
+        for node in bed.nodes:
+            inside = _qdisc(["ip", "netns", "exec", node.namespace, "tc", "qdisc", "show", "dev", node.inner])
+            outside = _qdisc(["tc", "qdisc", "show", "dev", node.link])
+            assert "tbf" in inside and "rate 100Mbit" in inside, inside
+            assert "tbf" in outside and "rate 100Mbit" in outside, outside
+        bed.shape(None)
+        assert "tbf" not in _qdisc(["tc", "qdisc", "show", "dev", bed.nodes[1].link])
+        bed.cut(1)
+        assert not _reaches(bed, 0, 1) and _reaches(bed, 0, 2)
+        bed.mend(1)
+        assert _reaches(bed, 0, 1)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
+    assert subprocess.run(["ip", "link", "show", bed.bridge], capture_output=True).returncode != 0
+
+
+def test_bad_settings_of_the_bench_are_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="give --data-dir"):
+        LinksBenchConfig()
+    with pytest.raises(ConfigError, match="--runs fast: not a run; choose among ddp, local-sgd, diloco, streaming"):
+        LinksBenchConfig(data_dir=Path("x"), runs=("fast",))
+    with pytest.raises(ConfigError, match="--rates: rate '1tbit': give bits per second"):
+        LinksBenchConfig(data_dir=Path("x"), rates=("1tbit",))
+    with pytest.raises(ConfigError, match="--nodes 1 must be from 2 to 8"):
+        LinksBenchConfig(data_dir=Path("x"), nodes=1)
+
+
+@needs_testbed
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="needs ../shared/data/tinyshakespeare")
+@pytest.mark.slow("two ddpkit train runs of two nodes each, in network namespaces at 100 Mbit/s")
+def test_the_bench_trains_across_shaped_nodes_and_diloco_sends_less(tmp_path: Path):
+    out = tmp_path / "links.json"
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "links", "--data-dir", str(SHAKESPEARE),
+                           "--rates", "100mbit", "--runs", "ddp", "diloco", "--train-samples", "512",
+                           "--sync-every", "4", "--json", str(out)], capture_output=True, text=True, timeout=400,
+                          env=base_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 100mbit | ddp |" in done.stdout and "| 100mbit | diloco |" in done.stdout, done.stdout
+    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ddp"]["steps"] == rows["diloco"]["steps"] == 8 and rows["ddp"]["vs_ddp"] == 1.0
+    # DDP sends the 3.24 MB of gradients every step; DiLoCo its pseudo-gradient after steps 4 and 8, and at the
+    # epoch's end each rank's own parameters and AdamW state to rank 0 for the checkpoint.
+    assert rows["ddp"]["sent_mb_per_step"] == pytest.approx(3.24, rel=0.01)
+    assert rows["diloco"]["sent_mb_per_step"] < 0.7 * rows["ddp"]["sent_mb_per_step"]
+
+
+def test_the_testbed_is_refused_with_the_reason_where_it_cannot_be_made(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert Testbed.why_not() == "needs root (network namespaces, a bridge and tc)"
+    from ddpkit.bench.links.testbed import TestbedError
+
+    with pytest.raises(TestbedError, match="needs root"):
+        with Testbed(2):
+            pass
