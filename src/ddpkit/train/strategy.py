@@ -200,16 +200,18 @@ class DiLoCoStrategy(Strategy):
             self.waits.seconds += time.perf_counter() - start
 
     def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
+        ranks: list[Any] | None = None
         if final:
-            self.diloco.sync(optimizer)
-        own = {"params": [p.detach().cpu().clone() for p in self.diloco.params],
-               "inner": _to_cpu(optimizer.state_dict()["state"]),
-               "scaler": self.state.scaler.state_dict() if self.state.scaler is not None else {}}
-        # Only rank 0 writes the checkpoint: the others' own state goes to it alone.
-        ranks: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        events.collective("train: DiLoCo, every rank's own parameters and inner state to rank 0",
-                          nbytes=sum(t.numel() * t.element_size() for t in [*own["params"], *_tensors(own["inner"])]))
-        dist.gather_object(own, ranks, dst=0)
+            self.diloco.sync(optimizer)  # every rank holds the global model and one inner state: nothing its own
+        else:
+            own = {"params": [p.detach().cpu().clone() for p in self.diloco.params],
+                   "inner": _to_cpu(optimizer.state_dict()["state"]),
+                   "scaler": self.state.scaler.state_dict() if self.state.scaler is not None else {}}
+            # Only rank 0 writes the checkpoint: the others' own state goes to it alone.
+            ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            events.collective("train: DiLoCo, every rank's own parameters and inner state to rank 0", nbytes=sum(
+                t.numel() * t.element_size() for t in [*own["params"], *_tensors(own["inner"])]))
+            dist.gather_object(own, ranks, dst=0)
         self.state.extra["diloco"] = {"outer": _to_cpu(self.diloco.state_dict()), "ranks": ranks}
         self._own = [p.detach().clone() for p in self.diloco.params]
         with torch.no_grad():
@@ -227,7 +229,9 @@ class DiLoCoStrategy(Strategy):
     def _restore(self, saved: dict[str, Any]) -> None:
         """A checkpoint's outer state, and this rank's own parameters and inner state (same world size)."""
         self.diloco.load_state_dict(saved["outer"])
-        ranks = saved["ranks"] or []
+        ranks = saved["ranks"]
+        if ranks is None:  # saved after the last outer step of a finished run: every rank held the same
+            return
         if len(ranks) != dist.get_world_size():
             if dist.get_rank() == 0:
                 print(f"ddpkit train: DiLoCo resumed at world {dist.get_world_size()} from a checkpoint of world "
