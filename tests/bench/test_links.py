@@ -35,7 +35,7 @@ def test_rates_read_as_tc_writes_them(rate, bits):
     assert parse_rate(rate) == bits
 
 
-@pytest.mark.parametrize("rate", ["fast", "0mbit", "-1gbit", "1tbit", ""])
+@pytest.mark.parametrize("rate", ["fast", "0mbit", "-1gbit", "1tbit", "", "0.5"])
 def test_a_rate_in_another_form_is_refused_naming_it(rate):
     with pytest.raises(ValueError, match=f"rate {rate!r}: give bits per second"):
         parse_rate(rate)
@@ -87,10 +87,18 @@ def test_the_bench_trains_across_shaped_nodes_and_diloco_sends_less(tmp_path: Pa
     assert "| 100mbit | ddp |" in done.stdout and "| 100mbit | diloco |" in done.stdout, done.stdout
     rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["ddp"]["steps"] == rows["diloco"]["steps"] == 8 and rows["ddp"]["vs_ddp"] == 1.0
-    # DDP sends the 3.24 MB of gradients every step; DiLoCo its pseudo-gradient after steps 4 and 8, and at the
-    # epoch's end each rank's own parameters and AdamW state to rank 0 for the checkpoint.
+    # DDP sends the 3.24 MB of gradients every step; DiLoCo its pseudo-gradient after steps 4 and 8, and at the end
+    # (the last epoch's) the average of the AdamW state that makes one of the ranks' inner states.
     assert rows["ddp"]["sent_mb_per_step"] == pytest.approx(3.24, rel=0.01)
     assert rows["diloco"]["sent_mb_per_step"] < 0.7 * rows["ddp"]["sent_mb_per_step"]
+
+
+def test_a_testbed_names_its_things_apart_from_any_other_and_checks_its_subnet():
+    a, b = Testbed(2), Testbed(2)
+    assert a.tag != b.tag and {n.namespace for n in a.nodes}.isdisjoint(n.namespace for n in b.nodes)
+    assert all(len(n.link) <= 15 and len(n.inner) <= 15 for n in Testbed(250).nodes)
+    with pytest.raises(ValueError, match="subnet=999: the second octet"):
+        Testbed(2, subnet=999)
 
 
 def test_the_testbed_is_refused_with_the_reason_where_it_cannot_be_made(monkeypatch):

@@ -4,9 +4,10 @@ Each block of ``block_size`` numbers keeps its largest magnitude as a float32
 scale; a number is rounded to the nearest of the ``2 ** (bits - 1) - 1``
 steps each side of zero (symmetric: 127 at 8 bits, 7 at 4 bits), so zero
 stays exact and the error of a number is at most half a step of its block.
-At 4 bits two numbers share a byte. The payload is one ``uint8`` tensor, the
-codes then the scales, so that one collective carries both; its size depends
-only on the number of elements, so every rank knows every rank's layout.
+At 4 bits two numbers share a byte; a block holding inf or NaN decodes as
+NaN. The payload is one ``uint8`` tensor, the codes then the scales, so that
+one collective carries both; its size depends only on the number of
+elements, so every rank knows every rank's layout.
 
 Pure torch (no Triton, no CUDA kernel): the same bytes on gloo, MPI and NCCL,
 on the CPU and the GPU, for every shape (the input is flattened) and every
@@ -47,18 +48,19 @@ def quantize(values: torch.Tensor, bits: int, block_size: int = 128) -> torch.Te
     if not values.is_floating_point():
         raise TypeError(f"quantize takes floating-point numbers, not {values.dtype}")
     flat = values.detach().reshape(-1).float()
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError("quantize: the values hold inf or NaN (or numbers beyond float32's range): they have no "
-                         "code; the training that made them has diverged")
     blocks = _blocks(flat.numel(), block_size)
     padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=flat.device)
     padded[: flat.numel()] = flat
     padded = padded.view(blocks, block_size)
     steps = 2 ** (bits - 1) - 1
+    finite = torch.isfinite(padded).all(dim=1)
+    padded = torch.where(finite[:, None], padded, torch.zeros_like(padded))
     scales = padded.abs().amax(dim=1) / steps
-    nonzero = scales > 0
-    divisor = torch.where(nonzero, scales, torch.ones_like(scales))  # a block of zeros: codes of zero
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # a block of zeros: codes of zero
     codes = torch.round(padded / divisor[:, None]).clamp_(-steps, steps).to(torch.int16) + steps  # 0..2*steps
+    # A block holding inf or NaN (or a float64 beyond float32's range) decodes as NaN on every rank: diverged
+    # training spreads as it does through an all-reduce, instead of one rank stopping before the collective.
+    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
     codes = codes.to(torch.uint8).reshape(-1)
     if bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)

@@ -79,8 +79,6 @@ class _Fragment:
     """The averaged pseudo-gradient once the exchange is done (flat, ``dtype``)."""
     due: int = 0
     """The step after which the exchange in flight is applied."""
-    began: int = -1
-    """The step at which its last exchange began."""
     dtype: torch.dtype = torch.float32
     numel: int = field(init=False, default=0)
 
@@ -267,21 +265,21 @@ class DiLoCo:
 
     def sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """An outer step of every fragment now, outside the schedule (before evaluating or saving): every rank
-        then holds the global model (mixing 0), the exchanges in flight applied first. A fragment whose exchange
-        was just applied, or that synchronised at this very step, takes the global values without another outer
-        step (a zero pseudo-gradient would still move it by the outer optimizer's momentum).
+        then holds the global model. The exchanges in flight are applied first, each rank keeping its local
+        parameters, whose progress since then the outer step of this call then takes in; a fragment whose
+        parameters are its global values already (just synchronised, mixing 0) takes no outer step (a zero
+        pseudo-gradient would still move it by the outer optimizer's momentum).
 
         With ``optimizer`` (the inner one), its floating-point state (AdamW's moments, momentum) is averaged too,
         so that every rank holds one model and one state: what a checkpoint of one rank needs to be the job's.
         """
         for f in self.fragments:
             if f.in_flight:
-                self._apply(f, 0.0)  # its parameters are the global ones now
-            elif f.began == self.step_count:  # synchronised at this very step: the global values, no outer step
-                with torch.no_grad():
-                    for p, b in zip(f.params, f.backup):
-                        p.copy_(b)
-            else:
+                self._apply(f, 1.0)  # its outer step; the local parameters kept, to go into the next
+        for f in self.fragments:
+            with torch.no_grad():
+                unchanged = all(torch.equal(p, b) for p, b in zip(f.params, f.backup))
+            if not unchanged:  # else no outer step: a zero pseudo-gradient would still move it by momentum
                 self._begin(f)
                 self._apply(f, 0.0)
         if optimizer is not None and self.world_size > 1:
@@ -297,7 +295,7 @@ class DiLoCo:
         with torch.no_grad():
             delta = torch.cat([(b.to(f.dtype) - p.detach().to(f.dtype)).reshape(-1)
                                for p, b in zip(f.params, f.backup)])
-        f.due, f.began = self.step_count + self.delay, self.step_count
+        f.due = self.step_count + self.delay
         if self.world_size == 1:
             f.mean = delta
             return

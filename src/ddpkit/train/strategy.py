@@ -209,8 +209,9 @@ class DiLoCoStrategy(Strategy):
                    "scaler": self.state.scaler.state_dict() if self.state.scaler is not None else {}}
             # Only rank 0 writes the checkpoint: the others' own state goes to it alone.
             ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            events.collective("train: DiLoCo, every rank's own parameters and inner state to rank 0", nbytes=sum(
-                t.numel() * t.element_size() for t in [*own["params"], *_tensors(own["inner"])]))
+            sent = 0 if dist.get_rank() == 0 else sum(  # rank 0 keeps its own
+                t.numel() * t.element_size() for t in [*own["params"], *_tensors(own["inner"])])
+            events.collective("train: DiLoCo, every rank's own parameters and inner state to rank 0", nbytes=sent)
             dist.gather_object(own, ranks, dst=0)
         self.state.extra["diloco"] = {"outer": _to_cpu(self.diloco.state_dict()), "ranks": ranks}
         self._own = [p.detach().clone() for p in self.diloco.params]

@@ -25,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ from typing import Any
 
 from ddpkit.bench.links.testbed import Testbed, TestbedError, parse_rate
 from ddpkit.bench.table import note_lines
-from ddpkit.runtime.options import ConfigError, option, plain, writable_file
+from ddpkit.runtime.options import ConfigError, RunError, option, plain, writable_file
 
 __all__ = ["RUNS", "LinksBenchConfig", "Row", "TestbedError", "format_rows", "run"]
 
@@ -119,20 +121,35 @@ def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -
         "--nproc-per-node", "1", "--master-addr", bed.nodes[0].address, "--master-port", str(port),
         "--rdzv-id", f"links-{name}", *train]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for k in range(cfg.nodes)]
-    deadline = time.monotonic() + cfg.timeout
-    errors = []
-    for k, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"run {name} at {bed.rate or 'none'}: node {k} did not end within {cfg.timeout:g} s"
-                               ) from None
-        if p.returncode != 0:
-            errors.append(f"node {k} exited {p.returncode}: {err.strip()[-1500:]}")
+    errs = [""] * len(procs)
+
+    def drain(k: int) -> None:  # every node's pipes at once: one that writes much never blocks the job
+        errs[k] = procs[k].communicate()[1]
+
+    readers = [threading.Thread(target=drain, args=(k,), daemon=True) for k in range(len(procs))]
+    try:
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + cfg.timeout
+        for t in readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        late = [k for k, t in enumerate(readers) if t.is_alive()]
+    finally:  # a timeout, an interrupt or an error here: no launcher outlives the run
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        for t in readers:
+            t.join(5.0)
+    where = f"run {name} at {bed.rate or 'none'}"
+    if late:
+        tails = "; ".join(f"node {k}: {errs[k].strip()[-800:] or '(nothing on stderr)'}" for k in late)
+        raise RunError(f"{where}: node(s) {late} did not end within {cfg.timeout:g} s (--timeout): {tails}")
+    errors = [f"node {k} exited {p.returncode}: {errs[k].strip()[-1500:]}" for k, p in enumerate(procs)
+              if p.returncode != 0]
     if errors:
-        raise RuntimeError(f"run {name} at {bed.rate or 'none'} failed: " + "; ".join(errors))
+        raise RunError(f"{where} failed: " + "; ".join(errors))
     summary = json.loads((out / "summary.json").read_text())
     steps = int(summary["steps"])
     wall = float(summary["wall_time_s"])
@@ -146,6 +163,7 @@ def run(cfg: LinksBenchConfig) -> list[dict[str, Any]]:
 
     Raises:
         TestbedError: the namespaces cannot be made here (the message says why: root, iproute2).
+        RunError: a run failed or outlasted ``--timeout`` (each node's last words).
     """
 
     def say(text: str) -> None:
@@ -153,14 +171,22 @@ def run(cfg: LinksBenchConfig) -> list[dict[str, Any]]:
             print(f"ddpkit bench links: {text}", file=sys.stderr, flush=True)
 
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-links-") as work, Testbed(cfg.nodes) as bed:
-        port = 29400 + os.getpid() % 500
-        for rate in cfg.rates:
-            bed.shape(None if rate == "none" else rate)
-            for name in cfg.runs:
-                say(f"{name} across {cfg.nodes} nodes at {rate}")
-                port += 1
-                rows.append(_one(cfg, bed, name, Path(work) / f"{rate}-{name}", port))
+
+    def terminated(signum: int, frame: Any) -> None:  # so that the testbed is taken down on a SIGTERM too
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ddpkit-bench-links-") as work, Testbed(cfg.nodes) as bed:
+            port = 29400 + os.getpid() % 500
+            for rate in cfg.rates:
+                bed.shape(None if rate == "none" else rate)
+                for name in cfg.runs:
+                    say(f"{name} across {cfg.nodes} nodes at {rate}")
+                    port += 1
+                    rows.append(_one(cfg, bed, name, Path(work) / f"{rate}-{name}", port))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for row in rows:
         ddp = next((r for r in rows if r.rate == row.rate and r.run == "ddp"), None)
         row.vs_ddp = None if ddp is None else ddp.step_s / row.step_s

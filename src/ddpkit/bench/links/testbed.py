@@ -5,7 +5,8 @@ node, a namespace and a veth pair (its cable): one end in the namespace with
 the node's address, the other on the bridge. :meth:`Testbed.shape` gives
 every cable a rate in both directions with a token bucket (``tc qdisc ...
 tbf``: the node's end limits what it sends, the bridge's end what it
-receives), as a NIC of that speed would; this kernel has no ``netem``, so
+receives; a bucket of 1 ms at the rate, at least 128 KiB), as a NIC of that
+speed would; this kernel has no ``netem``, so
 rate only, no added delay or loss. :meth:`Testbed.cut` and
 :meth:`Testbed.mend` pull a node's cable and plug it back. Commands run in a
 node through :meth:`Testbed.command` (``ip netns exec``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ def parse_rate(rate: str) -> int:
         ValueError: another form.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?\s*", str(rate).lower())
-    if not m or float(m.group(1)) <= 0:
+    if not m or int(float(m.group(1)) * _UNITS[m.group(2)]) < 1:
         raise ValueError(f"rate {rate!r}: give bits per second as 100mbit, 1gbit, 2.5gbit, 800kbit or a number")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
@@ -69,8 +71,8 @@ class Testbed:
 
     Args:
         count: nodes (at least 1, at most 250).
-        tag: the prefix of every name it makes (default from the process id; at most 8 characters, so that a
-            link's name stays within the kernel's 15).
+        tag: the prefix of every name it makes (default: random; at most 8 characters, so that a link's name
+            stays within the kernel's 15).
         subnet: the second octet of the nodes' ``10.X.1.0/24`` addresses (default from the process id).
 
     Raises:
@@ -82,15 +84,20 @@ class Testbed:
     def __init__(self, count: int, tag: str | None = None, subnet: int | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
             raise ValueError(f"count={count!r}: a testbed has 1 to 250 nodes")
-        self.tag = tag or f"dk{os.getpid() % 100000}"
+        self.tag = tag or f"dk{secrets.token_hex(3)}"  # another testbed's names, even a dead one's, are not ours
         if len(self.tag) > 8 or not re.fullmatch(r"[a-z][a-z0-9]*", self.tag):
             raise ValueError(f"tag={self.tag!r}: 1 to 8 lower-case letters and digits, a letter first")
         octet = 10 + os.getpid() % 200 if subnet is None else subnet
+        if isinstance(octet, bool) or not isinstance(octet, int) or not 0 <= octet <= 255:
+            raise ValueError(f"subnet={subnet!r}: the second octet of 10.X.1.0/24, 0 to 255")
         self.bridge = f"{self.tag}br"
         self.nodes = [Node(f"{self.tag}n{k}", f"10.{octet}.1.{k + 1}", f"{self.tag}h{k}", f"{self.tag}h{k}p")
                       for k in range(count)]
         self.rate: str | None = None
         self._made = False
+        self._namespaces: list[str] = []
+        self._links: list[str] = []
+        """What this testbed made, so that closing removes that and nothing else."""
 
     @staticmethod
     def why_not() -> str | None:
@@ -111,7 +118,9 @@ class Testbed:
             _run("ip", "link", "set", self.bridge, "up")
             for node in self.nodes:
                 _run("ip", "netns", "add", node.namespace)
+                self._namespaces.append(node.namespace)
                 _run("ip", "link", "add", node.link, "type", "veth", "peer", "name", node.inner)
+                self._links.append(node.link)
                 _run("ip", "link", "set", node.inner, "netns", node.namespace)
                 _run("ip", "link", "set", node.link, "master", self.bridge)
                 _run("ip", "link", "set", node.link, "up")
@@ -128,13 +137,14 @@ class Testbed:
         self.close()
 
     def close(self) -> None:
-        """Remove every namespace, cable and the bridge (what exists of them)."""
-        for node in self.nodes:
-            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
-            subprocess.run(["ip", "link", "del", node.link], capture_output=True)
+        """Remove the namespaces, cables and bridge this testbed made (their processes are the caller's)."""
+        for name in self._namespaces:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for link in self._links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
         if self._made:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-        self._made = False
+        self._made, self._namespaces, self._links = False, [], []
 
     def command(self, node: int, argv: list[str]) -> list[str]:
         """``argv`` run inside node ``node``."""
@@ -149,8 +159,10 @@ class Testbed:
                 if bits is None:
                     subprocess.run([*where, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
                     continue
-                # A bucket of 10 ms at the rate (at least 64 KiB: a segmentation-offloaded packet), 50 ms of queue.
-                burst = max(64 * 1024, bits // 8 // 100)
+                # A bucket of 1 ms at the rate, at least two segmentation-offloaded packets (128 KiB): tbf runs on
+                # high-resolution timers, and a larger bucket lets a step's messages out unshaped at 1-10 Gbit/s.
+                # 50 ms of queue.
+                burst = max(128 * 1024, bits // 8 // 1000)
                 _run(*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
                      "burst", str(burst), "latency", "50ms")
         self.rate = rate
