@@ -176,6 +176,17 @@ def test_comm_hook_in_train_on_both_engines(tmp_path, path, hook):
     assert_same_weights(tmp_path / "ddpkit", tmp_path / "torch")
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+def test_comm_auto_decides_once_and_trains_on_the_gpu(tmp_path, path):
+    # Not --deterministic (refused with auto: two runs may choose apart), so not against a reference's bits.
+    once_per_job(path)
+    done = ddpkit("train", "--no-progress", "--output-dir", str(tmp_path), *SHORT, *PATHS[path], "--comm-hook", "auto")
+    assert done.returncode == 0, done.stderr[-4000:]
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("comm auto at step")]
+    assert "pin it with --comm-hook " in line
+    assert json.loads((tmp_path / "summary.json").read_text())["test_accuracy"] > 0.8
+
+
 # -- restart and resume ------------------------------------------------------------------------------------------
 
 KILL = ["--dataset", "synthetic", "--synthetic-samples", "768", "--batch-size", "16", "--epochs", "2",

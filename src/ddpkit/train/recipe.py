@@ -62,7 +62,16 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
 
     if config.comm_hook == "none":
         return ddp
-    if config.comm_hook == "powersgd":
+    if config.comm_hook == "auto":
+        from ddpkit.comm import auto
+
+        def flags(scheme: auto.Scheme) -> str:
+            if scheme.name == "powersgd":
+                return f"--comm-hook powersgd --powersgd-rank {scheme.rank}"
+            return f"--comm-hook {scheme.name}"
+
+        ddp.register_comm_hook(auto.AutoComm(pin=flags, say=lambda line: print(line, flush=True)), auto.auto_hook)
+    elif config.comm_hook == "powersgd":
         state = powersgd.PowerSGDState(None, matrix_approximation_rank=config.powersgd_rank,
                                        start_powerSGD_iter=config.powersgd_start)
         ddp.register_comm_hook(state, powersgd.powersgd_hook)

@@ -29,7 +29,7 @@ SERVER_STRATEGIES = ("ps-sync", "ps-async")
 SSP_STALENESS = 2
 """``--strategy ssp``'s staleness bound when ``--staleness`` is not given."""
 AMP_MODES = ("off", "bf16", "fp16")
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
 """``--comm-hook``: DDP's gradient reduction (:mod:`ddpkit.hooks`), on ddpkit's engine or torch's."""
 DILOCO_CODECS = ("fp32", "bf16", "int8", "int4")
 """``--outer-codec``: :data:`ddpkit.parallel.diloco.CODECS` (a test keeps the two in step)."""
@@ -103,7 +103,8 @@ class TrainConfig:
         "none", "how --strategy ddp reduces each gradient bucket (ddpkit.hooks, on --engine ddpkit or torch): none "
         "(all-reduce in the gradients' dtype), fp16 or bf16 (averaged in half precision: half the bytes), powersgd "
         "(low-rank compression at --powersgd-rank from step --powersgd-start; a resumed run starts its compression "
-        "state afresh)", choices=COMM_HOOKS,
+        "state afresh), auto (one of these chosen from the measured link and the step times as training runs, "
+        "printed once with the flags that pin it; see docs/comm-auto.md)", choices=COMM_HOOKS,
     )
     powersgd_rank: int = option(1, "--comm-hook powersgd: rank of the approximation (torch's default 1)", metavar="R")
     powersgd_start: int = option(
@@ -274,6 +275,10 @@ class TrainConfig:
                  f"{self.engine} --strategy {self.strategy}")
             need(self.zero < 2, "comm_hook", f"does not fit --zero {self.zero}, whose gradients are "
                  "reduce-scattered into shards: drop one of them")
+        need(self.comm_hook != "auto" or not self.deterministic, "comm_hook",
+             "auto chooses by the step times it measures, so two runs may choose apart and --deterministic's same "
+             "bits every run cannot hold: pin the choice (the flags its line printed, e.g. --comm-hook powersgd "
+             "--powersgd-rank 4) or drop --deterministic")
         need(self.powersgd_rank >= 1, "powersgd_rank", "must be at least 1")
         need(self.powersgd_start >= 2, "powersgd_start", "must be at least 2 (PowerSGD's error feedback and warm "
              "start need exact steps first, as torch's PowerSGDState)")

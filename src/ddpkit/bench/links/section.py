@@ -11,7 +11,12 @@ tiny Shakespeare there (``ddpkit launch`` on each node, ``-m ddpkit train
 * ``local-sgd``: parameters averaged every ``--sync-every`` steps;
 * ``diloco``: ``ddpkit.DiLoCo``, an outer step every ``--sync-every`` steps;
 * ``streaming``: DiLoCo in 4 fragments, each exchange overlapping 2 inner
-  steps, the pseudo-gradients in int8.
+  steps, the pseudo-gradients in int8;
+* ``fp16``, ``powersgd``: DDP with that comm hook (PowerSGD at rank 4, from
+  step 10);
+* ``auto``: DDP with ``--comm-hook auto``, the reduction chosen from the
+  link as the run goes (:mod:`ddpkit.comm.auto`; its decision's line is kept
+  in the row).
 
 Each row: seconds a step and symbols a second (the run's training wall time
 over its steps, evaluation included), MB each rank sent a step (every
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -47,6 +53,9 @@ RUNS = {
     "diloco": lambda h: ["--sync-every", str(h)],
     "streaming": lambda h: ["--sync-every", str(h), "--fragments", "4", "--fragment-delay", "2",
                             "--outer-codec", "int8"],
+    "fp16": lambda h: ["--comm-hook", "fp16"],
+    "powersgd": lambda h: ["--comm-hook", "powersgd", "--powersgd-rank", "4"],
+    "auto": lambda h: ["--comm-hook", "auto"],
 }
 """Each run's ``ddpkit train`` flags, given ``--sync-every``."""
 BLOCK = 64
@@ -60,7 +69,8 @@ class LinksBenchConfig:
     data_dir: Path | None = option(None, "folder of tiny Shakespeare's input.txt (e.g. ../shared/data/tinyshakespeare)")
     rates: tuple[str, ...] = option(("none", "1gbit", "100mbit"), "link rates, in bit/s ('none': unshaped)",
                                     metavar="RATE")
-    runs: tuple[str, ...] = option(tuple(RUNS), f"runs, among {', '.join(RUNS)}", metavar="NAME")
+    runs: tuple[str, ...] = option(("ddp", "local-sgd", "diloco", "streaming"), f"runs, among {', '.join(RUNS)}",
+                                   metavar="NAME")
     nodes: int = option(2, "nodes (namespaces), one worker each")
     sync_every: int = option(16, "H of local SGD and DiLoCo: inner steps between two exchanges")
     train_samples: int = option(2048, "training samples of 64 characters (the steps: these / (nodes x batch))")
@@ -106,6 +116,8 @@ class Row:
     steps: int
     vs_ddp: float | None = None
     """DDP's step time at this rate over this run's (above 1: faster than DDP)."""
+    chosen: str | None = None
+    """``auto``: what its (last) decision chose."""
 
 
 def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -> Row:
@@ -121,10 +133,10 @@ def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -
         "--nproc-per-node", "1", "--master-addr", bed.nodes[0].address, "--master-port", str(port),
         "--rdzv-id", f"links-{name}", *train]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for k in range(cfg.nodes)]
-    errs = [""] * len(procs)
+    outs, errs = [""] * len(procs), [""] * len(procs)
 
     def drain(k: int) -> None:  # every node's pipes at once: one that writes much never blocks the job
-        errs[k] = procs[k].communicate()[1]
+        outs[k], errs[k] = procs[k].communicate()
 
     readers = [threading.Thread(target=drain, args=(k,), daemon=True) for k in range(len(procs))]
     try:
@@ -151,11 +163,13 @@ def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -
     if errors:
         raise RunError(f"{where} failed: " + "; ".join(errors))
     summary = json.loads((out / "summary.json").read_text())
+    chosen = re.findall(r"^comm auto at step \d+: .*; chose (\S+) ", outs[0], re.MULTILINE)
     steps = int(summary["steps"])
     wall = float(summary["wall_time_s"])
     return Row(rate=bed.rate or "none", run=name, flags=" ".join(flags), step_s=wall / steps,
                symbols_per_s=steps * cfg.batch_size * cfg.nodes * BLOCK / wall,
-               sent_mb_per_step=summary.get("sent_mb_per_step"), test_loss=float(summary["test_loss"]), steps=steps)
+               sent_mb_per_step=summary.get("sent_mb_per_step"), test_loss=float(summary["test_loss"]), steps=steps,
+               chosen=chosen[-1] if chosen else None)
 
 
 def run(cfg: LinksBenchConfig) -> list[dict[str, Any]]:
@@ -204,7 +218,8 @@ def format_rows(rows: list[dict[str, Any]], cfg: LinksBenchConfig) -> str:
     for r in rows:
         sent = "-" if r["sent_mb_per_step"] is None else f"{r['sent_mb_per_step']:.3f}"
         vs = "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}"
-        lines.append(f"| {r['rate']} | {r['run']} | {r['step_s']:.3f} | {r['symbols_per_s']:.0f} | {sent} | "
+        run = r["run"] if r.get("chosen") is None else f"{r['run']}: {r['chosen']}"
+        lines.append(f"| {r['rate']} | {run} | {r['step_s']:.3f} | {r['symbols_per_s']:.0f} | {sent} | "
                      f"{r['test_loss']:.3f} | {vs} |")
     lines += [""] + note_lines(
         f"{cfg.nodes} nodes (network namespaces on one bridge, each cable shaped with tc tbf in both directions), "

@@ -86,6 +86,12 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             model's parameters steps on this rank's shard (see
             :mod:`ddpkit.parallel.zero.stage3`, also for ``zero_units``,
             ``reshard_after_forward``, ``zero_param_dtype`` and ``zero_reduce_dtype``).
+        comm: ddpkit's own, keyword only. ``"auto"``: the gradient reduction
+            chosen from the measured link as training runs (the exact
+            all-reduce, fp16, bf16 or PowerSGD at rank 1-8; ``"auto:fp16,powersgd:2"``
+            limits the candidates), printed once with the spec that pins it;
+            ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd:R"``: that one from
+            the start (see :mod:`ddpkit.comm.auto`). Default None: no hook.
 
     Parameters and buffers named with torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``
@@ -153,6 +159,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         zero_param_dtype: torch.dtype | None = None,
         zero_reduce_dtype: torch.dtype | None = None,
         zero_init: Any = None,
+        comm: str | None = None,
     ) -> None:
         super().__init__()
         # torch's arguments in torch's order, so a call written for torch's DDP
@@ -220,6 +227,21 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             self.device = self.reducer.device
             self.device_type = self.device.type
         self._logging = DDPLogging(self) if self.zero_stage < 3 else ShardedLogging(self)
+        if comm is not None:
+            self._use_comm(comm)
+
+    def _use_comm(self, comm: str) -> None:
+        """``comm=``: the reduction chosen from the measured link (``auto``) or pinned (see :mod:`ddpkit.comm.auto`)."""
+        from ddpkit.comm import auto
+
+        choice = auto.parse_comm(comm)
+        if self.zero_stage >= 2:
+            raise ValueError(f"comm={comm!r} does not fit zero_stage={self.zero_stage}, whose gradients are "
+                             "reduce-scattered, not all-reduced by buckets: leave comm out (or use zero_stage 0 or 1)")
+        if isinstance(choice, auto.Scheme):
+            self.register_comm_hook(*auto.pinned(choice, self.process_group))
+        else:
+            self.register_comm_hook(auto.AutoComm(self.process_group, choice), auto.auto_hook)
 
     def _keep_settings(self, settings: ddp_args.DDPSettings, bucket_cap_mb: float | None) -> None:
         """The settings arguments, and the attributes torch's DDP exposes for them."""
