@@ -36,7 +36,8 @@ def test_the_self_test_passes_on_gloo_and_reports_everything():
     for group in groups.values():
         assert group["world"] == 3 and group["ok"]
         assert [c["check"] for c in group["checks"]] == ["collectives", "DDP step", "SyncBatchNorm",
-                                                         "all-reduce bandwidth"]
+                                                         "all-reduce bandwidth", "comm auto"]
+        assert group["checks"][4]["detail"].startswith("all-reduce ") and " over 3 ranks;" in group["checks"][4]["detail"]
         assert all(c["ok"] for c in group["checks"])
         assert "hierarchical" in group["checks"][0]["detail"] and "torch's DDP" in group["checks"][1]["detail"]
         assert sorted(group["bus_gbps"]) == ["1 MiB", "16 MiB", "64 MiB"] and min(group["bus_gbps"].values()) > 0
@@ -82,6 +83,19 @@ def test_nccl_is_planned_one_gpu_per_rank():
 def test_bad_flags_name_the_value(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         DoctorConfig(**kwargs)
+
+
+def test_the_comm_auto_line_says_up_to_which_step_compression_would_be_tried():
+    from ddpkit.doctor.selftest import describe_auto
+
+    line = describe_auto("all-reduce 12.5 MB/s, latency 90 us over 2 ranks",
+                         {"none": 8.0, "fp16": 4.0, "powersgd:4": 0.5})
+    assert line == ("all-reduce 12.5 MB/s, latency 90 us over 2 ranks; a 25 M-parameter model's reduction a step: "
+                    "none 8000.0 ms, fp16 4000.0 ms, powersgd:4 500.0 ms; auto would try powersgd:4 for steps up to "
+                    "150.00 s (saving 5 % or more) and keep the exact all-reduce above")
+    fast = describe_auto("x", {"none": 0.01, "fp16": 0.012, "powersgd:4": 0.02})
+    assert fast.endswith("no compression is predicted to pay for it at any step time: auto would keep the exact "
+                         "all-reduce")
 
 
 def test_bandwidth_at_world_1_says_there_is_no_bus_and_gives_the_calls_time():

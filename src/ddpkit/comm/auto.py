@@ -188,7 +188,8 @@ def _matmul_rate(device: torch.device) -> float:
 
 def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 3) -> Link:
     """Time all-reduces of 4 KiB, 16 KiB, ... (until one takes :data:`PROBE_LIMIT_S`, at most 64 MiB) over the
-    group and fit ``latency + bytes / bandwidth`` by least squares on the slowest rank's medians. Every rank of the
+    group; the bandwidth is the least-squares slope of the slowest rank's medians, the latency the smallest
+    message's time less its bytes' share. Every rank of the
     group must call it at once (it is a series of collectives); all get the same :class:`Link`."""
     group = group if group is not None else dist.group.WORLD
     device = device if device is not None else torch.device("cpu")
@@ -206,7 +207,7 @@ def probe_link(group: Any = None, device: torch.device | None = None, reps: int 
     mean_x, mean_y = sum(sizes) / n, sum(times) / n
     var = sum((x - mean_x) ** 2 for x in sizes)
     slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / var, 0.0) if var else 0.0
-    latency = min(max(mean_y - slope * mean_x, 0.0), min(times))  # the intercept, within what was measured
+    latency = max(times[0] - sizes[0] * slope, 0.0)  # the smallest message's time, less its bytes' share
     return Link(latency_s=latency, seconds_per_byte=slope, flops_per_s=-rate, world=dist.get_world_size(group))
 
 

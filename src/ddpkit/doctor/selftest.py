@@ -22,7 +22,14 @@ SyncBatchNorm
 bandwidth
     all-reduce bus bandwidth at 1, 16 and 64 MiB (median of three; bus
     bandwidth counts the 2(n-1)/n of the data a ring moves per rank). A
-    world of one has no bus: it says so, with the time of the call alone.
+    world of one has no bus: it says so, with the time of the call alone;
+comm auto
+    the link as ``comm="auto"`` measures it (:func:`ddpkit.comm.auto.probe_link`:
+    latency and bandwidth of the all-reduce), what its cost model predicts a
+    step's reduction of a 25 M-parameter model (:data:`REFERENCE_SHAPES`, in
+    25 MB buckets) takes exactly, in half precision and with PowerSGD at rank 4,
+    and so up to which step time ``auto`` would try compressing (a candidate is
+    tried when predicted 5 % faster than the exact step; the trials decide).
 
 A group whose ranks cannot start or meet fails with the error and the likely
 fix; a timeout bounds every wait, so nothing hangs.
@@ -37,9 +44,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SIZES_MIB", "plan", "run_group"]
+__all__ = ["REFERENCE_SHAPES", "SIZES_MIB", "describe_auto", "plan", "run_group"]
 
 SIZES_MIB = (1, 16, 64)
+REFERENCE_SHAPES = ((2896, 2896), (2896,)) * 3
+"""The comm-auto check's model: three 2896 x 2896 layers with their biases (25.2 M parameters, about 100 MB of
+float32 gradients)."""
 
 
 def plan(backends: dict[str, dict[str, Any]], gpus: int, nproc: int, asked: tuple[str, ...] | None) -> list[dict]:
@@ -212,6 +222,35 @@ def describe_bandwidth(bus: dict[str, float], took: dict[str, float]) -> str:
             f"--nproc-per-node, to measure one); the call alone takes {times}")
 
 
+def _auto(torch: Any, device: Any) -> str:
+    from ddpkit.comm import auto
+
+    link = auto.probe_link(None, device)
+    shapes = [torch.Size(s) for s in REFERENCE_SHAPES]
+    cap = 25 * 2**20 // 4  # elements in a 25 MB bucket
+    buckets: list[list[Any]] = [[]]
+    for shape in shapes:
+        if buckets[-1] and sum(s.numel() for s in buckets[-1]) + shape.numel() > cap:
+            buckets.append([])
+        buckets[-1].append(shape)
+    seconds = {spec: auto.predict(auto.parse_scheme(spec), link, buckets) for spec in ("none", "fp16", "powersgd:4")}
+    return describe_auto(link.describe(), seconds)
+
+
+def describe_auto(link: str, seconds: dict[str, float]) -> str:
+    """The comm-auto check's line: the link, the predicted reductions of the reference model, and the step time
+    below which ``comm="auto"`` would try the best of them (saving at least 5 % of the exact step)."""
+    exact = seconds["none"]
+    best, fastest = min(((k, v) for k, v in seconds.items() if k != "none"), key=lambda kv: kv[1])
+    each = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items())
+    if fastest >= exact:
+        then = "no compression is predicted to pay for it at any step time: auto would keep the exact all-reduce"
+    else:
+        then = (f"auto would try {best} for steps up to {20 * (exact - fastest):.2f} s (saving 5 % or more) and keep "
+                "the exact all-reduce above")
+    return f"{link}; a 25 M-parameter model's reduction a step: {each}; {then}"
+
+
 def _rank(rank: int, group: dict[str, Any], out_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -236,6 +275,7 @@ def _rank(rank: int, group: dict[str, Any], out_dir: str) -> None:
         return describe_bandwidth(bus, took)
 
     _check(results, "all-reduce bandwidth", measure)
+    _check(results, "comm auto", lambda: _auto(torch, device))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"checks": results, "bus_gbps": bandwidth}))
     shutdown()
 
