@@ -6,33 +6,37 @@ factors make a step many times shorter. :class:`AutoComm` is a comm hook's state
 :func:`auto_hook`, or pass ``comm="auto"`` to :class:`ddpkit.DistributedDataParallel`) that decides as training
 runs, in three phases:
 
-1. **Start** (``start`` steps, default 10): the exact all-reduce (the start of training is where compression hurts
-   most, as PowerSGD's own start steps), timing each step: from one step's first bucket to the next step's.
+1. **Start** (``start`` steps, default 10): the exact all-reduce, as DDP without a hook (the same bits; the start
+   of training is where compression hurts most, as PowerSGD's own start steps), timing each step: from one step's
+   first bucket to the next step's.
 2. **Probe and predict**: a short probe of the link with all-reduces of growing sizes (every rank takes part; the
-   slowest rank's times count), fitted as ``latency + bytes / bandwidth``; a cost model of each candidate's bytes
-   and collectives per step over the model's buckets (and PowerSGD's products, timed on this machine) predicts
-   its step time as the exact step's minus the exact reduction's time plus the candidate's. Candidates: fp16,
-   bf16 and PowerSGD at ranks 1, 2, 4 and 8 (or the list given, ``comm="auto:fp16,powersgd:2"``). A candidate is
-   tried only if predicted at least 5 % faster than the exact step; none is: the exact all-reduce stays, without
-   a trial.
-3. **Trial** (``trial`` steps each, default 8) of the ``tries`` best-predicted (default 3): each runs on the real
-   steps; PowerSGD starts with two exact steps (its error feedback needs them); each is timed from its fourth
-   step (after its first compressed one, which allocates PowerSGD's factors). The
-   slowest rank's median step of each counts; the fastest wins, and a less lossy one within 5 % of it is
-   preferred (exact, then half precision, then PowerSGD by falling rank). Every rank computes the same choice from
-   the same all-reduced numbers.
+   slowest rank's times count): the bandwidth from the large ones, the latency from the small ones. A cost model
+   of each candidate's bytes and collectives per step over the model's buckets (and PowerSGD's products, timed on
+   this machine) predicts its step time as the exact step's minus the exact reduction's time plus the candidate's.
+   Candidates: fp16, bf16 and PowerSGD at ranks 1, 2, 4 and 8 (or the list given, ``comm="auto:fp16,powersgd:2"``).
+   A candidate is tried only if predicted at least 5 % faster than the exact step (when none is, the exact
+   all-reduce stays without a trial), and one half precision at most (both send the same bytes: bf16 first).
+3. **Trial** (``trial`` steps each, default 8) of the exact all-reduce and of the ``tries`` best-predicted
+   candidates (default 3), on the real steps, each timed from its second step (its first settles in: PowerSGD
+   allocates its factors). PowerSGD compresses from its first step there (its exact start is for a model's first
+   steps, long past), and when the scheme changes its error is fed back through the next step's buckets, whatever
+   reduces them: nothing of the gradient is dropped. The slowest rank's median step of each counts; the fastest
+   wins, and a less lossy one within 5 % of it is preferred (exact, then half precision, then PowerSGD by falling
+   rank). Every rank computes the same choice from the same all-reduced numbers.
 
 The decision is printed once (rank 0, and the ``ddpkit.comm.auto`` logger) as a line that says what was measured,
 what was predicted, what each trial took, what was chosen and why, ending with the spec that pins it
 (``comm="powersgd:4"``): a run given the spec repeats the choice without measuring.
 
-**Drift.** After the decision the step times go on being watched: 25 steps after it, the median of the last 20
-(the slowest rank's) becomes the baseline; every 25 steps after that the median of the last 20 is compared with it,
-and a change by ``drift`` times or more (default 2) re-opens the decision (exact steps, probe, trials), so a step
-that a link's change makes that much slower or faster is answered within 50 steps.
+**Drift.** After the decision the step times go on being watched: every 25 steps the median of the last 20 (the
+slowest rank's) is compared with the chosen scheme's trial, and a change by ``drift`` times or more (default 2)
+re-opens the decision (exact steps, probe, trials): a step that a link's change makes that much slower or faster
+is answered within 50 steps. A change the step does not feel is not seen (PowerSGD's step barely depends on the
+link: a link that becomes fast again under it goes unnoticed).
 
-**Accuracy.** Compression begins only after the exact start; PowerSGD keeps error feedback; the choice among
-near-equals goes to the less lossy. The loss is not seen by a comm hook: a guard on it is not part of this.
+**Accuracy.** Compression begins only after the exact start; PowerSGD keeps error feedback, across scheme changes
+too; the choice among near-equals goes to the less lossy. The loss is not seen by a comm hook: a guard on it is not
+part of this.
 
 Not chosen here (yet): the bucket size (the model's ``bucket_cap_mb`` stays) and the all-reduce algorithm (the
 backend's own).
@@ -54,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import bucket_hooks, powersgd
+from ddpkit.runtime import events
 from ddpkit.runtime.states import check_move
 
 __all__ = ["AutoComm", "Link", "Scheme", "auto_hook", "parse_comm", "predict", "probe_link"]
@@ -68,8 +73,6 @@ PAYS = 0.95
 """A candidate is tried only if predicted at most this fraction of the exact step."""
 NEAR = 1.05
 """A less lossy scheme within this factor of the fastest trial is preferred."""
-POWERSGD_EXACT = 2
-"""PowerSGD's exact steps before it compresses, in a trial and after a decision (its state needs two)."""
 PROBE_LIMIT_S = 0.25
 """The probe's sizes grow (4 KiB to 64 MiB, by 4) until one all-reduce takes this long."""
 
@@ -89,27 +92,39 @@ class Scheme:
 
     @property
     def lossiness(self) -> tuple[int, int]:
-        """Order of preference among near-equals: exact, half precision, then PowerSGD by falling rank."""
+        """Order of preference among near-equals: exact; half precision, bf16 before fp16 (bf16 keeps float32's
+        range, fp16 turns a gradient beyond 65,504 into inf); then PowerSGD by falling rank."""
         return {"none": (0, 0), "bf16": (1, 0), "fp16": (1, 1)}.get(self.name, (2, -self.rank))
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless this is a reduction :func:`parse_scheme` could give."""
+        if self.name not in SCHEMES:
+            raise ValueError(f"Scheme({self.name!r}): not a reduction: use none, fp16, bf16 or powersgd")
+        ok = (isinstance(self.rank, int) and not isinstance(self.rank, bool)
+              and (self.rank >= 1 if self.name == "powersgd" else self.rank == 0))
+        if not ok:
+            raise ValueError(f"Scheme({self.name!r}, {self.rank!r}): " + (
+                "PowerSGD needs a whole rank of at least 1" if self.name == "powersgd" else "only powersgd has a rank"))
 
 
 def parse_scheme(spec: str) -> Scheme:
     """``none``, ``fp16``, ``bf16`` or ``powersgd:R`` as a :class:`Scheme` (``ValueError`` naming the fix)."""
-    name, _, rank = spec.strip().partition(":")
+    name, colon, rank = spec.strip().partition(":")
     if name not in SCHEMES:
-        raise ValueError(f"comm={spec!r}: {name!r} is not a reduction: use auto, none, fp16, bf16 or powersgd:R")
+        raise ValueError(f"comm={spec!r}: {name!r} is not a reduction: use none, fp16, bf16 or powersgd:R (or auto, "
+                         "alone or with a list of these)")
     if name != "powersgd":
-        if rank:
+        if colon:
             raise ValueError(f"comm={spec!r}: {name} takes no ':{rank}' (only powersgd:R has a rank)")
         return Scheme(name)
-    if not rank.isdigit() or int(rank) < 1:
+    if not (rank.isascii() and rank.isdigit()) or int(rank) < 1:
         raise ValueError(f"comm={spec!r}: PowerSGD needs its rank as a whole number of at least 1, e.g. powersgd:4")
     return Scheme(name, int(rank))
 
 
 def parse_comm(spec: str) -> tuple[Scheme, ...] | Scheme:
     """``comm=``'s value: a :class:`Scheme` (pinned), or the candidates of ``auto`` (``auto`` alone: all of
-    :data:`CANDIDATE_SPECS`; ``auto:fp16,powersgd:2``: those)."""
+    :data:`CANDIDATE_SPECS`; ``auto:fp16,powersgd:2``: those, the exact all-reduce always among them)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"comm={spec!r}: give 'auto', or a reduction to pin: none, fp16, bf16 or powersgd:R")
     head, colon, rest = spec.strip().partition(":")
@@ -119,8 +134,13 @@ def parse_comm(spec: str) -> tuple[Scheme, ...] | Scheme:
     if not names:
         raise ValueError(f"comm={spec!r}: list the candidates after 'auto:' (e.g. auto:fp16,powersgd:2) or give "
                          "'auto' alone")
-    schemes = [parse_scheme(s) for s in names]
-    return tuple(dict.fromkeys(s for s in schemes if s.name != "none"))  # the exact all-reduce is always there
+    if any(n.strip().partition(":")[0] == "auto" for n in names):
+        raise ValueError(f"comm={spec!r}: after 'auto:' list reductions (fp16, bf16, powersgd:R), not 'auto'")
+    schemes = tuple(dict.fromkeys(s for s in (parse_scheme(n) for n in names) if s.name != "none"))
+    if not schemes:
+        raise ValueError(f"comm={spec!r} leaves nothing to choose (the exact all-reduce is always a candidate): pin it "
+                         "with comm='none', or list fp16, bf16 or powersgd:R after 'auto:'")
+    return schemes
 
 
 # ---------------------------------------------------------------- the link and the cost model
@@ -145,12 +165,14 @@ class Link:
         return self.latency_s + nbytes * self.seconds_per_byte
 
     def describe(self) -> str:
+        if self.world == 1:
+            return "no link (a world of one)"
         bw = self.bandwidth
         rate = "unbounded" if bw == float("inf") else (f"{bw / 1e9:.2f} GB/s" if bw >= 1e9 else f"{bw / 1e6:.1f} MB/s")
         return f"all-reduce {rate}, latency {self.latency_s * 1e6:.0f} us over {self.world} ranks"
 
 
-def _timed_all_reduces(group: Any, device: torch.device, nbytes: int, reps: int) -> float:
+def _timed_all_reduces(group: Any, device: torch.device, nbytes: int, reps: int) -> list[float]:
     t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
     dist.all_reduce(t, group=group)  # warm: the connection and the buffers
     times = []
@@ -162,7 +184,7 @@ def _timed_all_reduces(group: Any, device: torch.device, nbytes: int, reps: int)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def _slowest(values: Sequence[float], group: Any, device: torch.device) -> list[float]:
@@ -186,29 +208,36 @@ def _matmul_rate(device: torch.device) -> float:
     return 2 * 512 * 512 * 8 * reps / max(time.perf_counter() - start, 1e-9)
 
 
-def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 3) -> Link:
+def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 5) -> Link:
     """Time all-reduces of 4 KiB, 16 KiB, ... (until one takes :data:`PROBE_LIMIT_S`, at most 64 MiB) over the
-    group; the bandwidth is the least-squares slope of the slowest rank's medians, the latency the smallest
-    message's time less its bytes' share. Every rank of the
-    group must call it at once (it is a series of collectives); all get the same :class:`Link`."""
+    group, ``reps`` of each: the bandwidth is the least-squares slope of the slowest rank's medians over the sizes
+    of 1 MiB and more (all of them when none reached 1 MiB), the latency the smallest time of a message of 64 KiB or
+    less (noise on a small message only adds, so its fastest repetition is the truest; a shaped link's burst lets
+    a small message through at the line's rate, so its bytes' share at the sustained rate is not taken off). Every
+    rank of the group must call it at once (a series of collectives); all get the same :class:`Link`."""
     group = group if group is not None else dist.group.WORLD
     device = device if device is not None else torch.device("cpu")
-    sizes, times = [], []
+    world = dist.get_world_size(group)
+    if world == 1:  # one rank's all-reduce moves nothing: there is no link
+        return Link(latency_s=0.0, seconds_per_byte=0.0, flops_per_s=_matmul_rate(device), world=1)
+    sizes, medians, fastest = [], [], []
     size = 4096
     while size <= 64 << 20:
-        took = _slowest([_timed_all_reduces(group, device, size, reps)], group, device)[0]
+        times = _timed_all_reduces(group, device, size, reps)
+        median, low = _slowest([statistics.median(times), min(times)], group, device)
         sizes.append(size)
-        times.append(took)
-        if took >= PROBE_LIMIT_S:
+        medians.append(median)
+        fastest.append(low)
+        if median >= PROBE_LIMIT_S:
             break
         size *= 4
-    rate = _slowest([-_matmul_rate(device)], group, device)[0]  # the slowest rank's rate
-    n = len(sizes)
-    mean_x, mean_y = sum(sizes) / n, sum(times) / n
-    var = sum((x - mean_x) ** 2 for x in sizes)
-    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / var, 0.0) if var else 0.0
-    latency = max(times[0] - sizes[0] * slope, 0.0)  # the smallest message's time, less its bytes' share
-    return Link(latency_s=latency, seconds_per_byte=slope, flops_per_s=-rate, world=dist.get_world_size(group))
+    rate = -_slowest([-_matmul_rate(device)], group, device)[0]  # the slowest rank's rate
+    big = [(x, y) for x, y in zip(sizes, medians) if x >= 1 << 20] or list(zip(sizes, medians))
+    mean_x, mean_y = statistics.fmean(x for x, _ in big), statistics.fmean(y for _, y in big)
+    var = sum((x - mean_x) ** 2 for x, _ in big)
+    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in big) / var, 0.0) if var else mean_y / mean_x
+    latency = min(t for x, t in zip(sizes, fastest) if x <= 64 << 10)
+    return Link(latency_s=latency, seconds_per_byte=slope, flops_per_s=rate, world=world)
 
 
 def predict(scheme: Scheme, link: Link, buckets: Sequence[Sequence[torch.Size]], element_size: int = 4,
@@ -221,7 +250,7 @@ def predict(scheme: Scheme, link: Link, buckets: Sequence[Sequence[torch.Size]],
         if scheme.name == "none":
             total += link.seconds(numel * element_size)
         elif scheme.name in ("fp16", "bf16"):
-            total += link.seconds(numel * 2)
+            total += link.seconds(numel * min(2, element_size))
         else:
             plain, ps, qs, flops = 0, 0, 0, 0.0
             r = scheme.rank
@@ -255,12 +284,20 @@ MOVES = {
     Phase.DECIDED: frozenset({Phase.START}),
 }
 """The moves :meth:`AutoComm._move` allows (a re-opened decision goes back to the start)."""
+DRIFT_EVERY = 25
+"""Steps between two looks at the step time after a decision (each: the median of the last 20)."""
 
 
 @dataclass
 class _Trial:
     scheme: Scheme
     periods: list[float] = field(default_factory=list)
+
+
+def _whole(value: Any, name: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}={value!r}: a whole number of at least {least}")
+    return value
 
 
 class AutoComm:
@@ -270,32 +307,35 @@ class AutoComm:
         process_group: the group DDP reduces over (``None``: the world).
         candidates: the schemes considered beside the exact all-reduce (default :data:`CANDIDATE_SPECS`).
         start: exact steps timed before the probe (at least 3).
-        trial: steps each tried candidate runs; the last ``trial - 3`` are timed (at least 6).
-        tries: how many of the best-predicted candidates are tried.
+        trial: steps each tried scheme runs; all but its first are timed (at least 4).
+        tries: how many of the best-predicted candidates are tried (beside the exact all-reduce).
         drift: the change in step time (a factor) that re-opens the decision; ``None``: never.
         say: where the decision's line goes on rank 0 (default: standard error).
         pin: how the line names what pins a scheme (default ``comm='powersgd:4'``, the wrapper's argument).
         probe: how the link is measured, ``probe(group, device) -> Link`` (default :func:`probe_link`): a link
             known in advance, or a test's.
+
+    Every rank of the group must use one (its collectives run inside the hook, at the same steps on every rank).
     """
 
     def __init__(self, process_group: Any = None, candidates: Sequence[Scheme] | None = None, *, start: int = 10,
                  trial: int = 8, tries: int = 3, drift: float | None = 2.0,
                  say: Callable[[str], None] | None = None, pin: Callable[[Scheme], str] | None = None,
                  probe: Callable[[Any, torch.device], Link] | None = None) -> None:
-        if start < 3:
-            raise ValueError(f"start={start}: at least 3 exact steps are timed before the probe")
-        if trial < POWERSGD_EXACT + 4:
-            raise ValueError(f"trial={trial}: a trial needs at least {POWERSGD_EXACT + 4} steps (PowerSGD's "
-                             f"{POWERSGD_EXACT} exact ones, its first compressed one, then three timed)")
-        if tries < 1:
-            raise ValueError(f"tries={tries}: try at least one candidate")
-        if drift is not None and not drift > 1:
-            raise ValueError(f"drift={drift}: a factor above 1 (2: a step twice as long or half), or None")
+        self.start = _whole(start, "start", 3)
+        self.trial = _whole(trial, "trial", 4)
+        self.tries = _whole(tries, "tries", 1)
+        if drift is not None and (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 1):
+            raise ValueError(f"drift={drift!r}: a factor above 1 (2: a step twice as long or half), or None")
+        chosen = tuple(candidates) if candidates is not None else tuple(parse_scheme(s) for s in CANDIDATE_SPECS)
+        for scheme in chosen:
+            if not isinstance(scheme, Scheme):
+                raise TypeError(f"candidates: {scheme!r} is not a Scheme: give parse_scheme('fp16') and the like "
+                                 "(or pass comm='auto:fp16,powersgd:2' to the wrapper)")
+            scheme.check()
+        self.candidates = tuple(dict.fromkeys(s for s in chosen if s.name != "none"))
         self.process_group = process_group
-        self.candidates = tuple(candidates) if candidates is not None else tuple(
-            parse_scheme(s) for s in CANDIDATE_SPECS)
-        self.start, self.trial, self.tries, self.drift = start, trial, tries, drift
+        self.drift = drift
         self.say = say
         self.pin = pin or (lambda scheme: f"comm={scheme.spec!r}")
         self.probe = probe or probe_link
@@ -305,117 +345,135 @@ class AutoComm:
         """Steps whose reduction began (one per synchronised backward)."""
         self.decisions: list[dict[str, Any]] = []
         """Each decision as a record (what was measured, predicted, tried, chosen): the last is in force."""
-        self._powersgd: powersgd.PowerSGDState | None = None
+        self._powersgd: dict[int, powersgd.PowerSGDState] = {}
+        """One state per PowerSGD rank used, kept for a return to it (its warm start)."""
+        self._carry: dict[int, torch.Tensor] = {}
+        """PowerSGD's error left when the scheme changed, by bucket: added to the next step's buckets."""
         self._open = False
         self._starts: list[float] = []
         self._since = 0
+        """Steps begun under the scheme in force, the current one included."""
         self._shapes: dict[int, list[torch.Size]] = {}
         self._layout: dict[int, list[torch.Size]] = {}
+        self._element_size = 4
         self._queue: list[_Trial] = []
         self._done: list[_Trial] = []
-        self._exact: float = 0.0
+        self._exact = 0.0
         self._link: Link | None = None
         self._predicted: dict[Scheme, float] = {}
-        self._decided_period = 0.0
+        self._baseline = 0.0
 
     # -- the hook's entry
 
     def reduce(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """Reduce ``bucket`` with the scheme in force, moving the decision on at each step's first bucket."""
         index = bucket.index()
+        buffer = bucket.buffer()
         if not self._open or index in self._shapes:  # a step begins (a bucket seen in this one: a skipped last)
             self._open = True
             self._layout, self._shapes = self._shapes or self._layout, {}  # the last whole step's buckets
-            self._step_begins(bucket.buffer().device)
-        self._shapes[index] = [g.shape for g in bucket.gradients()]
+            self._element_size = buffer.element_size()
+            self._step_begins(buffer.device)
+        self._shapes[index] = [p.shape for p in bucket.parameters()]
         if bucket.is_last():
             self._open = False
+        carried = self._carry.pop(index, None)
+        if carried is not None and carried.shape == buffer.shape:
+            buffer.add_(carried)  # PowerSGD's error from before the change: fed back here, not lost
         return self._reduce_with(self.scheme, bucket)
 
     def _reduce_with(self, scheme: Scheme, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         group = self.process_group
-        if scheme.name == "none":
-            return bucket_hooks.allreduce_hook(group, bucket)
+        if scheme.name == "none":  # as DDP without a hook: times 1/n on the way in, then the sum
+            group = group if group is not None else dist.group.WORLD
+            buffer = bucket.buffer()
+            buffer.mul_(1.0 / dist.get_world_size(group))
+            events.collective("comm auto: all-reduce the bucket", nbytes=buffer.numel() * buffer.element_size())
+            return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
         if scheme.name == "fp16":
             return bucket_hooks.fp16_compress_hook(group, bucket)
         if scheme.name == "bf16":
             return bucket_hooks.bf16_compress_hook(group, bucket)
-        assert self._powersgd is not None
-        return powersgd.powersgd_hook(self._powersgd, bucket)
+        return powersgd.powersgd_hook(self._powersgd[scheme.rank], bucket)
 
     # -- the steps
 
     def _step_begins(self, device: torch.device) -> None:
-        now = time.perf_counter()
-        self._starts.append(now)
+        self._starts.append(time.perf_counter())
         self._starts = self._starts[-64:]
         self.steps += 1
         self._since += 1
         period = self._starts[-1] - self._starts[-2] if len(self._starts) >= 2 else None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
+        # Every branch below that runs a collective (the probe, _slowest) is taken at the same step on every rank:
+        # the steps are counted alike everywhere, and every number it branches on was all-reduced.
         if self.phase is Phase.START:
             if self._since > self.start:
                 self._after_start(group, device)
         elif self.phase is Phase.TRIAL:
-            current = self._queue[0]
-            # Its step j has _since = j - 1 and the period just ended is step _since's: timed after PowerSGD's
-            # exact steps and its first compressed one (which allocates its factors).
-            if period is not None and self._since >= POWERSGD_EXACT + 2:
-                current.periods.append(period)
-            if self._since >= self.trial:
+            ended = self._since - 1  # the trial's step that just ended (its first: settling in, not timed)
+            if period is not None and ended >= 2:
+                self._queue[0].periods.append(period)
+            if ended >= self.trial:
                 self._done.append(self._queue.pop(0))
                 if self._queue:
                     self._use(self._queue[0].scheme)
                 else:
                     self._decide(group, device)
-        elif self.drift is not None and self._since % 25 == 0:
+        elif self.drift is not None and self._since % DRIFT_EVERY == 0 and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
-            [now_median] = _slowest([statistics.median(recent)], group, device)
-            if self._since == 25:  # the steady step under the choice (its first steps settle in): the baseline
-                self._decided_period = now_median
-                return
-            ratio = now_median / self._decided_period if self._decided_period > 0 else 1.0
+            [now] = _slowest([statistics.median(recent)], group, device)
+            ratio = now / self._baseline if self._baseline > 0 else 1.0
             if ratio >= self.drift or ratio <= 1 / self.drift:
-                self._tell(f"comm auto: the step went from {self._decided_period * 1e3:.1f} to "
-                           f"{now_median * 1e3:.1f} ms ({ratio:.2f}x) under {self.scheme.spec}: deciding again")
+                self._tell(f"comm auto: the step went from {self._baseline * 1e3:.1f} to {now * 1e3:.1f} ms "
+                           f"({ratio:.2f}x) under {self.scheme.spec}: deciding again")
                 self._move(Phase.START)
                 self._use(Scheme("none"))
 
-    def _periods(self) -> list[float]:
-        """The periods of the exact start's steps after its first two (connections, allocations)."""
-        starts = self._starts[-(self.start - 1):]
-        return [b - a for a, b in itertools.pairwise(starts)]
-
     def _after_start(self, group: Any, device: torch.device) -> None:
-        [self._exact] = _slowest([statistics.median(self._periods())], group, device)
-        self._link = link = self.probe(group, device)
-        buckets = [self._layout[i] for i in sorted(self._layout)]
-        exact = predict(Scheme("none"), link, buckets)
+        starts = self._starts[-self.start:]  # the start's steps after its first (which settles in)
+        [self._exact] = _slowest([statistics.median(b - a for a, b in itertools.pairwise(starts))], group, device)
+        self._done, self._queue = [], []
         self._predicted = {Scheme("none"): self._exact}
-        for scheme in self.candidates:
-            self._predicted[scheme] = max(self._exact - exact, 0.0) + predict(scheme, link, buckets)
-        worth = sorted((s for s in self.candidates if self._predicted[s] <= PAYS * self._exact),
-                       key=lambda s: (self._predicted[s], s.lossiness))[: self.tries]
-        self._done = [_Trial(Scheme("none"), [self._exact])]
-        if not worth:
+        if dist.get_world_size(group) == 1:  # nothing to reduce, nothing to choose
+            self._link = None
             self._decide(group, device)
             return
-        self._queue = [_Trial(s) for s in worth]
+        self._link = link = self.probe(group, device)
+        buckets = [self._layout[i] for i in sorted(self._layout)]
+        exact = predict(Scheme("none"), link, buckets, self._element_size)
+        for scheme in self.candidates:
+            self._predicted[scheme] = max(self._exact - exact, 0.0) + predict(scheme, link, buckets,
+                                                                              self._element_size)
+        ranked = sorted((s for s in self.candidates if self._predicted[s] <= PAYS * self._exact),
+                        key=lambda s: (self._predicted[s], s.lossiness))
+        worth: list[Scheme] = []
+        for scheme in ranked:  # one half precision: fp16's and bf16's bytes are the same
+            if len(worth) < self.tries and not (scheme.name in ("fp16", "bf16")
+                                                and any(w.name in ("fp16", "bf16") for w in worth)):
+                worth.append(scheme)
+        if not worth:
+            self._done = [_Trial(Scheme("none"), [self._exact])]
+            self._decide(group, device)
+            return
+        self._queue = [_Trial(Scheme("none")), *(_Trial(s) for s in worth)]  # the exact one is tried as well
         self._move(Phase.TRIAL)
-        self._use(worth[0])
+        self._use(self._queue[0].scheme)
 
     def _decide(self, group: Any, device: torch.device) -> None:
-        medians = [statistics.median(t.periods) if t.periods else float("inf") for t in self._done]
-        medians = _slowest(medians, group, device)
+        done = self._done or [_Trial(Scheme("none"), [self._exact])]
+        medians = _slowest([statistics.median(t.periods) if t.periods else float("inf") for t in done], group,
+                           device)
         fastest = min(medians)
-        near = [(t.scheme.lossiness, i) for i, (t, m) in enumerate(zip(self._done, medians)) if m <= NEAR * fastest]
-        chosen_index = min(near)[1]
-        chosen = self._done[chosen_index].scheme
-        self._decided_period = medians[chosen_index]
+        chosen_index = min((t.scheme.lossiness, i) for i, (t, m) in enumerate(zip(done, medians))
+                           if m <= NEAR * fastest)[1]
+        chosen = done[chosen_index].scheme
+        self._baseline = medians[chosen_index]
         record = {
             "step": self.steps, "link": self._link, "exact_step_s": self._exact,
             "predicted_s": {s.spec: p for s, p in self._predicted.items()},
-            "tried_s": {t.scheme.spec: m for t, m in zip(self._done, medians)}, "chosen": chosen.spec,
+            "tried_s": {t.scheme.spec: m for t, m in zip(done, medians)} if self._queue or len(done) > 1 else {},
+            "chosen": chosen.spec,
         }
         self.decisions.append(record)
         self._tell(self._line(record, chosen, fastest))
@@ -427,24 +485,35 @@ class AutoComm:
             return f"{seconds * 1e3:.1f} ms"
 
         link = record["link"]
+        head = f"comm auto at step {record['step']}: "
+        if link is None:
+            return head + f"a world of one reduces nothing: {chosen.spec}"
         predicted = ", ".join(f"{k} {ms(v)}" for k, v in sorted(record["predicted_s"].items(), key=lambda kv: kv[1]))
-        tried = ", ".join(f"{k} {ms(v)}" for k, v in record["tried_s"].items())
-        if len(record["tried_s"]) == 1:
-            why = "no candidate was predicted 5 % faster than the exact step"
-        elif record["tried_s"][chosen.spec] == fastest:
-            why = "the fastest trial"
+        if not record["tried_s"]:
+            tried, why = "nothing tried", "no candidate was predicted 5 % faster than the exact step"
         else:
-            why = f"within 5 % of the fastest trial ({ms(fastest)}) and less lossy"
-        return (f"comm auto at step {record['step']}: measured {link.describe()}, exact step "
-                f"{ms(record['exact_step_s'])}; predicted {predicted}; tried {tried}; chose {chosen.spec} ({why}); "
-                f"pin it with {self.pin(chosen)}")
+            tried = "tried " + ", ".join(f"{k} {ms(v)}" for k, v in record["tried_s"].items())
+            why = ("the fastest trial" if record["tried_s"][chosen.spec] == fastest
+                   else f"within 5 % of the fastest trial ({ms(fastest)}) and less lossy")
+        return (head + f"measured {link.describe()}, exact step {ms(record['exact_step_s'])}; predicted {predicted}; "
+                f"{tried}; chose {chosen.spec} ({why}); pin it with {self.pin(chosen)}")
 
     def _use(self, scheme: Scheme) -> None:
+        """Reduce with ``scheme`` from the current step on (its first: ``_since`` 1)."""
+        if self.scheme.name == "powersgd" and scheme != self.scheme:
+            state = self._powersgd[self.scheme.rank]
+            for index, error in state.error_dict.items():  # its error is fed back by whatever reduces next
+                self._carry[index] = self._carry[index] + error if index in self._carry else error
+            state.error_dict = {}
+        if scheme.name == "powersgd" and scheme.rank not in self._powersgd:
+            # Compressing from its first step: PowerSGD's exact start is for a model's first steps (its buckets
+            # are rebuilt after the first), long past here.
+            state = powersgd.PowerSGDState(self.process_group, matrix_approximation_rank=scheme.rank,
+                                           start_powerSGD_iter=2)
+            state.iter = state.start_powerSGD_iter
+            self._powersgd[scheme.rank] = state
         self.scheme = scheme
-        self._since = 0
-        self._powersgd = powersgd.PowerSGDState(self.process_group, matrix_approximation_rank=scheme.rank,
-                                                start_powerSGD_iter=POWERSGD_EXACT) if scheme.name == "powersgd" \
-            else None
+        self._since = 1
 
     def _move(self, to: Phase) -> None:
         check_move(MOVES, self.phase, to, "comm auto")
@@ -468,11 +537,11 @@ def auto_hook(state: AutoComm, bucket: dist.GradBucket) -> torch.futures.Future[
     return state.reduce(bucket)
 
 
-def pinned(scheme: Scheme, process_group: Any = None, powersgd_start: int = 10) -> tuple[Any, Callable[..., Any]]:
-    """``(state, hook)`` that reduce with ``scheme`` from the first step (``comm="fp16"`` and the like); PowerSGD
-    after ``powersgd_start`` exact steps."""
+def pinned(scheme: Scheme, process_group: Any = None, powersgd_start: int = 10) -> tuple[Any, Callable[..., Any]] | None:
+    """``(state, hook)`` that reduce with ``scheme`` from the first step (``comm="fp16"`` and the like; PowerSGD
+    after ``powersgd_start`` exact steps), or None for ``none``: DDP without a hook."""
     if scheme.name == "none":
-        return process_group, bucket_hooks.allreduce_hook
+        return None
     if scheme.name == "powersgd":
         return (powersgd.PowerSGDState(process_group, matrix_approximation_rank=scheme.rank,
                                        start_powerSGD_iter=powersgd_start), powersgd.powersgd_hook)

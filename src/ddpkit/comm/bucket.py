@@ -98,11 +98,12 @@ class GradBucket:
         """
         if self.sparse:
             return [self.target]
-        if self.target is not self.flat:
+        if self.target is not self.flat and len(self.views) == 1:  # one parameter's gradient, reduced in place
             return [self.target.view(self.views[0].shape)]
+        source = self.target.reshape(-1)  # the flat bucket, or a joined rank's zeros in its place (a shadow step)
         pieces, offset = [], 0
         for view in self.views:  # made on each call, as torch's are
-            pieces.append(self.flat[offset : offset + view.numel()].view(view.shape))
+            pieces.append(source[offset : offset + view.numel()].view(view.shape))
             offset += view.numel()
         return pieces
 

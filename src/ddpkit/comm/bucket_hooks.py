@@ -71,7 +71,9 @@ def average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Fut
 def allreduce_hook(
     state: dist.ProcessGroup | AllReduceState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over the group: the same numbers as no hook at all with ``native``.
+    """Average the bucket over the group, dividing each rank's part by the world size before the sum (torch's
+    ``allreduce_hook``; DDP without a hook multiplies by ``1 / world`` instead, which rounds apart where the world
+    size is not a power of two).
 
     ``state`` is a process group (or None: the world), or an
     :class:`AllReduceState` naming the algorithm. Divides before summing so

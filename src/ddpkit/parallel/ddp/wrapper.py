@@ -239,7 +239,9 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             raise ValueError(f"comm={comm!r} does not fit zero_stage={self.zero_stage}, whose gradients are "
                              "reduce-scattered, not all-reduced by buckets: leave comm out (or use zero_stage 0 or 1)")
         if isinstance(choice, auto.Scheme):
-            self.register_comm_hook(*auto.pinned(choice, self.process_group))
+            hook = auto.pinned(choice, self.process_group)
+            if hook is not None:  # comm="none": no hook, DDP's own reduction
+                self.register_comm_hook(*hook)
         else:
             self.register_comm_hook(auto.AutoComm(self.process_group, choice), auto.auto_hook)
 
