@@ -537,7 +537,8 @@ def auto_hook(state: AutoComm, bucket: dist.GradBucket) -> torch.futures.Future[
     return state.reduce(bucket)
 
 
-def pinned(scheme: Scheme, process_group: Any = None, powersgd_start: int = 10) -> tuple[Any, Callable[..., Any]] | None:
+def pinned(scheme: Scheme, process_group: Any = None,
+           powersgd_start: int = 10) -> tuple[Any, Callable[..., Any]] | None:
     """``(state, hook)`` that reduce with ``scheme`` from the first step (``comm="fp16"`` and the like; PowerSGD
     after ``powersgd_start`` exact steps), or None for ``none``: DDP without a hook."""
     if scheme.name == "none":
