@@ -175,15 +175,22 @@ def _expected_trials(predicted: dict[str, float]) -> list[str]:
     return sorted(["none", *tried]) if tried else []
 
 
-def _pinned(spec: str, steps: int) -> list[torch.Tensor]:
+def _train(model: nn.Module, net: nn.Module, steps: int) -> list[torch.Tensor]:
+    """``steps`` SGD steps of ``model`` (a DDP of ``net``) on this rank's random batches; ``net``'s weights."""
     import torch.distributed as dist
 
-    from ddpkit.hooks import (
-        PowerSGDState,
-        bf16_compress_hook,
-        fp16_compress_hook,
-        powersgd_hook,
-    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _pinned(spec: str, steps: int) -> list[list[torch.Tensor]]:
+    from ddpkit.hooks import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powersgd_hook
 
     out = []
     torch.manual_seed(0)
@@ -199,14 +206,7 @@ def _pinned(spec: str, steps: int) -> list[torch.Tensor]:
                                          powersgd_hook)
             elif spec != "none":
                 model.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[spec])
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(steps):
-            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        out.append([p.detach().clone() for p in net.parameters()])
+        out.append(_train(model, net, steps))
     return out
 
 
@@ -337,22 +337,13 @@ def test_powersgds_error_is_fed_back_when_the_scheme_changes(dist2):
 
 
 def _exact_start(steps: int) -> list[list[torch.Tensor]]:
-    import torch.distributed as dist
-
     out = []
     torch.manual_seed(0)
     base = _Net()
     for comm in ("auto", None):
         net = copy.deepcopy(base)
         model = ddpkit.DDP(net, bucket_cap_mb=0.1, comm=comm)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(steps):
-            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        out.append([p.detach().clone() for p in net.parameters()])
+        out.append(_train(model, net, steps))
     return out
 
 
