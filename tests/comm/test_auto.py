@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def test_a_move_the_table_does_not_list_raises(now, to):
     ({"tries": 2.5}, "tries=2.5"), ({"drift": 1.0}, "drift=1.0"), ({"drift": True}, "drift=True"),
     ({"candidates": [Scheme("powersgd", 0)]}, "PowerSGD needs a whole rank"), ({"candidates": [Scheme("zip")]},
                                                                                "not a reduction"),
-    ({"candidates": [Scheme("fp16", 2)]}, "only powersgd has a rank"),
+    ({"candidates": [Scheme("fp16", 2)]}, "only powersgd has a rank"), ({"budget_s": 0}, "budget_s=0"),
 ])
 def test_bad_settings_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -240,6 +241,11 @@ def _fake_link(group, device) -> Link:
     return Link(latency_s=0.0, seconds_per_byte=1 / 200e6, flops_per_s=1e9, world=2)
 
 
+def _crawling_link(group, device) -> Link:
+    """Two of :class:`_Bucket`'s 4 MB in 8 s."""
+    return Link(latency_s=0.0, seconds_per_byte=1 / 1e6, flops_per_s=1e9, world=2)
+
+
 class _Clock:
     """A step's time set by the test: ``auto.time`` while :func:`_drive` runs (the same on every rank)."""
 
@@ -250,14 +256,14 @@ class _Clock:
         return self.now
 
 
-def _drive(candidates: list[str], period: str, steps: int, **kwargs) -> dict:
+def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fake_link, **kwargs) -> dict:
     """Run AutoComm for ``steps`` steps of two buckets with the step times of :data:`PERIODS` [``period``]; what
     scheme each step used and what was said."""
     clock, real = _Clock(), auto.time
     auto.time = clock
     lines: list[str] = []
     try:
-        state = AutoComm(candidates=[auto.parse_scheme(c) for c in candidates], probe=_fake_link, say=lines.append,
+        state = AutoComm(candidates=[auto.parse_scheme(c) for c in candidates], probe=link, say=lines.append,
                          **kwargs)
         used = []
         for step in range(1, steps + 1):
@@ -275,6 +281,7 @@ PERIODS = {
     "by step": lambda step, spec: (100 + step if spec == "none" else 1000 + step) / 1e3,
     "warm start": lambda step, spec: 0.060 if step <= 10 else 0.050,
     "doubles at 30": lambda step, spec: (0.1 if spec == "none" else 0.05) * (2 if step >= 30 else 1),
+    "crawling": lambda step, spec: 8.7 if spec == "none" else 4.4,
 }
 """Step times (seconds) by step and scheme: each a case of :func:`test_the_phases_take_the_steps_they_say`."""
 
@@ -282,12 +289,22 @@ PERIODS = {
 def test_the_phases_take_the_steps_they_say(dist2):
     # start 10, trial 8: exact steps 1-10; the exact all-reduce tried on steps 11-18, fp16 on 19-26, each timed
     # from its second step; decided at step 27.
-    out = dist2.run(_drive, ["fp16"], "by step", 30)
+    out = dist2.run(_drive, ["fp16"], "by step", 30, budget_s=1000)  # the budget aside (the next test's)
     assert out[0]["used"] == out[1]["used"] and out[0]["decisions"] == out[1]["decisions"] and not out[1]["lines"]
     used, [decision] = out[0]["used"], out[0]["decisions"]
     assert used == ["none"] * 18 + ["fp16"] * 8 + ["none"] * 4 and decision["step"] == 27
     assert decision["tried_s"] == {"none": pytest.approx((100 + 15) / 1e3), "fp16": pytest.approx(1.023)}
     assert decision["chosen"] == "none"  # fp16's steps took a second
+
+
+def test_where_steps_take_seconds_the_decision_keeps_to_its_budget(dist2):
+    # exact steps of 8.7 s: the start ends after 3 (2 timed, a third of the 30 s spent), the exact all-reduce is
+    # not tried again (8 steps would take 70 s), fp16's trial ends after 4 steps (3 timed, its 10 s spent)
+    out = dist2.run(_drive, ["fp16"], "crawling", 12, link=_crawling_link)[0]
+    [decision] = out["decisions"]
+    assert out["used"] == ["none"] * 3 + ["fp16"] * 9 and decision["step"] == 8
+    assert decision["tried_s"] == {"none": pytest.approx(8.7), "fp16": pytest.approx(4.4)}
+    assert decision["chosen"] == "fp16"
 
 
 def test_a_slow_warm_start_does_not_make_a_lossy_scheme_win(dist2):
@@ -358,21 +375,28 @@ def _join(comm: str) -> tuple[list[int], str]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    model = ddpkit.DDP(_Net(), comm=comm)
+    if comm == "auto":  # PowerSGD predicted to pay: the exact all-reduce and PowerSGD tried, decided at step 13
+        model = ddpkit.DDP(_Net())
+        state = AutoComm(candidates=[Scheme("powersgd", 1)], probe=_slow_link, start=4, trial=4,
+                         say=lambda line: None)
+        model.register_comm_hook(state, auto.auto_hook)
+    else:
+        model = ddpkit.DDP(_Net(), comm=comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with model.join():
         for _ in range(20 if dist.get_rank() == 0 else 8):  # rank 1 runs out first and shadows the rest
             F.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 4, (8,))).backward()
             opt.step()
             opt.zero_grad()
-    state = model.reducer.comm_state
-    return ([d["step"] for d in state.decisions], state.phase.name) if comm == "auto" else ([], "pinned")
+    if comm != "auto":
+        return [], "pinned"
+    return [d["step"] for d in state.decisions], state.phase.name
 
 
 def test_join_with_uneven_inputs_runs_under_auto(dist2):
-    # rank 1 shadows steps 9-20: the decision at step 11 is taken there too, on both ranks alike, and nothing hangs
+    # rank 1 shadows steps 9-20: the trials and the decision at step 13 run there too, on both ranks alike
     zero, one = dist2.run(_join, "auto")
-    assert zero == one and zero[0][0] == 11
+    assert zero == one == ([13], "DECIDED")
 
 
 def test_join_with_uneven_inputs_runs_under_pinned_powersgd(dist2):

@@ -24,6 +24,9 @@ runs, in three phases:
    wins, and a less lossy one within 5 % of it is preferred (exact, then half precision, then PowerSGD by falling
    rank). Every rank computes the same choice from the same all-reduced numbers.
 
+Where steps are slow the decision keeps to a budget (``budget_s``, :data:`BUDGET_S`): the start and the trials
+end early, and the exact all-reduce is not tried again when its trial would not fit.
+
 The decision is printed once (rank 0, and the ``ddpkit.comm.auto`` logger) as a line that says what was measured,
 what was predicted, what each trial took, what was chosen and why, ending with the spec that pins it
 (``comm="powersgd:4"``): a run given the spec repeats the choice without measuring.
@@ -286,6 +289,10 @@ MOVES = {
 """The moves :meth:`AutoComm._move` allows (a re-opened decision goes back to the start)."""
 DRIFT_EVERY = 25
 """Steps between two looks at the step time after a decision (each: the median of the last 20)."""
+BUDGET_S = 30.0
+"""The seconds a decision aims to take (``budget_s``): the exact start ends once a third of it is spent and two
+steps after its first are timed; the exact all-reduce is tried again only if its trial fits in a third; each
+candidate's trial ends once its share of the last third is spent and three of its steps are timed."""
 
 
 @dataclass
@@ -310,6 +317,8 @@ class AutoComm:
         trial: steps each tried scheme runs; all but its first are timed (at least 4).
         tries: how many of the best-predicted candidates are tried (beside the exact all-reduce).
         drift: the change in step time (a factor) that re-opens the decision; ``None``: never.
+        budget_s: the seconds the decision aims to take (see :data:`BUDGET_S`): where steps are slow, the start and
+            the trials end early and the exact all-reduce is not tried again.
         say: where the decision's line goes on rank 0 (default: standard error).
         pin: how the line names what pins a scheme (default ``comm='powersgd:4'``, the wrapper's argument).
         probe: how the link is measured, ``probe(group, device) -> Link`` (default :func:`probe_link`): a link
@@ -319,7 +328,7 @@ class AutoComm:
     """
 
     def __init__(self, process_group: Any = None, candidates: Sequence[Scheme] | None = None, *, start: int = 10,
-                 trial: int = 8, tries: int = 3, drift: float | None = 2.0,
+                 trial: int = 8, tries: int = 3, drift: float | None = 2.0, budget_s: float = 30.0,
                  say: Callable[[str], None] | None = None, pin: Callable[[Scheme], str] | None = None,
                  probe: Callable[[Any, torch.device], Link] | None = None) -> None:
         self.start = _whole(start, "start", 3)
@@ -327,6 +336,9 @@ class AutoComm:
         self.tries = _whole(tries, "tries", 1)
         if drift is not None and (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 1):
             raise ValueError(f"drift={drift!r}: a factor above 1 (2: a step twice as long or half), or None")
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+            raise ValueError(f"budget_s={budget_s!r}: the seconds a decision aims to take, a positive number")
+        self.budget_s = float(budget_s)
         chosen = tuple(candidates) if candidates is not None else tuple(parse_scheme(s) for s in CANDIDATE_SPECS)
         for scheme in chosen:
             if not isinstance(scheme, Scheme):
@@ -407,14 +419,16 @@ class AutoComm:
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         # Every branch below that runs a collective (the probe, _slowest) is taken at the same step on every rank:
         # the steps are counted alike everywhere, and every number it branches on was all-reduced.
+        spent = self._starts[-1] - self._starts[-min(self._since, len(self._starts))]  # in this scheme's steps
         if self.phase is Phase.START:
-            if self._since > self.start:
+            if self._since > self.start or (self._since - 2 >= 2 and spent >= self.budget_s / 3):
                 self._after_start(group, device)
         elif self.phase is Phase.TRIAL:
             ended = self._since - 1  # the trial's step that just ended (its first: settling in, not timed)
             if period is not None and ended >= 2:
                 self._queue[0].periods.append(period)
-            if ended >= self.trial:
+            share = self.budget_s / 3 / (len(self._done) + len(self._queue))
+            if ended >= self.trial or (len(self._queue[0].periods) >= 3 and spent >= share):
                 self._done.append(self._queue.pop(0))
                 if self._queue:
                     self._use(self._queue[0].scheme)
@@ -431,7 +445,7 @@ class AutoComm:
                 self._use(Scheme("none"))
 
     def _after_start(self, group: Any, device: torch.device) -> None:
-        starts = self._starts[-self.start:]  # the start's steps after its first (which settles in)
+        starts = self._starts[-(self._since - 1):]  # the start's steps after its first (which settles in)
         [self._exact] = _slowest([statistics.median(b - a for a, b in itertools.pairwise(starts))], group, device)
         self._done, self._queue = [], []
         self._predicted = {Scheme("none"): self._exact}
@@ -456,7 +470,11 @@ class AutoComm:
             self._done = [_Trial(Scheme("none"), [self._exact])]
             self._decide(group, device)
             return
-        self._queue = [_Trial(Scheme("none")), *(_Trial(s) for s in worth)]  # the exact one is tried as well
+        if self._exact * self.trial <= self.budget_s / 3:  # the exact all-reduce is tried as the candidates are
+            self._queue = [_Trial(Scheme("none")), *(_Trial(s) for s in worth)]
+        else:  # its steps are too slow to try again: the start's figure stands for it
+            self._done = [_Trial(Scheme("none"), [self._exact])]
+            self._queue = [_Trial(s) for s in worth]
         self._move(Phase.TRIAL)
         self._use(self._queue[0].scheme)
 
