@@ -191,7 +191,12 @@ def _train(model: nn.Module, net: nn.Module, steps: int) -> list[torch.Tensor]:
 
 
 def _pinned(spec: str, steps: int) -> list[list[torch.Tensor]]:
-    from ddpkit.hooks import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powersgd_hook
+    from ddpkit.hooks import (
+        PowerSGDState,
+        bf16_compress_hook,
+        fp16_compress_hook,
+        powersgd_hook,
+    )
 
     out = []
     torch.manual_seed(0)
