@@ -81,7 +81,7 @@ def test_a_move_the_table_does_not_list_raises(now, to):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"start": 2}, "start=2"), ({"start": 3.5}, "start=3.5"), ({"trial": 3}, "trial=3"), ({"tries": 0}, "tries=0"),
+    ({"start": 2}, "start=2"), ({"start": 3.5}, "start=3.5"), ({"trial": 61}, "trial=61: a whole number from 4 to 60"), ({"trial": 3}, "trial=3"), ({"tries": 0}, "tries=0"),
     ({"tries": 2.5}, "tries=2.5"), ({"drift": 1.0}, "drift=1.0"), ({"drift": True}, "drift=True"),
     ({"candidates": [Scheme("powersgd", 0)]}, "PowerSGD needs a whole rank"), ({"candidates": [Scheme("zip")]},
                                                                                "not a reduction"),
@@ -205,6 +205,7 @@ def _pinned(spec: str, steps: int) -> list[list[torch.Tensor]]:
         net = copy.deepcopy(base)
         if way == "comm":
             model = ddpkit.DDP(net, bucket_cap_mb=0.1, comm=spec)
+            assert spec != "none" or model.reducer.comm_hook is None  # none: DDP's own reduction, no hook
         else:
             model = ddpkit.DDP(net, bucket_cap_mb=0.1)
             if spec.startswith("powersgd"):
@@ -261,9 +262,13 @@ class _Clock:
         return self.now
 
 
-def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fake_link, **kwargs) -> dict:
+def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fake_link, late: float = 0.0,
+           **kwargs) -> dict:
     """Run AutoComm for ``steps`` steps of two buckets with the step times of :data:`PERIODS` [``period``]; what
-    scheme each step used and what was said."""
+    scheme each step used and what was said. ``late``: rank 1's first step starts that many seconds after rank
+    0's (its clock is ahead by that much from its second step on)."""
+    import torch.distributed as dist
+
     clock, real = _Clock(), auto.time
     auto.time = clock
     lines: list[str] = []
@@ -275,7 +280,7 @@ def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fak
             for index in range(2):
                 state.reduce(_Bucket(index, 2)).wait()
             used.append(state.scheme.spec)
-            clock.now += PERIODS[period](step, used[-1])
+            clock.now += PERIODS[period](step, used[-1]) + (late if step == 1 and dist.get_rank() == 1 else 0.0)
     finally:
         auto.time = real
     return {"used": used, "lines": lines, "decisions": [{k: d[k] for k in ("step", "chosen", "tried_s")}
@@ -303,13 +308,21 @@ def test_the_phases_take_the_steps_they_say(dist2):
 
 
 def test_where_steps_take_seconds_the_decision_keeps_to_its_budget(dist2):
-    # exact steps of 8.7 s: the start ends after 3 (2 timed, a third of the 30 s spent), the exact all-reduce is
-    # not tried again (8 steps would take 70 s), fp16's trial ends after 4 steps (3 timed, its 10 s spent)
+    # exact steps of 8.7 s: the start ends after 3 (its 10 s fit 2 of them; 3 at least), the exact all-reduce is
+    # not tried again (8 steps would take 70 s), fp16's trial ends after 4 (its 10 s fit 3 of 4.4 s; 4 at least)
     out = dist2.run(_drive, ["fp16"], "crawling", 12, link=_crawling_link)[0]
     [decision] = out["decisions"]
     assert out["used"] == ["none"] * 3 + ["fp16"] * 9 and decision["step"] == 8
     assert decision["tried_s"] == {"none": pytest.approx(8.7), "fp16": pytest.approx(4.4)}
     assert decision["chosen"] == "fp16"
+
+
+def test_a_rank_that_starts_late_takes_the_same_steps_as_the_others(dist2):
+    # rank 1's first step is 5 s longer (its data loader, say): its clock counts the phases' time apart from rank
+    # 0's, and yet both end each phase at the same step (a phase's length comes from the all-reduced second step)
+    zero, one = dist2.run(_drive, ["fp16"], "crawling", 12, link=_crawling_link, late=5.0)
+    assert zero["used"] == one["used"] == ["none"] * 3 + ["fp16"] * 9
+    assert zero["decisions"] == one["decisions"]
 
 
 def test_a_slow_warm_start_does_not_make_a_lossy_scheme_win(dist2):

@@ -51,6 +51,7 @@ backend's own).
 import enum
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -290,9 +291,10 @@ MOVES = {
 DRIFT_EVERY = 25
 """Steps between two looks at the step time after a decision (each: the median of the last 20)."""
 BUDGET_S = 30.0
-"""The seconds a decision aims to take (``budget_s``): the exact start ends once a third of it is spent and two
-steps after its first are timed; the exact all-reduce is tried again only if its trial fits in a third; each
-candidate's trial ends once its share of the last third is spent and three of its steps are timed."""
+"""The seconds a decision aims to take (``budget_s``). At its third step each phase takes its length from the
+slowest rank's second step (the first timed one): the exact start as many steps as fit in a third of the budget
+(3 to ``start``), each trial as many as fit in its share of the last third (4 to ``trial``: three timed); the
+exact all-reduce is tried again only if its whole trial fits in a third."""
 
 
 @dataclass
@@ -301,9 +303,10 @@ class _Trial:
     periods: list[float] = field(default_factory=list)
 
 
-def _whole(value: Any, name: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}={value!r}: a whole number of at least {least}")
+def _whole(value: Any, name: str, least: int, most: int = 1 << 30) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise ValueError(f"{name}={value!r}: a whole number from {least} to {most}" if most < 1 << 30
+                         else f"{name}={value!r}: a whole number of at least {least}")
     return value
 
 
@@ -331,8 +334,8 @@ class AutoComm:
                  trial: int = 8, tries: int = 3, drift: float | None = 2.0, budget_s: float = 30.0,
                  say: Callable[[str], None] | None = None, pin: Callable[[Scheme], str] | None = None,
                  probe: Callable[[Any, torch.device], Link] | None = None) -> None:
-        self.start = _whole(start, "start", 3)
-        self.trial = _whole(trial, "trial", 4)
+        self.start = _whole(start, "start", 3, 60)  # a phase's steps are timed from the last 64 kept
+        self.trial = _whole(trial, "trial", 4, 60)
         self.tries = _whole(tries, "tries", 1)
         if drift is not None and (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 1):
             raise ValueError(f"drift={drift!r}: a factor above 1 (2: a step twice as long or half), or None")
@@ -365,10 +368,13 @@ class AutoComm:
         self._starts: list[float] = []
         self._since = 0
         """Steps begun under the scheme in force, the current one included."""
+        self._length = self.start
+        """Steps the phase in force runs (its third step sets it within the budget)."""
         self._shapes: dict[int, list[torch.Size]] = {}
         self._layout: dict[int, list[torch.Size]] = {}
         self._element_size = 4
         self._queue: list[_Trial] = []
+        self._trials = 1
         self._done: list[_Trial] = []
         self._exact = 0.0
         self._link: Link | None = None
@@ -390,8 +396,12 @@ class AutoComm:
         if bucket.is_last():
             self._open = False
         carried = self._carry.pop(index, None)
-        if carried is not None and carried.shape == buffer.shape:
-            buffer.add_(carried)  # PowerSGD's error from before the change: fed back here, not lost
+        if carried is not None:
+            if carried.shape == buffer.shape:  # PowerSGD's error from before the change: fed back here, not lost
+                buffer.add_(carried)
+            else:
+                log.warning("comm auto: bucket %d changed size (%s to %s) since PowerSGD left an error for it: "
+                            "that error is dropped", index, tuple(carried.shape), tuple(buffer.shape))
         return self._reduce_with(self.scheme, bucket)
 
     def _reduce_with(self, scheme: Scheme, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -418,17 +428,22 @@ class AutoComm:
         period = self._starts[-1] - self._starts[-2] if len(self._starts) >= 2 else None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         # Every branch below that runs a collective (the probe, _slowest) is taken at the same step on every rank:
-        # the steps are counted alike everywhere, and every number it branches on was all-reduced.
-        spent = self._starts[-1] - self._starts[-min(self._since, len(self._starts))]  # in this scheme's steps
+        # the steps are counted alike everywhere, and every number a branch depends on was all-reduced (each
+        # rank's own clock decides nothing: a phase's length is set at its third step from the slowest rank's
+        # second step, the first timed one).
         if self.phase is Phase.START:
-            if self._since > self.start or (self._since - 2 >= 2 and spent >= self.budget_s / 3):
+            if self._since == 3 and period is not None:
+                self._length = self._within(period, self.budget_s / 3, self.start, 3, group, device)
+            if self._since > self._length:
                 self._after_start(group, device)
         elif self.phase is Phase.TRIAL:
             ended = self._since - 1  # the trial's step that just ended (its first: settling in, not timed)
             if period is not None and ended >= 2:
                 self._queue[0].periods.append(period)
-            share = self.budget_s / 3 / (len(self._done) + len(self._queue))
-            if ended >= self.trial or (len(self._queue[0].periods) >= 3 and spent >= share):
+            if self._since == 3 and period is not None:
+                share = self.budget_s / 3 / self._trials
+                self._length = self._within(period, share, self.trial, 4, group, device)
+            if ended >= self._length:
                 self._done.append(self._queue.pop(0))
                 if self._queue:
                     self._use(self._queue[0].scheme)
@@ -443,6 +458,13 @@ class AutoComm:
                            f"({ratio:.2f}x) under {self.scheme.spec}: deciding again")
                 self._move(Phase.START)
                 self._use(Scheme("none"))
+
+    @staticmethod
+    def _within(period: float, seconds: float, most: int, least: int, group: Any, device: torch.device) -> int:
+        """Steps of a phase that fit in ``seconds`` at the slowest rank's ``period``, from ``least`` to ``most``
+        (a collective: every rank calls it at the same step, and all get the same number)."""
+        [slowest] = _slowest([period], group, device)
+        return min(most, max(least, math.ceil(seconds / slowest) if slowest > 0 else most))
 
     def _after_start(self, group: Any, device: torch.device) -> None:
         starts = self._starts[-(self._since - 1):]  # the start's steps after its first (which settles in)
@@ -475,6 +497,7 @@ class AutoComm:
         else:  # its steps are too slow to try again: the start's figure stands for it
             self._done = [_Trial(Scheme("none"), [self._exact])]
             self._queue = [_Trial(s) for s in worth]
+        self._trials = len(self._queue)
         self._move(Phase.TRIAL)
         self._use(self._queue[0].scheme)
 
@@ -490,7 +513,7 @@ class AutoComm:
         record = {
             "step": self.steps, "link": self._link, "exact_step_s": self._exact,
             "predicted_s": {s.spec: p for s, p in self._predicted.items()},
-            "tried_s": {t.scheme.spec: m for t, m in zip(done, medians)} if self._queue or len(done) > 1 else {},
+            "tried_s": {t.scheme.spec: m for t, m in zip(done, medians)} if len(done) > 1 else {},
             "chosen": chosen.spec,
         }
         self.decisions.append(record)
@@ -532,6 +555,7 @@ class AutoComm:
             self._powersgd[scheme.rank] = state
         self.scheme = scheme
         self._since = 1
+        self._length = self.start if self.phase is Phase.START else self.trial  # until its third step sets it
 
     def _move(self, to: Phase) -> None:
         check_move(MOVES, self.phase, to, "comm auto")

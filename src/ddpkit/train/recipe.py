@@ -73,7 +73,7 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
         candidates = [auto.parse_scheme(s) for s in auto.CANDIDATE_SPECS]
         if config.engine == "torch":  # torch's reducer: PowerSGD's collectives of several buckets in flight can
             # go out in other orders on other ranks (as with torch's own hook), and bf16 only with CUDA and NCCL
-            nccl = torch.version.cuda is not None and torch.distributed.is_nccl_available()
+            nccl = torch.distributed.get_backend() == "nccl"
             candidates = [s for s in candidates if s.name == "fp16" or (s.name == "bf16" and nccl)]
         ddp.register_comm_hook(auto.AutoComm(candidates=candidates, pin=flags,
                                              say=lambda line: print(line, flush=True)), auto.auto_hook)

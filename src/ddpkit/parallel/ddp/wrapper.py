@@ -235,13 +235,15 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         from ddpkit.comm import auto
 
         choice = auto.parse_comm(comm)
+        if choice == auto.Scheme("none"):  # no hook: DDP's own reduction, whatever the stage
+            return
         if self.zero_stage >= 2:
             raise ValueError(f"comm={comm!r} does not fit zero_stage={self.zero_stage}, whose gradients are "
                              "reduce-scattered, not all-reduced by buckets: leave comm out (or use zero_stage 0 or 1)")
         if isinstance(choice, auto.Scheme):
             hook = auto.pinned(choice, self.process_group)
-            if hook is not None:  # comm="none": no hook, DDP's own reduction
-                self.register_comm_hook(*hook)
+            assert hook is not None  # "none" returned above
+            self.register_comm_hook(*hook)
         else:
             self.register_comm_hook(auto.AutoComm(self.process_group, choice), auto.auto_hook)
 
