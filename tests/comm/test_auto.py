@@ -98,8 +98,19 @@ def test_a_candidate_that_is_not_a_scheme_is_refused_at_once():
 
 
 def test_auto_with_deterministic_is_refused_naming_the_flags_that_pin_it():
-    with pytest.raises(ConfigError, match="pin the choice"):
-        TrainConfig(comm_hook="auto", deterministic=True)
+    for hook in ("auto", "auto:fp16"):
+        with pytest.raises(ConfigError, match="pin the choice"):
+            TrainConfig(comm_hook=hook, deterministic=True)
+
+
+def test_the_training_commands_auto_takes_a_list_of_candidates_and_refuses_a_bad_one():
+    assert TrainConfig(comm_hook="auto:bf16,powersgd:4,powersgd:8").comm_hook == "auto:bf16,powersgd:4,powersgd:8"
+    with pytest.raises(ConfigError, match="--comm-hook 'auto:zip': 'zip' is not a reduction"):
+        TrainConfig(comm_hook="auto:zip")
+    with pytest.raises(ConfigError, match="--comm-hook 'fast' is not a comm hook: .*, or auto:LIST"):
+        TrainConfig(comm_hook="fast")
+    with pytest.raises(ConfigError, match="lists PowerSGD, whose collectives torch's DDP"):
+        TrainConfig(comm_hook="auto:fp16,powersgd:4", engine="torch")
 
 
 # ---------------------------------------------------------------- on real ranks

@@ -62,7 +62,7 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
 
     if config.comm_hook == "none":
         return ddp
-    if config.comm_hook == "auto":
+    if config.comm_hook.startswith("auto"):
         from ddpkit.comm import auto
 
         def flags(scheme: auto.Scheme) -> str:
@@ -70,7 +70,9 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
                 return f"--comm-hook powersgd --powersgd-rank {scheme.rank}"
             return f"--comm-hook {scheme.name}"
 
-        candidates = [auto.parse_scheme(s) for s in auto.CANDIDATE_SPECS]
+        listed = auto.parse_comm(config.comm_hook)  # auto: every candidate; auto:LIST: those
+        assert isinstance(listed, tuple)
+        candidates = list(listed)
         if config.engine == "torch":  # torch's reducer: PowerSGD's collectives of several buckets in flight can
             # go out in other orders on other ranks (as with torch's own hook), and bf16 only with CUDA and NCCL
             nccl = torch.distributed.get_backend() == "nccl"

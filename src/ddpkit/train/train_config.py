@@ -104,7 +104,8 @@ class TrainConfig:
         "(all-reduce in the gradients' dtype), fp16 or bf16 (averaged in half precision: half the bytes), powersgd "
         "(low-rank compression at --powersgd-rank from step --powersgd-start; a resumed run starts its compression "
         "state afresh), auto (one of these chosen from the measured link and the step times as training runs, "
-        "printed once with the flags that pin it; see docs/comm-auto.md)", choices=COMM_HOOKS,
+        "printed once with the flags that pin it; auto:LIST chooses among the exact all-reduce and LIST, e.g. "
+        "auto:bf16,powersgd:4,powersgd:8; see docs/comm-auto.md)", metavar="{" + ",".join(COMM_HOOKS) + ",auto:LIST}",
     )
     powersgd_rank: int = option(1, "--comm-hook powersgd: rank of the approximation (torch's default 1)", metavar="R")
     powersgd_start: int = option(
@@ -268,14 +269,26 @@ class TrainConfig:
              f"does not fit --amp fp16: the grad scaler checks the gradients .grad holds, and stage {self.zero} "
              "keeps its shards elsewhere; use --amp bf16, or --zero 1 or 3 (whose sharded gradients the scaler "
              "checks on every rank)")
-        need(self.comm_hook in COMM_HOOKS, "comm_hook", f"is not a comm hook: choose one of {', '.join(COMM_HOOKS)}")
+        if self.comm_hook.startswith("auto:"):
+            from ddpkit.comm.auto import parse_comm
+
+            try:
+                listed = parse_comm(self.comm_hook)
+            except ValueError as e:
+                raise ConfigError(f"--comm-hook {self.comm_hook!r}: {str(e).split(': ', 1)[-1]}") from None
+            need(self.engine != "torch" or not any(s.name == "powersgd" for s in listed), "comm_hook",
+                 "lists PowerSGD, whose collectives torch's DDP can issue in other orders on other ranks when "
+                 "several buckets are in flight: leave powersgd out with --engine torch, or use --engine ddpkit")
+        else:
+            need(self.comm_hook in COMM_HOOKS, "comm_hook",
+                 f"is not a comm hook: choose one of {', '.join(COMM_HOOKS)}, or auto:LIST (e.g. auto:bf16,powersgd:4)")
         if self.comm_hook != "none":
             need(self.strategy == "ddp" and self.engine in ("ddpkit", "torch"), "comm_hook",
                  f"reduces DDP's buckets: it needs --strategy ddp with --engine ddpkit or torch, not --engine "
                  f"{self.engine} --strategy {self.strategy}")
             need(self.zero < 2, "comm_hook", f"does not fit --zero {self.zero}, whose gradients are "
                  "reduce-scattered into shards: drop one of them")
-        need(self.comm_hook != "auto" or not self.deterministic, "comm_hook",
+        need(not self.comm_hook.startswith("auto") or not self.deterministic, "comm_hook",
              "auto chooses by the step times it measures, so two runs may choose apart and --deterministic's same "
              "bits every run cannot hold: pin the choice (the flags its line printed, e.g. --comm-hook powersgd "
              "--powersgd-rank 4) or drop --deterministic")
