@@ -22,7 +22,7 @@ The check runs only with ``DDPKIT_FAST_TIER_CHECK=1`` (the plugin's own test set
 CI's run for now: the slow tests run first, so the rank pools are usually started by a slow test and never
 measured, and the whole run of 2026-11-28 named 24 modules, most of them run by fast tests in those pools
 (the DDP and ZeRO internals), a few truly reached by slow tests alone (``train/fault_tolerant_async.py``,
-``train/fault_tolerant_loop.py``, ``launcher/mpi_group.py``, ``launcher/mpi_rank.py``, ``bench/dp_vs_ddp.py``).
+``train/fault_tolerant_loop.py``, ``launcher/mpi_group.py``, ``launcher/mpi_rank.py``, ``bench/sections/dp_vs_ddp.py``).
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.bench.links.testbed import Testbed
+from ddpkit.bench.sections.links.testbed import Testbed
 
 
 @contextmanager
 def bridged_nodes(count: int) -> Iterator[tuple[list[str], list[str], list[str]]]:
     """Yield ``(names, addresses, links)`` of ``count`` namespaces on one bridge (the project's
-    :class:`~ddpkit.bench.links.testbed.Testbed`); ``links[k]`` is node k's cable (its veth end on the bridge:
+    :class:`~ddpkit.bench.sections.links.testbed.Testbed`); ``links[k]`` is node k's cable (its veth end on the bridge:
     ``ip link set LINK down`` cuts node k off).
 
     Skips the test (with the reason) where it does not run as root with iproute2.

@@ -48,7 +48,7 @@ def test_the_bug_that_crashed_ddpkit_train_on_cuda_is_found_when_planted_back():
 
 def test_the_bug_that_crashed_ddpkit_bench_on_cuda_is_found_when_planted_back():
     found = _planted(
-        "bench/engines.py",
+        "bench/sections/engines.py",
         "    mine = comm_tensor(exposed, torch.float64)\n",
         "    mine = torch.tensor(exposed, dtype=torch.float64)\n",
     )
@@ -108,7 +108,7 @@ WRAPPED = package_wrappers(PACKAGE)
 def test_the_package_uses_the_device_rule_at_its_collectives():
     # The places that crashed on the GPU and the ones that had a rule of their own now share one.
     users = {site for site, _ in SITES}
-    assert {"train/loop.py", "train/evaluate.py", "train/checkpoint.py", "train/state.py", "bench/engines.py",
+    assert {"train/loop.py", "train/evaluate.py", "train/checkpoint.py", "train/state.py", "bench/sections/engines.py",
             "runtime/objects.py", "parallel/syncbn.py", "comm/allreduce.py"} <= users, users
 
 

@@ -25,12 +25,16 @@ LAYER = {"runtime": 0, "comm": 1, "data": 1, "models": 1, "launcher": 2, "parall
 TOP = 5
 """ddpkit/__init__, cli, __main__ and the public facades (hooks, collectives) sit above everything."""
 TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
-PARALLEL = {"common": 0, "zero": 1, "ps": 1, "ddp": 2}
-"""The folders of ``parallel/`` as layers of their own (docs/architecture.md): what several engines share (the
-reducer, observers, join, broadcasts), then ZeRO and the parameter servers, then DDP's wrapper, whose engine factory
-is the one place ddp/ meets zero/. Two folders of one level do not import each other (sideways)."""
-PARALLEL_BESIDE = 3
-"""The modules beside the folders (DataParallel, SyncBatchNorm, Horovod's optimizer, local SGD, SSP): above them."""
+INNER: dict[str, dict[str, int]] = {
+    "parallel": {"common": 0, "zero": 1, "ps": 1, "ddp": 2, "": 3},
+    "bench": {"runners": 0, "bench_config.py": 1, "workloads.py": 2, "report": 2, "sections": 3, "command.py": 4},
+}
+"""The layers inside a package, by folder, or by module beside the folders (``name.py``; ``""``: every other module
+beside them, one group). ``parallel/``: what several engines share (the reducer, observers, join, broadcasts), then ZeRO and the
+parameter servers, then DDP's wrapper, whose engine factory is the one place ddp/ meets zero/; the modules beside
+the folders (DataParallel, SyncBatchNorm, Horovod's optimizer, local SGD, SSP) above them. ``bench/``: the runners
+(ranks, a memory cap, dispatch counted), the flags, the workloads and the report, the sections, the command
+(docs/architecture.md). Two groups of one level do not import each other (sideways)."""
 REFERENCE = "_reference"
 """torch's implementations: imported only where the point is comparison."""
 REFERENCE_USERS = {"train", "bench", "doctor"}
@@ -91,16 +95,21 @@ def layer(module: str) -> int | None:
     return LAYER.get(parts[1])
 
 
-def parallel_layer(module: str, root: Path) -> tuple[int, str] | None:
-    """``(level, folder)`` of a module inside ``parallel/`` (``None``: outside it); the modules beside the folders
-    are one folder, ``""``."""
+def inner_layer(module: str, root: Path) -> tuple[str, int, str] | None:
+    """``(package, level, group)`` of a module inside a package of :data:`INNER` (``None``: outside them); a group is
+    a folder, or a module beside the folders that has a level of its own, or ``""`` for the other modules beside
+    them."""
     parts = module.split(".")
-    if len(parts) < 2 or parts[1] != "parallel":
+    if len(parts) < 3 or parts[1] not in INNER:
         return None
-    if len(parts) > 3 or (len(parts) == 3 and (root / "parallel" / parts[2]).is_dir()):
-        folder = parts[2]
-        return PARALLEL.get(folder, PARALLEL_BESIDE), folder
-    return PARALLEL_BESIDE, ""
+    levels = INNER[parts[1]]
+    if len(parts) > 3 or (root / parts[1] / parts[2]).is_dir():
+        group = parts[2]
+    else:
+        group = parts[2] + ".py" if parts[2] + ".py" in levels else ""
+    if group not in levels:
+        return parts[1], -1, group
+    return parts[1], levels[group], group
 
 
 def graph(root: Path) -> dict[str, set[str]]:
@@ -154,6 +163,10 @@ def violations(root: Path) -> list[str]:
         if mine is None:
             wrong.append(f"{here}: its package is in no layer: give it one in tests/test_layers.py")
             continue
+        inside = inner_layer(here, root)
+        if inside is not None and inside[1] < 0:
+            wrong.append(f"{here}: {inside[0]}/{inside[2] or '*.py'} has no level inside {inside[0]}/: give it one "
+                         "in INNER, tests/test_layers.py")
         for line, module, name in imports(path, root):
             where = f"{path.relative_to(root.parent)}:{line}"
             parts = module.split(".")
@@ -163,14 +176,15 @@ def violations(root: Path) -> list[str]:
                 continue
             if mine != TOP and (layer(module) or 0) > mine and (name != BY_NAME or (here, module) not in NAMED_UPWARD):
                 wrong.append(f"{where} {'names' if name == BY_NAME else 'imports'} {module}, a layer above")
-            inside, target = parallel_layer(here, root), parallel_layer(module, root)
-            if inside is not None and target is not None and inside[1] != target[1]:
-                if target[0] > inside[0]:
-                    wrong.append(f"{where} imports {module}: parallel/{target[1] or '*.py'} is a layer above "
-                                 f"parallel/{inside[1] or '*.py'}")
-                elif target[0] == inside[0]:
-                    wrong.append(f"{where} imports {module}: parallel/{inside[1]} and parallel/{target[1]} are "
-                                 "siblings (import neither from the other: move what both need to parallel/common)")
+            target = inner_layer(module, root)
+            if inside is not None and target is not None and inside[0] == target[0] and inside[2] != target[2]:
+                package, mine_at, theirs_at = inside[0], inside[2] or "*.py", target[2] or "*.py"
+                if target[1] > inside[1]:
+                    wrong.append(f"{where} imports {module}: {package}/{theirs_at} is a layer above "
+                                 f"{package}/{mine_at}")
+                elif target[1] == inside[1]:
+                    wrong.append(f"{where} imports {module}: {package}/{mine_at} and {package}/{theirs_at} are "
+                                 f"siblings (import neither from the other: move what both need a layer down)")
             private_module = next((p for p in parts[1:] if p.startswith("_") and not p.startswith("__")), None)
             if private_module and module.rsplit(".", 1)[0] != here.rsplit(".", 1)[0]:
                 wrong.append(f"{where} imports {module}, a private module of another package")
@@ -235,7 +249,18 @@ def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
     ({"parallel/__init__.py": "", "parallel/zero/__init__.py": "", "parallel/ps/__init__.py": "",
       "parallel/ps/server.py": "from ddpkit.parallel.zero.units import find_units\n", "parallel/zero/units.py": ""},
      "ddpkit/parallel/ps/server.py:1 imports ddpkit.parallel.zero.units: parallel/ps and parallel/zero are siblings "
-     "(import neither from the other: move what both need to parallel/common)"),
+     "(import neither from the other: move what both need a layer down)"),
+    # Inside bench/: the runners know no workload, and a section is not imported by the report.
+    ({"bench/__init__.py": "", "bench/runners/__init__.py": "", "bench/runners/ranks.py":
+      "from ddpkit.bench.workloads import workload\n", "bench/workloads.py": ""},
+     "ddpkit/bench/runners/ranks.py:1 imports ddpkit.bench.workloads: bench/workloads.py is a layer above "
+     "bench/runners"),
+    ({"bench/__init__.py": "", "bench/report/__init__.py": "", "bench/report/summary.py":
+      "from ddpkit.bench import workloads\n", "bench/workloads.py": ""},
+     "ddpkit/bench/report/summary.py:1 imports ddpkit.bench.workloads: bench/report and bench/workloads.py are "
+     "siblings (import neither from the other: move what both need a layer down)"),
+    ({"bench/__init__.py": "", "bench/extra.py": ""},
+     "ddpkit.bench.extra: bench/*.py has no level inside bench/: give it one in INNER, tests/test_layers.py"),
 ])
 def test_the_checker_finds_each_breach(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     assert expected in violations(_tree(tmp_path, files))

@@ -152,8 +152,8 @@ def _saved_settings(args: argparse.Namespace, config: type) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ddpkit.train.train_config import TrainConfig
     from ddpkit.train.preload import start_early
+    from ddpkit.train.train_config import TrainConfig
 
     config = _build(TrainConfig, args, _saved_settings(args, TrainConfig))
     start_early(config)  # the workers' imports start now, beside this process's own
@@ -164,7 +164,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddpkit.bench.ranks import start_early
+    from ddpkit.bench.runners.ranks import start_early
 
     start_early()  # the ranks' imports start now, beside this process's own
     from ddpkit.bench.command import BenchConfig, run
@@ -174,8 +174,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ddpkit.doctor.doctor_config import DoctorConfig
     from ddpkit.doctor.checkup import run
+    from ddpkit.doctor.doctor_config import DoctorConfig
 
     return run(_build(DoctorConfig, args))
 
@@ -205,10 +205,10 @@ def _suite_takes_all(args: argparse.Namespace, suite: type) -> None:
 
 
 def _bench_collectives(args: argparse.Namespace) -> int:
-    from ddpkit.bench.allreduce_perf import CollectivesBenchConfig, run
+    from ddpkit.bench.sections.allreduce_perf import CollectivesBenchConfig, run
 
     _suite_takes_all(args, CollectivesBenchConfig)
-    from ddpkit.bench.ranks import start_early
+    from ddpkit.bench.runners.ranks import start_early
 
     start_early()
     run(_build(CollectivesBenchConfig, args))
@@ -216,7 +216,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
 
 
 def _bench_strategies(args: argparse.Namespace) -> int:
-    from ddpkit.bench.strategies import ConsistencyBenchConfig, run
+    from ddpkit.bench.sections.strategies import ConsistencyBenchConfig, run
 
     _suite_takes_all(args, ConsistencyBenchConfig)
     run(_build(ConsistencyBenchConfig, args))
@@ -224,7 +224,7 @@ def _bench_strategies(args: argparse.Namespace) -> int:
 
 
 def _bench_backends(args: argparse.Namespace) -> int:
-    from ddpkit.bench.mpi_vs_gloo import BackendsBenchConfig, run
+    from ddpkit.bench.sections.mpi_vs_gloo import BackendsBenchConfig, run
 
     _suite_takes_all(args, BackendsBenchConfig)
     run(_build(BackendsBenchConfig, args))
@@ -232,7 +232,7 @@ def _bench_backends(args: argparse.Namespace) -> int:
 
 
 def _bench_failures(args: argparse.Namespace) -> int:
-    from ddpkit.bench.failure_cost import FailuresBenchConfig, run
+    from ddpkit.bench.sections.failure_cost import FailuresBenchConfig, run
 
     _suite_takes_all(args, FailuresBenchConfig)
     run(_build(FailuresBenchConfig, args))
@@ -240,7 +240,7 @@ def _bench_failures(args: argparse.Namespace) -> int:
 
 
 def _bench_links(args: argparse.Namespace) -> int:
-    from ddpkit.bench.links.section import LinksBenchConfig, TestbedError, run
+    from ddpkit.bench.sections.links.section import LinksBenchConfig, TestbedError, run
 
     _suite_takes_all(args, LinksBenchConfig)
     try:
@@ -253,11 +253,11 @@ def _bench_links(args: argparse.Namespace) -> int:
 def _add_bench_suites(bench: argparse.ArgumentParser) -> None:
     """``ddpkit bench collectives``, ``strategies`` and ``backends``: suites under ``bench`` (plain ``ddpkit bench``
     stays DDP's)."""
-    from ddpkit.bench.mpi_vs_gloo import BackendsBenchConfig
-    from ddpkit.bench.allreduce_perf import CollectivesBenchConfig
-    from ddpkit.bench.failure_cost import FailuresBenchConfig
-    from ddpkit.bench.links.section import LinksBenchConfig
-    from ddpkit.bench.strategies import ConsistencyBenchConfig
+    from ddpkit.bench.sections.allreduce_perf import CollectivesBenchConfig
+    from ddpkit.bench.sections.failure_cost import FailuresBenchConfig
+    from ddpkit.bench.sections.links.section import LinksBenchConfig
+    from ddpkit.bench.sections.mpi_vs_gloo import BackendsBenchConfig
+    from ddpkit.bench.sections.strategies import ConsistencyBenchConfig
 
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
     p = suites.add_parser(

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import base_env
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.engines import WorkloadResult, bench_workload, format_results
-from ddpkit.bench.stats import quartiles, relative_spread
+from ddpkit.bench.report.stats import quartiles, relative_spread
+from ddpkit.bench.sections.engines import WorkloadResult, bench_workload, format_results
 from ddpkit.cli import main
-from procs import base_env
 
 TOY = dict(steps=3, warmup=1, block=1, samples_per_rank=4, mlp_hidden=16, mlp_batch=4, resnet_batch=4)
 # Parameter counts of the toy workloads: the tutorial's ConvNet, and the MLP
@@ -118,7 +118,7 @@ def test_format_results_has_one_row_per_workload():
 def test_median_confidence_interval_covers_the_median_and_narrows():
     import random
 
-    from ddpkit.bench.stats import median_ci, verdict
+    from ddpkit.bench.report.stats import median_ci, verdict
 
     assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)  # few samples: the whole range
     r = random.Random(0)
@@ -222,7 +222,7 @@ def test_bench_config_validation():
 
 
 def _dp_vs_ddp():
-    from ddpkit.bench.dp_vs_ddp import bench_dp_vs_ddp
+    from ddpkit.bench.sections.dp_vs_ddp import bench_dp_vs_ddp
 
     return bench_dp_vs_ddp(BenchConfig(**TOY))
 
@@ -300,7 +300,7 @@ def test_memory_measures_each_engine_in_its_own_processes(tmp_path, capfd):
 
 
 def _strategies():
-    from ddpkit.bench.averaging import bench_averaging
+    from ddpkit.bench.sections.averaging import bench_averaging
 
     cfg = BenchConfig(**TOY, strategy_workloads=("mlp",), local_sgd_period=2, powersgd_rank=1)
     return bench_averaging(cfg)
@@ -376,7 +376,7 @@ def test_zero_table_counts_what_each_stage_keeps(tmp_path, capfd):
     assert "ZeRO: MB per rank" in capfd.readouterr().out
 
 
-@pytest.mark.skipif(__import__("ddpkit.bench.limit").bench.limit.unavailable() is not None,
+@pytest.mark.skipif(__import__("ddpkit.bench.runners.memory_cap").bench.runners.memory_cap.unavailable() is not None,
                     reason="no memory cap here (a memory cgroup needs root, or a delegated cgroup)")
 @pytest.mark.slow("three jobs of up to four ranks under a kernel memory cap, one killed")
 def test_zero_cap_trains_a_model_larger_than_the_cap_at_world_4_where_ddp_is_killed(tmp_path, capfd):
@@ -393,8 +393,8 @@ def test_zero_cap_trains_a_model_larger_than_the_cap_at_world_4_where_ddp_is_kil
 
 
 def test_zero_measures_worlds_2_and_3_unless_told(monkeypatch):
-    import ddpkit.bench.ranks
-    from ddpkit.bench.zero import SETUPS, measure_zero
+    import ddpkit.bench.runners.ranks
+    from ddpkit.bench.sections.zero import SETUPS, measure_zero
 
     worlds = []
 
@@ -403,7 +403,7 @@ def test_zero_measures_worlds_2_and_3_unless_told(monkeypatch):
         Path(args[-1]).write_text(json.dumps({s: {"peak": 1.0} for s in SETUPS} if fn.__name__ == "_time_worker"
                                              else {"peak": 1.0}))
 
-    monkeypatch.setattr(ddpkit.bench.ranks, "spawn_ranks", spawn_ranks)
+    monkeypatch.setattr(ddpkit.bench.runners.ranks, "spawn_ranks", spawn_ranks)
     assert list(measure_zero(BenchConfig(zero=True, workloads=("mlp",)))) == ["mlp world 2", "mlp world 3"]
     assert worlds == [(name, w) for w in (2, 3) for name in ("_time_worker", *["_peak_worker"] * len(SETUPS))]
     worlds.clear()
@@ -425,7 +425,7 @@ def test_zero_config_is_checked():
 def _what_a_rank_found(rank: int, caller: int, out: str) -> None:
     import sys
 
-    found = {"preloaded": "torch._dynamo" in sys.modules and "ddpkit.bench.zero" in sys.modules,
+    found = {"preloaded": "torch._dynamo" in sys.modules and "ddpkit.bench.sections.zero" in sys.modules,
              "parent_is_caller": os.getppid() == caller}
     Path(out, f"{rank}.json").write_text(json.dumps(found))
 
@@ -433,7 +433,7 @@ def _what_a_rank_found(rank: int, caller: int, out: str) -> None:
 def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
     # Every group of ranks the bench starts (--memory and --zero several per command) comes ready-imported,
     # from a server that is not this process, instead of paying seconds of imports per rank.
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     for _ in range(2):
         spawn_ranks(_what_a_rank_found, 2, args=(os.getpid(), str(tmp_path)))
@@ -444,7 +444,7 @@ def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
 def test_the_capped_table_sizes_its_model_from_the_cap_and_says_each_outcome():
     # The cap's bench, without the cap (that is test_zero_cap_...): the model is 1.5 times the cap or more, and
     # the table says which setup trained and which the kernel killed.
-    from ddpkit.bench.capped import _WIDTH, _depth, format_capped
+    from ddpkit.bench.sections.capped import _WIDTH, _depth, format_capped
 
     for cap in (16, 64, 1000):
         weights = _depth(cap) * (_WIDTH * _WIDTH + _WIDTH) * 4 / 1e6
@@ -456,7 +456,7 @@ def test_the_capped_table_sizes_its_model_from_the_cap_and_says_each_outcome():
 
 
 def test_the_memory_figures_read_this_process():
-    from ddpkit.bench.memory import fix_mmap_threshold, in_use, peaks
+    from ddpkit.bench.sections.memory import fix_mmap_threshold, in_use, peaks
 
     fix_mmap_threshold()
     rss, private = in_use()
@@ -465,7 +465,7 @@ def test_the_memory_figures_read_this_process():
 
 
 def test_the_scaling_tables_fit_a_terminal_and_carry_every_recorded_point() -> None:
-    from ddpkit.bench.scaling import ScalingPoint, format_scaling
+    from ddpkit.bench.sections.scaling import ScalingPoint, format_scaling
 
     recorded = json.loads((Path(__file__).parents[2] / "docs" / "bench" / "scaling" / "bench.json").read_text())
     points = [ScalingPoint(**{**p, "ratio_iqr": tuple(p["ratio_iqr"])}) for p in recorded["points"]]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddpkit.bench.mpi_vs_gloo import BackendsBenchConfig
+from ddpkit.bench.sections.mpi_vs_gloo import BackendsBenchConfig
 from ddpkit.cli import main
 
 

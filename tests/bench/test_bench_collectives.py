@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddpkit.bench.allreduce_perf import CollectivesBenchConfig
+from ddpkit.bench.sections.allreduce_perf import CollectivesBenchConfig
 from ddpkit.cli import main
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.bench.failure_cost import FailuresBenchConfig, format_rows
+from ddpkit.bench.sections.failure_cost import FailuresBenchConfig, format_rows
 from ddpkit.cli import main
 
 MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"

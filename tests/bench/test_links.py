@@ -1,4 +1,4 @@
-"""The namespaces testbed (``ddpkit.bench.links.testbed``) and ``ddpkit bench links`` across it."""
+"""The namespaces testbed (``ddpkit.bench.sections.links.testbed``) and ``ddpkit bench links`` across it."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ddpkit.bench.links.section import LinksBenchConfig
-from ddpkit.bench.links.testbed import Testbed, parse_rate
-from ddpkit.runtime.options import ConfigError
 from procs import base_env
+
+from ddpkit.bench.sections.links.section import LinksBenchConfig
+from ddpkit.bench.sections.links.testbed import Testbed, parse_rate
+from ddpkit.runtime.options import ConfigError
 
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare"
 needs_testbed = pytest.mark.skipif(Testbed.why_not() is not None, reason=f"the testbed {Testbed.why_not()}")
@@ -104,7 +104,7 @@ def test_a_testbed_names_its_things_apart_from_any_other_and_checks_its_subnet()
 def test_the_testbed_is_refused_with_the_reason_where_it_cannot_be_made(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert Testbed.why_not() == "needs root (network namespaces, a bridge and tc)"
-    from ddpkit.bench.links.testbed import TestbedError
+    from ddpkit.bench.sections.links.testbed import TestbedError
 
     with pytest.raises(TestbedError, match="needs root"):
         with Testbed(2):

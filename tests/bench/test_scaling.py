@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.scaling import mlp_hidden_for, plan
+from ddpkit.bench.sections.scaling import mlp_hidden_for, plan
 from ddpkit.cli import main
 
 

@@ -18,7 +18,7 @@ from procs import ROOT, base_env, script
 from torch import nn
 
 import ddpkit
-from ddpkit.bench.links.testbed import Testbed
+from ddpkit.bench.sections.links.testbed import Testbed
 from ddpkit.comm import auto
 from ddpkit.comm.auto import MOVES, AutoComm, Link, Phase, Scheme, parse_comm, predict
 from ddpkit.runtime.options import ConfigError

@@ -1,7 +1,7 @@
 """ZeRO stage 3 for what it exists for: a model whose whole weights do not fit one rank's memory trains, saves,
 resumes bit-identically and loads into a plain module, each rank under a kernel-enforced memory limit.
 
-Each of four ranks joins a memory cgroup (:class:`ddpkit.bench.limit.MemoryCap`) that lets it touch ``BUDGET``
+Each of four ranks joins a memory cgroup (:class:`ddpkit.bench.runners.memory_cap.MemoryCap`) that lets it touch ``BUDGET``
 bytes of new memory, and the kernel kills it past that. The model's weights alone are 1.5 times the budget: a
 process that builds it whole in the same cap is killed (the control). Stage 3 builds it on the meta device,
 materialises each rank's rows unit by unit, and trains.
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.bench.limit import MemoryCap, unavailable
+from ddpkit.bench.runners.memory_cap import MemoryCap, unavailable
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=f"no memory cap here: {unavailable()}"),
               pytest.mark.alone("four ranks at a time, each under a kernel memory cap")]
@@ -55,9 +55,9 @@ def _sharded(seed: int) -> nn.Module:
 
 
 def _under_the_cap(root: str) -> int:
-    from ddpkit.bench.memory import fix_mmap_threshold
+    from ddpkit.bench.sections.memory import fix_mmap_threshold
 
-    fix_mmap_threshold()  # freed tensors go back to the kernel at once (see ddpkit.bench.memory)
+    fix_mmap_threshold()  # freed tensors go back to the kernel at once (see ddpkit.bench.sections.memory)
     _steps(ddpkit.DDP(nn.Sequential(nn.Linear(WIDTH, 4), nn.Linear(4, 4)), zero_stage=3), 0, 1)  # first-use costs
     gc.collect()
     cap = MemoryCap(f"ddpkit-test-{os.getpid()}", BUDGET)

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import load_checkpoint
-from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.loop import train
 from ddpkit.train.restart import _check_servers
 from ddpkit.train.state import checkpoint_files
 from ddpkit.train.strategy import async_momentum
+from ddpkit.train.train_config import TrainConfig
 
 # 384 images per rank, 24 steps per epoch, a checkpoint every 5 steps (as tests/train/test_restart.py).
 FLAGS = ["--dataset", "synthetic", "--synthetic-samples", "768", "--batch-size", "16", "--epochs", "2",
@@ -193,7 +193,11 @@ def test_a_straggler_rank_beyond_the_world_is_refused_alike_by_train_and_the_ben
 
 
 def test_bench_strategies_warms_the_larger_worlds_up_says_so_and_takes_no_progress(capsys) -> None:
-    from ddpkit.bench.strategies import ConsistencyBenchConfig, RunResult, format_runs
+    from ddpkit.bench.sections.strategies import (
+        ConsistencyBenchConfig,
+        RunResult,
+        format_runs,
+    )
     from ddpkit.cli import main
 
     cfg = ConsistencyBenchConfig(world_sizes=(2, 4, 8))

@@ -150,7 +150,7 @@ class BenchConfig(WorkloadSizes):
         if self.zero and (self.scaling or self.compile):
             raise ConfigError(f"--zero measures its own table; drop {'--scaling' if self.scaling else '--compile'}")
         if self.zero_cap_mb:
-            from ddpkit.bench.limit import unavailable
+            from ddpkit.bench.runners.memory_cap import unavailable
 
             if not self.zero or not self.zero_cap_mb > 0:
                 raise ConfigError(f"--zero-cap-mb {self.zero_cap_mb:g} needs --zero and a positive number of MB")

@@ -1,8 +1,8 @@
 """``ddpkit bench``: ddpkit's DistributedDataParallel side by side with torch's, and the command's other tables.
 
-The measurement of one workload, its interleaving and the overlap figures are :mod:`ddpkit.bench.engines`'s; this
-module runs the command: the workloads in turn (or ``--scaling``, ``--zero``, ``--memory`` instead), the progress
-lines, the JSON and the report.
+The measurement of one workload, its interleaving and the overlap figures are
+:mod:`ddpkit.bench.sections.engines`'s; this module runs the command: the workloads in turn (or ``--scaling``,
+``--zero``, ``--memory`` instead), the progress lines, the JSON and the report.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.engines import WorkloadResult, bench_workload, format_results
-from ddpkit.bench.console import machine, say
+from ddpkit.bench.report.console import machine, say
+from ddpkit.bench.sections.engines import WorkloadResult, bench_workload, format_results
 from ddpkit.runtime.options import plain
 
 __all__ = ["BenchConfig", "run"]
@@ -29,7 +29,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
 
     torch.set_num_threads(1)
     init()  # the backend spawn() gave these ranks (gloo; nccl with --device cuda, which also picks each GPU)
-    from ddpkit.bench.dp_vs_ddp import bench_dp_vs_ddp
+    from ddpkit.bench.sections.dp_vs_ddp import bench_dp_vs_ddp
 
     results, dp, strategies = [], None, None
     for i, name in enumerate(cfg.workloads, 1):
@@ -44,7 +44,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
             say(cfg, f"dp done in {time.monotonic() - start:.0f} s")
             continue
         if name == "strategies":
-            from ddpkit.bench.averaging import bench_averaging
+            from ddpkit.bench.sections.averaging import bench_averaging
 
             strategies = [asdict(r) for r in bench_averaging(cfg)]
             say(cfg, f"strategies done in {time.monotonic() - start:.0f} s")
@@ -60,7 +60,7 @@ def _worker(rank: int, cfg: BenchConfig, out: str) -> None:
 
 def run(cfg: BenchConfig) -> list[WorkloadResult]:
     """Run the benchmarks in ``cfg.world_size`` processes of their own and print the table (``--scaling``: the sweeps
-    of :mod:`ddpkit.bench.scaling` instead, returning no rows).
+    of :mod:`ddpkit.bench.sections.scaling` instead, returning no rows).
 
     Returns:
         One :class:`WorkloadResult` per workload (rank 0's timings).
@@ -68,15 +68,15 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
     Raises:
         ddpkit.WorkerError: a rank failed.
     """
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     if cfg.scaling:
-        from ddpkit.bench.scaling import run_scaling
+        from ddpkit.bench.sections.scaling import run_scaling
 
         run_scaling(cfg)
         return []
     if cfg.zero and cfg.zero_cap_mb:
-        from ddpkit.bench.capped import format_capped, measure_capped
+        from ddpkit.bench.sections.capped import format_capped, measure_capped
 
         capped = measure_capped(cfg)
         print(format_capped(capped), flush=True)
@@ -84,13 +84,13 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
             cfg.json_path.write_text(json.dumps({"settings": plain(cfg), "capped": capped}, indent=2) + "\n")
         return []
     if cfg.zero:
-        from ddpkit.bench.zero import format_zero, measure_zero
+        from ddpkit.bench.sections.zero import format_zero, measure_zero
 
         found = measure_zero(cfg)
         table = format_zero(found)
         print(table, flush=True)
         if cfg.report is not None:
-            from ddpkit.bench.zero import write_zero_report
+            from ddpkit.bench.sections.zero import write_zero_report
 
             print(f"report: {write_zero_report(cfg, found, table)}", flush=True)
         if cfg.json_path is not None:
@@ -112,7 +112,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         spawn_ranks(_worker, cfg.world_size, args=(cfg, out), backend=backend)
         raw = json.loads(Path(out).read_text())
     if cfg.memory:
-        from ddpkit.bench.memory import measure_memory
+        from ddpkit.bench.sections.memory import measure_memory
 
         raw["memory"] = measure_memory(cfg)
     after = machine()
@@ -121,15 +121,15 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         print(format_results(results, cfg.world_size, cfg.compile_backend if cfg.compile else None, cfg.device),
               flush=True)
     if raw["dp"] is not None:
-        from ddpkit.bench.dp_vs_ddp import DPResult, format_dp
+        from ddpkit.bench.sections.dp_vs_ddp import DPResult, format_dp
 
         print(format_dp(DPResult(**raw["dp"])), flush=True)
     if raw.get("strategies"):
-        from ddpkit.bench.averaging import AveragingResult, format_averaging
+        from ddpkit.bench.sections.averaging import AveragingResult, format_averaging
 
         print(format_averaging([AveragingResult(**r) for r in raw["strategies"]], cfg), flush=True)
     if raw.get("memory"):
-        from ddpkit.bench.memory import format_memory
+        from ddpkit.bench.sections.memory import format_memory
 
         print(format_memory(raw["memory"]), flush=True)
     print(f"load average (1 min) {before['load_average'][0]:.2f} at start, {after['load_average'][0]:.2f} at end, "
@@ -140,7 +140,7 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
                   "machine_at_start": before, "machine_at_end": after, **raw}
         cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
         if cfg.report is not None:
-            from ddpkit.bench.report import write_report
+            from ddpkit.bench.report.summary import write_report
 
             print(f"report: {write_report(cfg, report)}", flush=True)
     return results

@@ -18,19 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ddpkit.bench import RANKS_IMPORT
 from ddpkit.runtime.spawn import spawn, start_forkserver
 
-__all__ = ["PRELOAD", "spawn_ranks", "start_early"]
-
-PRELOAD = ("torch", "torch._dynamo", "ddpkit.bench.command", "ddpkit.bench.memory", "ddpkit.bench.zero",
-           "ddpkit.bench.capped",
-           "ddpkit.bench.scaling", "ddpkit.bench.allreduce_perf")
-"""What the server imports once for every rank (the ranks' modules and what they import)."""
+__all__ = ["spawn_ranks", "start_early"]
 
 
 def start_early() -> None:
     """Start the server the ranks will be forked from, its imports beside the caller's (later calls do nothing)."""
-    start_forkserver(PRELOAD)
+    start_forkserver(RANKS_IMPORT)
 
 
 def spawn_ranks(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], backend: str = "gloo") -> None:

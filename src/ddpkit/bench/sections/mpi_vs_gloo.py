@@ -13,7 +13,7 @@ For each world size, one ``mpirun`` job of ranks whose default group is the
   rotating): ddpkit's DDP over mpi, ddpkit's DDP over gloo, and torch's DDP
   over gloo. Reported: each engine's median step, and torch-on-gloo's step
   over ddpkit-on-mpi's per rotation, its median with a distribution-free 95 %
-  confidence interval (:func:`ddpkit.bench.stats.median_ci`) and the verdict
+  confidence interval (:func:`ddpkit.bench.report.stats.median_ci`) and the verdict
   (faster when the whole interval lies above 1).
 """
 
@@ -120,7 +120,7 @@ def _steps(cfg: BackendsBenchConfig, groups: dict[str, Any]) -> list[dict]:
     import torch.distributed as dist
 
     from ddpkit._reference import torch_ddp
-    from ddpkit.bench.stats import median_ci, verdict
+    from ddpkit.bench.report.stats import median_ci, verdict
     from ddpkit.bench.workloads import stepper, workload
     from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
@@ -156,7 +156,7 @@ def _steps(cfg: BackendsBenchConfig, groups: dict[str, Any]) -> list[dict]:
 
 
 def _iqr(xs: list[float]) -> tuple[float, float]:
-    from ddpkit.bench.stats import quartiles
+    from ddpkit.bench.report.stats import quartiles
 
     return quartiles(xs)
 
@@ -190,7 +190,7 @@ def run(cfg: BackendsBenchConfig) -> dict[str, list[dict]]:
         ddpkit.runtime.mpirun.MpirunError: no mpirun of mpi4py's MPI here.
         ddpkit.WorkerError: a rank failed.
     """
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     found: dict[str, list[dict]] = {"bandwidth": [], "steps": []}
     for i, world in enumerate(cfg.world_sizes, 1):

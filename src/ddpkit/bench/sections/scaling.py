@@ -1,6 +1,6 @@
 """``ddpkit bench --scaling``: how both engines scale with the world size and with the model size.
 
-Each point is one :func:`ddpkit.bench.engines.bench_workload` measurement
+Each point is one :func:`ddpkit.bench.sections.engines.bench_workload` measurement
 (both engines interleaved, medians with quartiles) in processes of their own at
 that world size:
 
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.engines import bench_workload
-from ddpkit.bench.console import machine, say
-from ddpkit.bench.table import note_lines
+from ddpkit.bench.report.console import machine, say
+from ddpkit.bench.report.table import note_lines
+from ddpkit.bench.sections.engines import bench_workload
 from ddpkit.bench.workloads import BATCH_FIELD
 from ddpkit.runtime.options import plain
 
@@ -114,7 +114,7 @@ def efficiency(points: list[ScalingPoint], point: ScalingPoint, engine: str) -> 
 
 
 def format_scaling(points: list[ScalingPoint]) -> str:
-    """Two tables within :data:`~ddpkit.bench.table.WIDTH` columns: the step times, then the throughput."""
+    """Two tables within :data:`~ddpkit.bench.report.table.WIDTH` columns: the step times, then the throughput."""
     def key(p: ScalingPoint) -> str:
         return f"{p.sweep:<7} {p.workload:<11} {p.world_size:>5} {p.params:>12,}"
 
@@ -200,7 +200,7 @@ def plot_scaling(points: list[ScalingPoint], path: Path) -> list[Path]:
 
 def run_scaling(cfg: BenchConfig) -> list[ScalingPoint]:
     """Measure every sweep in processes of their own per world size; print, plot and (``--json``) save them."""
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     before = machine()
     points: list[ScalingPoint] = []
@@ -226,7 +226,7 @@ def run_scaling(cfg: BenchConfig) -> list[ScalingPoint]:
         }
         cfg.json_path.write_text(json.dumps(data, indent=2) + "\n")
         if cfg.report is not None:
-            from ddpkit.bench.report import write_scaling_report
+            from ddpkit.bench.report.summary import write_scaling_report
 
             print(f"report: {write_scaling_report(cfg, data, table, written)}", flush=True)
     return points

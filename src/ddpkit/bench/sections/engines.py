@@ -54,10 +54,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.dispatch import engine_us, top_level_ops
-from ddpkit.bench.console import progress_bar
-from ddpkit.bench.stats import median_ci, median_ms, pair_ratios, quartiles, relative_spread, verdict
-from ddpkit.bench.table import note_lines
+from ddpkit.bench.report.console import progress_bar
+from ddpkit.bench.report.stats import (
+    median_ci,
+    median_ms,
+    pair_ratios,
+    quartiles,
+    relative_spread,
+    verdict,
+)
+from ddpkit.bench.report.table import note_lines
+from ddpkit.bench.runners.dispatch import engine_us, top_level_ops
 from ddpkit.bench.workloads import stepper, sync_device, workload
 from ddpkit.comm.bucket_hooks import noop_hook
 from ddpkit.parallel.common import trace
@@ -110,7 +117,7 @@ class WorkloadResult:
     """``--engine-cost``: per engine (``ddpkit``, ``torch``, ``torch batched`` where torch's DDP takes
     ``batched_grad_copy``, and ``python hook``: :func:`python_hooks`, no engine), with the no-op hook, the µs per
     step beyond the plain model's step and the aten operations dispatched per step beyond the plain model's (see
-    :mod:`ddpkit.bench.dispatch`)."""
+    :mod:`ddpkit.bench.runners.dispatch`)."""
     ddpkit_peak_mib: float | None = None
     torch_peak_mib: float | None = None
     """``--device cuda``: peak GPU memory of each engine's steps (its model copy, gradients, optimizer state,

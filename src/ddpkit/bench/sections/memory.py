@@ -3,7 +3,7 @@
 A process's peak resident set (``ru_maxrss``) only grows, so each engine and
 workload runs in processes of its own (``MEMORY_REPEATS`` times, engines
 alternating, the median reported; forked from the bench's server, see
-:mod:`ddpkit.bench.ranks`; glibc's mmap threshold fixed, see
+:mod:`ddpkit.bench.runners.ranks`; glibc's mmap threshold fixed, see
 ``MMAP_THRESHOLD``): the peak is read after the warm-up and
 ``min(--steps, 10)`` training steps, minus the peak before the model was
 built (the interpreter, torch, the process group, and the some 800 modules,
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.report import memory_ratio
+from ddpkit.bench.report.summary import memory_ratio
 from ddpkit.bench.workloads import BATCH_FIELD
 
 MEMORY_STEPS = 10
@@ -140,7 +140,7 @@ def measure_memory(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     """
     import statistics
 
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     found: dict[str, dict[str, Any]] = {}
     for name in (w for w in cfg.workloads if w in BATCH_FIELD):  # the DDP workloads, not dp or strategies

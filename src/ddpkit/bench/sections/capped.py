@@ -1,6 +1,6 @@
 """``ddpkit bench --zero --zero-cap-mb MB``: a model 1.5 times a rank's memory, trained under a memory cap.
 
-Each rank joins a memory cgroup (:class:`ddpkit.bench.limit.MemoryCap`) that
+Each rank joins a memory cgroup (:class:`ddpkit.bench.runners.memory_cap.MemoryCap`) that
 lets it touch ``MB`` of new memory (the interpreter, torch and the process
 group are loaded first, outside it), and the kernel kills a rank that
 passes it. The model is a stack of ``Linear(512, 512)`` layers whose weights
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.limit import MemoryCap
+from ddpkit.bench.runners.memory_cap import MemoryCap
 
 __all__ = ["CAP_STEPS", "CAP_WORLDS", "format_capped", "measure_capped"]
 
@@ -50,7 +50,7 @@ def _worker(rank: int, setup: str, cap_mb: float, tag: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from ddpkit.bench.memory import fix_mmap_threshold
+    from ddpkit.bench.sections.memory import fix_mmap_threshold
     from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
     from ddpkit.runtime.devices import comm_tensor
     from ddpkit.runtime.group import init, shutdown
@@ -85,7 +85,7 @@ def _worker(rank: int, setup: str, cap_mb: float, tag: str, out: str) -> None:
 
 def measure_capped(cfg: BenchConfig) -> dict[str, Any]:
     """``{"cap_mb", "model_mb", "rows": [{"setup", "world", "trained", "peak"}]}`` (see the module notes)."""
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
     from ddpkit.runtime.spawn import WorkerError
 
     cap_mb = cfg.zero_cap_mb

@@ -1,6 +1,6 @@
 """The ``strategies`` workload of plain ``ddpkit bench``: ways of averaging on ddpkit's engine side by side (DDP,
 DistributedOptimizer, local SGD, PowerSGD). ``ddpkit bench strategies``, the consistency models as whole training
-runs, is :mod:`ddpkit.bench.strategies`.
+runs, is :mod:`ddpkit.bench.sections.strategies`.
 
 For each of ``--strategy-workloads`` every rank trains four copies of one
 model on the same data:
@@ -41,13 +41,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.stats import quartiles
-from ddpkit.bench.table import note_lines
+from ddpkit.bench.report.stats import quartiles
+from ddpkit.bench.report.table import note_lines
 from ddpkit.bench.workloads import sync_device, workload
 from ddpkit.comm.powersgd import PowerSGDState, powersgd_hook
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
-from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
+from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier
 from ddpkit.train.fault_tolerance import FaultTolerance

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.table import note_lines
+from ddpkit.bench.report.table import note_lines
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
 __all__ = ["FailuresBenchConfig", "format_rows", "run"]
@@ -386,7 +386,7 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The rows as two Markdown tables within :data:`~ddpkit.bench.table.WIDTH` columns (what a fault costs; the
+    """The rows as two Markdown tables within :data:`~ddpkit.bench.report.table.WIDTH` columns (what a fault costs; the
     run as a whole), then each row's notes."""
     def key(r: dict[str, Any]) -> str:
         return f"| {r['job']} | {r['world_size']} | {r['mode']} |"

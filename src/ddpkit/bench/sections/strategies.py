@@ -38,8 +38,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ddpkit.bench.stats import quartiles
-from ddpkit.bench.table import note_lines
+from ddpkit.bench.report.stats import quartiles
+from ddpkit.bench.report.table import note_lines
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 from ddpkit.train.train_config import DATASETS, MODELS, STRATEGIES, TrainConfig
 

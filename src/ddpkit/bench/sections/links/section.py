@@ -2,7 +2,7 @@
 replicas together after another.
 
 For every link rate (``--rates``; ``none`` is the unshaped veth) a
-:class:`~ddpkit.bench.links.testbed.Testbed` of ``--nodes`` namespaces (one
+:class:`~ddpkit.bench.sections.links.testbed.Testbed` of ``--nodes`` namespaces (one
 worker each) is shaped to it, and every run of ``--runs`` trains the GPT on
 tiny Shakespeare there (``ddpkit launch`` on each node, ``-m ddpkit train
 --model gpt --dataset shakespeare``, AdamW, equal samples per worker):
@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.links.testbed import Testbed, TestbedError, parse_rate
-from ddpkit.bench.table import note_lines
+from ddpkit.bench.report.table import note_lines
+from ddpkit.bench.sections.links.testbed import Testbed, TestbedError, parse_rate
 from ddpkit.runtime.options import ConfigError, RunError, option, plain, writable_file
 
 __all__ = ["RUNS", "LinksBenchConfig", "Row", "TestbedError", "format_rows", "run"]

@@ -18,7 +18,7 @@ plus the gradient shards stage 2 keeps (the buckets that exist only while
 they are reduced are in the peak, not here); *optimizer state*, the tensors
 of the (local) optimizer's state. *Peak*: the peak private memory of a rank
 above its baseline, in processes of its own per setup (as ``--memory``
-measures it, see :mod:`ddpkit.bench.memory`). *Step*: the median step time,
+measures it, see :mod:`ddpkit.bench.sections.memory`). *Step*: the median step time,
 the setups stepping in turn in one group of processes (``--steps``
 rounds after ``--warmup``), and its ratio to ``ddp``.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.memory import MEMORY_STEPS, fix_mmap_threshold, in_use, peaks
+from ddpkit.bench.sections.memory import MEMORY_STEPS, fix_mmap_threshold, in_use, peaks
 
 SETUPS = ("ddp", "torch ddp", "zero1", "torch zero1", "zero2", "zero3", "torch fsdp2")
 ZERO_WORKLOADS = ("transformer", "mlp")
@@ -131,7 +131,8 @@ def _time_worker(rank: int, cfg: BenchConfig, name: str, out: str) -> None:
 
 
 def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -> None:
-    """One setup in processes of its own: the peak private memory above the baseline (see ddpkit.bench.memory)."""
+    """One setup in processes of its own: the peak private memory above the baseline (see
+    ddpkit.bench.sections.memory)."""
     import torch
     import torch.distributed as dist
 
@@ -160,7 +161,7 @@ def _peak_worker(rank: int, cfg: BenchConfig, name: str, setup: str, out: str) -
 
 def measure_zero(cfg: BenchConfig) -> dict[str, Any]:
     """``{f"{workload} world {W}": {setup: {"params", "grads", "state", "step_s", "peak"}}}`` in MB and seconds."""
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     found: dict[str, Any] = {}
     for name in (w for w in cfg.workloads if w in ZERO_WORKLOADS):
@@ -221,7 +222,7 @@ def memory_plot(found: dict[str, Any], path: Path) -> Path:
 
 def write_zero_report(cfg: BenchConfig, found: dict[str, Any], table: str) -> Path:
     """``--report DIR`` with ``--zero``: ``zero.json``, ``zero-memory.png`` and ``summary.md`` (command, table)."""
-    from ddpkit.bench.report import command_line
+    from ddpkit.bench.report.summary import command_line
     from ddpkit.runtime.options import plain
 
     directory = Path(cfg.report)

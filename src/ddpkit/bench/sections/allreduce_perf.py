@@ -154,7 +154,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def run(cfg: CollectivesBenchConfig) -> list[dict]:
     """Measure every world size in processes of its own, print the table, write JSON and the plot."""
-    from ddpkit.bench.ranks import spawn_ranks
+    from ddpkit.bench.runners.ranks import spawn_ranks
 
     rows: list[dict] = []
     fits = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.bench_config import BenchConfig
-from ddpkit.bench.stats import verdict
+from ddpkit.bench.report.stats import verdict
 
 
 def memory_ratio(m: dict[str, Any], suffix: str = "") -> float:
