@@ -49,7 +49,9 @@ def dist4() -> Iterator[RankPool]:
 def shared_runs(tmp_path_factory: pytest.TempPathFactory):  # -> SharedRuns
     """Reference runs computed once per session, shared by the tests (and pytest-xdist's workers) that compare
     with them (``tests/shared_runs.py``)."""
-    from shared_runs import SharedRuns  # here: it imports the budget plugin, which pytest must import first
+    from shared_runs import (
+        SharedRuns,  # here: it imports the budget plugin, which pytest must import first
+    )
 
     base = tmp_path_factory.getbasetemp()
     return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
@@ -104,3 +106,18 @@ def _clean_state() -> Iterator[None]:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def synthetic_run(shared_runs, dist2) -> Path:  # noqa: ANN001
+    """``shared_runs.SYNTHETIC_RUN`` uninterrupted on two ranks, trained once per session: its run directory
+    (read-only: copy it before resuming from it)."""
+    from shared_runs import SYNTHETIC_RUN
+
+    from ddpkit.train.loop import TrainConfig, worker
+
+    def make(folder: Path) -> None:
+        dist2.run(worker, 0, TrainConfig(**SYNTHETIC_RUN, output_dir=folder / "run"), None)
+
+    _, folder = shared_runs.get(f"train {sorted(SYNTHETIC_RUN.items())} on 2 ranks", make)
+    return folder / "run"

@@ -24,6 +24,11 @@ import filelock
 import torch
 from budget import charge_to_session, cpu_seconds
 
+SYNTHETIC_RUN = dict(dataset="synthetic", synthetic_samples=768, batch_size=16, epochs=2, checkpoint_every=5,
+                     progress=False)
+"""The training job that the restart and consistency tests compare with (the session fixture ``synthetic_run``):
+two workers, 96 steps, a checkpoint every five."""
+
 
 class SharedRuns:
     """Runs computed once per session, by key (see the module notes)."""

@@ -9,7 +9,11 @@ one of these marks, else this test fails:
 ``<!-- test: launch N -->``
     a Python block runs under ``ddpkit launch --nproc-per-node N``;
 ``<!-- test: not run (why) -->``
-    the block is shown only (a cluster, another machine, the suite itself).
+    the block is shown only (a cluster, another machine, the suite itself);
+``<!-- test: same as PAGE -->``
+    the block's commands run in a block of PAGE (a path from the repository's root; checked: each of its command
+    lines, its output directory and comment aside, is a line of a run block
+    there), so the same job is not trained twice.
 
 Blocks run in a scratch checkout: the project's ``.venv``, ``examples``,
 ``scripts``, ``src`` and ``tests`` linked in, ``../shared`` beside it, so the
@@ -32,7 +36,7 @@ from procs import base_env
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 SCRIPT_LANGUAGES = {"bash", "sh", "shell", "console", "python", "py", "yaml"}
-MARK = re.compile(r"^<!-- test: (run|launch (\d+)|not run \((.+)\)) -->$")
+MARK = re.compile(r"^<!-- test: (run|launch (\d+)|not run \((.+)\)|same as (\S+\.md)) -->$")
 TIMEOUT_S = 300
 
 
@@ -43,7 +47,7 @@ class Block:
     language: str
     code: str
     mark: str | None
-    """``run``, ``launch N``, ``not run (...)``, or None (unmarked)."""
+    """``run``, ``launch N``, ``not run (...)``, ``same as PAGE``, or None (unmarked)."""
 
     @property
     def name(self) -> str:
@@ -75,7 +79,16 @@ def documents() -> list[Path]:
 
 
 ALL = [b for page in documents() for b in blocks(page)]
-RUN = [b for b in ALL if b.mark is not None and not b.mark.startswith("not run")]
+RUN = [b for b in ALL if b.mark is not None and not b.mark.startswith(("not run", "same as"))]
+SAME = [b for b in ALL if b.mark is not None and b.mark.startswith("same as")]
+
+
+def command_lines(code: str) -> list[str]:
+    """A shell block's commands, each as one line (continuations joined), without its comment and without the
+    value of ``--output-dir`` (where a page writes its run is not the job)."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    lines = [" ".join(re.sub(r"\s+#.*$", "", line).split()) for line in joined.split("\n")]
+    return [re.sub(r"--output-dir \S+", "--output-dir", line) for line in lines if line and not line.startswith("#")]
 
 
 def test_every_command_and_script_is_run_or_marked() -> None:
@@ -85,6 +98,25 @@ def test_every_command_and_script_is_run_or_marked() -> None:
     unlabelled = [b.name for b in ALL if not b.language]
     assert not unlabelled, f"fences without a language (write ```text for output): {unlabelled}"
     assert len(RUN) >= 10, [b.name for b in RUN]  # the checker found the marks at all
+
+
+@pytest.mark.parametrize("block", SAME, ids=[b.name for b in SAME])
+def test_a_block_marked_same_as_a_page_is_run_there(block: Block) -> None:
+    page = ROOT / block.mark.split(" ", 2)[2]  # PAGE from the repository's root
+    assert page.is_file(), f"{block.name}: {page} does not exist"
+    there = {line for b in blocks(page) if b.mark == "run" for line in command_lines(b.code)}
+    missing = [line for line in command_lines(block.code) if line not in there]
+    assert not missing, f"{block.name}: not run by a block of {page.relative_to(ROOT)}: {missing}"
+
+
+def test_the_same_as_check_sees_a_command_the_page_does_not_run(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- test: run -->\n```bash\nddpkit train --epochs 2 --output-dir runs/a   # two epochs\n```\n")
+    there = {line for b in blocks(page) for line in command_lines(b.code)}
+    assert command_lines("ddpkit train --epochs 2 \\\n    --output-dir runs/readme\n") == \
+        ["ddpkit train --epochs 2 --output-dir"]
+    assert set(command_lines("ddpkit train --epochs 2 --output-dir runs/b")) <= there
+    assert not set(command_lines("ddpkit train --epochs 3 --output-dir runs/a")) <= there
 
 
 def test_the_checker_reads_marks(tmp_path: Path) -> None:

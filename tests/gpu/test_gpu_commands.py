@@ -111,6 +111,18 @@ def ddp_runs(shared_runs) -> dict[str, Path]:
     return get  # type: ignore[return-value]
 
 
+@pytest.fixture(scope="module")
+def torch_runs(shared_runs) -> dict[str, Path]:
+    """torch's DDP (``--engine torch``) on each path, trained once per session: ``(summary, folder)``."""
+
+    def get(path: str) -> tuple[dict, Path]:
+        summary, folder = shared_runs.get(f"gpu commands: torch {path} {SHORT}", lambda folder: train(
+            folder / "run", *SHORT, *PATHS[path], *BITWISE["engine-torch"]))
+        return summary, folder / "run"
+
+    return get  # type: ignore[return-value]
+
+
 BITWISE = {
     "optimizer": ["--strategy", "optimizer"],      # Horovod's DistributedOptimizer: the same averages
     "ssp-0": ["--strategy", "ssp", "--staleness", "0"],
@@ -123,14 +135,15 @@ BITWISE = {
 
 @pytest.mark.parametrize("path", BY_REFERENCE)
 @pytest.mark.parametrize("name", list(BITWISE))
-def test_strategy_makes_ddps_update_bit_for_bit(tmp_path, ddp_runs, path, name):
+def test_strategy_makes_ddps_update_bit_for_bit(tmp_path, ddp_runs, torch_runs, path, name):
     once_per_job(path)
-    summary = train(tmp_path / name, *SHORT, *PATHS[path], *BITWISE[name])
-    assert_same_weights(tmp_path / name, ddp_runs(path))
+    if name == "engine-torch":  # torch's run, trained once for this test and zero-3's
+        summary, out = torch_runs(path)
+    else:
+        summary, out = train(tmp_path / name, *SHORT, *PATHS[path], *BITWISE[name]), tmp_path / name
+    assert_same_weights(out, ddp_runs(path))
     if name == "zero-3":  # and against torch's DDP itself, not only through ddpkit's stage 0
-        reference = tmp_path / "torch"
-        train(reference, *SHORT, *PATHS[path], *BITWISE["engine-torch"])
-        assert_same_weights(tmp_path / name, reference)
+        assert_same_weights(out, torch_runs(path)[1])
     assert summary["world_size"] == (2 if path == "gloo" or ON_CPU else WORLD)
 
 
@@ -225,26 +238,38 @@ def test_a_killed_worker_restarts_bit_identical(tmp_path):
     assert_same_weights(out, reference)
 
 
-def test_resume_on_the_gpu_is_bit_identical(tmp_path):
-    train(tmp_path / "whole", *SHORT)
-    train(tmp_path / "part", "--epochs", "1")
-    summary = train(tmp_path / "part", "--epochs", "2", "--resume")
+@pytest.mark.xdist_group("ddp-nccl")
+def test_resume_on_the_gpu_is_bit_identical(tmp_path, ddp_runs):
+    out = tmp_path / "part"
+    train(out, "--epochs", "1")
+    summary = train(out, "--epochs", "2", "--resume")
     assert summary["resumed_from_epoch"] == 1
-    assert_same_weights(tmp_path / "part", tmp_path / "whole")
+    assert_same_weights(out, ddp_runs("nccl"))  # the whole run: SHORT on the default path
+    if ON_CPU:  # test_resume_across_devices's checks: on the CPU its runs are this test's (CROSSING)
+        _assert_resumed_well(out, summary)
+
+
+CROSSING = "rehearsal: on the CPU both sides are gloo with two processes, the job test_resume_on_the_gpu checks"
+
+
+def _assert_resumed_well(out: Path, summary: dict) -> None:
+    assert summary["resumed_from_epoch"] == 1 and summary["epochs"] == 2 and summary["world_size"] == 2
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in history] == [1, 2] and history[1]["test_accuracy"] >= 0.9, history
+    assert all(torch.isfinite(v).all() for v in weights(out).values())
 
 
 @pytest.mark.parametrize("first, then", [("cpu", "gpu"), ("gpu", "cpu")])
 def test_resume_across_devices(tmp_path, first, then):
     # Two processes on both sides, so the world size stays; on the GPU they share it over gloo (DDPKIT_BACKEND, an
     # environment setting, so the run's settings stay those it was started with).
+    if ON_CPU:
+        pytest.skip(CROSSING)
     where = {"cpu": _env(CUDA_VISIBLE_DEVICES=""), "gpu": _env(DDPKIT_BACKEND="gloo")}
     out = tmp_path / "run"
     train(out, "--epochs", "1", "--nproc-per-node", "2", env=where[first])
     summary = train(out, "--epochs", "2", "--nproc-per-node", "2", "--resume", env=where[then])
-    assert summary["resumed_from_epoch"] == 1 and summary["epochs"] == 2 and summary["world_size"] == 2
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in history] == [1, 2] and history[1]["test_accuracy"] >= 0.9, history
-    assert all(torch.isfinite(v).all() for v in weights(out).values())
+    _assert_resumed_well(out, summary)
 
 
 def test_nccl_with_more_processes_than_gpus_is_refused_before_anything_starts(tmp_path):

@@ -21,8 +21,10 @@ pytest.importorskip("lightning", reason="Lightning is an optional extra: pip ins
 
 MODELS = "boring,bn,manual"
 
-# The three jobs run once, in the module's fixture, whose time lands on whichever test comes first.
-pytestmark = pytest.mark.slow("three Lightning jobs of two processes each, once for the module's tests")
+# The three jobs run once, in the module's fixture, whose time lands on whichever test comes first; the module's
+# tests on one pytest-xdist worker, so that once is once per session, not once per worker.
+pytestmark = [pytest.mark.slow("three Lightning jobs of two processes each, once for the module's tests"),
+              pytest.mark.xdist_group("lightning-fits")]
 
 
 def _start(args: list[str], cwd) -> subprocess.Popen:  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from procs import base_env, children, wait_for
 from safetensors.torch import load_file
+from shared_runs import SYNTHETIC_RUN
 
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import load_checkpoint
@@ -31,10 +32,11 @@ CONFIG = dict(dataset="synthetic", synthetic_samples=768, batch_size=16, epochs=
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    train(TrainConfig(**CONFIG, output_dir=out))
-    return out
+def ddp_run(synthetic_run) -> Path:
+    # The session's run of this job on a rank pool (tests/conftest.py): the same bits as ``ddpkit train``'s own
+    # two workers (test_restart.py compares its restarted runs of ddpkit train with it).
+    assert {**SYNTHETIC_RUN, "nproc_per_node": 2} == CONFIG
+    return synthetic_run
 
 
 def _same_weights(a: Path, b: Path) -> None:

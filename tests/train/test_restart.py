@@ -15,8 +15,7 @@ import torch
 from procs import children as _children
 from procs import wait_for as _wait_for
 from safetensors.torch import load_file
-
-from ddpkit.train.loop import TrainConfig, worker
+from shared_runs import SYNTHETIC_RUN
 
 # 384 images per rank, 24 steps per epoch, a checkpoint every 5 steps.
 FLAGS = ["--dataset", "synthetic", "--synthetic-samples", "768", "--batch-size", "16", "--epochs", "2",
@@ -49,10 +48,9 @@ def _kill_worker_and_finish(cmd: list[str], out: Path, when: Callable[[], bool],
 
 
 @pytest.fixture(scope="module")
-def reference(dist2, tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    dist2.run(worker, 0, TrainConfig(**CONFIG, output_dir=out), None)
-    return load_file(out / "model.safetensors")
+def reference(synthetic_run) -> dict[str, torch.Tensor]:
+    assert CONFIG == SYNTHETIC_RUN  # the session's run of this job (tests/conftest.py) is the reference
+    return load_file(synthetic_run / "model.safetensors")
 
 
 def _assert_same_weights(out: Path, reference: dict[str, torch.Tensor]) -> None:
