@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def test_a_move_the_table_does_not_list_raises(now, to):
     ({"candidates": [Scheme("powersgd", 0)]}, "PowerSGD needs a whole rank"), ({"candidates": [Scheme("zip")]},
                                                                                "not a reduction"),
     ({"candidates": [Scheme("fp16", 2)]}, "only powersgd has a rank"), ({"budget_s": 0}, "budget_s=0"),
+    ({"guard": 0}, "guard=0: a relative change"), ({"guard": True}, "guard=True"),
 ])
 def test_bad_settings_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -237,8 +239,8 @@ def test_a_pinned_spec_trains_the_bits_of_its_hook_registered_by_hand(dist2, spe
 class _Bucket:
     """A bucket as a comm hook sees it (index, last, buffer, parameters), for driving AutoComm step by step."""
 
-    def __init__(self, index: int, count: int, numel: int = 64) -> None:
-        self._index, self._count, self._buffer = index, count, torch.ones(numel)
+    def __init__(self, index: int, count: int, numel: int = 64, value: float = 1.0) -> None:
+        self._index, self._count, self._buffer = index, count, torch.full((numel,), value)
 
     def index(self) -> int:
         return self._index
@@ -274,10 +276,10 @@ class _Clock:
 
 
 def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fake_link, late: float = 0.0,
-           **kwargs) -> dict:
-    """Run AutoComm for ``steps`` steps of two buckets with the step times of :data:`PERIODS` [``period``]; what
-    scheme each step used and what was said. ``late``: rank 1's first step starts that many seconds after rank
-    0's (its clock is ahead by that much from its second step on)."""
+           grads: str = "steady", **kwargs) -> dict:
+    """Run AutoComm for ``steps`` steps of two buckets with the step times of :data:`PERIODS` [``period``] and the
+    gradients of :data:`GRADS` [``grads``]; what scheme each step used and what was said. ``late``: rank 1's first
+    step starts that many seconds after rank 0's (its clock is ahead by that much from its second step on)."""
     import torch.distributed as dist
 
     clock, real = _Clock(), auto.time
@@ -289,13 +291,13 @@ def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fak
         used = []
         for step in range(1, steps + 1):
             for index in range(2):
-                state.reduce(_Bucket(index, 2)).wait()
+                state.reduce(_Bucket(index, 2, value=GRADS[grads](step))).wait()
             used.append(state.scheme.spec)
             clock.now += PERIODS[period](step, used[-1]) + (late if step == 1 and dist.get_rank() == 1 else 0.0)
     finally:
         auto.time = real
     return {"used": used, "lines": lines, "decisions": [{k: d[k] for k in ("step", "chosen", "tried_s")}
-                                                        for d in state.decisions]}
+                                                        for d in state.decisions], "guards": state.guards}
 
 
 PERIODS = {
@@ -303,8 +305,17 @@ PERIODS = {
     "warm start": lambda step, spec: 0.060 if step <= 10 else 0.050,
     "doubles at 30": lambda step, spec: (0.1 if spec == "none" else 0.05) * (2 if step >= 30 else 1),
     "crawling": lambda step, spec: 8.7 if spec == "none" else 4.4,
+    "halves": lambda step, spec: 0.1 if spec == "none" else 0.05,
 }
 """Step times (seconds) by step and scheme: each a case of :func:`test_the_phases_take_the_steps_they_say`."""
+
+
+GRADS = {
+    "steady": lambda step: 1.0,
+    "jumps at 60": lambda step: 1.0 if step < 60 else 4.0,
+    "rank's nan at 73": lambda step: math.nan if step == 73 and torch.distributed.get_rank() == 1 else 1.0,
+}
+"""Each bucket's gradient (every element) by step."""
 
 
 def test_the_phases_take_the_steps_they_say(dist2):
@@ -349,6 +360,34 @@ def test_a_step_that_doubles_soon_after_the_decision_reopens_it_within_50_steps(
     assert any("(2.00x) under fp16: deciding again" in line for line in out["lines"])
     reopened = next(i + 1 for i, spec in enumerate(out["used"]) if i + 1 > first["step"] and spec == "none")
     assert reopened - 30 <= 50 and second["step"] > reopened
+
+
+def test_the_guard_hands_a_window_to_the_exact_all_reduce_when_the_gradient_jumps(dist2):
+    # fp16 chosen at step 27 (50 ms against 100), its steps counted from 1 there; the guard looks at its 25th,
+    # 50th, ... step, at the norms of the four steps before: steps 47-50 set the first norm, steps 72-75 (after
+    # the jump at 60, four times it) hand steps 76-99 to the exact all-reduce (counted from 1 again), and steps
+    # 96-99 (unchanged since) give fp16 back at step 100.
+    out = dist2.run(_drive, ["fp16"], "halves", 130, grads="jumps at 60")
+    assert out[1] == out[0] | {"lines": []}  # the same steps on both ranks; rank 0 says it
+    used = out[0]["used"]
+    assert out[0]["decisions"][0]["step"] == 27 and set(used[26:75]) == {"fp16"}
+    assert set(used[75:99]) == {"none"} and set(used[99:]) == {"fp16"}
+    assert [(g["step"], g["action"]) for g in out[0]["guards"]] == [(76, "exact"), (100, "fp16")]
+    assert out[0]["guards"][0]["norm"] == pytest.approx(4 * out[0]["guards"][0]["before"])
+    said = [line for line in out[0]["lines"] if "gradient's norm" in line]
+    assert "(+300%) in 25 steps: the exact all-reduce until it settles (a look every 25 steps), then fp16" in said[0]
+    assert said[1].endswith(": fp16 again")
+
+
+@pytest.mark.parametrize("grads,guard", [("steady", 0.5), ("jumps at 60", None), ("rank's nan at 73", 0.5)])
+def test_the_guard_leaves_a_steady_gradient_a_skipped_step_and_guard_none_alone(dist2, grads, guard):
+    out = dist2.run(_drive, ["fp16"], "halves", 130, grads=grads, guard=guard)[0]
+    assert out["guards"] == [] and set(out["used"][26:]) == {"fp16"}
+
+
+def test_the_guard_does_not_measure_an_exact_choice(dist2):
+    out = dist2.run(_drive, ["fp16"], "by step", 130, grads="jumps at 60")[0]  # the exact all-reduce wins
+    assert out["decisions"][0]["chosen"] == "none" and out["guards"] == [] and set(out["used"][26:]) == {"none"}
 
 
 def _feedback() -> float:

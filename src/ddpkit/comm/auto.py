@@ -38,8 +38,13 @@ is answered within 50 steps. A change the step does not feel is not seen (PowerS
 link: a link that becomes fast again under it goes unnoticed).
 
 **Accuracy.** Compression begins only after the exact start; PowerSGD keeps error feedback, across scheme changes
-too; the choice among near-equals goes to the less lossy. The loss is not seen by a comm hook: a guard on it is not
-part of this.
+too; the choice among near-equals goes to the less lossy. And a *guard* (``guard``, default 0.5) watches the
+gradient while a lossy scheme is in force, as Accordion (Agarwal et al., MLSys '21) does to find the critical
+regimes of training, where compression costs accuracy: every 25 steps the norm of the local gradients of the
+window's last :data:`GUARD_STEPS` steps (every rank's, averaged) is compared with the last window's; a change by
+``guard`` or more (half of it, by default: a schedule's step, a loss spike, the fast early phase) hands the next
+window to the exact all-reduce, and the chosen scheme comes back after a window without such a change. A comm hook
+does not see the loss; the gradient's norm is what it can watch (one pass over each bucket, on 4 steps of 25).
 
 Not chosen here (yet): the bucket size (the model's ``bucket_cap_mb`` stays) and the all-reduce algorithm (the
 backend's own).
@@ -79,6 +84,8 @@ NEAR = 1.05
 """A less lossy scheme within this factor of the fastest trial is preferred."""
 PROBE_LIMIT_S = 0.25
 """The probe's sizes grow (4 KiB to 64 MiB, by 4) until one all-reduce takes this long."""
+GUARD_STEPS = 4
+"""The steps at the end of each 25 whose gradient norms the guard compares (see the module notes)."""
 
 
 @dataclass(frozen=True)
@@ -280,14 +287,17 @@ class Phase(enum.Enum):
     START = "timing exact steps"
     TRIAL = "trying candidates"
     DECIDED = "decided"
+    GUARDED = "exact while the gradient changes"
 
 
 MOVES = {
     Phase.START: frozenset({Phase.TRIAL, Phase.DECIDED}),
     Phase.TRIAL: frozenset({Phase.DECIDED}),
-    Phase.DECIDED: frozenset({Phase.START}),
+    Phase.DECIDED: frozenset({Phase.START, Phase.GUARDED}),
+    Phase.GUARDED: frozenset({Phase.DECIDED}),
 }
-"""The moves :meth:`AutoComm._move` allows (a re-opened decision goes back to the start)."""
+"""The moves :meth:`AutoComm._move` allows (a re-opened decision goes back to the start; a guarded window ends in
+the decision it interrupted)."""
 DRIFT_EVERY = 25
 """Steps between two looks at the step time after a decision (each: the median of the last 20)."""
 BUDGET_S = 30.0
@@ -320,6 +330,9 @@ class AutoComm:
         trial: steps each tried scheme runs; all but its first are timed (at least 4).
         tries: how many of the best-predicted candidates are tried (beside the exact all-reduce).
         drift: the change in step time (a factor) that re-opens the decision; ``None``: never.
+        guard: the relative change in the gradient's norm from one window of 25 steps to the next that hands the
+            next window to the exact all-reduce while a lossy scheme is chosen (see the module notes); ``None``: no
+            guard.
         budget_s: the seconds the decision aims to take (see :data:`BUDGET_S`): where steps are slow, the start and
             the trials end early and the exact all-reduce is not tried again.
         say: where the decision's line goes on rank 0 (default: standard error).
@@ -331,7 +344,8 @@ class AutoComm:
     """
 
     def __init__(self, process_group: Any = None, candidates: Sequence[Scheme] | None = None, *, start: int = 10,
-                 trial: int = 8, tries: int = 3, drift: float | None = 2.0, budget_s: float = 30.0,
+                 trial: int = 8, tries: int = 3, drift: float | None = 2.0, guard: float | None = 0.5,
+                 budget_s: float = 30.0,
                  say: Callable[[str], None] | None = None, pin: Callable[[Scheme], str] | None = None,
                  probe: Callable[[Any, torch.device], Link] | None = None) -> None:
         self.start = _whole(start, "start", 3, 60)  # a phase's steps are timed from the last 64 kept
@@ -339,6 +353,9 @@ class AutoComm:
         self.tries = _whole(tries, "tries", 1)
         if drift is not None and (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 1):
             raise ValueError(f"drift={drift!r}: a factor above 1 (2: a step twice as long or half), or None")
+        if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not guard > 0):
+            raise ValueError(f"guard={guard!r}: a relative change of the gradient's norm above 0 (0.5: by half), or "
+                             "None")
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
             raise ValueError(f"budget_s={budget_s!r}: the seconds a decision aims to take, a positive number")
         self.budget_s = float(budget_s)
@@ -351,6 +368,7 @@ class AutoComm:
         self.candidates = tuple(dict.fromkeys(s for s in chosen if s.name != "none"))
         self.process_group = process_group
         self.drift = drift
+        self.guard = guard
         self.say = say
         self.pin = pin or (lambda scheme: f"comm={scheme.spec!r}")
         self.probe = probe or probe_link
@@ -380,6 +398,16 @@ class AutoComm:
         self._link: Link | None = None
         self._predicted: dict[Scheme, float] = {}
         self._baseline = 0.0
+        self._chosen = Scheme("none")
+        """The decision in force (the scheme a guarded window returns to)."""
+        self._norm_sq: torch.Tensor | None = None
+        """The step in progress's sum of squares of its local gradients, when the guard measures it."""
+        self._norms: list[float] = []
+        """This window's measured steps' local gradient norms."""
+        self._window_norm: float | None = None
+        """The last window's norm (every rank's mean), which the guard compares the next one with."""
+        self.guards: list[dict[str, Any]] = []
+        """Each window the guard acted on: the step, both norms, and what it did."""
 
     # -- the hook's entry
 
@@ -393,6 +421,8 @@ class AutoComm:
             self._element_size = buffer.element_size()
             self._step_begins(buffer.device)
         self._shapes[index] = [p.shape for p in bucket.parameters()]
+        if self._norm_sq is not None:  # the guard's measure: the local gradient, before anything is added to it
+            self._norm_sq += torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
         if bucket.is_last():
             self._open = False
         carried = self._carry.pop(index, None)
@@ -449,7 +479,26 @@ class AutoComm:
                     self._use(self._queue[0].scheme)
                 else:
                     self._decide(group, device)
-        elif self.drift is not None and self._since % DRIFT_EVERY == 0 and len(self._starts) > 20:
+        else:
+            self._watch(group, device)
+
+    def _watch(self, group: Any, device: torch.device) -> None:
+        """After a decision: the guard's measure of the gradient and, every :data:`DRIFT_EVERY` steps, its check
+        and the drift's (both collectives at the same step on every rank)."""
+        if self._norm_sq is not None:
+            self._norms.append(math.sqrt(float(self._norm_sq)))
+            self._norm_sq = None
+        at = self._since % DRIFT_EVERY
+        guarding = self.guard is not None and self._chosen.name != "none"  # alike on every rank, as the steps
+        if guarding and at > DRIFT_EVERY - 1 - GUARD_STEPS:
+            self._norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+        if at != 0:
+            return
+        if guarding and self._guarded(group, device):
+            return
+        if self.phase is Phase.GUARDED:
+            return  # the exact steps of a guarded window are not the chosen scheme's: no drift is judged on them
+        if self.drift is not None and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
             [now] = _slowest([statistics.median(recent)], group, device)
             ratio = now / self._baseline if self._baseline > 0 else 1.0
@@ -457,7 +506,39 @@ class AutoComm:
                 self._tell(f"comm auto: the step went from {self._baseline * 1e3:.1f} to {now * 1e3:.1f} ms "
                            f"({ratio:.2f}x) under {self.scheme.spec}: deciding again")
                 self._move(Phase.START)
+                self._window_norm = None
                 self._use(Scheme("none"))
+
+    def _guarded(self, group: Any, device: torch.device) -> bool:
+        """The guard's check at a window's end (see the module notes): whether it changed the scheme."""
+        # A step whose gradient is not finite (a loss scaler's skipped step) is left out; a window with none
+        # finite on some rank is not judged (NaN's sum is NaN on every rank).
+        finite = [n for n in self._norms if math.isfinite(n)]
+        self._norms = []
+        mine = torch.tensor([statistics.fmean(finite) if finite else math.nan], dtype=torch.float64, device=device)
+        dist.all_reduce(mine, group=group)
+        now, before = mine.item() / dist.get_world_size(group), self._window_norm
+        if not math.isfinite(now):
+            return False
+        self._window_norm = now
+        change = abs(now - before) / before if before else 0.0
+        critical = before is not None and change >= self.guard
+        if critical and self.phase is Phase.DECIDED:
+            self.guards.append({"step": self.steps, "norm": now, "before": before, "action": "exact"})
+            self._tell(f"comm auto at step {self.steps}: the gradient's norm went from {before or 0:.4g} to {now:.4g} "
+                       f"({change:+.0%}) in {DRIFT_EVERY} steps: the exact all-reduce until it settles (a look "
+                       f"every {DRIFT_EVERY} steps), then {self._chosen.spec} (guard={self.guard:g})")
+            self._move(Phase.GUARDED)
+            self._use(Scheme("none"))
+            return True
+        if not critical and self.phase is Phase.GUARDED:
+            self.guards.append({"step": self.steps, "norm": now, "before": before, "action": self._chosen.spec})
+            self._tell(f"comm auto at step {self.steps}: the gradient's norm settled ({before or 0:.4g} to {now:.4g}): "
+                       f"{self._chosen.spec} again")
+            self._move(Phase.DECIDED)
+            self._use(self._chosen)
+            return True
+        return False
 
     @staticmethod
     def _within(period: float, seconds: float, most: int, least: int, group: Any, device: torch.device) -> int:
@@ -519,6 +600,8 @@ class AutoComm:
         self.decisions.append(record)
         self._tell(self._line(record, chosen, fastest))
         self._move(Phase.DECIDED)
+        self._chosen = chosen
+        self._window_norm = None
         self._use(chosen)
 
     def _line(self, record: dict[str, Any], chosen: Scheme, fastest: float) -> str:
