@@ -103,20 +103,36 @@ def test_every_command_and_script_is_run_or_marked() -> None:
 @pytest.mark.parametrize("block", SAME, ids=[b.name for b in SAME])
 def test_a_block_marked_same_as_a_page_is_run_there(block: Block) -> None:
     page = ROOT / block.mark.split(" ", 2)[2]  # PAGE from the repository's root
-    assert page.is_file(), f"{block.name}: {page} does not exist"
-    there = {line for b in blocks(page) if b.mark == "run" for line in command_lines(b.code)}
-    missing = [line for line in command_lines(block.code) if line not in there]
+    assert page in documents(), f"{block.name}: {page} is not a page whose blocks this test runs"
+    missing = not_run_there(block, page)
     assert not missing, f"{block.name}: not run by a block of {page.relative_to(ROOT)}: {missing}"
+
+
+def not_run_there(block: Block, page: Path) -> list[str]:
+    """The commands of ``block`` that no run block of ``page`` runs (a block without a command: all of nothing,
+    refused)."""
+    ours = command_lines(block.code)
+    if not ours:
+        return ["(the block has no command)"]
+    there = {line for b in blocks(page) if b.mark == "run" for line in command_lines(b.code)}
+    return [line for line in ours if line not in there]
 
 
 def test_the_same_as_check_sees_a_command_the_page_does_not_run(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("<!-- test: run -->\n```bash\nddpkit train --epochs 2 --output-dir runs/a   # two epochs\n```\n")
-    there = {line for b in blocks(page) for line in command_lines(b.code)}
+    page.write_text("<!-- test: run -->\n```bash\nddpkit train --epochs 2 --output-dir runs/a   # two epochs\n```\n\n"
+                    "<!-- test: not run (shown) -->\n```bash\nddpkit train --epochs 5\n```\n")
     assert command_lines("ddpkit train --epochs 2 \\\n    --output-dir runs/readme\n") == \
         ["ddpkit train --epochs 2 --output-dir"]
-    assert set(command_lines("ddpkit train --epochs 2 --output-dir runs/b")) <= there
-    assert not set(command_lines("ddpkit train --epochs 3 --output-dir runs/a")) <= there
+
+    def same(code: str) -> Block:
+        return Block(tmp_path / "other.md", 1, "bash", code, "same as page.md")
+
+    assert not_run_there(same("ddpkit train --epochs 2 --output-dir runs/b"), page) == []
+    assert not_run_there(same("ddpkit train --epochs 3 --output-dir runs/a"), page) == ["ddpkit train --epochs 3 "
+                                                                                       "--output-dir"]
+    assert not_run_there(same("ddpkit train --epochs 5"), page) == ["ddpkit train --epochs 5"]  # shown, not run
+    assert not_run_there(same("# only a comment\n"), page) == ["(the block has no command)"]
 
 
 def test_the_checker_reads_marks(tmp_path: Path) -> None:

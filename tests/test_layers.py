@@ -27,10 +27,12 @@ TOP = 5
 TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
 INNER: dict[str, dict[str, int]] = {
     "parallel": {"common": 0, "zero": 1, "ps": 1, "ddp": 2, "": 3},
-    "bench": {"runners": 0, "bench_config.py": 1, "workloads.py": 2, "report": 2, "sections": 3, "command.py": 4},
+    "bench": {"__init__.py": 0, "runners": 1, "bench_config.py": 2, "workloads.py": 3, "report": 3, "sections": 4,
+              "command.py": 5},
 }
-"""The layers inside a package, by folder, or by module beside the folders (``name.py``; ``""``: every other module
-beside them, one group). ``parallel/``: what several engines share (the reducer, observers, join, broadcasts), then ZeRO and the
+"""The layers inside a package, by folder, or by module beside the folders (``name.py``, the package's own
+``__init__.py`` too; ``""``: every other module beside them, the package's ``__init__`` among them if not named,
+one group). ``parallel/``: what several engines share (the reducer, observers, join, broadcasts), then ZeRO and the
 parameter servers, then DDP's wrapper, whose engine factory is the one place ddp/ meets zero/; the modules beside
 the folders (DataParallel, SyncBatchNorm, Horovod's optimizer, local SGD, SSP) above them. ``bench/``: the runners
 (ranks, a memory cap, dispatch counted), the flags, the workloads and the report, the sections, the command
@@ -45,6 +47,11 @@ NAMED_UPWARD = {
     ("ddpkit.runtime.process", "ddpkit.parallel.ps.server"):
         "the parameter server's entry point, which ddpkit.spawn and ddpkit launch run by name in a process of "
         "its own (runtime/spawn.py imports it in that child): named here, in the runtime, so that both find it",
+    **{("ddpkit.bench", f"ddpkit.bench.{name}"):
+       "what the server that the bench's ranks fork from imports for them (RANKS_IMPORT): the package names its own "
+       "modules, below the runners that start the server"
+       for name in ("command", "sections.memory", "sections.zero", "sections.capped", "sections.scaling",
+                    "sections.allreduce_perf")},
 }
 """The ties by name that go up a layer, each with why (any other is a breach)."""
 
@@ -100,10 +107,12 @@ def inner_layer(module: str, root: Path) -> tuple[str, int, str] | None:
     a folder, or a module beside the folders that has a level of its own, or ``""`` for the other modules beside
     them."""
     parts = module.split(".")
-    if len(parts) < 3 or parts[1] not in INNER:
+    if len(parts) < 2 or parts[1] not in INNER:
         return None
     levels = INNER[parts[1]]
-    if len(parts) > 3 or (root / parts[1] / parts[2]).is_dir():
+    if len(parts) == 2:  # the package's own __init__
+        group = "__init__.py" if "__init__.py" in levels else ""
+    elif len(parts) > 3 or (root / parts[1] / parts[2]).is_dir():
         group = parts[2]
     else:
         group = parts[2] + ".py" if parts[2] + ".py" in levels else ""
@@ -177,7 +186,9 @@ def violations(root: Path) -> list[str]:
             if mine != TOP and (layer(module) or 0) > mine and (name != BY_NAME or (here, module) not in NAMED_UPWARD):
                 wrong.append(f"{where} {'names' if name == BY_NAME else 'imports'} {module}, a layer above")
             target = inner_layer(module, root)
-            if inside is not None and target is not None and inside[0] == target[0] and inside[2] != target[2]:
+            allowed = name == BY_NAME and (here, module) in NAMED_UPWARD
+            if (inside is not None and target is not None and inside[0] == target[0] and inside[2] != target[2]
+                    and not allowed):
                 package, mine_at, theirs_at = inside[0], inside[2] or "*.py", target[2] or "*.py"
                 if target[1] > inside[1]:
                     wrong.append(f"{where} imports {module}: {package}/{theirs_at} is a layer above "
@@ -259,6 +270,12 @@ def test_the_checker_finds_a_cycle(tmp_path: Path) -> None:
       "from ddpkit.bench import workloads\n", "bench/workloads.py": ""},
      "ddpkit/bench/report/summary.py:1 imports ddpkit.bench.workloads: bench/report and bench/workloads.py are "
      "siblings (import neither from the other: move what both need a layer down)"),
+    # A package's own __init__ is in its layers: parallel's beside the folders, bench's at the bottom.
+    ({"parallel/__init__.py": "W = 1\n", "parallel/common/__init__.py": "", "parallel/common/x.py":
+      "from ddpkit.parallel import W\n"},
+     "ddpkit/parallel/common/x.py:1 imports ddpkit.parallel: parallel/*.py is a layer above parallel/common"),
+    ({"bench/__init__.py": "from ddpkit.bench import command\n", "bench/command.py": ""},
+     "ddpkit/bench/__init__.py:1 imports ddpkit.bench.command: bench/command.py is a layer above bench/__init__.py"),
     ({"bench/__init__.py": "", "bench/extra.py": ""},
      "ddpkit.bench.extra: bench/*.py has no level inside bench/: give it one in INNER, tests/test_layers.py"),
 ])

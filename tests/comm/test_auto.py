@@ -87,7 +87,7 @@ def test_a_move_the_table_does_not_list_raises(now, to):
     ({"candidates": [Scheme("powersgd", 0)]}, "PowerSGD needs a whole rank"), ({"candidates": [Scheme("zip")]},
                                                                                "not a reduction"),
     ({"candidates": [Scheme("fp16", 2)]}, "only powersgd has a rank"), ({"budget_s": 0}, "budget_s=0"),
-    ({"guard": 0}, "guard=0: a relative change"), ({"guard": True}, "guard=True"),
+    ({"guard": 0}, "guard=0: a relative change"), ({"guard": True}, "guard=True"), ({"guard": 1.0}, "between 0 and 1"),
 ])
 def test_bad_settings_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -314,6 +314,8 @@ GRADS = {
     "steady": lambda step: 1.0,
     "jumps at 60": lambda step: 1.0 if step < 60 else 4.0,
     "rank's nan at 73": lambda step: math.nan if step == 73 and torch.distributed.get_rank() == 1 else 1.0,
+    "halves at 60": lambda step: 1.0 if step < 60 else 0.5,
+    "rank 1 joins at 60": lambda step: 0.0 if step >= 60 and torch.distributed.get_rank() == 1 else 1.0,
 }
 """Each bucket's gradient (every element) by step."""
 
@@ -379,8 +381,16 @@ def test_the_guard_hands_a_window_to_the_exact_all_reduce_when_the_gradient_jump
     assert said[1].endswith(": fp16 again")
 
 
-@pytest.mark.parametrize("grads,guard", [("steady", 0.5), ("jumps at 60", None), ("rank's nan at 73", 0.5)])
-def test_the_guard_leaves_a_steady_gradient_a_skipped_step_and_guard_none_alone(dist2, grads, guard):
+def test_the_guard_sees_a_fall_as_a_fall(dist2):
+    out = dist2.run(_drive, ["fp16"], "halves", 130, grads="halves at 60")[0]
+    assert [(g["step"], g["action"]) for g in out["guards"]] == [(76, "exact"), (100, "fp16")]
+    assert any("(-50%) in 25 steps" in line for line in out["lines"])
+
+
+@pytest.mark.parametrize("grads,guard", [("steady", 0.5), ("jumps at 60", None), ("rank's nan at 73", 0.5),
+                                         ("rank 1 joins at 60", 0.5)])
+def test_the_guard_leaves_a_steady_gradient_a_skipped_step_a_joined_rank_and_guard_none_alone(dist2, grads, guard):
+    # a joined rank's shadow buckets are zeros: not counted in the average, which would halve
     out = dist2.run(_drive, ["fp16"], "halves", 130, grads=grads, guard=guard)[0]
     assert out["guards"] == [] and set(out["used"][26:]) == {"fp16"}
 

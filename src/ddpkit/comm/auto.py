@@ -27,7 +27,7 @@ runs, in three phases:
 Where steps are slow the decision keeps to a budget (``budget_s``, :data:`BUDGET_S`): the start and the trials
 end early, and the exact all-reduce is not tried again when its trial would not fit.
 
-The decision is printed once (rank 0, and the ``ddpkit.comm.auto`` logger) as a line that says what was measured,
+Each decision is printed (rank 0, and the ``ddpkit.comm.auto`` logger) as one line that says what was measured,
 what was predicted, what each trial took, what was chosen and why, ending with the spec that pins it
 (``comm="powersgd:4"``): a run given the spec repeats the choice without measuring.
 
@@ -41,10 +41,13 @@ link: a link that becomes fast again under it goes unnoticed).
 too; the choice among near-equals goes to the less lossy. And a *guard* (``guard``, default 0.5) watches the
 gradient while a lossy scheme is in force, as Accordion (Agarwal et al., MLSys '21) does to find the critical
 regimes of training, where compression costs accuracy: every 25 steps the norm of the local gradients of the
-window's last :data:`GUARD_STEPS` steps (every rank's, averaged) is compared with the last window's; a change by
-``guard`` or more (half of it, by default: a schedule's step, a loss spike, the fast early phase) hands the next
-window to the exact all-reduce, and the chosen scheme comes back after a window without such a change. A comm hook
-does not see the loss; the gradient's norm is what it can watch (one pass over each bucket, on 4 steps of 25).
+window's last :data:`GUARD_STEPS` steps (every rank's, averaged; a rank whose gradients were all zero, shadowing
+under ``join()``, not counted) is compared with the last window's; a change by ``guard`` or more, either way (half
+of it, by default: a schedule's step, a loss spike, the fast early phase), hands the next window to the exact
+all-reduce, and the chosen scheme comes back after a window without such a change. No drift is judged on a guarded
+window (its steps are exact). A comm hook does not see the loss; the gradient's norm is what it can watch (one pass
+over each bucket, on 4 steps of 25). It sees scaled gradients under a loss scaler: ``guard=None`` there. A scheme
+pinned with the printed spec runs without the guard (and without its exact windows).
 
 Not chosen here (yet): the bucket size (the model's ``bucket_cap_mb`` stays) and the all-reduce algorithm (the
 backend's own).
@@ -330,9 +333,11 @@ class AutoComm:
         trial: steps each tried scheme runs; all but its first are timed (at least 4).
         tries: how many of the best-predicted candidates are tried (beside the exact all-reduce).
         drift: the change in step time (a factor) that re-opens the decision; ``None``: never.
-        guard: the relative change in the gradient's norm from one window of 25 steps to the next that hands the
-            next window to the exact all-reduce while a lossy scheme is chosen (see the module notes); ``None``: no
-            guard.
+        guard: the relative change in the gradient's norm from one window of 25 steps to the next, either way
+            (between 0 and 1), that hands the next window to the exact all-reduce while a lossy scheme is chosen
+            (see the module notes); ``None``: no guard. Under a loss scaler (fp16's ``GradScaler``) the hook sees
+            scaled gradients, whose scale halves and doubles: pass ``None`` there (``ddpkit train --amp fp16``
+            does).
         budget_s: the seconds the decision aims to take (see :data:`BUDGET_S`): where steps are slow, the start and
             the trials end early and the exact all-reduce is not tried again.
         say: where the decision's line goes on rank 0 (default: standard error).
@@ -353,9 +358,10 @@ class AutoComm:
         self.tries = _whole(tries, "tries", 1)
         if drift is not None and (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift > 1):
             raise ValueError(f"drift={drift!r}: a factor above 1 (2: a step twice as long or half), or None")
-        if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not guard > 0):
-            raise ValueError(f"guard={guard!r}: a relative change of the gradient's norm above 0 (0.5: by half), or "
-                             "None")
+        if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float))
+                                  or not 0 < guard < 1):
+            raise ValueError(f"guard={guard!r}: a relative change of the gradient's norm between 0 and 1 (0.5: by "
+                             "half, either way), or None")
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
             raise ValueError(f"budget_s={budget_s!r}: the seconds a decision aims to take, a positive number")
         self.budget_s = float(budget_s)
@@ -402,7 +408,7 @@ class AutoComm:
         """The decision in force (the scheme a guarded window returns to)."""
         self._norm_sq: torch.Tensor | None = None
         """The step in progress's sum of squares of its local gradients, when the guard measures it."""
-        self._norms: list[float] = []
+        self._norms: list[torch.Tensor] = []
         """This window's measured steps' local gradient norms."""
         self._window_norm: float | None = None
         """The last window's norm (every rank's mean), which the guard compares the next one with."""
@@ -486,7 +492,7 @@ class AutoComm:
         """After a decision: the guard's measure of the gradient and, every :data:`DRIFT_EVERY` steps, its check
         and the drift's (both collectives at the same step on every rank)."""
         if self._norm_sq is not None:
-            self._norms.append(math.sqrt(float(self._norm_sq)))
+            self._norms.append(self._norm_sq.sqrt())  # kept on the device until the look (no wait mid-backward)
             self._norm_sq = None
         at = self._since % DRIFT_EVERY
         guarding = self.guard is not None and self._chosen.name != "none"  # alike on every rank, as the steps
@@ -494,10 +500,15 @@ class AutoComm:
             self._norm_sq = torch.zeros((), dtype=torch.float32, device=device)
         if at != 0:
             return
-        if guarding and self._guarded(group, device):
+        # The drift first, on the chosen scheme's steps (a guarded window's are exact: no drift is judged on them),
+        # then the guard: a look answers both.
+        if self.phase is Phase.DECIDED and self._drifted(group, device):
             return
-        if self.phase is Phase.GUARDED:
-            return  # the exact steps of a guarded window are not the chosen scheme's: no drift is judged on them
+        if guarding:
+            self._guarded(group, device)
+
+    def _drifted(self, group: Any, device: torch.device) -> bool:
+        """The drift's check at a look (see the module notes): whether it re-opened the decision."""
         if self.drift is not None and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
             [now] = _slowest([statistics.median(recent)], group, device)
@@ -507,22 +518,31 @@ class AutoComm:
                            f"({ratio:.2f}x) under {self.scheme.spec}: deciding again")
                 self._move(Phase.START)
                 self._window_norm = None
+                self._norms = []
                 self._use(Scheme("none"))
+                return True
+        return False
 
-    def _guarded(self, group: Any, device: torch.device) -> bool:
-        """The guard's check at a window's end (see the module notes): whether it changed the scheme."""
-        # A step whose gradient is not finite (a loss scaler's skipped step) is left out; a window with none
-        # finite on some rank is not judged (NaN's sum is NaN on every rank).
-        finite = [n for n in self._norms if math.isfinite(n)]
+    def _guarded(self, group: Any, device: torch.device) -> None:
+        """The guard's check at a look (see the module notes)."""
+        # A step whose gradient is not finite (a loss scaler's skipped step) is left out; a window with none finite
+        # on some rank is not judged (its NaN makes the sum NaN on every rank). A rank whose gradients were all zero
+        # (one that joined early, shadowing steps under join()) is not counted in the average.
+        norms = torch.stack(self._norms).double() if self._norms else torch.zeros(0, dtype=torch.float64,
+                                                                                    device=device)
         self._norms = []
-        mine = torch.tensor([statistics.fmean(finite) if finite else math.nan], dtype=torch.float64, device=device)
-        dist.all_reduce(mine, group=group)
-        now, before = mine.item() / dist.get_world_size(group), self._window_norm
-        if not math.isfinite(now):
-            return False
+        finite = torch.isfinite(norms)
+        mine = torch.where(finite, norms, 0.0).sum() / finite.sum()  # NaN when no step was finite
+        payload = torch.stack([mine, (mine != 0).double()])
+        dist.all_reduce(payload, group=group)
+        total, counted = payload.tolist()
+        before = self._window_norm
+        if not math.isfinite(total) or counted == 0:
+            return  # not judged; the last window's norm stays the one to compare with
+        now = total / counted
         self._window_norm = now
-        change = abs(now - before) / before if before else 0.0
-        critical = before is not None and change >= self.guard
+        change = (now - before) / before if before else 0.0
+        critical = bool(before) and abs(change) >= self.guard
         if critical and self.phase is Phase.DECIDED:
             self.guards.append({"step": self.steps, "norm": now, "before": before, "action": "exact"})
             self._tell(f"comm auto at step {self.steps}: the gradient's norm went from {before or 0:.4g} to {now:.4g} "
@@ -530,15 +550,12 @@ class AutoComm:
                        f"every {DRIFT_EVERY} steps), then {self._chosen.spec} (guard={self.guard:g})")
             self._move(Phase.GUARDED)
             self._use(Scheme("none"))
-            return True
-        if not critical and self.phase is Phase.GUARDED:
+        elif not critical and self.phase is Phase.GUARDED:
             self.guards.append({"step": self.steps, "norm": now, "before": before, "action": self._chosen.spec})
             self._tell(f"comm auto at step {self.steps}: the gradient's norm settled ({before or 0:.4g} to {now:.4g}): "
                        f"{self._chosen.spec} again")
             self._move(Phase.DECIDED)
             self._use(self._chosen)
-            return True
-        return False
 
     @staticmethod
     def _within(period: float, seconds: float, most: int, least: int, group: Any, device: torch.device) -> int:

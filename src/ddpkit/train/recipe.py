@@ -77,7 +77,10 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
             # go out in other orders on other ranks (as with torch's own hook), and bf16 only with CUDA and NCCL
             nccl = torch.distributed.get_backend() == "nccl"
             candidates = [s for s in candidates if s.name == "fp16" or (s.name == "bf16" and nccl)]
-        ddp.register_comm_hook(auto.AutoComm(candidates=candidates, pin=flags,
+        # Under --amp fp16 the hook sees gradients times the loss scale, whose halving and doubling the guard would
+        # take for the gradient's: no guard there.
+        guard = None if config.amp == "fp16" else 0.5
+        ddp.register_comm_hook(auto.AutoComm(candidates=candidates, pin=flags, guard=guard,
                                              say=lambda line: print(line, flush=True)), auto.auto_hook)
     elif config.comm_hook == "powersgd":
         state = powersgd.PowerSGDState(None, matrix_approximation_rank=config.powersgd_rank,
