@@ -15,6 +15,8 @@ MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 
 
 @pytest.mark.slow("four ddpkit train runs of two workers, two with a worker killed (about 30 s)")
+@pytest.mark.alone("the kill is timed from the unfaulted run's pace: beside other tests the faulted run ended first "
+                   "(a clean clone's run of 2026-11-29)")
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
 def test_failures_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "f.json"
