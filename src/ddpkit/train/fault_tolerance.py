@@ -39,15 +39,18 @@ from the time it costs:
   rank ends each step with the same buffers (evaluations and state transfers
   agree).
 * **Deterministic mode** (``deterministic=True``): each shard's gradient is
-  kept in its own slot, and the slots are added in shard order ``0..V-1``
-  (an ordered reduce-scatter: each rank receives every shard's slice of its
-  own block of the gradient, adds them in that order and sends the sum to
-  all); each micro-batch runs with the RNG seeded by (seed, step, shard).
+  kept in its own slot, and the slots are added along a fixed binary tree
+  over the shards ``0..V-1`` (:mod:`ddpkit.train.shard_tree`): each rank
+  trains a contiguous run of shards and adds the tree's nodes inside it;
+  an ordered reduce-scatter hands each rank those partial sums' slices of
+  its own block of the gradient, which it finishes along the tree and sends
+  to all. Each micro-batch runs with the RNG seeded by (seed, step, shard).
   The sum no longer depends on which rank computed which shard, so a run
   with any number of deaths ends **bitwise equal** to the run without one.
-  It costs ``V/n`` gradient slots per rank, about ``V/n + 3`` more gradients'
-  worth of exchange buffers, and ``V/n`` gradients' worth of bytes where an
-  all-reduce moves one. Without it, a death changes the order of float additions:
+  It costs ``V/n`` gradient slots per rank, and the partial sums' exchange:
+  one gradient's worth of bytes where ``n`` and ``V`` are powers of two (at
+  most two per level of the tree otherwise), as an all-reduce moves one.
+  Without it, a death changes the order of float additions:
   the result is within reduction-order noise of the run without a failure.
   At ``V`` = the world size and before any death, the default mode trains
   exactly the batches of a ``DistributedSampler`` job and its gradients
@@ -93,6 +96,7 @@ from ddpkit.data.shards import VirtualShards
 from ddpkit.runtime import events, membership
 from ddpkit.runtime.group import init
 from ddpkit.runtime.membership import MembershipChanged, View
+from ddpkit.train.shard_tree import ShardTree
 
 __all__ = ["FaultTolerance", "Step"]
 
@@ -303,6 +307,8 @@ class FaultTolerance:
         """The step in flight (from its start to the next one's), whose collectives abort it on a change."""
         self._pool: list[torch.Tensor] = []
         """The two send buffers steps take in turn (:meth:`new_buffer`)."""
+        self._tree: ShardTree | None = None
+        """The deterministic mode's tree at the current world size (:meth:`tree`)."""
         self._exchange: list[torch.Tensor] = []
         """The deterministic mode's exchange buffers (:meth:`_ordered_sum`), kept from step to step (fresh ones
         would be new pages every step); dropped with the send buffers on a membership change."""
@@ -372,7 +378,7 @@ class FaultTolerance:
                         continue
                     index = self.committed
                     step = self._step = Step(self, index, self.shards.epoch_of(index),
-                                             self.shards.shards_of(self.rank, self.world_size),
+                                             self.shards_of(self.rank),
                                              len(self.shards.step(index)), view_generation=self.view.generation)
                     yield step
                     if step.synced is None:
@@ -387,6 +393,19 @@ class FaultTolerance:
                     return
         finally:
             self._step = None
+
+    def tree(self) -> ShardTree:
+        """The deterministic mode's order of additions at the current world size."""
+        if self._tree is None or self._tree.world_size != self.world_size:
+            self._tree = ShardTree(self.shards.virtual_shards, self.world_size)
+        return self._tree
+
+    def shards_of(self, rank: int) -> Sequence[int]:
+        """The shards ``rank`` trains in every step at the current world size: ``rank, rank + n, ...`` (torch's
+        sampler's dealing, see :mod:`ddpkit.data.shards`), or, in the deterministic mode, its run of the tree."""
+        if self.deterministic:
+            return self.tree().runs[rank]
+        return self.shards.shards_of(rank, self.world_size)
 
     def _view_changes(self) -> bool:
         """Whether the next step starts in a newer view: at once when a member was lost (or this one removed);
@@ -431,7 +450,7 @@ class FaultTolerance:
         Summed mode, one vector: the weighted gradients (all of this rank's shards added), the sample count of
         each shard, for each parameter how many micro-batches gave it a gradient, the module's buffers (rank 0's;
         zeros elsewhere, so the sum is rank 0's exactly), the caller's values. Deterministic mode, one row per
-        shard this rank trains (row ``k``: shard ``rank + k * world``) of the same parts, a single count, the
+        shard this rank trains (row ``k``: the ``k``-th of its run of the tree) of the same parts, a single count, the
         buffers and values on row 0.
 
         Two buffers take turns (``.grad`` is a view into the last step's while this step's fills), allocated
@@ -439,7 +458,7 @@ class FaultTolerance:
         """
         end = self._layout()[-1]
         if self.deterministic:
-            shape: tuple[int, ...] = (len(self.shards.shards_of(0, self.world_size)), end)
+            shape: tuple[int, ...] = (max(len(run) for run in self.tree().runs), end)
         else:
             shape = (end,)
         if not self._pool or self._pool[0].shape != shape:
@@ -547,7 +566,8 @@ class FaultTolerance:
                 counts = torch.zeros(v, dtype=torch.float32, device=self.device)
                 had = torch.zeros(p, dtype=torch.float32, device=self.device)
                 for shard in range(v):  # in shard order, whoever trained which
-                    row = received[shard % self.world_size][shard // self.world_size]
+                    owner, slot = self.tree().owner(shard)
+                    row = received[owner][slot]
                     counts[shard] = row[0]
                     had.add_(row[m0 - c0 : m0 - c0 + p])
                 blob = received[0][0][b0 - c0 : v0 - c0].view(torch.uint8).clone()  # aligned: views its dtype
@@ -602,41 +622,48 @@ class FaultTolerance:
         return blob
 
     def _ordered_sum(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The deterministic mode's gradient: the shards' rows of ``buffer`` (every rank's) added in shard order
-        ``0..V-1``, whichever rank trained which, as a new tensor.
+        """The deterministic mode's gradient: the shards' rows of ``buffer`` (every rank's) added along the tree
+        of :meth:`tree`, whichever rank trained which, as a new tensor.
 
         A reduce-scatter and an all-gather, both as all-to-alls (gloo's all-to-all moves bytes about four times
-        faster than its all-gather): the gradient is cut into one block per rank; each rank receives every
-        shard's rows of its own block, adds them in shard order, and sends its block's sum to all. Every element
-        is ``0 + g_0 + g_1 + ... + g_{V-1}`` as before, so the bits do not depend on the world size, and each rank
-        receives ``V/n`` gradients' worth of blocks (plus one gradient), not ``V(n-1)/n`` whole gradients.
+        faster than its all-gather): each rank adds the tree's nodes inside its run of shards; the gradient is
+        cut into one block per rank, and each rank receives every rank's partial sums of its own block, adds them
+        along the tree, and sends its block's sum to all. The additions are the tree's at any world size, so the
+        bits do not depend on who trained which shard; each rank receives as many gradients' worth of blocks as
+        a rank sends partial sums (one where ``n`` and ``V`` are powers of two), and one gradient.
 
-        Its buffers are kept from step to step (about ``2 V/n + 3`` gradients' worth: the send and receive
-        layouts, the block sums sent to all, and two results in turn): ``.grad`` views the result, so a
-        gradient kept from one step stays intact through the next step's reduction and is overwritten by the
-        one after, as in the summed mode.
+        Its buffers are kept from step to step (about ``2 r + 3`` gradients' worth, ``r`` the partial sums a
+        rank sends: the send and receive layouts, the block sums sent to all, and two results in turn): ``.grad``
+        views the result, so a gradient kept from one step stays intact through the next step's reduction and
+        is overwritten by the one after, as in the summed mode.
         """
-        rows, n, g = buffer.shape[0], self.world_size, self.numel
+        tree, n, g = self.tree(), self.world_size, self.numel
+        run = tree.runs[self.rank]
+
+        def leaf(shard: int) -> torch.Tensor:
+            return buffer[shard - run.start, :g]
+
         if self.group is None or n == 1:
-            total = torch.zeros(g, dtype=torch.float32, device=self.device)
-            for shard in range(self.shards.virtual_shards):
-                total.add_(buffer[shard, :g])
-            return total
+            return tree.total({}, leaf).clone()  # a new tensor, also where the root is a single row
         width = -(-g // n)  # the block of rank b: elements [b * width, (b + 1) * width)
-        shape = (n, rows, width)
+        shape = (n, tree.rows, width)
         if not self._exchange or self._exchange[0].shape != shape:  # kept between steps (see the docstring)
             self._exchange = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2)] + [
                 torch.empty(n, width, dtype=torch.float32, device=self.device) for _ in range(3)]
         send, received, blocks, *totals = self._exchange
-        for b in range(n):
-            lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
-            send[b, :, : hi - lo] = buffer[:, lo:hi]  # the tail past the gradient stays zero
-        self._announce("ordered reduction: the shards' blocks to their ranks", send)
+        for j, node in enumerate(tree.covers[self.rank]):
+            if tree.rows == 1:  # the blocks of one partial sum lie in a row as in the gradient: added in place
+                tree.add(node, {}, leaf, out=send.view(-1)[:g])  # the tail past the gradient stays zero
+                continue
+            partial = tree.add(node, {}, leaf)
+            for b in range(n):
+                lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
+                send[b, j, : hi - lo] = partial[lo:hi]
+        self._announce("ordered reduction: the partial sums' blocks to their ranks", send)
         self._wait(self.group.alltoall_base(received, send, [], []), step=True)
         block = blocks[0]
-        block.zero_()
-        for shard in range(self.shards.virtual_shards):  # in shard order: rank s % n holds shard s as its row s // n
-            block.add_(received[shard % n, shard // n])
+        tree.total({node: received[rank, j] for node, (rank, j) in tree.sent.items()},
+                   lambda shard: torch.zeros(0), out=block)  # every shard is inside a partial sum: no leaf
         blocks[1:] = block
         totals.reverse()  # two in turn: ``.grad`` views the last step's while this one's arrives
         self._exchange[3:] = totals

@@ -15,7 +15,7 @@ model on the same data:
   continue``, here on the job's group: what the mode costs when nothing fails),
   all-reduced, at ``V`` = the world size and at 4 virtual shards per rank (the
   setting for spares); ``ft-det``, ``ft-det:4n``: the same with
-  ``deterministic=True`` (the shards added in shard order).
+  ``deterministic=True`` (the shards added along a fixed tree).
 
 Rounds interleave the strategies (the first of a round rotates), each timed
 over a block of H steps (one averaging period, so local SGD's step time
