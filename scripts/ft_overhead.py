@@ -2,7 +2,7 @@
 
 Three copies of one model train on the same synthetic batches, a step of each in turn (the order rotating):
 ddpkit's DistributedDataParallel, FaultTolerance (all-reduced, one shard per rank) and FaultTolerance with
-``deterministic=True`` (the shards' gradients gathered and added in shard order). Rank 0 prints each one's median
+``deterministic=True`` (the shards' gradients added along a fixed tree over the shards). Rank 0 prints each one's median
 step and the ratio to DDP's with its quartiles (per rotation). Run it under any launcher (FaultTolerance then uses
 the default group):
 

@@ -185,13 +185,14 @@ def _zero3_sequence(ctx, case: str) -> tuple[dict, dict]:
                 scaler.update()
             else:
                 opt.step()
-        out.append(_full(cpu_state(model)))
+        out.append(_whole_state(model))
     return out[0], out[1]
 
 
-def _full(state: dict) -> dict:
-    """FSDP2's state dict holds DTensors: their whole tensors (a collective)."""
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+def _whole_state(model: nn.Module) -> dict:
+    """The state dict on the CPU; FSDP2's DTensors gathered whole first, on their own device (a collective)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("case", ["two forwards", "no_grad forward between", "clip_grad_norm_", "fp16 GradScaler"])

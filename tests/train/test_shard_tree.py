@@ -43,6 +43,22 @@ def test_the_sum_from_any_worlds_partial_sums_has_the_bits_of_one_rank(v: int, n
         assert not torch.equal(plain, alone)
 
 
+@pytest.mark.parametrize("v", [1, 2, 3, 7, 8, 16, 17])
+def test_sums_written_into_kept_room_have_the_bits_of_new_tensors(v: int) -> None:
+    leaves = _leaves(v)
+    tree = ShardTree(v, 1)
+    fresh = tree.total({}, leaves.__getitem__)
+    out, scratch = torch.full((257,), float("nan")), []
+    for _ in range(2):  # the second time in the room the first left (nothing allocated again)
+        kept = [t.data_ptr() for t in scratch]
+        assert tree.total({}, leaves.__getitem__, out=out, scratch=scratch) is out
+        assert torch.equal(out, fresh)
+    assert [t.data_ptr() for t in scratch] == kept and len(scratch) <= max(1, v).bit_length()
+    half = ShardTree(v, min(v, 2))  # from partial sums too, as the owner of a block adds them
+    partial = {node: half.add(node, {}, leaves.__getitem__) for node in half.sent}
+    assert torch.equal(half.total(partial, lambda s: pytest.fail(f"shard {s}"), out=out, scratch=[]), fresh)
+
+
 @pytest.mark.parametrize("v, n", [(2, 2), (8, 2), (8, 4), (16, 4), (32, 8)])
 def test_at_powers_of_two_each_rank_sends_one_partial_sum(v: int, n: int) -> None:
     assert ShardTree(v, n).rows == 1

@@ -8,7 +8,8 @@ from the time it costs:
 
 * **Steps, not ranks, own the data.** Each step's global batch is cut into
   ``virtual_shards`` fixed shards (:class:`~ddpkit.data.shards.VirtualShards`);
-  rank ``r`` of ``n`` trains shards ``r, r+n, ...`` as micro-batches and
+  rank ``r`` of ``n`` trains shards ``r, r+n, ...`` (in the deterministic
+  mode a contiguous run of them, see below) as micro-batches and
   accumulates (in the default mode up to ``ceil(V / n)`` shards together, ``n``
   the starting world: until a death, the batch a ``DistributedSampler`` gives
   it). A smaller world trains more micro-batches per step: the global
@@ -47,9 +48,12 @@ from the time it costs:
   to all. Each micro-batch runs with the RNG seeded by (seed, step, shard).
   The sum no longer depends on which rank computed which shard, so a run
   with any number of deaths ends **bitwise equal** to the run without one.
-  It costs ``V/n`` gradient slots per rank, and the partial sums' exchange:
-  one gradient's worth of bytes where ``n`` and ``V`` are powers of two (at
-  most two per level of the tree otherwise), as an all-reduce moves one.
+  It costs ``V/n`` gradient slots per rank, room for the tree's sums (one
+  gradient per level of the tree below a rank's partial sums), and two
+  all-to-alls: the partial sums (one gradient's worth a rank
+  where ``n`` and ``V`` are powers of two; at most two nodes per level of
+  the tree otherwise) and the block sums (one), where an all-reduce is
+  handed one gradient.
   Without it, a death changes the order of float additions:
   the result is within reduction-order noise of the run without a failure.
   At ``V`` = the world size and before any death, the default mode trains
@@ -309,6 +313,9 @@ class FaultTolerance:
         """The two send buffers steps take in turn (:meth:`new_buffer`)."""
         self._tree: ShardTree | None = None
         """The deterministic mode's tree at the current world size (:meth:`tree`)."""
+        self._scratch: tuple[list[torch.Tensor], ...] = ([], [], [])
+        """The deterministic mode's room for the tree's sums of halves (gradients, blocks) and for a partial sum to
+        cut into blocks, kept with the exchange buffers."""
         self._exchange: list[torch.Tensor] = []
         """The deterministic mode's exchange buffers (:meth:`_ordered_sum`), kept from step to step (fresh ones
         would be new pages every step); dropped with the send buffers on a membership change."""
@@ -644,18 +651,22 @@ class FaultTolerance:
             return buffer[shard - run.start, :g]
 
         if self.group is None or n == 1:
-            return tree.total({}, leaf).clone()  # a new tensor, also where the root is a single row
+            total = tree.total({}, leaf)
+            return total.clone() if tree.virtual_shards == 1 else total  # a new tensor (one shard: its row)
         width = -(-g // n)  # the block of rank b: elements [b * width, (b + 1) * width)
         shape = (n, tree.rows, width)
         if not self._exchange or self._exchange[0].shape != shape:  # kept between steps (see the docstring)
             self._exchange = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2)] + [
                 torch.empty(n, width, dtype=torch.float32, device=self.device) for _ in range(3)]
+            self._scratch = ([], [], [])
         send, received, blocks, *totals = self._exchange
         for j, node in enumerate(tree.covers[self.rank]):
             if tree.rows == 1:  # the blocks of one partial sum lie in a row as in the gradient: added in place
-                tree.add(node, {}, leaf, out=send.view(-1)[:g])  # the tail past the gradient stays zero
+                tree.add(node, {}, leaf, out=send.view(-1)[:g], scratch=self._scratch[0])  # the tail stays zero
                 continue
-            partial = tree.add(node, {}, leaf)
+            if not self._scratch[2]:  # the partial sum, cut into the blocks below
+                self._scratch[2].append(torch.empty(g, dtype=torch.float32, device=self.device))
+            partial = tree.add(node, {}, leaf, out=self._scratch[2][0], scratch=self._scratch[0])
             for b in range(n):
                 lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
                 send[b, j, : hi - lo] = partial[lo:hi]
@@ -663,7 +674,7 @@ class FaultTolerance:
         self._wait(self.group.alltoall_base(received, send, [], []), step=True)
         block = blocks[0]
         tree.total({node: received[rank, j] for node, (rank, j) in tree.sent.items()},
-                   lambda shard: torch.zeros(0), out=block)  # every shard is inside a partial sum: no leaf
+                   lambda shard: torch.zeros(0), out=block, scratch=self._scratch[1])  # every shard is in a partial
         blocks[1:] = block
         totals.reverse()  # two in turn: ``.grad`` views the last step's while this one's arrives
         self._exchange[3:] = totals
@@ -686,6 +697,7 @@ class FaultTolerance:
             p.grad = None
         self._pool = []  # the abandoned operation may still read or write them
         self._exchange = []
+        self._scratch = ([], [], [])
         self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
         return None

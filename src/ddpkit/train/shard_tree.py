@@ -69,17 +69,37 @@ class ShardTree:
         return rank, shard - self.runs[rank].start
 
     def add(self, node: Node, known: Mapping[Node, torch.Tensor], leaf: Callable[[int], torch.Tensor],
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, scratch: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The sum of ``node``'s shards along the tree: a node in ``known`` is its value, a single shard
-        ``leaf(shard)``, any other the sum of its halves. Written into ``out`` when given; else a new tensor, or
-        the known value or leaf itself."""
+        ``leaf(shard)``, any other the sum of its halves.
+
+        Without ``out``: a new tensor (or the known value or leaf itself). With ``out``: written there, the
+        right halves' sums in ``scratch`` (tensors like ``out``, one per level below the node, appended when
+        missing: keep the list from call to call and no memory is allocated again). The bits are the same
+        either way: each node is one addition of its halves' values."""
         if node in known or node[1] - node[0] == 1:
             value = known[node] if node in known else leaf(node[0])
             return value if out is None else out.copy_(value)
         left, right = self._halves(node)
-        return torch.add(self.add(left, known, leaf), self.add(right, known, leaf), out=out)
+        if out is None:
+            return torch.add(self.add(left, known, leaf), self.add(right, known, leaf))
+        return self._into(node, known, leaf, out, scratch if scratch is not None else [], 0)
+
+    def _into(self, node: Node, known: Mapping[Node, torch.Tensor], leaf: Callable[[int], torch.Tensor],
+              out: torch.Tensor, scratch: list[torch.Tensor], level: int) -> torch.Tensor:
+        if node in known or node[1] - node[0] == 1:
+            return out.copy_(known[node] if node in known else leaf(node[0]))
+        left, right = self._halves(node)
+        self._into(left, known, leaf, out, scratch, level + 1)
+        if right in known or right[1] - right[0] == 1:
+            return out.add_(known[right] if right in known else leaf(right[0]))
+        if len(scratch) <= level:
+            scratch.extend(torch.empty_like(out) for _ in range(level + 1 - len(scratch)))
+        if scratch[level].shape != out.shape:
+            scratch[level] = torch.empty_like(out)
+        return out.add_(self._into(right, known, leaf, scratch[level], scratch, level + 1))
 
     def total(self, known: Mapping[Node, torch.Tensor], leaf: Callable[[int], torch.Tensor],
-              out: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum of every shard (the root) along the tree (into ``out`` when given)."""
-        return self.add((0, self.virtual_shards), known, leaf, out)
+              out: torch.Tensor | None = None, scratch: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The sum of every shard (the root) along the tree (into ``out`` when given: see :meth:`add`)."""
+        return self.add((0, self.virtual_shards), known, leaf, out, scratch)
