@@ -554,3 +554,74 @@ def test_across_nodes_a_link_slowed_to_100mbit_reopens_the_decision_and_half_pre
     assert reopened and float(reopened.group(1)) >= 2
     # re-opened within 50 steps of the change (then the exact start and the trials)
     assert second["step"] - paused_at <= 50 + 10 + 1 + 3 * 8
+
+
+def _auto_run(resume_at: int | None, steps: int = 40) -> tuple[torch.Tensor, list[str], list[str]]:
+    """AutoComm choosing PowerSGD (its steps timed faster on a slow link), ``steps`` steps of a gradient that
+    differs by rank; with ``resume_at``, the run is saved there (its weights, the hook's state, the buckets) and
+    goes on in a new model, hook and optimizer, as ``ddpkit train --resume`` does. The weights, the schemes used
+    and what was said."""
+    import torch.distributed as dist
+
+    clock, real = _Clock(), auto.time
+    auto.time = clock
+    lines: list[str] = []
+    try:
+        def fresh(weights: torch.Tensor | None) -> tuple[nn.Module, nn.Module, AutoComm, torch.optim.Optimizer]:
+            torch.manual_seed(0)
+            net = _Net()
+            if weights is not None:
+                net.load_state_dict(weights)
+            model = ddpkit.DDP(net)
+            state = AutoComm(candidates=[Scheme("powersgd", 1)], probe=_slow_link, say=lines.append, start=3,
+                             trial=6, drift=None)
+            model.register_comm_hook(state, auto.auto_hook)
+            return net, model, state, torch.optim.SGD(model.parameters(), lr=0.01)
+
+        net, model, state, opt = fresh(None)
+        used = []
+        for step in range(steps):
+            if step == resume_at:
+                saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(state.state_dict()), model.bucket_indices())
+                net, model, state, opt = fresh(saved[0])
+                model.restore_buckets(saved[2])
+                lines.append(state.load_state_dict(saved[1]))
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            used.append(state.scheme.spec)
+            clock.now += 0.01 if state.scheme.name == "powersgd" else 0.02
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), used, lines
+    finally:
+        auto.time = real
+
+
+def test_a_decision_saved_and_loaded_goes_on_with_powersgds_error_and_the_buckets_bit_for_bit(dist2):
+    straight, resumed = dist2.run(_auto_run, None), dist2.run(_auto_run, 30)
+    for rank, ((weights, used, _), (again, used_again, _)) in enumerate(zip(straight, resumed)):
+        assert used[-1] == "powersgd:1" and torch.equal(again, weights) and used_again == used, rank
+    said, said_again = straight[0][2], resumed[0][2]  # rank 0's lines
+    assert len(said) == 1 and "chose powersgd:1" in said[0], said
+    assert said_again == [said[0], "comm auto resumed at step 30: powersgd:1 as decided at step 16"], said_again
+
+
+def _resumed_while_deciding() -> tuple[str, list[str]]:
+    state = AutoComm(candidates=[Scheme("powersgd", 1)], probe=_slow_link, say=lambda line: None)
+    saved = {**AutoComm(say=lambda line: None).state_dict(), "phase": "TRIAL", "scheme": "powersgd:1", "steps": 12,
+             "powersgd": {1: {**auto.powersgd.PowerSGDState(None, 1, 2).state_dict(),
+                              "error": {0: torch.ones(64)}}}}
+    line = state.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="before the first step"):
+        state.load_state_dict(saved)
+    return line, [state.phase.name, state.scheme.spec, str(state._carry[0].sum().item())]
+
+
+def test_a_decision_under_way_when_saved_starts_again_and_keeps_powersgds_error():
+    state = AutoComm(say=lambda line: None)
+    with pytest.raises(ValueError, match="not a comm auto state"):
+        state.load_state_dict({"phase": "DECIDED"})
+    line, facts = _resumed_while_deciding()
+    assert line == ("comm auto resumed at step 12 while deciding (trying candidates): deciding again from the "
+                    "exact all-reduce")
+    assert facts == ["START", "none", "64.0"]  # the trial's error carried into the next steps, not dropped

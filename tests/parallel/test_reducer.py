@@ -465,3 +465,58 @@ def test_a_reducer_let_go_removes_its_gradient_hooks_at_once() -> None:
             assert all(not p._post_accumulate_grad_hooks for p in layer.parameters()), arm
     finally:
         gc.enable()
+
+
+def _restored(restore: bool, as_view: bool) -> tuple[list, list, list, list[list[int]]]:
+    """The buckets a run rebuilt to, given to a fresh wrapper before its first backward: what its hook sees in the
+    first steps (bucket by bucket), its gradients, and its buckets after them."""
+    torch.manual_seed(0)
+    first = ddpkit.DDP(_Encoder(), bucket_cap_mb=0.2, gradient_as_bucket_view=as_view)
+    x = torch.randn(2, 8, 64) + dist.get_rank()
+    for _ in range(2):
+        first(x).sum().backward()
+    saved = first.bucket_indices()
+    torch.manual_seed(0)
+    module = _Encoder()
+    model = ddpkit.DDP(module, bucket_cap_mb=0.2, gradient_as_bucket_view=as_view)
+    if restore:
+        model.restore_buckets(saved)
+    seen: list = []
+
+    def record(state, bucket):
+        seen.append([bucket.index(), *(tuple(p.shape) for p in bucket.parameters())])
+        return _allreduce_mean(bucket.buffer())
+
+    model.register_comm_hook(None, record)
+    for _ in range(2):
+        model(x).sum().backward()
+    return saved, seen, [p.grad.clone() for p in module.parameters()], model.bucket_indices()
+
+
+def test_buckets_restored_before_the_first_backward_are_the_rebuilt_ones_from_it(dist2):
+    # A resumed run reduces in the buckets of the run that saved them from its first step (a comm hook that
+    # keeps state per bucket needs them); without, its first step reduces in the first assignment's.
+    for as_view in (False, True):
+        for (saved, seen, grads, after), (_, plain_seen, plain_grads, plain_after) in zip(
+                dist2.run(_restored, True, as_view), dist2.run(_restored, False, as_view)):
+            assert after == plain_after == saved and len(saved) > 1
+            assert seen[: len(saved)] == seen[len(saved):] == plain_seen[len(plain_seen) - len(saved):]
+            assert plain_seen[: len(plain_seen) - len(saved)] != seen[: len(saved)]  # the first step differs
+            assert all(torch.equal(g, t) for g, t in zip(grads, plain_grads))
+
+
+def _refusals() -> list[str]:
+    model = ddpkit.DDP(_Encoder())
+    n, said = len(list(model.parameters())), []
+    for bad in ([[0, 1]], [[*range(n), 0]], [[], list(range(n))]):  # missing, twice, an empty bucket
+        with pytest.raises(ValueError, match="do not hold each of the") as e:
+            model.restore_buckets(bad)
+        said.append(str(e.value))
+    model(torch.randn(2, 8, 64)).sum().backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        model.restore_buckets(model.bucket_indices())
+    return said
+
+
+def test_restoring_buckets_of_another_model_or_after_a_backward_is_refused(dist2):
+    assert all(dist2.run(_refusals))

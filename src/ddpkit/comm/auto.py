@@ -49,6 +49,11 @@ window (its steps are exact). A comm hook does not see the loss; the gradient's 
 over each bucket, on 4 steps of 25). It sees scaled gradients under a loss scaler: ``guard=None`` there. A scheme
 pinned with the printed spec runs without the guard (and without its exact windows).
 
+**Checkpoints.** :meth:`AutoComm.state_dict` is what a resumed run needs (each rank's: PowerSGD's error differs
+between ranks): the decision in force goes on after :meth:`AutoComm.load_state_dict`, with PowerSGD's state, given
+the saved run's buckets (``DistributedDataParallel.restore_buckets``); a decision under way starts again.
+``ddpkit train`` keeps both in its checkpoints.
+
 Not chosen here (yet): the bucket size (the model's ``bucket_cap_mb`` stays) and the all-reduce algorithm (the
 backend's own).
 """
@@ -63,7 +68,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -414,6 +419,68 @@ class AutoComm:
         """The last window's norm (every rank's mean), which the guard compares the next one with."""
         self.guards: list[dict[str, Any]] = []
         """Each window the guard acted on: the step, both norms, and what it did."""
+
+    # -- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (this rank's: PowerSGD's error and the guard's measures differ between ranks):
+        the decision in force and its records, the step count, each PowerSGD state used and the error carried.
+        The step times are not kept: a resumed run's drift is judged from its own (after 20 steps)."""
+        def floats(values: list[torch.Tensor]) -> list[float]:
+            return [float(v) for v in values]
+
+        return {
+            "phase": self.phase.name, "scheme": self.scheme.spec, "chosen": self._chosen.spec, "steps": self.steps,
+            "since": self._since, "length": self._length, "baseline": self._baseline, "exact": self._exact,
+            "window_norm": self._window_norm, "norms": floats(self._norms),
+            "norm_sq": None if self._norm_sq is None else float(self._norm_sq),
+            "decisions": [{**record, "link": None if record["link"] is None else asdict(record["link"])}
+                          for record in self.decisions],
+            "guards": [dict(g) for g in self.guards],
+            "powersgd": {rank: state.state_dict() for rank, state in self._powersgd.items()},
+            "carry": {int(i): t.detach().cpu().clone() for i, t in self._carry.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> str:
+        """Take back :meth:`state_dict` (tensors to ``device``) before the first step; returns a line that says
+        what goes on. A decision in force goes on as it was (no new start, probe or trials). One under way when
+        the checkpoint was written (the exact start, or a trial) starts again: step times measured before a
+        resume say nothing of the steps after it; PowerSGD's error of a trial is carried into the next steps.
+
+        Raises:
+            RuntimeError: after the first step.
+            ValueError: a state of another kind (a key missing), or a scheme this version does not know.
+        """
+        if self.steps:
+            raise RuntimeError(f"AutoComm.load_state_dict: load before the first step (this state took {self.steps})")
+        missing = {"phase", "scheme", "chosen", "steps", "powersgd", "carry", "decisions"} - set(state)
+        if missing:
+            raise ValueError(f"AutoComm.load_state_dict: not a comm auto state, {sorted(missing)} missing")
+        self._powersgd = {}
+        for rank, saved in state["powersgd"].items():
+            self._powersgd[int(rank)] = powersgd.PowerSGDState(self.process_group, matrix_approximation_rank=int(rank),
+                                                              start_powerSGD_iter=2)
+            self._powersgd[int(rank)].load_state_dict(saved, device)
+        self._carry = {int(i): t.to(device) if device is not None else t for i, t in state["carry"].items()}
+        self.steps = int(state["steps"])
+        self.decisions = [{**r, "link": None if r["link"] is None else Link(**r["link"])} for r in state["decisions"]]
+        self.guards = [dict(g) for g in state.get("guards", [])]
+        self.scheme = parse_scheme(state["scheme"])
+        if Phase[state["phase"]] in (Phase.DECIDED, Phase.GUARDED):
+            self.phase = Phase[state["phase"]]  # taken back, not moved: the phase the saved run was in
+            self._chosen = parse_scheme(state["chosen"])
+            self._since, self._length = int(state["since"]), int(state["length"])
+            self._baseline, self._exact = float(state["baseline"]), float(state["exact"])
+            self._window_norm = state["window_norm"]
+            self._norms = [torch.tensor(v, dtype=torch.float32, device=device) for v in state["norms"]]
+            if state["norm_sq"] is not None:
+                self._norm_sq = torch.tensor(state["norm_sq"], dtype=torch.float32, device=device)
+            return (f"comm auto resumed at step {self.steps}: {self._chosen.spec} as decided at step "
+                    f"{self.decisions[-1]['step'] if self.decisions else '?'}"
+                    + (" (the exact all-reduce while the gradient changes)" if self.phase is Phase.GUARDED else ""))
+        self._use(Scheme("none"))  # the start again (a trial's PowerSGD error is carried into the next steps)
+        return (f"comm auto resumed at step {self.steps} while deciding ({Phase[state['phase']].value}): "
+                "deciding again from the exact all-reduce")
 
     # -- the hook's entry
 

@@ -31,6 +31,10 @@ Example::
 
     state = ddpkit.hooks.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10)
     model.register_comm_hook(state, ddpkit.hooks.powersgd_hook)
+
+A checkpoint keeps each rank's ``state.state_dict()`` and the buckets (``model.bucket_indices()``); a resumed run
+calls ``model.restore_buckets(indices)`` and ``state.load_state_dict(...)`` before its first step and goes on in
+the same bits (the memory is per bucket, and torch's DDP would reduce its first step in other buckets).
 """
 
 # No ``from __future__ import annotations``: torch's DDP checks the hook's annotations as objects (see
@@ -136,6 +140,42 @@ class PowerSGDState:
         self.process_group = None
         for slot, value in state.items():
             setattr(self, slot, value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps to go on exactly (this rank's: the error differs between ranks): the step count,
+        the generator's state, each bucket's error and P and Q memory (on the CPU), the compression counts. The
+        settings are the constructor's; the process group is this process's.
+
+        Resume it with a model that reduces in the same buckets (``DistributedDataParallel.restore_buckets``),
+        since the memory is kept per bucket."""
+        def cpu(tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {int(i): t.detach().cpu().clone() for i, t in tensors.items()}
+
+        kind, keys, position, has_gauss, gauss = self.rng.get_state()
+        return {"iter": self.iter, "rng": {"kind": kind, "keys": keys.copy(), "position": int(position),
+                                           "has_gauss": int(has_gauss), "gauss": float(gauss)},
+                "error": cpu(self.error_dict), "p": cpu(self.p_memory_dict), "q": cpu(self.q_memory_dict),
+                "numel": [self.total_numel_before_compression, self.total_numel_after_compression],
+                "next_stats_report": self.next_stats_report}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
+        """Take back :meth:`state_dict` (its tensors to ``device``, default: where they were saved from, the CPU).
+
+        Raises:
+            ValueError: ``state`` is not a PowerSGD state (a key missing).
+        """
+        missing = {"iter", "rng", "error", "p", "q", "numel", "next_stats_report"} - set(state)
+        if missing:
+            raise ValueError(f"PowerSGDState.load_state_dict: not a PowerSGD state, {sorted(missing)} missing")
+        rng = state["rng"]
+        self.rng.set_state((rng["kind"], np.asarray(rng["keys"], dtype=np.uint32), int(rng["position"]),
+                            int(rng["has_gauss"]), float(rng["gauss"])))
+        self.iter = int(state["iter"])
+        self.error_dict, self.p_memory_dict, self.q_memory_dict = (
+            {int(i): t.to(device) if device is not None else t.clone() for i, t in state[key].items()}
+            for key in ("error", "p", "q"))
+        self.total_numel_before_compression, self.total_numel_after_compression = (int(n) for n in state["numel"])
+        self.next_stats_report = int(state["next_stats_report"])
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
         """Count a step when its last bucket passes."""

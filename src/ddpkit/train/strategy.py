@@ -20,6 +20,12 @@ The loop calls, for every optimizer step of ``grad_accum`` micro-batches:
 Strategies:
 
 * ``ddp`` (also ``--engine torch``): the wrapper averages gradients in backward;
+  with ``--comm-hook powersgd`` or ``auto`` on ddpkit's engine, the hook's
+  state (every rank's: PowerSGD's error feedback and warm start, auto's
+  decision) and the buckets ride in the checkpoint, gathered to rank 0's
+  ``extra``, and a resumed run takes them back before its first step, so it
+  reduces as the run that saved it would have (at another world size the
+  hook starts afresh, and a line says so);
 * ``optimizer``: :func:`ddpkit.DistributedOptimizer` (Horovod's recipe with a
   grad scaler: the averages first, then unscale and step);
 * ``local-sgd``: :class:`ddpkit.LocalSGD`, parameters averaged every
@@ -173,6 +179,43 @@ class LocalSGDStrategy(Strategy):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "local_sgd_period": self.config.local_sgd,
                 "local_sgd_warmup": self.config.local_sgd_warmup, "parameter_averages": self.local.averages}
+
+
+class CommHookStrategy(Strategy):
+    """``--strategy ddp`` on ddpkit's engine with a comm hook that keeps state (see the module notes)."""
+
+    def __init__(self, model: DistributedDataParallel, state: TrainState) -> None:
+        super().__init__(model, accumulates=True)
+        self.state = state
+        if (saved := state.extra.pop("comm_hook", None)) is not None:
+            self._restore(saved)
+
+    def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
+        own = _to_cpu(self.model.comm_state.state_dict())
+        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        sent = 0 if dist.get_rank() == 0 else sum(t.numel() * t.element_size() for t in _tensors(own))
+        events.collective("train: the comm hook's state of every rank to rank 0", nbytes=sent)
+        dist.gather_object(own, ranks, dst=0)
+        self.state.extra["comm_hook"] = {"buckets": self.model.bucket_indices(), "ranks": ranks}
+
+    def after_consensus(self, optimizer: torch.optim.Optimizer) -> None:
+        self.state.extra.pop("comm_hook", None)
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """The saved run's buckets, and this rank's hook state (same world size)."""
+        self.model.restore_buckets(saved["buckets"])
+        ranks, world = saved["ranks"], dist.get_world_size()
+        if len(ranks) != world:
+            line = (f"ddpkit train: the comm hook's state was saved at world {len(ranks)}, this run has {world}: "
+                    "it starts afresh (PowerSGD's error feedback is each rank's own)")
+        else:
+            device = next(p.device for p in self.model.parameters())
+            said = self.model.comm_state.load_state_dict(ranks[dist.get_rank()], device)
+            line = f"ddpkit train: {said}" if isinstance(said, str) else (
+                f"ddpkit train: PowerSGD resumed at iteration {self.model.comm_state.iter} with each rank's error "
+                "feedback and warm start")
+        if dist.get_rank() == 0:
+            print(line, flush=True)
 
 
 class DiLoCoStrategy(Strategy):
@@ -347,6 +390,14 @@ def make_strategy(state: TrainState, model: torch.nn.Module, config: TrainConfig
         return Strategy(model, accumulates=False)
     if config.zero and config.zero < 3:
         state.optimizer = _sharded(state.optimizer)
+    stateful = config.comm_hook == "powersgd" or config.comm_hook.startswith("auto")
+    if config.engine == "ddpkit" and config.strategy == "ddp" and config.zero < 2 and stateful:
+        assert isinstance(model, DistributedDataParallel)
+        return CommHookStrategy(model, state)
+    if config.engine == "torch" and stateful and state.step and dist.get_rank() == 0:
+        print(f"ddpkit train: --engine torch --comm-hook {config.comm_hook}: the hook starts afresh on a resume "
+              "(torch's DDP lays its buckets out anew, whatever a checkpoint holds); --engine ddpkit goes on with "
+              "its state", flush=True)
     if config.engine != "ddpkit" or config.strategy == "ddp":
         return Strategy(model, accumulates=True)
     if config.strategy in SERVER_STRATEGIES:

@@ -118,7 +118,7 @@ class Assignment(enum.Enum):
 
 
 ASSIGNMENT_MOVES: dict[Assignment, frozenset[Assignment]] = {
-    Assignment.FIRST: frozenset({Assignment.DUE}),
+    Assignment.FIRST: frozenset({Assignment.DUE, Assignment.REBUILT}),  # REBUILT: one a checkpoint recorded
     Assignment.DUE: frozenset({Assignment.REBUILT}),
     Assignment.REBUILT: frozenset(),
 }
@@ -230,6 +230,32 @@ class Reducer:
         self._adopt_buckets()
         self._assign(Assignment.REBUILT)
         return True
+
+    def bucket_indices(self) -> list[list[int]]:
+        """Each bucket's parameters (indices into ``named_params``), as the gradients are reduced now."""
+        return [list(b.indices) for b in self.buckets]
+
+    def restore_buckets(self, indices: Sequence[Sequence[int]]) -> None:
+        """Take the final assignment that :attr:`BucketSet.indices` of a run of this model recorded, before the
+        first backward: a resumed run reduces in the saved run's buckets from its first step (a comm hook that
+        keeps state per bucket, PowerSGD's, needs them), and no rebuild comes.
+
+        Raises:
+            RuntimeError: after a synchronised backward, or once the buckets were rebuilt.
+            ValueError: ``indices`` is not each of this reducer's parameters once.
+        """
+        if self.step or self.assignment is not Assignment.FIRST:
+            raise RuntimeError(f"{self.owner}: restore the buckets before the first backward (this reducer has "
+                               f"synchronised {self.step} and its buckets are {self.assignment.value})")
+        flat = [int(i) for bucket in indices for i in bucket]
+        if sorted(flat) != list(range(len(self.params))) or not all(indices):
+            raise ValueError(f"{self.owner}: the saved buckets {[list(b) for b in indices]} do not hold each of the "
+                             f"{len(self.params)} parameters once: a checkpoint of another model?")
+        self.buckets, self._slot, self._plans, self._route = [], [], [], []  # the old set goes first (see rebuild)
+        self.layout.final, self.layout.arrival = True, []
+        self.layout.build([[int(i) for i in bucket] for bucket in indices])
+        self._adopt_buckets()
+        self._assign(Assignment.REBUILT)
 
     @property
     def rebuilt(self) -> bool:

@@ -464,6 +464,38 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.reducer.register_comm_hook(state, hook)
         self._logging.comm_hook(getattr(hook, "__qualname__", repr(hook)))
 
+    @property
+    def comm_state(self) -> Any:
+        """The state :meth:`register_comm_hook` gave the hook (``None`` without one): what a checkpoint keeps of
+        the hook, e.g. a ``PowerSGDState``'s ``state_dict()``."""
+        return getattr(self.reducer, "comm_state", None)
+
+    def bucket_indices(self) -> list[list[int]]:
+        """Each bucket's parameters, as indices into the parameters that require grad (in ``parameters()``
+        order), as the gradients are reduced now: what :meth:`restore_buckets` takes back.
+
+        Raises:
+            RuntimeError: under ``zero_stage=3`` (its units stand for buckets).
+        """
+        if self.zero_stage == 3:
+            raise RuntimeError("bucket_indices(): zero_stage=3 reduces unit by unit, not in buckets")
+        return self.reducer.bucket_indices()
+
+    def restore_buckets(self, indices: Sequence[Sequence[int]]) -> None:
+        """Reduce in the buckets :meth:`bucket_indices` gave for a run of this model, from the first backward on
+        (no rebuild after it): a resumed run reduces as the run that saved it did, which a comm hook that keeps
+        state per bucket (PowerSGD's error feedback and warm start) needs to go on exactly. Call it before the
+        first backward. torch's DDP has no such method (it rebuilds after the first step, always).
+
+        Raises:
+            RuntimeError: after the first synchronised backward, or under ``zero_stage`` 2 or 3 (their buckets
+                are their shards').
+            ValueError: ``indices`` does not hold each parameter once.
+        """
+        if self.zero_stage >= 2:
+            raise RuntimeError(f"restore_buckets(): zero_stage={self.zero_stage} lays out its own shards")
+        self.reducer.restore_buckets(indices)
+
     def register_observer(self, observer: Observer) -> ObserverHandle:
         """Call ``observer`` at the engine's events: a bucket ready, launched, reduced, and the wait at the end
         of backward, with bucket index, bytes and times (see :mod:`ddpkit.parallel.common.observer`).
