@@ -52,3 +52,27 @@ class SharedRuns:
                 (self.root / f"{name}.tmp").rename(result)
         charge_to_session(cpu_seconds() - cpu, time.monotonic() - wall)  # computed, or waited for: the session's
         return torch.load(result, weights_only=False), folder
+
+
+def ft_run(folder: Path, name: str, *, kill: str = "", det: bool = True, nproc: int = 3, replacements: int = 0,
+           epochs: int = 2, grow: int = 0, **extra: str) -> tuple[dict, dict, str]:
+    """``tests/scripts/ft_train.py`` under ``ddpkit launch --on-failure continue`` on one node: its weights, its
+    account (world sizes, changes) and the launcher's standard error."""
+    import json
+
+    from procs import base_env, launch, script
+
+    out = folder / name
+    env = base_env(OUT=str(out), KILL=kill, DET="1" if det else "0", EPOCHS=str(epochs), GROW=str(grow), **extra)
+    done = launch("--standalone", "--nproc-per-node", str(nproc), "--on-failure", "continue", "--max-restarts",
+                  str(replacements), script("ft_train.py"), env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(f"{out}.pt"), json.loads(Path(f"{out}.json").read_text()), done.stderr
+
+
+def ft_reference(runs: SharedRuns, *, det: bool = True, epochs: int = 2, **extra: str) -> tuple[dict, dict, str]:
+    """:func:`ft_run` of three workers without a death: the run the fault tests of one node and of several
+    compare with (once per session)."""
+    run, _ = runs.get(f"ft_train.py 3 workers det={det} epochs={epochs} {sorted(extra.items())}",
+                      lambda folder: ft_run(folder, "reference", det=det, epochs=epochs, **extra))
+    return run

@@ -582,9 +582,11 @@ def _auto_run(resume_at: int | None, steps: int = 40) -> tuple[torch.Tensor, lis
         used = []
         for step in range(steps):
             if step == resume_at:
-                saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(state.state_dict()), model.bucket_indices())
+                buckets = model.bucket_indices() if model.buckets_final else None  # as ddpkit train keeps them
+                saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(state.state_dict()), buckets)
                 net, model, state, opt = fresh(saved[0])
-                model.restore_buckets(saved[2])
+                if buckets is not None:
+                    model.restore_buckets(buckets)
                 lines.append(state.load_state_dict(saved[1]))
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
             model(x).square().mean().backward()
@@ -604,6 +606,17 @@ def test_a_decision_saved_and_loaded_goes_on_with_powersgds_error_and_the_bucket
     said, said_again = straight[0][2], resumed[0][2]  # rank 0's lines
     assert len(said) == 1 and "chose powersgd:1" in said[0], said
     assert said_again == [said[0], "comm auto resumed at step 30: powersgd:1 as decided at step 16"], said_again
+
+
+def test_a_run_saved_before_its_decision_decides_again_one_step_later(dist2):
+    # Saved at step 1 (before the buckets' rebuild: none kept, the resumed run rebuilds as the saved one did): the
+    # resumed run's first step settles in, untimed, as a fresh start's, so every phase comes one step later.
+    straight, resumed = dist2.run(_auto_run, None), dist2.run(_auto_run, 1)
+    used, used_again = straight[0][1], resumed[0][1]
+    first, first_again = used.index("powersgd:1"), used_again.index("powersgd:1")
+    assert first_again == first + 1 and used_again[first_again:] == used[first:-1], (used, used_again)
+    assert resumed[0][2][0] == ("comm auto resumed at step 1 while deciding (timing exact steps): deciding again "
+                                "from the exact all-reduce")
 
 
 def _resumed_while_deciding() -> tuple[str, list[str]]:

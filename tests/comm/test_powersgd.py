@@ -146,3 +146,40 @@ def test_state_pickles_without_its_process_group():
     copy_ = pickle.loads(pickle.dumps(state))
     assert copy_.process_group is None and copy_.iter == 7 and copy_.matrix_approximation_rank == 3
     assert copy_.rng.randint(1000) == state.rng.randint(1000)  # the same random stream continues
+
+
+def _resumed(resume_at: int | None, steps: int = 8) -> torch.Tensor:
+    """PowerSGD (rank 1, compressing from its third step) on a model of several buckets; with ``resume_at``, saved
+    there as ddpkit train saves (each rank's state, the buckets once they are final) and continued in a new model,
+    state and optimizer. The weights."""
+    def fresh(weights: dict | None) -> tuple[nn.Module, nn.Module, PowerSGDState, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        if weights is not None:
+            net.load_state_dict(weights)
+        model = ddpkit.DDP(net, bucket_cap_mb=0.01)
+        state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powersgd_hook)
+        return net, model, state, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    net, model, state, opt = fresh(None)
+    for step in range(steps):
+        if step == resume_at:
+            buckets = model.bucket_indices() if model.buckets_final else None
+            saved = copy.deepcopy(state.state_dict())
+            net, model, state, opt = fresh(copy.deepcopy(net.state_dict()))
+            if buckets is not None:
+                model.restore_buckets(buckets)
+            state.load_state_dict(saved)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def test_a_state_saved_at_any_step_goes_on_in_the_same_bits(dist2):
+    # Before the buckets' rebuild (step 1: none kept), at the first compressed step, and later; each rank's error.
+    straight = dist2.run(_resumed, None)
+    for at in (1, 2, 3, 6):
+        assert all(torch.equal(a, b) for a, b in zip(dist2.run(_resumed, at), straight)), at

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,24 @@ import torch
 
 from ddpkit.runtime.process import free_port
 from tests.netns import bridged_nodes, in_namespace
-from tests.procs import NODES_SECRET, Streamed, alive, base_env, children, launch, script
+from tests.procs import NODES_SECRET, Streamed, alive, base_env, children, script
+from shared_runs import ft_reference
 
 pytestmark = pytest.mark.alone("three launchers and their workers, a node judged by how long it is not heard")
 
 _RUN = {"DET": "1", "EPOCHS": "3", "SLEEP": "0.1"}
 
 
-def _one_node(epochs: int) -> Callable[[Path], dict[str, torch.Tensor]]:
-    def make(folder: Path) -> dict[str, torch.Tensor]:
-        out = folder / "run"
-        done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_train.py"),
-                      env=base_env(OUT=str(out), DET="1", EPOCHS=str(epochs)), timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return torch.load(f"{out}.pt")
-
-    return make
-
-
 @pytest.fixture
 def reference(shared_runs) -> dict[str, torch.Tensor]:
     """The same training without a death, on one node (computed once per session)."""
-    return shared_runs.get("ft_train.py 3 workers det=True epochs=3 weights", _one_node(3))[0]
+    return ft_reference(shared_runs, epochs=3)[0]
 
 
 @pytest.fixture
 def reference_long(shared_runs) -> dict[str, torch.Tensor]:
-    """Six epochs without a death, on one node."""
-    return shared_runs.get("ft_train.py 3 workers det=True epochs=6 weights", _one_node(6))[0]
+    """Six epochs without a death, on one node (the run tests/train/test_survive.py compares with too)."""
+    return ft_reference(shared_runs, epochs=6)[0]
 
 
 def _nodes(out: Path, addresses: list[str], *flags: str, namespaces: list[str] | None = None,

@@ -473,8 +473,11 @@ def _restored(restore: bool, as_view: bool) -> tuple[list, list, list, list[list
     torch.manual_seed(0)
     first = ddpkit.DDP(_Encoder(), bucket_cap_mb=0.2, gradient_as_bucket_view=as_view)
     x = torch.randn(2, 8, 64) + dist.get_rank()
+    finals = [first.buckets_final]
     for _ in range(2):
         first(x).sum().backward()
+        finals.append(first.buckets_final)
+    assert finals == [False, False, True]  # the rebuild comes at the second forward
     saved = first.bucket_indices()
     torch.manual_seed(0)
     module = _Encoder()
@@ -512,9 +515,18 @@ def _refusals() -> list[str]:
         with pytest.raises(ValueError, match="do not hold each of the") as e:
             model.restore_buckets(bad)
         said.append(str(e.value))
+    mixed = _Encoder()
+    next(mixed.children()).double()  # its first layer in float64: a bucket per dtype
+    with pytest.raises(ValueError, match="mixes dtypes or devices"):
+        ddpkit.DDP(mixed).restore_buckets([list(range(n))])
     model(torch.randn(2, 8, 64)).sum().backward()
     with pytest.raises(RuntimeError, match="before the first backward"):
         model.restore_buckets(model.bucket_indices())
+    searching = ddpkit.DDP(_Encoder(), find_unused_parameters=True)  # final from the start: only checked
+    searching.restore_buckets(searching.bucket_indices())
+    assert not searching.reducer.rebuilt
+    with pytest.raises(ValueError, match="final from the start"):
+        searching.restore_buckets([list(range(n))[::-1]])
     return said
 
 

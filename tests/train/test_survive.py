@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from procs import ROOT, base_env, launch, script
+from shared_runs import ft_reference, ft_run
 
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.data.shards import VirtualShards
@@ -173,28 +174,17 @@ def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp
 # ---------------------------------------------------------------- deaths
 
 
-def _ft_run(tmp_path: Path, name: str, *, kill: str = "", det: bool = True, nproc: int = 3,
-            replacements: int = 0, epochs: int = 2, grow: int = 0, **extra: str) -> tuple[dict, dict, str]:
-    out = tmp_path / name
-    env = base_env(OUT=str(out), KILL=kill, DET="1" if det else "0", EPOCHS=str(epochs), GROW=str(grow), **extra)
-    done = launch("--standalone", "--nproc-per-node", str(nproc), "--on-failure", "continue", "--max-restarts",
-                  str(replacements), script("ft_train.py"), env=env, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(f"{out}.pt"), json.loads(Path(f"{out}.json").read_text()), done.stderr
-
-
 def _reference(shared_runs, *, det: bool = True, epochs: int = 2, **extra: str) -> tuple[dict, dict, str]:
-    """The run of three workers without a death (shared by the tests that compare with it)."""
-    run, _ = shared_runs.get(f"ft_train.py 3 workers det={det} epochs={epochs} {sorted(extra.items())}",
-                             lambda folder: _ft_run(folder, "reference", det=det, epochs=epochs, **extra))
-    return run
+    """The run of three workers without a death (shared by the tests that compare with it, and by the tests of
+    nodes: tests/launcher/test_survive_nodes.py)."""
+    return ft_reference(shared_runs, det=det, epochs=epochs, **extra)
 
 
 @FAULTS
 @pytest.mark.slow("a whole job of three workers through a death, against the run without (shared)")
 def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(tmp_path: Path, shared_runs) -> None:
     reference, plain, _ = _reference(shared_runs)
-    weights, account, stderr = _ft_run(tmp_path, "killed", kill="1:4")
+    weights, account, stderr = ft_run(tmp_path, "killed", kill="1:4")
     assert "member 1 (rank 1 at the start) died: killed by signal SIGKILL; the job goes on with 2 worker(s)" in stderr
     assert account["world_size"] == 2 and len(account["changes"]) == 1
     change = account["changes"][0]
@@ -212,7 +202,7 @@ def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_p
     # Member 1 dies just before its step-4 ft.all_reduce, which the others are inside: the step is done again at
     # the new size on every member, never applied with member 1's shards missing.
     reference, plain, _ = _reference(shared_runs)
-    weights, account, stderr = _ft_run(tmp_path, "metric", kill="1:4:metric", METRIC="1")
+    weights, account, stderr = ft_run(tmp_path, "metric", kill="1:4:metric", METRIC="1")
     assert "member 1 (rank 1 at the start) died" in stderr
     assert account["world_size"] == 2 and account["committed"] == 26
     assert account["trained"] == plain["trained"]  # each step's own count: every shard once, none missing
@@ -223,7 +213,7 @@ def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_p
 @pytest.mark.slow("a whole job of three workers through a death and a replacement refused (the reference shared)")
 def test_a_replacement_started_otherwise_is_refused_by_name_and_the_job_goes_on(tmp_path: Path, shared_runs) -> None:
     reference, _, _ = _reference(shared_runs)
-    weights, account, stderr = _ft_run(tmp_path, "other", kill="1:2", replacements=1, grow=3, GROW_WAITS="1",
+    weights, account, stderr = ft_run(tmp_path, "other", kill="1:2", replacements=1, grow=3, GROW_WAITS="1",
                                        REPLACEMENT_SHARDS="4")
     assert "member 3 runs another configuration than member 0, whose state the job takes: virtual_shards 4 " \
            "here, 6 there" in stderr, stderr[-3000:]
@@ -239,7 +229,7 @@ def test_numpy_and_python_randomness_and_wide_buffers_stay_bitwise_through_a_dea
     # float64 and an int64 buffer beyond float32's precision reach every member bit for bit.
     extra = {"NOISE": "1", "COUNTERS": "1"}
     reference, _, _ = _reference(shared_runs, **extra)
-    weights, account, stderr = _ft_run(tmp_path, "noisy", kill="2:5", **extra)
+    weights, account, stderr = ft_run(tmp_path, "noisy", kill="2:5", **extra)
     assert "member 2 (rank 2 at the start) died" in stderr and account["committed"] == 26
     assert all(weights[k].equal(reference[k]) for k in reference), [k for k in reference
                                                                      if not weights[k].equal(reference[k])]
@@ -281,7 +271,7 @@ def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: b
 def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additions(tmp_path: Path,
                                                                                    shared_runs) -> None:
     reference, _, _ = _reference(shared_runs, det=False)
-    weights, account, stderr = _ft_run(tmp_path, "killed", kill="2:3", det=False)
+    weights, account, stderr = ft_run(tmp_path, "killed", kill="2:3", det=False)
     assert "member 2 (rank 2 at the start) died" in stderr and account["world_size"] == 2
     for name, ref in reference.items():
         scale = ref.double().abs().max().clamp(min=1e-12)
@@ -293,7 +283,7 @@ def test_without_the_deterministic_mode_a_death_changes_only_the_order_of_additi
 def test_replacements_join_live_and_take_the_state_from_a_peer(tmp_path: Path, shared_runs) -> None:
     reference, _, _ = _reference(shared_runs, epochs=6)
     # The survivors wait for each replacement's admission (GROW): it joins however long its interpreter takes.
-    weights, account, stderr = _ft_run(tmp_path, "replaced", kill="1:2,2:3", replacements=2, epochs=6, grow=3)
+    weights, account, stderr = ft_run(tmp_path, "replaced", kill="1:2,2:3", replacements=2, epochs=6, grow=3)
     assert stderr.count("to replace it") == 2 and stderr.count("joined:") == 2
     assert account["world_size"] == 3  # grown back
     assert [c["size"] for c in account["changes"]][-1] == 3 and account["committed"] == 78
@@ -307,7 +297,7 @@ def test_a_join_during_a_step_lets_the_step_finish_and_switches_at_a_boundary(tm
     # comes during the step's micro-batches. It no longer aborts the step (it did: a second discard of step 2);
     # the members finish it in the old view and take the joiner in at the next boundary they agree on.
     reference, _, _ = _reference(shared_runs, epochs=6)
-    weights, account, stderr = _ft_run(tmp_path, "joined", kill="1:2", replacements=1, epochs=6, grow=3,
+    weights, account, stderr = ft_run(tmp_path, "joined", kill="1:2", replacements=1, epochs=6, grow=3,
                                        GROW_MID="1")
     assert stderr.count("to replace it") == 1 and stderr.count("joined:") == 1, stderr[-3000:]
     assert account["world_size"] == 3 and account["committed"] == 78
@@ -319,7 +309,7 @@ def test_a_join_during_a_step_lets_the_step_finish_and_switches_at_a_boundary(tm
 @pytest.mark.slow("a whole job of three workers through two deaths and two replacements' interpreters")
 def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path: Path) -> None:
     # Two deaths in a short run: the last worker finishes before the replacements' interpreters are up.
-    _, account, stderr = _ft_run(tmp_path, "short", kill="1:2,2:3", replacements=2)
+    _, account, stderr = ft_run(tmp_path, "short", kill="1:2,2:3", replacements=2)
     assert "training is over: stopping 2 replacement(s) that had not joined yet" in stderr
     assert account["world_size"] == 1 and account["committed"] == 26
 

@@ -442,45 +442,57 @@ class AutoComm:
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> str:
-        """Take back :meth:`state_dict` (tensors to ``device``) before the first step; returns a line that says
+        """Take back :meth:`state_dict` (copies of its tensors on ``device``; without one, they move to the
+        buckets' device at their first use) before the first step; returns a line that says
         what goes on. A decision in force goes on as it was (no new start, probe or trials). One under way when
         the checkpoint was written (the exact start, or a trial) starts again: step times measured before a
         resume say nothing of the steps after it; PowerSGD's error of a trial is carried into the next steps.
 
         Raises:
             RuntimeError: after the first step.
-            ValueError: a state of another kind (a key missing), or a scheme this version does not know.
+            ValueError: a state of another kind (a key missing), or a phase or scheme this version does not
+                know (nothing is changed then).
         """
         if self.steps:
             raise RuntimeError(f"AutoComm.load_state_dict: load before the first step (this state took {self.steps})")
-        missing = {"phase", "scheme", "chosen", "steps", "powersgd", "carry", "decisions"} - set(state)
-        if missing:
+        keys = {"phase", "scheme", "chosen", "steps", "since", "length", "baseline", "exact", "window_norm", "norms",
+                "norm_sq", "decisions", "guards", "powersgd", "carry"}
+        if missing := keys - set(state):
             raise ValueError(f"AutoComm.load_state_dict: not a comm auto state, {sorted(missing)} missing")
+        if state["phase"] not in Phase.__members__:
+            raise ValueError(f"AutoComm.load_state_dict: phase {state['phase']!r} is not one of "
+                             f"{', '.join(Phase.__members__)}")
+        phase, scheme, chosen = Phase[state["phase"]], parse_scheme(state["scheme"]), parse_scheme(state["chosen"])
+
+        def here(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, copy=True) if device is not None else t.clone()
+
         self._powersgd = {}
         for rank, saved in state["powersgd"].items():
             self._powersgd[int(rank)] = powersgd.PowerSGDState(self.process_group, matrix_approximation_rank=int(rank),
                                                               start_powerSGD_iter=2)
             self._powersgd[int(rank)].load_state_dict(saved, device)
-        self._carry = {int(i): t.to(device) if device is not None else t for i, t in state["carry"].items()}
+        self._carry = {int(i): here(t) for i, t in state["carry"].items()}
         self.steps = int(state["steps"])
         self.decisions = [{**r, "link": None if r["link"] is None else Link(**r["link"])} for r in state["decisions"]]
-        self.guards = [dict(g) for g in state.get("guards", [])]
-        self.scheme = parse_scheme(state["scheme"])
-        if Phase[state["phase"]] in (Phase.DECIDED, Phase.GUARDED):
-            self.phase = Phase[state["phase"]]  # taken back, not moved: the phase the saved run was in
-            self._chosen = parse_scheme(state["chosen"])
+        self.guards = [dict(g) for g in state["guards"]]
+        self.scheme = scheme
+        if phase in (Phase.DECIDED, Phase.GUARDED):
+            self.phase = phase  # taken back, not moved: the phase the saved run was in
+            self._chosen = chosen
             self._since, self._length = int(state["since"]), int(state["length"])
             self._baseline, self._exact = float(state["baseline"]), float(state["exact"])
             self._window_norm = state["window_norm"]
             self._norms = [torch.tensor(v, dtype=torch.float32, device=device) for v in state["norms"]]
             if state["norm_sq"] is not None:
                 self._norm_sq = torch.tensor(state["norm_sq"], dtype=torch.float32, device=device)
-            return (f"comm auto resumed at step {self.steps}: {self._chosen.spec} as decided at step "
+            return (f"comm auto resumed at step {self.steps}: {chosen.spec} as decided at step "
                     f"{self.decisions[-1]['step'] if self.decisions else '?'}"
-                    + (" (the exact all-reduce while the gradient changes)" if self.phase is Phase.GUARDED else ""))
+                    + (" (the exact all-reduce while the gradient changes)" if phase is Phase.GUARDED else ""))
         self._use(Scheme("none"))  # the start again (a trial's PowerSGD error is carried into the next steps)
-        return (f"comm auto resumed at step {self.steps} while deciding ({Phase[state['phase']].value}): "
-                "deciding again from the exact all-reduce")
+        self._since = 0  # the resumed run's first step settles in, as a fresh start's: not timed
+        return (f"comm auto resumed at step {self.steps} while deciding ({phase.value}): deciding again from the "
+                "exact all-reduce")
 
     # -- the hook's entry
 
@@ -495,13 +507,15 @@ class AutoComm:
             self._step_begins(buffer.device)
         self._shapes[index] = [p.shape for p in bucket.parameters()]
         if self._norm_sq is not None:  # the guard's measure: the local gradient, before anything is added to it
+            if self._norm_sq.device != buffer.device:  # loaded from a checkpoint without a device
+                self._norm_sq = self._norm_sq.to(buffer.device)
             self._norm_sq += torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
         if bucket.is_last():
             self._open = False
         carried = self._carry.pop(index, None)
         if carried is not None:
             if carried.shape == buffer.shape:  # PowerSGD's error from before the change: fed back here, not lost
-                buffer.add_(carried)
+                buffer.add_(carried.to(buffer.device))
             else:
                 log.warning("comm auto: bucket %d changed size (%s to %s) since PowerSGD left an error for it: "
                             "that error is dropped", index, tuple(carried.shape), tuple(buffer.shape))
@@ -595,8 +609,8 @@ class AutoComm:
         # A step whose gradient is not finite (a loss scaler's skipped step) is left out; a window with none finite
         # on some rank is not judged (its NaN makes the sum NaN on every rank). A rank whose gradients were all zero
         # (one that joined early, shadowing steps under join()) is not counted in the average.
-        norms = torch.stack(self._norms).double() if self._norms else torch.zeros(0, dtype=torch.float64,
-                                                                                    device=device)
+        norms = torch.stack([n.to(device) for n in self._norms]).double() if self._norms else torch.zeros(
+            0, dtype=torch.float64, device=device)
         self._norms = []
         finite = torch.isfinite(norms)
         mine = torch.where(finite, norms, 0.0).sum() / finite.sum()  # NaN when no step was finite

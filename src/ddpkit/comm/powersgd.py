@@ -159,7 +159,8 @@ class PowerSGDState:
                 "next_stats_report": self.next_stats_report}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
-        """Take back :meth:`state_dict` (its tensors to ``device``, default: where they were saved from, the CPU).
+        """Take back :meth:`state_dict` (copies of its tensors, on ``device``; without one they move to the
+        buckets' device at their first use).
 
         Raises:
             ValueError: ``state`` is not a PowerSGD state (a key missing).
@@ -172,7 +173,7 @@ class PowerSGDState:
                             int(rng["has_gauss"]), float(rng["gauss"])))
         self.iter = int(state["iter"])
         self.error_dict, self.p_memory_dict, self.q_memory_dict = (
-            {int(i): t.to(device) if device is not None else t.clone() for i, t in state[key].items()}
+            {int(i): t.to(device, copy=True) if device is not None else t.clone() for i, t in state[key].items()}
             for key in ("error", "p", "q"))
         self.total_numel_before_compression, self.total_numel_after_compression = (int(n) for n in state["numel"])
         self.next_stats_report = int(state["next_stats_report"])
@@ -242,6 +243,8 @@ def _error_feedback(state: Any, index: int, flat: torch.Tensor) -> torch.Tensor 
     if not state.use_error_feedback:
         return None
     if index in state.error_dict:
+        if state.error_dict[index].device != flat.device:  # loaded from a checkpoint onto another device
+            state.error_dict[index] = state.error_dict[index].to(flat.device)
         flat.add_(state.error_dict[index])
     else:
         state.error_dict[index] = torch.zeros(flat.shape[0], device=flat.device, dtype=flat.dtype)
@@ -270,6 +273,9 @@ def _factors(state: Any, index: int, batches: list[torch.Tensor], device: torch.
     p_size = sum(b.shape[0] * b.shape[1] * r for b, r in zip(batches, ranks))
     q_size = sum(b.shape[0] * b.shape[2] * r for b, r in zip(batches, ranks))
     fresh = not state.warm_start or index not in state.p_memory_dict
+    if not fresh and state.p_memory_dict[index].device != device:  # loaded from a checkpoint onto another device
+        state.p_memory_dict[index] = state.p_memory_dict[index].to(device)
+        state.q_memory_dict[index] = state.q_memory_dict[index].to(device)
     if fresh:
         state.p_memory_dict[index] = torch.empty(p_size, device=device, dtype=dtype)
         state.q_memory_dict[index] = torch.empty(q_size, device=device, dtype=dtype)

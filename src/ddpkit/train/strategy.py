@@ -189,6 +189,9 @@ class CommHookStrategy(Strategy):
         self.state = state
         if (saved := state.extra.pop("comm_hook", None)) is not None:
             self._restore(saved)
+        elif state.step and dist.get_rank() == 0:
+            print("ddpkit train: the checkpoint holds no comm hook state (a ddpkit before 2026-11-29 wrote it): "
+                  "the hook starts afresh", flush=True)
 
     def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
         own = _to_cpu(self.model.comm_state.state_dict())
@@ -196,14 +199,16 @@ class CommHookStrategy(Strategy):
         sent = 0 if dist.get_rank() == 0 else sum(t.numel() * t.element_size() for t in _tensors(own))
         events.collective("train: the comm hook's state of every rank to rank 0", nbytes=sent)
         dist.gather_object(own, ranks, dst=0)
-        self.state.extra["comm_hook"] = {"buckets": self.model.bucket_indices(), "ranks": ranks}
+        buckets = self.model.bucket_indices() if self.model.buckets_final else None  # (before the rebuild: none)
+        self.state.extra["comm_hook"] = {"buckets": buckets, "ranks": ranks}
 
     def after_consensus(self, optimizer: torch.optim.Optimizer) -> None:
         self.state.extra.pop("comm_hook", None)
 
     def _restore(self, saved: dict[str, Any]) -> None:
         """The saved run's buckets, and this rank's hook state (same world size)."""
-        self.model.restore_buckets(saved["buckets"])
+        if saved["buckets"] is not None:  # saved after the rebuild (before it, the resumed run rebuilds alike)
+            self.model.restore_buckets(saved["buckets"])
         ranks, world = saved["ranks"], dist.get_world_size()
         if len(ranks) != world:
             line = (f"ddpkit train: the comm hook's state was saved at world {len(ranks)}, this run has {world}: "

@@ -104,9 +104,9 @@ class TrainConfig:
         "(all-reduce in the gradients' dtype), fp16 or bf16 (averaged in half precision: half the bytes), powersgd "
         "(low-rank compression at --powersgd-rank from step --powersgd-start; on --engine ddpkit a resumed run goes "
         "on with its compression state, bit-identical), auto (one of these chosen from the measured link and the "
-        "step times as training runs, printed once with the flags that pin it, kept by checkpoints; auto:LIST "
-        "chooses among the exact all-reduce and LIST, e.g. "
-        "auto:bf16,powersgd:4,powersgd:8; see docs/comm-auto.md)", metavar="{" + ",".join(COMM_HOOKS) + ",auto:LIST}",
+        "step times as training runs, printed once with the flags that pin it, kept by --engine ddpkit's checkpoints; "
+        "auto:LIST chooses among the exact all-reduce and LIST, e.g. auto:bf16,powersgd:4,powersgd:8; see "
+        "docs/comm-auto.md)", metavar="{" + ",".join(COMM_HOOKS) + ",auto:LIST}",
     )
     powersgd_rank: int = option(1, "--comm-hook powersgd: rank of the approximation (torch's default 1)", metavar="R")
     powersgd_start: int = option(

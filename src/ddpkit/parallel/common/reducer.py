@@ -235,6 +235,12 @@ class Reducer:
         """Each bucket's parameters (indices into ``named_params``), as the gradients are reduced now."""
         return [list(b.indices) for b in self.buckets]
 
+    @property
+    def buckets_final(self) -> bool:
+        """No rebuild will come: the buckets were rebuilt, or the first assignment is final (unused parameters
+        searched for without a static graph). Before, :meth:`bucket_indices` are not the ones the run goes on in."""
+        return self.layout.final
+
     def restore_buckets(self, indices: Sequence[Sequence[int]]) -> None:
         """Take the final assignment that :attr:`BucketSet.indices` of a run of this model recorded, before the
         first backward: a resumed run reduces in the saved run's buckets from its first step (a comm hook that
@@ -247,13 +253,25 @@ class Reducer:
         if self.step or self.assignment is not Assignment.FIRST:
             raise RuntimeError(f"{self.owner}: restore the buckets before the first backward (this reducer has "
                                f"synchronised {self.step} and its buckets are {self.assignment.value})")
-        flat = [int(i) for bucket in indices for i in bucket]
-        if sorted(flat) != list(range(len(self.params))) or not all(indices):
-            raise ValueError(f"{self.owner}: the saved buckets {[list(b) for b in indices]} do not hold each of the "
-                             f"{len(self.params)} parameters once: a checkpoint of another model?")
+        wanted = [[int(i) for i in bucket] for bucket in indices]
+        flat = [i for bucket in wanted for i in bucket]
+        if sorted(flat) != list(range(len(self.params))) or not all(wanted):
+            raise ValueError(f"{self.owner}: the saved buckets {wanted} do not hold each of the {len(self.params)} "
+                             "parameters once: a checkpoint of another model?")
+        for bucket in wanted:
+            kinds = {(self.params[i].dtype, self.params[i].device) for i in bucket}
+            if len(kinds) > 1 or (len(bucket) > 1 and any(self.layout.sparse[i] for i in bucket)):
+                raise ValueError(f"{self.owner}: the saved bucket {bucket} mixes dtypes or devices, or holds a "
+                                 "sparse gradient beside others: a checkpoint of another model (or of this one "
+                                 "before a cast)?")
+        if self.layout.final:  # the first assignment is final: nothing to take, only to check
+            if wanted != self.bucket_indices():
+                raise ValueError(f"{self.owner}: this reducer's buckets {self.bucket_indices()} are final from the "
+                                 f"start (unused parameters are searched for), not the saved {wanted}")
+            return
         self.buckets, self._slot, self._plans, self._route = [], [], [], []  # the old set goes first (see rebuild)
         self.layout.final, self.layout.arrival = True, []
-        self.layout.build([[int(i) for i in bucket] for bucket in indices])
+        self.layout.build(wanted)
         self._adopt_buckets()
         self._assign(Assignment.REBUILT)
 
@@ -479,7 +497,8 @@ class Reducer:
             raise RuntimeError("_set_static_graph() must be called before the first backward: pass "
                                "DistributedDataParallel(..., static_graph=True) instead")
         self.static_graph = True
-        self.layout.final = False  # a static graph is rebuilt, even with find_unused_parameters
+        if self.assignment is not Assignment.REBUILT:  # (buckets a checkpoint gave are final)
+            self.layout.final = False  # a static graph is rebuilt, even with find_unused_parameters
 
     def searches_unused(self) -> bool:
         """Whether this backward all-reduces a used-parameter map (see :mod:`ddpkit.parallel.common.unused`)."""

@@ -481,6 +481,12 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             raise RuntimeError("bucket_indices(): zero_stage=3 reduces unit by unit, not in buckets")
         return self.reducer.bucket_indices()
 
+    @property
+    def buckets_final(self) -> bool:
+        """Whether :meth:`bucket_indices` are the buckets the run goes on in: after the rebuild (at the second
+        forward; a static graph's third), or from the start when none comes. A checkpoint keeps them only then."""
+        return self.zero_stage < 3 and self.reducer.buckets_final
+
     def restore_buckets(self, indices: Sequence[Sequence[int]]) -> None:
         """Reduce in the buckets :meth:`bucket_indices` gave for a run of this model, from the first backward on
         (no rebuild after it): a resumed run reduces as the run that saved it did, which a comm hook that keeps
