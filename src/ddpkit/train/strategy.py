@@ -194,11 +194,7 @@ class CommHookStrategy(Strategy):
                   "the hook starts afresh", flush=True)
 
     def consensus(self, optimizer: torch.optim.Optimizer, final: bool = False) -> None:
-        own = _to_cpu(self.model.comm_state.state_dict())
-        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        sent = 0 if dist.get_rank() == 0 else sum(t.numel() * t.element_size() for t in _tensors(own))
-        events.collective("train: the comm hook's state of every rank to rank 0", nbytes=sent)
-        dist.gather_object(own, ranks, dst=0)
+        ranks = _to_rank0(self.model.comm_state.state_dict(), "the comm hook's state")  # CPU copies already
         buckets = self.model.bucket_indices() if self.model.buckets_final else None  # (before the rebuild: none)
         self.state.extra["comm_hook"] = {"buckets": buckets, "ranks": ranks}
 
@@ -255,12 +251,7 @@ class DiLoCoStrategy(Strategy):
             own = {"params": [p.detach().cpu().clone() for p in self.diloco.params],
                    "inner": _to_cpu(optimizer.state_dict()["state"]),
                    "scaler": self.state.scaler.state_dict() if self.state.scaler is not None else {}}
-            # Only rank 0 writes the checkpoint: the others' own state goes to it alone.
-            ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            sent = 0 if dist.get_rank() == 0 else sum(  # rank 0 keeps its own
-                t.numel() * t.element_size() for t in [*own["params"], *_tensors(own["inner"])])
-            events.collective("train: DiLoCo, every rank's own parameters and inner state to rank 0", nbytes=sent)
-            dist.gather_object(own, ranks, dst=0)
+            ranks = _to_rank0(own, "DiLoCo, every rank's own parameters and inner state")
         self.state.extra["diloco"] = {"outer": _to_cpu(self.diloco.state_dict()), "ranks": ranks}
         self._own = [p.detach().clone() for p in self.diloco.params]
         with torch.no_grad():
@@ -304,6 +295,16 @@ class DiLoCoStrategy(Strategy):
         return {**super().summary(), "sync_every": c.sync_every, "fragments": c.fragments,
                 "fragment_delay": c.fragment_delay, "fragment_mixing": c.fragment_mixing, "outer_codec": c.outer_codec,
                 "outer_syncs": self.diloco.syncs, "outer_bytes_sent": all_gather_object(self.diloco.bytes_sent)}
+
+
+def _to_rank0(own: Any, what: str) -> list[Any] | None:
+    """Every rank's ``own`` (CPU tensors and plain data), on rank 0, which alone writes the checkpoint; None on the
+    others (a collective: every rank calls it)."""
+    ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    sent = 0 if dist.get_rank() == 0 else sum(t.numel() * t.element_size() for t in _tensors(own))  # rank 0 keeps
+    events.collective(f"train: {what} to rank 0", nbytes=sent)  # its own
+    dist.gather_object(own, ranks, dst=0)
+    return ranks
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
