@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import SparseEmbeddings, batch, make, pair, state, train
+from ddp_models import SparseEmbeddings, batch, make, pair, state, torch_sparse_group, train
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -273,11 +273,12 @@ def _sparse_training(engine: str, kwargs: dict, hook: bool, micro: int, skip_bag
 
     torch.manual_seed(0)
     module = SparseEmbeddings()
-    model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, **kwargs)
+    group = None if engine == "ddpkit" else torch_sparse_group()
+    model = ddpkit.DDP(module, **kwargs) if engine == "ddpkit" else torch_ddp(module, process_group=group, **kwargs)
     if hook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        model.register_comm_hook(None, allreduce_hook)
+        model.register_comm_hook(group, allreduce_hook)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     seen = []
     for step in range(3):

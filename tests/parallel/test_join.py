@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import SparseEmbeddings, batch, pair, state
+from ddp_models import SparseEmbeddings, batch, pair, state, torch_sparse_group
 from torch import nn
 
 import ddpkit
@@ -152,7 +152,7 @@ def _sparse_uneven(engine: str) -> list[torch.Tensor]:
 
     torch.manual_seed(0)
     module = SparseEmbeddings()
-    model = ddpkit.DDP(module) if engine == "ddpkit" else torch_ddp(module)
+    model = ddpkit.DDP(module) if engine == "ddpkit" else torch_ddp(module, process_group=torch_sparse_group())
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     rank = dist.get_rank()
     with model.join():
