@@ -119,7 +119,8 @@ def test_the_default_warm_up_follows_how_many_times_the_rate_is_scaled_and_a_giv
     ({"sync_every": 4, "fragment_mixing": 2.0}, r"--fragment-mixing 2.0 must be in \[0, 1\]"),
     ({"sync_every": 4, "outer_codec": "int2"}, "--outer-codec 'int2' is not a codec"),
     ({"sync_every": 4, "outer_momentum": 1.0}, r"--outer-momentum 1.0 must be in \[0, 1\)"),
-    ({"sync_every": 4, "on_failure": "continue"}, "--on-failure 'continue' needs --engine ddpkit --strategy ddp"),
+    ({"sync_every": 4, "fragments": 2, "on_failure": "continue"}, "streaming DiLoCo .* keeps exchanges in flight"),
+    ({"sync_every": 4, "on_failure": "continue", "max_restarts": 2}, "a replacement would need another worker's data"),
 ])
 def test_diloco_settings_are_checked_naming_the_flag(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -95,6 +95,11 @@ def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) 
     ({"strategy": "ps-sync", "deterministic_shards": 2}, "no shards to order"),
     ({"grad_accum": 2}, "the step's shards are its micro-batches"),
     ({"strategy": "ssp", "resume": True, "output_dir": "x"}, "the state lives in the surviving processes only"),
+    ({"strategy": "diloco", "max_restarts": 1}, "a replacement would need another worker's data and inner state"),
+    ({"strategy": "diloco", "fragments": 2}, "streaming DiLoCo .* keeps exchanges in flight across a death"),
+    ({"strategy": "diloco", "fragment_delay": 1, "sync_every": 4}, "use --fragments 1 --fragment-delay 0"),
+    ({"strategy": "diloco", "deterministic_shards": 2}, "no shards to order"),
+    ({"strategy": "diloco", "resume": True, "output_dir": "x"}, "the state lives in the surviving processes only"),
     ({"comm_hook": "fp16"}, "reduces whole steps"),
     ({"backend": "mpi"}, "rebuild gloo groups"),
 ])

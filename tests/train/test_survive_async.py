@@ -25,7 +25,7 @@ MNIST = ROOT.parent / "shared" / "data" / "mnist"
 
 def _args(out: Path | None, strategy: str, epochs: int, workers: int = 3, mode: tuple[str, ...] = (
         "--ps-replication", "2", "--on-failure", "continue")) -> list[str]:
-    servers = () if strategy == "ssp" else ("--num-servers", "2")
+    servers = () if strategy in ("ssp", "diloco") else ("--num-servers", "2")
     return [sys.executable, "-m", "ddpkit", "train", "--strategy", strategy, *servers, *mode,
             "--nproc-per-node", str(workers), "--epochs", str(epochs), "--dataset", "mnist", "--data-dir", str(MNIST),
             "--no-progress", *(("--output-dir", str(out)) if out else ())]
@@ -109,18 +109,24 @@ def test_ps_sync_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> Non
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
-@pytest.mark.slow("two ddpkit train runs of two SSP workers on MNIST, one in the mode")
-def test_ssp_without_staleness_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
+def _same_weights_in_both_modes(tmp_path: Path, strategy: str, flags: tuple[str, ...]) -> dict:
+    """``ddpkit train`` of two workers for an epoch in the default mode and in the mode: the same weights, bit for
+    bit; the mode's summary."""
     from safetensors.torch import load_file
 
-    ssp = ("--staleness", "0", "--warmup-epochs", "0.5")
-    for name, mode in (("default", ssp), ("continue", (*ssp, "--on-failure", "continue"))):
-        done = subprocess.run(_args(tmp_path / name, "ssp", 1, workers=2, mode=mode), env=base_env(),
+    for name, mode in (("default", flags), ("continue", (*flags, "--on-failure", "continue"))):
+        done = subprocess.run(_args(tmp_path / name, strategy, 1, workers=2, mode=mode), env=base_env(),
                               capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-3000:]
     a, b = load_file(tmp_path / "default" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    return json.loads((tmp_path / "continue" / "summary.json").read_text())
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("two ddpkit train runs of two SSP workers on MNIST, one in the mode")
+def test_ssp_without_staleness_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
+    _same_weights_in_both_modes(tmp_path, "ssp", ("--staleness", "0", "--warmup-epochs", "0.5"))
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
@@ -132,3 +138,34 @@ def test_ssp_trains_on_through_a_workers_death_to_the_same_accuracy(tmp_path: Pa
     assert summary["world_size"] == 2 and summary["started_with"] == 3
     # Rank 1's data after its death is not trained: a little less data, the same model.
     assert summary["test_accuracy"] > reference["test_accuracy"] - 0.02, (summary, reference)
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("two ddpkit train runs of two DiLoCo workers on MNIST, one in the mode")
+def test_diloco_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
+    d = _same_weights_in_both_modes(tmp_path, "diloco", ("--sync-every", "8", "--warmup-epochs", "0.5"))["diloco"]
+    assert d["samples_in_model"] == d["samples_planned"] > 0 and d["samples_lost"] == 0 and not d["changes"]
+
+
+@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
+@pytest.mark.slow("a run of three DiLoCo workers on MNIST through a worker's death")
+def test_diloco_trains_on_through_a_workers_death_and_counts_the_samples_it_lost(tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    args = _args(out, "diloco", 2, mode=("--sync-every", "10", "--warmup-epochs", "0.3", "--on-failure", "continue"))
+    proc = subprocess.Popen(args, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first epoch"
+        time.sleep(0.05)
+    os.kill(_find(proc.pid, rank=1), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "member 1 (rank 1 at the start) died" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["started_with"] == 3 and summary["test_accuracy"] > 0.9
+    d = summary["diloco"]
+    # Rank 1's second epoch is lost (its inner steps since its last outer step, and the data it had left).
+    per_worker = d["samples_planned"] // 6
+    assert per_worker <= d["samples_lost"] <= per_worker + 10 * 64 and d["samples_in_model"] + d["samples_lost"] \
+        == d["samples_planned"]
+    assert "DiLoCo: worker(s) [1] left at step" in stdout and f"{d['samples_lost']} lost" in stdout

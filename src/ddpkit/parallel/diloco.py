@@ -34,11 +34,29 @@ fragments not due have no gradient, so the optimizer leaves them alone.
 
 Memory: one copy of the trainable parameters (the global model) and, while
 a fragment is in flight, its pseudo-gradient.
+
+Under ``ddpkit launch --on-failure continue`` (a plain module, no group
+given) the workers are the launcher's membership (:mod:`ddpkit.runtime.membership`)
+and a worker's death lets the others go on: every exchange waits
+interruptibly; at a change (seen inside an exchange, or at the next
+:meth:`DiLoCo.step`) the survivors build the new view's group and compare how
+many outer steps each has applied. An exchange can end on some ranks and not
+on others when a peer dies inside it: those behind take the global model,
+the outer optimizer's state and the counts from the lowest rank that is
+furthest (their own inner steps were in that outer step already); when none
+is ahead, the survivors exchange their pseudo-gradients again among
+themselves, averaged over the new size. The dead worker's inner steps since
+its last outer step are lost; :attr:`DiLoCo.samples` counts the samples the
+global model holds (each exchange carries the members' counts, given to
+:meth:`DiLoCo.step`), so the loss shows. Streaming (``fragments > 1`` or
+``delay > 0``), an algorithm other than ``native`` and a replacement worker
+are refused there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +68,7 @@ from ddpkit.comm.allreduce import ALGORITHMS, all_reduce
 from ddpkit.comm.quantize import dequantize, payload_bytes, quantize
 from ddpkit.parallel.common.broadcast import broadcast_parameters
 from ddpkit.parallel.local_sgd import average_parameters, driven
-from ddpkit.runtime import events
+from ddpkit.runtime import events, membership
 from ddpkit.runtime.devices import comm_device
 
 __all__ = ["CODECS", "DiLoCo"]
@@ -79,6 +97,11 @@ class _Fragment:
     """The averaged pseudo-gradient once the exchange is done (flat, ``dtype``)."""
     due: int = 0
     """The step after which the exchange in flight is applied."""
+    applied_at: int = 0
+    """The inner step at which its global values were last taken (0: the start, where every rank holds them)."""
+    count: torch.Tensor | None = None
+    """Under a membership: the members' samples that the exchange in flight folds in (their sum, once done)."""
+    count_work: Any = None
     dtype: torch.dtype = torch.float32
     numel: int = field(init=False, default=0)
 
@@ -110,7 +133,8 @@ class DiLoCo:
             fragment takes the new global ones.
         codec: how the pseudo-gradient travels: ``fp32``, ``bf16``, ``int8``, ``int4``.
         block_size: numbers per scale of ``int8`` and ``int4``.
-        process_group: default the model's (or the world).
+        process_group: default the model's (or the world); under ``ddpkit launch
+            --on-failure continue``, with none given, the membership's groups (see the module notes).
         algorithm: the all-reduce algorithm of ``fp32`` and ``bf16`` (``ddpkit.collectives``).
 
     Raises:
@@ -135,6 +159,7 @@ class DiLoCo:
                  fragments: int | Sequence[nn.Module | Iterable[nn.Parameter]] = 1, delay: int = 0,
                  mixing: float = 0.0, codec: str = "fp32", block_size: int = 128,
                  process_group: dist.ProcessGroup | None = None, algorithm: str = "native") -> None:
+        given = process_group
         self.ddp, process_group = driven(model, process_group, "DiLoCo")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between outer steps)")
@@ -155,6 +180,20 @@ class DiLoCo:
         self.module = self.ddp.module if self.ddp is not None else model
         self.group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.membership = membership.current() if given is None and self.ddp is None else None
+        """Under ``ddpkit launch --on-failure continue``: the job's membership, whose groups change at deaths."""
+        self.view: membership.View | None = None
+        self.samples: int | None = None
+        """Under the membership: the samples the global model holds (every member's, as given to :meth:`step`,
+        folded in by the outer steps so far); None elsewhere."""
+        self._pending_samples = 0
+        self.changes: list[dict[str, Any]] = []
+        """Under the membership: each change met (the generation, the members lost, whether this rank took the
+        state, the outer steps applied)."""
+        if self.membership is not None:
+            self._check_survivable(fragments, delay, algorithm)
+            self.samples = 0
+            self._join_view()
         self.sync_every, self.delay, self.mixing = sync_every, delay, float(mixing)
         self.codec, self.block_size, self.algorithm = codec, block_size, algorithm
         trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -163,7 +202,7 @@ class DiLoCo:
         bad = [str(p.dtype) for p in trainable if not p.is_floating_point()]
         if bad:
             raise ValueError(f"DiLoCo: parameters of dtype {bad[0]} have no pseudo-gradient to average; freeze them")
-        if self.ddp is None and self.world_size > 1:
+        if self.ddp is None and self.world_size > 1 and self.membership is None:
             broadcast_parameters(self.module.state_dict(), root_rank=0, process_group=self.group)
         if self.ddp is not None:
             # Inner steps are local: nothing in backward; buffers follow DDP's rule (broadcast before each forward).
@@ -184,6 +223,10 @@ class DiLoCo:
         """Fragment synchronisations applied so far (a whole model's counts P)."""
         self.bytes_sent = 0
         """Bytes this rank handed to collectives so far (the payloads, before the transport's own overhead)."""
+        if self.membership is not None:  # every member starts from the first one's model (DDP's rule)
+            self.syncs = -1  # not started: an agreement then sends the model (its buffers too) from a member
+            self._recover()
+            self.syncs = max(self.syncs, 0)
 
     # -- set-up --------------------------------------------------------------
 
@@ -242,12 +285,16 @@ class DiLoCo:
     def _due(self, fragment: _Fragment, step: int) -> bool:
         return step >= fragment.offset and (step - fragment.offset) % self.sync_every == 0
 
-    def step(self) -> bool:
+    def step(self, samples: int = 0) -> bool:
         """Call after every inner ``optimizer.step()``: begins the exchanges due, applies the ones that end.
 
+        ``samples``: how many the inner step trained (counted under a membership, see :attr:`samples`).
         Returns whether a fragment took new global parameters.
         """
         self.step_count += 1
+        self._pending_samples += samples
+        if self.membership is not None and self._changed():
+            self._recover()  # at once, so that a member behind (inside an exchange) is not kept waiting
         if self.ddp is not None:
             self.ddp.require_forward_param_sync = True  # as LocalSGD: every forward still broadcasts buffers
         applied = False
@@ -272,16 +319,29 @@ class DiLoCo:
 
         With ``optimizer`` (the inner one), its floating-point state (AdamW's moments, momentum) is averaged too,
         so that every rank holds one model and one state: what a checkpoint of one rank needs to be the job's.
+        Under a membership the inner state stays each worker's own (``optimizer`` is refused), and the call ends
+        with the members agreed: each agreement says whether its member is in this final one, and a member goes
+        on until one in which every member was (so a member behind, whose exchange a death interrupted while
+        it ended elsewhere, takes the outer step before any member returns).
         """
+        if self.membership is not None and optimizer is not None:
+            raise ValueError("DiLoCo.sync(optimizer) under --on-failure continue: the inner state stays each "
+                             "worker's own (an average of it could not survive a death half-way); call sync()")
         for f in self.fragments:
             if f.in_flight:
                 self._apply(f, 1.0)  # its outer step; the local parameters kept, to go into the next
         for f in self.fragments:
-            with torch.no_grad():
-                unchanged = all(torch.equal(p, b) for p, b in zip(f.params, f.backup))
+            if self.membership is not None:  # decided by the schedule, the same on every member
+                unchanged = f.applied_at == self.step_count and self.mixing == 0.0
+            else:
+                with torch.no_grad():
+                    unchanged = all(torch.equal(p, b) for p, b in zip(f.params, f.backup))
             if not unchanged:  # else no outer step: a zero pseudo-gradient would still move it by momentum
                 self._begin(f)
                 self._apply(f, 0.0)
+        if self.membership is not None:
+            while not self._recover(final=True)[1]:
+                pass
         if optimizer is not None and self.world_size > 1:
             state = [v for p in self.params for k, v in optimizer.state.get(p, {}).items()
                      if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
@@ -296,6 +356,10 @@ class DiLoCo:
             delta = torch.cat([(b.to(f.dtype) - p.detach().to(f.dtype)).reshape(-1)
                                for p, b in zip(f.params, f.backup)])
         f.due = self.step_count + self.delay
+        f.work = f.buffer = None
+        if self.membership is not None:
+            f.count = torch.tensor([float(self._pending_samples)], dtype=torch.float64)
+            f.count_work = self.group.allreduce([f.count])  # a membership's group: not in torch's registry
         if self.world_size == 1:
             f.mean = delta
             return
@@ -305,18 +369,24 @@ class DiLoCo:
                                                 else torch.float32)
             events.collective("DiLoCo: fragment {} pseudo-gradient ({})", f.index, self.codec)  # all_reduce counts
             f.buffer = send
-            f.work = all_reduce(send, "sum", self.algorithm, self.group, async_op=True, check=False)
+            f.work = self.group.allreduce([send]) if self.membership is not None else \
+                all_reduce(send, "sum", self.algorithm, self.group, async_op=True, check=False)
             self.bytes_sent += send.numel() * send.element_size()
             return
         payload = quantize(delta, int(self.codec[3:]), self.block_size).to(device)
         gathered = [torch.empty_like(payload) for _ in range(self.world_size)]
         events.collective("DiLoCo: fragment {} pseudo-gradient ({})", f.index, self.codec, nbytes=payload.numel())
         f.buffer = gathered
-        f.work = dist.all_gather(gathered, payload, group=self.group, async_op=True)
+        f.work = self.group.allgather([gathered], [payload]) if self.membership is not None else \
+            dist.all_gather(gathered, payload, group=self.group, async_op=True)
         self.bytes_sent += payload.numel()
 
-    def _finish(self, f: _Fragment) -> torch.Tensor:
-        """The averaged pseudo-gradient of ``f`` (waits for its exchange)."""
+    def _finish(self, f: _Fragment, mixing: float = 0.0) -> torch.Tensor | None:
+        """The averaged pseudo-gradient of ``f`` (waits for its exchange); None when, under a membership, this
+        rank took the outer step's result from a member ahead instead (``mixing`` of its own kept, as
+        :meth:`_apply` would)."""
+        if f.count_work is not None and not self._settled(f, mixing):  # (under a membership)
+            return None
         if f.mean is None:
             f.work.wait()
             if self.codec in ("fp32", "bf16"):
@@ -332,8 +402,13 @@ class DiLoCo:
 
     def _apply(self, f: _Fragment, mixing: float) -> None:
         """The outer step of ``f`` on its global values; the fragment takes them (``mixing`` of its own kept)."""
-        mean = self._finish(f)
+        mean = self._finish(f, mixing)
         f.mean = None
+        if mean is None:
+            return  # the state of a member ahead taken (_adopt)
+        if f.count is not None:
+            self.samples += int(f.count.item())  # type: ignore[operator]
+            self._pending_samples, f.count = 0, None
         local = [p.detach().clone() for p in f.params] if mixing else None
         grads = [p.grad for p in self.params]
         try:
@@ -355,6 +430,7 @@ class DiLoCo:
                 if local is not None:
                     p.lerp_(local[i], mixing)
         self.syncs += 1
+        f.applied_at = self.step_count
 
     # -- checkpoints ---------------------------------------------------------
 
@@ -393,6 +469,141 @@ class DiLoCo:
             f.work = f.buffer = f.mean = None
             if (p := state["pending"].get(str(f.index))) is not None:
                 f.due, f.mean = int(p["due"]), p["mean"].to(device=f.backup[0].device, dtype=f.dtype)
+
+    # -- a membership that changes (ddpkit launch --on-failure continue) ------
+
+    def _check_survivable(self, fragments: Any, delay: int, algorithm: str) -> None:
+        why = None
+        if (fragments != 1 if isinstance(fragments, int) else len(fragments) != 1) or delay:
+            why = (f"streaming (fragments={fragments!r}, delay={delay}) is not built for it: exchanges in flight "
+                   "across a death would need each fragment's own agreement; use fragments=1, delay=0")
+        elif algorithm != "native":
+            why = f"algorithm={algorithm!r} cannot be interrupted by a death: use the native all-reduce"
+        if why is not None:
+            raise ValueError(f"DiLoCo under --on-failure continue: {why}")
+
+    def _join_view(self) -> None:
+        """The newest view's group (built again after each change); this rank must be a member of it."""
+        assert self.membership is not None
+        while True:
+            view = self.membership.latest()
+            if self.membership.member not in view.members:
+                raise RuntimeError(f"member {self.membership.member} joins a running DiLoCo job (a replacement, or "
+                                   "a spare node's worker): it takes none (its data and inner state would be "
+                                   "another's); run it without --max-restarts and without spare nodes")
+            try:
+                # Earlier groups kept: an exchange's count may be in flight there, unwaited (freeing blocks).
+                self.group = self.membership.group(view)
+            except membership.MembershipChanged:
+                continue
+            self.view, self.world_size = view, view.size
+            return
+
+    def _rank(self) -> int:
+        assert self.membership is not None and self.view is not None
+        return self.view.rank_of(self.membership.member)
+
+    def _changed(self) -> bool:
+        assert self.membership is not None and self.view is not None
+        return self.membership.latest().generation != self.view.generation
+
+    def _wait(self, work: Any) -> None:
+        assert self.membership is not None and self.view is not None
+        self.membership.wait(work, self.view)
+
+    def _settled(self, f: _Fragment, mixing: float) -> bool:
+        """Wait for ``f``'s exchange; after a change, agree, and exchange again in the new view when no member is
+        ahead. False when this rank took a member's state instead (see :meth:`_recover`)."""
+        while True:
+            try:
+                if f.work is not None:
+                    self._wait(f.work)
+                self._wait(f.count_work)
+                f.count_work = None
+                return True
+            except membership.MembershipChanged:
+                if self._recover(mixing=mixing)[0]:
+                    return False
+                self._begin(f)  # the same pseudo-gradient, its samples, averaged over the members left
+
+    def _recover(self, *, final: bool = False, mixing: float = 0.0) -> tuple[bool, bool]:
+        """Join the newest view and agree on the outer steps applied: whoever is behind takes the global model,
+        the outer state and the counts from the lowest rank that is furthest (a member not started yet, at -1,
+        its whole module too). ``final``: this member is in :meth:`sync`'s last agreement. Whether this rank
+        took the state, and whether every member was in its final agreement."""
+        before = self.view
+        while True:
+            self._join_view()
+            try:
+                rows = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+                self._wait(self.group.allgather([rows], [torch.tensor([self.syncs, int(final)])]))
+                applied = [int(r[0]) for r in rows]
+                took = False
+                if min(applied) != max(applied) or min(applied) < 0:
+                    source = applied.index(max(applied))
+                    state = self._broadcast_state(source, whole=min(applied) < 0)
+                    if self.syncs < state["syncs"] or (self.syncs < 0 and self._rank() != source):
+                        self._adopt(state, mixing)
+                        took = True
+                break
+            except membership.MembershipChanged:
+                continue
+        assert self.view is not None
+        lost = [m for m in (before.members if before is not None else ()) if m not in self.view.members]
+        if lost or (took and self.syncs > 0):  # (not the start's)
+            self.changes.append({"generation": self.view.generation, "lost": lost, "took_state": took,
+                                 "outer_steps": self.syncs, "step": self.step_count})
+        return took, all(int(r[1]) for r in rows)
+
+    def _broadcast_state(self, source: int, whole: bool) -> dict[str, Any]:
+        """The global model, the outer state and the counts of group rank ``source``, to every member; ``whole``:
+        its module's state too (buffers, frozen parameters), for a member not started."""
+        return self._broadcast(source, lambda: {
+            "syncs": self.syncs, "samples": self.samples, "outer": self.outer.state_dict(),
+            "backup": [[b.cpu() for b in f.backup] for f in self.fragments],
+            "module": {k: v.cpu() for k, v in self.module.state_dict().items()} if whole else None})
+
+    def _broadcast(self, source: int, make: Callable[[], Any]) -> Any:
+        """``make()`` of group rank ``source``, to every member (its length, then its bytes; each wait
+        interruptible)."""
+        mine = self._rank() == source
+        data = torch.empty(0, dtype=torch.uint8)
+        if mine:
+            buffer = io.BytesIO()
+            torch.save(make(), buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        self._wait(self.group.broadcast([size], _root(source)))
+        if not mine:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(self.group.broadcast([data], _root(source)))
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+    def _adopt(self, state: Mapping[str, Any], mixing: float) -> None:
+        """A member's outer step in place of this rank's exchange (its inner steps were in it already), ``mixing``
+        of its own parameters kept as :meth:`_apply` keeps them; a member not started takes the whole module
+        (its buffers as the source holds them now) and the global parameters."""
+        starting = self.syncs < 0
+        with torch.no_grad():
+            if starting and state["module"] is not None:
+                self.module.load_state_dict(state["module"])
+            for f, saved in zip(self.fragments, state["backup"]):
+                for p, b, value in zip(f.params, f.backup, saved):
+                    local = p.detach().clone() if mixing and not starting else None
+                    b.copy_(value)
+                    p.copy_(b)
+                    if local is not None:
+                        p.lerp_(local, mixing)
+                f.work = f.buffer = f.mean = f.count = f.count_work = None
+                f.applied_at = self.step_count
+        self.outer.load_state_dict(state["outer"])
+        self.syncs, self.samples, self._pending_samples = int(state["syncs"]), state["samples"], 0
+
+
+def _root(rank: int) -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = rank
+    return options
 
 
 def _cut(params: list[nn.Parameter], parts: int) -> list[list[nn.Parameter]]:

@@ -1,26 +1,34 @@
-"""``ddpkit train --strategy ps-sync|ps-async|ssp --on-failure continue``: the workers step without the engine.
+"""``ddpkit train --strategy ps-sync|ps-async|ssp|diloco --on-failure continue``: the workers step without the
+engine.
 
 Each worker builds the default mode's model and optimizer (the learning rate
 scaled by the starting world size, asynchronous momentum compensated as in
 the default mode) and either hands the optimizer to the ``--num-servers``
 servers (:class:`ddpkit.ParameterServerOptimizer`, ``--ps-replication``
-copies of each key range) or makes it stale-synchronous
+copies of each key range), makes it stale-synchronous
 (:func:`ddpkit.StaleSynchronousOptimizer`: all-reduces in flight, at most
-``--staleness`` steps old, over the membership's groups). It trains its own
+``--staleness`` steps old, over the membership's groups), or steps alone
+between DiLoCo's outer steps (:class:`ddpkit.DiLoCo`, every ``--sync-every``
+steps, over the membership's groups). It trains its own
 shard of every epoch (a ``DistributedSampler`` of the starting world) and
 steps after each batch. A worker's death leaves the others training
 (ps-async: the servers stop waiting for it; ssp: the survivors make good the
-steps it left in flight, its share of each applied by all or by none; ps-sync
-needs every worker and fails naming the one that left); its remaining data
-of the epoch is trained by nobody. A server's death is survived while every
+steps it left in flight, its share of each applied by all or by none; diloco:
+its inner steps since its last outer step are lost, the survivors average
+their own over the new size; ps-sync needs every worker and fails naming the
+one that left); its remaining data of the epoch is trained by nobody.
+DiLoCo counts the samples its global model holds (``summary.json``'s
+``diloco``), so the loss is stated, not guessed. A server's death is survived while every
 key range has a live server.
 
 At the end of each of its epochs a worker settles (pulls the servers'
 parameters; ssp: waits for the all-reduces in flight and averages the
-replicas with the others) and evaluates on the whole test split alone; the
+replicas with the others; diloco: evaluates the global model, which the
+outer steps made) and evaluates on the whole test split alone; the
 first member of the current view writes ``metrics.jsonl`` (its own history).
 When every live worker is done (a barrier over the membership that survives
-deaths), each settles once more and the first member writes
+deaths), each settles once more (diloco: the last epoch's outer step, which
+ends with the members agreed, made the final model) and the first member writes
 ``model.safetensors`` and ``summary.json``. Buffers (BatchNorm's statistics)
 are each worker's own: the servers, and the replicas' average, hold the
 parameters only.
@@ -28,14 +36,17 @@ parameters only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.parallel.diloco import DiLoCo
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.runtime import membership
@@ -58,12 +69,17 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     assert members is not None  # ddpkit.init() made it under the mode's launcher
     state = build_state(config, data, world, ctx.device)
     model = state.model
-    ssp = config.strategy == "ssp"
+    ssp, diloco = config.strategy == "ssp", config.strategy == "diloco"
     mode = "sync" if config.strategy == "ps-sync" else "async"
-    if config.optimizer == "sgd" and (config.staleness if ssp else mode == "async"):
+    if config.optimizer == "sgd" and not diloco and (config.staleness if ssp else mode == "async"):
         for group in state.optimizer.param_groups:
             group["momentum"] = async_momentum(config.momentum, world)
-    if ssp:
+    outer: DiLoCo | None = None
+    if diloco:
+        opt = state.optimizer
+        outer = _diloco(model, config)
+        settle = _nothing
+    elif ssp:
         opt = StaleSynchronousOptimizer(state.optimizer, staleness=config.staleness or 0)
         settle = opt.synchronize  # type: ignore[attr-defined]
     else:
@@ -73,12 +89,13 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed)
     x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
     autocast = autocast_for(config, ctx.device)
-    servers = (f"staleness {config.staleness or 0}" if ssp else
-               f"{config.num_servers} server(s) (replication {config.ps_replication})")
+    servers = (f"staleness {config.staleness or 0}" if ssp else f"an outer step every {config.sync_every} steps"
+               if diloco else f"{config.num_servers} server(s) (replication {config.ps_replication})")
     if rank == 0:
         print(f"ddpkit train: {config.model} on {config.dataset}, --strategy {config.strategy} --on-failure continue "
               f"with {world} worker(s), {servers}, lr {config.lr:g} x {world}, output {out}", flush=True)
     history: list[dict[str, Any]] = []
+    said = 0  # DiLoCo's changes said so far
     start = time.perf_counter()
     for epoch in range(config.epochs):
         sampler.set_epoch(epoch)
@@ -96,31 +113,45 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             loss = F.cross_entropy(logits.float().flatten(0, -2), y[b].flatten())
             loss.backward()
             opt.step()
+            if outer is not None:
+                outer.step(samples=len(b))
+                said = _say_changes(outer, members, said)
             loss_sum += float(loss.detach()) * len(b)
             count += len(b)
         settle()
-        test_loss, accuracy, _ = evaluate_alone(model, data.test, ctx.device, autocast)
+        if outer is not None and epoch == config.epochs - 1:
+            outer.sync()  # the inner steps since the last outer step, in one more: every member holds the model
+            said = _say_changes(outer, members, said)
+        with _global_model(outer):
+            test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
         view = members.latest()
         record = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss,
                   "test_accuracy": accuracy, "workers": view.size, "servers_gone": list(view.servers_gone),
                   "samples": count, "epoch_time_s": round(time.perf_counter() - began, 4), "rank": rank}
         history.append(record)
         if view.members[0] == members.member:
-            left = "" if ssp else f", {config.num_servers - len(view.servers_gone)} server(s)"
+            left = "" if ssp or diloco else f", {config.num_servers - len(view.servers_gone)} server(s)"
             print(f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss "
                   f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s)"
                   f"{left})", flush=True)
             write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
-    view = members.barrier()  # every worker still alive has pushed its last gradient
-    settle()
-    test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
+    view = members.barrier()  # every worker still alive has pushed its last gradient (diloco: ended its agreement)
+    if outer is None:  # (diloco: the last epoch's outer step made the final model, evaluated above)
+        settle()
+        test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
     wall = time.perf_counter() - start
     summary = {"test_accuracy": accuracy, "test_loss": test_loss, "test_samples": n, "epochs": config.epochs,
                "world_size": view.size, "started_with": world, "servers": config.num_servers,
                "servers_gone": list(view.servers_gone), "ps_replication": config.ps_replication,
                "strategy": config.strategy, "wall_time_s": round(wall, 3), "model": config.model,
                "dataset": config.dataset, "on_failure": "continue"}
-    if ssp:
+    if outer is not None:
+        planned = len(sampler) * world * config.epochs
+        summary.update(servers=0, diloco={
+            "sync_every": config.sync_every, "outer_steps": outer.syncs, "samples_in_model": outer.samples,
+            "samples_planned": planned, "samples_lost": planned - (outer.samples or 0), "changes": outer.changes,
+            "bytes_sent": outer.bytes_sent})
+    elif ssp:
         summary.update(servers=0, ssp=opt.stats())  # type: ignore[attr-defined]
     else:
         summary["ps"] = ps.stats.as_dict()
@@ -128,11 +159,60 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         save_weights(out / "model.safetensors", model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_curves(out, history)
-        left = "" if ssp else (f" and {config.num_servers - len(view.servers_gone)} of {config.num_servers} "
-                               "server(s)")
+        left = "" if ssp or diloco else (f" and {config.num_servers - len(view.servers_gone)} of "
+                                         f"{config.num_servers} server(s)")
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "
               f"epoch(s) in {wall:.1f} s, {view.size} of {world} worker(s){left} at the end; weights in "
               f"{out / 'model.safetensors'}", flush=True)
-    if not ssp:
+    if outer is not None and view.members[0] == members.member:
+        d = summary["diloco"]
+        print(f"DiLoCo: the global model holds {d['samples_in_model']} of the {d['samples_planned']} samples planned"
+              + (f" ({d['samples_lost']} lost: the inner steps of the workers that died since their last outer "
+                 "step, and the data they had left)" if d["samples_lost"] else ""), flush=True)
+    if not ssp and not diloco:
         ps.close()
     return summary
+
+
+def _diloco(model: torch.nn.Module, config: TrainConfig) -> DiLoCo:
+    """``--strategy diloco``'s outer loop over the membership (as the default mode builds it)."""
+    assert config.sync_every is not None
+    params = [p for p in model.parameters() if p.requires_grad]
+    outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
+                            nesterov=config.outer_momentum > 0)
+    return DiLoCo(model, config.sync_every, outer, mixing=config.fragment_mixing, codec=config.outer_codec)
+
+
+def _nothing() -> None:
+    """DiLoCo settles nothing at an epoch's end: its workers evaluate the global model."""
+
+
+@contextlib.contextmanager
+def _global_model(outer: DiLoCo | None) -> Iterator[None]:
+    """The global model's parameters in the model (DiLoCo; each worker's own put back after); else nothing."""
+    if outer is None:
+        yield
+        return
+    own = [p.detach().clone() for p in outer.params]
+    with torch.no_grad():
+        for p, g in zip(outer.params, outer.global_parameters()):
+            p.copy_(g)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, mine in zip(outer.params, own):
+                p.copy_(mine)
+
+
+def _say_changes(outer: DiLoCo, members: membership.Membership, said: int) -> int:
+    """The first member says each change DiLoCo met after the first ``said``; how many it met."""
+    view = outer.view
+    if view is not None and view.members[0] == members.member:
+        for change in outer.changes[said:]:
+            taken = " (some took the global model from a member ahead: its outer step had ended there)" \
+                if change["took_state"] else ""
+            print(f"DiLoCo: worker(s) {change['lost']} left at step {change['step']}: the {view.size} left go on "
+                  f"from outer step {change['outer_steps']}; the inner steps of the lost since their last outer "
+                  f"step are gone{taken}", flush=True)
+    return len(outer.changes)

@@ -1,8 +1,9 @@
 """``ddpkit train --on-failure continue``: the training command on
 :class:`~ddpkit.train.fault_tolerance.FaultTolerance`.
 
-With ``--strategy ps-sync|ps-async|ssp`` the workers are those of
-:mod:`ddpkit.train.fault_tolerant_async` (the servers step, or SSP's all-reduces in flight); otherwise the engine's.
+With ``--strategy ps-sync|ps-async|ssp|diloco`` the workers are those of
+:mod:`ddpkit.train.fault_tolerant_async` (the servers step, SSP's all-reduces in flight, or DiLoCo's outer steps);
+otherwise the engine's.
 Two ways in, as for the default mode:
 
 * ``ddpkit train --on-failure continue`` alone claims the run directory and
@@ -85,7 +86,7 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
     servers = config.strategy in SERVER_STRATEGIES
     if os.environ.get(membership.FD_ENV):
         try:
-            return async_worker(config) if servers or config.strategy == "ssp" else worker(config)
+            return async_worker(config) if servers or config.strategy in ("ssp", "diloco") else worker(config)
         finally:
             shutdown()
     place = discover(os.environ, master_needed=False)

@@ -352,15 +352,15 @@ class TrainConfig:
         if self.on_failure != "continue":
             return
         why = "does not fit --on-failure continue"
-        need(self.engine == "ddpkit" and self.strategy in ("ddp", "ssp", *SERVER_STRATEGIES), "on_failure",
+        need(self.engine == "ddpkit" and self.strategy in ("ddp", "ssp", "diloco", *SERVER_STRATEGIES), "on_failure",
              f"needs --engine ddpkit --strategy ddp (the survivors reduce the gradients themselves), ps-sync|"
-             f"ps-async (the servers step) or ssp, not --engine {self.engine} --strategy {self.strategy}")
+             f"ps-async (the servers step), ssp or diloco, not --engine {self.engine} --strategy {self.strategy}")
         if self.strategy in SERVER_STRATEGIES:
             need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy "
                  f"{self.strategy}: the servers apply each worker's gradient, there are no shards to order")
             need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy {self.strategy}: a replacement "
                  "cannot take a seat in the parameter servers' channel; the workers left go on")
-        if self.strategy in (*SERVER_STRATEGIES, "ssp"):
+        if self.strategy in (*SERVER_STRATEGIES, "ssp", "diloco"):
             need(not self.resume, "resume", f"{why} with --strategy {self.strategy}: the state lives in the "
                  "surviving processes only (no checkpoint is written); use --strategy ddp for a run that can resume")
         if self.strategy == "ssp":
@@ -368,6 +368,14 @@ class TrainConfig:
                  "applies its own gradient at once, there are no shards to order")
             need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy ssp: nothing would hand a "
                  "replacement the training state; the workers left go on")
+        if self.strategy == "diloco":
+            need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy diloco: each "
+                 "worker steps alone between outer steps, there are no shards to order")
+            need(self.max_restarts == 0, "max_restarts", f"{why} with --strategy diloco: a replacement would need "
+                 "another worker's data and inner state; the workers left go on")
+            need(self.fragments == 1 and self.fragment_delay == 0, "fragments", f"{why}: streaming DiLoCo "
+                 "(--fragments > 1 or --fragment-delay > 0) keeps exchanges in flight across a death; use "
+                 "--fragments 1 --fragment-delay 0")
         need(self.zero == 0, "zero", f"{why}: a ZeRO shard exists once, on the rank that dies with it (no copy "
              "is kept on another rank); train without --zero, or use --on-failure restart")
         need(self.comm_hook == "none", "comm_hook", f"{why}: the mode reduces whole steps, not DDP's buckets")
