@@ -164,8 +164,9 @@ def test_diloco_trains_on_through_a_workers_death_and_counts_the_samples_it_lost
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["started_with"] == 3 and summary["test_accuracy"] > 0.9
     d = summary["diloco"]
-    # Rank 1's second epoch is lost (its inner steps since its last outer step, and the data it had left).
+    # Rank 1's second epoch is lost, give or take its inner steps around the epoch's end: those since its last
+    # outer step are lost with it, and the kill may come a few steps into the second epoch (32 samples a step).
     per_worker = d["samples_planned"] // 6
-    assert per_worker <= d["samples_lost"] <= per_worker + 10 * 64 and d["samples_in_model"] + d["samples_lost"] \
-        == d["samples_planned"]
+    assert per_worker - 10 * 32 <= d["samples_lost"] <= per_worker + 10 * 32
+    assert d["samples_in_model"] + d["samples_lost"] == d["samples_planned"]
     assert "DiLoCo: worker(s) [1] left at step" in stdout and f"{d['samples_lost']} lost" in stdout

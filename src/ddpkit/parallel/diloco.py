@@ -187,6 +187,8 @@ class DiLoCo:
         """Under the membership: the samples the global model holds (every member's, as given to :meth:`step`,
         folded in by the outer steps so far); None elsewhere."""
         self._pending_samples = 0
+        self._ended = 0
+        """Under the membership: final agreements this member ended (see :meth:`agree`)."""
         self.changes: list[dict[str, Any]] = []
         """Under the membership: each change met (the generation, the members lost, whether this rank took the
         state, the outer steps applied)."""
@@ -320,9 +322,7 @@ class DiLoCo:
         With ``optimizer`` (the inner one), its floating-point state (AdamW's moments, momentum) is averaged too,
         so that every rank holds one model and one state: what a checkpoint of one rank needs to be the job's.
         Under a membership the inner state stays each worker's own (``optimizer`` is refused), and the call ends
-        with the members agreed: each agreement says whether its member is in this final one, and a member goes
-        on until one in which every member was (so a member behind, whose exchange a death interrupted while
-        it ended elsewhere, takes the outer step before any member returns).
+        with the members agreed (:meth:`agree`).
         """
         if self.membership is not None and optimizer is not None:
             raise ValueError("DiLoCo.sync(optimizer) under --on-failure continue: the inner state stays each "
@@ -340,8 +340,7 @@ class DiLoCo:
                 self._begin(f)
                 self._apply(f, 0.0)
         if self.membership is not None:
-            while not self._recover(final=True)[1]:
-                pass
+            self._agree_final()
         if optimizer is not None and self.world_size > 1:
             state = [v for p in self.params for k, v in optimizer.state.get(p, {}).items()
                      if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
@@ -439,8 +438,10 @@ class DiLoCo:
         their averages, applied at their step after a load as they would have been)."""
         pending = {}
         for f in self.fragments:
-            if f.in_flight:
-                pending[str(f.index)] = {"due": f.due, "mean": self._finish(f).clone()}
+            if f.in_flight:  # (never under a membership: no delay, nothing in flight between two calls)
+                mean = self._finish(f)
+                assert mean is not None
+                pending[str(f.index)] = {"due": f.due, "mean": mean.clone()}
         return {"step_count": self.step_count, "syncs": self.syncs, "bytes_sent": self.bytes_sent,
                 "backup": [[b.clone() for b in f.backup] for f in self.fragments], "outer": self.outer.state_dict(),
                 "pending": pending, "layout": self._layout()}
@@ -526,17 +527,41 @@ class DiLoCo:
                     return False
                 self._begin(f)  # the same pseudo-gradient, its samples, averaged over the members left
 
-    def _recover(self, *, final: bool = False, mixing: float = 0.0) -> tuple[bool, bool]:
+    def agree(self) -> None:
+        """Under a membership: agree with the other members once more, without an outer step (at the end of a
+        run, before choosing who writes: every member then holds the same global model and view). Elsewhere
+        nothing.
+
+        The final agreements (this one, and the one that ends each :meth:`sync`) are numbered alike on every
+        member, and each agreement says which one its member is in (0: none) and how many it has ended. Member
+        in final agreement ``c`` goes on until one in which every member was in ``c`` or later, or had ended
+        ``c`` already (it ended there an agreement this member gave up when a death interrupted it: the state
+        it needs came with this one). So a member whose exchange or agreement a death interrupted while it ended
+        elsewhere takes the outer step before the others leave, and no member waits for one that went on.
+        """
+        if self.membership is not None:
+            self._agree_final()
+
+    def _agree_final(self) -> None:
+        call = self._ended + 1
+        while True:
+            rows = self._recover(call=call)[1]
+            if all(in_call >= call or ended >= call for in_call, ended in rows):
+                break
+        self._ended = call
+
+    def _recover(self, *, call: int = 0, mixing: float = 0.0) -> tuple[bool, list[tuple[int, int]]]:
         """Join the newest view and agree on the outer steps applied: whoever is behind takes the global model,
         the outer state and the counts from the lowest rank that is furthest (a member not started yet, at -1,
-        its whole module too). ``final``: this member is in :meth:`sync`'s last agreement. Whether this rank
-        took the state, and whether every member was in its final agreement."""
+        its whole module too). ``call``: the final agreement this member is in (:meth:`agree`; 0: none).
+        Whether this rank took the state, and each member's final agreement and the number it has ended."""
         before = self.view
         while True:
             self._join_view()
             try:
-                rows = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-                self._wait(self.group.allgather([rows], [torch.tensor([self.syncs, int(final)])]))
+                rows = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world_size)]
+                mine = torch.tensor([self.syncs, call, self._ended])
+                self._wait(self.group.allgather([rows], [mine]))
                 applied = [int(r[0]) for r in rows]
                 took = False
                 if min(applied) != max(applied) or min(applied) < 0:
@@ -552,8 +577,9 @@ class DiLoCo:
         lost = [m for m in (before.members if before is not None else ()) if m not in self.view.members]
         if lost or (took and self.syncs > 0):  # (not the start's)
             self.changes.append({"generation": self.view.generation, "lost": lost, "took_state": took,
-                                 "outer_steps": self.syncs, "step": self.step_count})
-        return took, all(int(r[1]) for r in rows)
+                                 "outer_steps": max(self.syncs, 0), "step": self.step_count,
+                                 "workers": self.view.size})
+        return took, [(int(r[1]), int(r[2])) for r in rows]
 
     def _broadcast_state(self, source: int, whole: bool) -> dict[str, Any]:
         """The global model, the outer state and the counts of group rank ``source``, to every member; ``whole``:

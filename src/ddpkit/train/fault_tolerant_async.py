@@ -135,8 +135,12 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                   f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s)"
                   f"{left})", flush=True)
             write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
-    view = members.barrier()  # every worker still alive has pushed its last gradient (diloco: ended its agreement)
-    if outer is None:  # (diloco: the last epoch's outer step made the final model, evaluated above)
+    if outer is not None:  # the last epoch's outer step made the final model, evaluated above
+        outer.agree()  # (not members.barrier(): a member may still be in an agreement on the same group)
+        view = outer.view
+        assert view is not None
+    else:
+        view = members.barrier()  # every worker still alive has pushed its last gradient
         settle()
         test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
     wall = time.perf_counter() - start
@@ -210,9 +214,8 @@ def _say_changes(outer: DiLoCo, members: membership.Membership, said: int) -> in
     view = outer.view
     if view is not None and view.members[0] == members.member:
         for change in outer.changes[said:]:
-            taken = " (some took the global model from a member ahead: its outer step had ended there)" \
-                if change["took_state"] else ""
-            print(f"DiLoCo: worker(s) {change['lost']} left at step {change['step']}: the {view.size} left go on "
-                  f"from outer step {change['outer_steps']}; the inner steps of the lost since their last outer "
-                  f"step are gone{taken}", flush=True)
+            if change["lost"]:
+                print(f"DiLoCo: worker(s) {change['lost']} left at step {change['step']}: the {change['workers']} "
+                      f"left go on from outer step {change['outer_steps']}; the inner steps of the lost since their "
+                      "last outer step are gone", flush=True)
     return len(outer.changes)
