@@ -108,6 +108,21 @@ def test_train_refuses_what_the_mode_cannot_keep(extra: dict, match: str) -> Non
         TrainConfig(on_failure="continue", **extra)
 
 
+def test_a_run_whose_writer_died_at_the_very_end_says_so(tmp_path: Path, monkeypatch) -> None:
+    # Every worker exited 0 but none wrote the summary (the one chosen died between the last agreement and its
+    # write): one line naming the file, not a traceback from reading it.
+    import ddpkit.launcher
+    from ddpkit.runtime.options import RunError
+    from ddpkit.train import fault_tolerant_loop
+
+    monkeypatch.setattr(ddpkit.launcher, "run", lambda launch: 0)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DDPKIT_FT_FD"):
+        monkeypatch.delenv(name, raising=False)
+    config = TrainConfig(on_failure="continue", strategy="ssp", nproc_per_node=2, output_dir=str(tmp_path / "run"))
+    with pytest.raises(RunError, match="the one chosen to write died before it wrote .*summary.json"):
+        fault_tolerant_loop.train(config)
+
+
 def test_server_replication_needs_the_mode_and_enough_servers() -> None:
     with pytest.raises(ConfigError, match="needs --strategy ps-sync|ps-async and --on-failure continue"):
         TrainConfig(strategy="ps-async", num_servers=2, ps_replication=2)

@@ -126,7 +126,11 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
     if code != 0:
         raise RunError(f"--on-failure continue: every worker died (ddpkit launch exited {code}; its lines above say "
                        f"how); the run directory {claim.out} has no final weights")
-    return json.loads((claim.out / "summary.json").read_text())
+    summary = claim.out / "summary.json"
+    if not summary.is_file():  # every worker exited 0, the one chosen to write died first (at the very end)
+        raise RunError(f"--on-failure continue: the workers ended, but the one chosen to write died before it wrote "
+                       f"{summary} and the final weights; the epochs' metrics are in {claim.out / 'metrics.jsonl'}")
+    return json.loads(summary.read_text())
 
 
 class Progress:
