@@ -100,12 +100,24 @@ def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) 
     ({"strategy": "diloco", "fragment_delay": 1, "sync_every": 4}, "use --fragments 1 --fragment-delay 0"),
     ({"strategy": "diloco", "deterministic_shards": 2}, "no shards to order"),
     ({"strategy": "diloco", "resume": True, "output_dir": "x"}, "the state lives in the surviving processes only"),
+    ({"strategy": "ps-sync", "checkpoint_every": 0}, "--checkpoint-every 0 .* its workers write no checkpoints"),
+    ({"strategy": "ssp", "checkpoint_every": 10}, "--checkpoint-every 10 .* its workers write no checkpoints"),
+    ({"strategy": "diloco", "keep_checkpoints": 5}, "--keep-checkpoints 5 .* its workers write no checkpoints"),
     ({"comm_hook": "fp16"}, "reduces whole steps"),
     ({"backend": "mpi"}, "rebuild gloo groups"),
 ])
 def test_train_refuses_what_the_mode_cannot_keep(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         TrainConfig(on_failure="continue", **extra)
+
+
+def test_the_checkpoint_settings_survive_the_trip_to_the_workers_of_a_strategy_that_writes_none() -> None:
+    # The defaults are taken (the workers rebuild the config from its JSON, defaults included), and the same
+    # settings under --strategy ddp, which checkpoints in the mode.
+    for strategy in ("ps-sync", "ssp", "diloco"):
+        config = TrainConfig(on_failure="continue", strategy=strategy)
+        assert TrainConfig(**config.to_dict()).checkpoint_every == 50
+    assert TrainConfig(on_failure="continue", checkpoint_every=10, keep_checkpoints=5).checkpoint_every == 10
 
 
 def test_a_run_whose_writer_died_at_the_very_end_says_so(tmp_path: Path, monkeypatch) -> None:

@@ -35,6 +35,10 @@ DILOCO_CODECS = ("fp32", "bf16", "int8", "int4")
 """``--outer-codec``: :data:`ddpkit.parallel.diloco.CODECS` (a test keeps the two in step)."""
 DILOCO_SYNC_EVERY = 100
 """``--strategy diloco``'s H when ``--sync-every`` is not given."""
+CHECKPOINT_EVERY = 50
+"""``--checkpoint-every``'s default: a checkpoint every 50 optimizer steps within an epoch, and at its end."""
+KEEP_CHECKPOINTS = 3
+"""``--keep-checkpoints``'s default."""
 
 
 @dataclass(kw_only=True)
@@ -161,9 +165,9 @@ class TrainConfig:
     backend: str | None = option(None, "process group backend (default: nccl with CUDA, else gloo)")
     output_dir: Path | None = option(None, "run directory (default: a new runs/<dataset>-<model>[-N])")
     checkpoint_every: int = option(
-        50, "also checkpoint every N optimizer steps within an epoch (0: at epoch ends only)"
+        CHECKPOINT_EVERY, "also checkpoint every N optimizer steps within an epoch (0: at epoch ends only)"
     )
-    keep_checkpoints: int = option(3, "checkpoints kept in <output-dir>/checkpoints; older ones are deleted")
+    keep_checkpoints: int = option(KEEP_CHECKPOINTS, "checkpoints kept in <output-dir>/checkpoints; older ones are deleted")
     max_restarts: int = option(
         0, "restart the workers this started up to N times after a failure, resuming from the newest "
         "checkpoint (under a launcher, use the launcher's --max-restarts)"
@@ -363,6 +367,10 @@ class TrainConfig:
         if self.strategy in (*SERVER_STRATEGIES, "ssp", "diloco"):
             need(not self.resume, "resume", f"{why} with --strategy {self.strategy}: the state lives in the "
                  "surviving processes only (no checkpoint is written); use --strategy ddp for a run that can resume")
+            for name, default in (("checkpoint_every", CHECKPOINT_EVERY), ("keep_checkpoints", KEEP_CHECKPOINTS)):
+                need(getattr(self, name) == default, name, f"{why} with --strategy {self.strategy}: its workers write "
+                     "no checkpoints (the state lives in the surviving processes only); drop it, or use --strategy "
+                     "ddp for a run that checkpoints")
         if self.strategy == "ssp":
             need(self.deterministic_shards is None, "deterministic_shards", f"{why} with --strategy ssp: each worker "
                  "applies its own gradient at once, there are no shards to order")
