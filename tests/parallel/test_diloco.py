@@ -301,6 +301,32 @@ def test_sync_right_after_an_outer_step_moves_nothing_and_after_inner_steps_take
     assert all(torch.equal(p.detach(), g) for p, g in zip(model.parameters(), diloco.global_parameters()))
 
 
+def _moved_on_one_rank_only() -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    start = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    diloco = ddpkit.DiLoCo(model, sync_every=8, outer_optimizer=outer, fragments=[model[0], model[1]])
+    with torch.no_grad():  # an inner step that reached the second layer on rank 0 only (no gradient there on 1)
+        for i, p in enumerate(model.parameters()):
+            if i < 2 or dist.get_rank() == 0:
+                p.add_(0.25)
+    diloco.step()
+    diloco.sync()
+    return start, [p.detach().clone() for p in model.parameters()], diloco.syncs
+
+
+def test_sync_takes_the_outer_step_of_a_fragment_that_moved_on_any_rank(dist2):
+    # Each rank's own look at its parameters would skip the second fragment on rank 1 and not on rank 0: their
+    # collectives then pair wrongly (a hang, or another exchange's numbers). Every rank takes it: rank 0's move
+    # averaged with rank 1's none.
+    (start, ends0, syncs0), (_, ends1, syncs1) = dist2.run(_moved_on_one_rank_only)
+    assert syncs0 == syncs1 == 2
+    for i, (s, a, b) in enumerate(zip(start, ends0, ends1)):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, s + (0.25 if i < 2 else 0.125))
+
+
 def test_an_outer_optimizer_over_every_parameter_is_taken_with_frozen_ones_and_bad_values_are_named():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     model[0].weight.requires_grad_(False)

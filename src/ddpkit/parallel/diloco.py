@@ -330,12 +330,12 @@ class DiLoCo:
         for f in self.fragments:
             if f.in_flight:
                 self._apply(f, 1.0)  # its outer step; the local parameters kept, to go into the next
+        moved = self._moved_anywhere() if self.membership is None else []
         for f in self.fragments:
             if self.membership is not None:  # decided by the schedule, the same on every member
                 unchanged = f.applied_at == self.step_count and self.mixing == 0.0
             else:
-                with torch.no_grad():
-                    unchanged = all(torch.equal(p, b) for p, b in zip(f.params, f.backup))
+                unchanged = not moved[f.index]
             if not unchanged:  # else no outer step: a zero pseudo-gradient would still move it by momentum
                 self._begin(f)
                 self._apply(f, 0.0)
@@ -346,6 +346,19 @@ class DiLoCo:
                      if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
             if state:
                 average_parameters(state, self.group, self.algorithm)  # type: ignore[arg-type]
+
+    def _moved_anywhere(self) -> list[bool]:
+        """Per fragment, whether its parameters left their global values on any rank (one small collective): every
+        rank then takes the same outer steps in :meth:`sync`. A rank's own look could differ from another's (a
+        fragment no gradient reached there, or an inner step that moved nothing), and a rank that skipped an outer
+        step another took would pair its next collective with the wrong one."""
+        with torch.no_grad():
+            flags = torch.tensor([float(not all(torch.equal(p, b) for p, b in zip(f.params, f.backup)))
+                                  for f in self.fragments])
+        if self.world_size > 1:
+            flags = flags.to(comm_device(self.group, like=self.params[0]))
+            all_reduce(flags, "max", self.algorithm, self.group, check=False)
+        return [bool(x) for x in flags.tolist()]
 
     # -- one fragment --------------------------------------------------------
 
