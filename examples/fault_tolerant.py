@@ -27,6 +27,8 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--batch-size", type=int, default=64, help="the global batch of every step")
 parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                     help="bitwise equal to the run without a failure (default on)")
+parser.add_argument("--ddp", action="store_true",
+                    help="train through ddpkit.DistributedDataParallel, as a DDP script does (the same bits)")
 parser.add_argument("--step-time", type=float, default=0.05,
                     help="seconds each step waits (a stand-in for a larger model), so there is time to kill a worker")
 args = parser.parse_args()
@@ -35,7 +37,8 @@ ddpkit.init()
 torch.manual_seed(0)
 x = torch.randn(4096, 32)
 y = (x[:, :16].sum(1) > x[:, 16:].sum(1)).long()
-model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 2))
+net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 2))
+model = ddpkit.DistributedDataParallel(net) if args.ddp else net  # a DDP script keeps its wrapper
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
 
@@ -58,5 +61,5 @@ for step in ft.steps(epochs=args.epochs):
     optimizer.zero_grad()
 
 if ft.rank == 0:
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
     print(f"done: {ft.committed} steps, {len(ft.changes)} membership change(s), weights {digest[:16]}", flush=True)

@@ -11,7 +11,8 @@ start (``GROW_MID=1``: wait in the middle of the step's micro-batches instead, s
 inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a joiner started otherwise than the
 job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
 the step's reduction); ``NOISE=1``: inputs get noise from NumPy's and Python's global generators (data
-augmentation as users write it); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
+augmentation as users write it); ``DDP=1``: the script wraps the model in ``ddpkit.DistributedDataParallel`` (as a DDP script would) and
+trains through the wrapper; ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
 precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
 first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
 reduced, the steps whose ``sync()`` said to do them again).
@@ -52,7 +53,8 @@ class Counters(nn.Module):
 
 
 layers = [nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 2)]
-model = nn.Sequential(*layers, *([Counters()] if os.environ.get("COUNTERS") == "1" else []))
+net = nn.Sequential(*layers, *([Counters()] if os.environ.get("COUNTERS") == "1" else []))
+model = ddpkit.DistributedDataParallel(net) if os.environ.get("DDP") == "1" else net  # a DDP script keeps its wrapper
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
 member = int(os.environ.get("DDPKIT_FT_MEMBER", "0"))
@@ -114,7 +116,7 @@ for step in ft.steps(epochs=epochs):
     if step.synced and not grow_mid and growing():
         wait_for_a_join()
 if ft.rank == 0 and os.environ.get("OUT"):
-    torch.save(model.state_dict(), os.environ["OUT"] + ".pt")
+    torch.save(net.state_dict(), os.environ["OUT"] + ".pt")
     with open(os.environ["OUT"] + ".json", "w") as f:
         json.dump({"world_size": ft.world_size, "committed": ft.committed, "lr": opt.param_groups[0]["lr"],
                    "changes": [c.__dict__ for c in ft.changes], "trained": trained,

@@ -13,6 +13,7 @@ import time
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,10 +198,14 @@ def test_a_workers_usage_error_before_it_holds_the_state_ends_the_job_without_re
 @pytest.mark.slow("a whole launch of two workers that fail")
 def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp_path: Path) -> None:
     plain = tmp_path / "plain.py"
-    plain.write_text("import torch, ddpkit\nddpkit.init()\nddpkit.DDP(torch.nn.Linear(2, 2))\n")
+    # Built with no group (the world changes), the wrapper trains only inside FaultTolerance: a training forward
+    # outside it would train each process alone, and is refused; an evaluation forward runs.
+    plain.write_text("import torch, ddpkit\nddpkit.init()\nmodel = ddpkit.DDP(torch.nn.Linear(2, 2))\n"
+                     "with torch.no_grad():\n    model(torch.ones(1, 2))\nmodel(torch.ones(1, 2)).sum().backward()\n")
     done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", str(plain))
     assert done.returncode == 1
-    assert "no DDP wrapper spans it" in done.stderr and "ddpkit.FaultTolerance" in done.stderr
+    assert "DistributedDataParallel under ddpkit launch --on-failure continue trains inside ddpkit.FaultTolerance" \
+           in done.stderr, done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- deaths
@@ -226,6 +231,21 @@ def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(t
     assert account["committed"] == plain["committed"] == 26 and account["lr"] == plain["lr"]
     assert account["trained"] == plain["trained"]
     assert all(weights[k].equal(reference[k]) for k in reference)  # batch norm, dropout, momentum included
+
+
+@FAULTS
+@pytest.mark.slow("a whole job of three workers through a death, the model in ddpkit's DDP (the reference shared)")
+def test_a_ddp_script_under_the_mode_survives_a_kill_with_the_bits_of_the_plain_run(tmp_path: Path,
+                                                                                     shared_runs) -> None:
+    # The same script with its model in ddpkit.DistributedDataParallel, as a DDP script has it: the wrapper is
+    # built with no group under the mode, the micro-batches run through it, and a kill at world 3 ends with the
+    # bits of the plain module's run without one.
+    reference, plain, _ = _reference(shared_runs)
+    weights, account, stderr = ft_run(tmp_path, "ddp", kill="1:4", DDP="1")
+    assert "member 1 (rank 1 at the start) died" in stderr
+    assert account["world_size"] == 2 and account["committed"] == plain["committed"] == 26
+    assert account["trained"] == plain["trained"]
+    assert all(weights[k].equal(reference[k]) for k in reference)
 
 
 @FAULTS
@@ -296,6 +316,86 @@ def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: b
     else:
         with pytest.raises(ValueError, match=r"broadcast_buffers=False\) with a model that has buffers"):
             make()
+
+
+def _ft_steps(wrap: Any, **extra: Any) -> dict[str, torch.Tensor]:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.2),
+                              torch.nn.Linear(8, 2))
+    model = wrap(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = TensorDataset(torch.randn(40, 6), torch.randint(0, 2, (40,)))
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=8, virtual_shards=2, **extra)
+    for step in ft.steps(epochs=2):
+        for x, y in step:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert step.sync()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_ddp_wrapper_trains_the_bits_of_its_plain_module(deterministic: bool) -> None:
+    import ddpkit
+
+    plain = _ft_steps(lambda net: net, deterministic=deterministic)
+    wrapped = _ft_steps(ddpkit.DistributedDataParallel, deterministic=deterministic)
+    assert all(plain[k].equal(wrapped[k]) for k in plain)
+
+
+def test_wrappers_the_mode_cannot_drive_are_refused_by_name() -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 4))
+
+    def make(model: torch.nn.Module) -> Any:
+        return ddpkit.FaultTolerance(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=4)
+
+    with pytest.raises(ValueError, match="not torch.nn.parallel.data_parallel.DataParallel: pass model.module"):
+        make(torch.nn.DataParallel(net))
+    hooked = ddpkit.DistributedDataParallel(net)
+    hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+    with pytest.raises(ValueError, match="with a comm hook: the mode reduces whole steps"):
+        make(hooked)
+    with pytest.raises(ValueError, match=r"DistributedDataParallel\(broadcast_buffers=False\) .* buffers"):
+        with pytest.warns(FutureWarning):
+            make(ddpkit.DistributedDataParallel(net, broadcast_buffers=False))
+    later = ddpkit.DistributedDataParallel(net)
+    ft = make(later)
+    later.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)  # after FaultTolerance took the wrapper
+    with pytest.raises(ValueError, match="with a comm hook"):
+        for _ in next(iter(ft.steps(epochs=1))):
+            pass
+
+
+def test_ddp_under_the_mode_spans_no_group_and_refuses_what_would_not_run(monkeypatch) -> None:
+    import ddpkit
+    from ddpkit.parallel.common.replicas import DDPConfigError
+    from ddpkit.runtime import membership
+
+    monkeypatch.setattr(membership, "current", lambda *a, **k: object())  # as under --on-failure continue
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2))
+    assert model.under_membership and model.process_group is None
+    with torch.no_grad():
+        model(torch.ones(1, 2))  # an evaluation runs anywhere
+    with pytest.raises(DDPConfigError, match="trains inside ddpkit.FaultTolerance"):
+        model(torch.ones(1, 2))
+    with model.no_sync():  # what FaultTolerance runs each micro-batch under
+        model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(DDPConfigError, match="the hook would never run"):
+        model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+    with pytest.raises(DDPConfigError, match=r"comm='fp16'\) under ddpkit launch --on-failure continue"):
+        ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), comm="fp16")
+    with pytest.raises(DDPConfigError, match="zero_stage=2.* a ZeRO shard exists once"):
+        ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), zero_stage=2)
 
 
 @FAULTS

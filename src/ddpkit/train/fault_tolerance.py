@@ -72,7 +72,9 @@ Use::
 
 Each micro-batch's loss must be its mean (what ``reduction="mean"`` gives):
 the engine weighs it by its share of the step's samples. The model is the
-plain module (no DDP wrapper: the engine reduces the gradients itself).
+plain module, or a ``ddpkit.DistributedDataParallel`` of it (a DDP script keeps its wrapper: each
+micro-batch then runs under its ``no_sync()``, and the step is reduced here, as for the plain module; the
+wrapper's own engine, its buckets and comm hooks, does not run under the mode yet).
 Outside ``--on-failure continue`` (no launcher, torchrun, ``ddpkit launch``
 restarting) the same code trains the same steps on the default group, and a
 death fails the job as under DDP.
@@ -80,6 +82,7 @@ death fails the job as under DDP.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -97,6 +100,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
 from ddpkit.data.shards import VirtualShards
+from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import events, membership
 from ddpkit.runtime.group import init
 from ddpkit.runtime.membership import MembershipChanged, View
@@ -169,7 +173,8 @@ class Step:
             if not sum(sizes):
                 continue
             engine.seed_generators(engine.micro_batch_seed(self.index, shards[0]))  # randomness follows the shard
-            yield engine.load(engine.shards.samples(self.index, shards))
+            with engine.local():  # a DDP wrapper communicates nothing: the step's reduction is the mode's
+                yield engine.load(engine.shards.samples(self.index, shards))
             engine.harvest(self._buffer, k, dict(zip(shards, sizes)), self.samples)
             if keep_buffers:
                 if shards[0] == 0:
@@ -220,7 +225,9 @@ class FaultTolerance:
     """Data-parallel training that survives the loss of workers (see the module notes).
 
     Args:
-        model: the plain module (same architecture on every rank; rank 0's initial state is everyone's).
+        model: the plain module (same architecture on every rank; rank 0's initial state is everyone's), or a
+            ``ddpkit.DistributedDataParallel`` of it without ZeRO or a comm hook (under ``--on-failure continue``
+            one built with no group, which then trains inside this).
         optimizer: its optimizer (its state moves with a state transfer).
         dataset: indexable by sample, with ``len()``.
         batch_size: the global batch of every step (all ranks together).
@@ -255,9 +262,10 @@ class FaultTolerance:
                  state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True,
                  resume: Mapping[str, Any] | None = None) -> None:
         ctx = init()
-        if hasattr(model, "module"):
-            raise ValueError("FaultTolerance takes the plain module, not a DDP (or DataParallel) wrapper: it "
-                             "reduces the gradients itself; pass model.module")
+        self.wrapper = _wrapper_of(model)
+        """The ``ddpkit.DistributedDataParallel`` the script trains through, or None (a plain module)."""
+        if self.wrapper is not None:
+            model = self.wrapper.module
         self.model, self.optimizer = model, optimizer
         self.state = dict(state or {})
         self.deterministic = deterministic
@@ -444,6 +452,19 @@ class FaultTolerance:
         return self.shards.steps_per_epoch
 
     # -- micro-batches and their gradients
+
+    def local(self) -> contextlib.AbstractContextManager[None]:
+        """Where a micro-batch's forward and backward run: under the DDP wrapper's ``no_sync()`` (its gradients
+        accumulate locally and :meth:`harvest` takes them), or as they are for a plain module.
+
+        Raises:
+            ValueError: a comm hook was registered on the wrapper since (it would never run).
+        """
+        if self.wrapper is None:
+            return contextlib.nullcontext()
+        if self.wrapper.reducer.comm_hook is not None:
+            _wrapper_of(self.wrapper)  # raises, naming the hook
+        return self.wrapper.no_sync()
 
     def load(self, indices: list[int]) -> Any:
         if self.fetch is not None:
@@ -858,6 +879,35 @@ class FaultTolerance:
             obj.load_state_dict(state["state"][name])
         self.committed = int(state["committed"])
         self.first_world = int(state.get("first_world", self.first_world))  # (files of before it was kept)
+
+
+def _wrapper_of(model: torch.nn.Module) -> DistributedDataParallel | None:
+    """``model`` if it is a ``ddpkit.DistributedDataParallel`` the mode can drive (its micro-batches under
+    ``no_sync()``, the step reduced by the mode), None for a plain module.
+
+    Raises:
+        ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook, or buffers kept per
+            rank: each named, with the fix.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        if hasattr(model, "module"):
+            raise ValueError(f"FaultTolerance takes the plain module or ddpkit.DistributedDataParallel, not "
+                             f"{type(model).__module__}.{type(model).__qualname__}: pass model.module (the mode "
+                             "reduces the gradients itself)")
+        return None
+    if model.zero_stage:
+        raise ValueError(f"FaultTolerance over DistributedDataParallel(zero_stage={model.zero_stage}): a ZeRO shard "
+                         "exists once, on the rank that dies with it; wrap without zero_stage (the mode keeps whole "
+                         "replicas)")
+    if model.reducer.comm_hook is not None:
+        raise ValueError("FaultTolerance over a DistributedDataParallel with a comm hook: the mode reduces whole "
+                         "steps, not DDP's buckets, so the hook would never run; drop register_comm_hook (or comm=)")
+    if not model.forward_sync_buffers and any(True for _ in model.module.buffers()):
+        raise ValueError("FaultTolerance over DistributedDataParallel(broadcast_buffers=False) (or "
+                         "forward_sync_buffers=False) with a model that has buffers: every member must hold the same "
+                         "buffers, since any of them may hand the state on; leave the default (rank 0's go to all "
+                         "with each step)")
+    return model
 
 
 def _byte_spans(buffers: Sequence[torch.Tensor]) -> list[int]:

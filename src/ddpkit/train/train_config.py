@@ -167,7 +167,9 @@ class TrainConfig:
     checkpoint_every: int = option(
         CHECKPOINT_EVERY, "also checkpoint every N optimizer steps within an epoch (0: at epoch ends only)"
     )
-    keep_checkpoints: int = option(KEEP_CHECKPOINTS, "checkpoints kept in <output-dir>/checkpoints; older ones are deleted")
+    keep_checkpoints: int = option(
+        KEEP_CHECKPOINTS, "checkpoints kept in <output-dir>/checkpoints; older ones are deleted"
+    )
     max_restarts: int = option(
         0, "restart the workers this started up to N times after a failure, resuming from the newest "
         "checkpoint (under a launcher, use the launcher's --max-restarts)"

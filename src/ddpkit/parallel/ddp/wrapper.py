@@ -64,7 +64,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             Default False: an unused parameter raises at the end of backward.
         gradient_as_bucket_view: make ``.grad`` a view into bucket memory,
             saving a copy and a gradient-sized buffer. Default False.
-        process_group: the group to average over; default the world.
+        process_group: the group to average over; default the world. Under
+            ``ddpkit launch --on-failure continue`` (no world: it changes as
+            workers die) the wrapper spans none and trains inside
+            :class:`ddpkit.FaultTolerance`, which reduces each step.
         static_graph: the model uses the same parameters the same number of
             times every iteration: unused parameters are found once, and
             parameters may get several gradients per backward (activation
@@ -193,10 +196,19 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             device=self._input_device())
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        if process_group is None and membership.current() is not None:
-            raise DDPConfigError("DistributedDataParallel under ddpkit launch --on-failure continue: the job's "
-                                 "world changes as workers die, so no DDP wrapper spans it; train the plain module "
-                                 "with ddpkit.FaultTolerance(model, optimizer, dataset, batch_size)")
+        self.under_membership = process_group is None and membership.current() is not None
+        """Built under ``ddpkit launch --on-failure continue`` with no group: the job's world changes as workers die,
+        so this wrapper spans none and runs inside :class:`ddpkit.FaultTolerance`, which gives it the step's
+        micro-batches and reduces the step (a synchronised forward outside it is refused)."""
+        if self.under_membership:
+            if self.zero_stage:
+                raise DDPConfigError(f"DistributedDataParallel(zero_stage={self.zero_stage}) under ddpkit launch "
+                                     "--on-failure continue: a ZeRO shard exists once, on the rank that dies with "
+                                     "it; drop zero_stage (the mode keeps whole replicas), or use --on-failure "
+                                     "restart")
+            if comm not in (None, "none"):
+                raise DDPConfigError(f"DistributedDataParallel(comm={comm!r}) under ddpkit launch --on-failure "
+                                     "continue: the mode reduces whole steps, not DDP's buckets; drop comm")
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
@@ -349,6 +361,11 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         """Buffers out, the buckets rebuilt when due, inputs to the device."""
         grad = torch.is_grad_enabled()
         sync = self.require_backward_grad_sync and grad
+        if sync and self.under_membership:
+            raise DDPConfigError("DistributedDataParallel under ddpkit launch --on-failure continue trains inside "
+                                 "ddpkit.FaultTolerance (the job's world changes as workers die): pass this wrapper "
+                                 "to FaultTolerance(model, optimizer, dataset, batch_size) and run its forwards in "
+                                 "the steps it gives (a forward under torch.no_grad() runs anywhere)")
         if sync:
             self._logging.forward_start()
         joining = self._join_config.enable and self.world_size > 1
@@ -459,6 +476,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         annotated ``bucket`` must be a ``GradBucket`` and an annotated return a
         ``torch.futures.Future[torch.Tensor]`` (``ValueError`` otherwise).
         """
+        if self.under_membership:
+            raise DDPConfigError("register_comm_hook() under ddpkit launch --on-failure continue: the mode reduces "
+                                 "whole steps (ddpkit.FaultTolerance), not DDP's buckets, so the hook would never "
+                                 "run; drop it")
         if callable(hook):
             check_hook_signature(hook)
         self.reducer.register_comm_hook(state, hook)
