@@ -72,6 +72,8 @@ def test_bad_settings_of_the_bench_are_refused_naming_the_flag():
         LinksBenchConfig(data_dir=Path("x"), rates=("1tbit",))
     with pytest.raises(ConfigError, match="--nodes 1 must be from 2 to 8"):
         LinksBenchConfig(data_dir=Path("x"), nodes=1)
+    with pytest.raises(ConfigError, match="--model convnet: not a GPT; choose among gpt, gpt-10m, gpt-25m"):
+        LinksBenchConfig(data_dir=Path("x"), model="convnet")
 
 
 @needs_testbed

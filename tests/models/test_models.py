@@ -23,7 +23,7 @@ def test_convnet_is_the_tutorials() -> None:
 
 
 def test_unknown_model() -> None:
-    with pytest.raises(ValueError, match="unknown model 'vgg': choose one of convnet, gpt, mlp, resnet"):
+    with pytest.raises(ValueError, match="unknown model 'vgg': choose one of convnet, gpt, gpt-10m, gpt-25m, mlp, resnet"):
         build_model("vgg")
 
 
@@ -43,3 +43,5 @@ def test_the_gpt_is_causal_tied_and_refuses_a_context_too_long() -> None:
         gpt(torch.zeros(1, 9, dtype=torch.long))
     assert abs(sum(p.numel() for p in GPT().parameters()) - 0.81e6) < 0.01e6
     assert abs(sum(p.numel() for p in GPT(layers=8, width=512, heads=8).parameters()) - 25.3e6) < 0.1e6
+    for name, size in (("gpt-10m", 10.7e6), ("gpt-25m", 25.3e6)):  # the sizes ddpkit train --model names
+        assert abs(sum(p.numel() for p in build_model(name, vocab_size=65, block_size=64).parameters()) - size) < 0.1e6

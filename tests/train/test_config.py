@@ -8,11 +8,12 @@ import pytest
 from ddpkit import models
 from ddpkit.data import datasets as data
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.train_config import DATASETS, MODELS, TrainConfig
+from ddpkit.train.train_config import DATASETS, MODELS, TEXT_MODELS, TrainConfig
 
 
 def test_names_match_the_registries():
     assert set(MODELS) == set(models.MODELS)
+    assert set(TEXT_MODELS) == set(models.registry.LANGUAGE_MODELS)
     assert set(DATASETS) == set(data.DATASETS)
 
 
@@ -137,9 +138,12 @@ def test_sync_every_implies_diloco_and_the_codecs_are_diloco_s():
 
 
 def test_the_gpt_reads_the_text_and_the_text_needs_its_folder():
-    with pytest.raises(ConfigError, match="--model 'gpt' does not read --dataset digits: --model gpt reads "
-                                          "--dataset shakespeare"):
+    with pytest.raises(ConfigError, match="--model 'gpt' does not read --dataset digits: --model gpt, gpt-10m and "
+                                          "gpt-25m read --dataset shakespeare"):
         TrainConfig(model="gpt")
+    with pytest.raises(ConfigError, match="--model 'gpt-25m' does not read --dataset mnist"):
+        TrainConfig(model="gpt-25m", dataset="mnist", data_dir="x")
+    assert TrainConfig(model="gpt-10m", dataset="shakespeare", data_dir="x").model == "gpt-10m"
     with pytest.raises(ConfigError, match="--model 'convnet' does not read --dataset shakespeare"):
         TrainConfig(dataset="shakespeare", data_dir="x")
     with pytest.raises(ConfigError, match="--dataset shakespeare needs --data-dir"):

@@ -15,7 +15,9 @@ from typing import Any
 from ddpkit.integrations import tensorboard
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
 
-MODELS = ("convnet", "mlp", "resnet", "gpt")
+TEXT_MODELS = ("gpt", "gpt-10m", "gpt-25m")
+"""Names of :data:`ddpkit.models.registry.LANGUAGE_MODELS`: the GPT at 0.8 M, 10.7 M and 25.3 M parameters."""
+MODELS = ("convnet", "mlp", "resnet", *TEXT_MODELS)
 """Names of :data:`ddpkit.models.MODELS` (a test keeps the two in step)."""
 DATASETS = ("digits", "mnist", "synthetic", "shakespeare")
 """Names of :data:`ddpkit.data.DATASETS` (a test keeps the two in step)."""
@@ -45,7 +47,8 @@ KEEP_CHECKPOINTS = 3
 class TrainConfig:
     """Everything ``ddpkit train`` needs; the CLI builds exactly this."""
 
-    model: str = option("convnet", "the model", choices=tuple(MODELS))
+    model: str = option("convnet", "the model (gpt, gpt-10m, gpt-25m: the GPT at 0.8 M, 10.7 M, 25.3 M parameters, "
+                        "on --dataset shakespeare)", choices=tuple(MODELS))
     dataset: str = option("digits", "the dataset", choices=DATASETS)
     data_dir: Path | None = option(None, "folder of the MNIST IDX files (--dataset mnist), or of tiny "
                                    "Shakespeare's input.txt (--dataset shakespeare)")
@@ -326,8 +329,8 @@ class TrainConfig:
         need(self.train_samples is None or self.train_samples >= 1, "train_samples", "must be at least 1")
         need(self.test_samples is None or self.test_samples >= 1, "test_samples", "must be at least 1")
         text = self.dataset == "shakespeare"
-        need((self.model == "gpt") == text, "model", f"does not read --dataset {self.dataset}: --model gpt reads "
-             "--dataset shakespeare (symbols), the others images")
+        need((self.model in TEXT_MODELS) == text, "model", f"does not read --dataset {self.dataset}: --model "
+             "gpt, gpt-10m and gpt-25m read --dataset shakespeare (symbols), the others images")
         if text and self.data_dir is None:
             raise ConfigError("--dataset shakespeare needs --data-dir: point it at the folder of tiny Shakespeare's "
                               "input.txt (e.g. --data-dir ../shared/data/tinyshakespeare)")

@@ -44,6 +44,7 @@ from typing import Any
 from ddpkit.bench.report.table import note_lines
 from ddpkit.bench.sections.links.testbed import Testbed, TestbedError, parse_rate
 from ddpkit.runtime.options import ConfigError, RunError, option, plain, writable_file
+from ddpkit.train.train_config import TEXT_MODELS
 
 __all__ = ["RUNS", "LinksBenchConfig", "Row", "TestbedError", "format_rows", "run"]
 
@@ -71,6 +72,7 @@ class LinksBenchConfig:
                                     metavar="RATE")
     runs: tuple[str, ...] = option(("ddp", "local-sgd", "diloco", "streaming"), f"runs, among {', '.join(RUNS)}",
                                    metavar="NAME")
+    model: str = option("gpt", "the GPT: gpt (0.8 M parameters), gpt-10m or gpt-25m", choices=TEXT_MODELS)
     nodes: int = option(2, "nodes (namespaces), one worker each")
     sync_every: int = option(16, "H of local SGD and DiLoCo: inner steps between two exchanges")
     train_samples: int = option(2048, "training samples of 64 characters (the steps: these / (nodes x batch))")
@@ -84,6 +86,8 @@ class LinksBenchConfig:
         if self.data_dir is None:
             raise ConfigError("ddpkit bench links trains the GPT on tiny Shakespeare: give --data-dir "
                               "(e.g. ../shared/data/tinyshakespeare)")
+        if self.model not in TEXT_MODELS:
+            raise ConfigError(f"--model {self.model}: not a GPT; choose among {', '.join(TEXT_MODELS)}")
         unknown = [r for r in self.runs if r not in RUNS]
         if unknown:
             raise ConfigError(f"--runs {' '.join(unknown)}: not a run; choose among {', '.join(RUNS)}")
@@ -122,7 +126,7 @@ class Row:
 
 def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -> Row:
     flags = RUNS[name](cfg.sync_every)
-    train = ["-m", "ddpkit", "train", "--model", "gpt", "--dataset", "shakespeare", "--data-dir",
+    train = ["-m", "ddpkit", "train", "--model", cfg.model, "--dataset", "shakespeare", "--data-dir",
              str(Path(cfg.data_dir).resolve()), "--train-samples", str(cfg.train_samples), "--test-samples", "64",
              "--batch-size", str(cfg.batch_size), "--epochs", str(cfg.epochs), "--optimizer", "adamw", "--lr",
              "0.001", "--no-progress", "--checkpoint-every", "0", "--output-dir", str(out), *flags]
