@@ -255,7 +255,7 @@ def test_fragments_and_outer_optimizers_that_do_not_fit_the_model_are_refused():
         ddpkit.DiLoCo(model, sync_every=4, outer_optimizer=torch.optim.SGD(model[0].parameters(), lr=0.7))
     with pytest.raises(ValueError, match="not a ZeRO stage 2 shard: wrap the model with ddpkit.DDP"):
         ddpkit.DiLoCo(type("Z", (ddpkit.DDP,), {"__init__": lambda self: None, "zero_stage": 2,
-                                                "process_group": None})(), sync_every=4)
+                                                "process_group": None, "under_membership": False})(), sync_every=4)
     with pytest.raises(TypeError, match="wrap the model with ddpkit.DDP, not torch's"):
         ddpkit.DiLoCo(type("DistributedDataParallel", (nn.Module,), {})(), sync_every=4)
 

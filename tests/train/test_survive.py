@@ -348,6 +348,53 @@ def test_a_ddp_wrapper_trains_the_bits_of_its_plain_module(deterministic: bool) 
     assert all(plain[k].equal(wrapped[k]) for k in plain)
 
 
+def _wrapped_with_an_empty_first_step(wrap: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
+    import ddpkit
+
+    class Counted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen += 1
+            return self.lin(x)
+
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    net = Counted()
+    model = ddpkit.DistributedDataParallel(net) if wrap else net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Two samples, four shards: rank 1 has no sample in the (only) step, and trains no micro-batch.
+    data = TensorDataset(torch.randn(2, 3), torch.randint(0, 2, (2,)))
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=4, virtual_shards=4, deterministic=True,
+                               shuffle=False)
+    if ddpkit.rank() == 0:
+        with torch.no_grad():  # an evaluation on one rank before training (the step starts from the buffers)
+            model(torch.zeros(1, 3))
+    micro_batches = []
+    for step in ft.steps(epochs=1):
+        micro_batches.append(0)
+        for x, y in step:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            micro_batches[-1] += 1
+        assert step.sync()
+        optimizer.step()
+        optimizer.zero_grad()
+    return micro_batches, {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_a_ddp_wrapper_issues_no_collective_of_its_own_under_the_steps(dist2) -> None:
+    # The wrapper's buffer broadcast (at a forward after a synchronised one: its first) would be a collective a
+    # rank without samples, or one that evaluated alone, does not join: the mode moves the buffers itself.
+    (plain0, p0), (plain1, p1) = dist2.run(_wrapped_with_an_empty_first_step, False)
+    (ours0, w0), (ours1, w1) = dist2.run(_wrapped_with_an_empty_first_step, True)
+    assert plain0 == ours0 == [2] and plain1 == ours1 == [0]
+    assert all(p0[k].equal(w0[k]) and w0[k].equal(w1[k]) for k in p0)
+
+
 def test_wrappers_the_mode_cannot_drive_are_refused_by_name() -> None:
     from torch.utils.data import TensorDataset
 
@@ -361,6 +408,10 @@ def test_wrappers_the_mode_cannot_drive_are_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match="not torch.nn.parallel.data_parallel.DataParallel: pass model.module"):
         make(torch.nn.DataParallel(net))
+    other = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 4))
+    ddpkit.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(other, ["1.bias"])
+    with pytest.raises(ValueError, match=r"ignores \['1.bias'\] .* nothing could stay per rank"):
+        make(ddpkit.DistributedDataParallel(other))
     hooked = ddpkit.DistributedDataParallel(net)
     hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
     with pytest.raises(ValueError, match="with a comm hook: the mode reduces whole steps"):
@@ -396,6 +447,13 @@ def test_ddp_under_the_mode_spans_no_group_and_refuses_what_would_not_run(monkey
         ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), comm="fp16")
     with pytest.raises(DDPConfigError, match="zero_stage=2.* a ZeRO shard exists once"):
         ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), zero_stage=2)
+    # The averaging schemes: over such a wrapper each process would average with itself alone.
+    with pytest.raises(ValueError, match="DiLoCo over a DistributedDataParallel built under .* pass the plain module"):
+        ddpkit.DiLoCo(model, sync_every=4)
+    with pytest.raises(ValueError, match="LocalSGD over a DistributedDataParallel built under"):
+        ddpkit.LocalSGD(model, period=4)
+    with pytest.raises(ValueError, match="LocalSGD under ddpkit launch --on-failure continue: no process group"):
+        ddpkit.LocalSGD(torch.nn.Linear(2, 2), period=4)
 
 
 @FAULTS

@@ -160,7 +160,7 @@ class DiLoCo:
                  mixing: float = 0.0, codec: str = "fp32", block_size: int = 128,
                  process_group: dist.ProcessGroup | None = None, algorithm: str = "native") -> None:
         given = process_group
-        self.ddp, process_group = driven(model, process_group, "DiLoCo")
+        self.ddp, process_group = driven(model, process_group, "DiLoCo", follows_membership=True)
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an integer >= 1 (inner steps between outer steps)")
         if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < sync_every:

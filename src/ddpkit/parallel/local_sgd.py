@@ -34,18 +34,24 @@ from torch import nn
 
 from ddpkit.comm.allreduce import ALGORITHMS, all_reduce
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
-from ddpkit.runtime import events
+from ddpkit.runtime import events, membership
 
 __all__ = ["LocalSGD", "average_parameters", "driven"]
 
 
-def driven(model: nn.Module, process_group: dist.ProcessGroup | None, who: str,
+def driven(model: nn.Module, process_group: dist.ProcessGroup | None, who: str, *, follows_membership: bool = False,
            ) -> tuple[DistributedDataParallel | None, dist.ProcessGroup | None]:
     """What an averaging scheme (``who``: LocalSGD, DiLoCo) drives: ``model``'s ddpkit DDP (None: a plain module)
     and the group to average over (the one given, else the DDP's, else the world's; None without one).
 
+    Under ``ddpkit launch --on-failure continue`` no group spans the job (its world changes as workers die): a
+    scheme that ``follows_membership`` (DiLoCo) takes the plain module and the membership's groups; any other, and
+    a DDP wrapper built there (it spans no group), is refused rather than left to train each process alone.
+
     Raises:
         TypeError: not a module, or torch's DDP.
+        ValueError: under ``--on-failure continue``, a wrapper built there, or a scheme that cannot follow the
+            membership, with no group given.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{who} takes a module (ddpkit.DDP or plain), not {type(model).__name__}")
@@ -53,9 +59,19 @@ def driven(model: nn.Module, process_group: dist.ProcessGroup | None, who: str,
         raise TypeError(f"{who} drives ddpkit's DDP: wrap the model with ddpkit.DDP, not torch's")
     ddp = model if isinstance(model, DistributedDataParallel) else None
     if process_group is None and ddp is not None:
+        if ddp.under_membership:
+            fix = "pass the plain module (model.module): DiLoCo then follows the membership" if follows_membership \
+                else f"{who} does not run under --on-failure continue; use DiLoCo, or --on-failure restart"
+            raise ValueError(f"{who} over a DistributedDataParallel built under ddpkit launch --on-failure continue: "
+                             f"that wrapper spans no group (the world changes as workers die), so each process would "
+                             f"average with itself alone; {fix}")
         process_group = ddp.process_group
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
+    if process_group is None and not follows_membership and membership.current() is not None:
+        raise ValueError(f"{who} under ddpkit launch --on-failure continue: no process group spans the job (its "
+                         f"world changes as workers die), so each process would average with itself alone; {who} "
+                         "does not follow the membership: use ddpkit.DiLoCo, or --on-failure restart")
     return ddp, process_group
 
 

@@ -266,6 +266,7 @@ class FaultTolerance:
         """The ``ddpkit.DistributedDataParallel`` the script trains through, or None (a plain module)."""
         if self.wrapper is not None:
             model = self.wrapper.module
+            self.wrapper.require_forward_param_sync = False  # (see local(): an evaluation on one rank before a step)
         self.model, self.optimizer = model, optimizer
         self.state = dict(state or {})
         self.deterministic = deterministic
@@ -464,6 +465,9 @@ class FaultTolerance:
             return contextlib.nullcontext()
         if self.wrapper.reducer.comm_hook is not None:
             _wrapper_of(self.wrapper)  # raises, naming the hook
+        # Its buffers are the mode's to move (Step.__iter__, reduce): the wrapper's broadcast at a forward after a
+        # synchronised one (its first forward too) is a collective a rank without samples would not join.
+        self.wrapper.require_forward_param_sync = False
         return self.wrapper.no_sync()
 
     def load(self, indices: list[int]) -> Any:
@@ -899,6 +903,14 @@ def _wrapper_of(model: torch.nn.Module) -> DistributedDataParallel | None:
         raise ValueError(f"FaultTolerance over DistributedDataParallel(zero_stage={model.zero_stage}): a ZeRO shard "
                          "exists once, on the rank that dies with it; wrap without zero_stage (the mode keeps whole "
                          "replicas)")
+    if model.parameters_to_ignore:
+        ignored = sorted(model.parameters_to_ignore)
+        raise ValueError(f"FaultTolerance over a DistributedDataParallel that ignores {ignored} "
+                         "(_set_params_and_buffers_to_ignore_for_model): the mode averages every trainable parameter "
+                         "and hands every buffer to the members, so nothing could stay per rank; wrap without it")
+    if model.process_group is not None and model.process_group != dist.group.WORLD:
+        raise ValueError("FaultTolerance over a DistributedDataParallel of a subgroup: the mode trains over the whole "
+                         "job (the world, or under --on-failure continue its members); wrap without process_group")
     if model.reducer.comm_hook is not None:
         raise ValueError("FaultTolerance over a DistributedDataParallel with a comm hook: the mode reduces whole "
                          "steps, not DDP's buckets, so the hook would never run; drop register_comm_hook (or comm=)")

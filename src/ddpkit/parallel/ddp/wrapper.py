@@ -343,6 +343,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             state["_bucket_cap_mb_list"] = list(caps)
         super().__setstate__(state)
         self.process_group = dist.group.WORLD if grouped and had_group else None
+        self.under_membership = self.process_group is None and membership.current() is not None
         self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
         self._buffer_broadcast = None
         self.reducer = self._make_reducer()
