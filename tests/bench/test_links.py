@@ -76,6 +76,17 @@ def test_bad_settings_of_the_bench_are_refused_naming_the_flag():
         LinksBenchConfig(data_dir=Path("x"), model="convnet")
 
 
+def test_the_table_names_the_gpt_it_trained_with_its_size():
+    from ddpkit.bench.sections.links.section import GPT_SIZES, format_rows
+    from ddpkit.models import build_model
+
+    for name, size in GPT_SIZES.items():
+        params = sum(p.numel() for p in build_model(name, vocab_size=65, block_size=64).parameters())
+        assert f"{params / 1e6:.1f} M" == size
+    text = format_rows([], LinksBenchConfig(data_dir=Path("x"), model="gpt-10m"))
+    assert "the GPT --model gpt-10m (10.7 M) on tiny Shakespeare" in " ".join(text.split())
+
+
 @needs_testbed
 @pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="needs ../shared/data/tinyshakespeare")
 @pytest.mark.slow("two ddpkit train runs of two nodes each, in network namespaces at 100 Mbit/s")

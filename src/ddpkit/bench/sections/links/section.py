@@ -59,6 +59,8 @@ RUNS = {
     "auto": lambda h: ["--comm-hook", "auto"],
 }
 """Each run's ``ddpkit train`` flags, given ``--sync-every``."""
+GPT_SIZES = {"gpt": "0.8 M", "gpt-10m": "10.7 M", "gpt-25m": "25.3 M"}
+"""Each GPT's parameters, as the table's note names them (tests/bench/test_links.py keeps it in step)."""
 BLOCK = 64
 """Characters a sample of ``--dataset shakespeare``."""
 
@@ -227,7 +229,7 @@ def format_rows(rows: list[dict[str, Any]], cfg: LinksBenchConfig) -> str:
                      f"{r['test_loss']:.3f} | {vs} |")
     lines += [""] + note_lines(
         f"{cfg.nodes} nodes (network namespaces on one bridge, each cable shaped with tc tbf in both directions), "
-        f"one worker each; the GPT (0.8 M) on tiny Shakespeare, {cfg.train_samples} samples of {BLOCK} characters, "
+        f"one worker each; the GPT --model {cfg.model} ({GPT_SIZES[cfg.model]}) on tiny Shakespeare, {cfg.train_samples} samples of {BLOCK} characters, "
         f"batch {cfg.batch_size} a worker, AdamW, {cfg.epochs} epoch(s); --sync-every {cfg.sync_every}; one run "
         "each. s / step: the training's wall time (evaluation included) over its steps.")
     return "\n".join(lines)
