@@ -229,7 +229,8 @@ def format_rows(rows: list[dict[str, Any]], cfg: LinksBenchConfig) -> str:
                      f"{r['test_loss']:.3f} | {vs} |")
     lines += [""] + note_lines(
         f"{cfg.nodes} nodes (network namespaces on one bridge, each cable shaped with tc tbf in both directions), "
-        f"one worker each; the GPT --model {cfg.model} ({GPT_SIZES[cfg.model]}) on tiny Shakespeare, {cfg.train_samples} samples of {BLOCK} characters, "
+        f"one worker each; the GPT --model {cfg.model} ({GPT_SIZES[cfg.model]}) on tiny Shakespeare, "
+        f"{cfg.train_samples} samples of {BLOCK} characters, "
         f"batch {cfg.batch_size} a worker, AdamW, {cfg.epochs} epoch(s); --sync-every {cfg.sync_every}; one run "
         "each. s / step: the training's wall time (evaluation included) over its steps.")
     return "\n".join(lines)
