@@ -12,7 +12,7 @@ inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a
 job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
 the step's reduction); ``NOISE=1``: inputs get noise from NumPy's and Python's global generators (data
 augmentation as users write it); ``DDP=1``: the script wraps the model in ``ddpkit.DistributedDataParallel`` (as a DDP script would) and
-trains through the wrapper; ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
+trains through the wrapper (``HOOK=NAME``: with ``ddpkit.hooks.NAME`` registered, its calls counted); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
 precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
 first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
 reduced, the steps whose ``sync()`` said to do them again).
@@ -55,6 +55,15 @@ class Counters(nn.Module):
 layers = [nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 2)]
 net = nn.Sequential(*layers, *([Counters()] if os.environ.get("COUNTERS") == "1" else []))
 model = ddpkit.DistributedDataParallel(net) if os.environ.get("DDP") == "1" else net  # a DDP script keeps its wrapper
+hook_calls = []
+if os.environ.get("HOOK"):  # the DDP script's comm hook, counted
+    hook = getattr(ddpkit.hooks, os.environ["HOOK"])
+
+    def counted(state, bucket):
+        hook_calls.append(type(state).__name__)
+        return hook(state, bucket)
+
+    model.register_comm_hook(None, counted)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
 member = int(os.environ.get("DDPKIT_FT_MEMBER", "0"))
@@ -120,4 +129,4 @@ if ft.rank == 0 and os.environ.get("OUT"):
     with open(os.environ["OUT"] + ".json", "w") as f:
         json.dump({"world_size": ft.world_size, "committed": ft.committed, "lr": opt.param_groups[0]["lr"],
                    "changes": [c.__dict__ for c in ft.changes], "trained": trained,
-                   "discarded": discarded}, f)
+                   "discarded": discarded, "hook_calls": hook_calls}, f)

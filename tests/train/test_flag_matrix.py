@@ -93,7 +93,8 @@ RUNS = [(flag, mode) for flag in FLAGS for mode in ("restart", "continue", "cont
 def test_the_modes_take_what_they_can_train() -> None:
     # The matrix below is not empty by accident: what the continuing mode takes, and what it refuses.
     taken = {flag for flag, mode in RUNS if mode == "continue"}
-    assert taken == {"ddp", "ps-sync", "ps-async", "ssp", "diloco", "compile", "bf16", "deterministic", "adamw"}
+    assert taken == {"ddp", "ps-sync", "ps-async", "ssp", "diloco", "compile", "bf16", "deterministic", "adamw",
+                     "fp16-hook"}
     assert {flag for flag, mode in RUNS if mode == "continue-ordered"} == {"ddp", "compile", "bf16", "deterministic",
                                                                           "adamw"}
     assert {flag for flag, mode in RUNS if mode == "restart"} == set(FLAGS)

@@ -249,6 +249,25 @@ def test_a_ddp_script_under_the_mode_survives_a_kill_with_the_bits_of_the_plain_
 
 
 @FAULTS
+@pytest.mark.slow("a whole job of three workers through a death, the model in ddpkit's DDP with a comm hook")
+def test_a_ddp_script_with_a_comm_hook_survives_a_kill_under_the_mode(tmp_path: Path, shared_runs) -> None:
+    # The summed mode runs the wrapper's hook on each step's gradients over the members' group, before and after
+    # the death; the run ends where the exact reduction's does, within half precision's rounding.
+    reference, plain, _ = _reference(shared_runs, det=False)
+    weights, account, stderr = ft_run(tmp_path, "hooked", kill="1:4", det=False, DDP="1",
+                                      HOOK="fp16_compress_hook")
+    assert "member 1 (rank 1 at the start) died" in stderr
+    assert account["world_size"] == 2 and account["committed"] == plain["committed"] == 26
+    assert account["trained"] == plain["trained"]
+    # One call per step and bucket (one bucket: a small model), the state the step's group, in both views.
+    assert len(account["hook_calls"]) >= 26 and set(account["hook_calls"]) == {"ProcessGroupGloo"}
+    assert not all(weights[k].equal(reference[k]) for k in reference)
+    for name, ref in reference.items():
+        scale = ref.double().abs().max().clamp(min=1e-12)
+        assert float((weights[name].double() - ref.double()).abs().max() / scale) < 2e-2, name
+
+
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through a death inside a step's all_reduce (the reference shared)")
 def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_path: Path, shared_runs) -> None:
     # Member 1 dies just before its step-4 ft.all_reduce, which the others are inside: the step is done again at
@@ -414,15 +433,26 @@ def test_wrappers_the_mode_cannot_drive_are_refused_by_name() -> None:
         make(ddpkit.DistributedDataParallel(other))
     hooked = ddpkit.DistributedDataParallel(net)
     hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
-    with pytest.raises(ValueError, match="with a comm hook: the mode reduces whole steps"):
-        make(hooked)
+    make(hooked)  # the summed mode runs it (test_a_ddp_wrapper_with_a_comm_hook_trains_torch_ddp_bits_...)
+    with pytest.raises(ValueError, match=r"deterministic=True\) over a DistributedDataParallel with a comm hook"):
+        ddpkit.FaultTolerance(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), data, batch_size=4,
+                              deterministic=True)
+    stateful = ddpkit.DistributedDataParallel(net)
+    stateful.register_comm_hook(ddpkit.hooks.PowerSGDState(None), ddpkit.hooks.powersgd_hook)
+    with pytest.raises(ValueError, match="comm hook has the state ddpkit.comm.powersgd.PowerSGDState"):
+        make(stateful)
     with pytest.raises(ValueError, match=r"DistributedDataParallel\(broadcast_buffers=False\) .* buffers"):
         with pytest.warns(FutureWarning):
             make(ddpkit.DistributedDataParallel(net, broadcast_buffers=False))
+    joined = ddpkit.DistributedDataParallel(net)
+    ft = make(joined)
+    with joined.join(), pytest.raises(RuntimeError, match=r"inside the wrapper's join\(\).* leave join\(\) out"):
+        for _ in next(iter(ft.steps(epochs=1))):
+            pass
     later = ddpkit.DistributedDataParallel(net)
     ft = make(later)
-    later.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)  # after FaultTolerance took the wrapper
-    with pytest.raises(ValueError, match="with a comm hook"):
+    later.register_comm_hook(ddpkit.hooks.PowerSGDState(None), ddpkit.hooks.powersgd_hook)  # after FaultTolerance
+    with pytest.raises(ValueError, match="PowerSGD and comm='auto' keep a state per group"):
         for _ in next(iter(ft.steps(epochs=1))):
             pass
 
@@ -441,10 +471,11 @@ def test_ddp_under_the_mode_spans_no_group_and_refuses_what_would_not_run(monkey
         model(torch.ones(1, 2))
     with model.no_sync():  # what FaultTolerance runs each micro-batch under
         model(torch.ones(1, 2)).sum().backward()
-    with pytest.raises(DDPConfigError, match="the hook would never run"):
-        model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
-    with pytest.raises(DDPConfigError, match=r"comm='fp16'\) under ddpkit launch --on-failure continue"):
-        ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), comm="fp16")
+    model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)  # FaultTolerance runs it on the steps
+    assert ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), comm="bf16").reducer.comm_hook is not None
+    for comm in ("auto", "powersgd:4"):
+        with pytest.raises(DDPConfigError, match=rf"comm='{comm}'\) under ddpkit launch --on-failure continue"):
+            ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), comm=comm)
     with pytest.raises(DDPConfigError, match="zero_stage=2.* a ZeRO shard exists once"):
         ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2), zero_stage=2)
     # The averaging schemes: over such a wrapper each process would average with itself alone.
@@ -736,3 +767,49 @@ def test_the_summed_mode_at_four_shards_per_worker_trains_ddps_batches_in_one_mi
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("MICRO [1] EQUAL True") == 2, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("BATCH NORM MICRO [4]") == 2, done.stdout
+
+
+def _hooked_steps(ours: bool, hook_name: str) -> dict[str, torch.Tensor]:
+    """Four steps of an MLP at world 2, 16 samples a rank: through FaultTolerance over ddpkit's wrapper with a
+    comm hook (``ours``), or as a torch DDP loop with torch's own hook of that name."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+    data = TensorDataset(torch.randn(64, 6) * 3, torch.randint(0, 3, (64,)))
+    hook = getattr(default_hooks, hook_name)
+    if ours:
+        model = ddpkit.DistributedDataParallel(net, bucket_cap_mb=0.001)  # several buckets
+        model.register_comm_hook(None, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=32, shuffle=False)
+        for step in ft.steps(epochs=2):
+            for x, y in step:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            assert step.sync()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
+        model.register_comm_hook(None, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+        for _ in range(2):
+            for x, y in torch.utils.data.DataLoader(data, batch_size=16, sampler=sampler):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("hook_name", ["fp16_compress_hook", "allreduce_hook"])
+def test_a_ddp_wrapper_with_a_comm_hook_trains_torch_ddp_bits_under_fault_tolerance(dist2, hook_name: str) -> None:
+    theirs = dist2.run(_hooked_steps, False, hook_name)
+    ours = dist2.run(_hooked_steps, True, hook_name)
+    assert all(theirs[0][k].equal(ours[0][k]) and ours[0][k].equal(ours[1][k]) for k in theirs[0])
+    if hook_name == "fp16_compress_hook":  # the hook ran: the exact all-reduce trains other bits
+        exact = dist2.run(_hooked_steps, False, "allreduce_hook")
+        assert not all(exact[0][k].equal(ours[0][k]) for k in exact[0])

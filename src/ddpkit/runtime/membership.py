@@ -171,7 +171,7 @@ class Membership:
             RuntimeError: the operation failed while the view stayed whole (after waiting briefly for the
                 launcher's word, since a broken connection is usually a death it is about to announce).
         """
-        future = work if isinstance(work, torch.futures.Future) else work.get_future()
+        future = work.get_future() if hasattr(work, "get_future") else work  # a Work, or a future (a comm hook's)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         while not done.wait(_POLL_S):

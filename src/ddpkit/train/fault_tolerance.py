@@ -73,8 +73,9 @@ Use::
 Each micro-batch's loss must be its mean (what ``reduction="mean"`` gives):
 the engine weighs it by its share of the step's samples. The model is the
 plain module, or a ``ddpkit.DistributedDataParallel`` of it (a DDP script keeps its wrapper: each
-micro-batch then runs under its ``no_sync()``, and the step is reduced here, as for the plain module; the
-wrapper's own engine, its buckets and comm hooks, does not run under the mode yet).
+micro-batch then runs under its ``no_sync()``, and the step is reduced here, as for the plain module, through
+the wrapper's comm hook if it has one: each bucket handed to it after the last micro-batch, with the members'
+group as its state; the wrapper's own engine, its buckets overlapped with backward, does not run under the mode).
 Outside ``--on-failure continue`` (no launcher, torchrun, ``ddpkit launch``
 restarting) the same code trains the same steps on the default group, and a
 death fails the job as under DDP.
@@ -83,6 +84,7 @@ death fails the job as under DDP.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -99,6 +101,8 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
+from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
+from ddpkit.comm.bucket_hooks import AllReduceState
 from ddpkit.data.shards import VirtualShards
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import events, membership
@@ -226,8 +230,9 @@ class FaultTolerance:
 
     Args:
         model: the plain module (same architecture on every rank; rank 0's initial state is everyone's), or a
-            ``ddpkit.DistributedDataParallel`` of it without ZeRO or a comm hook (under ``--on-failure continue``
-            one built with no group, which then trains inside this).
+            ``ddpkit.DistributedDataParallel`` of it without ZeRO (under ``--on-failure continue`` one built with
+            no group, which then trains inside this), with a comm hook registered with the state None in the
+            summed mode only.
         optimizer: its optimizer (its state moves with a state transfer).
         dataset: indexable by sample, with ``len()``.
         batch_size: the global batch of every step (all ranks together).
@@ -262,7 +267,7 @@ class FaultTolerance:
                  state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True,
                  resume: Mapping[str, Any] | None = None) -> None:
         ctx = init()
-        self.wrapper = _wrapper_of(model)
+        self.wrapper = _wrapper_of(model, deterministic)
         """The ``ddpkit.DistributedDataParallel`` the script trains through, or None (a plain module)."""
         if self.wrapper is not None:
             model = self.wrapper.module
@@ -328,6 +333,9 @@ class FaultTolerance:
         self._exchange: list[torch.Tensor] = []
         """The deterministic mode's exchange buffers (:meth:`_ordered_sum`), kept from step to step (fresh ones
         would be new pages every step); dropped with the send buffers on a membership change."""
+        self._hook_buckets: list[GradBucket] = []
+        """The wrapper's buckets as its comm hook sees them (:meth:`_reduce_through`), made anew with the send
+        buffers after a membership change (an abandoned hook may still write them)."""
         self._written: set[tuple[int, int]] = set()
         """(row, parameter) pairs of the current buffer a micro-batch wrote."""
         self.step_buffers: list[torch.Tensor] = []
@@ -459,12 +467,17 @@ class FaultTolerance:
         accumulate locally and :meth:`harvest` takes them), or as they are for a plain module.
 
         Raises:
-            ValueError: a comm hook was registered on the wrapper since (it would never run).
+            ValueError: a comm hook the mode cannot run was registered on the wrapper since (:func:`_wrapper_of`).
+            RuntimeError: the wrapper's ``join()`` is open around the steps.
         """
         if self.wrapper is None:
             return contextlib.nullcontext()
-        if self.wrapper.reducer.comm_hook is not None:
-            _wrapper_of(self.wrapper)  # raises, naming the hook
+        _wrapper_of(self.wrapper, self.deterministic)  # a comm hook registered since: one the mode can run
+        if self.wrapper.joining:
+            raise RuntimeError("a step of FaultTolerance inside the wrapper's join(): each forward there joins a "
+                               "collective of the join's, and a rank trains as many micro-batches as it holds shards "
+                               "(none, some steps), so they would not pair; leave join() out: the mode deals every "
+                               "step's samples to the ranks itself, so inputs are never uneven")
         # Its buffers are the mode's to move (Step.__iter__, reduce): the wrapper's broadcast at a forward after a
         # synchronised one (its first forward too) is a collective a rank without samples would not join.
         self.wrapper.require_forward_param_sync = False
@@ -528,6 +541,8 @@ class FaultTolerance:
         """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
         ``buffer``, its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
         weight = sum(samples.values()) / total
+        if self._comm_hook() is not None:  # a hook divides the sum by the world size, as DDP's buckets are
+            weight = sum(samples.values()) * self.world_size / total  # 1.0 exactly at an even split: DDP's bits
         counts, marks = self._layout()[:2]
         if self.deterministic:
             row = buffer[k]
@@ -606,8 +621,12 @@ class FaultTolerance:
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
             else:
                 if self.group is not None and self.world_size > 1:
-                    self._announce("all-reduce of the step", buffer)
-                    self._wait(self.group.allreduce([buffer]), step=True)
+                    hooked = self._comm_hook()
+                    if hooked is not None:  # the gradients through the wrapper's hook, the bookkeeping summed
+                        self._reduce_through(hooked, buffer)
+                    payload = buffer[self.numel :] if hooked else buffer
+                    self._announce("all-reduce of the step", payload)
+                    self._wait(self.group.allreduce([payload]), step=True)
                 total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
                 sums = buffer[v0:end]
                 blob = self._broadcast_blob() if self.buffers else None  # rank 0's bytes: a sum would change them
@@ -629,6 +648,40 @@ class FaultTolerance:
         if blob is not None:  # rank 0's buffers, which hold shard 0's update: every rank's now, bit for bit
             self._restore_blob(blob)
         return counts, sums
+
+    def _comm_hook(self) -> tuple[CommHook, Any] | None:
+        """The wrapper's comm hook and the state to call it with (the step's group where the user gave None, or
+        an ``AllReduceState`` without a group), or None: no wrapper, no hook, or nothing to reduce with."""
+        if self.wrapper is None or self.wrapper.reducer.comm_hook is None or self.group is None:
+            return None
+        return self.wrapper.reducer.comm_hook, _hook_state(self.wrapper.comm_state, self.group)
+
+    def _reduce_through(self, hooked: tuple[CommHook, Any], buffer: torch.Tensor) -> None:
+        """The summed mode's gradients (``buffer``'s first :attr:`numel` words, each rank's weighted by its share
+        of the step times the world size) reduced bucket by bucket through the wrapper's comm hook, as the
+        wrapper's engine calls it (every bucket's hook in bucket order, then each waited for), back in place."""
+        hook, state = hooked
+        offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
+        if not self._hook_buckets:
+            groups = self.wrapper.bucket_indices() if self.wrapper is not None else []
+            self._hook_buckets = [GradBucket(k, [self.params[i] for i in idx], list(idx))
+                                  for k, idx in enumerate(groups)]
+        futures = []
+        for k, bucket in enumerate(self._hook_buckets):
+            torch.cat([buffer[offsets[i] : offsets[i + 1]] for i in bucket.indices], out=bucket.flat)
+            bucket.set_buffer(bucket.flat)
+            bucket.last = k == len(self._hook_buckets) - 1
+            events.collective("FaultTolerance: the comm hook's reduction of bucket {}", k, nbytes=0)  # (the hook's)
+            futures.append(check_hook_future(hook, hook(state, bucket), bucket))
+        for bucket, future in zip(self._hook_buckets, futures):
+            self._wait(future, step=True)
+            value = future.value()
+            reduced = (value[0] if isinstance(value, list) else value).reshape(-1)
+            at = 0
+            for i in bucket.indices:
+                n = offsets[i + 1] - offsets[i]
+                buffer[offsets[i] : offsets[i + 1]].copy_(reduced[at : at + n])
+                at += n
 
     def _buffer_blob(self) -> torch.Tensor:
         """This rank's buffers' bytes, each at its span (:func:`_byte_spans`), as one uint8 tensor."""
@@ -721,6 +774,7 @@ class FaultTolerance:
         for p in self.params:
             p.grad = None
         self._pool = []  # the abandoned operation may still read or write them
+        self._hook_buckets = []
         self._exchange = []
         self._scratch = ([], [], [])
         self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
@@ -885,13 +939,15 @@ class FaultTolerance:
         self.first_world = int(state.get("first_world", self.first_world))  # (files of before it was kept)
 
 
-def _wrapper_of(model: torch.nn.Module) -> DistributedDataParallel | None:
+def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataParallel | None:
     """``model`` if it is a ``ddpkit.DistributedDataParallel`` the mode can drive (its micro-batches under
-    ``no_sync()``, the step reduced by the mode), None for a plain module.
+    ``no_sync()``, the step reduced by the mode, through the wrapper's comm hook if it has one), None for a
+    plain module.
 
     Raises:
-        ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook, or buffers kept per
-            rank: each named, with the fix.
+        ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook in the deterministic
+            mode or with a state of its own (:func:`_hook_state`), or buffers kept per rank: each named, with the
+            fix.
     """
     if not isinstance(model, DistributedDataParallel):
         if hasattr(model, "module"):
@@ -912,14 +968,40 @@ def _wrapper_of(model: torch.nn.Module) -> DistributedDataParallel | None:
         raise ValueError("FaultTolerance over a DistributedDataParallel of a subgroup: the mode trains over the whole "
                          "job (the world, or under --on-failure continue its members); wrap without process_group")
     if model.reducer.comm_hook is not None:
-        raise ValueError("FaultTolerance over a DistributedDataParallel with a comm hook: the mode reduces whole "
-                         "steps, not DDP's buckets, so the hook would never run; drop register_comm_hook (or comm=)")
+        if deterministic:
+            raise ValueError("FaultTolerance(deterministic=True) over a DistributedDataParallel with a comm hook: the "
+                             "hook would reduce each rank's sum of its shards, whose rounding depends on which "
+                             "shards a rank holds, so a death would change the bits; drop the hook "
+                             "(register_comm_hook, comm=) or deterministic=True (--deterministic-shards)")
+        _hook_state(model.comm_state, None)
     if not model.forward_sync_buffers and any(True for _ in model.module.buffers()):
         raise ValueError("FaultTolerance over DistributedDataParallel(broadcast_buffers=False) (or "
                          "forward_sync_buffers=False) with a model that has buffers: every member must hold the same "
                          "buffers, since any of them may hand the state on; leave the default (rank 0's go to all "
                          "with each step)")
     return model
+
+
+def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
+    """What the mode calls a comm hook with, given the ``state`` it was registered with: the step's ``group``
+    in place of None (the world, which the members are) or of an ``AllReduceState``'s missing group. Outside
+    the mode the world's group stands too (it is the mode's group there).
+
+    Raises:
+        ValueError: any other state (a group of its own, PowerSGD's, the link's choice): under ``--on-failure
+            continue`` the members' group changes with each death, and a state made for one group (PowerSGD's
+            error feedback and matrices sized to it too) cannot follow.
+    """
+    if state is None or (dist.is_initialized() and state is dist.group.WORLD):
+        return group
+    if isinstance(state, AllReduceState) and state.group in (None, dist.group.WORLD):
+        return dataclasses.replace(state, group=group)
+    raise ValueError(f"FaultTolerance over a DistributedDataParallel whose comm hook has the state "
+                     f"{type(state).__module__}.{type(state).__qualname__}: the mode reduces over its members' group, "
+                     "which changes with each death, and gives a hook that group as its state; register the hook "
+                     "with the state None (or an AllReduceState without a group): fp16_compress_hook, "
+                     "bf16_compress_hook, allreduce_hook, torch's default hooks; PowerSGD and comm='auto' keep a "
+                     "state per group and do not run under the mode")
 
 
 def _byte_spans(buffers: Sequence[torch.Tensor]) -> list[int]:

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import membership
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.durable import write_or_warn
@@ -171,7 +172,10 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     model, optimizer = state.model, state.optimizer
     x, y = data.train.images.to(ctx.device), data.train.labels.to(ctx.device)
     progress = Progress(len(data.train))
-    ft = FaultTolerance(model, optimizer, data.train, config.batch_size * world,
+    # --comm-hook fp16|bf16: the hook rides on a DDP wrapper built with no group (as a DDP script's is under the
+    # mode); FaultTolerance hands it each step's gradients. The forwards below go to the plain module.
+    engine = model if config.comm_hook == "none" else DistributedDataParallel(model, comm=config.comm_hook)
+    ft = FaultTolerance(engine, optimizer, data.train, config.batch_size * world,
                         virtual_shards=config.deterministic_shards or world,
                         deterministic=config.deterministic_shards is not None, seed=config.seed,
                         fetch=lambda idx: (x[idx], y[idx]), state={"progress": progress},
@@ -183,7 +187,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     if ft.rank == 0 and not ft.changes:
         print(f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
               f"--on-failure continue with {ctx.world_size} worker(s), global batch {config.batch_size * world} in "
-              f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}), "
+              f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}"
+              f"{'' if config.comm_hook == 'none' else ' in ' + config.comm_hook}), "
               f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}"
               + (f", resumed from {resumed[0].name} (step {ft.committed})" if resumed else ""), flush=True)
     saver = Saver(config, out, world, ft.steps_per_epoch)

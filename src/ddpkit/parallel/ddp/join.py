@@ -166,6 +166,12 @@ class DDPJoinable:
         return DDPJoinHook(self)
 
     @property
+    def joining(self) -> bool:
+        """Whether an enabled :meth:`join` context is open around this wrapper (each forward then joins a
+        collective of the context's)."""
+        return self._join_config.enable
+
+    @property
     def join_device(self) -> torch.device:
         """Where the join context's bookkeeping tensors live (the module's device)."""
         return next(self.module.parameters()).device

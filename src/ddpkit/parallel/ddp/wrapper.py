@@ -206,9 +206,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                                      "--on-failure continue: a ZeRO shard exists once, on the rank that dies with "
                                      "it; drop zero_stage (the mode keeps whole replicas), or use --on-failure "
                                      "restart")
-            if comm not in (None, "none"):
+            if comm is not None and comm.strip().partition(":")[0] not in ("none", "fp16", "bf16"):
                 raise DDPConfigError(f"DistributedDataParallel(comm={comm!r}) under ddpkit launch --on-failure "
-                                     "continue: the mode reduces whole steps, not DDP's buckets; drop comm")
+                                     "continue: the link's choice and PowerSGD keep a state per group, and the "
+                                     "members' group changes with each death; pin comm='fp16' or 'bf16', or drop it")
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
@@ -476,11 +477,11 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         As torch's: the hook must take a parameter named ``bucket``; an
         annotated ``bucket`` must be a ``GradBucket`` and an annotated return a
         ``torch.futures.Future[torch.Tensor]`` (``ValueError`` otherwise).
+
+        Under ``ddpkit launch --on-failure continue`` :class:`ddpkit.FaultTolerance` calls the hook on each
+        step's gradients, bucket by bucket, with the members' group in place of a ``None`` state (other states
+        are refused there, see ``FaultTolerance``).
         """
-        if self.under_membership:
-            raise DDPConfigError("register_comm_hook() under ddpkit launch --on-failure continue: the mode reduces "
-                                 "whole steps (ddpkit.FaultTolerance), not DDP's buckets, so the hook would never "
-                                 "run; drop it")
         if callable(hook):
             check_hook_signature(hook)
         self.reducer.register_comm_hook(state, hook)
