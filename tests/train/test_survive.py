@@ -337,6 +337,16 @@ def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: b
             make()
 
 
+def _ft_epochs(ft: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Two epochs of ``ft``'s steps, a cross-entropy loss on each micro-batch."""
+    for step in ft.steps(epochs=2):
+        for x, y in step:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert step.sync()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _ft_steps(wrap: Any, **extra: Any) -> dict[str, torch.Tensor]:
     from torch.utils.data import TensorDataset
 
@@ -348,13 +358,8 @@ def _ft_steps(wrap: Any, **extra: Any) -> dict[str, torch.Tensor]:
     model = wrap(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = TensorDataset(torch.randn(40, 6), torch.randint(0, 2, (40,)))
-    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=8, virtual_shards=2, **extra)
-    for step in ft.steps(epochs=2):
-        for x, y in step:
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-        assert step.sync()
-        optimizer.step()
-        optimizer.zero_grad()
+    _ft_epochs(ddpkit.FaultTolerance(model, optimizer, data, batch_size=8, virtual_shards=2, **extra), model,
+               optimizer)
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
@@ -785,13 +790,7 @@ def _hooked_steps(ours: bool, hook_name: str) -> dict[str, torch.Tensor]:
         model = ddpkit.DistributedDataParallel(net, bucket_cap_mb=0.001)  # several buckets
         model.register_comm_hook(None, hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-        ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=32, shuffle=False)
-        for step in ft.steps(epochs=2):
-            for x, y in step:
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-            assert step.sync()
-            optimizer.step()
-            optimizer.zero_grad()
+        _ft_epochs(ddpkit.FaultTolerance(model, optimizer, data, batch_size=32, shuffle=False), model, optimizer)
     else:
         model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
         model.register_comm_hook(None, hook)
