@@ -449,11 +449,6 @@ def test_wrappers_the_mode_cannot_drive_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"DistributedDataParallel\(broadcast_buffers=False\) .* buffers"):
         with pytest.warns(FutureWarning):
             make(ddpkit.DistributedDataParallel(net, broadcast_buffers=False))
-    joined = ddpkit.DistributedDataParallel(net)
-    ft = make(joined)
-    with joined.join(), pytest.raises(RuntimeError, match=r"inside the wrapper's join\(\).* leave join\(\) out"):
-        for _ in next(iter(ft.steps(epochs=1))):
-            pass
     later = ddpkit.DistributedDataParallel(net)
     ft = make(later)
     later.register_comm_hook(ddpkit.hooks.PowerSGDState(None), ddpkit.hooks.powersgd_hook)  # after FaultTolerance
@@ -812,3 +807,61 @@ def test_a_ddp_wrapper_with_a_comm_hook_trains_torch_ddp_bits_under_fault_tolera
     if hook_name == "fp16_compress_hook":  # the hook ran: the exact all-reduce trains other bits
         exact = dist2.run(_hooked_steps, False, "allreduce_hook")
         assert not all(exact[0][k].equal(ours[0][k]) for k in exact[0])
+
+
+def _hooks_at_world_two() -> list[str]:
+    """A fp16 hook's rounding in the step's gradient; a wrapper frozen after wrapping, and one that has been in a
+    join(), refused: what each raised."""
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 2))
+    said = []
+    for case in ("fp16", "frozen", "joined"):
+        model = ddpkit.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)))
+        if case != "joined":
+            model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+        if case == "frozen":
+            model.module[0].weight.requires_grad_(False)
+        if case == "joined":
+            with model.join():
+                pass
+        ft = ddpkit.FaultTolerance(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8)
+        try:
+            step = next(iter(ft.steps(epochs=1)))
+            for x, y in step:
+                (model(x * 1.001) - y).pow(2).mean().backward()
+            assert step.sync()
+        except (RuntimeError, ValueError) as e:
+            said.append(str(e))
+            continue
+        assert all(p.grad.equal(p.grad.half().float()) for p in model.parameters())
+        said.append("rounded")
+    return said
+
+
+def test_a_hook_rounds_the_step_and_what_would_not_map_or_pair_is_refused(dist2) -> None:
+    for said in dist2.run(_hooks_at_world_two):
+        rounded, frozen, joined = said
+        assert rounded == "rounded"
+        assert "requires_grad changed after wrapping" in frozen
+        assert "has been in a join(): from then on each forward joins a collective" in joined
+
+
+def test_a_comm_hook_the_mode_cannot_wait_on_is_refused_by_name() -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 2))
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 2))
+    ring = ddpkit.DistributedDataParallel(net)
+    ring.register_comm_hook(ddpkit.hooks.AllReduceState(algorithm="ring"), ddpkit.hooks.allreduce_hook)
+    with pytest.raises(ValueError, match=r"AllReduceState\(algorithm='ring'\).* use algorithm='native'"):
+        ddpkit.FaultTolerance(ring, torch.optim.SGD(ring.parameters(), lr=0.1), data, batch_size=4)
+    hooked = ddpkit.DistributedDataParallel(net)
+    hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+    ft = ddpkit.FaultTolerance(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), data, batch_size=8)
+    assert ft.configuration["comm_hook"] != 0  # compared with every member's at each agreement

@@ -318,7 +318,8 @@ class FaultTolerance:
                               "shuffle": int(shuffle), "drop_last": int(drop_last), "samples": len(dataset),
                               "deterministic": int(deterministic),
                               "parameters": _layout_hash((n, p) for n, p in model.named_parameters()),
-                              "buffers": _layout_hash(model.named_buffers())}
+                              "buffers": _layout_hash(model.named_buffers()),
+                              "comm_hook": _name_hash(self._hook_name())}
         """What every member must share to train the same samples into the same model (compared at each
         agreement: a member started otherwise is refused by name)."""
         self._step: Step | None = None
@@ -468,16 +469,17 @@ class FaultTolerance:
 
         Raises:
             ValueError: a comm hook the mode cannot run was registered on the wrapper since (:func:`_wrapper_of`).
-            RuntimeError: the wrapper's ``join()`` is open around the steps.
+            RuntimeError: the wrapper has been in a ``join()`` (its forwards then join the join's collective).
         """
         if self.wrapper is None:
             return contextlib.nullcontext()
         _wrapper_of(self.wrapper, self.deterministic)  # a comm hook registered since: one the mode can run
-        if self.wrapper.joining:
-            raise RuntimeError("a step of FaultTolerance inside the wrapper's join(): each forward there joins a "
-                               "collective of the join's, and a rank trains as many micro-batches as it holds shards "
-                               "(none, some steps), so they would not pair; leave join() out: the mode deals every "
-                               "step's samples to the ranks itself, so inputs are never uneven")
+        if self.wrapper.joining and self.wrapper.world_size > 1:
+            raise RuntimeError("a step of FaultTolerance over a wrapper that has been in a join(): from then on each "
+                               "forward joins a collective of the join's (torch's rule, after the block too), and a "
+                               "rank trains as many micro-batches as it holds shards (none, some steps), so they "
+                               "would not pair; leave join() out: the mode deals every step's samples to the ranks "
+                               "itself, so inputs are never uneven")
         # Its buffers are the mode's to move (Step.__iter__, reduce): the wrapper's broadcast at a forward after a
         # synchronised one (its first forward too) is a collective a rank without samples would not join.
         self.wrapper.require_forward_param_sync = False
@@ -620,10 +622,10 @@ class FaultTolerance:
                 blob = received[0][0][b0 - c0 : v0 - c0].view(torch.uint8).clone()  # aligned: views its dtype
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
             else:
-                if self.group is not None and self.world_size > 1:
-                    hooked = self._comm_hook()
-                    if hooked is not None:  # the gradients through the wrapper's hook, the bookkeeping summed
-                        self._reduce_through(hooked, buffer)
+                hooked = self._comm_hook()
+                if hooked is not None:  # the gradients through the wrapper's hook (a world of one too, as DDP's)
+                    self._reduce_through(hooked, buffer)
+                if self.group is not None and self.world_size > 1:  # the bookkeeping summed (with the gradients)
                     payload = buffer[self.numel :] if hooked else buffer
                     self._announce("all-reduce of the step", payload)
                     self._wait(self.group.allreduce([payload]), step=True)
@@ -649,6 +651,12 @@ class FaultTolerance:
             self._restore_blob(blob)
         return counts, sums
 
+    def _hook_name(self) -> str:
+        """The wrapper's comm hook's name ("" without one): part of the configuration the members compare (a
+        member without it would issue other collectives)."""
+        hook = self.wrapper.reducer.comm_hook if self.wrapper is not None else None
+        return "" if hook is None else f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', hook)}"
+
     def _comm_hook(self) -> tuple[CommHook, Any] | None:
         """The wrapper's comm hook and the state to call it with (the step's group where the user gave None, or
         an ``AllReduceState`` without a group), or None: no wrapper, no hook, or nothing to reduce with."""
@@ -663,18 +671,26 @@ class FaultTolerance:
         hook, state = hooked
         offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
         if not self._hook_buckets:
-            groups = self.wrapper.bucket_indices() if self.wrapper is not None else []
+            assert self.wrapper is not None
+            groups = self.wrapper.bucket_indices()
+            if (sorted(i for idx in groups for i in idx) != list(range(len(self.params)))
+                    or any(a is not b for a, b in zip(self.wrapper.reducer.params, self.params))):
+                raise ValueError("FaultTolerance over a DistributedDataParallel whose parameters that require grad "
+                                 "are not the module's now (requires_grad changed after wrapping?): its buckets "
+                                 "would reduce other gradients; set requires_grad before wrapping the module")
             self._hook_buckets = [GradBucket(k, [self.params[i] for i in idx], list(idx))
                                   for k, idx in enumerate(groups)]
         futures = []
+        step = self._step.index if self._step is not None else None
         for k, bucket in enumerate(self._hook_buckets):
             torch.cat([buffer[offsets[i] : offsets[i + 1]] for i in bucket.indices], out=bucket.flat)
             bucket.set_buffer(bucket.flat)
             bucket.last = k == len(self._hook_buckets) - 1
-            events.collective("FaultTolerance: the comm hook's reduction of bucket {}", k, nbytes=0)  # (the hook's)
+            events.collective("FaultTolerance: the comm hook's reduction of bucket {}", k, step=step,
+                              nbytes=0)  # (the hook counts its own bytes)
             futures.append(check_hook_future(hook, hook(state, bucket), bucket))
+        self._wait(torch.futures.collect_all(futures), step=True)  # all of them, or all abandoned together
         for bucket, future in zip(self._hook_buckets, futures):
-            self._wait(future, step=True)
             value = future.value()
             reduced = (value[0] if isinstance(value, list) else value).reshape(-1)
             at = 0
@@ -883,8 +899,9 @@ class FaultTolerance:
         theirs = gathered[source][2:].tolist()
         differ = [(name, a, b) for name, a, b in zip(fields, self.configuration.values(), theirs) if a != b]
         if differ:
-            what = ", ".join(f"{name} {a} here, {b} there" if name not in ("parameters", "buffers") else
-                             f"the model's {name} (names, shapes, dtypes)" for name, a, b in differ)
+            what = ", ".join(f"the model's {name} (names, shapes, dtypes)" if name in ("parameters", "buffers") else
+                             f"the comm hook ({self._hook_name() or 'none'} here)" if name == "comm_hook" else
+                             f"{name} {a} here, {b} there" for name, a, b in differ)
             raise RuntimeError(f"member {self._member} runs another configuration than member "
                                f"{self.view.members[source]}, whose state the job takes: {what}; start every worker "
                                "(replacements and spare nodes too) with the job's settings, dataset and model")
@@ -995,13 +1012,22 @@ def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
     if state is None or (dist.is_initialized() and state is dist.group.WORLD):
         return group
     if isinstance(state, AllReduceState) and state.group in (None, dist.group.WORLD):
+        if state.algorithm != "native":
+            raise ValueError(f"FaultTolerance over a DistributedDataParallel whose comm hook has "
+                             f"AllReduceState(algorithm={state.algorithm!r}): ddpkit's own all-reduce algorithms run "
+                             "in the hook's call, where a death could not end the wait; use algorithm='native'")
         return dataclasses.replace(state, group=group)
     raise ValueError(f"FaultTolerance over a DistributedDataParallel whose comm hook has the state "
-                     f"{type(state).__module__}.{type(state).__qualname__}: the mode reduces over its members' group, "
-                     "which changes with each death, and gives a hook that group as its state; register the hook "
-                     "with the state None (or an AllReduceState without a group): fp16_compress_hook, "
-                     "bf16_compress_hook, allreduce_hook, torch's default hooks; PowerSGD and comm='auto' keep a "
-                     "state per group and do not run under the mode")
+                     f"{type(state).__module__}.{type(state).__qualname__}: the mode reduces over its members' group "
+                     "(under --on-failure continue it changes with each death) and gives a hook that group as its "
+                     "state; register the hook with the state None (or an AllReduceState without a group): "
+                     "fp16_compress_hook, bf16_compress_hook, allreduce_hook, torch's default hooks; PowerSGD and "
+                     "comm='auto' keep a state per group and do not run under the mode")
+
+
+def _name_hash(name: str) -> int:
+    """A name as a number the members can compare in an int64 tensor (0 for none)."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:15], 16) if name else 0
 
 
 def _byte_spans(buffers: Sequence[torch.Tensor]) -> list[int]:

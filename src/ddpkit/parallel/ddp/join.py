@@ -167,8 +167,8 @@ class DDPJoinable:
 
     @property
     def joining(self) -> bool:
-        """Whether an enabled :meth:`join` context is open around this wrapper (each forward then joins a
-        collective of the context's)."""
+        """Whether a :meth:`join` has enabled the join's collective at each forward: from the first ``join()`` on,
+        the block's end included (torch's DDP keeps its ``_join_config`` too)."""
         return self._join_config.enable
 
     @property

@@ -206,7 +206,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                                      "--on-failure continue: a ZeRO shard exists once, on the rank that dies with "
                                      "it; drop zero_stage (the mode keeps whole replicas), or use --on-failure "
                                      "restart")
-            if comm is not None and comm.strip().partition(":")[0] not in ("none", "fp16", "bf16"):
+            if comm is not None and str(comm).strip().partition(":")[0] not in ("none", "fp16", "bf16"):
                 raise DDPConfigError(f"DistributedDataParallel(comm={comm!r}) under ddpkit launch --on-failure "
                                      "continue: the link's choice and PowerSGD keep a state per group, and the "
                                      "members' group changes with each death; pin comm='fp16' or 'bf16', or drop it")
