@@ -12,7 +12,8 @@ inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a
 job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
 the step's reduction); ``NOISE=1``: inputs get noise from NumPy's and Python's global generators (data
 augmentation as users write it); ``DDP=1``: the script wraps the model in ``ddpkit.DistributedDataParallel`` (as a DDP script would) and
-trains through the wrapper (``HOOK=NAME``: with ``ddpkit.hooks.NAME`` registered, its calls counted); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
+trains through the wrapper (``HOOK=NAME``: with ``ddpkit.hooks.NAME`` registered, its calls counted outside the
+deterministic mode); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
 precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
 first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
 reduced, the steps whose ``sync()`` said to do them again).
@@ -63,7 +64,8 @@ if os.environ.get("HOOK"):  # the DDP script's comm hook, counted
         hook_calls.append(type(state).__name__)
         return hook(state, bucket)
 
-    model.register_comm_hook(None, counted)
+    # The deterministic mode runs the dtype hooks it knows as its tree's dtype (never calling them): not counted.
+    model.register_comm_hook(None, hook if os.environ.get("DET") == "1" else counted)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
 member = int(os.environ.get("DDPKIT_FT_MEMBER", "0"))

@@ -104,7 +104,8 @@ def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) 
     ({"strategy": "ps-sync", "checkpoint_every": 0}, "--checkpoint-every 0 .* its workers write no checkpoints"),
     ({"strategy": "ssp", "checkpoint_every": 10}, "--checkpoint-every 10 .* its workers write no checkpoints"),
     ({"strategy": "diloco", "keep_checkpoints": 5}, "--keep-checkpoints 5 .* its workers write no checkpoints"),
-    ({"comm_hook": "fp16"}, "reduces whole steps"),
+    ({"comm_hook": "powersgd"}, "PowerSGD and auto keep a state per group"),
+    ({"comm_hook": "auto"}, "use --comm-hook fp16 or bf16, or none"),
     ({"backend": "mpi"}, "rebuild gloo groups"),
 ])
 def test_train_refuses_what_the_mode_cannot_keep(extra: dict, match: str) -> None:
@@ -265,6 +266,23 @@ def test_a_ddp_script_with_a_comm_hook_survives_a_kill_under_the_mode(tmp_path: 
     for name, ref in reference.items():
         scale = ref.double().abs().max().clamp(min=1e-12)
         assert float((weights[name].double() - ref.double()).abs().max() / scale) < 2e-2, name
+
+
+@FAULTS
+@pytest.mark.slow("two whole jobs of three workers, the model in ddpkit's DDP with a comm hook, one through a death")
+def test_a_ddp_script_with_a_half_precision_hook_survives_a_kill_bitwise_in_the_deterministic_mode(
+        tmp_path: Path, shared_runs) -> None:
+    # The done-when of issue 61: a DDP script, a kill at world 3, --deterministic-shards, a comm hook too: the run
+    # ends with the bits of the same script's run without the kill.
+    hook = {"DDP": "1", "HOOK": "fp16_compress_hook"}
+    reference, plain, _ = ft_run(tmp_path, "reference", **hook)
+    weights, account, stderr = ft_run(tmp_path, "killed", kill="1:4", **hook)
+    assert "member 1 (rank 1 at the start) died" in stderr
+    assert account["world_size"] == 2 and account["committed"] == plain["committed"] == 26
+    assert account["trained"] == plain["trained"]
+    assert all(weights[k].equal(reference[k]) for k in reference)
+    exact, _, _ = _reference(shared_runs)  # the plain module's run without a hook: the hook's rounding shows
+    assert not all(weights[k].equal(exact[k]) for k in exact)
 
 
 @FAULTS
@@ -439,8 +457,13 @@ def test_wrappers_the_mode_cannot_drive_are_refused_by_name() -> None:
     hooked = ddpkit.DistributedDataParallel(net)
     hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
     make(hooked)  # the summed mode runs it (test_a_ddp_wrapper_with_a_comm_hook_trains_torch_ddp_bits_...)
-    with pytest.raises(ValueError, match=r"deterministic=True\) over a DistributedDataParallel with a comm hook"):
-        ddpkit.FaultTolerance(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), data, batch_size=4,
+    ddpkit.FaultTolerance(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), data, batch_size=4,
+                          deterministic=True)  # in the tree's additions, in half precision
+    own = ddpkit.DistributedDataParallel(net)
+    own.register_comm_hook(None, lambda state, bucket: ddpkit.hooks.fp16_compress_hook(state, bucket))
+    with pytest.raises(ValueError, match=r"deterministic=True\) over a DistributedDataParallel with the comm hook "
+                                         r".*<lambda>: .* use one of those, or deterministic=False"):
+        ddpkit.FaultTolerance(own, torch.optim.SGD(own.parameters(), lr=0.1), data, batch_size=4,
                               deterministic=True)
     stateful = ddpkit.DistributedDataParallel(net)
     stateful.register_comm_hook(ddpkit.hooks.PowerSGDState(None), ddpkit.hooks.powersgd_hook)
@@ -865,3 +888,34 @@ def test_a_comm_hook_the_mode_cannot_wait_on_is_refused_by_name() -> None:
     hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
     ft = ddpkit.FaultTolerance(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), data, batch_size=8)
     assert ft.configuration["comm_hook"] != 0  # compared with every member's at each agreement
+
+
+def _deterministic_with_a_hook(hook_name: str | None) -> dict[str, torch.Tensor]:
+    """Two epochs of the deterministic mode at eight shards over ddpkit's wrapper, with ``ddpkit.hooks``'s
+    ``hook_name`` (or none), at whatever world this runs in."""
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    data = TensorDataset(torch.randn(96, 6) * 3, torch.randint(0, 3, (96,)))
+    model = ddpkit.DistributedDataParallel(net)
+    if hook_name is not None:
+        model.register_comm_hook(None, getattr(ddpkit.hooks, hook_name))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    _ft_epochs(ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, virtual_shards=8, deterministic=True),
+               model, optimizer)
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_the_deterministic_mode_runs_a_half_precision_hook_with_the_same_bits_at_any_world(dist2) -> None:
+    # The hook's dtype is the tree's: every shard's gradient rounded to it and added along the fixed tree in it, so
+    # one process holding all eight shards and two holding four each end with the same bits.
+    alone = _deterministic_with_a_hook("fp16_compress_hook")
+    pair = dist2.run(_deterministic_with_a_hook, "fp16_compress_hook")
+    assert all(alone[k].equal(pair[0][k]) and alone[k].equal(pair[1][k]) for k in alone)
+    exact = _deterministic_with_a_hook(None)
+    assert not all(exact[k].equal(alone[k]) for k in exact)  # the hook ran
+    bf16 = dist2.run(_deterministic_with_a_hook, "bf16_compress_hook")
+    assert all(_deterministic_with_a_hook("bf16_compress_hook")[k].equal(bf16[1][k]) for k in exact)

@@ -75,7 +75,8 @@ the engine weighs it by its share of the step's samples. The model is the
 plain module, or a ``ddpkit.DistributedDataParallel`` of it (a DDP script keeps its wrapper: each
 micro-batch then runs under its ``no_sync()``, and the step is reduced here, as for the plain module, through
 the wrapper's comm hook if it has one: each bucket handed to it after the last micro-batch, with the members'
-group as its state; the wrapper's own engine, its buckets overlapped with backward, does not run under the mode).
+group as its state; in the deterministic mode a hook that only changes the dtype sets the dtype of the tree's
+additions instead; the wrapper's own engine, its buckets overlapped with backward, does not run under the mode).
 Outside ``--on-failure continue`` (no launcher, torchrun, ``ddpkit launch``
 restarting) the same code trains the same steps on the default group, and a
 death fails the job as under DDP.
@@ -102,6 +103,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
 from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
+from ddpkit.comm import bucket_hooks
 from ddpkit.comm.bucket_hooks import AllReduceState
 from ddpkit.data.shards import VirtualShards
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
@@ -231,8 +233,8 @@ class FaultTolerance:
     Args:
         model: the plain module (same architecture on every rank; rank 0's initial state is everyone's), or a
             ``ddpkit.DistributedDataParallel`` of it without ZeRO (under ``--on-failure continue`` one built with
-            no group, which then trains inside this), with a comm hook registered with the state None in the
-            summed mode only.
+            no group, which then trains inside this); its comm hook, registered with the state None, reduces
+            the steps (in the deterministic mode only a hook that changes the dtype: the tree adds in it).
         optimizer: its optimizer (its state moves with a state transfer).
         dataset: indexable by sample, with ``len()``.
         batch_size: the global batch of every step (all ranks together).
@@ -543,7 +545,7 @@ class FaultTolerance:
         """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
         ``buffer``, its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
         weight = sum(samples.values()) / total
-        if self._comm_hook() is not None:  # a hook divides the sum by the world size, as DDP's buckets are
+        if not self.deterministic and self._comm_hook() is not None:  # a hook divides the sum by the world size
             weight = sum(samples.values()) * self.world_size / total  # 1.0 exactly at an even split: DDP's bits
         counts, marks = self._layout()[:2]
         if self.deterministic:
@@ -657,6 +659,10 @@ class FaultTolerance:
         hook = self.wrapper.reducer.comm_hook if self.wrapper is not None else None
         return "" if hook is None else f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', hook)}"
 
+    def _comm_hook_function(self) -> CommHook | None:
+        """The wrapper's comm hook, or None."""
+        return self.wrapper.reducer.comm_hook if self.wrapper is not None else None
+
     def _comm_hook(self) -> tuple[CommHook, Any] | None:
         """The wrapper's comm hook and the state to call it with (the step's group where the user gave None, or
         an ``AllReduceState`` without a group), or None: no wrapper, no hook, or nothing to reduce with."""
@@ -740,18 +746,22 @@ class FaultTolerance:
         """
         tree, n, g = self.tree(), self.world_size, self.numel
         run = tree.runs[self.rank]
+        wire = _WIRE_DTYPES.get(self._comm_hook_function(), torch.float32)
+        rows = buffer[:, :g] if wire == torch.float32 else buffer[:, :g].to(wire)  # a hook's dtype: every shard's
 
         def leaf(shard: int) -> torch.Tensor:
-            return buffer[shard - run.start, :g]
+            return rows[shard - run.start]
 
         if self.group is None or n == 1:
             total = tree.total({}, leaf)
+            if wire != torch.float32:
+                return total.float()
             return total.clone() if tree.virtual_shards == 1 else total  # a new tensor (one shard: its row)
         width = -(-g // n)  # the block of rank b: elements [b * width, (b + 1) * width)
         shape = (n, tree.rows, width)
-        if not self._exchange or self._exchange[0].shape != shape:  # kept between steps (see the docstring)
-            self._exchange = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2)] + [
-                torch.empty(n, width, dtype=torch.float32, device=self.device) for _ in range(3)]
+        if not self._exchange or self._exchange[0].shape != shape or self._exchange[0].dtype != wire:
+            self._exchange = [torch.zeros(shape, dtype=wire, device=self.device) for _ in range(2)] + [
+                torch.empty(n, width, dtype=wire, device=self.device) for _ in range(3)]  # kept between steps
             self._scratch = ([], [], [])
         send, received, blocks, *totals = self._exchange
         for j, node in enumerate(tree.covers[self.rank]):
@@ -759,7 +769,7 @@ class FaultTolerance:
                 tree.add(node, {}, leaf, out=send.view(-1)[:g], scratch=self._scratch[0])  # the tail stays zero
                 continue
             if not self._scratch[2]:  # the partial sum, cut into the blocks below
-                self._scratch[2].append(torch.empty(g, dtype=torch.float32, device=self.device))
+                self._scratch[2].append(torch.empty(g, dtype=wire, device=self.device))
             partial = tree.add(node, {}, leaf, out=self._scratch[2][0], scratch=self._scratch[0])
             for b in range(n):
                 lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
@@ -775,7 +785,7 @@ class FaultTolerance:
         total = totals[0]
         self._announce("ordered reduction: each block's sum to all", blocks)
         self._wait(self.group.alltoall_base(total, blocks, [], []), step=True)
-        return total.view(-1)[:g]
+        return total.view(-1)[:g] if wire == torch.float32 else total.view(-1)[:g].float()
 
     def _gather(self, send: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's rows, to every rank."""
@@ -963,8 +973,8 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
 
     Raises:
         ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook in the deterministic
-            mode or with a state of its own (:func:`_hook_state`), or buffers kept per rank: each named, with the
-            fix.
+            mode other than the dtype hooks (:data:`_WIRE_DTYPES`) or with a state of its own
+            (:func:`_hook_state`), or buffers kept per rank: each named, with the fix.
     """
     if not isinstance(model, DistributedDataParallel):
         if hasattr(model, "module"):
@@ -985,11 +995,13 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
         raise ValueError("FaultTolerance over a DistributedDataParallel of a subgroup: the mode trains over the whole "
                          "job (the world, or under --on-failure continue its members); wrap without process_group")
     if model.reducer.comm_hook is not None:
-        if deterministic:
-            raise ValueError("FaultTolerance(deterministic=True) over a DistributedDataParallel with a comm hook: the "
-                             "hook would reduce each rank's sum of its shards, whose rounding depends on which "
-                             "shards a rank holds, so a death would change the bits; drop the hook "
-                             "(register_comm_hook, comm=) or deterministic=True (--deterministic-shards)")
+        if deterministic and model.reducer.comm_hook not in _WIRE_DTYPES:
+            name = getattr(model.reducer.comm_hook, "__qualname__", repr(model.reducer.comm_hook))
+            raise ValueError(f"FaultTolerance(deterministic=True) over a DistributedDataParallel with the comm hook "
+                             f"{name}: the mode adds the shards along its fixed tree, so it runs the hooks that only "
+                             "change the dtype (ddpkit's or torch's fp16_compress_hook, bf16_compress_hook, "
+                             "allreduce_hook), in that dtype; any other would reduce each rank's sum of its shards, "
+                             "whose rounding depends on who holds which; use one of those, or deterministic=False")
         _hook_state(model.comm_state, None)
     if not model.forward_sync_buffers and any(True for _ in model.module.buffers()):
         raise ValueError("FaultTolerance over DistributedDataParallel(broadcast_buffers=False) (or "
@@ -1023,6 +1035,22 @@ def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
                      "state; register the hook with the state None (or an AllReduceState without a group): "
                      "fp16_compress_hook, bf16_compress_hook, allreduce_hook, torch's default hooks; PowerSGD and "
                      "comm='auto' keep a state per group and do not run under the mode")
+
+
+def _wire_dtypes() -> dict[Any, torch.dtype]:
+    """The comm hooks that only change the dtype of the reduction (ddpkit's and torch's), and that dtype: the
+    deterministic mode runs them as its tree's additions in that dtype."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wire = {}
+    for module in (bucket_hooks, default_hooks):
+        wire[module.allreduce_hook] = torch.float32
+        wire[module.fp16_compress_hook] = torch.float16
+        wire[module.bf16_compress_hook] = torch.bfloat16
+    return wire
+
+
+_WIRE_DTYPES = _wire_dtypes()
 
 
 def _name_hash(name: str) -> int:

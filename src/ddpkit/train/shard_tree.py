@@ -95,7 +95,7 @@ class ShardTree:
             return out.add_(known[right] if right in known else leaf(right[0]))
         if len(scratch) <= level:
             scratch.extend(torch.empty_like(out) for _ in range(level + 1 - len(scratch)))
-        if scratch[level].shape != out.shape:
+        if scratch[level].shape != out.shape or scratch[level].dtype != out.dtype:
             scratch[level] = torch.empty_like(out)
         return out.add_(self._into(right, known, leaf, scratch[level], scratch, level + 1))
 

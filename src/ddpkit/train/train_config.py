@@ -393,9 +393,6 @@ class TrainConfig:
              "is kept on another rank); train without --zero, or use --on-failure restart")
         need(self.comm_hook in ("none", "fp16", "bf16"), "comm_hook", f"{why}: PowerSGD and auto keep a state per "
              "group, and the members' group changes with each death; use --comm-hook fp16 or bf16, or none")
-        need(self.comm_hook == "none" or self.deterministic_shards is None, "comm_hook", f"{why} with "
-             "--deterministic-shards: the hook would reduce each worker's sum of its shards, whose rounding depends "
-             "on who holds which, so a death would change the bits; drop one of them")
         need(not self.sync_bn, "sync_bn", f"{why}: drop --sync-bn")
         need(self.grad_accum == 1, "grad_accum", f"{why}: the step's shards are its micro-batches (see "
              "--deterministic-shards)")
