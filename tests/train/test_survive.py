@@ -919,3 +919,58 @@ def test_the_deterministic_mode_runs_a_half_precision_hook_with_the_same_bits_at
     assert not all(exact[k].equal(alone[k]) for k in exact)  # the hook ran
     bf16 = dist2.run(_deterministic_with_a_hook, "bf16_compress_hook")
     assert all(_deterministic_with_a_hook("bf16_compress_hook")[k].equal(bf16[1][k]) for k in exact)
+
+
+class _Block(torch.nn.Module):
+    """A model of the user's own class: Dynamo compiles its forward as a frame of its own under the wrapper (an
+    ``nn.Sequential``'s, torch's code, it leaves to run eagerly under torch's DDP and ddpkit's alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.dropout(torch.tanh(self.norm(self.a(x))), 0.2, self.training))
+
+
+def _compiled_steps(wrap: bool, **extra: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """Two epochs of FaultTolerance over ``torch.compile`` of the block, or of ddpkit's DDP of it (``wrap``): the
+    weights, and the graphs Dynamo compiled."""
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> Any:
+        graphs.append(gm)
+        return torch._inductor.compile(gm, inputs)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = _Block()
+    model = torch.compile(ddpkit.DistributedDataParallel(net) if wrap else net, backend=backend, dynamic=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = TensorDataset(torch.randn(40, 6), torch.randint(0, 2, (40,)))
+    _ft_epochs(ddpkit.FaultTolerance(model, optimizer, data, batch_size=8, virtual_shards=2, **extra), model,
+               optimizer)
+    return {k: v.clone() for k, v in net.state_dict().items()}, len(graphs)
+
+
+@pytest.mark.slow("torch.compile's first compilations, in one process and in two")
+def test_a_compiled_ddp_wrapper_is_driven_as_the_wrapper_with_the_compiled_modules_bits(dist2) -> None:
+    # torch.compile(DDP(model)), as DDP scripts write it: FaultTolerance finds the wrapper inside (its micro-batches
+    # under no_sync, no second reduction), and the run has the bits of the compiled plain module's.
+    import ddpkit
+
+    (plain, compiled), (alone, graphs) = _compiled_steps(False, deterministic=True), _compiled_steps(True,
+                                                                                                    deterministic=True)
+    assert compiled and graphs  # the block was compiled, in both
+    pair = dist2.run(_compiled_steps, True, deterministic=True)
+    assert all(plain[k].equal(alone[k]) and alone[k].equal(pair[0][0][k]) and alone[k].equal(pair[1][0][k])
+               for k in plain)
+    net = torch.nn.Linear(2, 2)
+    ft = ddpkit.FaultTolerance(torch.compile(ddpkit.DistributedDataParallel(net)),
+                               torch.optim.SGD(net.parameters(), lr=0.1),
+                               torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
+    assert ft.wrapper is not None and ft.model is net

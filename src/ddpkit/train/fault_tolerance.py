@@ -233,8 +233,9 @@ class FaultTolerance:
     Args:
         model: the plain module (same architecture on every rank; rank 0's initial state is everyone's), or a
             ``ddpkit.DistributedDataParallel`` of it without ZeRO (under ``--on-failure continue`` one built with
-            no group, which then trains inside this); its comm hook, registered with the state None, reduces
-            the steps (in the deterministic mode only a hook that changes the dtype: the tree adds in it).
+            no group, which then trains inside this), ``torch.compile``'d or not; its comm hook, registered with
+            the state None, reduces the steps (in the deterministic mode only a hook that changes the dtype: the
+            tree adds in it).
         optimizer: its optimizer (its state moves with a state transfer).
         dataset: indexable by sample, with ``len()``.
         batch_size: the global batch of every step (all ranks together).
@@ -976,6 +977,9 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
             mode other than the dtype hooks (:data:`_WIRE_DTYPES`) or with a state of its own
             (:func:`_hook_state`), or buffers kept per rank: each named, with the fix.
     """
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(module)): the wrapper it compiled
+    if isinstance(compiled, DistributedDataParallel):
+        model = compiled
     if not isinstance(model, DistributedDataParallel):
         if hasattr(model, "module"):
             raise ValueError(f"FaultTolerance takes the plain module or ddpkit.DistributedDataParallel, not "
