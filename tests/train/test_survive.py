@@ -974,3 +974,62 @@ def test_a_compiled_ddp_wrapper_is_driven_as_the_wrapper_with_the_compiled_modul
                                torch.optim.SGD(net.parameters(), lr=0.1),
                                torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
     assert ft.wrapper is not None and ft.model is net
+
+
+def _one_step_grads(hook: Any, virtual_shards: int) -> list[torch.Tensor]:
+    """The deterministic mode's gradient of one step of a linear model whose gradient is about 1e-6, over ddpkit's
+    wrapper with ``hook`` (or none), at this process's world."""
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(16, 4))
+    if hook is not None:
+        model.register_comm_hook(None, hook)
+    data = TensorDataset(torch.randn(64, 16) * 1e-6, torch.randn(64, 4))
+    ft = ddpkit.FaultTolerance(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=64,
+                               virtual_shards=virtual_shards, deterministic=True, shuffle=False)
+    step = next(iter(ft.steps(epochs=1)))
+    for x, y in step:
+        (model(x) * y).sum().div(len(x)).backward()
+    assert step.sync()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_half_precision_tree_keeps_small_gradients_as_ddps_hook_does() -> None:
+    # A shard's share is about 1/V of the gradient: scaled to a rank's share before it is rounded, it does not
+    # underflow at many shards where DDP's hook (a rank's share, 1/n) would not.
+    import ddpkit
+
+    exact = _one_step_grads(None, 64)[0]
+    half = _one_step_grads(ddpkit.hooks.fp16_compress_hook, 64)[0]
+    assert float((half - exact).norm() / exact.norm()) < 2e-2
+    assert not half.equal(exact)
+
+
+def test_refusals_name_what_was_compiled_and_take_any_hook_object() -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 2))
+    with pytest.raises(ValueError, match="not torch.nn.parallel.data_parallel.DataParallel: pass model.module"):
+        ddpkit.FaultTolerance(torch.compile(torch.nn.DataParallel(torch.nn.Linear(2, 2))),
+                              torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), data, batch_size=4)
+
+    class Hook:  # a callable object, unhashable as a dataclass with eq is
+        __eq__ = object.__eq__
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, state, bucket):  # type: ignore[no-untyped-def]  (unannotated: torch's signature check)
+            return ddpkit.hooks.fp16_compress_hook(state, bucket)
+
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2))
+    model.register_comm_hook(None, Hook())
+    with pytest.raises(ValueError, match="with the comm hook .*Hook.*: the mode adds the shards along its fixed tree"):
+        ddpkit.FaultTolerance(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=4,
+                              deterministic=True)
+    net = torch.nn.Linear(2, 2)  # a compiled plain module keeps the plain module's state (its names too)
+    ft = ddpkit.FaultTolerance(torch.compile(net), torch.optim.SGD(net.parameters(), lr=0.1), data, batch_size=4)
+    assert ft.model is net and "weight" in ft.state_dict()["model"]

@@ -89,6 +89,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import random
 import sys
 import time
@@ -275,6 +276,7 @@ class FaultTolerance:
         if self.wrapper is not None:
             model = self.wrapper.module
             self.wrapper.require_forward_param_sync = False  # (see local(): an evaluation on one rank before a step)
+        model = _compiled(model)  # a compiled module's state is the plain module's, whichever way it was compiled
         self.model, self.optimizer = model, optimizer
         self.state = dict(state or {})
         self.deterministic = deterministic
@@ -337,6 +339,8 @@ class FaultTolerance:
         self._exchange: list[torch.Tensor] = []
         """The deterministic mode's exchange buffers (:meth:`_ordered_sum`), kept from step to step (fresh ones
         would be new pages every step); dropped with the send buffers on a membership change."""
+        self._wire: list[torch.Tensor] = []
+        """The deterministic mode's room for a dtype hook: the rows in its dtype, and two float32 results in turn."""
         self._hook_buckets: list[GradBucket] = []
         """The wrapper's buckets as its comm hook sees them (:meth:`_reduce_through`), made anew with the send
         buffers after a membership change (an abandoned hook may still write them)."""
@@ -740,15 +744,17 @@ class FaultTolerance:
         bits do not depend on who trained which shard; each rank receives as many gradients' worth of blocks as
         a rank sends partial sums (one where ``n`` and ``V`` are powers of two), and one gradient.
 
-        Its buffers are kept from step to step (about ``2 r + 3`` gradients' worth, ``r`` the partial sums a
+        Under a dtype hook (:data:`_WIRE_HOOKS`) the rows are scaled and rounded to its dtype first
+        (:meth:`_to_wire`), and the tree adds and sends in it. Its buffers are kept from step to step (about
+        ``2 r + 3`` gradients' worth, ``r`` the partial sums a
         rank sends: the send and receive layouts, the block sums sent to all, and two results in turn): ``.grad``
         views the result, so a gradient kept from one step stays intact through the next step's reduction and
         is overwritten by the one after, as in the summed mode.
         """
         tree, n, g = self.tree(), self.world_size, self.numel
         run = tree.runs[self.rank]
-        wire = _WIRE_DTYPES.get(self._comm_hook_function(), torch.float32)
-        rows = buffer[:, :g] if wire == torch.float32 else buffer[:, :g].to(wire)  # a hook's dtype: every shard's
+        wire = _wire_dtype(self._comm_hook_function())
+        rows = buffer[:, :g] if wire == torch.float32 else self._to_wire(buffer[:, :g], wire)
 
         def leaf(shard: int) -> torch.Tensor:
             return rows[shard - run.start]
@@ -756,7 +762,7 @@ class FaultTolerance:
         if self.group is None or n == 1:
             total = tree.total({}, leaf)
             if wire != torch.float32:
-                return total.float()
+                return self._from_wire(total)
             return total.clone() if tree.virtual_shards == 1 else total  # a new tensor (one shard: its row)
         width = -(-g // n)  # the block of rank b: elements [b * width, (b + 1) * width)
         shape = (n, tree.rows, width)
@@ -786,7 +792,28 @@ class FaultTolerance:
         total = totals[0]
         self._announce("ordered reduction: each block's sum to all", blocks)
         self._wait(self.group.alltoall_base(total, blocks, [], []), step=True)
-        return total.view(-1)[:g] if wire == torch.float32 else total.view(-1)[:g].float()
+        return total.view(-1)[:g] if wire == torch.float32 else self._from_wire(total.view(-1)[:g])
+
+    def _wire_scale(self) -> float:
+        """What a dtype hook's rows are multiplied by before they are rounded to its dtype: the power of two
+        nearest ``V / n`` (``n`` the job's first world), so that a shard's share of the gradient (about ``1 / V``
+        of it) is about the size of a rank's share under DDP's hook (``1 / n``): half precision's underflow
+        then comes where it comes under DDP. The same for every member and every holder of the shards."""
+        return 2.0 ** round(math.log2(self.shards.virtual_shards / self.first_world))
+
+    def _to_wire(self, rows: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+        """``rows`` times :meth:`_wire_scale`, rounded to ``wire`` once, into room kept between steps (with
+        the two float32 results that take turns, :meth:`_from_wire`)."""
+        if not self._wire or self._wire[0].shape != rows.shape or self._wire[0].dtype != wire:
+            self._wire = [torch.empty(rows.shape, dtype=wire, device=self.device)] + [
+                torch.empty(rows.shape[1], dtype=torch.float32, device=self.device) for _ in range(2)]
+        return torch.mul(rows, self._wire_scale(), out=self._wire[0])  # scaled in float32, then rounded
+
+    def _from_wire(self, total: torch.Tensor) -> torch.Tensor:
+        """The tree's ``total`` in a hook's dtype back in float32, unscaled (both exact), into the result that
+        the last step's ``.grad`` does not view."""
+        self._wire[1:] = self._wire[:0:-1]
+        return self._wire[1].copy_(total).div_(self._wire_scale())
 
     def _gather(self, send: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's rows, to every rank."""
@@ -803,6 +830,7 @@ class FaultTolerance:
         self._pool = []  # the abandoned operation may still read or write them
         self._hook_buckets = []
         self._exchange = []
+        self._wire = []
         self._scratch = ([], [], [])
         self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
@@ -974,12 +1002,10 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
 
     Raises:
         ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook in the deterministic
-            mode other than the dtype hooks (:data:`_WIRE_DTYPES`) or with a state of its own
+            mode other than the dtype hooks (:data:`_WIRE_HOOKS`) or with a state of its own
             (:func:`_hook_state`), or buffers kept per rank: each named, with the fix.
     """
-    compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(module)): the wrapper it compiled
-    if isinstance(compiled, DistributedDataParallel):
-        model = compiled
+    model = _compiled(model)  # torch.compile(DDP(module)): the wrapper it compiled
     if not isinstance(model, DistributedDataParallel):
         if hasattr(model, "module"):
             raise ValueError(f"FaultTolerance takes the plain module or ddpkit.DistributedDataParallel, not "
@@ -999,8 +1025,9 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
         raise ValueError("FaultTolerance over a DistributedDataParallel of a subgroup: the mode trains over the whole "
                          "job (the world, or under --on-failure continue its members); wrap without process_group")
     if model.reducer.comm_hook is not None:
-        if deterministic and model.reducer.comm_hook not in _WIRE_DTYPES:
-            name = getattr(model.reducer.comm_hook, "__qualname__", repr(model.reducer.comm_hook))
+        hook = model.reducer.comm_hook
+        if deterministic and not any(hook is known for known, _ in _WIRE_HOOKS):
+            name = f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', repr(hook))}"
             raise ValueError(f"FaultTolerance(deterministic=True) over a DistributedDataParallel with the comm hook "
                              f"{name}: the mode adds the shards along its fixed tree, so it runs the hooks that only "
                              "change the dtype (ddpkit's or torch's fp16_compress_hook, bf16_compress_hook, "
@@ -1013,6 +1040,12 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
                          "buffers, since any of them may hand the state on; leave the default (rank 0's go to all "
                          "with each step)")
     return model
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """What ``torch.compile`` compiled, for a compiled module (whose state is that module's); else ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
@@ -1041,20 +1074,22 @@ def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
                      "comm='auto' keep a state per group and do not run under the mode")
 
 
-def _wire_dtypes() -> dict[Any, torch.dtype]:
-    """The comm hooks that only change the dtype of the reduction (ddpkit's and torch's), and that dtype: the
-    deterministic mode runs them as its tree's additions in that dtype."""
+def _wire_hooks() -> tuple[tuple[CommHook, torch.dtype], ...]:
+    """The comm hooks that only change the dtype of the reduction (ddpkit's and torch's), each with that dtype:
+    the deterministic mode runs them as its tree's additions in that dtype."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    wire = {}
-    for module in (bucket_hooks, default_hooks):
-        wire[module.allreduce_hook] = torch.float32
-        wire[module.fp16_compress_hook] = torch.float16
-        wire[module.bf16_compress_hook] = torch.bfloat16
-    return wire
+    return tuple((getattr(module, name), dtype) for module in (bucket_hooks, default_hooks)
+                 for name, dtype in (("allreduce_hook", torch.float32), ("fp16_compress_hook", torch.float16),
+                                     ("bf16_compress_hook", torch.bfloat16)))
 
 
-_WIRE_DTYPES = _wire_dtypes()
+_WIRE_HOOKS = _wire_hooks()
+
+
+def _wire_dtype(hook: CommHook | None) -> torch.dtype:
+    """The dtype of the deterministic mode's tree under ``hook`` (float32 without a dtype hook)."""
+    return next((dtype for known, dtype in _WIRE_HOOKS if hook is known), torch.float32)
 
 
 def _name_hash(name: str) -> int:
