@@ -29,9 +29,14 @@ parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, de
                     help="bitwise equal to the run without a failure (default on)")
 parser.add_argument("--ddp", action="store_true",
                     help="train through ddpkit.DistributedDataParallel, as a DDP script does (the same bits)")
+parser.add_argument("--comm-hook", choices=("none", "fp16", "bf16"), default="none",
+                    help="with --ddp: the wrapper's comm hook (deterministic: the shards are added in that dtype, "
+                         "the same bits at any number of workers)")
 parser.add_argument("--step-time", type=float, default=0.05,
                     help="seconds each step waits (a stand-in for a larger model), so there is time to kill a worker")
 args = parser.parse_args()
+if args.comm_hook != "none" and not args.ddp:
+    parser.error(f"--comm-hook {args.comm_hook} needs --ddp (a comm hook belongs to the DDP wrapper)")
 
 ddpkit.init()
 torch.manual_seed(0)
@@ -39,6 +44,8 @@ x = torch.randn(4096, 32)
 y = (x[:, :16].sum(1) > x[:, 16:].sum(1)).long()
 net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 2))
 model = ddpkit.DistributedDataParallel(net) if args.ddp else net  # a DDP script keeps its wrapper
+if args.comm_hook != "none":
+    model.register_comm_hook(None, getattr(ddpkit.hooks, f"{args.comm_hook}_compress_hook"))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
 

@@ -796,10 +796,11 @@ class FaultTolerance:
 
     def _wire_scale(self) -> float:
         """What a dtype hook's rows are multiplied by before they are rounded to its dtype: the power of two
-        nearest ``V / n`` (``n`` the job's first world), so that a shard's share of the gradient (about ``1 / V``
-        of it) is about the size of a rank's share under DDP's hook (``1 / n``): half precision's underflow
-        then comes where it comes under DDP. The same for every member and every holder of the shards."""
-        return 2.0 ** round(math.log2(self.shards.virtual_shards / self.first_world))
+        nearest ``V``, so that a shard's share of the gradient (about ``1 / V`` of it) is about the size of the
+        gradient itself, and half precision underflows no sooner than under DDP's hook (whose parts are ``1 / n``
+        of it); the tree's sums reach about ``V`` times the gradient, so it overflows that much sooner. It
+        depends on ``V`` alone: the same bits at any world size, whoever holds which shard."""
+        return 2.0 ** round(math.log2(self.shards.virtual_shards))
 
     def _to_wire(self, rows: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
         """``rows`` times :meth:`_wire_scale`, rounded to ``wire`` once, into room kept between steps (with
