@@ -1036,3 +1036,25 @@ def test_refusals_name_what_was_compiled_and_take_any_hook_object() -> None:
     net = torch.nn.Linear(2, 2)  # a compiled plain module keeps the plain module's state (its names too)
     ft = ddpkit.FaultTolerance(torch.compile(net), torch.optim.SGD(net.parameters(), lr=0.1), data, batch_size=4)
     assert ft.model is net and "weight" in ft.state_dict()["model"]
+
+
+def test_a_state_written_under_another_configuration_is_refused_by_name_on_resume() -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    data = TensorDataset(torch.randn(16, 2), torch.randn(16, 2))
+
+    def make(resume: Any = None, **extra: Any) -> Any:
+        net = torch.nn.Linear(2, 2)
+        return ddpkit.FaultTolerance(net, torch.optim.SGD(net.parameters(), lr=0.1), data, batch_size=4,
+                                     resume=resume, **extra)
+
+    saved = make(virtual_shards=2).state_dict()
+    make(resume=saved, virtual_shards=2)  # the same settings: taken
+    with pytest.raises(ValueError, match="another configuration than this run's: virtual_shards 4 here, 2 there"):
+        make(resume=saved, virtual_shards=4)
+    with pytest.raises(ValueError, match="seed 1 here, 0 there"):
+        make(resume=saved, virtual_shards=2, seed=1)
+    older = {k: v for k, v in saved.items() if k != "configuration"}  # a file of before it was kept
+    make(resume=older, virtual_shards=4)

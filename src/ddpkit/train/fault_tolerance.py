@@ -902,6 +902,14 @@ class FaultTolerance:
 
     # -- membership changes
 
+    def _difference(self, name: str, there: int, here: int) -> str:
+        """One entry of :attr:`configuration` that differs, in words (``there``: the other side's value)."""
+        if name in ("parameters", "buffers"):
+            return f"the model's {name} (names, shapes, dtypes)"
+        if name == "comm_hook":
+            return f"the comm hook ({self._hook_name() or 'none'} here)"
+        return f"{name} {here} here, {there} there"
+
     def _rebuild(self, first: bool = False) -> None:
         """Build the newest view's group, then agree on the state (a transfer to whoever is behind)."""
         assert self.membership is not None
@@ -939,9 +947,7 @@ class FaultTolerance:
         theirs = gathered[source][2:].tolist()
         differ = [(name, a, b) for name, a, b in zip(fields, self.configuration.values(), theirs) if a != b]
         if differ:
-            what = ", ".join(f"the model's {name} (names, shapes, dtypes)" if name in ("parameters", "buffers") else
-                             f"the comm hook ({self._hook_name() or 'none'} here)" if name == "comm_hook" else
-                             f"{name} {a} here, {b} there" for name, a, b in differ)
+            what = ", ".join(self._difference(name, b, a) for name, a, b in differ)
             raise RuntimeError(f"member {self._member} runs another configuration than member "
                                f"{self.view.members[source]}, whose state the job takes: {what}; start every worker "
                                "(replacements and spare nodes too) with the job's settings, dataset and model")
@@ -985,9 +991,23 @@ class FaultTolerance:
         committed = step.index + 1 if step is not None and step.synced else self.committed
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},
-                "committed": committed, "first_world": self.first_world}
+                "committed": committed, "first_world": self.first_world, "configuration": dict(self.configuration)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take ``state`` (:meth:`state_dict`'s, a peer's or a checkpoint's).
+
+        Raises:
+            ValueError: it was written under another configuration (virtual shards, batch, seed, shuffling, the
+                dataset's length, the model's layout, the comm hook): the steps after it would train other samples
+                or another model; the message names each difference.
+        """
+        theirs = state.get("configuration") or {}  # (files of before it was kept have none)
+        differ = [name for name, value in self.configuration.items() if name in theirs and theirs[name] != value]
+        if differ:
+            what = ", ".join(self._difference(name, theirs[name], self.configuration[name]) for name in differ)
+            raise ValueError(f"FaultTolerance: the state to resume from was written under another configuration "
+                             f"than this run's: {what}; resume with the settings it was written with, or start "
+                             "afresh")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for name, obj in self.state.items():
