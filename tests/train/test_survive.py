@@ -8,6 +8,8 @@ the same run without a failure.
 
 from __future__ import annotations
 
+import io
+
 import json
 import time
 import subprocess
@@ -1058,3 +1060,10 @@ def test_a_state_written_under_another_configuration_is_refused_by_name_on_resum
         make(resume=saved, virtual_shards=2, seed=1)
     older = {k: v for k, v in saved.items() if k != "configuration"}  # a file of before it was kept
     make(resume=older, virtual_shards=4)
+    assert make(resume=saved).shards.virtual_shards == 2  # by default the state's shards (here the world is 1)
+    import numpy as np  # a seed from NumPy travels in the state as a plain int (torch.load's weights_only)
+
+    state = make(virtual_shards=2, seed=np.int64(3)).state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    make(resume=torch.load(io.BytesIO(buffer.getvalue()), weights_only=True), virtual_shards=2, seed=3)

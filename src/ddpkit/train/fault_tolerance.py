@@ -240,8 +240,8 @@ class FaultTolerance:
         optimizer: its optimizer (its state moves with a state transfer).
         dataset: indexable by sample, with ``len()``.
         batch_size: the global batch of every step (all ranks together).
-        virtual_shards: shards per step; default the world size at the start. At least the largest world size
-            of the job, and a divisor of ``batch_size``.
+        virtual_shards: shards per step; default the world size at the start (resuming: the state's). At least
+            the largest world size of the job, and a divisor of ``batch_size``.
         deterministic: bitwise reproducible at any membership (module notes).
         shuffle: shuffle each epoch's order, as :class:`ddpkit.DistributedSampler` (seeded with ``seed + epoch``).
         seed: the shuffle's seed, and the micro-batches' RNG seeds with the step and the shard.
@@ -299,8 +299,9 @@ class FaultTolerance:
                                            or virtual_shards < 1):
             raise ValueError(f"virtual_shards={virtual_shards!r} is not a whole number of shards of at least 1: give "
                              "at least the largest world size the job may have, or None for the starting world size")
-        if virtual_shards is None:
-            virtual_shards = ctx.world_size  # the starting world, the same for a replacement
+        saved = (resume or {}).get("configuration") or {}
+        if virtual_shards is None:  # a resumed state's shards, else the starting world (the same for a replacement)
+            virtual_shards = int(saved.get("virtual_shards", ctx.world_size))
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
                              "needs at least one shard of each step; give at least the largest world size")
@@ -319,7 +320,7 @@ class FaultTolerance:
         self._buffer_spans = _byte_spans(self.buffers)
         """Where each buffer's bytes lie in the blob that carries them (8-byte aligned)."""
         self.numel = sum(p.numel() for p in self.params)
-        self.configuration = {"virtual_shards": virtual_shards, "batch_size": batch_size, "seed": seed,
+        self.configuration = {"virtual_shards": virtual_shards, "batch_size": int(batch_size), "seed": int(seed),
                               "shuffle": int(shuffle), "drop_last": int(drop_last), "samples": len(dataset),
                               "deterministic": int(deterministic),
                               "parameters": _layout_hash((n, p) for n, p in model.named_parameters()),
