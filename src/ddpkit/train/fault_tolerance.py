@@ -999,8 +999,9 @@ class FaultTolerance:
 
         Raises:
             ValueError: it was written under another configuration (virtual shards, batch, seed, shuffling, the
-                dataset's length, the model's layout, the comm hook): the steps after it would train other samples
-                or another model; the message names each difference.
+                dataset's length, the model's layout, the comm hook): the steps after it would train other samples,
+                split and seeded otherwise, or reduce otherwise than the run that wrote it; the message names each
+                difference.
         """
         theirs = state.get("configuration") or {}  # (files of before it was kept have none)
         differ = [name for name, value in self.configuration.items() if name in theirs and theirs[name] != value]
