@@ -551,7 +551,7 @@ class FaultTolerance:
         """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
         ``buffer``, its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
         weight = sum(samples.values()) / total
-        if not self.deterministic and self._comm_hook() is not None:  # a hook divides the sum by the world size
+        if not self.deterministic and self._comm_hook_function() is not None:  # a hook divides by the world size
             weight = sum(samples.values()) * self.world_size / total  # 1.0 exactly at an even split: DDP's bits
         counts, marks = self._layout()[:2]
         if self.deterministic:
@@ -745,7 +745,7 @@ class FaultTolerance:
         bits do not depend on who trained which shard; each rank receives as many gradients' worth of blocks as
         a rank sends partial sums (one where ``n`` and ``V`` are powers of two), and one gradient.
 
-        Under a dtype hook (:data:`_WIRE_HOOKS`) the rows are scaled and rounded to its dtype first
+        Under a dtype hook (:data:`_DTYPE_HOOKS`) the rows are scaled and rounded to its dtype first
         (:meth:`_to_wire`), and the tree adds and sends in it. Its buffers are kept from step to step (about
         ``2 r + 3`` gradients' worth, ``r`` the partial sums a
         rank sends: the send and receive layouts, the block sums sent to all, and two results in turn): ``.grad``
@@ -754,7 +754,7 @@ class FaultTolerance:
         """
         tree, n, g = self.tree(), self.world_size, self.numel
         run = tree.runs[self.rank]
-        wire = _wire_dtype(self._comm_hook_function())
+        wire = _wire_dtype(self._comm_hook_function()) or torch.float32
         rows = buffer[:, :g] if wire == torch.float32 else self._to_wire(buffer[:, :g], wire)
 
         def leaf(shard: int) -> torch.Tensor:
@@ -1025,7 +1025,7 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
 
     Raises:
         ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook in the deterministic
-            mode other than the dtype hooks (:data:`_WIRE_HOOKS`) or with a state of its own
+            mode other than the dtype hooks (:data:`_DTYPE_HOOKS`) or with a state of its own
             (:func:`_hook_state`), or buffers kept per rank: each named, with the fix.
     """
     model = _compiled(model)  # torch.compile(DDP(module)): the wrapper it compiled
@@ -1049,7 +1049,7 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
                          "job (the world, or under --on-failure continue its members); wrap without process_group")
     if model.reducer.comm_hook is not None:
         hook = model.reducer.comm_hook
-        if deterministic and not any(hook is known for known, _ in _WIRE_HOOKS):
+        if deterministic and _wire_dtype(hook) is None:
             name = f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', repr(hook))}"
             raise ValueError(f"FaultTolerance(deterministic=True) over a DistributedDataParallel with the comm hook "
                              f"{name}: the mode adds the shards along its fixed tree, so it runs the hooks that only "
@@ -1097,22 +1097,22 @@ def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
                      "comm='auto' keep a state per group and do not run under the mode")
 
 
-def _wire_hooks() -> tuple[tuple[CommHook, torch.dtype], ...]:
-    """The comm hooks that only change the dtype of the reduction (ddpkit's and torch's), each with that dtype:
-    the deterministic mode runs them as its tree's additions in that dtype."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return tuple((getattr(module, name), dtype) for module in (bucket_hooks, default_hooks)
-                 for name, dtype in (("allreduce_hook", torch.float32), ("fp16_compress_hook", torch.float16),
-                                     ("bf16_compress_hook", torch.bfloat16)))
+_DTYPE_HOOKS = {"allreduce_hook": torch.float32, "fp16_compress_hook": torch.float16,
+                "bf16_compress_hook": torch.bfloat16}
+"""The comm hooks that only change the dtype of the reduction, by name, with that dtype: ddpkit's
+(:mod:`ddpkit.comm.bucket_hooks`) and torch's of the same names, which the deterministic mode runs as its
+tree's additions in that dtype."""
+_TORCH_HOOKS_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
 
 
-_WIRE_HOOKS = _wire_hooks()
-
-
-def _wire_dtype(hook: CommHook | None) -> torch.dtype:
-    """The dtype of the deterministic mode's tree under ``hook`` (float32 without a dtype hook)."""
-    return next((dtype for known, dtype in _WIRE_HOOKS if hook is known), torch.float32)
+def _wire_dtype(hook: CommHook | None) -> torch.dtype | None:
+    """The dtype of the deterministic mode's tree under ``hook`` when it is a dtype hook (:data:`_DTYPE_HOOKS`),
+    else None."""
+    name = getattr(hook, "__name__", None)
+    if not isinstance(name, str) or name not in _DTYPE_HOOKS:
+        return None
+    ours = hook is getattr(bucket_hooks, name)
+    return _DTYPE_HOOKS[name] if ours or getattr(hook, "__module__", None) == _TORCH_HOOKS_MODULE else None
 
 
 def _name_hash(name: str) -> int:
