@@ -20,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddpkit
 from ddpkit.models import TransformerClassifier
-from ddpkit.parallel.zero.units import find_units, local_of
+from ddpkit.parallel.zero.placement import local_of
+from ddpkit.parallel.zero.units import find_units
 
 
 class Blocks(nn.Module):

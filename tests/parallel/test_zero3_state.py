@@ -14,7 +14,8 @@ from torch import nn
 import ddpkit
 from ddpkit.models import TransformerClassifier
 from ddpkit.parallel.zero.stage3 import BACKWARD_MOVES, Backward, ShardedParameters
-from ddpkit.parallel.zero.units import RESIDENCY_MOVES, Residency, Unit, local_of
+from ddpkit.parallel.zero.placement import local_of
+from ddpkit.parallel.zero.units import RESIDENCY_MOVES, Residency, Unit
 
 ce = nn.functional.cross_entropy
 

@@ -17,7 +17,7 @@ from ddpkit.parallel.ddp.args import EngineSettings
 from ddpkit.parallel.zero.norm import clip_grad_norm
 from ddpkit.parallel.zero.stage2 import ShardedReducer
 from ddpkit.parallel.zero.stage3 import sharded_parameters
-from ddpkit.parallel.zero.units import SHARD_MARK
+from ddpkit.parallel.zero.placement import SHARD_MARK
 
 __all__ = ["Engine", "clip_sharded_grad_norm", "make_engine", "refuse_sharded"]
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.parallel.zero.flat import all_gather_flat
-from ddpkit.parallel.zero.units import Residency, Unit, in_part, local_of
+from ddpkit.parallel.zero.placement import in_part, local_of
+from ddpkit.parallel.zero.units import Residency, Unit
 from ddpkit.runtime import events
 
 __all__ = ["Gathering", "pack_part"]

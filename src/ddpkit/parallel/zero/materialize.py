@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ddpkit.parallel.common.broadcast import broadcast_once
-from ddpkit.parallel.zero.units import Unit, home
+from ddpkit.parallel.zero.placement import home
+from ddpkit.parallel.zero.units import Unit
 
 __all__ = ["CHUNK_BYTES", "materialize"]
 

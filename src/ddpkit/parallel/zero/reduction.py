@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ddpkit.parallel.common.observer import Observers
 from ddpkit.parallel.zero.flat import reduce_scatter_flat
-from ddpkit.parallel.zero.units import Launched, Unit, like_param, local_of
+from ddpkit.parallel.zero.placement import like_param, local_of
+from ddpkit.parallel.zero.units import Launched, Unit
 from ddpkit.runtime import events
 from ddpkit.runtime.devices import comm_tensor
 

@@ -47,7 +47,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddpkit.parallel.zero.stage3 import ShardedParameters, engine_of
-from ddpkit.parallel.zero.units import UnitParam, like_param, local_of
+from ddpkit.parallel.zero.placement import like_param, local_of
+from ddpkit.parallel.zero.units import UnitParam
 from ddpkit.parallel.zero.whole import indexed_params, per_element
 from ddpkit.runtime.durable import CheckpointError, digest, one_line, tensor_digest, write_atomic
 

@@ -109,17 +109,8 @@ from ddpkit.parallel.common.observer import Observer, ObserverHandle, Observers
 from ddpkit.parallel.common.unused import UnusedParametersError
 from ddpkit.parallel.zero.gathering import Gathering
 from ddpkit.parallel.zero.reduction import Reductions
-from ddpkit.parallel.zero.units import (
-    Residency,
-    Unit,
-    cast_floats,
-    find_units,
-    local_of,
-    make_mesh,
-    make_units,
-    shard_whole,
-    tensors_in,
-)
+from ddpkit.parallel.zero.placement import home, local_of, make_mesh, shard_whole
+from ddpkit.parallel.zero.units import Residency, Unit, cast_floats, find_units, make_units, tensors_in
 from ddpkit.runtime.devices import comm_device
 from ddpkit.runtime.states import check_move
 
@@ -284,8 +275,10 @@ class ShardedParameters:
         self.device = torch.device(device) if device is not None else _home_device(module, process_group)
         self.mesh = make_mesh(process_group, self.device.type)
         replaced = list(module.named_parameters())  # the names are the units' (the same walk, the same order)
-        self.units = make_units(module, find_units(module, units), owner=owner, rank=self.rank,
-                                world_size=self.world_size, mesh=self.mesh, param_dtype=param_dtype)
+        self.units = make_units(module, find_units(module, units), owner=owner, world_size=self.world_size,
+                                param_dtype=param_dtype)
+        for u in self.units:  # every parameter replaced, in every module that registers it, by this rank's shard
+            home(u, [q.param for q in u.params], self.mesh, self.rank)
         by_name = {q.name: q for u in self.units for q in u.params}
         self._replaced = {id(p): by_name[n] for n, p in replaced}
         """id of each parameter wrapping replaced -> its unit parameter (:meth:`shard_of`)."""

@@ -10,14 +10,10 @@ Units
 Parameters
     Each parameter is cut along its first dimension as ``torch.chunk`` cuts it
     (FSDP2's layout): rank ``r`` holds rows ``r * c`` to ``(r + 1) * c`` of it,
-    ``c = ceil(rows / W)`` (the last ranks may hold fewer rows, or none). The
-    model's parameter becomes a ``DTensor`` (``Shard(0)``) whose local tensor
-    is those rows, so it keeps its true shape and ``dim()`` for the code that
-    reads them (initialisers, "decay what has ``dim() >= 2``") and torch's own
-    tools (``clip_grad_norm_``, ``GradScaler``) see the whole model. A
+    ``c = ceil(rows / W)`` (the last ranks may hold fewer rows, or none). A
     parameter with no dimension (a learned temperature) is held whole by every
-    rank (``Replicate()``) and averaged like the rest. Without a process group
-    (a world of one) the parameters stay plain tensors.
+    rank and averaged like the rest. How a rank holds its rows (as the model's
+    parameter, a ``DTensor``) is :mod:`ddpkit.parallel.zero.placement`'s.
 The unit's flat layouts
     A rank's *part* of a unit is its rows of each parameter, each padded to
     ``c`` rows (:attr:`UnitParam.piece` elements, at :attr:`UnitParam.offset`):
@@ -41,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -50,7 +45,6 @@ from ddpkit.runtime.states import check_move
 __all__ = [
     "CONTAINERS",
     "SEPARATE_BYTES",
-    "SHARD_MARK",
     "RESIDENCY_MOVES",
     "Launched",
     "Residency",
@@ -58,21 +52,12 @@ __all__ = [
     "UnitParam",
     "cast_floats",
     "find_units",
-    "home",
-    "in_part",
-    "like_param",
-    "local_of",
-    "make_mesh",
     "make_units",
-    "shard_tensor",
-    "shard_whole",
     "tensors_in",
 ]
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 """The containers whose children are the default units."""
-SHARD_MARK = "_ddpkit_zero3_shard"
-"""The attribute set on the parameters this engine makes (a module wrapped twice is refused by it)."""
 SEPARATE_BYTES = 4 << 20
 """A parameter this large (whole) is gathered and reduced on its own: one collective more, and no copy of it.
 Measured (``ddpkit bench --zero``, world 4, transformer of 1 MiB matrices): at 1 MiB the collectives more cost more
@@ -263,105 +248,6 @@ class Unit:
         return buffer[start: start + q.numel].view(q.shape)
 
 
-def local_of(param: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of a stage-3 parameter (a DTensor's local rows; a plain tensor itself)."""
-    to_local = getattr(param, "to_local", None)
-    if to_local is None:
-        return param
-    with torch.no_grad():
-        return to_local()
-
-
-def like_param(local: torch.Tensor, q: UnitParam, mesh: Any) -> torch.Tensor:
-    """``local`` (this rank's rows of a tensor shaped as ``q``) laid out as parameter ``q`` is: a DTensor of its
-    placement (``q`` itself without a mesh)."""
-    if mesh is None:
-        return local.view(q.shape)
-    from torch.distributed.tensor import DTensor
-
-    p = q.param
-    return DTensor.from_local(local, mesh, p.placements, run_check=False, shape=q.shape, stride=p.stride())
-
-
-def make_mesh(group: dist.ProcessGroup | None, device_type: str) -> Any:
-    """The one-dimensional device mesh of ``group`` the DTensor parameters live on (``None`` without a group)."""
-    if group is None:
-        return None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device_type)
-
-
-def shard_tensor(whole: torch.Tensor, q: UnitParam, mesh: Any, rank: int) -> torch.Tensor:
-    """This rank's rows of ``whole`` (shaped as ``q``; copied, so that ``whole`` may go), held as the model's
-    parameter ``q`` is held: a DTensor (a plain tensor without a mesh)."""
-    if mesh is None:
-        return whole.detach()
-    with torch.no_grad():
-        if q.replicated:
-            local = whole.detach().clone()
-        else:
-            a, b = q.local_rows(rank)
-            local = whole.detach()[a:b].clone()
-        return _dtensor(local, q, mesh)
-
-
-@torch.no_grad()
-def home(u: Unit, wholes: list[torch.Tensor], mesh: Any, rank: int) -> None:
-    """Make the unit's parameters of ``wholes`` (one whole tensor per parameter, in order): this rank's rows of
-    each, copied into a new part buffer, the parameters views of it, registered in every module that uses them."""
-    first = wholes[0]
-    u.dtype, u.device = first.dtype, first.device
-    u.part = torch.zeros(u.part_numel, dtype=first.dtype, device=first.device)
-    for q, whole in zip(u.params, wholes):
-        shape = q.local_shape(rank)
-        local = u.part[q.offset: q.offset + shape.numel()].view(shape)
-        if q.replicated:
-            local.copy_(whole.detach())
-        else:
-            a, b = q.local_rows(rank)
-            local.copy_(whole.detach()[a:b])
-        param = nn.Parameter(local if mesh is None else _dtensor(local, q, mesh), requires_grad=whole.requires_grad)
-        setattr(param, SHARD_MARK, True)
-        for m, attr in q.owners:
-            m._parameters[attr] = param
-    u.homed = []
-
-
-def in_part(u: Unit, rank: int) -> bool:
-    """Whether every parameter's local tensor is still its view of :attr:`Unit.part` (nothing replaced it)."""
-    if u.part is None:
-        return False
-    current = [q.param for q in u.params]
-    if len(current) == len(u.homed) and all(a is b for a, b in zip(current, u.homed)):
-        return True  # the objects :func:`home` made (a DTensor's local tensor cannot be swapped under it)
-    base, size = u.part.data_ptr(), u.part.element_size()
-    for q, p in zip(u.params, current):
-        local = local_of(p)
-        if local.dtype != u.part.dtype or local.device != u.part.device or (
-                local.numel() and local.data_ptr() != base + q.offset * size):
-            u.part = None  # a parameter has memory of its own now: copy every time, keep no second copy
-            u.homed = []
-            return False
-    u.homed = current
-    return True
-
-
-def _dtensor(local: torch.Tensor, q: UnitParam, mesh: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    stride = torch.empty(q.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Replicate() if q.replicated else Shard(0)], run_check=False,
-                              shape=q.shape, stride=stride)
-
-
-def shard_whole(whole: torch.Tensor, q: UnitParam, mesh: Any, rank: int, requires_grad: bool) -> nn.Parameter:
-    """The parameter ``q`` made of ``whole``: :func:`shard_tensor` as an ``nn.Parameter``, marked as a shard."""
-    param = nn.Parameter(shard_tensor(whole, q, mesh, rank), requires_grad=requires_grad)
-    setattr(param, SHARD_MARK, True)
-    return param
-
-
 def _walk(module: nn.Module, named: list[tuple[str, nn.Module]], owner: str
           ) -> tuple[list[list[nn.Parameter]], dict[int, list[tuple[nn.Module, str]]], dict[int, list[str]]]:
     """Each unit's parameters (the root unit first) in registration order, and where each is registered."""
@@ -397,11 +283,11 @@ def _walk(module: nn.Module, named: list[tuple[str, nn.Module]], owner: str
     return by_unit, owners, names
 
 
-def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: str, rank: int, world_size: int,
-               mesh: Any, param_dtype: torch.dtype | None) -> list[Unit]:
-    """The root unit (index 0, when it holds parameters), then one unit per module of ``named``; every parameter
-    of ``module`` is replaced, in every module that registers it, by this rank's shard of it (see the module
-    notes). A parameter on the meta device stays there (see :mod:`ddpkit.parallel.zero.materialize`)."""
+def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: str, world_size: int,
+               param_dtype: torch.dtype | None) -> list[Unit]:
+    """The root unit (index 0, when it holds parameters), then one unit per module of ``named``, each laid out
+    for ``world_size`` ranks (see the module notes); the parameters are still the module's own, until
+    :func:`ddpkit.parallel.zero.placement.home` makes them this rank's shards."""
     by_unit, owners, names = _walk(module, named, owner)
     units = []
     for u, members in enumerate(by_unit):
@@ -430,9 +316,7 @@ def make_units(module: nn.Module, named: list[tuple[str, nn.Module]], *, owner: 
         full = torch.empty(part_numel * world_size, dtype=param_dtype or first.dtype, device=first.device)
         if not full.is_meta:
             full.untyped_storage().resize_(0)  # gathered when first needed
-        unit = Unit(len(units), name, unit_module, layout, part_numel, full, small=small)
-        home(unit, members, mesh, rank)
-        units.append(unit)
+        units.append(Unit(len(units), name, unit_module, layout, part_numel, full, small=small))
     return units
 
 

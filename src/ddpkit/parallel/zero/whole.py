@@ -18,7 +18,8 @@ from torch import nn
 
 from ddpkit.parallel.zero.flat import all_gather_flat
 from ddpkit.parallel.zero.gathering import pack_part
-from ddpkit.parallel.zero.units import Unit, UnitParam, local_of, shard_tensor
+from ddpkit.parallel.zero.placement import local_of, shard_tensor
+from ddpkit.parallel.zero.units import Unit, UnitParam
 from ddpkit.runtime import events
 
 __all__ = ["full_state", "gather_whole", "indexed_params", "install_state_dict_hooks", "per_element",
