@@ -26,7 +26,7 @@ TOP = 5
 """ddpkit/__init__, cli, __main__ and the public facades (hooks, collectives) sit above everything."""
 TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
 INNER: dict[str, dict[str, int]] = {
-    "parallel": {"common": 0, "zero": 1, "ps": 1, "ddp": 2, "": 3},
+    "parallel": {"common": 0, "zero": 1, "ps": 1, "fault_tolerance": 1, "ddp": 2, "": 3},
     "bench": {"__init__.py": 0, "runners": 1, "bench_config.py": 2, "workloads.py": 3, "report": 3, "sections": 4,
               "command.py": 5},
 }

@@ -39,22 +39,24 @@ from the time it costs:
   rank that trains two shards does not move the statistics twice, and every
   rank ends each step with the same buffers (evaluations and state transfers
   agree).
-* **Deterministic mode** (``deterministic=True``): each shard's gradient is
-  kept in its own slot, and the slots are added along a fixed binary tree
-  over the shards ``0..V-1`` (:mod:`ddpkit.train.shard_tree`): each rank
-  trains a contiguous run of shards and adds the tree's nodes inside it;
-  an ordered reduce-scatter hands each rank those partial sums' slices of
-  its own block of the gradient, which it finishes along the tree and sends
-  to all. Each micro-batch runs with the RNG seeded by (seed, step, shard).
-  The sum no longer depends on which rank computed which shard, so a run
-  with any number of deaths ends **bitwise equal** to the run without one.
-  It costs ``V/n`` gradient slots per rank, room for the tree's sums (one
-  gradient per level of the tree below a rank's partial sums), and two
-  all-to-alls: the partial sums (one gradient's worth a rank
-  where ``n`` and ``V`` are powers of two; at most two nodes per level of
-  the tree otherwise) and the block sums (one), where an all-reduce is
-  handed one gradient.
-  Without it, a death changes the order of float additions:
+* **Deterministic mode** (``deterministic=True``): each shard is a
+  micro-batch of its own, and the shards' gradients are added along a fixed
+  binary tree over the shards ``0..V-1``
+  (:mod:`ddpkit.parallel.fault_tolerance.shard_tree`): each rank trains a
+  contiguous run of shards and adds the tree's nodes inside it as the shards
+  come (a stack of sums, at most one per level of the tree plus one: about
+  ``log2(V/n) + 1`` gradients, not one per shard); an ordered
+  reduce-scatter hands each rank those partial sums' slices of its own
+  block of the gradient, which it finishes along the tree and sends to all.
+  Each micro-batch runs with the RNG seeded by (seed, step, shard). The sum
+  no longer depends on which rank computed which shard, so a run with any
+  number of deaths ends **bitwise equal** to the run without one. Beside
+  the stack it keeps the exchange's room (the partial sums sent and
+  received: one gradient's worth each where ``n`` and ``V`` are powers of
+  two, at most two nodes per level of the tree otherwise; the block sums,
+  one; two results in turn), and it sends two all-to-alls where an
+  all-reduce is handed one gradient.
+  Without the deterministic mode, a death changes the order of float additions:
   the result is within reduction-order noise of the run without a failure.
   At ``V`` = the world size and before any death, the default mode trains
   exactly the batches of a ``DistributedSampler`` job and its gradients
@@ -85,11 +87,9 @@ death fails the job as under DDP.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import io
 import json
-import math
 import random
 import sys
 import time
@@ -103,15 +103,15 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
-from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
-from ddpkit.comm import bucket_hooks
-from ddpkit.comm.bucket_hooks import AllReduceState
+from ddpkit.comm.bucket import CommHook
 from ddpkit.data.shards import VirtualShards
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
+from ddpkit.parallel.fault_tolerance.hook_reduction import HookReduction, hook_state, wire_dtype
+from ddpkit.parallel.fault_tolerance.ordered_sum import OrderedSum
+from ddpkit.parallel.fault_tolerance.shard_tree import ShardTree
 from ddpkit.runtime import events, membership
 from ddpkit.runtime.group import init
 from ddpkit.runtime.membership import MembershipChanged, View
-from ddpkit.train.shard_tree import ShardTree
 
 __all__ = ["FaultTolerance", "Step"]
 
@@ -334,19 +334,13 @@ class FaultTolerance:
         """The two send buffers steps take in turn (:meth:`new_buffer`)."""
         self._tree: ShardTree | None = None
         """The deterministic mode's tree at the current world size (:meth:`tree`)."""
-        self._scratch: tuple[list[torch.Tensor], ...] = ([], [], [])
-        """The deterministic mode's room for the tree's sums of halves (gradients, blocks) and for a partial sum to
-        cut into blocks, kept with the exchange buffers."""
-        self._exchange: list[torch.Tensor] = []
-        """The deterministic mode's exchange buffers (:meth:`_ordered_sum`), kept from step to step (fresh ones
-        would be new pages every step); dropped with the send buffers on a membership change."""
-        self._wire: list[torch.Tensor] = []
-        """The deterministic mode's room for a dtype hook: the rows in its dtype, and two float32 results in turn."""
-        self._hook_buckets: list[GradBucket] = []
-        """The wrapper's buckets as its comm hook sees them (:meth:`_reduce_through`), made anew with the send
-        buffers after a membership change (an abandoned hook may still write them)."""
-        self._written: set[tuple[int, int]] = set()
-        """(row, parameter) pairs of the current buffer a micro-batch wrote."""
+        self._ordered = OrderedSum(self.device)
+        """The deterministic mode's reduction along the tree, with its room kept from step to step."""
+        self._hooked: HookReduction | None = None
+        """The wrapper's buckets as its comm hook sees them (:meth:`_reduce_through`), made anew after a
+        membership change (an abandoned hook may still write them)."""
+        self._written: set[int] = set()
+        """The summed mode: the parameters whose gradient a micro-batch of this step wrote into its buffer."""
         self.step_buffers: list[torch.Tensor] = []
         """The buffers as the current step found them."""
         self.committed = 0
@@ -504,30 +498,36 @@ class FaultTolerance:
 
         Summed mode, one vector: the weighted gradients (all of this rank's shards added), the sample count of
         each shard, for each parameter how many micro-batches gave it a gradient, the module's buffers (rank 0's;
-        zeros elsewhere, so the sum is rank 0's exactly), the caller's values. Deterministic mode, one row per
-        shard this rank trains (row ``k``: the ``k``-th of its run of the tree) of the same parts, a single count, the
-        buffers and values on row 0.
+        zeros elsewhere, so the sum is rank 0's exactly), the caller's values. Two buffers take turns (``.grad``
+        is a view into the last step's while this step's fills), allocated anew after a membership change: an
+        abandoned operation may still hold the old ones.
 
-        Two buffers take turns (``.grad`` is a view into the last step's while this step's fills), allocated
-        anew after a membership change: an abandoned operation may still hold the old ones.
+        Deterministic mode, the bookkeeping alone, one row per shard this rank trains (row ``k``: the ``k``-th of
+        its run of the tree): its sample count and parameter marks, the buffers and values on row 0. The
+        gradients go to the tree's sums as each shard is trained (:meth:`harvest`), so that a rank never holds
+        its shards' gradients all at once.
         """
         end = self._layout()[-1]
         if self.deterministic:
-            shape: tuple[int, ...] = (max(len(run) for run in self.tree().runs), end)
+            tree = self.tree()
+            shape: tuple[int, ...] = (max(len(run) for run in tree.runs), end)
+            wire = wire_dtype(self._comm_hook_function()) or torch.float32
+            self._ordered.start(tree, self.rank, self.numel, self.group is not None and self.world_size > 1, wire)
         else:
             shape = (end,)
         if not self._pool or self._pool[0].shape != shape:
             self._pool = [torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._pool.reverse()
         buffer = self._pool[0]
-        buffer[..., self.numel :] = 0
+        buffer[..., 0 if self.deterministic else self.numel :] = 0
         self._written = set()
         return buffer
 
     def _layout(self) -> tuple[int, int, int, int, int]:
         """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end (its
-        last word: whether this rank knows of members joining, :meth:`reduce`)."""
-        counts = self.numel
+        last word: whether this rank knows of members joining, :meth:`reduce`). The summed mode's row begins
+        with the gradients; the deterministic mode's holds the bookkeeping alone."""
+        counts = 0 if self.deterministic else self.numel
         marks = counts + (1 if self.deterministic else self.shards.virtual_shards)
         buffers = marks + len(self.params)
         words = (self._buffer_spans[-1] if self._buffer_spans else 0) // 4 if self.deterministic else 0
@@ -549,16 +549,19 @@ class FaultTolerance:
 
     def harvest(self, buffer: torch.Tensor, k: int, samples: Mapping[int, int], total: int) -> None:
         """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
-        ``buffer``, its gradients weighted by its share of the step; ``.grad`` cleared for the next one."""
+        ``buffer`` (the deterministic mode: its gradient into the tree's sums), its gradients weighted by its
+        share of the step; ``.grad`` cleared for the next one."""
         weight = sum(samples.values()) / total
         if not self.deterministic and self._comm_hook_function() is not None:  # a hook divides by the world size
             weight = sum(samples.values()) * self.world_size / total  # 1.0 exactly at an even split: DDP's bits
         counts, marks = self._layout()[:2]
         if self.deterministic:
             row = buffer[k]
-            [row[counts]] = samples.values()
+            [(shard, trained)] = samples.items()  # a micro-batch per shard
+            row[counts] = trained
+            grads = self._ordered.leaf(shard)
         else:
-            row = buffer
+            row = grads = buffer
             for shard, n in samples.items():
                 row[counts + shard] = n
         offset = 0
@@ -568,26 +571,27 @@ class FaultTolerance:
                 if grad.is_sparse:
                     raise ValueError("FaultTolerance reduces dense gradients; a parameter has a sparse one "
                                      "(nn.Embedding(sparse=True)?): make it dense (sparse=False)")
-                slot = (k if self.deterministic else 0, i)
-                if slot not in self._written:  # the first gradient of this parameter in the row: write, not add
-                    torch.mul(grad.reshape(-1), weight, out=row[offset : offset + n])
-                    self._written.add(slot)
+                if self.deterministic or i not in self._written:  # the first gradient here: write, not add
+                    torch.mul(grad.reshape(-1), weight, out=grads[offset : offset + n])
+                    self._written.add(i)
                 else:
-                    row[offset : offset + n].add_(grad.reshape(-1), alpha=weight)
+                    grads[offset : offset + n].add_(grad.reshape(-1), alpha=weight)
                 row[marks + i] += 1
+            elif self.deterministic:  # every element of a shard's slot is written
+                grads[offset : offset + n].zero_()
             offset += n
             p.grad = None
+        if self.deterministic:
+            self._ordered.push()
 
     def _zero_unwritten(self, buffer: torch.Tensor) -> None:
-        """Zero the gradients' part of what no micro-batch of this step wrote (a parameter without a gradient,
-        a shard without samples): the buffer is reused, so it holds an older step's numbers there."""
-        rows = buffer if self.deterministic else buffer.unsqueeze(0)
-        for k, row in enumerate(rows):
-            offset = 0
-            for i, p in enumerate(self.params):
-                if (k, i) not in self._written:
-                    row[offset : offset + p.numel()] = 0
-                offset += p.numel()
+        """The summed mode: zero the gradients' part of what no micro-batch of this step wrote (a parameter
+        without a gradient): the buffer is reused, so it holds an older step's numbers there."""
+        offset = 0
+        for i, p in enumerate(self.params):
+            if i not in self._written:
+                buffer[offset : offset + p.numel()] = 0
+            offset += p.numel()
 
     def reduce(self, buffer: torch.Tensor, values: torch.Tensor | None,
                step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -607,7 +611,8 @@ class FaultTolerance:
             return self._discard()
         v, p = self.shards.virtual_shards, len(self.params)
         c0, m0, b0, v0, end = self._layout()
-        self._zero_unwritten(buffer)
+        if not self.deterministic:
+            self._zero_unwritten(buffer)
         first = buffer[0] if self.deterministic else buffer
         if values is not None:
             first[v0 : v0 + values.numel()] = values.reshape(-1)
@@ -618,7 +623,7 @@ class FaultTolerance:
             first[b0:v0] = self._buffer_blob().view(torch.float32) if self.rank == 0 else 0
         try:
             if self.deterministic:
-                total = self._ordered_sum(buffer)
+                total = self._ordered_sum()
                 received = self._gather(buffer[:, c0:])  # the bookkeeping: counts, marks, buffers, values
                 counts = torch.zeros(v, dtype=torch.float32, device=self.device)
                 had = torch.zeros(p, dtype=torch.float32, device=self.device)
@@ -674,15 +679,14 @@ class FaultTolerance:
         an ``AllReduceState`` without a group), or None: no wrapper, no hook, or nothing to reduce with."""
         if self.wrapper is None or self.wrapper.reducer.comm_hook is None or self.group is None:
             return None
-        return self.wrapper.reducer.comm_hook, _hook_state(self.wrapper.comm_state, self.group)
+        return self.wrapper.reducer.comm_hook, hook_state(self.wrapper.comm_state, self.group)
 
     def _reduce_through(self, hooked: tuple[CommHook, Any], buffer: torch.Tensor) -> None:
         """The summed mode's gradients (``buffer``'s first :attr:`numel` words, each rank's weighted by its share
         of the step times the world size) reduced bucket by bucket through the wrapper's comm hook, as the
-        wrapper's engine calls it (every bucket's hook in bucket order, then each waited for), back in place."""
-        hook, state = hooked
-        offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
-        if not self._hook_buckets:
+        wrapper's engine calls it, back in place (:class:`~ddpkit.parallel.fault_tolerance.hook_reduction.
+        HookReduction`)."""
+        if self._hooked is None:
             assert self.wrapper is not None
             groups = self.wrapper.bucket_indices()
             if (sorted(i for idx in groups for i in idx) != list(range(len(self.params)))
@@ -690,26 +694,10 @@ class FaultTolerance:
                 raise ValueError("FaultTolerance over a DistributedDataParallel whose parameters that require grad "
                                  "are not the module's now (requires_grad changed after wrapping?): its buckets "
                                  "would reduce other gradients; set requires_grad before wrapping the module")
-            self._hook_buckets = [GradBucket(k, [self.params[i] for i in idx], list(idx))
-                                  for k, idx in enumerate(groups)]
-        futures = []
-        step = self._step.index if self._step is not None else None
-        for k, bucket in enumerate(self._hook_buckets):
-            torch.cat([buffer[offsets[i] : offsets[i + 1]] for i in bucket.indices], out=bucket.flat)
-            bucket.set_buffer(bucket.flat)
-            bucket.last = k == len(self._hook_buckets) - 1
-            events.collective("FaultTolerance: the comm hook's reduction of bucket {}", k, step=step,
-                              nbytes=0)  # (the hook counts its own bytes)
-            futures.append(check_hook_future(hook, hook(state, bucket), bucket))
-        self._wait(torch.futures.collect_all(futures), step=True)  # all of them, or all abandoned together
-        for bucket, future in zip(self._hook_buckets, futures):
-            value = future.value()
-            reduced = (value[0] if isinstance(value, list) else value).reshape(-1)
-            at = 0
-            for i in bucket.indices:
-                n = offsets[i + 1] - offsets[i]
-                buffer[offsets[i] : offsets[i + 1]].copy_(reduced[at : at + n])
-                at += n
+            self._hooked = HookReduction(self.params, groups)
+        hook, state = hooked
+        self._hooked(hook, state, buffer[: self.numel], lambda work: self._wait(work, step=True),
+                     self._step.index if self._step is not None else None)
 
     def _buffer_blob(self) -> torch.Tensor:
         """This rank's buffers' bytes, each at its span (:func:`_byte_spans`), as one uint8 tensor."""
@@ -734,88 +722,17 @@ class FaultTolerance:
             self._wait(self.group.broadcast([blob], _root(0)), step=True)
         return blob
 
-    def _ordered_sum(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The deterministic mode's gradient: the shards' rows of ``buffer`` (every rank's) added along the tree
-        of :meth:`tree`, whichever rank trained which, as a new tensor.
+    def _ordered_sum(self) -> torch.Tensor:
+        """The deterministic mode's gradient: every rank's shards added along the tree of :meth:`tree`,
+        whichever rank trained which, as a tensor the next step's reduction leaves intact
+        (:class:`~ddpkit.parallel.fault_tolerance.ordered_sum.OrderedSum`, which took this rank's shards in as
+        they were trained); in a dtype hook's dtype where the wrapper has one."""
+        return self._ordered.finish(self.group, self._collective)
 
-        A reduce-scatter and an all-gather, both as all-to-alls (gloo's all-to-all moves bytes about four times
-        faster than its all-gather): each rank adds the tree's nodes inside its run of shards; the gradient is
-        cut into one block per rank, and each rank receives every rank's partial sums of its own block, adds them
-        along the tree, and sends its block's sum to all. The additions are the tree's at any world size, so the
-        bits do not depend on who trained which shard; each rank receives as many gradients' worth of blocks as
-        a rank sends partial sums (one where ``n`` and ``V`` are powers of two), and one gradient.
-
-        Under a dtype hook (:data:`_DTYPE_HOOKS`) the rows are scaled and rounded to its dtype first
-        (:meth:`_to_wire`), and the tree adds and sends in it. Its buffers are kept from step to step (about
-        ``2 r + 3`` gradients' worth, ``r`` the partial sums a
-        rank sends: the send and receive layouts, the block sums sent to all, and two results in turn): ``.grad``
-        views the result, so a gradient kept from one step stays intact through the next step's reduction and
-        is overwritten by the one after, as in the summed mode.
-        """
-        tree, n, g = self.tree(), self.world_size, self.numel
-        run = tree.runs[self.rank]
-        wire = _wire_dtype(self._comm_hook_function()) or torch.float32
-        rows = buffer[:, :g] if wire == torch.float32 else self._to_wire(buffer[:, :g], wire)
-
-        def leaf(shard: int) -> torch.Tensor:
-            return rows[shard - run.start]
-
-        if self.group is None or n == 1:
-            total = tree.total({}, leaf)
-            if wire != torch.float32:
-                return self._from_wire(total)
-            return total.clone() if tree.virtual_shards == 1 else total  # a new tensor (one shard: its row)
-        width = -(-g // n)  # the block of rank b: elements [b * width, (b + 1) * width)
-        shape = (n, tree.rows, width)
-        if not self._exchange or self._exchange[0].shape != shape or self._exchange[0].dtype != wire:
-            self._exchange = [torch.zeros(shape, dtype=wire, device=self.device) for _ in range(2)] + [
-                torch.empty(n, width, dtype=wire, device=self.device) for _ in range(3)]  # kept between steps
-            self._scratch = ([], [], [])
-        send, received, blocks, *totals = self._exchange
-        for j, node in enumerate(tree.covers[self.rank]):
-            if tree.rows == 1:  # the blocks of one partial sum lie in a row as in the gradient: added in place
-                tree.add(node, {}, leaf, out=send.view(-1)[:g], scratch=self._scratch[0])  # the tail stays zero
-                continue
-            if not self._scratch[2]:  # the partial sum, cut into the blocks below
-                self._scratch[2].append(torch.empty(g, dtype=wire, device=self.device))
-            partial = tree.add(node, {}, leaf, out=self._scratch[2][0], scratch=self._scratch[0])
-            for b in range(n):
-                lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
-                send[b, j, : hi - lo] = partial[lo:hi]
-        self._announce("ordered reduction: the partial sums' blocks to their ranks", send)
-        self._wait(self.group.alltoall_base(received, send, [], []), step=True)
-        block = blocks[0]
-        tree.total({node: received[rank, j] for node, (rank, j) in tree.sent.items()},
-                   lambda shard: torch.zeros(0), out=block, scratch=self._scratch[1])  # every shard is in a partial
-        blocks[1:] = block
-        totals.reverse()  # two in turn: ``.grad`` views the last step's while this one's arrives
-        self._exchange[3:] = totals
-        total = totals[0]
-        self._announce("ordered reduction: each block's sum to all", blocks)
-        self._wait(self.group.alltoall_base(total, blocks, [], []), step=True)
-        return total.view(-1)[:g] if wire == torch.float32 else self._from_wire(total.view(-1)[:g])
-
-    def _wire_scale(self) -> float:
-        """What a dtype hook's rows are multiplied by before they are rounded to its dtype: the power of two
-        nearest ``V``, so that a shard's share of the gradient (about ``1 / V`` of it) is about the size of the
-        gradient itself, and half precision underflows no sooner than under DDP's hook (whose parts are ``1 / n``
-        of it); the tree's sums reach about ``V`` times the gradient, so it overflows that much sooner. It
-        depends on ``V`` alone: the same bits at any world size, whoever holds which shard."""
-        return 2.0 ** round(math.log2(self.shards.virtual_shards))
-
-    def _to_wire(self, rows: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-        """``rows`` times :meth:`_wire_scale`, rounded to ``wire`` once, into room kept between steps (with
-        the two float32 results that take turns, :meth:`_from_wire`)."""
-        if not self._wire or self._wire[0].shape != rows.shape or self._wire[0].dtype != wire:
-            self._wire = [torch.empty(rows.shape, dtype=wire, device=self.device)] + [
-                torch.empty(rows.shape[1], dtype=torch.float32, device=self.device) for _ in range(2)]
-        return torch.mul(rows, self._wire_scale(), out=self._wire[0])  # scaled in float32, then rounded
-
-    def _from_wire(self, total: torch.Tensor) -> torch.Tensor:
-        """The tree's ``total`` in a hook's dtype back in float32, unscaled (both exact), into the result that
-        the last step's ``.grad`` does not view."""
-        self._wire[1:] = self._wire[:0:-1]
-        return self._wire[1].copy_(total).div_(self._wire_scale())
+    def _collective(self, what: str, payload: torch.Tensor, start: Callable[[], Any]) -> None:
+        """One of the step's collectives: announced, started, waited for in the current view."""
+        self._announce(what, payload)
+        self._wait(start(), step=True)
 
     def _gather(self, send: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's rows, to every rank."""
@@ -830,10 +747,8 @@ class FaultTolerance:
         for p in self.params:
             p.grad = None
         self._pool = []  # the abandoned operation may still read or write them
-        self._hook_buckets = []
-        self._exchange = []
-        self._wire = []
-        self._scratch = ([], [], [])
+        self._hooked = None
+        self._ordered.drop()
         self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
         return None
@@ -1025,8 +940,8 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
 
     Raises:
         ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook in the deterministic
-            mode other than the dtype hooks (:data:`_DTYPE_HOOKS`) or with a state of its own
-            (:func:`_hook_state`), or buffers kept per rank: each named, with the fix.
+            mode other than the dtype hooks (``hook_reduction.DTYPE_HOOKS``) or with a state of its own
+            (``hook_reduction.hook_state``), or buffers kept per rank: each named, with the fix.
     """
     model = _compiled(model)  # torch.compile(DDP(module)): the wrapper it compiled
     if not isinstance(model, DistributedDataParallel):
@@ -1049,14 +964,14 @@ def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataP
                          "job (the world, or under --on-failure continue its members); wrap without process_group")
     if model.reducer.comm_hook is not None:
         hook = model.reducer.comm_hook
-        if deterministic and _wire_dtype(hook) is None:
+        if deterministic and wire_dtype(hook) is None:
             name = f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', repr(hook))}"
             raise ValueError(f"FaultTolerance(deterministic=True) over a DistributedDataParallel with the comm hook "
                              f"{name}: the mode adds the shards along its fixed tree, so it runs the hooks that only "
                              "change the dtype (ddpkit's or torch's fp16_compress_hook, bf16_compress_hook, "
                              "allreduce_hook), in that dtype; any other would reduce each rank's sum of its shards, "
                              "whose rounding depends on who holds which; use one of those, or deterministic=False")
-        _hook_state(model.comm_state, None)
+        hook_state(model.comm_state, None)
     if not model.forward_sync_buffers and any(True for _ in model.module.buffers()):
         raise ValueError("FaultTolerance over DistributedDataParallel(broadcast_buffers=False) (or "
                          "forward_sync_buffers=False) with a model that has buffers: every member must hold the same "
@@ -1069,50 +984,6 @@ def _compiled(model: torch.nn.Module) -> torch.nn.Module:
     """What ``torch.compile`` compiled, for a compiled module (whose state is that module's); else ``model``."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) else model
-
-
-def _hook_state(state: Any, group: dist.ProcessGroup | None) -> Any:
-    """What the mode calls a comm hook with, given the ``state`` it was registered with: the step's ``group``
-    in place of None (the world, which the members are) or of an ``AllReduceState``'s missing group. Outside
-    the mode the world's group stands too (it is the mode's group there).
-
-    Raises:
-        ValueError: any other state (a group of its own, PowerSGD's, the link's choice): under ``--on-failure
-            continue`` the members' group changes with each death, and a state made for one group (PowerSGD's
-            error feedback and matrices sized to it too) cannot follow.
-    """
-    if state is None or (dist.is_initialized() and state is dist.group.WORLD):
-        return group
-    if isinstance(state, AllReduceState) and state.group in (None, dist.group.WORLD):
-        if state.algorithm != "native":
-            raise ValueError(f"FaultTolerance over a DistributedDataParallel whose comm hook has "
-                             f"AllReduceState(algorithm={state.algorithm!r}): ddpkit's own all-reduce algorithms run "
-                             "in the hook's call, where a death could not end the wait; use algorithm='native'")
-        return dataclasses.replace(state, group=group)
-    raise ValueError(f"FaultTolerance over a DistributedDataParallel whose comm hook has the state "
-                     f"{type(state).__module__}.{type(state).__qualname__}: the mode reduces over its members' group "
-                     "(under --on-failure continue it changes with each death) and gives a hook that group as its "
-                     "state; register the hook with the state None (or an AllReduceState without a group): "
-                     "fp16_compress_hook, bf16_compress_hook, allreduce_hook, torch's default hooks; PowerSGD and "
-                     "comm='auto' keep a state per group and do not run under the mode")
-
-
-_DTYPE_HOOKS = {"allreduce_hook": torch.float32, "fp16_compress_hook": torch.float16,
-                "bf16_compress_hook": torch.bfloat16}
-"""The comm hooks that only change the dtype of the reduction, by name, with that dtype: ddpkit's
-(:mod:`ddpkit.comm.bucket_hooks`) and torch's of the same names, which the deterministic mode runs as its
-tree's additions in that dtype."""
-_TORCH_HOOKS_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
-
-
-def _wire_dtype(hook: CommHook | None) -> torch.dtype | None:
-    """The dtype of the deterministic mode's tree under ``hook`` when it is a dtype hook (:data:`_DTYPE_HOOKS`),
-    else None."""
-    name = getattr(hook, "__name__", None)
-    if not isinstance(name, str) or name not in _DTYPE_HOOKS:
-        return None
-    ours = hook is getattr(bucket_hooks, name)
-    return _DTYPE_HOOKS[name] if ours or getattr(hook, "__module__", None) == _TORCH_HOOKS_MODULE else None
 
 
 def _name_hash(name: str) -> int:

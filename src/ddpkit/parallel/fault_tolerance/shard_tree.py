@@ -63,6 +63,29 @@ class ShardTree:
         left, right = self._halves(node)
         return self._cover(left, start, stop) + self._cover(right, start, stop)
 
+    def schedule(self, rank: int) -> list[tuple[int, bool]]:
+        """How ``rank`` adds its run's shards as they come, one at a time (:class:`~.ordered_sum.OrderedSum`):
+        for each shard of the run in order, how many of the tree's additions it completes (each adds the two
+        newest sums, left plus right: the nodes of the run's cover in post-order), and whether it completes a
+        node of :attr:`covers` (a partial sum to send). A stack of sums then never holds more than one sum per
+        level of the tree, plus one."""
+        plan: list[tuple[int, bool]] = []
+
+        def visit(node: Node) -> None:
+            if node[1] - node[0] == 1:
+                plan.append((0, False))
+                return
+            left, right = self._halves(node)
+            visit(left)
+            visit(right)
+            merges, done = plan[-1]
+            plan[-1] = (merges + 1, done)
+
+        for node in self.covers[rank]:
+            visit(node)
+            plan[-1] = (plan[-1][0], True)
+        return plan
+
     def owner(self, shard: int) -> tuple[int, int]:
         """The rank that trains ``shard`` and its place among that rank's shards."""
         rank = next(r for r, run in enumerate(self.runs) if shard in run)
