@@ -3,6 +3,10 @@ one (ordered_sum), without processes."""
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
@@ -125,3 +129,68 @@ def test_the_ordered_sum_of_one_rank_has_the_trees_bits_in_room_kept_from_step_t
         assert torch.equal(results[-1], expected)
     assert results[0].data_ptr() == results[2].data_ptr() != results[1].data_ptr()  # two in turn, kept
     assert len(summed._slots) <= v.bit_length() + 1
+
+
+class _Threads:
+    """An all-to-all among threads, one per rank: what OrderedSum's ranks hand each other, without processes."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.barrier, self.sent = n, threading.Barrier(n, timeout=30), [torch.empty(0)] * n
+
+    def of(self, rank: int) -> Any:
+        threads = self
+
+        class Group:
+            def alltoall_base(self, out: torch.Tensor, send: torch.Tensor, *splits: Any) -> Any:
+                threads.sent[rank] = send.clone()
+                threads.barrier.wait()
+                for source in range(threads.n):
+                    out[source].copy_(threads.sent[source][rank])
+                threads.barrier.wait()
+                return SimpleNamespace(wait=lambda: None)
+
+        return Group()
+
+
+@pytest.mark.parametrize("numel", [7, 257])
+@pytest.mark.parametrize("wire", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("v, n", [(2, 2), (8, 2), (5, 3), (6, 3), (6, 4), (12, 5), (16, 4)])
+def test_the_ordered_sum_over_ranks_has_one_ranks_bits(v: int, n: int, wire: torch.dtype, numel: int) -> None:
+    """n ranks (threads) exchanging their partial sums: every rank's result has the bits of the tree's total of
+    all leaves at a world of one, with rows > 1 and = 1 (the send row as the stack's bottom, a tail past the
+    gradient when n does not divide it), shards without samples skipped, and the last step's result intact."""
+    tree, threads = ShardTree(v, n), _Threads(n)
+    sums = [OrderedSum(torch.device("cpu")) for _ in range(n)]
+    g = torch.Generator().manual_seed(v * 31 + n)
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+    for step, skipped in enumerate([(), (0, v - 1), tuple(range(1, v, 2))]):
+        leaves = [torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 3, (numel,), generator=g) / 1e3
+                  for _ in range(v)]
+        for shard in skipped:
+            leaves[shard] = torch.zeros(numel)
+        scale = wire_scale(v)
+        rounded = [(leaf * scale).to(wire) for leaf in leaves]
+        expected = (ShardTree(v, 1).total({}, rounded.__getitem__).float() / scale if wire != torch.float32
+                    else ShardTree(v, 1).total({}, leaves.__getitem__))
+        results: list[torch.Tensor | None] = [None] * n
+
+        def rank(r: int) -> None:
+            summed = sums[r]
+            summed.start(tree, r, numel, exchange=True, wire=wire)
+            for shard in tree.runs[r]:
+                if shard not in skipped:
+                    summed.leaf(shard).copy_(leaves[shard])
+                    summed.push()
+            results[r] = summed.finish(threads.of(r), lambda what, payload, start: start().wait())
+
+        workers = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        for r in range(n):
+            result = results[r]
+            assert result is not None and torch.equal(result, expected), (step, r)
+            if kept[r]:  # ``.grad`` views the last step's result while this one's arrives
+                assert torch.equal(kept[r][-1][0], kept[r][-1][1]), (step, r)
+            kept[r].append((result, result.clone()))

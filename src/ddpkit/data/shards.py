@@ -5,7 +5,7 @@ rank loses that rank's share. Here the unit is the *virtual shard*: the
 global batch of step ``s`` is cut into ``V`` shards, fixed by the step alone,
 and rank ``r`` of ``n`` trains shards ``r, r + n, r + 2n, ...`` of it (the
 deterministic mode of fault tolerance deals contiguous runs of shards
-instead, the runs of its tree of additions: ``ddpkit.train.shard_tree``). A
+instead, the runs of its tree of additions: ``ddpkit.parallel.fault_tolerance.shard_tree``). A
 membership change moves shards between ranks, never samples between steps,
 so every sample of an epoch is trained exactly once at any world size, and
 the sampler's whole state is the step number.

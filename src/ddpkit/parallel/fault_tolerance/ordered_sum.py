@@ -47,7 +47,8 @@ class OrderedSum:
     gradient, float32) and taken in with :meth:`push`, which does at once the tree's additions it completes
     (:meth:`ShardTree.schedule`), so that the shards' gradients are never all held: a stack holds at most one
     sum per level of the tree, plus one; :meth:`finish` exchanges the partial sums and returns the total.
-    Where a rank sends one partial sum, its stack's bottom is the send buffer itself.
+    Where every rank sends one partial sum (``tree.rows == 1``: ``n`` and ``V`` powers of two), the stack's bottom
+    is the send buffer itself.
 
     Its room (the stack, the exchange: the send and receive layouts, the block sums sent to all, and two results
     in turn; with a dtype hook a float32 leaf) is kept between steps, since fresh buffers would be new pages every
@@ -61,7 +62,7 @@ class OrderedSum:
         self._exchange: list[torch.Tensor] = []
         """send, receive, the block sums sent to all, and two results in turn."""
         self._slots: list[torch.Tensor] = []
-        """The stack's room, in the wire dtype (slot 0 a view of the send buffer where a rank sends one sum)."""
+        """The stack's room, in the wire dtype (slot 0 a view of the send buffer where every rank sends one sum)."""
         self._staged: torch.Tensor | None = None
         """Under a dtype hook: the float32 leaf, scaled and rounded into the stack by :meth:`push`."""
         self._scratch: list[torch.Tensor] = []
@@ -152,7 +153,7 @@ class OrderedSum:
         return summed if wire == torch.float32 else self._unscaled(summed)
 
     def _slot(self, depth: int) -> torch.Tensor:
-        """The stack's room at ``depth`` (the send buffer's row itself at the bottom where a rank sends one)."""
+        """The stack's room at ``depth`` (at the bottom the send buffer's row itself where every rank sends one sum)."""
         while len(self._slots) <= depth:
             if not self._slots and self._exchange and self._exchange[0].shape[1] == 1:
                 self._slots.append(self._exchange[0].view(-1)[: self._numel])  # the tail stays zero
@@ -177,7 +178,7 @@ class OrderedSum:
             self._total = partial  # a world of one: the root
             return
         send, n, g = self._exchange[0], self._tree.world_size, self._numel
-        if send.shape[1] > 1:  # cut into the blocks (with one partial sum a rank, the bottom slot is the send row)
+        if send.shape[1] > 1:  # cut into the blocks (with one partial sum every rank, the bottom slot is the send row)
             width = send.shape[2]
             for b in range(n):
                 lo, hi = min(b * width, g), min((b + 1) * width, g)  # a tiny gradient leaves the last blocks empty
