@@ -890,6 +890,17 @@ def test_a_comm_hook_the_mode_cannot_wait_on_is_refused_by_name() -> None:
     hooked.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
     ft = ddpkit.FaultTolerance(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), data, batch_size=8)
     assert ft.configuration["comm_hook"] != 0  # compared with every member's at each agreement
+    late = ddpkit.DistributedDataParallel(torch.nn.Linear(2, 2))  # a hook registered after the mode took it
+    ft = ddpkit.FaultTolerance(late, torch.optim.SGD(late.parameters(), lr=0.1), data, batch_size=4,
+                               deterministic=True)
+
+    def custom(state, bucket):  # not a dtype hook: the tree cannot run it
+        return ddpkit.hooks.allreduce_hook(state, bucket)
+
+    late.register_comm_hook(None, custom)
+    with pytest.raises(ValueError, match=r"deterministic=True\) over a DistributedDataParallel with the comm "
+                                         r"hook .*custom: .*use one of those, or deterministic=False"):
+        next(iter(next(ft.steps(max_steps=1))))
 
 
 def _deterministic_with_a_hook(hook_name: str | None) -> dict[str, torch.Tensor]:
