@@ -53,9 +53,10 @@ from the time it costs:
   number of deaths ends **bitwise equal** to the run without one. Beside
   the stack it keeps the exchange's room (the partial sums sent and
   received: one gradient's worth each where ``n`` and ``V`` are powers of
-  two, at most two nodes per level of the tree otherwise; the block sums,
-  one; two results in turn), and it sends two all-to-alls where an
-  all-reduce is handed one gradient.
+  two, the block sums then going out in the send buffer; at most two nodes
+  per level of the tree otherwise, and the block sums, one; two results in
+  turn), and it sends two all-to-alls where an all-reduce is handed one
+  gradient.
   Without the deterministic mode, a death changes the order of float additions:
   the result is within reduction-order noise of the run without a failure.
   At ``V`` = the world size and before any death, the default mode trains

@@ -50,8 +50,9 @@ class OrderedSum:
     Where every rank sends one partial sum (``tree.rows == 1``: ``n`` and ``V`` powers of two), the stack's bottom
     is the send buffer itself.
 
-    Its room (the stack, the exchange: the send and receive layouts, the block sums sent to all, and two results
-    in turn; with a dtype hook a float32 leaf) is kept between steps, since fresh buffers would be new pages every
+    Its room (the stack, the exchange: the send and receive layouts, the block sums sent to all (in the send
+    buffer where every rank sends one sum), and two results in turn; with a dtype hook a float32 leaf) is kept
+    between steps, since fresh buffers would be new pages every
     step. ``.grad`` views the result, so a gradient kept from one step stays intact through the next step's
     reduction and is overwritten by the one after. :meth:`drop` lets it all go (after a membership change an
     abandoned operation may still write it).
@@ -60,7 +61,8 @@ class OrderedSum:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._exchange: list[torch.Tensor] = []
-        """send, receive, the block sums sent to all, and two results in turn."""
+        """send, receive, the block sums sent to all (a view of send where it is one row), and two results in
+        turn."""
         self._slots: list[torch.Tensor] = []
         """The stack's room, in the wire dtype (slot 0 a view of the send buffer where every rank sends one sum)."""
         self._staged: torch.Tensor | None = None
@@ -98,8 +100,13 @@ class OrderedSum:
             n = tree.world_size
             shape = (n, tree.rows, -(-numel // n))  # the block of rank b: elements [b * width, (b + 1) * width)
             if not self._exchange or self._exchange[0].shape != shape or self._exchange[0].dtype != wire:
-                self._exchange = [torch.zeros(shape, dtype=wire, device=self.device) for _ in range(2)] + [
-                    torch.empty(n, shape[2], dtype=wire, device=self.device) for _ in range(3)]
+                send, received = (torch.zeros(shape, dtype=wire, device=self.device) for _ in range(2))
+                # The block sums sent to all: in the send buffer itself where it is one row (free again once the
+                # partial sums arrived), else room of their own; then two results in turn.
+                blocks = send.view(n, shape[2]) if tree.rows == 1 else torch.empty(n, shape[2], dtype=wire,
+                                                                                    device=self.device)
+                self._exchange = [send, received, blocks] + [
+                    torch.empty(n, shape[2], dtype=wire, device=self.device) for _ in range(2)]
                 self._scratch = []
                 self._slots = []
         elif self._exchange:
@@ -149,6 +156,8 @@ class OrderedSum:
         total = totals[0]
         collective("ordered reduction: each block's sum to all", blocks,
                    lambda: group.alltoall_base(total, blocks, [], []))  # type: ignore[union-attr]
+        if blocks.data_ptr() == send.data_ptr():
+            send.view(-1)[g:].zero_()  # the tail past the gradient, which the block sums wrote, is zero again
         summed = total.view(-1)[:g]
         return summed if wire == torch.float32 else self._unscaled(summed)
 
