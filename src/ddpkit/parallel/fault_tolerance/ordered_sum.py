@@ -83,7 +83,7 @@ class OrderedSum:
         self._total: torch.Tensor | None = None
         """A world of one: the slot holding the tree's total."""
         self._turns: list[torch.Tensor] = []
-        """Two float32 results in turn, where the result is not one of the exchange's (:meth:`_results`)."""
+        """Two float32 results in turn, where the result is not one of the exchange's (:meth:`_result`)."""
 
     def drop(self) -> None:
         self._exchange, self._slots, self._staged, self._scratch, self._turns = [], [], None, [], []
@@ -159,7 +159,7 @@ class OrderedSum:
         if blocks.data_ptr() == send.data_ptr():
             send.view(-1)[g:].zero_()  # the tail past the gradient, which the block sums wrote, is zero again
         summed = total.view(-1)[:g]
-        return summed if wire == torch.float32 else self._unscaled(summed)
+        return summed if wire == torch.float32 else self._result(summed)
 
     def _slot(self, depth: int) -> torch.Tensor:
         """The stack's room at ``depth`` (at the bottom the send buffer's row itself where every rank sends one sum)."""
@@ -195,20 +195,13 @@ class OrderedSum:
         self._cover += 1
 
     def _result(self, total: torch.Tensor) -> torch.Tensor:
-        """A world of one: the total in float32 (unscaled under a dtype hook) in one of two results in turn."""
-        if self._wire != torch.float32:
-            return self._unscaled(total)
-        results = self._results()
-        return results[0].copy_(total)
-
-    def _unscaled(self, total: torch.Tensor) -> torch.Tensor:
-        """The tree's ``total`` in a hook's dtype back in float32, unscaled (both exact)."""
-        assert self._tree is not None
-        return self._results()[0].copy_(total).div_(wire_scale(self._tree.virtual_shards))
-
-    def _results(self) -> list[torch.Tensor]:
-        """Two float32 results that take turns (the last step's ``.grad`` views the other), the first this step's."""
+        """The tree's ``total`` as float32 in one of two results that take turns (the last step's ``.grad`` views
+        the other), unscaled under a dtype hook (the copy and the division both exact)."""
         if not self._turns or self._turns[0].numel() != self._numel:
             self._turns = [torch.empty(self._numel, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._turns.reverse()
-        return self._turns
+        result = self._turns[0].copy_(total)
+        if self._wire == torch.float32:
+            return result
+        assert self._tree is not None
+        return result.div_(wire_scale(self._tree.virtual_shards))
