@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 import ddpkit
 from ddpkit.comm import auto
+from ddpkit.comm.link_model import Link
+from ddpkit.comm.schemes import parse_scheme
 from ddpkit.data.datasets import load_shakespeare
 from ddpkit.models.language import GPT
 
@@ -41,8 +43,8 @@ class _Clock:
         return self.now
 
 
-def _slow_link(group, device) -> auto.Link:  # noqa: ANN001
-    return auto.Link(latency_s=0.0, seconds_per_byte=1 / 12.5e6, flops_per_s=1e10, world=2)  # 100 Mbit/s
+def _slow_link(group, device) -> Link:  # noqa: ANN001
+    return Link(latency_s=0.0, seconds_per_byte=1 / 12.5e6, flops_per_s=1e10, world=2)  # 100 Mbit/s
 
 
 def _run(rank: int, mode: str, steps: int, out: str) -> None:
@@ -54,7 +56,7 @@ def _run(rank: int, mode: str, steps: int, out: str) -> None:
     state, clock = None, _Clock()
     if mode != "exact":
         auto.time = clock
-        state = auto.AutoComm(candidates=[auto.parse_scheme("powersgd:2")], probe=_slow_link,
+        state = auto.AutoComm(candidates=[parse_scheme("powersgd:2")], probe=_slow_link,
                               guard=None if mode == "no guard" else 0.5, say=lambda line: print(line, flush=True))
         model.register_comm_hook(state, auto.auto_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -26,7 +26,7 @@ TOP = 5
 """ddpkit/__init__, cli, __main__ and the public facades (hooks, collectives) sit above everything."""
 TOP_MODULES = {"__init__", "__main__", "cli", "hooks", "collectives"}
 INNER: dict[str, dict[str, int]] = {
-    "parallel": {"common": 0, "zero": 1, "ps": 1, "fault_tolerance": 1, "ddp": 2, "": 3},
+    "parallel": {"common": 0, "zero": 1, "ps": 1, "ddp": 2, "fault_tolerance": 3, "": 3},
     "bench": {"__init__.py": 0, "runners": 1, "bench_config.py": 2, "workloads.py": 3, "report": 3, "sections": 4,
               "command.py": 5},
 }
@@ -34,7 +34,8 @@ INNER: dict[str, dict[str, int]] = {
 ``__init__.py`` too; ``""``: every other module beside them, the package's ``__init__`` among them if not named,
 one group). ``parallel/``: what several engines share (the reducer, observers, join, broadcasts), then ZeRO and the
 parameter servers, then DDP's wrapper, whose engine factory is the one place ddp/ meets zero/; the modules beside
-the folders (DataParallel, SyncBatchNorm, Horovod's optimizer, local SGD, SSP) above them. ``bench/``: the runners
+the folders (DataParallel, SyncBatchNorm, Horovod's optimizer, local SGD, SSP) above them, and beside those
+fault tolerance, which drives DDP's wrapper. ``bench/``: the runners
 (ranks, a memory cap, dispatch counted), the flags, the workloads and the report, the sections, the command
 (docs/architecture.md). Two groups of one level do not import each other (sideways)."""
 REFERENCE = "_reference"

@@ -51,7 +51,7 @@ _EXPORTS = {
     "ParameterServerOptimizer": "ddpkit.parallel.ps.optimizer",
     "StaleSynchronousOptimizer": "ddpkit.parallel.ssp",
     "TrainState": "ddpkit.train.state",
-    "FaultTolerance": "ddpkit.train.fault_tolerance",
+    "FaultTolerance": "ddpkit.parallel.fault_tolerance.steps",
     "DistributedSampler": "ddpkit.data.sampler",
     "DatasetError": "ddpkit.data.datasets",
     "CheckpointError": "ddpkit.runtime.durable",
@@ -127,4 +127,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily
     from ddpkit.runtime.spawn import WorkerError, spawn
     from ddpkit.train.checkpoint import load_checkpoint, save_checkpoint
     from ddpkit.train.state import TrainState
-    from ddpkit.train.fault_tolerance import FaultTolerance
+    from ddpkit.parallel.fault_tolerance.steps import FaultTolerance

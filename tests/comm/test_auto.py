@@ -21,7 +21,9 @@ from torch import nn
 import ddpkit
 from ddpkit.bench.sections.links.testbed import Testbed
 from ddpkit.comm import auto
-from ddpkit.comm.auto import MOVES, AutoComm, Link, Phase, Scheme, parse_comm, predict
+from ddpkit.comm.auto import MOVES, AutoComm, Phase
+from ddpkit.comm.link_model import Link, predict
+from ddpkit.comm.schemes import CANDIDATE_SPECS, Scheme, parse_comm, parse_scheme
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import TrainConfig
 
@@ -29,7 +31,7 @@ from ddpkit.train.train_config import TrainConfig
 @pytest.mark.parametrize("spec,expected", [
     ("none", Scheme("none")), ("fp16", Scheme("fp16")), ("bf16", Scheme("bf16")),
     ("powersgd:4", Scheme("powersgd", 4)), (" powersgd:12 ", Scheme("powersgd", 12)),
-    ("auto", tuple(auto.parse_scheme(s) for s in auto.CANDIDATE_SPECS)),
+    ("auto", tuple(parse_scheme(s) for s in CANDIDATE_SPECS)),
     ("auto:fp16,powersgd:2", (Scheme("fp16"), Scheme("powersgd", 2))),
     ("auto:none,fp16,fp16", (Scheme("fp16"),)),  # the exact all-reduce is always a candidate; repeats once
 ])
@@ -60,8 +62,8 @@ def _link(bytes_per_s: float, latency_s: float = 100e-6) -> Link:
 
 def test_the_cost_model_follows_the_link():
     slow, fast = _link(12.5e6), _link(10e9)  # 100 Mbit/s; 80 Gbit/s
-    at = {spec: predict(auto.parse_scheme(spec), slow, MLP) for spec in ("none", "fp16", "bf16", "powersgd:1",
-                                                                       "powersgd:4", "powersgd:8")}
+    at = {spec: predict(parse_scheme(spec), slow, MLP) for spec in ("none", "fp16", "bf16", "powersgd:1",
+                                                                  "powersgd:4", "powersgd:8")}
     assert at["powersgd:1"] < at["powersgd:4"] < at["powersgd:8"] < at["fp16"] == at["bf16"] < at["none"]
     assert at["fp16"] == pytest.approx(at["none"] / 2, rel=1e-3)  # half the bytes, latency aside
     assert at["none"] == pytest.approx(2 * 100e-6 + 4 * sum(s.numel() for b in MLP for s in b) / 12.5e6)
@@ -181,7 +183,7 @@ def _expected_trials(predicted: dict[str, float]) -> list[str]:
     """The exact all-reduce, and the three best-predicted of the candidates predicted to make the step 5 % shorter
     (one half precision: fp16's and bf16's bytes are the same); only the exact all-reduce when none is."""
     pays = sorted((s for s, p in predicted.items() if s != "none" and p <= 0.95 * predicted["none"]),
-                  key=lambda s: (predicted[s], auto.parse_scheme(s).lossiness))
+                  key=lambda s: (predicted[s], parse_scheme(s).lossiness))
     tried: list[str] = []
     for spec in pays:
         if len(tried) < 3 and not (spec in ("fp16", "bf16") and {"fp16", "bf16"} & set(tried)):
@@ -286,7 +288,7 @@ def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fak
     auto.time = clock
     lines: list[str] = []
     try:
-        state = AutoComm(candidates=[auto.parse_scheme(c) for c in candidates], probe=link, say=lines.append,
+        state = AutoComm(candidates=[parse_scheme(c) for c in candidates], probe=link, say=lines.append,
                          **kwargs)
         used = []
         for step in range(1, steps + 1):

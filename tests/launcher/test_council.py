@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from ddpkit.launcher.council import MOVES, PROTOCOL, REDIAL_S, SUSPECT_S, Council, Report, Role, take_seat
+from ddpkit.launcher.council import MOVES, REDIAL_S, SUSPECT_S, Council, Report, Role, take_seat
+from ddpkit.launcher.council_link import PROTOCOL
 
 FAST = 1.0
 """The failure timeout of most councils here (the default, SUSPECT_S, is 6 s): the mechanics, sooner."""

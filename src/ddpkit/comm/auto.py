@@ -75,218 +75,21 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import bucket_hooks, powersgd
+from ddpkit.comm.link_model import Link, predict, probe_link, slowest
+from ddpkit.comm.schemes import CANDIDATE_SPECS, Scheme, parse_scheme
 from ddpkit.runtime import events
 from ddpkit.runtime.states import check_move
 
-__all__ = ["AutoComm", "Link", "Scheme", "auto_hook", "parse_comm", "predict", "probe_link"]
+__all__ = ["AutoComm", "auto_hook"]
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("none", "fp16", "bf16", "powersgd")
-"""The reductions a spec names (``powersgd:R`` with its rank)."""
-CANDIDATE_SPECS = ("fp16", "bf16", "powersgd:1", "powersgd:2", "powersgd:4", "powersgd:8")
-"""What ``comm="auto"`` considers beside the exact all-reduce."""
 PAYS = 0.95
 """A candidate is tried only if predicted at most this fraction of the exact step."""
 NEAR = 1.05
 """A less lossy scheme within this factor of the fastest trial is preferred."""
-PROBE_LIMIT_S = 0.25
-"""The probe's sizes grow (4 KiB to 64 MiB, by 4) until one all-reduce takes this long."""
 GUARD_STEPS = 4
 """The steps at the end of each 25 whose gradient norms the guard compares (see the module notes)."""
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """One way of reducing a bucket: ``none`` (the exact all-reduce), ``fp16``, ``bf16`` or ``powersgd`` at
-    ``rank``."""
-
-    name: str
-    rank: int = 0
-
-    @property
-    def spec(self) -> str:
-        """What pins it: ``comm=`` takes this string."""
-        return f"powersgd:{self.rank}" if self.name == "powersgd" else self.name
-
-    @property
-    def lossiness(self) -> tuple[int, int]:
-        """Order of preference among near-equals: exact; half precision, bf16 before fp16 (bf16 keeps float32's
-        range, fp16 turns a gradient beyond 65,504 into inf); then PowerSGD by falling rank."""
-        return {"none": (0, 0), "bf16": (1, 0), "fp16": (1, 1)}.get(self.name, (2, -self.rank))
-
-    def check(self) -> None:
-        """Raise ``ValueError`` unless this is a reduction :func:`parse_scheme` could give."""
-        if self.name not in SCHEMES:
-            raise ValueError(f"Scheme({self.name!r}): not a reduction: use none, fp16, bf16 or powersgd")
-        ok = (isinstance(self.rank, int) and not isinstance(self.rank, bool)
-              and (self.rank >= 1 if self.name == "powersgd" else self.rank == 0))
-        if not ok:
-            raise ValueError(f"Scheme({self.name!r}, {self.rank!r}): " + (
-                "PowerSGD needs a whole rank of at least 1" if self.name == "powersgd" else "only powersgd has a rank"))
-
-
-def parse_scheme(spec: str) -> Scheme:
-    """``none``, ``fp16``, ``bf16`` or ``powersgd:R`` as a :class:`Scheme` (``ValueError`` naming the fix)."""
-    name, colon, rank = spec.strip().partition(":")
-    if name not in SCHEMES:
-        raise ValueError(f"comm={spec!r}: {name!r} is not a reduction: use none, fp16, bf16 or powersgd:R (or auto, "
-                         "alone or with a list of these)")
-    if name != "powersgd":
-        if colon:
-            raise ValueError(f"comm={spec!r}: {name} takes no ':{rank}' (only powersgd:R has a rank)")
-        return Scheme(name)
-    if not (rank.isascii() and rank.isdigit()) or int(rank) < 1:
-        raise ValueError(f"comm={spec!r}: PowerSGD needs its rank as a whole number of at least 1, e.g. powersgd:4")
-    return Scheme(name, int(rank))
-
-
-def parse_comm(spec: str) -> tuple[Scheme, ...] | Scheme:
-    """``comm=``'s value: a :class:`Scheme` (pinned), or the candidates of ``auto`` (``auto`` alone: all of
-    :data:`CANDIDATE_SPECS`; ``auto:fp16,powersgd:2``: those, the exact all-reduce always among them)."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"comm={spec!r}: give 'auto', or a reduction to pin: none, fp16, bf16 or powersgd:R")
-    head, colon, rest = spec.strip().partition(":")
-    if head != "auto":
-        return parse_scheme(spec)
-    names = [s for s in rest.split(",") if s.strip()] if colon else list(CANDIDATE_SPECS)
-    if not names:
-        raise ValueError(f"comm={spec!r}: list the candidates after 'auto:' (e.g. auto:fp16,powersgd:2) or give "
-                         "'auto' alone")
-    if any(n.strip().partition(":")[0] == "auto" for n in names):
-        raise ValueError(f"comm={spec!r}: after 'auto:' list reductions (fp16, bf16, powersgd:R), not 'auto'")
-    schemes = tuple(dict.fromkeys(s for s in (parse_scheme(n) for n in names) if s.name != "none"))
-    if not schemes:
-        raise ValueError(f"comm={spec!r} leaves nothing to choose (the exact all-reduce is always a candidate): pin it "
-                         "with comm='none', or list fp16, bf16 or powersgd:R after 'auto:'")
-    return schemes
-
-
-# ---------------------------------------------------------------- the link and the cost model
-
-
-@dataclass(frozen=True)
-class Link:
-    """The link as the group's all-reduce sees it: ``seconds = latency_s + bytes * seconds_per_byte`` (the slowest
-    rank's times), and this machine's matrix-product rate (PowerSGD's cost)."""
-
-    latency_s: float
-    seconds_per_byte: float
-    flops_per_s: float
-    world: int
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes a second that an all-reduce moves (the payload's, not the wire's)."""
-        return 1 / self.seconds_per_byte if self.seconds_per_byte > 0 else float("inf")
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes * self.seconds_per_byte
-
-    def describe(self) -> str:
-        if self.world == 1:
-            return "no link (a world of one)"
-        bw = self.bandwidth
-        rate = "unbounded" if bw == float("inf") else (f"{bw / 1e9:.2f} GB/s" if bw >= 1e9 else f"{bw / 1e6:.1f} MB/s")
-        return f"all-reduce {rate}, latency {self.latency_s * 1e6:.0f} us over {self.world} ranks"
-
-
-def _timed_all_reduces(group: Any, device: torch.device, nbytes: int, reps: int) -> list[float]:
-    t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    dist.all_reduce(t, group=group)  # warm: the connection and the buffers
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(t, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _slowest(values: Sequence[float], group: Any, device: torch.device) -> list[float]:
-    """Each value's maximum over the group: every rank then decides from the same numbers."""
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def _matmul_rate(device: torch.device) -> float:
-    """Floating-point operations a second of a float32 product the size of a PowerSGD factor's."""
-    a = torch.randn(512, 512, device=device)
-    b = torch.randn(512, 8, device=device)
-    torch.mm(a, b)
-    reps, start = 20, time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * 512 * 512 * 8 * reps / max(time.perf_counter() - start, 1e-9)
-
-
-def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 5) -> Link:
-    """Time all-reduces of 4 KiB, 16 KiB, ... (until one takes :data:`PROBE_LIMIT_S`, at most 64 MiB) over the
-    group, ``reps`` of each: the bandwidth is the least-squares slope of the slowest rank's medians over the sizes
-    of 1 MiB and more (all of them when none reached 1 MiB), the latency the smallest time of a message of 64 KiB or
-    less (noise on a small message only adds, so its fastest repetition is the truest; a shaped link's burst lets
-    a small message through at the line's rate, so its bytes' share at the sustained rate is not taken off). Every
-    rank of the group must call it at once (a series of collectives); all get the same :class:`Link`."""
-    group = group if group is not None else dist.group.WORLD
-    device = device if device is not None else torch.device("cpu")
-    world = dist.get_world_size(group)
-    if world == 1:  # one rank's all-reduce moves nothing: there is no link
-        return Link(latency_s=0.0, seconds_per_byte=0.0, flops_per_s=_matmul_rate(device), world=1)
-    sizes, medians, fastest = [], [], []
-    size = 4096
-    while size <= 64 << 20:
-        times = _timed_all_reduces(group, device, size, reps)
-        median, low = _slowest([statistics.median(times), min(times)], group, device)
-        sizes.append(size)
-        medians.append(median)
-        fastest.append(low)
-        if median >= PROBE_LIMIT_S:
-            break
-        size *= 4
-    rate = -_slowest([-_matmul_rate(device)], group, device)[0]  # the slowest rank's rate
-    big = [(x, y) for x, y in zip(sizes, medians) if x >= 1 << 20] or list(zip(sizes, medians))
-    mean_x, mean_y = statistics.fmean(x for x, _ in big), statistics.fmean(y for _, y in big)
-    var = sum((x - mean_x) ** 2 for x, _ in big)
-    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in big) / var, 0.0) if var else mean_y / mean_x
-    latency = min(t for x, t in zip(sizes, fastest) if x <= 64 << 10)
-    return Link(latency_s=latency, seconds_per_byte=slope, flops_per_s=rate, world=world)
-
-
-def predict(scheme: Scheme, link: Link, buckets: Sequence[Sequence[torch.Size]], element_size: int = 4,
-            min_compression_rate: float = 2) -> float:
-    """Seconds a step spends reducing ``buckets`` (each a list of its gradients' shapes) with ``scheme`` over
-    ``link``, one bucket after the other: each collective's latency and bytes, and PowerSGD's products."""
-    total = 0.0
-    for shapes in buckets:
-        numel = sum(s.numel() for s in shapes)
-        if scheme.name == "none":
-            total += link.seconds(numel * element_size)
-        elif scheme.name in ("fp16", "bf16"):
-            total += link.seconds(numel * min(2, element_size))
-        else:
-            plain, ps, qs, flops = 0, 0, 0, 0.0
-            r = scheme.rank
-            for s in shapes:
-                rows = s[0] if len(s) else 1
-                cols = s.numel() // rows if rows else 0
-                if len(s) >= 2 and (rows + cols) * r * min_compression_rate < rows * cols:
-                    ps, qs = ps + rows * r, qs + cols * r
-                    flops += 2 * rows * cols * r * 3 + 2 * rows * r * r  # P = MQ, Q = M^T P, M = P Q^T, P's QR
-                else:
-                    plain += s.numel()
-            total += link.seconds(plain * element_size) + link.seconds(ps * element_size)
-            total += link.seconds(qs * element_size) + flops / link.flops_per_s
-    return total
-
-
-# ---------------------------------------------------------------- the hook's state
 
 
 class Phase(enum.Enum):
@@ -592,7 +395,7 @@ class AutoComm:
         """The drift's check at a look (see the module notes): whether it re-opened the decision."""
         if self.drift is not None and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
-            [now] = _slowest([statistics.median(recent)], group, device)
+            [now] = slowest([statistics.median(recent)], group, device)
             ratio = now / self._baseline if self._baseline > 0 else 1.0
             if ratio >= self.drift or ratio <= 1 / self.drift:
                 self._tell(f"comm auto: the step went from {self._baseline * 1e3:.1f} to {now * 1e3:.1f} ms "
@@ -642,12 +445,12 @@ class AutoComm:
     def _within(period: float, seconds: float, most: int, least: int, group: Any, device: torch.device) -> int:
         """Steps of a phase that fit in ``seconds`` at the slowest rank's ``period``, from ``least`` to ``most``
         (a collective: every rank calls it at the same step, and all get the same number)."""
-        [slowest] = _slowest([period], group, device)
-        return min(most, max(least, math.ceil(seconds / slowest) if slowest > 0 else most))
+        [longest] = slowest([period], group, device)
+        return min(most, max(least, math.ceil(seconds / longest) if longest > 0 else most))
 
     def _after_start(self, group: Any, device: torch.device) -> None:
         starts = self._starts[-(self._since - 1):]  # the start's steps after its first (which settles in)
-        [self._exact] = _slowest([statistics.median(b - a for a, b in itertools.pairwise(starts))], group, device)
+        [self._exact] = slowest([statistics.median(b - a for a, b in itertools.pairwise(starts))], group, device)
         self._done, self._queue = [], []
         self._predicted = {Scheme("none"): self._exact}
         if dist.get_world_size(group) == 1:  # nothing to reduce, nothing to choose
@@ -682,7 +485,7 @@ class AutoComm:
 
     def _decide(self, group: Any, device: torch.device) -> None:
         done = self._done or [_Trial(Scheme("none"), [self._exact])]
-        medians = _slowest([statistics.median(t.periods) if t.periods else float("inf") for t in done], group,
+        medians = slowest([statistics.median(t.periods) if t.periods else float("inf") for t in done], group,
                            device)
         fastest = min(medians)
         chosen_index = min((t.scheme.lossiness, i) for i, (t, m) in enumerate(zip(done, medians))
@@ -758,16 +561,3 @@ def _stderr(line: str) -> None:
 def auto_hook(state: AutoComm, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce ``bucket`` as :class:`AutoComm` decides (for ``register_comm_hook(AutoComm(...), auto_hook)``)."""
     return state.reduce(bucket)
-
-
-def pinned(scheme: Scheme, process_group: Any = None,
-           powersgd_start: int = 10) -> tuple[Any, Callable[..., Any]] | None:
-    """``(state, hook)`` that reduce with ``scheme`` from the first step (``comm="fp16"`` and the like; PowerSGD
-    after ``powersgd_start`` exact steps), or None for ``none``: DDP without a hook."""
-    if scheme.name == "none":
-        return None
-    if scheme.name == "powersgd":
-        return (powersgd.PowerSGDState(process_group, matrix_approximation_rank=scheme.rank,
-                                       start_powerSGD_iter=powersgd_start), powersgd.powersgd_hook)
-    return process_group, {"fp16": bucket_hooks.fp16_compress_hook, "bf16": bucket_hooks.bf16_compress_hook}[
-        scheme.name]

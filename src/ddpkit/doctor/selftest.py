@@ -24,7 +24,7 @@ bandwidth
     bandwidth counts the 2(n-1)/n of the data a ring moves per rank). A
     world of one has no bus: it says so, with the time of the call alone;
 comm auto
-    the link as ``comm="auto"`` measures it (:func:`ddpkit.comm.auto.probe_link`:
+    the link as ``comm="auto"`` measures it (:func:`ddpkit.comm.link_model.probe_link`:
     latency and bandwidth of the all-reduce), what its cost model predicts a
     step's reduction of a 25 M-parameter model (:data:`REFERENCE_SHAPES`, in
     25 MB buckets) takes exactly, in half precision and with PowerSGD at rank 4,
@@ -223,9 +223,10 @@ def describe_bandwidth(bus: dict[str, float], took: dict[str, float]) -> str:
 
 
 def _auto(torch: Any, device: Any) -> str:
-    from ddpkit.comm import auto
+    from ddpkit.comm.link_model import predict, probe_link
+    from ddpkit.comm.schemes import parse_scheme
 
-    link = auto.probe_link(None, device)
+    link = probe_link(None, device)
     shapes = [torch.Size(s) for s in REFERENCE_SHAPES]
     cap = 25 * 2**20 // 4  # elements in a 25 MB bucket
     buckets: list[list[Any]] = [[]]
@@ -233,7 +234,7 @@ def _auto(torch: Any, device: Any) -> str:
         if buckets[-1] and sum(s.numel() for s in buckets[-1]) + shape.numel() > cap:
             buckets.append([])
         buckets[-1].append(shape)
-    seconds = {spec: auto.predict(auto.parse_scheme(spec), link, buckets) for spec in ("none", "fp16", "powersgd:4")}
+    seconds = {spec: predict(parse_scheme(spec), link, buckets) for spec in ("none", "fp16", "powersgd:4")}
     return describe_auto(link.describe(), seconds)
 
 

@@ -46,20 +46,10 @@ return
     with the state from a peer. Not once training is over: then it ends as a
     node cut off does.
 
-Only the job's launchers take part. Each connection starts with a
-handshake that binds both nonces, both node ids and both roles: the dialer
-sends its node, a nonce and its :data:`PROTOCOL` (another one is refused at
-once, naming both); the answering agent checks that such a node may
-call it, then answers with its own nonce and an HMAC (keyed by the job's
-secret) of ``accept`` and that transcript; the dialer checks it and answers
-with the HMAC of ``dial`` and the same transcript. A proof made for one
-connection or role is worth nothing in another, so a process without the
-secret cannot take a seat by relaying one agent's answers to another. Each
-side then derives a session key from the secret and the transcript, and
-every later message carries its sequence number and an HMAC of both under
-that key: a forged, altered or replayed message is refused (the connection
-goes on, so an intruder in the middle can delay or drop, as a bad network
-can, but never speak for a node).
+Only the job's launchers take part: each connection proves the job's secret
+in a handshake that binds both nonces, both node ids and both roles, and
+every later message is sealed with a session key and a sequence number
+(:mod:`ddpkit.launcher.council_link`).
 """
 
 from __future__ import annotations
@@ -67,21 +57,19 @@ from __future__ import annotations
 import enum
 import hmac
 import json
-import os
 import random
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ddpkit.launcher.supervise import say
+from ddpkit.launcher.council_link import Connection, close_socket, handshake
 from ddpkit.runtime.discovery import job_key
 from ddpkit.runtime.states import check_move
 
-__all__ = ["BEAT_S", "PROTOCOL", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
+__all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
 
 BEAT_S = 0.1
 """How often an agent sends its report to every other."""
@@ -93,30 +81,10 @@ death."""
 REDIAL_S = 1.0
 """How long a closed connection is given to be dialed again before its agent counts as gone: a launcher that was
 killed does not answer (its node is removed a second after its connections closed), a reset link does."""
-_SEND_S = 2
-"""Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
-_LINE_MAX = 4096
-"""The longest handshake line read before the caller is known (a stranger's endless line is cut there)."""
 _HANDSHAKES = 16
 """Handshakes answered at once; a connection beyond them is closed unanswered (no thread per stranger)."""
-PROTOCOL = 2
-"""The council's protocol (the fields of its messages: 2 since the membership's counter became a generation and the
-joins holders and candidates). The launchers of one job must speak one: a connection that says another (another
-ddpkit on that node) is refused, naming both, before anything else is read."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
-
-
-class _OtherProtocol(PermissionError):
-    """A launcher that speaks another council protocol (another version of ddpkit)."""
-
-
-def _same_protocol(hello: dict[str, Any]) -> None:
-    """Refuse a handshake's opening line that names another :data:`PROTOCOL` (or none: a ddpkit before it)."""
-    theirs = hello.get("protocol", 1)
-    if theirs != PROTOCOL:
-        raise _OtherProtocol(f"it speaks council protocol {theirs}, this launcher {PROTOCOL}: run one version of "
-                             "ddpkit on every node of the job")
 
 
 class Role(enum.Enum):
@@ -195,21 +163,6 @@ class Report:
     """A spare node (or one left out while it ran) asking to become a voting node: a *candidate*."""
 
 
-@dataclass
-class _Peer:
-    """One authenticated connection: its session key and the sequence numbers of each direction."""
-
-    sock: socket.socket
-    key: bytes = b""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sent: int = 0
-    """The last sequence number this agent sent on it."""
-    received: int = 0
-    """The last sequence number this agent accepted on it (a message must carry the next one)."""
-    acked: int = 0
-    """The last of this agent's sequence numbers on it that the peer said (in its beats) it had received."""
-
-
 class Council:
     """This agent's seat: its connections to the other agents, the log, and the reports.
 
@@ -256,7 +209,7 @@ class Council:
         self.removal = ""
         """Why it was left out the last time it asked to vote again."""
         self._cond = threading.Condition()
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, Connection] = {}
         self._reports: dict[int, Report] = {}
         self._heard: dict[int, float] = {}
         """When each agent was last heard (``time.monotonic()``)."""
@@ -354,7 +307,7 @@ class Council:
             except OSError:
                 return
             if not self._handshakes.acquire(blocking=False):  # a flood of strangers: no thread each
-                _close(sock)
+                close_socket(sock)
                 continue
             threading.Thread(target=self._answer, args=(sock,), daemon=True).start()
 
@@ -364,58 +317,22 @@ class Council:
         finally:
             self._handshakes.release()
 
-    def _mac(self, role: str, transcript: tuple[Any, ...]) -> str:
-        """The proof of ``role`` (``accept`` or ``dial``) for a handshake's transcript: (dialer's nonce, acceptor's
-        nonce, dialer's node, acceptor's node, dialer's place, acceptor's place)."""
-        return hmac.new(self._key, json.dumps([role, *transcript]).encode(), "sha256").hexdigest()
+    def _may_call(self, peer: int) -> None:
+        """Refuse (PermissionError, saying why) a node that may not dial this one: only higher starting nodes and
+        spares do."""
+        if not (self.node < peer < self.starting or self.starting <= peer < self.most):
+            raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
+                                  f"and spares {self.starting}..{self.most - 1} call this one")
 
     def _handshake(self, sock: socket.socket, dialed: int | None) -> None:
-        """The handshake of the module notes, as the dialer (``dialed``: the node called) or the answering agent;
-        then the connection is the peer's (a reader thread per peer)."""
-        sock.settimeout(10.0)
-        reader = sock.makefile("rb")
-        mine = os.urandom(16).hex()
-        place = list(self.places[self.node])
-        try:
-            if dialed is not None:
-                _send_line(sock, {"node": self.node, "nonce": mine, "place": place, "protocol": PROTOCOL})
-                theirs = json.loads(reader.readline(_LINE_MAX))
-                _same_protocol(theirs)
-                peer, nonce = int(theirs["node"]), str(theirs["nonce"])
-                if peer != dialed:
-                    raise PermissionError(f"answered as node {peer}, not {dialed}")
-                transcript = (mine, nonce, self.node, peer, place, list(theirs["place"]))
-                if not hmac.compare_digest(str(theirs.get("mac")), self._mac("accept", transcript)):
-                    raise PermissionError("not this job's secret")
-                _send_line(sock, {"mac": self._mac("dial", transcript)})
-            else:
-                theirs = json.loads(reader.readline(_LINE_MAX))
-                _same_protocol(theirs)
-                peer, nonce = int(theirs["node"]), str(theirs["nonce"])
-                if not (self.node < peer < self.starting or self.starting <= peer < self.most):
-                    raise PermissionError(f"called as node {peer}: only nodes {self.node + 1}..{self.starting - 1} "
-                                          f"and spares {self.starting}..{self.most - 1} call this one")
-                transcript = (nonce, mine, peer, self.node, list(theirs["place"]), place)
-                _send_line(sock, {"node": self.node, "nonce": mine, "place": place, "protocol": PROTOCOL,
-                                  "mac": self._mac("accept", transcript)})
-                proof = json.loads(reader.readline(_LINE_MAX))
-                if not hmac.compare_digest(str(proof.get("mac")), self._mac("dial", transcript)):
-                    raise PermissionError("not this job's secret")
-            if len(nonce) != 32:
-                raise PermissionError("a malformed nonce")
-        except (OSError, ValueError, KeyError, TypeError, PermissionError) as e:
-            if isinstance(e, _OtherProtocol):
-                say(f"refused a council connection from {_peer_name(sock)}: {e}")
-            elif isinstance(e, PermissionError):
-                say(f"refused a council connection from {_peer_name(sock)}: {e} (the job's secret)")
-            sock.close()
+        """The link's handshake (:func:`~ddpkit.launcher.council_link.handshake`), as the dialer (``dialed``: the
+        node called) or the answering agent; then the connection is the peer's (a reader thread per peer)."""
+        made = handshake(sock, self._key, self.node, list(self.places[self.node]), dialed, self._may_call)
+        if made is None:
             return
-        session = hmac.new(self._key, json.dumps(["session", *transcript]).encode(), "sha256").digest()
-        sock.settimeout(None)
-        # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_S, 0))
+        connection, their_place, reader = made
+        peer = connection.peer
         stale = None
-        connection = _Peer(sock, session)
         with self._cond:
             if self._stop.is_set():  # this agent has left: it takes no connection any more
                 sock.close()
@@ -430,48 +347,19 @@ class Council:
             self._peers[peer] = connection
             self._closed.discard(peer)
             self._heard[peer] = time.monotonic()
-            self.places.setdefault(peer, tuple(theirs["place"]))  # type: ignore[arg-type]
+            self.places.setdefault(peer, tuple(their_place))  # type: ignore[arg-type]
             if peer >= self.starting and peer not in self.entry.nodes:
                 self._candidates.add(peer)
             self._cond.notify_all()
         if stale is not None:
-            _close(stale)
+            close_socket(stale)
         threading.Thread(target=self._read_loop, args=(peer, reader, connection), name=f"ddpkit-council-{peer}",
                          daemon=True).start()
 
-    def _seal(self, connection: _Peer, peer: int, message: dict[str, Any]) -> dict[str, Any]:
-        """``message`` as sent to ``peer``: its body, the next sequence number, and their HMAC (under the lock)."""
-        connection.sent += 1
-        body = json.dumps(message, sort_keys=True)
-        label = f"{self.node}>{peer}|{connection.sent}|{body}"
-        return {"seq": connection.sent, "body": body,
-                "mac": hmac.new(connection.key, label.encode(), "sha256").hexdigest()}
-
-    def _opened(self, connection: _Peer, peer: int, line: bytes) -> dict[str, Any] | None:
-        """A sealed line from ``peer``: its message, or None (said once per kind) when it is forged, altered or
-        replayed."""
-        try:
-            sealed = json.loads(line)
-            seq, body = int(sealed["seq"]), str(sealed["body"])
-            label = f"{peer}>{self.node}|{seq}|{body}"
-            good = hmac.compare_digest(str(sealed["mac"]), hmac.new(connection.key, label.encode(),
-                                                                    "sha256").hexdigest())
-        except (ValueError, KeyError, TypeError):
-            good, seq, body = False, -1, ""
-        if not good or seq != connection.received + 1:
-            why = "a forged or altered message" if not good else f"a replayed message (number {seq}, expected " \
-                                                                   f"{connection.received + 1})"
-            say(f"refused {why} on node {peer}'s council connection ({_peer_name(connection.sock)})")
-            return None
-        connection.received = seq
-        return json.loads(body)
-
-    def _read_loop(self, peer: int, reader: Any, connection: _Peer) -> None:
+    def _read_loop(self, peer: int, reader: Any, connection: Connection) -> None:
         try:
             for line in reader:
-                if (message := self._opened(connection, peer, line)) is not None:
-                    if message.get("kind") == "beat":
-                        connection.acked = int(message.get("ack", 0))  # of this connection's numbers
+                if (message := connection.open(line)) is not None:
                     self._handle(peer, message)
         except (OSError, ValueError):
             pass
@@ -493,10 +381,7 @@ class Council:
         if connection is None:
             return
         try:
-            with connection.lock:
-                if message["kind"] == "beat":  # what this agent has read of theirs, on this very connection
-                    message = {**message, "ack": connection.received}
-                _send_line(connection.sock, self._seal(connection, peer, message))
+            connection.send(message)
         except OSError:
             pass  # its reader notices the loss
 
@@ -808,27 +693,7 @@ class Council:
         with self._cond:
             peers = list(self._peers.values())
         for peer in peers:
-            _close(peer.sock)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-def _send_line(sock: socket.socket, message: dict[str, Any]) -> None:
-    sock.sendall((json.dumps(message) + "\n").encode())
-
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "a peer"
+            close_socket(peer.sock)
 
 
 def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str, port: int, token: str | None,

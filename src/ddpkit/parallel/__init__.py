@@ -16,11 +16,16 @@
     ``DistributedDataParallel``: the wrapper, its arguments, buffers, output
     sink, join side and logging data, and the engine factory (``engine``), the
     one place it meets ``zero/``.
+``fault_tolerance/``
+    ``FaultTolerance``: training that goes on through a worker's death (its
+    steps, the members' agreement and state transfer, the deterministic
+    mode's ordered reduction), driving ``ddp/``'s wrapper.
 
 Beside them, above the folders: ``dp`` (DataParallel in one process),
-``syncbn``, ``horovod_optimizer`` (Horovod's ``DistributedOptimizer``), ``local_sgd``
-and ``ssp`` (stale-synchronous training), ``unwrap``.
+``syncbn``, ``horovod_optimizer`` (Horovod's ``DistributedOptimizer``), ``local_sgd``,
+``diloco`` and ``ssp`` (stale-synchronous training), ``unwrap``.
 
 Folders of one level do not import each other (``tests/test_layers.py``):
-``common`` <- ``zero``, ``ps`` <- ``ddp`` <- the modules beside.
+``common`` <- ``zero``, ``ps`` <- ``ddp`` <- ``fault_tolerance`` and the modules beside (one level, neither
+importing the other).
 """

@@ -1,5 +1,5 @@
 """``ddpkit train --on-failure continue``: the training command on
-:class:`~ddpkit.train.fault_tolerance.FaultTolerance`.
+:class:`~ddpkit.parallel.fault_tolerance.steps.FaultTolerance`.
 
 With ``--strategy ps-sync|ps-async|ssp|diloco`` the workers are those of
 :mod:`ddpkit.train.fault_tolerant_async` (the servers step, SSP's all-reduces in flight, or DiLoCo's outer steps);
@@ -66,7 +66,7 @@ from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.state import checkpoint_name, newest_valid_checkpoint, prune_checkpoints
-from ddpkit.train.fault_tolerance import FaultTolerance, Step
+from ddpkit.parallel.fault_tolerance.steps import FaultTolerance, Step
 from ddpkit.train.fault_tolerant_async import worker as async_worker
 
 __all__ = ["train"]

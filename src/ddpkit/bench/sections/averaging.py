@@ -50,7 +50,7 @@ from ddpkit.parallel.horovod_optimizer import DistributedOptimizer
 from ddpkit.parallel.local_sgd import LocalSGD
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier
-from ddpkit.train.fault_tolerance import FaultTolerance
+from ddpkit.parallel.fault_tolerance.steps import FaultTolerance
 
 __all__ = ["METHODS", "AveragingResult", "bench_averaging", "format_averaging"]
 

@@ -245,16 +245,16 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def _use_comm(self, comm: str) -> None:
         """``comm=``: the reduction chosen from the measured link (``auto``) or pinned (see :mod:`ddpkit.comm.auto`)."""
-        from ddpkit.comm import auto
+        from ddpkit.comm import auto, schemes
 
-        choice = auto.parse_comm(comm)
-        if choice == auto.Scheme("none"):  # no hook: DDP's own reduction, whatever the stage
+        choice = schemes.parse_comm(comm)
+        if choice == schemes.Scheme("none"):  # no hook: DDP's own reduction, whatever the stage
             return
         if self.zero_stage >= 2:
             raise ValueError(f"comm={comm!r} does not fit zero_stage={self.zero_stage}, whose gradients are "
                              "reduce-scattered, not all-reduced by buckets: leave comm out (or use zero_stage 0 or 1)")
-        if isinstance(choice, auto.Scheme):
-            hook = auto.pinned(choice, self.process_group)
+        if isinstance(choice, schemes.Scheme):
+            hook = schemes.pinned(choice, self.process_group)
             assert hook is not None  # "none" returned above
             self.register_comm_hook(*hook)
         else:

@@ -1,16 +1,20 @@
-"""Fault tolerance's engine: how a step's gradients are reduced over the members (``ddpkit.FaultTolerance``,
-in :mod:`ddpkit.train.fault_tolerance`, drives it).
+"""Fault tolerance: ``ddpkit.FaultTolerance``, training that goes on through a worker's death in the same
+processes (under ``ddpkit launch --on-failure continue``), and how its steps' gradients are reduced over the
+members.
 
-``shard_tree`` is the deterministic mode's fixed order of additions, ``ordered_sum`` its reduction along that
-tree (an ordered reduce-scatter and all-gather, in a dtype hook's dtype where the script registered one), and
-``hook_reduction`` the summed mode's gradients reduced through a ``DistributedDataParallel``'s comm hook, bucket by
-bucket. Each takes the step's collectives as a callable, so that the membership's waits (which end when a newer
-view comes) stay the caller's.
+``steps`` is ``FaultTolerance`` and its ``Step``s (given until applied, micro-batches per shard, each step's send
+buffer and its bookkeeping); ``agreement`` what the members compare before they go on and the state transfer to
+whoever is behind; ``model_buffers`` the module's buffers carried bit for bit; ``wrapped`` which models the mode
+drives (a ``ddpkit.DistributedDataParallel`` among them). ``shard_tree`` is the deterministic mode's fixed order
+of additions, ``ordered_sum`` its reduction along that tree (an ordered reduce-scatter and all-gather, in a dtype
+hook's dtype where the script registered one), and ``hook_reduction`` the summed mode's gradients reduced through
+a ``DistributedDataParallel``'s comm hook, bucket by bucket. The reductions take the step's collectives as a
+callable, so that the membership's waits (which end when a newer view comes) stay the caller's.
 
-Nothing is imported here; ``ShardTree`` is found when first asked for.
+Nothing is imported here; each name is found when first asked for.
 """
 
 from ddpkit.runtime.exports import lazy
 
-__all__ = ["ShardTree"]
-__getattr__ = lazy(__name__, {"ShardTree": "shard_tree"})
+__all__ = ["FaultTolerance", "ShardTree", "Step"]
+__getattr__ = lazy(__name__, {"FaultTolerance": "steps", "ShardTree": "shard_tree", "Step": "steps"})

@@ -108,9 +108,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ddpkit.parallel.common.observer import Observer, ObserverHandle, Observers
 from ddpkit.parallel.common.unused import UnusedParametersError
 from ddpkit.parallel.zero.gathering import Gathering
-from ddpkit.parallel.zero.reduction import Reductions
 from ddpkit.parallel.zero.placement import home, local_of, make_mesh, shard_whole
-from ddpkit.parallel.zero.units import Residency, Unit, cast_floats, find_units, make_units, tensors_in
+from ddpkit.parallel.zero.reduction import Reductions
+from ddpkit.parallel.zero.structures import cast_floats, tensors_in
+from ddpkit.parallel.zero.units import Residency, Unit, find_units, make_units
 from ddpkit.runtime.devices import comm_device
 from ddpkit.runtime.states import check_move
 

@@ -28,7 +28,6 @@ The unit's flat layouts
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import math
@@ -38,7 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ddpkit.runtime.states import check_move
 
@@ -50,10 +48,8 @@ __all__ = [
     "Residency",
     "Unit",
     "UnitParam",
-    "cast_floats",
     "find_units",
     "make_units",
-    "tensors_in",
 ]
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
@@ -330,34 +326,6 @@ def _check_kinds(name: str, members: list[nn.Parameter], owner: str) -> None:
         raise ValueError(f"{owner}(zero_stage=3): unit {name or '(root)'!r} holds parameters of {' and '.join(kinds)}"
                          "; a unit's parameters share one flat buffer: give them one dtype and one device, or put "
                          "each kind in units of its own (zero_units=...)")
-
-
-def _flatten(value: Any) -> tuple[list[Any], Any]:
-    """``value``'s leaves as torch's pytree sees them, and dataclasses' fields too (as torch's DDP finds the
-    tensors in an output)."""
-    leaves, spec = tree_flatten(value)
-    if not any(dataclasses.is_dataclass(v) and not isinstance(v, type) for v in leaves):
-        return leaves, spec
-    out = []
-    for v in leaves:
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            for f in dataclasses.fields(v):
-                out.extend(_flatten(getattr(v, f.name))[0])
-        else:
-            out.append(v)
-    return out, None
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output (any structure torch's pytree handles, and dataclasses)."""
-    return [t for t in _flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
-def cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with its floating tensors (in any structure torch's pytree handles) cast to ``dtype``."""
-    leaves, spec = tree_flatten(value)
-    leaves = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
-    return tree_unflatten(leaves, spec)
 
 
 @dataclass

@@ -89,8 +89,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
-import json
 import random
 import sys
 import time
@@ -106,25 +104,25 @@ from torch.utils.data import default_collate
 
 from ddpkit.comm.bucket import CommHook
 from ddpkit.data.shards import VirtualShards
-from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
+from ddpkit.parallel.fault_tolerance import agreement
 from ddpkit.parallel.fault_tolerance.hook_reduction import HookReduction, hook_state, wire_dtype
+from ddpkit.parallel.fault_tolerance.model_buffers import ModelBuffers
 from ddpkit.parallel.fault_tolerance.ordered_sum import OrderedSum
 from ddpkit.parallel.fault_tolerance.shard_tree import ShardTree
+from ddpkit.parallel.fault_tolerance.wrapped import compiled, hook_name, wrapper_of
 from ddpkit.runtime import events, membership
 from ddpkit.runtime.group import init
 from ddpkit.runtime.membership import MembershipChanged, View
 
-__all__ = ["FaultTolerance", "Step"]
+__all__ = ["Change", "FaultTolerance", "Step"]
 
-CHUNK_BYTES = 25 << 20
-"""State transfers go in chunks of this size (a *chunk*; gradients go in buckets)."""
 VALUES = 16
 """How many values ``step.sync(values=...)`` carries with the gradients."""
 
 
 @dataclass
 class Change:
-    """One membership change as this rank lived it (``time.time()`` stamps): the view it rebuilt its group for,
+    """One membership change as a member lived it (``time.time()`` stamps): the view it rebuilt its group for,
     which may stand for several views announced meanwhile."""
 
     generation: int
@@ -172,7 +170,7 @@ class Step:
         # trains shard 0 at any world size, and its buffers start the next step): batch-norm statistics move
         # once per step, as in a DDP job, however many shards a rank trains. A step done again starts from the
         # same buffers: a discarded step's updates are undone.
-        engine.step_buffers = start = engine.snapshot_buffers()
+        engine.step_buffers = start = engine.buffers.snapshot()
         keep_buffers = bool(engine.buffers)
         after_first = None
         self._buffer = engine.new_buffer()
@@ -186,10 +184,10 @@ class Step:
             engine.harvest(self._buffer, k, dict(zip(shards, sizes)), self.samples)
             if keep_buffers:
                 if shards[0] == 0:
-                    after_first = engine.snapshot_buffers()
-                engine.restore_buffers(start)
+                    after_first = engine.buffers.snapshot()
+                engine.buffers.put_back(start)
         if after_first is not None:
-            engine.restore_buffers(after_first)
+            engine.buffers.put_back(after_first)
 
     def sync(self, values: torch.Tensor | None = None) -> bool:
         """Average the step's gradients over the job into each parameter's ``.grad``.
@@ -272,12 +270,12 @@ class FaultTolerance:
                  state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True,
                  resume: Mapping[str, Any] | None = None) -> None:
         ctx = init()
-        self.wrapper = _wrapper_of(model, deterministic)
+        self.wrapper = wrapper_of(model, deterministic)
         """The ``ddpkit.DistributedDataParallel`` the script trains through, or None (a plain module)."""
         if self.wrapper is not None:
             model = self.wrapper.module
             self.wrapper.require_forward_param_sync = False  # (see local(): an evaluation on one rank before a step)
-        model = _compiled(model)  # a compiled module's state is the plain module's, whichever way it was compiled
+        model = compiled(model)  # a compiled module's state is the plain module's, whichever way it was compiled
         self.model, self.optimizer = model, optimizer
         self.state = dict(state or {})
         self.deterministic = deterministic
@@ -310,7 +308,7 @@ class FaultTolerance:
                                     drop_last=drop_last)
         self.dataset = dataset
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = [b for b in model.buffers()]
+        self.buffers = ModelBuffers(model, self.device)
         self.batch_statistics = any(isinstance(m, _BatchNorm) for m in model.modules())
         """The model normalises over the batch: its micro-batches are one shard each (:meth:`micro_batches`)."""
         if self.buffers and not broadcast_buffers:
@@ -318,15 +316,10 @@ class FaultTolerance:
                              "statistics): every member must hold the same buffers, since any of them may hand the "
                              "state to a replacement or be the one left; leave broadcast_buffers=True (rank 0's, "
                              "which train shard 0, go to all with each step)")
-        self._buffer_spans = _byte_spans(self.buffers)
-        """Where each buffer's bytes lie in the blob that carries them (8-byte aligned)."""
         self.numel = sum(p.numel() for p in self.params)
-        self.configuration = {"virtual_shards": virtual_shards, "batch_size": int(batch_size), "seed": int(seed),
-                              "shuffle": int(shuffle), "drop_last": int(drop_last), "samples": len(dataset),
-                              "deterministic": int(deterministic),
-                              "parameters": _layout_hash((n, p) for n, p in model.named_parameters()),
-                              "buffers": _layout_hash(model.named_buffers()),
-                              "comm_hook": _name_hash(self._hook_name())}
+        self.configuration = agreement.configuration(
+            model, virtual_shards=virtual_shards, batch_size=batch_size, seed=seed, shuffle=shuffle,
+            drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper))
         """What every member must share to train the same samples into the same model (compared at each
         agreement: a member started otherwise is refused by name)."""
         self._step: Step | None = None
@@ -471,12 +464,13 @@ class FaultTolerance:
         accumulate locally and :meth:`harvest` takes them), or as they are for a plain module.
 
         Raises:
-            ValueError: a comm hook the mode cannot run was registered on the wrapper since (:func:`_wrapper_of`).
+            ValueError: a comm hook the mode cannot run was registered on the wrapper since
+                (:func:`~ddpkit.parallel.fault_tolerance.wrapped.wrapper_of`).
             RuntimeError: the wrapper has been in a ``join()`` (its forwards then join the join's collective).
         """
         if self.wrapper is None:
             return contextlib.nullcontext()
-        _wrapper_of(self.wrapper, self.deterministic)  # a comm hook registered since: one the mode can run
+        wrapper_of(self.wrapper, self.deterministic)  # a comm hook registered since: one the mode can run
         if self.wrapper.joining and self.wrapper.world_size > 1:
             raise RuntimeError("a step of FaultTolerance over a wrapper that has been in a join(): from then on each "
                                "forward joins a collective of the join's (torch's rule, after the block too), and a "
@@ -531,7 +525,7 @@ class FaultTolerance:
         counts = 0 if self.deterministic else self.numel
         marks = counts + (1 if self.deterministic else self.shards.virtual_shards)
         buffers = marks + len(self.params)
-        words = (self._buffer_spans[-1] if self._buffer_spans else 0) // 4 if self.deterministic else 0
+        words = self.buffers.nbytes // 4 if self.deterministic else 0
         values = buffers + words
         return counts, marks, buffers, values, values + VALUES + 1
 
@@ -621,7 +615,7 @@ class FaultTolerance:
         # reduction says that each of them knew of the join (the step's collectives let a join pass, see _wait).
         first[end - 1] = float(self.membership is not None and self.membership.knows_a_join(self.view))
         if self.buffers and self.deterministic:  # rank 0's bytes as float32 words: a gather copies them exactly
-            first[b0:v0] = self._buffer_blob().view(torch.float32) if self.rank == 0 else 0
+            first[b0:v0] = self.buffers.blob().view(torch.float32) if self.rank == 0 else 0
         try:
             if self.deterministic:
                 total = self._ordered_sum()
@@ -662,14 +656,8 @@ class FaultTolerance:
             param.grad = total[offset : offset + n].view_as(param).to(param.dtype) if had[i] > 0 else None
             offset += n
         if blob is not None:  # rank 0's buffers, which hold shard 0's update: every rank's now, bit for bit
-            self._restore_blob(blob)
+            self.buffers.load_blob(blob)
         return counts, sums
-
-    def _hook_name(self) -> str:
-        """The wrapper's comm hook's name ("" without one): part of the configuration the members compare (a
-        member without it would issue other collectives)."""
-        hook = self.wrapper.reducer.comm_hook if self.wrapper is not None else None
-        return "" if hook is None else f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', hook)}"
 
     def _comm_hook_function(self) -> CommHook | None:
         """The wrapper's comm hook, or None."""
@@ -700,27 +688,12 @@ class FaultTolerance:
         self._hooked(hook, state, buffer[: self.numel], lambda work: self._wait(work, step=True),
                      self._step.index if self._step is not None else None)
 
-    def _buffer_blob(self) -> torch.Tensor:
-        """This rank's buffers' bytes, each at its span (:func:`_byte_spans`), as one uint8 tensor."""
-        blob = torch.zeros(self._buffer_spans[-1] if self._buffer_spans else 0, dtype=torch.uint8,
-                           device=self.device)
-        for b, start in zip(self.buffers, self._buffer_spans):
-            n = b.numel() * b.element_size()
-            blob[start : start + n] = b.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
-        return blob
-
-    def _restore_blob(self, blob: torch.Tensor) -> None:
-        with torch.no_grad():
-            for b, start in zip(self.buffers, self._buffer_spans):
-                n = b.numel() * b.element_size()
-                b.copy_(blob[start : start + n].view(b.dtype).view(b.shape))
-
     def _broadcast_blob(self) -> torch.Tensor | None:
         """Rank 0's buffers' bytes, on every rank (one collective; a world of one: its own)."""
-        blob = self._buffer_blob()
+        blob = self.buffers.blob()
         if self.group is not None and self.world_size > 1:
             self._announce("broadcast of rank 0's buffers", blob)
-            self._wait(self.group.broadcast([blob], _root(0)), step=True)
+            self._wait(self.group.broadcast([blob], agreement.root(0)), step=True)
         return blob
 
     def _ordered_sum(self) -> torch.Tensor:
@@ -750,17 +723,9 @@ class FaultTolerance:
         self._pool = []  # the abandoned operation may still read or write them
         self._hooked = None
         self._ordered.drop()
-        self.restore_buffers(self.step_buffers)  # before a state transfer may bring newer ones
+        self.buffers.put_back(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
         return None
-
-    def snapshot_buffers(self) -> list[torch.Tensor]:
-        return [b.detach().clone() for b in self.buffers]
-
-    def restore_buffers(self, saved: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for b, v in zip(self.buffers, saved):
-                b.copy_(v)
 
     def _announce(self, what: str, payload: torch.Tensor) -> None:
         """Tell the collectives' observers (byte counts, the stall inspector) that a step's collective starts."""
@@ -820,12 +785,7 @@ class FaultTolerance:
     # -- membership changes
 
     def _difference(self, name: str, there: int, here: int) -> str:
-        """One entry of :attr:`configuration` that differs, in words (``there``: the other side's value)."""
-        if name in ("parameters", "buffers"):
-            return f"the model's {name} (names, shapes, dtypes)"
-        if name == "comm_hook":
-            return f"the comm hook ({self._hook_name() or 'none'} here)"
-        return f"{name} {here} here, {there} there"
+        return agreement.difference(name, there, here, hook_name(self.wrapper))
 
     def _rebuild(self, first: bool = False) -> None:
         """Build the newest view's group, then agree on the state (a transfer to whoever is behind)."""
@@ -848,55 +808,31 @@ class FaultTolerance:
             return
 
     def _agree(self, force: bool) -> int:
-        """Compare applied steps and configurations; the lowest rank of the furthest sends its state to all. Bytes
-        received.
+        """Compare applied steps and configurations; the lowest rank of the furthest sends its state to all
+        (:mod:`.agreement`). Bytes received.
 
         Raises:
             RuntimeError: this member runs another configuration than the member whose state the others take, or
                 has no shard to train (more members than virtual shards); the message names both.
         """
-        fields = list(self.configuration)
-        mine = torch.tensor([self.committed, int(force), *self.configuration.values()], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._wait(self.group.allgather([gathered], [mine]))
-        steps = [int(t[0]) for t in gathered]
-        source = steps.index(max(steps))
-        theirs = gathered[source][2:].tolist()
-        differ = [(name, a, b) for name, a, b in zip(fields, self.configuration.values(), theirs) if a != b]
-        if differ:
-            what = ", ".join(self._difference(name, b, a) for name, a, b in differ)
+        said = agreement.compare(self.group, self._wait, self.world_size, self.committed, force, self.configuration)
+        if said.differ:
+            what = ", ".join(self._difference(name, there, here) for name, here, there in said.differ)
             raise RuntimeError(f"member {self._member} runs another configuration than member "
-                               f"{self.view.members[source]}, whose state the job takes: {what}; start every worker "
-                               "(replacements and spare nodes too) with the job's settings, dataset and model")
+                               f"{self.view.members[said.source]}, whose state the job takes: {what}; start every "
+                               "worker (replacements and spare nodes too) with the job's settings, dataset and model")
         if self.rank >= self.shards.virtual_shards:
             raise RuntimeError(f"member {self._member} joined a job of {self.shards.virtual_shards} virtual shards "
                                f"that has {self.shards.virtual_shards} members already: no shard is left for it, it "
                                "would only idle; start the job with more virtual shards (--deterministic-shards, "
                                "FaultTolerance(virtual_shards=...)) or fewer workers")
-        if not any(int(t[1]) for t in gathered) and len(set(steps)) == 1:
+        if not said.transfer:
             return 0
-        return self._transfer(source)
-
-    def _transfer(self, source: int) -> int:
-        """The state of rank ``source`` to every rank, in chunks; the bytes received here (0 on the source)."""
-        if self.rank == source:
-            buffer = io.BytesIO()
-            torch.save(self.state_dict(), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.group.broadcast([size], _root(source)))
-        if self.rank != source:
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        for start in range(0, int(size), CHUNK_BYTES):
-            chunk = payload[start : start + CHUNK_BYTES]
-            self._wait(self.group.broadcast([chunk], _root(source)))
-        if self.rank == source:
-            return 0
-        self.load_state_dict(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True,
-                                        map_location=self.device))
-        return int(size)
+        state, received = agreement.transfer(self.group, self._wait, self.rank, said.source, self.state_dict,
+                                             self.device)
+        if state is not None:
+            self.load_state_dict(state)
+        return received
 
     def state_dict(self) -> dict[str, Any]:
         """What a state transfer (or a checkpoint of the mode) holds: model, optimizer, ``state``, step.
@@ -932,86 +868,6 @@ class FaultTolerance:
             obj.load_state_dict(state["state"][name])
         self.committed = int(state["committed"])
         self.first_world = int(state.get("first_world", self.first_world))  # (files of before it was kept)
-
-
-def _wrapper_of(model: torch.nn.Module, deterministic: bool) -> DistributedDataParallel | None:
-    """``model`` if it is a ``ddpkit.DistributedDataParallel`` the mode can drive (its micro-batches under
-    ``no_sync()``, the step reduced by the mode, through the wrapper's comm hook if it has one), None for a
-    plain module.
-
-    Raises:
-        ValueError: another wrapper (torch's DDP, DataParallel), a ZeRO stage, a comm hook in the deterministic
-            mode other than the dtype hooks (``hook_reduction.DTYPE_HOOKS``) or with a state of its own
-            (``hook_reduction.hook_state``), or buffers kept per rank: each named, with the fix.
-    """
-    model = _compiled(model)  # torch.compile(DDP(module)): the wrapper it compiled
-    if not isinstance(model, DistributedDataParallel):
-        if hasattr(model, "module"):
-            raise ValueError(f"FaultTolerance takes the plain module or ddpkit.DistributedDataParallel, not "
-                             f"{type(model).__module__}.{type(model).__qualname__}: pass model.module (the mode "
-                             "reduces the gradients itself)")
-        return None
-    if model.zero_stage:
-        raise ValueError(f"FaultTolerance over DistributedDataParallel(zero_stage={model.zero_stage}): a ZeRO shard "
-                         "exists once, on the rank that dies with it; wrap without zero_stage (the mode keeps whole "
-                         "replicas)")
-    if model.parameters_to_ignore:
-        ignored = sorted(model.parameters_to_ignore)
-        raise ValueError(f"FaultTolerance over a DistributedDataParallel that ignores {ignored} "
-                         "(_set_params_and_buffers_to_ignore_for_model): the mode averages every trainable parameter "
-                         "and hands every buffer to the members, so nothing could stay per rank; wrap without it")
-    if model.process_group is not None and model.process_group != dist.group.WORLD:
-        raise ValueError("FaultTolerance over a DistributedDataParallel of a subgroup: the mode trains over the whole "
-                         "job (the world, or under --on-failure continue its members); wrap without process_group")
-    if model.reducer.comm_hook is not None:
-        hook = model.reducer.comm_hook
-        if deterministic and wire_dtype(hook) is None:
-            name = f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', repr(hook))}"
-            raise ValueError(f"FaultTolerance(deterministic=True) over a DistributedDataParallel with the comm hook "
-                             f"{name}: the mode adds the shards along its fixed tree, so it runs the hooks that only "
-                             "change the dtype (ddpkit's or torch's fp16_compress_hook, bf16_compress_hook, "
-                             "allreduce_hook), in that dtype; any other would reduce each rank's sum of its shards, "
-                             "whose rounding depends on who holds which; use one of those, or deterministic=False")
-        hook_state(model.comm_state, None)
-    if not model.forward_sync_buffers and any(True for _ in model.module.buffers()):
-        raise ValueError("FaultTolerance over DistributedDataParallel(broadcast_buffers=False) (or "
-                         "forward_sync_buffers=False) with a model that has buffers: every member must hold the same "
-                         "buffers, since any of them may hand the state on; leave the default (rank 0's go to all "
-                         "with each step)")
-    return model
-
-
-def _compiled(model: torch.nn.Module) -> torch.nn.Module:
-    """What ``torch.compile`` compiled, for a compiled module (whose state is that module's); else ``model``."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
-
-
-def _name_hash(name: str) -> int:
-    """A name as a number the members can compare in an int64 tensor (0 for none)."""
-    return int(hashlib.sha256(name.encode()).hexdigest()[:15], 16) if name else 0
-
-
-def _byte_spans(buffers: Sequence[torch.Tensor]) -> list[int]:
-    """Where each buffer's bytes start in one blob (8-byte aligned, so each can be viewed as its dtype), and the
-    blob's length last (a multiple of 8)."""
-    spans, at = [], 0
-    for b in buffers:
-        spans.append(at)
-        at += -(-(b.numel() * b.element_size()) // 8) * 8
-    return [*spans, at]
-
-
-def _layout_hash(named: Any) -> int:
-    """A 63-bit digest of named tensors' names, shapes and dtypes (the model's layout, not its values)."""
-    text = json.dumps([(name, list(t.shape), str(t.dtype)) for name, t in named])
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def _root(rank: int) -> dist.BroadcastOptions:
-    options = dist.BroadcastOptions()
-    options.rootRank = rank
-    return options
 
 
 def _to(batch: Any, device: torch.device) -> Any:
