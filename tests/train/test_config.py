@@ -106,7 +106,9 @@ def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():
 def test_the_default_warm_up_follows_how_many_times_the_rate_is_scaled_and_a_given_one_wins() -> None:
     default = TrainConfig()
     assert [default.warmup_for(scale) for scale in (1, 2, 3, 4, 8)] == [0, 0, 1.5, 2, 4]
-    assert TrainConfig(warmup_epochs=0).warmup_for(4) == 0 and TrainConfig(warmup_epochs=0.5).warmup_for(1) == 0.5
+    assert TrainConfig(warmup_epochs=0).warmup_for(4) == 0 and TrainConfig(warmup_epochs=0.5).warmup_for(2) == 0.5
+    # a rate not scaled (one process, DiLoCo's inner rate) has nothing to ramp to: no warm-up said or taken
+    assert TrainConfig(warmup_epochs=0.5).warmup_for(1) == 0
     with pytest.raises(ConfigError, match="--warmup-epochs -1 must be 0"):
         TrainConfig(warmup_epochs=-1)
 

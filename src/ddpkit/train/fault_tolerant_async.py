@@ -2,8 +2,8 @@
 engine.
 
 Each worker builds the default mode's model and optimizer (the learning rate
-scaled by the starting world size, asynchronous momentum compensated as in
-the default mode) and either hands the optimizer to the ``--num-servers``
+scaled by the starting world size, DiLoCo's inner one not, asynchronous
+momentum compensated as in the default mode) and either hands the optimizer to the ``--num-servers``
 servers (:class:`ddpkit.ParameterServerOptimizer`, ``--ps-replication``
 copies of each key range), makes it stale-synchronous
 (:func:`ddpkit.StaleSynchronousOptimizer`: all-reduces in flight, at most
@@ -55,7 +55,7 @@ from ddpkit.train.checkpoint import save_weights
 from ddpkit.train.curves import write_curves
 from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
-from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
+from ddpkit.train.recipe import autocast_for, build_state, lr_scale, set_lr, start_survivor, warmup_lr
 from ddpkit.train.strategy import async_momentum
 
 __all__ = ["worker"]
@@ -70,6 +70,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     state = build_state(config, data, world, ctx.device)
     model = state.model
     ssp, diloco = config.strategy == "ssp", config.strategy == "diloco"
+    scale = lr_scale(config, world)  # the starting world's, but for DiLoCo's inner optimizer
     mode = "sync" if config.strategy == "ps-sync" else "async"
     if config.optimizer == "sgd" and not diloco and (config.staleness if ssp else mode == "async"):
         for group in state.optimizer.param_groups:
@@ -93,7 +94,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                if diloco else f"{config.num_servers} server(s) (replication {config.ps_replication})")
     if rank == 0:
         print(f"ddpkit train: {config.model} on {config.dataset}, --strategy {config.strategy} --on-failure continue "
-              f"with {world} worker(s), {servers}, lr {config.lr:g} x {world}, output {out}", flush=True)
+              f"with {world} worker(s), {servers}, lr {config.lr:g} x {scale}, output {out}", flush=True)
     history: list[dict[str, Any]] = []
     said = 0  # DiLoCo's changes said so far
     start = time.perf_counter()
@@ -104,8 +105,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         steps_per_epoch = -(-len(order) // config.batch_size)
         for at in range(0, len(order), config.batch_size):
             b = order[at : at + config.batch_size]
-            if config.warmup_for(world):
-                set_lr(opt, warmup_lr(config, world, epoch * steps_per_epoch + at // config.batch_size,
+            if config.warmup_for(scale):
+                set_lr(opt, warmup_lr(config, scale, epoch * steps_per_epoch + at // config.batch_size,
                                       steps_per_epoch))
             opt.zero_grad(set_to_none=True)
             with autocast():

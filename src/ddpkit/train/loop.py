@@ -70,8 +70,9 @@ from ddpkit.train.recipe import (
     autocast_for,
     build_state,
     check_model,
+    lr_scale,
     make_deterministic,
-    replicas,
+    set_lr,
     shard_state,
     sharded_params,
     wrap,
@@ -169,7 +170,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)
             time.sleep((slow - 1) * (time.perf_counter() - began))
-        if config.warmup_for(run.scale):
+        if config.warmup_for(run.lr_scale):
             for group in state.optimizer.param_groups:
                 group["lr"] = run.lr_at(state.step)
         with tracer.phase("optimizer"):
@@ -243,7 +244,12 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         print0(f"ddpkit train: {'restart ' + str(attempt) + ': ' if attempt else ''}resuming from "
                f"{claim.checkpoint} (epoch {state.extra['epoch']}, step {state.step})")
         if state.extra["world_size"] != ctx.world_size:
-            restart.rescale(state, ctx.world_size, config.lr * ctx.world_size * replicas(config))
+            restart.rescale(state, ctx.world_size, config.lr * lr_scale(config, ctx.world_size))
+        scale = lr_scale(config, ctx.world_size)
+        if not config.warmup_for(scale):  # (with a warm-up the loop sets each step's rate)
+            # The rule's rate, the checkpoint's unless it predates the rule: DiLoCo's inner rate was scaled by the
+            # world size until 2026-11-30.
+            set_lr(state.optimizer, config.lr * scale)
     elif attempt:
         print0(f"ddpkit train: restart {attempt}: no checkpoint yet, starting again in {claim.out}")
     if model is None:
@@ -272,8 +278,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
         f"engine {config.engine}, {', '.join(how)}, {run.world} process(es) x {run.scale // run.world} replica(s), "
         "global batch "
-        f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.scale} = {run.lr:g}"
-        f"{f' (reached over {warmup:g} epochs of warm-up)' if (warmup := config.warmup_for(run.scale)) else ''}, "
+        f"{run.batch * run.world * config.grad_accum}, lr {config.lr:g} x {run.lr_scale} = {run.lr:g}"
+        f"{f' (reached over {warmup:g} epochs of warm-up)' if (warmup := config.warmup_for(run.lr_scale)) else ''}, "
         f"output {run.out}"
     )
     if config.trace is not None:

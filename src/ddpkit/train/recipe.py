@@ -26,8 +26,8 @@ from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
-__all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "make_deterministic", "model_for", "replicas",
-           "set_lr", "shard_state", "sharded_params", "warmup_lr", "with_comm_hook", "wrap"]
+__all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "lr_scale", "make_deterministic", "model_for",
+           "replicas", "set_lr", "shard_state", "sharded_params", "warmup_lr", "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -64,13 +64,14 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
         return ddp
     if config.comm_hook.startswith("auto"):
         from ddpkit.comm import auto
+        from ddpkit.comm.schemes import Scheme, parse_comm
 
-        def flags(scheme: auto.Scheme) -> str:
+        def flags(scheme: Scheme) -> str:
             if scheme.name == "powersgd":
                 return f"--comm-hook powersgd --powersgd-rank {scheme.rank}"
             return f"--comm-hook {scheme.name}"
 
-        listed = auto.parse_comm(config.comm_hook)  # auto: every candidate; auto:LIST: those
+        listed = parse_comm(config.comm_hook)  # auto: every candidate; auto:LIST: those
         assert isinstance(listed, tuple)
         candidates = list(listed)
         if config.engine == "torch":  # torch's reducer: PowerSGD's collectives of several buckets in flight can
@@ -141,6 +142,14 @@ def replicas(config: TrainConfig) -> int:
     return len(dp_devices(config)) if config.engine == "dp" else 1
 
 
+def lr_scale(config: TrainConfig, world: int) -> int:
+    """How many times ``--lr`` the optimizer steps with (after any warm-up): the linear scaling rule, by the
+    replicas whose batches one step averages (``world`` processes, times DataParallel's replicas in each). DiLoCo's
+    inner optimizer steps on one worker's batch alone (its outer optimizer combines the workers, as in the paper,
+    whose inner rate does not change with their number): only the process's own replicas count there."""
+    return replicas(config) * (1 if config.strategy == "diloco" else world)
+
+
 def model_for(config: TrainConfig, train_set: Any) -> torch.nn.Module:
     """``config.model`` built for ``train_set``: a text's symbols and context, or an image's shape and classes."""
     if isinstance(train_set, TokenDataset):
@@ -180,7 +189,7 @@ def build_state(config: TrainConfig, data: Any, world: int, device: torch.device
         model = model.to(device)
     if config.sync_bn:
         model = SyncBatchNorm.convert_sync_batchnorm(model)
-    lr = config.lr * world * replicas(config)
+    lr = config.lr * lr_scale(config, world)
     if config.optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(
             model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay

@@ -174,4 +174,4 @@ def rescale(state: TrainState, world: int, lr: float) -> None:
     rest = (f"the rest of epoch {state.extra['epoch'] + 1} is re-sharded over {world}, "
             if state.extra["batches_done"] else "")
     print0(f"ddpkit train: the checkpoint was written by {before} process(es), this attempt has {world}: {rest}"
-           f"lr is now {lr:g} (linear scaling; not bit-identical to an uninterrupted run)")
+           f"lr is now {lr:g} (the learning-rate rule at this world size; not bit-identical to an uninterrupted run)")

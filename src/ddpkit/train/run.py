@@ -27,7 +27,7 @@ from ddpkit.runtime.durable import CheckpointError, describe_write_error
 from ddpkit.runtime.group import print0
 from ddpkit.train import rundir
 from ddpkit.train.train_config import TrainConfig
-from ddpkit.train.recipe import replicas, warmup_lr
+from ddpkit.train.recipe import lr_scale, replicas, warmup_lr
 from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy
 
@@ -78,7 +78,13 @@ class Run:
 
     @property
     def lr(self) -> float:
-        return self.config.lr * self.scale
+        return self.config.lr * self.lr_scale
+
+    @property
+    def lr_scale(self) -> int:
+        """How many times ``--lr`` the optimizer steps with (:func:`~ddpkit.train.recipe.lr_scale`): the
+        replicas, but for DiLoCo, whose inner optimizer steps on one process's batch."""
+        return lr_scale(self.config, self.world)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -88,7 +94,7 @@ class Run:
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (from 0): :attr:`lr`, reached linearly from one process's
         over ``--warmup-epochs`` (a function of the step alone, so a resumed run takes the same rates)."""
-        return warmup_lr(self.config, self.scale, step, self.steps_per_epoch)
+        return warmup_lr(self.config, self.lr_scale, step, self.steps_per_epoch)
 
     @property
     def batch(self) -> int:

@@ -60,12 +60,14 @@ class TrainConfig:
                                       metavar="N")
     epochs: int = option(8, "epochs to train (in total, when resuming)")
     batch_size: int = option(32, "batch size per process")
-    lr: float = option(0.02, "learning rate for one process; multiplied by the world size")
+    lr: float = option(0.02, "learning rate for one process; multiplied by the world size (with --strategy diloco "
+                       "the inner optimizer's, not multiplied: each worker steps on its own batch)")
     warmup_epochs: float | None = option(
         None, "reach the scaled learning rate gradually: from --lr (one process's) linearly to --lr x world size over "
         "this many epochs, step by step (Goyal et al.'s gradual warm-up for large global batches); 0: the scaled "
         "rate from the first step. Default: none when the rate is scaled 2 times or less, else half an epoch per "
-        "time it is scaled (W / 2 epochs at world W: from 3 processes the scaled rate diverges at the first steps)",
+        "time it is scaled (W / 2 epochs at world W: from 3 processes the scaled rate diverges at the first steps); "
+        "none where the rate is not scaled (one process, --strategy diloco)",
         metavar="EPOCHS",
     )
     optimizer: str = option("sgd", "sgd (with momentum) or adamw", choices=OPTIMIZERS)
@@ -280,7 +282,7 @@ class TrainConfig:
              "keeps its shards elsewhere; use --amp bf16, or --zero 1 or 3 (whose sharded gradients the scaler "
              "checks on every rank)")
         if self.comm_hook.startswith("auto:"):
-            from ddpkit.comm.auto import parse_comm
+            from ddpkit.comm.schemes import parse_comm
 
             try:
                 listed = parse_comm(self.comm_hook)
@@ -404,8 +406,11 @@ class TrainConfig:
     def warmup_for(self, scale: int) -> float:
         """Epochs of warm-up for a learning rate scaled ``scale`` times: ``--warmup-epochs``, else none up to 2
         times, ``scale / 2`` beyond (measured: at 3 and 4 processes the linearly scaled rate from the first step
-        can leave MNIST's ConvNet at chance). It depends on the scale alone, not on ``--epochs``, so a run
+        can leave MNIST's ConvNet at chance); none for a rate not scaled (one process, DiLoCo's inner rate: the
+        ramp goes from ``--lr`` to the scaled rate). It depends on the scale alone, not on ``--epochs``, so a run
         resumed with more epochs takes the same rates."""
+        if scale <= 1:
+            return 0.0
         if self.warmup_epochs is not None:
             return self.warmup_epochs
         return 0.0 if scale <= 2 else scale / 2

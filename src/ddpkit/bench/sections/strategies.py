@@ -228,7 +228,10 @@ def format_runs(rows: list[RunResult], cfg: ConsistencyBenchConfig) -> str:
         *note_lines(f"consistency models: {cfg.model} on {cfg.dataset}, {cfg.epochs} epochs, seed {cfg.seed}"
                     + (f", straggler {cfg.straggler}" if cfg.straggler else "")
                     + f"; target accuracy {cfg.target_accuracy:.0%}"),
-        *note_lines(f"learning rates (the same for every strategy of a world size): {rates}"),
+        *note_lines("learning rates (the same for every strategy of a world size"
+                    + (", but DiLoCo's inner one, --lr unscaled" if any(parse_run(spec)[0] == "diloco"
+                                                                      for spec in cfg.strategies) else "")
+                    + f"): {rates}"),
         f"{'world':>5} {'strategy':<12} {'s/epoch':>8} {'IQR':>13} {'to target':>9} {'accuracy':>8}",
     ]
     lines += [f"{r.world_size:>5} {r.strategy:<12} {r.epoch_s:>8.3f} {r.epoch_iqr[0]:>6.3f}-{r.epoch_iqr[1]:<6.3f} "
