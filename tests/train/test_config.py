@@ -103,6 +103,18 @@ def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():
     assert _differences(older, TrainConfig(local_sgd=4).to_dict()) == ["local_sgd", "strategy"]
 
 
+def test_diloco_steps_its_inner_optimizer_at_lr_itself_where_the_others_scale_it_and_refuses_a_warm_up() -> None:
+    from ddpkit.train.recipe import lr_scale
+
+    assert lr_scale(TrainConfig(strategy="diloco"), 4) == 1
+    others = ("ddp", "optimizer", "local-sgd", "ssp", "ps-sync")
+    assert [lr_scale(TrainConfig(strategy=s), 4) for s in others] == [4] * len(others)
+    with pytest.raises(ConfigError, match=r"--warmup-epochs 0.5 does not fit --strategy diloco: its inner rate is "
+                                          r"--lr itself"):
+        TrainConfig(strategy="diloco", warmup_epochs=0.5)
+    assert TrainConfig(sync_every=8, warmup_epochs=0).warmup_for(1) == 0  # none, said: allowed
+
+
 def test_the_default_warm_up_follows_how_many_times_the_rate_is_scaled_and_a_given_one_wins() -> None:
     default = TrainConfig()
     assert [default.warmup_for(scale) for scale in (1, 2, 3, 4, 8)] == [0, 0, 1.5, 2, 4]

@@ -205,6 +205,7 @@ def test_bench_strategies_warms_the_larger_worlds_up_says_so_and_takes_no_progre
     cfg = ConsistencyBenchConfig(world_sizes=(2, 4, 8))
     assert [cfg.warmup_at(w) for w in (2, 4, 8)] == [0.0, 2.0, 4.0]
     assert cfg.train_config("ddp", 4, Path("x")).warmup_epochs == 2.0
+    assert cfg.train_config("diloco", 4, Path("x")).warmup_epochs == 0.0  # its inner rate is not scaled
     assert ConsistencyBenchConfig(epochs=4, world_sizes=(8,)).warmup_at(8) == 2.0  # at most half the epochs
     assert ConsistencyBenchConfig(warmup_epochs=1.5).warmup_at(2) == 1.5
     row = RunResult(strategy="ddp", world_size=4, epoch_s=1.0, epoch_iqr=(1.0, 1.0), time_to_target_s=None,

@@ -424,3 +424,5 @@ def test_the_gpt_learns_tiny_shakespeare_under_ddp_and_diloco(dist2, tmp_path: P
     assert ddp["test_samples"] == diloco["test_samples"] == 32 * 64  # the symbols predicted
     assert ddp["test_loss"] < 3.6 and diloco["test_loss"] < 3.9, (ddp, diloco)
     assert diloco["outer_syncs"] == 4 and "tokens.weight" in _weights(tmp_path / "diloco")
+    # DDP's rate is scaled by the world (2), DiLoCo's inner one is --lr itself: each worker steps on its own batch
+    assert ddp["lr"] == 0.002 and diloco["lr"] == 0.001, (ddp["lr"], diloco["lr"])

@@ -143,7 +143,7 @@ def test_ssp_trains_on_through_a_workers_death_to_the_same_accuracy(tmp_path: Pa
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
 @pytest.mark.slow("two ddpkit train runs of two DiLoCo workers on MNIST, one in the mode")
 def test_diloco_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
-    d = _same_weights_in_both_modes(tmp_path, "diloco", ("--sync-every", "8", "--warmup-epochs", "0.5"))["diloco"]
+    d = _same_weights_in_both_modes(tmp_path, "diloco", ("--sync-every", "8"))["diloco"]
     assert d["samples_in_model"] == d["samples_planned"] > 0 and d["samples_lost"] == 0 and not d["changes"]
 
 
@@ -151,7 +151,7 @@ def test_diloco_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None
 @pytest.mark.slow("a run of three DiLoCo workers on MNIST through a worker's death")
 def test_diloco_trains_on_through_a_workers_death_and_counts_the_samples_it_lost(tmp_path: Path) -> None:
     out = tmp_path / "killed"
-    args = _args(out, "diloco", 2, mode=("--sync-every", "10", "--warmup-epochs", "0.3", "--on-failure", "continue"))
+    args = _args(out, "diloco", 2, mode=("--sync-every", "10", "--on-failure", "continue"))
     proc = subprocess.Popen(args, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.monotonic() + 300
     while not (out / "metrics.jsonl").exists():

@@ -8,7 +8,8 @@ worker:
    ``seed``, restores the checkpoint it continues from (if any), wraps the
    model in the chosen engine and sets up the strategy
    (:mod:`ddpkit.train.strategy`);
-2. trains with the learning rate scaled linearly by the world size, each rank
+2. trains with the learning rate scaled linearly by the world size (DiLoCo's
+   inner rate not: :func:`~ddpkit.train.recipe.lr_scale`), each rank
    on its own shard (:class:`ddpkit.DistributedSampler`, ``set_epoch`` each
    epoch), with ``grad_accum`` micro-batches per step and optional autocast
    (bf16 on CPU or CUDA, fp16 with loss scaling on CUDA), checkpointing every
@@ -246,9 +247,13 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         if state.extra["world_size"] != ctx.world_size:
             restart.rescale(state, ctx.world_size, config.lr * lr_scale(config, ctx.world_size))
         scale = lr_scale(config, ctx.world_size)
-        if not config.warmup_for(scale):  # (with a warm-up the loop sets each step's rate)
-            # The rule's rate, the checkpoint's unless it predates the rule: DiLoCo's inner rate was scaled by the
-            # world size until 2026-11-30.
+        saved = {group["lr"] for group in state.optimizer.param_groups}
+        if not config.warmup_for(scale) and saved != {config.lr * scale}:  # (a warm-up sets each step's rate)
+            # The checkpoint's rate predates the rule (DiLoCo's inner rate was scaled by the world size until
+            # 2026-11-30), or DataParallel's replicas changed with the devices.
+            print0(f"ddpkit train: the checkpoint's learning rate {', '.join(f'{lr:g}' for lr in sorted(saved))} "
+                   f"is not this run's, {config.lr:g} x {scale} = {config.lr * scale:g}: going on at "
+                   f"{config.lr * scale:g}")
             set_lr(state.optimizer, config.lr * scale)
     elif attempt:
         print0(f"ddpkit train: restart {attempt}: no checkpoint yet, starting again in {claim.out}")

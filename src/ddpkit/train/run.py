@@ -1,8 +1,9 @@
 """What one worker of ``ddpkit train`` trains with (:class:`Run`): its state, its live objects and its data.
 
 :mod:`ddpkit.train.loop` builds a :class:`Run` per attempt and drives it. The
-run knows its learning rate (linear scaling by the replicas in the job,
-reached over ``--warmup-epochs``: a function of the step alone, so a resumed
+run knows its learning rate (linear scaling by the replicas in the job, but
+DiLoCo's inner one, see :func:`~ddpkit.train.recipe.lr_scale`; reached over
+``--warmup-epochs``: a function of the step alone, so a resumed
 run takes the same rates), what to trace, and how to checkpoint: a
 checkpoint that cannot be written warns once per run of failures and
 training goes on (see :mod:`ddpkit.train.loop`).

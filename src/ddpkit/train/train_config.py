@@ -66,8 +66,9 @@ class TrainConfig:
         None, "reach the scaled learning rate gradually: from --lr (one process's) linearly to --lr x world size over "
         "this many epochs, step by step (Goyal et al.'s gradual warm-up for large global batches); 0: the scaled "
         "rate from the first step. Default: none when the rate is scaled 2 times or less, else half an epoch per "
-        "time it is scaled (W / 2 epochs at world W: from 3 processes the scaled rate diverges at the first steps); "
-        "none where the rate is not scaled (one process, --strategy diloco)",
+        "time it is scaled (W / 2 epochs at world W: from 3 processes the scaled rate diverges at the first steps). "
+        "A rate not scaled (one process without DataParallel's replicas) has nothing to ramp to and takes none; "
+        "--strategy diloco, whose inner rate is not scaled, refuses the flag",
         metavar="EPOCHS",
     )
     optimizer: str = option("sgd", "sgd (with momentum) or adamw", choices=OPTIMIZERS)
@@ -316,6 +317,9 @@ class TrainConfig:
         need(self.warmup_epochs is None or (self.warmup_epochs >= 0 and math.isfinite(self.warmup_epochs)),
              "warmup_epochs",
              "must be 0 (no warm-up) or a positive number of epochs")
+        need(not self.warmup_epochs or self.strategy != "diloco", "warmup_epochs",
+             "does not fit --strategy diloco: its inner rate is --lr itself, not scaled by the world size, so there "
+             "is no scaled rate to ramp up to; drop --warmup-epochs")
         need(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
         need(self.weight_decay >= 0, "weight_decay", "must be non-negative")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be 0 (epoch ends only) or more")

@@ -121,7 +121,7 @@ class ConsistencyBenchConfig:
             num_servers=self.num_servers if name in ("ps-sync", "ps-async") else 1,
             local_sgd=self.local_sgd if name == "local-sgd" else None,
             output_dir=out, progress=False, checkpoint_every=0, keep_checkpoints=1, backend=self.backend,
-            warmup_epochs=self.warmup_at(world),
+            warmup_epochs=0.0 if name == "diloco" else self.warmup_at(world),  # DiLoCo's inner rate: not scaled
         )
 
 
@@ -205,7 +205,8 @@ def run(cfg: ConsistencyBenchConfig) -> list[RunResult]:
                               flush=True)
                     train(cfg.train_config(spec, world, out))
                     dirs[spec].append(out)
-            results += [_result(spec, world, dirs[spec], cfg.target_accuracy, cfg.warmup_at(world))
+            results += [_result(spec, world, dirs[spec], cfg.target_accuracy,
+                                cfg.train_config(spec, world, Path(".")).warmup_epochs or 0.0)
                         for spec in cfg.strategies]
     print(format_runs(results, cfg), flush=True)
     if cfg.json_path is not None:
@@ -229,8 +230,8 @@ def format_runs(rows: list[RunResult], cfg: ConsistencyBenchConfig) -> str:
                     + (f", straggler {cfg.straggler}" if cfg.straggler else "")
                     + f"; target accuracy {cfg.target_accuracy:.0%}"),
         *note_lines("learning rates (the same for every strategy of a world size"
-                    + (", but DiLoCo's inner one, --lr unscaled" if any(parse_run(spec)[0] == "diloco"
-                                                                      for spec in cfg.strategies) else "")
+                    + (", but DiLoCo's inner one: --lr, unscaled, without warm-up"
+                       if any(parse_run(spec)[0] == "diloco" for spec in cfg.strategies) else "")
                     + f"): {rates}"),
         f"{'world':>5} {'strategy':<12} {'s/epoch':>8} {'IQR':>13} {'to target':>9} {'accuracy':>8}",
     ]
