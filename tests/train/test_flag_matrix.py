@@ -100,8 +100,20 @@ def test_the_modes_take_what_they_can_train() -> None:
     assert {flag for flag, mode in RUNS if mode == "restart"} == set(FLAGS)
 
 
+FAST_CONTINUE = {("ddp", "continue"), ("diloco", "continue"), ("ddp", "continue-ordered")}
+"""The runs of the continuing mode the fast tier keeps: its engine's workers in each way of reducing, and the
+asynchronous strategies' workers (``train/fault_tolerant_loop.py``, ``train/fault_tolerant_async.py``)."""
+
+
 def _slow_run(flag: str, mode: str) -> list:
-    marks = [pytest.mark.slow("torch.compile's first compilation in each of two workers")] if flag == "compile" else []
+    if flag == "compile":
+        marks = [pytest.mark.slow("torch.compile's first compilation in each of two workers")]
+    elif mode.startswith("continue") and (flag, mode) not in FAST_CONTINUE:
+        # About 10 CPU-s each (the mode's launcher and two fresh interpreters, where a restart forks preloaded
+        # workers): the fast tier keeps FAST_CONTINUE's, the whole suite runs every one.
+        marks = [pytest.mark.slow("a job of the continuing mode's launcher and two fresh workers, for one flag")]
+    else:
+        marks = []
     return pytest.param(flag, mode, marks=marks, id=f"{flag}-{mode}")
 
 

@@ -35,7 +35,7 @@ import json
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ddpkit.bench.report.stats import quartiles
@@ -115,14 +115,18 @@ class ConsistencyBenchConfig:
 
     def train_config(self, spec: str, world: int, out: Path) -> TrainConfig:
         name, staleness = parse_run(spec)
-        return TrainConfig(
+        config = TrainConfig(
             model=self.model, dataset=self.dataset, data_dir=self.data_dir, epochs=self.epochs, seed=self.seed,
             strategy=name, staleness=staleness, nproc_per_node=world, straggler=self.straggler,
             num_servers=self.num_servers if name in ("ps-sync", "ps-async") else 1,
             local_sgd=self.local_sgd if name == "local-sgd" else None,
             output_dir=out, progress=False, checkpoint_every=0, keep_checkpoints=1, backend=self.backend,
-            warmup_epochs=0.0 if name == "diloco" else self.warmup_at(world),  # DiLoCo's inner rate: not scaled
         )
+        from ddpkit.train.recipe import lr_scale  # (torch's import: not for building the command line's parser)
+
+        # The training command's rule says whose rate is scaled (DiLoCo's inner rate is not: nothing to ramp to).
+        warmup = self.warmup_at(world) if lr_scale(config, world) > 1 else 0.0
+        return replace(config, warmup_epochs=warmup)
 
 
 def parse_run(spec: str) -> tuple[str, int | None]:
