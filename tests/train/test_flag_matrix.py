@@ -100,18 +100,20 @@ def test_the_modes_take_what_they_can_train() -> None:
     assert {flag for flag, mode in RUNS if mode == "restart"} == set(FLAGS)
 
 
-FAST_CONTINUE = {("ddp", "continue"), ("diloco", "continue"), ("ddp", "continue-ordered")}
-"""The runs of the continuing mode the fast tier keeps: its engine's workers in each way of reducing, and the
-asynchronous strategies' workers (``train/fault_tolerant_loop.py``, ``train/fault_tolerant_async.py``)."""
+FAST_CONTINUE = {("ddp", "continue"), ("ddp", "continue-ordered"), ("diloco", "continue"), ("ps-async", "continue")}
+"""The runs of the continuing mode the fast tier keeps: the engine's workers in both ways of reducing
+(``train/fault_tolerant_loop.py``), DiLoCo's workers and the parameter servers' workers and servers
+(``train/fault_tolerant_async.py``); ps-sync's and SSP's runs, and the other flags', are the whole suite's."""
 
 
 def _slow_run(flag: str, mode: str) -> list:
     if flag == "compile":
         marks = [pytest.mark.slow("torch.compile's first compilation in each of two workers")]
     elif mode.startswith("continue") and (flag, mode) not in FAST_CONTINUE:
-        # About 10 CPU-s each (the mode's launcher and two fresh interpreters, where a restart forks preloaded
-        # workers): the fast tier keeps FAST_CONTINUE's, the whole suite runs every one.
-        marks = [pytest.mark.slow("a job of the continuing mode's launcher and two fresh workers, for one flag")]
+        # 9-14 CPU-s each in a clean clone's run of 2026-11-30 (the mode's launcher and fresh interpreters, where a
+        # restart forks preloaded workers): the fast tier keeps FAST_CONTINUE's, the whole suite runs every one.
+        marks = [pytest.mark.slow("a job of the continuing mode's launcher and its fresh workers (and servers), "
+                                  "for one flag")]
     else:
         marks = []
     return pytest.param(flag, mode, marks=marks, id=f"{flag}-{mode}")

@@ -143,11 +143,9 @@ def replicas(config: TrainConfig) -> int:
 
 
 def lr_scale(config: TrainConfig, world: int) -> int:
-    """How many times ``--lr`` the optimizer steps with (after any warm-up): the linear scaling rule, by the
-    replicas whose batches one step averages (``world`` processes, times DataParallel's replicas in each). DiLoCo's
-    inner optimizer steps on one worker's batch alone (its outer optimizer combines the workers, as in the paper,
-    whose inner rate does not change with their number): only the process's own replicas count there."""
-    return replicas(config) * (1 if config.strategy == "diloco" else world)
+    """How many times ``--lr`` the optimizer steps with at ``world`` processes (:meth:`TrainConfig.lr_scale`, with
+    this process's replicas: DataParallel's devices)."""
+    return config.lr_scale(world, replicas(config))
 
 
 def model_for(config: TrainConfig, train_set: Any) -> torch.nn.Module:

@@ -407,6 +407,14 @@ class TrainConfig:
         need(self.backend in (None, "gloo"), "backend", f"{why}: the survivors rebuild gloo groups")
         need(self.straggler is None, "straggler", f"{why}: drop --straggler")
 
+    def lr_scale(self, world: int, replicas: int = 1) -> int:
+        """How many times ``--lr`` the optimizer steps with (after any warm-up): the linear scaling rule, by the
+        replicas whose batches one step averages (``world`` processes, times ``replicas`` in each: DataParallel's
+        devices). DiLoCo's inner optimizer steps on one worker's batch alone (its outer optimizer combines the
+        workers, as in the paper, whose inner rate does not change with their number): only the process's own
+        replicas count there."""
+        return replicas * (1 if self.strategy == "diloco" else world)
+
     def warmup_for(self, scale: int) -> float:
         """Epochs of warm-up for a learning rate scaled ``scale`` times: ``--warmup-epochs``, else none up to 2
         times, ``scale / 2`` beyond (measured: at 3 and 4 processes the linearly scaled rate from the first step

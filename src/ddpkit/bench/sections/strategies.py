@@ -122,10 +122,8 @@ class ConsistencyBenchConfig:
             local_sgd=self.local_sgd if name == "local-sgd" else None,
             output_dir=out, progress=False, checkpoint_every=0, keep_checkpoints=1, backend=self.backend,
         )
-        from ddpkit.train.recipe import lr_scale  # (torch's import: not for building the command line's parser)
-
         # The training command's rule says whose rate is scaled (DiLoCo's inner rate is not: nothing to ramp to).
-        warmup = self.warmup_at(world) if lr_scale(config, world) > 1 else 0.0
+        warmup = self.warmup_at(world) if config.lr_scale(world) > 1 else 0.0
         return replace(config, warmup_epochs=warmup)
 
 
