@@ -237,11 +237,12 @@ class KeyRange:
             elif clock >= self.clocks[w]:
                 grad, have = self._combine([(mask, grads)])
                 self._make(Update("apply", w, clock, grad, have))
-            start = time.perf_counter()
+            waited = 0.0  # held back for the bound only: without one, nothing (not the clock's own microseconds)
             if self.mode == "async" and self.staleness is not None:
+                start = time.perf_counter()
                 while self._lead(w) > self.staleness and self.failure is None:
                     self.lock.wait(timeout=1.0)
-            waited = time.perf_counter() - start
+                waited = time.perf_counter() - start
             lead = self._lead(w) if self.mode == "async" else 0  # sync: every worker is at the same step
             return [self.version, lag, lead, int(waited * 1e6)], self.flat.clone()
 
