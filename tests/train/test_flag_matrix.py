@@ -92,6 +92,7 @@ RUNS = [(flag, mode) for flag in FLAGS for mode in ("restart", "continue", "cont
 
 def test_the_modes_take_what_they_can_train() -> None:
     # The matrix below is not empty by accident: what the continuing mode takes, and what it refuses.
+    assert FAST_CONTINUE <= set(RUNS)  # a run the fast tier keeps is one of the matrix's (not a typo)
     taken = {flag for flag, mode in RUNS if mode == "continue"}
     assert taken == {"ddp", "ps-sync", "ps-async", "ssp", "diloco", "compile", "bf16", "deterministic", "adamw",
                      "fp16-hook"}

@@ -145,7 +145,7 @@ def replicas(config: TrainConfig) -> int:
 def lr_scale(config: TrainConfig, world: int) -> int:
     """How many times ``--lr`` the optimizer steps with at ``world`` processes (:meth:`TrainConfig.lr_scale`, with
     this process's replicas: DataParallel's devices)."""
-    return config.lr_scale(world, replicas(config))
+    return config.lr_scale(world, replicas=replicas(config))
 
 
 def model_for(config: TrainConfig, train_set: Any) -> torch.nn.Module:

@@ -407,7 +407,7 @@ class TrainConfig:
         need(self.backend in (None, "gloo"), "backend", f"{why}: the survivors rebuild gloo groups")
         need(self.straggler is None, "straggler", f"{why}: drop --straggler")
 
-    def lr_scale(self, world: int, replicas: int = 1) -> int:
+    def lr_scale(self, world: int, *, replicas: int) -> int:
         """How many times ``--lr`` the optimizer steps with (after any warm-up): the linear scaling rule, by the
         replicas whose batches one step averages (``world`` processes, times ``replicas`` in each: DataParallel's
         devices). DiLoCo's inner optimizer steps on one worker's batch alone (its outer optimizer combines the

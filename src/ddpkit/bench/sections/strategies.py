@@ -123,7 +123,7 @@ class ConsistencyBenchConfig:
             output_dir=out, progress=False, checkpoint_every=0, keep_checkpoints=1, backend=self.backend,
         )
         # The training command's rule says whose rate is scaled (DiLoCo's inner rate is not: nothing to ramp to).
-        warmup = self.warmup_at(world) if config.lr_scale(world) > 1 else 0.0
+        warmup = self.warmup_at(world) if config.lr_scale(world, replicas=1) > 1 else 0.0  # (no DataParallel)
         return replace(config, warmup_epochs=warmup)
 
 

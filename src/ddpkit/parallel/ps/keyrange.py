@@ -237,8 +237,8 @@ class KeyRange:
             elif clock >= self.clocks[w]:
                 grad, have = self._combine([(mask, grads)])
                 self._make(Update("apply", w, clock, grad, have))
-            waited = 0.0  # held back for the bound only: without one, nothing (not the clock's own microseconds)
-            if self.mode == "async" and self.staleness is not None:
+            waited = 0.0  # held back by the bound only: a reply the bound did not hold says 0
+            if self.mode == "async" and self.staleness is not None and self._lead(w) > self.staleness:
                 start = time.perf_counter()
                 while self._lead(w) > self.staleness and self.failure is None:
                     self.lock.wait(timeout=1.0)
