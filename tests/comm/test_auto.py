@@ -22,7 +22,7 @@ import ddpkit
 from ddpkit.bench.sections.links.testbed import Testbed
 from ddpkit.comm import auto
 from ddpkit.comm.auto import MOVES, AutoComm, Phase
-from ddpkit.comm.link_model import Link, predict
+from ddpkit.comm.link_model import Link, fit_link, predict
 from ddpkit.comm.schemes import CANDIDATE_SPECS, Scheme, parse_comm, parse_scheme
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import TrainConfig
@@ -73,6 +73,38 @@ def test_the_cost_model_follows_the_link():
     only_vectors = [[torch.Size([1000])]]
     assert predict(Scheme("powersgd", 1), slow, only_vectors) == pytest.approx(
         predict(Scheme("none"), slow, only_vectors) + 2 * 100e-6)
+
+
+def _probe_times(per_byte: float, latency: float, sizes: list[int]) -> list[float]:
+    return [latency + size * per_byte for size in sizes]
+
+
+def test_the_probes_fit_finds_the_links_rate_and_latency():
+    sizes = [4096 * 4**k for k in range(6)]  # 4 KiB to 4 MiB, as a 100 Mbit/s link's probe stops
+    times = _probe_times(1 / 12.5e6, 300e-6, sizes)
+    latency, per_byte = fit_link(sizes, times, times)
+    assert latency == pytest.approx(300e-6 + 4096 / 12.5e6) and per_byte == pytest.approx(1 / 12.5e6, rel=1e-3)
+
+
+def test_one_lengthened_median_does_not_make_a_slow_link_look_free():
+    # A 100 Mbit/s probe whose 1 MiB median a retransmission lengthened to 0.3 s (0.084 s in truth): the slope
+    # over 1 and 4 MiB alone is near zero (a link predicted free, no trial of half precision), the largest
+    # message says the rate; one lengthened 4 MiB median makes the link look slower, which only leads to trials.
+    sizes = [4096 * 4**k for k in range(6)]
+    times = _probe_times(1 / 12.5e6, 300e-6, sizes)
+    times[4] = 0.3
+    _, per_byte = fit_link(sizes, times, times)
+    assert per_byte == pytest.approx(1 / 12.5e6, rel=0.01)
+    times = _probe_times(1 / 12.5e6, 300e-6, sizes)
+    times[5] *= 1.5
+    assert 1 / 12.5e6 < fit_link(sizes, times, times)[1] < 2 / 12.5e6
+
+
+def test_a_probe_the_fit_cannot_read_is_refused():
+    with pytest.raises(ValueError, match="one of each per size"):
+        fit_link([4096, 1 << 20], [0.1], [0.1])
+    with pytest.raises(ValueError, match="the first 64 KiB or less"):
+        fit_link([1 << 20], [0.1], [0.1])
 
 
 @pytest.mark.parametrize("now,to", [(a, b) for a in Phase for b in Phase if b not in MOVES[a]])
@@ -553,7 +585,8 @@ def test_across_nodes_a_link_slowed_to_100mbit_reopens_the_decision_and_half_pre
     paused_at = int(found[0].group(2))
     first, second = (json.loads(found[0].group(3)))
     assert json.loads(found[1].group(3)) == [first, second]  # every rank: the same decisions at the same steps
-    assert second["chosen"] in ("fp16", "bf16") and second["tried_s"]["none"] > 0.2
+    lines = "\n".join(line for line in said[0].splitlines() if "comm auto" in line)
+    assert second["chosen"] in ("fp16", "bf16") and second["tried_s"]["none"] > 0.2, lines
     reopened = re.search(r"comm auto: the step went from .* ms \((\d+\.\d+)x\) under .*: deciding again", said[0])
     assert reopened and float(reopened.group(1)) >= 2
     # re-opened within 50 steps of the change (then the exact start and the trials)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddpkit.comm.schemes import Scheme
 
-__all__ = ["PROBE_LIMIT_S", "Link", "predict", "probe_link", "slowest"]
+__all__ = ["PROBE_LIMIT_S", "Link", "fit_link", "predict", "probe_link", "slowest"]
 
 PROBE_LIMIT_S = 0.25
 """The probe's sizes grow (4 KiB to 64 MiB, by 4) until one all-reduce takes this long."""
@@ -89,11 +89,8 @@ def _matmul_rate(device: torch.device) -> float:
 
 def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 5) -> Link:
     """Time all-reduces of 4 KiB, 16 KiB, ... (until one takes :data:`PROBE_LIMIT_S`, at most 64 MiB) over the
-    group, ``reps`` of each: the bandwidth is the least-squares slope of the slowest rank's medians over the sizes
-    of 1 MiB and more (all of them when none reached 1 MiB), the latency the smallest time of a message of 64 KiB or
-    less (noise on a small message only adds, so its fastest repetition is the truest; a shaped link's burst lets
-    a small message through at the line's rate, so its bytes' share at the sustained rate is not taken off). Every
-    rank of the group must call it at once (a series of collectives); all get the same :class:`Link`."""
+    group, ``reps`` of each, and fit the slowest rank's times with :func:`fit_link`. Every rank of the group must
+    call it at once (a series of collectives); all get the same :class:`Link`."""
     group = group if group is not None else dist.group.WORLD
     device = device if device is not None else torch.device("cpu")
     world = dist.get_world_size(group)
@@ -111,12 +108,34 @@ def probe_link(group: Any = None, device: torch.device | None = None, reps: int 
             break
         size *= 4
     rate = -slowest([-_matmul_rate(device)], group, device)[0]  # the slowest rank's rate
+    latency, per_byte = fit_link(sizes, medians, fastest)
+    return Link(latency_s=latency, seconds_per_byte=per_byte, flops_per_s=rate, world=world)
+
+
+def fit_link(sizes: Sequence[int], medians: Sequence[float], fastest: Sequence[float]) -> tuple[float, float]:
+    """The latency and the seconds a byte of a link from a probe's sizes (bytes, growing, the first 64 KiB or
+    less) and each size's median and fastest time.
+
+    The latency is the smallest time of a message of 64 KiB or less (noise on a small message only adds, so its
+    fastest repetition is the truest; a shaped link's burst lets a small message through at the line's rate, so
+    its bytes' share at the sustained rate is not taken off). The seconds a byte are the larger of the
+    least-squares slope of the medians over the sizes of 1 MiB and more (all of them when none reached 1 MiB) and
+    the largest message's own time less the latency, a byte: with two or three large sizes, one median that a
+    retransmission or a busy machine lengthened tilts the slope (a lengthened 1 MiB beside a true 4 MiB made a
+    100 Mbit/s link's slope near zero, a link predicted free, and no trial of what would have halved the step),
+    while the largest message, with the most bytes, is the least moved by any one delay. A link taken as slower
+    than it is only leads to trials, which measure; one taken as faster skips them.
+    """
+    if not sizes or len(sizes) != len(medians) or len(sizes) != len(fastest) or sizes[0] > 64 << 10:
+        raise ValueError(f"fit_link: sizes {list(sizes)} with {len(medians)} medians and {len(fastest)} fastest "
+                         "times: one of each per size, the first 64 KiB or less")
+    latency = min(t for x, t in zip(sizes, fastest) if x <= 64 << 10)
     big = [(x, y) for x, y in zip(sizes, medians) if x >= 1 << 20] or list(zip(sizes, medians))
     mean_x, mean_y = statistics.fmean(x for x, _ in big), statistics.fmean(y for _, y in big)
     var = sum((x - mean_x) ** 2 for x, _ in big)
     slope = max(sum((x - mean_x) * (y - mean_y) for x, y in big) / var, 0.0) if var else mean_y / mean_x
-    latency = min(t for x, t in zip(sizes, fastest) if x <= 64 << 10)
-    return Link(latency_s=latency, seconds_per_byte=slope, flops_per_s=rate, world=world)
+    largest, its_time = big[-1]
+    return latency, max(slope, max(its_time - latency, 0.0) / largest)
 
 
 def predict(scheme: Scheme, link: Link, buckets: Sequence[Sequence[torch.Size]], element_size: int = 4,
