@@ -116,7 +116,8 @@ def test_a_move_the_table_does_not_list_raises(now, to):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"start": 2}, "start=2"), ({"start": 3.5}, "start=3.5"), ({"trial": 61}, "trial=61: a whole number from 4 to 60"), ({"trial": 3}, "trial=3"), ({"tries": 0}, "tries=0"),
+    ({"start": 2}, "start=2"), ({"start": 3.5}, "start=3.5"), ({"trial": 61}, "trial=61: a whole number from 4 to 60"),
+    ({"trial": 3}, "trial=3"), ({"tries": 0}, "tries=0"),
     ({"tries": 2.5}, "tries=2.5"), ({"drift": 1.0}, "drift=1.0"), ({"drift": True}, "drift=True"),
     ({"candidates": [Scheme("powersgd", 0)]}, "PowerSGD needs a whole rank"), ({"candidates": [Scheme("zip")]},
                                                                                "not a reduction"),
