@@ -74,6 +74,11 @@ def test_bad_settings_of_the_bench_are_refused_naming_the_flag():
         LinksBenchConfig(data_dir=Path("x"), nodes=1)
     with pytest.raises(ConfigError, match="--model convnet: not a GPT; choose among gpt, gpt-10m, gpt-25m"):
         LinksBenchConfig(data_dir=Path("x"), model="convnet")
+    with pytest.raises(ConfigError, match=r"--fragment-delay 4 must be from 0 to --sync-every - 1 \(3\)"):
+        LinksBenchConfig(data_dir=Path("x"), sync_every=4, fragment_delay=4)
+    # tau: the streaming paper's 5, within a short H
+    assert LinksBenchConfig(data_dir=Path("x"), sync_every=100).fragment_delay == 5
+    assert LinksBenchConfig(data_dir=Path("x"), sync_every=4).fragment_delay == 3
 
 
 def test_the_table_names_the_gpt_it_trained_with_its_size():
@@ -85,6 +90,10 @@ def test_the_table_names_the_gpt_it_trained_with_its_size():
         assert f"{params / 1e6:.1f} M" == size
     text = format_rows([], LinksBenchConfig(data_dir=Path("x"), model="gpt-10m"))
     assert "the GPT --model gpt-10m (10.7 M) on tiny Shakespeare" in " ".join(text.split())
+    assert "streaming: 4 fragments, tau 5, int8" in " ".join(text.split())  # the default runs include it
+    assert "tau" not in format_rows([], LinksBenchConfig(data_dir=Path("x"), runs=("ddp",)))
+    text = format_rows([], LinksBenchConfig(data_dir=Path("x"), runs=("diloco", "streaming"), sync_every=100))
+    assert "streaming: 4 fragments, tau 5, int8" in " ".join(text.split())
 
 
 @needs_testbed

@@ -4,13 +4,16 @@ With SGD at lr 1 each step moves every element by minus the shares the step's al
 values count what was applied: a dead worker's in-flight share applied on some survivors and not on others would
 show as survivors that differ (``applied``: after steps of no gradient have brought every real one, before the
 replicas are averaged). Environment: ``KILL=MEMBER:STEP`` (that member SIGKILLs itself before that step),
-``STALENESS`` (2), ``STEPS`` (40), ``SLEEP`` seconds per step (0.02). Each worker prints one JSON line.
+``STALENESS`` (2), ``STEPS`` (40), ``SLEEP`` seconds per step (0.02), ``JOINED`` (a file: a worker the optimizer
+refuses writes why there, and the others wait for it before their last steps, so that a replacement meets a
+running job however slowly it starts). Each worker prints one JSON line.
 """
 
 import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,7 +24,13 @@ member = int(os.environ["DDPKIT_FT_MEMBER"])
 kill = tuple(map(int, os.environ["KILL"].split(":"))) if os.environ.get("KILL") else None
 param = torch.nn.Parameter(torch.zeros(1000))
 staleness = int(os.environ.get("STALENESS", "2"))
-opt = ddpkit.StaleSynchronousOptimizer(torch.optim.SGD([param], lr=1.0), staleness=staleness)
+joined = Path(os.environ["JOINED"]) if os.environ.get("JOINED") else None
+try:
+    opt = ddpkit.StaleSynchronousOptimizer(torch.optim.SGD([param], lr=1.0), staleness=staleness)
+except RuntimeError as e:
+    if joined is not None:
+        joined.write_text(str(e))
+    raise
 for step in range(int(os.environ.get("STEPS", "40"))):
     if kill == (member, step):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -29,6 +38,11 @@ for step in range(int(os.environ.get("STEPS", "40"))):
     param.sum().backward()
     opt.step()
     time.sleep(float(os.environ.get("SLEEP", "0.02")))
+if joined is not None:
+    deadline = time.monotonic() + 120
+    while not joined.exists():
+        assert time.monotonic() < deadline, "no replacement came"
+        time.sleep(0.05)
 for _ in range(staleness + 1):  # steps of no gradient: every real step's all-reduce has come and been applied
     param.grad.zero_()
     opt.step()

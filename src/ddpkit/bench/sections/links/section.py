@@ -10,8 +10,8 @@ tiny Shakespeare there (``ddpkit launch`` on each node, ``-m ddpkit train
 * ``ddp``: gradients averaged every step;
 * ``local-sgd``: parameters averaged every ``--sync-every`` steps;
 * ``diloco``: ``ddpkit.DiLoCo``, an outer step every ``--sync-every`` steps;
-* ``streaming``: DiLoCo in 4 fragments, each exchange overlapping 2 inner
-  steps, the pseudo-gradients in int8;
+* ``streaming``: DiLoCo in 4 fragments, each exchange overlapping
+  ``--fragment-delay`` inner steps (tau, default 5 or ``--sync-every`` - 1), the pseudo-gradients in int8;
 * ``fp16``, ``powersgd``: DDP with that comm hook (PowerSGD at rank 4, from
   step 10);
 * ``auto``: DDP with ``--comm-hook auto``, the reduction chosen from the
@@ -49,16 +49,16 @@ from ddpkit.train.train_config import TEXT_MODELS
 __all__ = ["RUNS", "LinksBenchConfig", "Row", "TestbedError", "format_rows", "run"]
 
 RUNS = {
-    "ddp": lambda h: [],
-    "local-sgd": lambda h: ["--local-sgd", str(h)],
-    "diloco": lambda h: ["--sync-every", str(h)],
-    "streaming": lambda h: ["--sync-every", str(h), "--fragments", "4", "--fragment-delay", "2",
-                            "--outer-codec", "int8"],
-    "fp16": lambda h: ["--comm-hook", "fp16"],
-    "powersgd": lambda h: ["--comm-hook", "powersgd", "--powersgd-rank", "4"],
-    "auto": lambda h: ["--comm-hook", "auto"],
+    "ddp": lambda h, tau: [],
+    "local-sgd": lambda h, tau: ["--local-sgd", str(h)],
+    "diloco": lambda h, tau: ["--sync-every", str(h)],
+    "streaming": lambda h, tau: ["--sync-every", str(h), "--fragments", "4", "--fragment-delay", str(tau),
+                                 "--outer-codec", "int8"],
+    "fp16": lambda h, tau: ["--comm-hook", "fp16"],
+    "powersgd": lambda h, tau: ["--comm-hook", "powersgd", "--powersgd-rank", "4"],
+    "auto": lambda h, tau: ["--comm-hook", "auto"],
 }
-"""Each run's ``ddpkit train`` flags, given ``--sync-every``."""
+"""Each run's ``ddpkit train`` flags, given ``--sync-every`` and ``--fragment-delay``."""
 GPT_SIZES = {"gpt": "0.8 M", "gpt-10m": "10.7 M", "gpt-25m": "25.3 M"}
 """Each GPT's parameters, as the table's note names them (tests/bench/test_links.py keeps it in step)."""
 BLOCK = 64
@@ -77,6 +77,8 @@ class LinksBenchConfig:
     model: str = option("gpt", "the GPT: gpt (0.8 M parameters), gpt-10m or gpt-25m", choices=TEXT_MODELS)
     nodes: int = option(2, "nodes (namespaces), one worker each")
     sync_every: int = option(16, "H of local SGD and DiLoCo: inner steps between two exchanges")
+    fragment_delay: int | None = option(None, "tau of the streaming run: inner steps each fragment's exchange "
+                                           "overlaps, less than --sync-every (default 5, or --sync-every - 1 if less)")
     train_samples: int = option(2048, "training samples of 64 characters (the steps: these / (nodes x batch))")
     batch_size: int = option(32, "samples a worker takes a step")
     epochs: int = option(1, "epochs per run")
@@ -104,6 +106,11 @@ class LinksBenchConfig:
         for name in ("sync_every", "train_samples", "batch_size", "epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.fragment_delay is None:
+            self.fragment_delay = min(5, self.sync_every - 1)
+        if not 0 <= self.fragment_delay < self.sync_every:
+            raise ConfigError(f"--fragment-delay {self.fragment_delay} must be from 0 to --sync-every - 1 "
+                              f"({self.sync_every - 1})")
         if self.json is not None:
             self.json = writable_file(self.json, "--json")
 
@@ -127,7 +134,7 @@ class Row:
 
 
 def _one(cfg: LinksBenchConfig, bed: Testbed, name: str, out: Path, port: int) -> Row:
-    flags = RUNS[name](cfg.sync_every)
+    flags = RUNS[name](cfg.sync_every, cfg.fragment_delay)
     train = ["-m", "ddpkit", "train", "--model", cfg.model, "--dataset", "shakespeare", "--data-dir",
              str(Path(cfg.data_dir).resolve()), "--train-samples", str(cfg.train_samples), "--test-samples", "64",
              "--batch-size", str(cfg.batch_size), "--epochs", str(cfg.epochs), "--optimizer", "adamw", "--lr",
@@ -231,7 +238,8 @@ def format_rows(rows: list[dict[str, Any]], cfg: LinksBenchConfig) -> str:
         f"{cfg.nodes} nodes (network namespaces on one bridge, each cable shaped with tc tbf in both directions), "
         f"one worker each; the GPT --model {cfg.model} ({GPT_SIZES[cfg.model]}) on tiny Shakespeare, "
         f"{cfg.train_samples} samples of {BLOCK} characters, "
-        f"batch {cfg.batch_size} a worker, AdamW, {cfg.epochs} epoch(s); --sync-every {cfg.sync_every}; one run "
-        "each. s / step: the training's wall time (evaluation included) over its steps.")
+        f"batch {cfg.batch_size} a worker, AdamW, {cfg.epochs} epoch(s); --sync-every {cfg.sync_every}"
+        + (f"; streaming: 4 fragments, tau {cfg.fragment_delay}, int8" if "streaming" in cfg.runs else "")
+        + "; one run each. s / step: the training's wall time (evaluation included) over its steps.")
     return "\n".join(lines)
 
