@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from procs import base_env
 
-from ddpkit.bench.sections.links.section import LinksBenchConfig
+from ddpkit.bench.sections.links.section import RUNS, LinksBenchConfig
 from ddpkit.bench.sections.links.testbed import Testbed, parse_rate
 from ddpkit.runtime.options import ConfigError
 
@@ -74,11 +74,20 @@ def test_bad_settings_of_the_bench_are_refused_naming_the_flag():
         LinksBenchConfig(data_dir=Path("x"), nodes=1)
     with pytest.raises(ConfigError, match="--model convnet: not a GPT; choose among gpt, gpt-10m, gpt-25m"):
         LinksBenchConfig(data_dir=Path("x"), model="convnet")
-    with pytest.raises(ConfigError, match=r"--fragment-delay 4 must be from 0 to --sync-every - 1 \(3\)"):
+    with pytest.raises(ConfigError, match=r"--fragment-delay 4 must be a whole number from 0 to --sync-every - 1 "
+                                          r"\(3\)"):
         LinksBenchConfig(data_dir=Path("x"), sync_every=4, fragment_delay=4)
-    # tau: the streaming paper's 5, within a short H
+    for bad in (True, 2.0):
+        with pytest.raises(ConfigError, match=f"--fragment-delay {bad!r} must be a whole number"):
+            LinksBenchConfig(data_dir=Path("x"), fragment_delay=bad)
+    with pytest.raises(ConfigError, match="--sync-every 2: the streaming run's 4 fragments need at least 4"):
+        LinksBenchConfig(data_dir=Path("x"), sync_every=2)
+    # tau: the streaming paper's 5, within a short H; checked only where a streaming run uses it
     assert LinksBenchConfig(data_dir=Path("x"), sync_every=100).fragment_delay == 5
     assert LinksBenchConfig(data_dir=Path("x"), sync_every=4).fragment_delay == 3
+    assert LinksBenchConfig(data_dir=Path("x"), runs=("ddp",), sync_every=1, fragment_delay=1).sync_every == 1
+    flags = RUNS["streaming"](100, 5)
+    assert flags[flags.index("--fragment-delay") + 1] == "5"
 
 
 def test_the_table_names_the_gpt_it_trained_with_its_size():

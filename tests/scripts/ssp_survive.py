@@ -4,9 +4,10 @@ With SGD at lr 1 each step moves every element by minus the shares the step's al
 values count what was applied: a dead worker's in-flight share applied on some survivors and not on others would
 show as survivors that differ (``applied``: after steps of no gradient have brought every real one, before the
 replicas are averaged). Environment: ``KILL=MEMBER:STEP`` (that member SIGKILLs itself before that step),
-``STALENESS`` (2), ``STEPS`` (40), ``SLEEP`` seconds per step (0.02), ``JOINED`` (a file: a worker the optimizer
-refuses writes why there, and the others wait for it before their last steps, so that a replacement meets a
-running job however slowly it starts). Each worker prints one JSON line.
+``STALENESS`` (2), ``STEPS`` (40), ``SLEEP`` seconds per step (0.02), ``JOINED`` (a file: a worker whose optimizer
+raises at its construction, a refused replacement, writes why there, and the others wait for it before their last
+five steps, so that a replacement meets a running job however slowly it starts). Each worker prints one JSON
+line.
 """
 
 import json
@@ -31,18 +32,20 @@ except RuntimeError as e:
     if joined is not None:
         joined.write_text(str(e))
     raise
-for step in range(int(os.environ.get("STEPS", "40"))):
+steps = int(os.environ.get("STEPS", "40"))
+for step in range(steps):
     if kill == (member, step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if joined is not None and step == steps - 5:  # the last five steps after the replacement was refused
+        deadline = time.monotonic() + 120
+        while not joined.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"member {member}: no replacement came in 120 s")
+            time.sleep(0.05)
     opt.zero_grad()
     param.sum().backward()
     opt.step()
     time.sleep(float(os.environ.get("SLEEP", "0.02")))
-if joined is not None:
-    deadline = time.monotonic() + 120
-    while not joined.exists():
-        assert time.monotonic() < deadline, "no replacement came"
-        time.sleep(0.05)
 for _ in range(staleness + 1):  # steps of no gradient: every real step's all-reduce has come and been applied
     param.grad.zero_()
     opt.step()

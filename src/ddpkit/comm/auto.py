@@ -12,7 +12,9 @@ runs, in three phases:
 2. **Probe and predict**: a short probe of the link with all-reduces of growing sizes (every rank takes part; the
    slowest rank's times count): the bandwidth from the large ones, the latency from the small ones. A cost model
    of each candidate's bytes and collectives per step over the model's buckets (and PowerSGD's products, timed on
-   this machine) predicts its step time as the exact step's minus the exact reduction's time plus the candidate's.
+   this machine) predicts its step time as the exact step's minus the exact reduction's time plus the candidate's
+   (where the probe's exact reduction alone outlasts the measured step, the measures disagree: the step in the
+   proportion of the candidate's reduction to the exact one's).
    Candidates: fp16, bf16 and PowerSGD at ranks 1, 2, 4 and 8 (or the list given, ``comm="auto:fp16,powersgd:2"``).
    A candidate is tried only if predicted at least 5 % faster than the exact step (when none is, the exact
    all-reduce stays without a trial), and one half precision at most (both send the same bytes: bf16 first).
@@ -461,8 +463,13 @@ class AutoComm:
         buckets = [self._layout[i] for i in sorted(self._layout)]
         exact = predict(Scheme("none"), link, buckets, self._element_size)
         for scheme in self.candidates:
-            self._predicted[scheme] = max(self._exact - exact, 0.0) + predict(scheme, link, buckets,
-                                                                              self._element_size)
+            own = predict(scheme, link, buckets, self._element_size)
+            if exact <= self._exact:  # the step's other work stays; its reduction becomes the candidate's
+                self._predicted[scheme] = self._exact - exact + own
+            else:  # the probe's exact reduction outlasts the measured step (the link changed since the start, or
+                # its steps mixed two links): the measures disagree, and the candidate keeps its relative saving
+                # (taking its reduction alone as its step would hide any saving below the measured step)
+                self._predicted[scheme] = self._exact * own / exact
         ranked = sorted((s for s in self.candidates if self._predicted[s] <= PAYS * self._exact),
                         key=lambda s: (self._predicted[s], s.lossiness))
         worth: list[Scheme] = []

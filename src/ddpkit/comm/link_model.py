@@ -121,14 +121,19 @@ def fit_link(sizes: Sequence[int], medians: Sequence[float], fastest: Sequence[f
     its bytes' share at the sustained rate is not taken off). The seconds a byte are the larger of the
     least-squares slope of the medians over the sizes of 1 MiB and more (all of them when none reached 1 MiB) and
     the largest message's own time less the latency, a byte: with two or three large sizes, one median that a
-    retransmission or a busy machine lengthened tilts the slope (a lengthened 1 MiB beside a true 4 MiB made a
-    100 Mbit/s link's slope near zero, a link predicted free, and no trial of what would have halved the step),
-    while the largest message, with the most bytes, is the least moved by any one delay. A link taken as slower
-    than it is only leads to trials, which measure; one taken as faster skips them.
+    retransmission or a busy machine lengthened tilts the slope (at 100 Mbit/s the probe stops at 4 MiB, and a
+    1 MiB median lengthened to just under :data:`PROBE_LIMIT_S` cuts the two-point slope to a third of the
+    rate, the reductions' cost with it), while the largest message, with the most bytes, is the least moved by
+    any one delay.
+
+    Raises:
+        ValueError: not one median and one fastest time per size, sizes not positive and growing, or a first
+            size above 64 KiB (no latency to read).
     """
-    if not sizes or len(sizes) != len(medians) or len(sizes) != len(fastest) or sizes[0] > 64 << 10:
+    if not sizes or len(sizes) != len(medians) or len(sizes) != len(fastest) or sizes[0] > 64 << 10 or \
+            sizes[0] <= 0 or any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ValueError(f"fit_link: sizes {list(sizes)} with {len(medians)} medians and {len(fastest)} fastest "
-                         "times: one of each per size, the first 64 KiB or less")
+                         "times: one of each per size, the sizes positive and growing, the first 64 KiB or less")
     latency = min(t for x, t in zip(sizes, fastest) if x <= 64 << 10)
     big = [(x, y) for x, y in zip(sizes, medians) if x >= 1 << 20] or list(zip(sizes, medians))
     mean_x, mean_y = statistics.fmean(x for x, _ in big), statistics.fmean(y for _, y in big)

@@ -106,11 +106,15 @@ class LinksBenchConfig:
         for name in ("sync_every", "train_samples", "batch_size", "epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if "streaming" in self.runs and self.sync_every < 4:
+            raise ConfigError(f"--sync-every {self.sync_every}: the streaming run's 4 fragments need at least 4 "
+                              "(each fragment's exchange every --sync-every steps, one every --sync-every / 4)")
         if self.fragment_delay is None:
             self.fragment_delay = min(5, self.sync_every - 1)
-        if not 0 <= self.fragment_delay < self.sync_every:
-            raise ConfigError(f"--fragment-delay {self.fragment_delay} must be from 0 to --sync-every - 1 "
-                              f"({self.sync_every - 1})")
+        if isinstance(self.fragment_delay, bool) or not isinstance(self.fragment_delay, int) or (
+                "streaming" in self.runs and not 0 <= self.fragment_delay < self.sync_every):
+            raise ConfigError(f"--fragment-delay {self.fragment_delay!r} must be a whole number from 0 to "
+                              f"--sync-every - 1 ({self.sync_every - 1})")
         if self.json is not None:
             self.json = writable_file(self.json, "--json")
 
