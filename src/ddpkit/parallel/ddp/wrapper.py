@@ -91,8 +91,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             ``reshard_after_forward``, ``zero_param_dtype`` and ``zero_reduce_dtype``).
         comm: ddpkit's own, keyword only. ``"auto"``: the gradient reduction
             chosen from the measured link as training runs (the exact
-            all-reduce, fp16, bf16 or PowerSGD at rank 1-8; ``"auto:fp16,powersgd:2"``
-            limits the candidates), printed once with the spec that pins it;
+            all-reduce, fp16, bf16 or PowerSGD at rank 4 or 8; ``"auto:fp16,powersgd:2"``
+            lists the candidates), printed once with the spec that pins it;
             ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd:R"``: that one from
             the start (see :mod:`ddpkit.comm.auto`). Default None: no hook.
 
