@@ -25,8 +25,14 @@ PRELOAD = ("torch", "ddpkit.train.loop")
 
 
 def starts_workers(config: TrainConfig, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether ``ddpkit train`` with ``config`` will start worker processes of its own (not under a launcher)."""
+    """Whether ``ddpkit train`` with ``config`` will fork worker processes of its own (not under a launcher).
+
+    Not under ``--on-failure continue``: that mode's launcher starts its workers as processes of their own
+    (``python -m ddpkit.train.fault_tolerant_loop``), which it waits for, so a forkserver would import torch for
+    nothing, on a core the run's own imports need."""
     if discover(environ, master_needed=False).scheme != "single" or config.engine in ("single", "dp"):
+        return False
+    if config.on_failure == "continue":
         return False
     return config.nproc_per_node != 1 or config.max_restarts > 0 or config.strategy in SERVER_STRATEGIES
 
