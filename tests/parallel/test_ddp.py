@@ -783,6 +783,29 @@ def test_require_forward_param_sync_follows_torch(dist2):
     assert dist2.run(_forward_sync_flag) == [[True, False, True]] * 2
 
 
+def _no_sync_micro_batch_after_a_synchronised_forward(kwargs: dict) -> list:
+    out = []
+    for model in pair("convbn", **kwargs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batch("convbn", 100 * step + dist.get_rank())
+            first = model(x)  # a synchronised forward whose backward comes last
+            with model.no_sync():  # torch's reducer, armed by that forward, reduces this micro-batch's backward
+                nn.functional.cross_entropy(model(x.flip(0)), y).backward()
+            nn.functional.cross_entropy(first, y).backward()  # and this one accumulates locally
+            opt.step()
+        out.append(state(model))
+    return [out]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"find_unused_parameters": True}, {"bucket_cap_mb": 1e-3}])
+def test_a_no_sync_micro_batch_between_a_forward_and_its_backward_is_reduced_as_under_torch(dist2, kwargs):
+    # torch's quirk, kept: the replicas then differ (the last backward's gradient stays each rank's own), as they
+    # do under torch's DDP
+    _assert_same([r[0] for r in dist2.run(_no_sync_micro_batch_after_a_synchronised_forward, kwargs)])
+
+
 def _two_forwards_then_backward() -> list:
     out = []
     for engine in (ddpkit.DDP, TorchDDP):

@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +95,16 @@ class ObserverHandle:
     """What ``register_observer`` returns: :meth:`remove` detaches the observer."""
 
     def __init__(self, observers: Observers, observer: Observer) -> None:
-        self._observers = observers
-        self._observer = observer
+        # Weak: an observer that keeps its handle (DDP's logging data) would otherwise make a cycle with the
+        # engine's observers, and live on after its engine until a garbage collection.
+        self._observers = weakref.ref(observers)
+        self._observer = weakref.ref(observer)
 
     def remove(self) -> None:
-        """Detach the observer (again: nothing)."""
-        self._observers.remove(self._observer)
+        """Detach the observer (again, or after its engine or the observer itself is gone: nothing)."""
+        observers, observer = self._observers(), self._observer()
+        if observers is not None and observer is not None:
+            observers.remove(observer)
 
 
 def _overrides(observer: Observer, name: str) -> bool:

@@ -192,6 +192,8 @@ class Reducer:
         """When a list, the indices of parameters as their gradients become ready (DDP's logging data)."""
         self.unused_here: list[int] = []
         """Parameters this rank did not use in the last backward that searched for them."""
+        self.unused_searches = 0
+        """Backwards that searched for unused parameters (:attr:`unused_here`) so far."""
         self.static = sg.StaticGraph()
         self.last_used_flags: torch.Tensor | None = None
         """The used-parameter map of the last backward (a joined rank sends it while it shadows)."""
@@ -518,6 +520,7 @@ class Reducer:
                       enumerate(zip(self._ready, self._used_since_sync))] if searched or missing else []
         if searched and not first_static:
             self.unused_here = [i for i, u in enumerate(local_used) if not u]
+            self.unused_searches += 1
         if not self.reduce_missing:
             for i in missing:
                 grad = self.params[i].grad

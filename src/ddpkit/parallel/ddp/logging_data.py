@@ -32,15 +32,20 @@ runtime
     ``backward_compute_comm_overlap_time``, and ``avg_`` of each duration over
     the sampled iterations.
 
-``can_set_static_graph`` is not among them: torch's logger writes it only when
-it is destroyed, so a live model never reports it (Lightning's ``.get`` then
-gives ``None``).
+``can_set_static_graph`` is written as torch writes it: once per process, by
+the first model that logs it, into its own data. A model that searches for
+unused parameters logs ``0`` (and ``iteration``) when the set it did not use
+changes from one iteration to the next, after its first; any model logs
+whether its graph stayed static when it is destroyed, where no one reads it.
+So a live model reports it only if it is the process's first to see its
+graph change (Lightning's ``.get`` otherwise gives ``None``).
 """
 
 from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -77,6 +82,18 @@ _DURATIONS = {"forward_compute_time": ("forward_compute_time_start", "backward_c
               "backward_compute_comm_overlap_time": ("backward_comm_time_start", "backward_compute_time_end")}
 
 
+_GRAPH_STATIC_LOGGED: list[bool] = []
+"""Whether a model of this process has logged ``can_set_static_graph`` (torch's process-wide once flag)."""
+
+
+def _log_graph_static() -> bool:
+    """Take the process's one logging of ``can_set_static_graph``: whether this call is the one."""
+    if _GRAPH_STATIC_LOGGED:
+        return False
+    _GRAPH_STATIC_LOGGED.append(True)
+    return True
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -84,8 +101,11 @@ def _nbytes(t: torch.Tensor) -> int:
 class DDPLogging(Observer):
     """The logging data of one ``DistributedDataParallel``; it observes the reducer in sampled iterations only."""
 
+    judges_graph = True
+    """Whether it takes part in torch's one logging of ``can_set_static_graph`` per process (see the notes)."""
+
     def __init__(self, ddp: Any) -> None:
-        self.ddp = ddp
+        self._ddp = weakref.ref(ddp)  # not the wrapper itself: a cycle would keep it until a garbage collection
         self.strs: dict[str, str] = {}
         self.ints: dict[str, int] = {}
         self.sample_rate = DEFAULT_SAMPLE_RATE
@@ -95,7 +115,18 @@ class DDPLogging(Observer):
         self.times: dict[str, int] = {}
         self.buckets_reduced = 0
         self.handle: ObserverHandle | None = None
+        self.graph_static = True
+        """torch's ``ddp_graph_static_``: the set of unused parameters has not changed between iterations."""
+        self._previous_unused: set[int] | None = None
+        self._searches_seen = 0
         self._construction()
+        if self.judges_graph:  # torch's logger logs it when destroyed (where no one reads it): the flag is taken
+            weakref.finalize(self, _log_graph_static)
+
+    @property
+    def ddp(self) -> Any:
+        """The ``DistributedDataParallel`` whose data this is."""
+        return self._ddp()
 
     def _construction(self) -> None:
         ddp, reducer = self.ddp, self.ddp.reducer
@@ -151,8 +182,27 @@ class DDPLogging(Observer):
     def _sampled(self, iteration: int) -> bool:
         return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
 
+    def _judge_graph(self) -> None:
+        """torch's check, each iteration that searched for unused parameters (without a static graph): whether
+        the set this rank did not use changed since the last, after the first iteration; the first change logs
+        ``can_set_static_graph`` 0 with the iteration, if no model of this process logged it before."""
+        reducer = self.ddp.reducer
+        if not self.judges_graph or reducer.unused_searches == self._searches_seen:
+            return
+        self._searches_seen = reducer.unused_searches
+        if reducer.static_graph or not self.graph_static:
+            return
+        unused = set(reducer.unused_here)
+        if self.iterations > 1:
+            self.graph_static = unused == self._previous_unused
+            if not self.graph_static and _log_graph_static():
+                self.ints["can_set_static_graph"] = 0
+                self.ints["iteration"] = self.iterations
+        self._previous_unused = unused
+
     def forward_start(self) -> None:
         """A synchronised forward begins: record the last sampled iteration, then time this one if sampled."""
+        self._judge_graph()  # the last backward's (torch judges it at that backward's forward)
         if self._sampled(self.iterations):
             self._record()
         self.iterations += 1
@@ -217,12 +267,15 @@ class DDPLogging(Observer):
 
     def data(self) -> dict[str, Any]:
         """The dictionary torch's ``_get_ddp_logging_data()`` returns: strings, then integers."""
+        self._judge_graph()
         return {**self.strs, **self.ints}
 
 
 class ShardedLogging(DDPLogging):
     """The logging data of ``DistributedDataParallel(zero_stage=3)``: the construction figures (the units stand
     for the buckets) and the iteration count; no runtime figures, as stage 3 has no buckets to observe."""
+
+    judges_graph = False
 
     def _bucket_sizes(self) -> list[int]:
         return [u.nbytes for u in self.ddp.reducer.units]

@@ -406,7 +406,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         if sync:
             self.reducer.prepare_for_backward()
             self._logging.forward_end()
-        elif grad:
+        elif grad and self.zero_stage == 3:
+            # Stage 3 keeps its own rule: the next backward accumulates. torch's DDP leaves its reducer as it is at
+            # a forward under no_sync(): a synchronised forward's arming stands until a backward uses it, so a
+            # no_sync() micro-batch run between that forward and its backward is the one reduced (kept, as torch).
             self.reducer.disarm()
         self.require_forward_param_sync = sync
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's

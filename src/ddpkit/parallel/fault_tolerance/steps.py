@@ -480,6 +480,9 @@ class FaultTolerance:
         # Its buffers are the mode's to move (Step.__iter__, reduce): the wrapper's broadcast at a forward after a
         # synchronised one (its first forward too) is a collective a rank without samples would not join.
         self.wrapper.require_forward_param_sync = False
+        # A synchronised forward outside the steps (possible outside the launcher's mode) armed the wrapper's
+        # reducer, and under torch's rule a no_sync() forward leaves it armed: the micro-batch would reduce.
+        self.wrapper.reducer.disarm()
         return self.wrapper.no_sync()
 
     def load(self, indices: list[int]) -> Any:
