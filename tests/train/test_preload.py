@@ -20,6 +20,7 @@ UNDER_TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADD
     # forkserver would import torch for nothing, beside the run's own imports
     ({"nproc_per_node": 2, "on_failure": "continue"}, {}, False),
     ({"nproc_per_node": 2, "on_failure": "continue", "max_restarts": 1}, {}, False),
-], ids=["two workers", "restarts", "one worker", "under torchrun", "dataparallel", "continue", "continue, replacements"])
+], ids=["two workers", "restarts", "one worker", "under torchrun", "dataparallel", "continue",
+        "continue, replacements"])
 def test_a_forkserver_starts_only_where_workers_are_forked_from_it(settings, environ, forks):
     assert starts_workers(TrainConfig(**settings), environ) is forks
