@@ -66,7 +66,7 @@ def test_the_testbed_shapes_both_ends_of_every_cable_cuts_one_and_leaves_nothing
 def test_bad_settings_of_the_bench_are_refused_naming_the_flag():
     with pytest.raises(ConfigError, match="give --data-dir"):
         LinksBenchConfig()
-    with pytest.raises(ConfigError, match="--runs fast: not a run; choose among ddp, local-sgd, diloco, streaming"):
+    with pytest.raises(ConfigError, match="--runs fast: not a run; choose among ddp, local-sgd, diloco, diloco-int8, streaming"):
         LinksBenchConfig(data_dir=Path("x"), runs=("fast",))
     with pytest.raises(ConfigError, match="--rates: rate '1tbit': give bits per second"):
         LinksBenchConfig(data_dir=Path("x"), rates=("1tbit",))
@@ -102,7 +102,10 @@ def test_the_table_names_the_gpt_it_trained_with_its_size():
     assert "streaming: 4 fragments, tau 5, int8" in " ".join(text.split())  # the default runs include it
     assert "tau" not in format_rows([], LinksBenchConfig(data_dir=Path("x"), runs=("ddp",)))
     text = format_rows([], LinksBenchConfig(data_dir=Path("x"), runs=("diloco", "streaming"), sync_every=100))
-    assert "streaming: 4 fragments, tau 5, int8" in " ".join(text.split())
+    assert "streaming: 4 fragments, tau 5, int8" in " ".join(text.split()) and "diloco-int8" not in text
+    text = format_rows([], LinksBenchConfig(data_dir=Path("x"), runs=("diloco-int8",), sync_every=100))
+    assert "diloco-int8: the outer gradients in int8" in " ".join(text.split()) and "tau" not in text
+    assert RUNS["diloco-int8"](100, 5) == ["--sync-every", "100", "--outer-codec", "int8"]  # plain DiLoCo's exchange
 
 
 @needs_testbed

@@ -52,6 +52,7 @@ RUNS = {
     "ddp": lambda h, tau: [],
     "local-sgd": lambda h, tau: ["--local-sgd", str(h)],
     "diloco": lambda h, tau: ["--sync-every", str(h)],
+    "diloco-int8": lambda h, tau: ["--sync-every", str(h), "--outer-codec", "int8"],
     "streaming": lambda h, tau: ["--sync-every", str(h), "--fragments", "4", "--fragment-delay", str(tau),
                                  "--outer-codec", "int8"],
     "fp16": lambda h, tau: ["--comm-hook", "fp16"],
@@ -243,6 +244,7 @@ def format_rows(rows: list[dict[str, Any]], cfg: LinksBenchConfig) -> str:
         f"one worker each; the GPT --model {cfg.model} ({GPT_SIZES[cfg.model]}) on tiny Shakespeare, "
         f"{cfg.train_samples} samples of {BLOCK} characters, "
         f"batch {cfg.batch_size} a worker, AdamW, {cfg.epochs} epoch(s); --sync-every {cfg.sync_every}"
+        + ("; diloco-int8: the outer gradients in int8" if "diloco-int8" in cfg.runs else "")
         + (f"; streaming: 4 fragments, tau {cfg.fragment_delay}, int8" if "streaming" in cfg.runs else "")
         + "; one run each. s / step: the training's wall time (evaluation included) over its steps.")
     return "\n".join(lines)
