@@ -15,7 +15,7 @@ runs, in three phases:
    this machine) predicts its step time as the exact step's minus the exact reduction's time plus the candidate's
    (where the probe's exact reduction alone outlasts the measured step, the measures disagree: the step in the
    proportion of the candidate's reduction to the exact one's).
-   Candidates: fp16, bf16 and PowerSGD at ranks 4 and 8 (or the list given, ``comm="auto:fp16,powersgd:2"``; ranks 1
+   Candidates: fp16, bf16 and PowerSGD at ranks 4 and 8 (or the list given, ``comm="auto:bf16,powersgd:4"``; ranks 1
    and 2 cost a language model's loss too much to be tried unasked: :data:`~ddpkit.comm.schemes.CANDIDATE_SPECS`).
    A candidate is tried only if predicted at least 5 % faster than the exact step (when none is, the exact
    all-reduce stays without a trial), and one half precision at most (both send the same bytes: bf16 first).
@@ -180,7 +180,7 @@ class AutoComm:
         for scheme in chosen:
             if not isinstance(scheme, Scheme):
                 raise TypeError(f"candidates: {scheme!r} is not a Scheme: give parse_scheme('fp16') and the like "
-                                 "(or pass comm='auto:fp16,powersgd:2' to the wrapper)")
+                                 "(or pass comm='auto:bf16,powersgd:4' to the wrapper)")
             scheme.check()
         self.candidates = tuple(dict.fromkeys(s for s in chosen if s.name != "none"))
         self.process_group = process_group

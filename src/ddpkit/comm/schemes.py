@@ -68,7 +68,7 @@ def parse_scheme(spec: str) -> Scheme:
 
 def parse_comm(spec: str) -> tuple[Scheme, ...] | Scheme:
     """``comm=``'s value: a :class:`Scheme` (pinned), or the candidates of ``auto`` (``auto`` alone: all of
-    :data:`CANDIDATE_SPECS`; ``auto:fp16,powersgd:2``: those, the exact all-reduce always among them)."""
+    :data:`CANDIDATE_SPECS`; ``auto:bf16,powersgd:4``: those, the exact all-reduce always among them)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"comm={spec!r}: give 'auto', or a reduction to pin: none, fp16, bf16 or powersgd:R")
     head, colon, rest = spec.strip().partition(":")
@@ -76,7 +76,7 @@ def parse_comm(spec: str) -> tuple[Scheme, ...] | Scheme:
         return parse_scheme(spec)
     names = [s for s in rest.split(",") if s.strip()] if colon else list(CANDIDATE_SPECS)
     if not names:
-        raise ValueError(f"comm={spec!r}: list the candidates after 'auto:' (e.g. auto:fp16,powersgd:2) or give "
+        raise ValueError(f"comm={spec!r}: list the candidates after 'auto:' (e.g. auto:bf16,powersgd:4) or give "
                          "'auto' alone")
     if any(n.strip().partition(":")[0] == "auto" for n in names):
         raise ValueError(f"comm={spec!r}: after 'auto:' list reductions (fp16, bf16, powersgd:R), not 'auto'")

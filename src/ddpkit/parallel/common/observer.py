@@ -96,9 +96,13 @@ class ObserverHandle:
 
     def __init__(self, observers: Observers, observer: Observer) -> None:
         # Weak: an observer that keeps its handle (DDP's logging data) would otherwise make a cycle with the
-        # engine's observers, and live on after its engine until a garbage collection.
+        # engine's observers, and live on after its engine until a garbage collection. (An observer that cannot
+        # be weakly referenced, one that mixes in a tuple, is held as it is.)
         self._observers = weakref.ref(observers)
-        self._observer = weakref.ref(observer)
+        try:
+            self._observer: Any = weakref.ref(observer)
+        except TypeError:
+            self._observer = lambda: observer
 
     def remove(self) -> None:
         """Detach the observer (again, or after its engine or the observer itself is gone: nothing)."""
@@ -132,10 +136,11 @@ class Observers:
         if not isinstance(observer, Observer):
             raise TypeError(f"observer {observer!r} is not a ddpkit.parallel.common.observer.Observer: subclass it and "
                             "override the events you need")
+        handle = ObserverHandle(self, observer)
         for kind in ("ready", "launch", "done", "wait"):
             if _overrides(observer, f"on_{'bucket_ready' if kind == 'ready' else kind}"):
                 getattr(self, kind).append(observer)
-        return ObserverHandle(self, observer)
+        return handle
 
     def remove(self, observer: Observer) -> None:
         for kind in ("ready", "launch", "done", "wait"):

@@ -194,6 +194,10 @@ class Reducer:
         """Parameters this rank did not use in the last backward that searched for them."""
         self.unused_searches = 0
         """Backwards that searched for unused parameters (:attr:`unused_here`) so far."""
+        self.unreached: list[int] = []
+        """Parameters the last backward that searched for unused ones did not reach at all (no hook ran: not in
+        the graph of the forward's outputs), whatever a ``no_sync()`` backward used: the set torch's DDP searches
+        its forward's outputs for."""
         self.static = sg.StaticGraph()
         self.last_used_flags: torch.Tensor | None = None
         """The used-parameter map of the last backward (a joined rank sends it while it shadows)."""
@@ -520,6 +524,7 @@ class Reducer:
                       enumerate(zip(self._ready, self._used_since_sync))] if searched or missing else []
         if searched and not first_static:
             self.unused_here = [i for i, u in enumerate(local_used) if not u]
+            self.unreached = missing
             self.unused_searches += 1
         if not self.reduce_missing:
             for i in missing:

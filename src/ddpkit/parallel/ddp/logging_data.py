@@ -34,11 +34,16 @@ runtime
 
 ``can_set_static_graph`` is written as torch writes it: once per process, by
 the first model that logs it, into its own data. A model that searches for
-unused parameters logs ``0`` (and ``iteration``) when the set it did not use
-changes from one iteration to the next, after its first; any model logs
-whether its graph stayed static when it is destroyed, where no one reads it.
-So a live model reports it only if it is the process's first to see its
-graph change (Lightning's ``.get`` otherwise gives ``None``).
+unused parameters (without a static graph) logs ``0`` (and ``iteration``)
+when the set of parameters its synchronised pass did not reach (those outside
+the graph of its outputs) changes from one iteration to the next, after its
+first; any model logs whether its graph stayed static when it is destroyed,
+where no one reads it. So a live model reports it only if it is the process's
+first to see its graph change (Lightning's ``.get`` otherwise gives ``None``).
+Where torch finds the set at the forward, ddpkit finds it at the end of the
+backward, and judges it at the next forward or read of the data: two models
+whose graphs change in the same iteration may take the process's one logging
+in another order than under torch.
 """
 
 from __future__ import annotations
@@ -186,14 +191,15 @@ class DDPLogging(Observer):
         """torch's check, each iteration that searched for unused parameters (without a static graph): whether
         the set this rank did not use changed since the last, after the first iteration; the first change logs
         ``can_set_static_graph`` 0 with the iteration, if no model of this process logged it before."""
-        reducer = self.ddp.reducer
-        if not self.judges_graph or reducer.unused_searches == self._searches_seen:
+        ddp = self.ddp
+        if ddp is None or not self.judges_graph or ddp.reducer.unused_searches == self._searches_seen:
             return
+        reducer = ddp.reducer
         self._searches_seen = reducer.unused_searches
         if reducer.static_graph or not self.graph_static:
             return
-        unused = set(reducer.unused_here)
-        if self.iterations > 1:
+        unused = set(reducer.unreached)
+        if self.iterations > 1 and self._previous_unused is not None:  # (a forward without backward: not judged)
             self.graph_static = unused == self._previous_unused
             if not self.graph_static and _log_graph_static():
                 self.ints["can_set_static_graph"] = 0
@@ -233,8 +239,10 @@ class DDPLogging(Observer):
 
     def on_wait(self, event: WaitEvent) -> None:
         self.times["backward_comm_time_end"] = time.time_ns()
-        reducer = self.ddp.reducer
-        if reducer.static_graph and event.step == 0:
+        ddp = self.ddp
+        if ddp is None:  # the wrapper was dropped while a graph of its output still runs its reducer
+            return
+        if ddp.reducer.static_graph and event.step == 0:
             self.buckets_reduced = 0  # torch reduces a static graph's first backward all at once, uncounted
 
     def _record(self) -> None:

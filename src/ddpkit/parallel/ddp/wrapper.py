@@ -91,7 +91,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             ``reshard_after_forward``, ``zero_param_dtype`` and ``zero_reduce_dtype``).
         comm: ddpkit's own, keyword only. ``"auto"``: the gradient reduction
             chosen from the measured link as training runs (the exact
-            all-reduce, fp16, bf16 or PowerSGD at rank 4 or 8; ``"auto:fp16,powersgd:2"``
+            all-reduce, fp16, bf16 or PowerSGD at rank 4 or 8; ``"auto:bf16,powersgd:4"``
             lists the candidates), printed once with the spec that pins it;
             ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd:R"``: that one from
             the start (see :mod:`ddpkit.comm.auto`). Default None: no hook.
@@ -406,10 +406,10 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         if sync:
             self.reducer.prepare_for_backward()
             self._logging.forward_end()
-        elif grad and self.zero_stage == 3:
-            # Stage 3 keeps its own rule: the next backward accumulates. torch's DDP leaves its reducer as it is at
-            # a forward under no_sync(): a synchronised forward's arming stands until a backward uses it, so a
-            # no_sync() micro-batch run between that forward and its backward is the one reduced (kept, as torch).
+        elif grad and self.zero_stage >= 2:
+            # Stages 2 and 3 keep their own rule: the next backward accumulates. torch's DDP leaves its reducer as
+            # it is at a forward under no_sync(): a synchronised forward's arming stands until a backward uses it,
+            # so a no_sync() micro-batch run between that forward and its backward is the one reduced (kept).
             self.reducer.disarm()
         self.require_forward_param_sync = sync
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
