@@ -356,6 +356,7 @@ def _refusals() -> list[str]:
     two_dtypes = Blocks()
     two_dtypes.head.double()  # the root unit: emb in float32, head in float64
     refused(lambda: ddpkit.DDP(two_dtypes, zero_stage=3))
+    refused(lambda: ddpkit.DDP(Blocks()).set_requires_gradient_sync(False))
     return said
 
 
@@ -369,6 +370,8 @@ def test_what_stage3_cannot_do_is_refused_by_name(dist2):
     assert "join() is not supported with zero_stage=3" in said[5]
     assert "zero_param_dtype=torch.int8" in said[6]
     assert "unit '(root)' holds parameters of dtypes torch.float32, torch.float64; a unit's parameters share" in said[7]
+    assert "set_requires_gradient_sync() is FSDP2's switch, for zero_stage=3; this model has zero_stage=0: " \
+           "accumulate under model.no_sync() instead" in said[8]
 
 
 def test_default_units_are_the_container_children_and_named_classes_are_outermost():

@@ -188,6 +188,38 @@ def no_sync(m, x, y, s, engine):  # noqa: ANN001, ANN201
     ce(_logits(m(x[4:])), y[4:]).backward()
 
 
+def gradient_sync_switch(m, x, y, s, engine):  # noqa: ANN001, ANN201
+    # FSDP2's switch (torch's DDP has none: its no_sync()): two micro-batches accumulated, the third reduces the sum.
+    for k in range(2):
+        if engine == "ddp":
+            with m.no_sync():
+                ce(_logits(m(x[2 * k: 2 * k + 2])), y[2 * k: 2 * k + 2]).backward()
+        else:
+            m.set_requires_gradient_sync(False)
+            ce(_logits(m(x[2 * k: 2 * k + 2])), y[2 * k: 2 * k + 2]).backward()
+    if engine != "ddp":
+        m.set_requires_gradient_sync(True)
+    ce(_logits(m(x[4:])), y[4:]).backward()
+
+
+def switch_read_in_backward(m, x, y, s, engine):  # noqa: ANN001, ANN201
+    # A forward with the switch on, a micro-batch with it off, then the first forward's backward with it on: FSDP2
+    # reads the switch in backward, so the micro-batch accumulates and the last backward reduces both.
+    loss = ce(_logits(m(x[:3])), y[:3])
+    m.set_requires_gradient_sync(False)
+    ce(_logits(m(x[3:])), y[3:]).backward()
+    m.set_requires_gradient_sync(True)
+    loss.backward()
+
+
+def root_switch_only(m, x, y, s, engine):  # noqa: ANN001, ANN201
+    # recurse=False: the root's gradients accumulate over the first micro-batch, the blocks' are reduced each time.
+    m.set_requires_gradient_sync(False, recurse=False)
+    ce(_logits(m(x[:3])), y[:3]).backward()
+    m.set_requires_gradient_sync(True, recurse=False)
+    ce(_logits(m(x[3:])), y[3:]).backward()
+
+
 def outputs(m, x, y, s, engine):  # noqa: ANN001, ANN201
     out = m(x)
     loss = ce(_logits(out), y)
@@ -255,6 +287,10 @@ CASES: dict[str, tuple[Callable, Callable[[], nn.Module], dict, dict, tuple[str,
     "clip_grad_norm_": (clip_norm, Blocks, {}, {}, ("ddp", "fsdp2")),
     "clip_grad_value_": (clip_value, Blocks, {}, {}, ("ddp", "fsdp2")),
     "no_sync accumulation": (no_sync, Blocks, {}, {}, ("ddp", "fsdp2")),
+    "set_requires_gradient_sync accumulation": (gradient_sync_switch, Blocks, {}, {}, ("ddp", "fsdp2")),
+    # FSDP2's switch is read in backward (DDP's no_sync() at the forward): FSDP2 alone.
+    "the switch off between a forward and its backward": (switch_read_in_backward, Blocks, {}, {}, ("fsdp2",)),
+    "the root's switch alone (recurse=False)": (root_switch_only, Blocks, {}, {}, ("fsdp2",)),
     "dict output": (outputs, lambda: Blocks(out="dict"), {}, {}, ("ddp", "fsdp2")),
     "namedtuple output": (outputs, lambda: Blocks(out="namedtuple"), {}, {}, ("ddp", "fsdp2")),
     "dataclass output": (outputs, lambda: Blocks(out="dataclass"), {}, {}, ("ddp",)),

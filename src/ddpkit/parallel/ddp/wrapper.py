@@ -470,6 +470,31 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's way to accumulate without communicating, under ``zero_stage=3``: off, the backwards accumulate
+        each unit's gradients whole (every unit's, or with ``recurse=False`` the root unit's only); on again, the
+        next backward reduces the sums.
+
+        As FSDP2's, the switch is read in backward, when a unit's gradients are in, where ``no_sync()`` is read at
+        the forward, as DDP's: a backward reduces a unit when its forward ran outside ``no_sync()`` and the
+        switch is on then.
+
+        Example::
+
+            model.set_requires_gradient_sync(False)
+            for x in micro_batches[:-1]:
+                loss_fn(model(x)).backward()
+            model.set_requires_gradient_sync(True)
+            loss_fn(model(micro_batches[-1])).backward()
+
+        Raises:
+            RuntimeError: under ``zero_stage`` 0, 1 or 2 (DDP's replicas): use :meth:`no_sync`.
+        """
+        if self.zero_stage != 3:
+            raise RuntimeError(f"set_requires_gradient_sync() is FSDP2's switch, for zero_stage=3; this model has "
+                               f"zero_stage={self.zero_stage}: accumulate under model.no_sync() instead")
+        self.reducer.set_requires_gradient_sync(requires_gradient_sync, recurse=recurse)
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]``.
 

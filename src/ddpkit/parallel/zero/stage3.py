@@ -47,6 +47,15 @@ Which backwards synchronise
     Outside synchronisation the gradients accumulate whole in the leaves (one
     unit's parameters each: the documented cost), and the next synchronised
     backward reduces the sum.
+``set_requires_gradient_sync``
+    FSDP2's switch, beside DDP's ``no_sync()``: off (for every unit, or the
+    root unit alone with ``recurse=False``), a unit's gradients accumulate
+    whole in its leaves; on, its next backward reduces the sum. As under
+    FSDP2 it is read in backward, when the unit's gradients are in, not at
+    the forward: a forward run with it on, then a micro-batch with it off,
+    then the first forward's backward with it on again reduces both. A
+    backward synchronises a unit when its forward was outside ``no_sync()``
+    and the unit's switch is on.
 Unused parameters
     Without ``find_unused_parameters``, a trained parameter that gets no
     gradient in a synchronised backward is reduced as zeros (so no rank
@@ -553,7 +562,7 @@ class ShardedParameters:
             return
         self._complete.add(u.index)
         all_trained = len(u.expect) == len(u.params)
-        if self.armed:
+        if self.armed and u.reduce_grads:
             position = self.launch_order.index(u)
             if position < self._cursor:  # reduced once in this backward already (reentrant checkpointing)
                 self._reduce(u)
@@ -568,7 +577,7 @@ class ShardedParameters:
         order = self.launch_order
         while self._cursor < len(order):
             u = order[self._cursor]
-            if u.trained:
+            if u.trained and u.reduce_grads:
                 if u.index not in self._complete:
                     return
                 self._reduce(u)
@@ -594,10 +603,10 @@ class ShardedParameters:
                 u.open_calls.clear()
             return
         try:
-            if not self.armed:
-                return  # no_sync: the leaves keep their sums
+            if not self.armed or not any(u.reduce_grads for u in self.units):
+                return  # no_sync (or no unit's gradients to sync): the leaves keep their sums
             for u in self.launch_order[self._cursor:]:
-                if u.trained:
+                if u.trained and u.reduce_grads:
                     self._reduce(u)
             self._cursor = len(self.launch_order)
             used = self.reductions.used_everywhere(self.units, self.step) if self.find_unused else None
@@ -648,6 +657,12 @@ class ShardedParameters:
 
     def disarm(self) -> None:
         self.armed = False
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch: whether the backwards from now on reduce every unit's gradients (``recurse``) or the root
+        unit's only. Read when a unit's gradients are in, not at the forward (see the module notes)."""
+        for u in self.units if recurse else [u for u in self.units if not u.name]:
+            u.reduce_grads = bool(requires_gradient_sync)
 
     def rebuild_if_due(self) -> bool:
         return False

@@ -217,6 +217,9 @@ class Unit:
     """The trained parameters, as the first gradient of :attr:`arrived` found them."""
     pending: list[tuple[torch.Tensor, Any, list[bool]]] = field(default_factory=list, repr=False)
     """Reductions in flight: (this rank's part of the sum, work, which parameters had a gradient here)."""
+    reduce_grads: bool = True
+    """Its backwards reduce (FSDP2's ``set_requires_gradient_sync``, read when its gradients are in); off, they
+    accumulate whole in its leaves, as under ``no_sync()``."""
 
     @property
     def nbytes(self) -> int:
