@@ -275,6 +275,9 @@ def _inner(m: nn.Module) -> nn.Module:
     return m.module if isinstance(getattr(m, "module", None), nn.Module) else m
 
 
+BF16_FP32 = {"zero_param_dtype": torch.bfloat16, "zero_reduce_dtype": torch.float32}
+"""Stage 3's mixed precision (FSDP2 gets the same ``MixedPrecisionPolicy``)."""
+
 # name: (step, model, DDP's kwargs, stage 3's kwargs, references); references "ddp" and/or "fsdp2".
 CASES: dict[str, tuple[Callable, Callable[[], nn.Module], dict, dict, tuple[str, ...]]] = {
     "plain": (plain, Blocks, {}, {}, ("ddp", "fsdp2")),
@@ -291,6 +294,10 @@ CASES: dict[str, tuple[Callable, Callable[[], nn.Module], dict, dict, tuple[str,
     # FSDP2's switch is read in backward (DDP's no_sync() at the forward): FSDP2 alone.
     "the switch off between a forward and its backward": (switch_read_in_backward, Blocks, {}, {}, ("fsdp2",)),
     "the root's switch alone (recurse=False)": (root_switch_only, Blocks, {}, {}, ("fsdp2",)),
+    # bf16 compute, fp32 reduction: FSDP2 adds the micro-batches' gradients up in fp32 (its accumulated gradient).
+    "bf16 with an fp32 reduction, accumulated with the switch": (gradient_sync_switch, Blocks, {}, BF16_FP32,
+                                                                 ("fsdp2",)),
+    "bf16 with an fp32 reduction, no_sync accumulation": (no_sync, Blocks, {}, BF16_FP32, ("fsdp2",)),
     "dict output": (outputs, lambda: Blocks(out="dict"), {}, {}, ("ddp", "fsdp2")),
     "namedtuple output": (outputs, lambda: Blocks(out="namedtuple"), {}, {}, ("ddp", "fsdp2")),
     "dataclass output": (outputs, lambda: Blocks(out="dataclass"), {}, {}, ("ddp",)),
@@ -328,11 +335,13 @@ def _wrap(engine: str, model: nn.Module, ddp_kwargs: dict, z3_kwargs: dict) -> n
 
         return DistributedDataParallel(model, **ddp_kwargs)
     if engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=z3_kwargs.get("zero_param_dtype"),
+                                      reduce_dtype=z3_kwargs.get("zero_reduce_dtype"))
         for _, unit in find_units(model):
-            fully_shard(unit)
-        return fully_shard(model)
+            fully_shard(unit, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
     return ddpkit.DDP(model, zero_stage=3, **z3_kwargs)
 
 

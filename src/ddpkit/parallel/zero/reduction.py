@@ -57,7 +57,13 @@ class Reductions:
         scale = None if div_factor in (None, 1) else 1.0 / div_factor
         grads, had = [], []
         for q in u.params:
-            grad = q.leaf.grad if q.leaf is not None and q.param.requires_grad else None
+            grad = q.leaf.grad if q.leaf is not None else None
+            if q.accumulated is not None:  # the backwards before that did not reduce, in the reduce dtype
+                if grad is not None:
+                    q.accumulated.add_(grad)
+                grad, q.accumulated = q.accumulated, None
+            if not q.param.requires_grad:
+                grad = None
             had.append(grad is not None)
             if q.leaf is not None:
                 q.leaf.grad = None  # the engine's now: scaled in place, reduced, let go

@@ -46,7 +46,9 @@ Which backwards synchronise
 ``no_sync``
     Outside synchronisation the gradients accumulate whole in the leaves (one
     unit's parameters each: the documented cost), and the next synchronised
-    backward reduces the sum.
+    backward reduces the sum. Where ``reduce_dtype`` is not ``param_dtype``
+    (bf16 compute, fp32 reduction) each backward's gradients are added up in
+    ``reduce_dtype`` instead, as FSDP2 does, not in bf16.
 ``set_requires_gradient_sync``
     FSDP2's switch, beside DDP's ``no_sync()``: off (for every unit, or the
     root unit alone with ``recurse=False``), a unit's gradients accumulate
@@ -635,6 +637,7 @@ class ShardedParameters:
         self._complete.clear()
         self._cursor = 0
         for u in self.units:
+            self._to_accumulated(u)
             self.reductions.wait(u)
             u.pending = []
             self.gathering.free(u)
@@ -642,10 +645,24 @@ class ShardedParameters:
             u.arrived.clear()
         self._in_forward.clear()
 
+    def _to_accumulated(self, u: Unit) -> None:
+        """What a backward left in the unit's leaves (it did not reduce them) summed in ``reduce_dtype`` where that
+        is not the leaves' dtype, as FSDP2 does: bf16 micro-batches add up in fp32, not in bf16."""
+        for q in u.params:
+            grad = q.leaf.grad if q.leaf is not None else None
+            if grad is None or (q.accumulated is None and grad.dtype == self.reduce_dtype) or self.reduce_dtype is None:
+                continue
+            if q.accumulated is None:
+                q.accumulated = grad.to(self.reduce_dtype)
+            else:
+                q.accumulated.add_(grad)
+            q.leaf.grad = None
+
     def drop_accumulated(self) -> None:
         """Let go of the gradients accumulated whole outside synchronisation (``no_sync()``)."""
         for u in self.units:
             for q in u.params:
+                q.accumulated = None
                 if q.leaf is not None:
                     q.leaf.grad = None
 

@@ -112,6 +112,9 @@ class UnitParam:
     leaf: torch.Tensor | None = field(default=None, repr=False)
     """The tensor its modules compute with while the unit is gathered (a view of :attr:`Unit.full`, kept for
     the engine's life: the leaf autograd accumulates its gradient into)."""
+    accumulated: torch.Tensor | None = field(default=None, repr=False)
+    """Its whole gradient summed over backwards that did not reduce it, in the reduce dtype where that is not the
+    leaf's (FSDP2's ``unsharded_accumulated_grad``: bf16 micro-batches add up in fp32); ``None`` otherwise."""
 
     @property
     def replicated(self) -> bool:
