@@ -15,8 +15,9 @@ runs, in three phases:
    this machine) predicts its step time as the exact step's minus the exact reduction's time plus the candidate's
    (where the probe's exact reduction alone outlasts the measured step, the measures disagree: the step in the
    proportion of the candidate's reduction to the exact one's).
-   Candidates: fp16, bf16 and PowerSGD at ranks 4 and 8 (or the list given, ``comm="auto:bf16,powersgd:4"``; ranks 1
-   and 2 cost a language model's loss too much to be tried unasked: :data:`~ddpkit.comm.schemes.CANDIDATE_SPECS`).
+   Candidates: fp16, bf16 and PowerSGD at ranks 16 and 32 (or the list given, ``comm="auto:bf16,powersgd:4"``;
+   lower ranks cost a language model's loss too much to be tried unasked:
+   :data:`~ddpkit.comm.schemes.CANDIDATE_SPECS`).
    A candidate is tried only if predicted at least 5 % faster than the exact step (when none is, the exact
    all-reduce stays without a trial), and one half precision at most (both send the same bytes: bf16 first).
 3. **Trial** (``trial`` steps each, default 8) of the exact all-reduce and of the ``tries`` best-predicted

@@ -224,7 +224,7 @@ def describe_bandwidth(bus: dict[str, float], took: dict[str, float]) -> str:
 
 def _auto(torch: Any, device: Any) -> str:
     from ddpkit.comm.link_model import predict, probe_link
-    from ddpkit.comm.schemes import parse_scheme
+    from ddpkit.comm.schemes import CANDIDATE_SPECS, parse_scheme
 
     link = probe_link(None, device)
     shapes = [torch.Size(s) for s in REFERENCE_SHAPES]
@@ -234,7 +234,7 @@ def _auto(torch: Any, device: Any) -> str:
         if buckets[-1] and sum(s.numel() for s in buckets[-1]) + shape.numel() > cap:
             buckets.append([])
         buckets[-1].append(shape)
-    seconds = {spec: predict(parse_scheme(spec), link, buckets) for spec in ("none", "fp16", "powersgd:4")}
+    seconds = {spec: predict(parse_scheme(spec), link, buckets) for spec in ("none", *CANDIDATE_SPECS)}
     return describe_auto(link.describe(), seconds)
 
 

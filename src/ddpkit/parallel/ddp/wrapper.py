@@ -91,7 +91,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             ``reshard_after_forward``, ``zero_param_dtype`` and ``zero_reduce_dtype``).
         comm: ddpkit's own, keyword only. ``"auto"``: the gradient reduction
             chosen from the measured link as training runs (the exact
-            all-reduce, fp16, bf16 or PowerSGD at rank 4 or 8; ``"auto:bf16,powersgd:4"``
+            all-reduce, fp16, bf16 or PowerSGD at rank 16 or 32; ``"auto:bf16,powersgd:4"``
             lists the candidates), printed once with the spec that pins it;
             ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd:R"``: that one from
             the start (see :mod:`ddpkit.comm.auto`). Default None: no hook.
