@@ -37,13 +37,16 @@ def torch_zero(params: Any, optimizer_class: type, **kwargs: Any) -> Any:
     return ZeroRedundancyOptimizer(params, optimizer_class, **kwargs)
 
 
-def torch_fsdp2(module: nn.Module, units: list[nn.Module]) -> nn.Module:
-    """``module`` under torch's FSDP2: ``fully_shard`` on each of ``units``, then on ``module`` (the root)."""
-    from torch.distributed.fsdp import fully_shard
+def torch_fsdp2(module: nn.Module, units: list[nn.Module], param_dtype: Any = None, reduce_dtype: Any = None,
+                ) -> nn.Module:
+    """``module`` under torch's FSDP2: ``fully_shard`` on each of ``units``, then on ``module`` (the root), with
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
-        fully_shard(unit)
-    return fully_shard(module)
+        fully_shard(unit, mp_policy=policy)
+    return fully_shard(module, mp_policy=policy)
 
 
 def torch_sync_batchnorm(num_features: int) -> nn.Module:

@@ -147,12 +147,16 @@ def _zero3_sequence(ctx, case: str) -> tuple[dict, dict]:
     from ddpkit.parallel.zero.units import find_units
 
     out = []
+    bf16 = case == "bf16, fp32 reduction, accumulated"
+    dtypes = (torch.bfloat16, torch.float32) if bf16 else (None, None)
     for stage in (3, 0):
         model = _net().to(ctx.device)
+        if bf16:  # batch norm's kernel takes no bf16 weight beside fp32 statistics (FSDP2's fails alike)
+            model[1] = nn.Identity()
         if stage == 3:
-            wrapped = ddpkit.DDP(model, zero_stage=3)
-        elif case == "clip_grad_norm_":
-            wrapped = torch_fsdp2(model, [unit for _, unit in find_units(model)])
+            wrapped = ddpkit.DDP(model, zero_stage=3, zero_param_dtype=dtypes[0], zero_reduce_dtype=dtypes[1])
+        elif case == "clip_grad_norm_" or bf16:
+            wrapped = torch_fsdp2(model, [unit for _, unit in find_units(model)], *dtypes)
         else:
             wrapped = torch_ddp(model)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -174,6 +178,10 @@ def _zero3_sequence(ctx, case: str) -> tuple[dict, dict]:
                         dist.broadcast(buffer, 0)
                 nn.functional.cross_entropy(wrapped(x), y).backward()
                 torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.05)
+            elif bf16:  # FSDP2's switch off for two micro-batches (their gradients add up in fp32), on for the third
+                for k, part in enumerate((slice(0, 3), slice(3, 6), slice(6, 8))):
+                    wrapped.set_requires_gradient_sync(k == 2)
+                    nn.functional.cross_entropy(wrapped(x[part]), y[part]).backward()
             else:  # fp16 under autocast, torch's GradScaler; an overflow on rank 1 in step 1 skips every rank's step
                 with torch.autocast("cuda", dtype=torch.float16):
                     loss = nn.functional.cross_entropy(wrapped(x), y)
@@ -195,14 +203,16 @@ def _whole_state(model: nn.Module) -> dict:
             for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("case", ["two forwards", "no_grad forward between", "clip_grad_norm_", "fp16 GradScaler"])
+@pytest.mark.parametrize("case", ["two forwards", "no_grad forward between", "clip_grad_norm_", "fp16 GradScaler",
+                                  "bf16, fp32 reduction, accumulated"])
 @pytest.mark.parametrize("backend, world", PATHS)
 def test_zero3_call_sequences_equal_torchs(backend, world, case):
     # The CPU suite's parity table, four of its rows on CUDA: bitwise where the sum's order is DDP's. Clipping is
     # FSDP2's: the norm adds its squares per shard, then over the ranks, which may round the norm by an ulp from
     # DDP's; AdamW turns that into a visible step on this model's convolution bias, whose gradient is rounding noise
     # (a bias before batch norm has none in exact arithmetic): 1.2e-4 off DDP's after 3 steps on 2 gloo ranks, as
-    # FSDP2 itself is, and bitwise equal to FSDP2.
+    # FSDP2 itself is, and bitwise equal to FSDP2. bf16 compute with an fp32 reduction, accumulated with FSDP2's
+    # switch: FSDP2 with the same MixedPrecisionPolicy is the reference.
     if ON_CPU and case == "fp16 GradScaler":
         pytest.skip("autocast on CUDA: not in a rehearsal on the CPU")
     _assert_same(run(_zero3_sequence, world, backend, case), exact=backend == "gloo" or world == 1)
