@@ -92,7 +92,17 @@ def test_the_comm_auto_line_says_up_to_which_step_compression_would_be_tried():
                          {"none": 8.0, "fp16": 4.0, "powersgd:4": 0.5})
     assert line == ("all-reduce 12.5 MB/s, latency 90 us over 2 ranks; a 25 M-parameter model's reduction a step: "
                     "none 8000.0 ms, fp16 4000.0 ms, powersgd:4 500.0 ms; auto would try powersgd:4 for steps up to "
-                    "150.00 s (saving 5 % or more) and keep the exact all-reduce above")
+                    "150.00 s, fp16 for steps up to 80.00 s (each saving 5 % or more) and keep the exact all-reduce "
+                    "above")
+    # As auto picks them: bf16 before fp16 (their bytes, and so their times, are the same), one of them only; the
+    # best three at most.
+    tied = describe_auto("x", {"none": 8.0, "fp16": 4.0, "bf16": 4.0, "powersgd:16": 1.0, "powersgd:32": 2.0,
+                               "powersgd:8": 0.5})
+    assert tied.endswith("auto would try powersgd:8 for steps up to 150.00 s, powersgd:16 for steps up to 140.00 s, "
+                         "powersgd:32 for steps up to 120.00 s (each saving 5 % or more) and keep the exact all-reduce "
+                         "above")
+    halves = describe_auto("x", {"none": 8.0, "fp16": 4.0, "bf16": 4.0, "powersgd:16": 9.0})
+    assert "auto would try bf16 for steps up to 80.00 s (each" in halves
     fast = describe_auto("x", {"none": 0.01, "fp16": 0.012, "powersgd:4": 0.02})
     assert fast.endswith("no compression is predicted to pay for it at any step time: auto would keep the exact "
                          "all-reduce")

@@ -212,6 +212,24 @@ def switch_read_in_backward(m, x, y, s, engine):  # noqa: ANN001, ANN201
     loss.backward()
 
 
+def switch_then_zero_grad(m, x, y, s, engine):  # noqa: ANN001, ANN201
+    # model.zero_grad() between micro-batches accumulated with the switch off: FSDP2 keeps its sums (they are not
+    # the parameters' .grad), so the synchronised backward reduces both.
+    m.set_requires_gradient_sync(False)
+    ce(_logits(m(x[:3])), y[:3]).backward()
+    m.zero_grad()
+    m.set_requires_gradient_sync(True)
+    ce(_logits(m(x[3:])), y[3:]).backward()
+
+
+def no_sync_then_zero_grad(m, x, y, s, engine):  # noqa: ANN001, ANN201
+    # model.zero_grad() inside a no_sync() accumulation drops DDP's local sums (its .grad): stage 3 drops its own.
+    with m.no_sync():
+        ce(_logits(m(x[:3])), y[:3]).backward()
+    m.zero_grad()
+    ce(_logits(m(x[3:])), y[3:]).backward()
+
+
 def root_switch_only(m, x, y, s, engine):  # noqa: ANN001, ANN201
     # recurse=False: the root's gradients accumulate over the first micro-batch, the blocks' are reduced each time.
     m.set_requires_gradient_sync(False, recurse=False)
@@ -294,6 +312,8 @@ CASES: dict[str, tuple[Callable, Callable[[], nn.Module], dict, dict, tuple[str,
     # FSDP2's switch is read in backward (DDP's no_sync() at the forward): FSDP2 alone.
     "the switch off between a forward and its backward": (switch_read_in_backward, Blocks, {}, {}, ("fsdp2",)),
     "the root's switch alone (recurse=False)": (root_switch_only, Blocks, {}, {}, ("fsdp2",)),
+    "model.zero_grad() with the switch off": (switch_then_zero_grad, Blocks, {}, BF16_FP32, ("fsdp2",)),
+    "model.zero_grad() inside no_sync()": (no_sync_then_zero_grad, Blocks, {}, {}, ("ddp",)),
     # bf16 compute, fp32 reduction: FSDP2 adds the micro-batches' gradients up in fp32 (its accumulated gradient).
     "bf16 with an fp32 reduction, accumulated with the switch": (gradient_sync_switch, Blocks, {}, BF16_FP32,
                                                                  ("fsdp2",)),

@@ -84,7 +84,7 @@ from ddpkit.comm.schemes import CANDIDATE_SPECS, Scheme, parse_scheme
 from ddpkit.runtime import events
 from ddpkit.runtime.states import check_move
 
-__all__ = ["AutoComm", "auto_hook"]
+__all__ = ["TRIES", "AutoComm", "auto_hook", "worth_trying"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,23 @@ PAYS = 0.95
 """A candidate is tried only if predicted at most this fraction of the exact step."""
 NEAR = 1.05
 """A less lossy scheme within this factor of the fastest trial is preferred."""
+TRIES = 3
+"""How many of the best-predicted candidates a decision tries by default (beside the exact all-reduce)."""
 GUARD_STEPS = 4
 """The steps at the end of each 25 whose gradient norms the guard compares (see the module notes)."""
+
+
+def worth_trying(predicted: dict[Scheme, float], limit: float, tries: int) -> list[Scheme]:
+    """The candidates a decision tries, best first: those predicted at most ``limit``, by predicted time, then the
+    less lossy first (bf16 before fp16); one half precision (fp16's and bf16's bytes are the same); ``tries`` at
+    most."""
+    ranked = sorted((s for s, t in predicted.items() if t <= limit), key=lambda s: (predicted[s], s.lossiness))
+    worth: list[Scheme] = []
+    for scheme in ranked:
+        half = scheme.name in ("fp16", "bf16")
+        if len(worth) < tries and not (half and any(w.name in ("fp16", "bf16") for w in worth)):
+            worth.append(scheme)
+    return worth
 
 
 class Phase(enum.Enum):
@@ -161,7 +176,7 @@ class AutoComm:
     """
 
     def __init__(self, process_group: Any = None, candidates: Sequence[Scheme] | None = None, *, start: int = 10,
-                 trial: int = 8, tries: int = 3, drift: float | None = 2.0, guard: float | None = 0.5,
+                 trial: int = 8, tries: int = TRIES, drift: float | None = 2.0, guard: float | None = 0.5,
                  budget_s: float = 30.0,
                  say: Callable[[str], None] | None = None, pin: Callable[[Scheme], str] | None = None,
                  probe: Callable[[Any, torch.device], Link] | None = None) -> None:
@@ -472,13 +487,7 @@ class AutoComm:
                 # its steps mixed two links): the measures disagree, and the candidate keeps its relative saving
                 # (taking its reduction alone as its step would hide any saving below the measured step)
                 self._predicted[scheme] = self._exact * own / exact
-        ranked = sorted((s for s in self.candidates if self._predicted[s] <= PAYS * self._exact),
-                        key=lambda s: (self._predicted[s], s.lossiness))
-        worth: list[Scheme] = []
-        for scheme in ranked:  # one half precision: fp16's and bf16's bytes are the same
-            if len(worth) < self.tries and not (scheme.name in ("fp16", "bf16")
-                                                and any(w.name in ("fp16", "bf16") for w in worth)):
-                worth.append(scheme)
+        worth = worth_trying({s: self._predicted[s] for s in self.candidates}, PAYS * self._exact, self.tries)
         if not worth:
             self._done = [_Trial(Scheme("none"), [self._exact])]
             self._decide(group, device)

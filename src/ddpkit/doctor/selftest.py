@@ -27,9 +27,10 @@ comm auto
     the link as ``comm="auto"`` measures it (:func:`ddpkit.comm.link_model.probe_link`:
     latency and bandwidth of the all-reduce), what its cost model predicts a
     step's reduction of a 25 M-parameter model (:data:`REFERENCE_SHAPES`, in
-    25 MB buckets) takes exactly, in half precision and with PowerSGD at rank 4,
-    and so up to which step time ``auto`` would try compressing (a candidate is
-    tried when predicted 5 % faster than the exact step; the trials decide).
+    25 MB buckets) takes exactly and with each of ``auto``'s candidates, and so
+    which of them ``auto`` would try, up to which step time each (a candidate
+    is tried when predicted 5 % faster than the exact step, the best three at
+    most, one half precision; the trials decide).
 
 A group whose ranks cannot start or meet fails with the error and the likely
 fix; a timeout bounds every wait, so nothing hangs.
@@ -239,16 +240,21 @@ def _auto(torch: Any, device: Any) -> str:
 
 
 def describe_auto(link: str, seconds: dict[str, float]) -> str:
-    """The comm-auto check's line: the link, the predicted reductions of the reference model, and the step time
-    below which ``comm="auto"`` would try the best of them (saving at least 5 % of the exact step)."""
+    """The comm-auto check's line: the link, the predicted reductions of the reference model, and which candidates
+    ``comm="auto"`` would try (as its decision picks them), each up to the step time at which it saves 5 % of the
+    exact step."""
+    from ddpkit.comm.auto import TRIES, worth_trying
+    from ddpkit.comm.schemes import parse_scheme
+
     exact = seconds["none"]
-    best, fastest = min(((k, v) for k, v in seconds.items() if k != "none"), key=lambda kv: kv[1])
     each = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items())
-    if fastest >= exact:
+    faster = {parse_scheme(k): v for k, v in seconds.items() if k != "none" and v < exact}
+    tried = worth_trying(faster, exact, TRIES)
+    if not tried:
         then = "no compression is predicted to pay for it at any step time: auto would keep the exact all-reduce"
     else:
-        then = (f"auto would try {best} for steps up to {20 * (exact - fastest):.2f} s (saving 5 % or more) and keep "
-                "the exact all-reduce above")
+        up_to = ", ".join(f"{s.spec} for steps up to {20 * (exact - faster[s]):.2f} s" for s in tried)
+        then = f"auto would try {up_to} (each saving 5 % or more) and keep the exact all-reduce above"
     return f"{link}; a 25 M-parameter model's reduction a step: {each}; {then}"
 
 

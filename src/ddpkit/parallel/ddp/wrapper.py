@@ -471,13 +471,14 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             self.require_backward_grad_sync = previous
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's way to accumulate without communicating, under ``zero_stage=3``: off, the backwards accumulate
-        each unit's gradients whole (every unit's, or with ``recurse=False`` the root unit's only); on again, the
-        next backward reduces the sums.
+        """FSDP2's way to accumulate gradients without reducing them, under ``zero_stage=3``: off, the backwards
+        accumulate each unit's gradients whole (every unit's, or with ``recurse=False`` the root unit's only); on
+        again, the next backward reduces the sums. The units are still gathered at each forward, as FSDP2's.
 
         As FSDP2's, the switch is read in backward, when a unit's gradients are in, where ``no_sync()`` is read at
-        the forward, as DDP's: a backward reduces a unit when its forward ran outside ``no_sync()`` and the
-        switch is on then.
+        the forward, as DDP's: a backward reduces a unit when the last forward before it ran outside ``no_sync()``
+        and the unit's switch is on then. :meth:`zero_grad` keeps the sums made with the switch off (FSDP2's
+        ``zero_grad()`` does not reach them either) and drops those of ``no_sync()``.
 
         Example::
 
@@ -576,7 +577,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; under ZeRO stage 3 also the gradients a ``no_sync()`` accumulation holds whole
-        in the gathered units (DDP's are in ``.grad``, which this clears)."""
+        in the gathered units (DDP's are in ``.grad``, which this clears). Sums made with FSDP2's switch off
+        (:meth:`set_requires_gradient_sync`) alone stay, as under FSDP2."""
         super().zero_grad(set_to_none)
         if self.zero_stage == 3:
             self.reducer.drop_accumulated()

@@ -69,6 +69,7 @@ class Reductions:
                 q.leaf.grad = None  # the engine's now: scaled in place, reduced, let go
             grads.append(grad)
         u.arrived.clear()  # a unit reduced twice in one backward (reentrant checkpointing) counts afresh
+        u.no_sync_sums = False
         # The reductions before this one have had a unit's backward to finish: their inputs go now, so that at most
         # one unit's gradient is whole at a time (as FSDP2 waits for the last reduce-scatter).
         for before in self.units:

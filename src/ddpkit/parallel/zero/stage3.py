@@ -47,17 +47,25 @@ Which backwards synchronise
     Outside synchronisation the gradients accumulate whole in the leaves (one
     unit's parameters each: the documented cost), and the next synchronised
     backward reduces the sum. Where ``reduce_dtype`` is not ``param_dtype``
-    (bf16 compute, fp32 reduction) each backward's gradients are added up in
-    ``reduce_dtype`` instead, as FSDP2 does, not in bf16.
+    each backward's gradients are added up in ``reduce_dtype`` instead, as
+    FSDP2 does: in fp32 with bf16 compute and an fp32 reduction (not in bf16),
+    and in bf16 with fp32 parameters and a bf16 reduction.
+    The sums are kept as each unit's gradients are complete, as FSDP2's
+    post-backward keeps them (so at most one unit's gradient in
+    ``param_dtype`` waits beside them).
 ``set_requires_gradient_sync``
     FSDP2's switch, beside DDP's ``no_sync()``: off (for every unit, or the
     root unit alone with ``recurse=False``), a unit's gradients accumulate
-    whole in its leaves; on, its next backward reduces the sum. As under
-    FSDP2 it is read in backward, when the unit's gradients are in, not at
-    the forward: a forward run with it on, then a micro-batch with it off,
+    whole as under ``no_sync()``; on, its next backward reduces the sum. As
+    under FSDP2 it is read in backward, when the unit's gradients are in, not
+    at the forward: a forward run with it on, then a micro-batch with it off,
     then the first forward's backward with it on again reduces both. A
-    backward synchronises a unit when its forward was outside ``no_sync()``
-    and the unit's switch is on.
+    backward reduces a unit when the last forward before it ran outside
+    ``no_sync()`` and the unit's switch is on. The wrapper's ``zero_grad()``
+    drops the sums of a ``no_sync()`` accumulation, as DDP's does, and keeps
+    those made with the switch off alone, as FSDP2 keeps its own (they are not
+    the parameters' ``.grad``). The units are still gathered at each forward,
+    and rank 0's buffers broadcast at each forward outside ``no_sync()``.
 Unused parameters
     Without ``find_unused_parameters``, a trained parameter that gets no
     gradient in a synchronised backward is reduced as zeros (so no rank
@@ -570,6 +578,8 @@ class ShardedParameters:
                 self._reduce(u)
             else:
                 self._launch_ready()
+        else:  # not reduced: its gradient joins its sum now (FSDP2's post-backward), not at the end of backward
+            self._keep_sums(u)
         # Every trained parameter's gradient is in, so no node of this backward reads them any more; a frozen one
         # may still be read (by another input's gradient), and a call still open reads it all.
         if not u.open_calls and u is not self.root and all_trained and not self.backward.held:
@@ -637,17 +647,20 @@ class ShardedParameters:
         self._complete.clear()
         self._cursor = 0
         for u in self.units:
-            self._to_accumulated(u)
-            self.reductions.wait(u)
-            u.pending = []
+            self._keep_sums(u)
+            if u.pending:  # a backward that raised after launching the unit's reduction: its average, as FSDP2's
+                self.reductions.deliver(u, None)
             self.gathering.free(u)
             u.open_calls.clear()
             u.arrived.clear()
         self._in_forward.clear()
 
-    def _to_accumulated(self, u: Unit) -> None:
-        """What a backward left in the unit's leaves (it did not reduce them) summed in ``reduce_dtype`` where that
-        is not the leaves' dtype, as FSDP2 does: bf16 micro-batches add up in fp32, not in bf16."""
+    def _keep_sums(self, u: Unit) -> None:
+        """What a backward left in the unit's leaves (it did not reduce them), kept for the next backward that does:
+        summed in ``reduce_dtype`` where that is not the leaves' dtype, as FSDP2 does (bf16 micro-batches add up in
+        fp32, not in bf16), and marked as ``no_sync()``'s when the forward ran under it."""
+        if not self.armed and any(q.leaf is not None and q.leaf.grad is not None for q in u.params):
+            u.no_sync_sums = True
         for q in u.params:
             grad = q.leaf.grad if q.leaf is not None else None
             if grad is None or (q.accumulated is None and grad.dtype == self.reduce_dtype) or self.reduce_dtype is None:
@@ -659,8 +672,13 @@ class ShardedParameters:
             q.leaf.grad = None
 
     def drop_accumulated(self) -> None:
-        """Let go of the gradients accumulated whole outside synchronisation (``no_sync()``)."""
+        """Let go of the gradients accumulated whole under ``no_sync()`` (the wrapper's ``zero_grad()``, as DDP's
+        drops its local sums). A unit's sums made with FSDP2's switch off alone stay, as FSDP2's do: they are not
+        the parameters' ``.grad``."""
         for u in self.units:
+            if not u.no_sync_sums:
+                continue
+            u.no_sync_sums = False
             for q in u.params:
                 q.accumulated = None
                 if q.leaf is not None:

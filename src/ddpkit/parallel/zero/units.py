@@ -222,7 +222,10 @@ class Unit:
     """Reductions in flight: (this rank's part of the sum, work, which parameters had a gradient here)."""
     reduce_grads: bool = True
     """Its backwards reduce (FSDP2's ``set_requires_gradient_sync``, read when its gradients are in); off, they
-    accumulate whole in its leaves, as under ``no_sync()``."""
+    accumulate whole (in its leaves, or :attr:`UnitParam.accumulated`), as under ``no_sync()``."""
+    no_sync_sums: bool = False
+    """Its accumulated gradients include a backward of a forward run under ``no_sync()``: the wrapper's
+    ``zero_grad()`` drops them, as DDP's drops its local sums (FSDP2's switch alone: they stay, as FSDP2's)."""
 
     @property
     def nbytes(self) -> int:
