@@ -334,6 +334,42 @@ def test_mixed_precision_computes_in_bf16_with_fp32_shards_as_fsdp2(dist2):
         assert r["diff"] <= 1e-6
 
 
+def _accumulated_bytes() -> list[tuple[int, int]]:
+    """bf16 gradient bytes waiting in the blocks' leaves, and fp32 bytes of their sums, as the backward reaches the
+    embedding's output (every block's gradients in), over three micro-batches with the switch off."""
+    from ddpkit.parallel.zero.stage3 import engine_of
+
+    torch.manual_seed(0)
+    model = ddpkit.DDP(Blocks(width=64), zero_stage=3, zero_param_dtype=torch.bfloat16,
+                       zero_reduce_dtype=torch.float32)
+    blocks = [u for u in engine_of(model.module).units if u.name]
+    seen: list[tuple[int, int]] = []
+
+    def count(grad: torch.Tensor) -> None:
+        params = [q for u in blocks for q in u.params]
+        seen.append((sum(q.leaf.grad.nbytes for q in params if q.leaf is not None and q.leaf.grad is not None),
+                     sum(q.accumulated.nbytes for q in params if q.accumulated is not None)))
+
+    def watch(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(count)
+
+    handle = model.module.emb.register_forward_hook(watch)
+    model.set_requires_gradient_sync(False)
+    for k in range(3):
+        x, y = _batch("blocks", 70 + k + dist.get_rank())
+        nn.functional.cross_entropy(model(x).float(), y).backward()
+    handle.remove()
+    return seen
+
+
+def test_a_units_sum_is_kept_in_fp32_as_its_gradients_are_complete_as_fsdp2_keeps_it(dist2):
+    # FSDP2 adds each group's bf16 gradient into its fp32 sum in the group's post-backward: no block's bf16 gradient
+    # waits to the end of backward beside the sums (3 blocks of Linear(64, 64) and LayerNorm(64): 4,288 parameters
+    # each, 51,456 fp32 bytes in all).
+    for seen in dist2.run(_accumulated_bytes):
+        assert seen == [(0, 51456)] * 3
+
+
 def _refusals() -> list[str]:
     said = []
 
