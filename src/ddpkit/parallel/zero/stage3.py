@@ -661,9 +661,11 @@ class ShardedParameters:
         fp32, not in bf16), and marked as ``no_sync()``'s when the forward ran under it."""
         if not self.armed and any(q.leaf is not None and q.leaf.grad is not None for q in u.params):
             u.no_sync_sums = True
+        if self.reduce_dtype is None:  # the leaves' own dtype: their sums stay in them
+            return
         for q in u.params:
             grad = q.leaf.grad if q.leaf is not None else None
-            if grad is None or (q.accumulated is None and grad.dtype == self.reduce_dtype) or self.reduce_dtype is None:
+            if grad is None or (q.accumulated is None and grad.dtype == self.reduce_dtype):
                 continue
             if q.accumulated is None:
                 q.accumulated = grad.to(self.reduce_dtype)
