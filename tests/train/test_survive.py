@@ -301,6 +301,24 @@ def test_a_death_inside_a_steps_all_reduce_aborts_the_step_on_every_member(tmp_p
 
 
 @FAULTS
+@pytest.mark.slow("two jobs of three workers, one of them killed inside a backward")
+@pytest.mark.parametrize("hook", ["", "fp16_compress_hook"])
+def test_a_death_inside_a_backward_with_buckets_out_does_the_step_again(tmp_path: Path, hook: str) -> None:
+    # The summed mode sends the later layers' buckets while the first layer's backward runs; member 1 dies there.
+    # The survivors abandon the buckets, do the step again at world 2 and agree; no step lost a shard.
+    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_overlap_kill.py"),
+                  env=base_env(KILL="1:3", HOOK=hook, OUT=str(tmp_path / "k")), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "member 1 (rank 1 at the start) died" in done.stderr
+    accounts = [json.loads((tmp_path / f"k.{m}.json").read_text()) for m in (0, 2)]
+    assert not (tmp_path / "k.1.json").exists()
+    for account in accounts:
+        assert account["world"] == 2 and account["committed"] == 20 and account["trained_all_48"]
+        assert account["discarded"] == [3]
+    assert accounts[0]["digest"] == accounts[1]["digest"]
+
+
+@FAULTS
 @pytest.mark.slow("a whole job of three workers through a death and a replacement refused (the reference shared)")
 def test_a_replacement_started_otherwise_is_refused_by_name_and_the_job_goes_on(tmp_path: Path, shared_runs) -> None:
     reference, _, _ = _reference(shared_runs)
@@ -822,6 +840,115 @@ def _hooked_steps(ours: bool, hook_name: str) -> dict[str, torch.Tensor]:
                 optimizer.step()
                 optimizer.zero_grad()
     return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+    """Three steps at world 2 of a model of several buckets with a layer no forward uses, through FaultTolerance
+    (over ddpkit's wrapper, with the fp16 hook or none); ``use``: how the middle layer is used twice (``inline``,
+    ``reentrant``: two reentrant-checkpointed segments, or ``twice``: ``inline`` with a second backward of half
+    the loss each). The step's collectives announced inside each step's last backward, and the weights."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+    from ddpkit.runtime import events
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = torch.nn.Linear(6, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)
+            self.spare = torch.nn.Linear(2, 2)  # never used: its bucket must not hold the others back
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            if use == "reentrant":
+                h = checkpoint(self.b, torch.tanh(checkpoint(self.b, h, use_reentrant=True)), use_reentrant=True)
+            else:
+                h = self.b(torch.tanh(self.b(h)))
+            return self.head(h)
+
+    torch.manual_seed(0)
+    net = Net()
+    model = ddpkit.DistributedDataParallel(net, bucket_cap_mb=0.01) if wrap else net  # a bucket per layer
+    if hook:
+        model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+    data = TensorDataset(torch.randn(48, 6) * 3, torch.randint(0, 3, (48,)))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=16, shuffle=False)
+    during = []
+    for step in ft.steps(epochs=1):
+        for x, y in step:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            with events.observe(lambda e: during[-1].append(e.name)):
+                during.append([])
+                if use == "twice":
+                    (loss / 2).backward(retain_graph=True)
+                    (loss / 2).backward()
+                else:
+                    loss.backward()
+        late = []
+        with events.observe(lambda e: late.append(e.name)):
+            assert step.sync()
+        during[-1] += [name for name in late if "after their bucket" in name]
+        optimizer.step()
+        optimizer.zero_grad()
+    return during, {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("wrap, hook", [(True, False), (True, True), (False, False)])
+def test_the_summed_mode_sends_buckets_during_the_last_backward_as_ddp_does(dist2, wrap: bool, hook: bool) -> None:
+    # From the second step on (the first learns which parameters a backward leaves out), buckets go out inside the
+    # backward; the weights are those of the same model under torch's DDP (world 2, its own hook), which the
+    # reduction after backward gave before.
+    ours = dist2.run(_overlapped_steps, wrap, hook, "inline")
+    for during, _ in ours:
+        assert all(any("bucket" in name for name in names) for names in during[1:]), during
+        assert not any("after their bucket" in name for names in during for name in names)
+    assert all(ours[0][1][k].equal(ours[1][1][k]) for k in ours[0][1])
+    theirs = dist2.run(_torch_ddp_steps, hook)
+    assert all(theirs[0][k].equal(ours[0][1][k]) for k in theirs[0])
+
+
+def _torch_ddp_steps(hook: bool) -> dict[str, torch.Tensor]:
+    """:func:`_overlapped_steps`' model and batches under torch's DDP (``find_unused_parameters`` for its spare
+    layer), its own fp16 hook where ``hook``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.utils.data import TensorDataset
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = torch.nn.Linear(6, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)
+            self.spare = torch.nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.b(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+    torch.manual_seed(0)
+    net = Net()
+    model = torch.nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    if hook:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    data = TensorDataset(torch.randn(48, 6) * 3, torch.randint(0, 3, (48,)))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+    for x, y in torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("use", ["reentrant", "twice"])
+def test_a_gradient_after_its_bucket_went_out_still_counts(dist2, use: str) -> None:
+    # A layer used by two reentrant-checkpointed segments hands its gradient in twice, as does a second backward:
+    # the first part goes out with its bucket, the rest in one more reduction that every member joins.
+    ours = dist2.run(_overlapped_steps, True, False, use)
+    inline = dist2.run(_overlapped_steps, True, False, "inline")
+    for during, _ in ours:
+        assert any("after their bucket" in name for name in during[-1])
+    assert all(ours[0][1][k].equal(ours[1][1][k]) for k in ours[0][1])
+    assert all(torch.allclose(ours[0][1][k], inline[0][1][k], atol=1e-6) for k in inline[0][1])
 
 
 @pytest.mark.parametrize("hook_name", ["fp16_compress_hook", "allreduce_hook"])

@@ -7,8 +7,9 @@ buffer and its bookkeeping); ``agreement`` what the members compare before they 
 whoever is behind; ``model_buffers`` the module's buffers carried bit for bit; ``wrapped`` which models the mode
 drives (a ``ddpkit.DistributedDataParallel`` among them). ``shard_tree`` is the deterministic mode's fixed order
 of additions, ``ordered_sum`` its reduction along that tree (an ordered reduce-scatter and all-gather, in a dtype
-hook's dtype where the script registered one), and ``hook_reduction`` the summed mode's gradients reduced through
-a ``DistributedDataParallel``'s comm hook, bucket by bucket. The reductions take the step's collectives as a
+hook's dtype where the script registered one); ``overlap`` sends the summed mode's buckets during the last
+micro-batch's backward, and ``hook_reduction`` reduces its gradients through a ``DistributedDataParallel``'s comm
+hook after backward, bucket by bucket (a world of one). The reductions take the step's collectives as a
 callable, so that the membership's waits (which end when a newer view comes) stay the caller's.
 
 Nothing is imported here; each name is found when first asked for.

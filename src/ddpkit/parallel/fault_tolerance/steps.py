@@ -77,9 +77,15 @@ Each micro-batch's loss must be its mean (what ``reduction="mean"`` gives):
 the engine weighs it by its share of the step's samples. The model is the
 plain module, or a ``ddpkit.DistributedDataParallel`` of it (a DDP script keeps its wrapper: each
 micro-batch then runs under its ``no_sync()``, and the step is reduced here, as for the plain module, through
-the wrapper's comm hook if it has one: each bucket handed to it after the last micro-batch, with the members'
-group as its state; in the deterministic mode a hook that only changes the dtype sets the dtype of the tree's
-additions instead; the wrapper's own engine, its buckets overlapped with backward, does not run under the mode).
+the wrapper's comm hook if it has one, with the members' group as its state; in the deterministic mode a hook that
+only changes the dtype sets the dtype of the tree's additions instead).
+
+* **Buckets overlap the last backward** (the summed mode, :mod:`.overlap`): during a rank's last micro-batch of
+  the step each gradient goes into the step's sum as autograd accumulates it, and each bucket (the wrapper's
+  ``bucket_cap_mb``, torch's default for a plain module) is all-reduced, or handed to the comm hook, as soon as it
+  is complete, as DDP's buckets go out during backward; ``step.sync()`` waits for them as for any collective of the
+  step. Inside the loop body, after that backward, ``.grad`` is empty: read and change gradients after
+  ``step.sync()`` (clipping, a norm), as under DDP after backward.
 Outside ``--on-failure continue`` (no launcher, torchrun, ``ddpkit launch``
 restarting) the same code trains the same steps on the default group, and a
 death fails the job as under DDP.
@@ -102,12 +108,13 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
-from ddpkit.comm.bucket import CommHook
+from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
 from ddpkit.data.shards import VirtualShards
 from ddpkit.parallel.fault_tolerance import agreement
 from ddpkit.parallel.fault_tolerance.hook_reduction import HookReduction, hook_state, wire_dtype
 from ddpkit.parallel.fault_tolerance.model_buffers import ModelBuffers
 from ddpkit.parallel.fault_tolerance.ordered_sum import OrderedSum
+from ddpkit.parallel.fault_tolerance.overlap import Overlap, spans
 from ddpkit.parallel.fault_tolerance.shard_tree import ShardTree
 from ddpkit.parallel.fault_tolerance.wrapped import compiled, hook_name, wrapper_of
 from ddpkit.runtime import events, membership
@@ -174,20 +181,28 @@ class Step:
         keep_buffers = bool(engine.buffers)
         after_first = None
         self._buffer = engine.new_buffer()
-        for k, shards in enumerate(engine.micro_batches(self.shards)):
-            sizes = [len(engine.shards.shard(self.index, shard)) for shard in shards]
+        overlapped = engine.begin_overlap(self._buffer)
+        batches = engine.micro_batches(self.shards)
+        sizes_of = [[len(engine.shards.shard(self.index, shard)) for shard in shards] for shards in batches]
+        last = max((k for k, sizes in enumerate(sizes_of) if sum(sizes)), default=-1)
+        for k, (shards, sizes) in enumerate(zip(batches, sizes_of)):
             if not sum(sizes):
                 continue
             engine.seed_generators(engine.micro_batch_seed(self.index, shards[0]))  # randomness follows the shard
-            with engine.local():  # a DDP wrapper communicates nothing: the step's reduction is the mode's
+            samples = dict(zip(shards, sizes))
+            # A DDP wrapper communicates nothing: the step's reduction is the mode's; the last micro-batch's
+            # backward sends the buckets as their gradients come in (overlap.py).
+            with engine.local(), engine.overlapping(self._buffer, samples, self.samples, k == last and overlapped):
                 yield engine.load(engine.shards.samples(self.index, shards))
-            engine.harvest(self._buffer, k, dict(zip(shards, sizes)), self.samples)
+            engine.harvest(self._buffer, k, samples, self.samples)
             if keep_buffers:
                 if shards[0] == 0:
                     after_first = engine.buffers.snapshot()
                 engine.buffers.put_back(start)
         if after_first is not None:
             engine.buffers.put_back(after_first)
+        if overlapped:
+            engine.send_rest(self._buffer)  # the buckets no backward completed: before any collective of the caller's
 
     def sync(self, values: torch.Tensor | None = None) -> bool:
         """Average the step's gradients over the job into each parameter's ``.grad``.
@@ -317,6 +332,13 @@ class FaultTolerance:
                              "state to a replacement or be the one left; leave broadcast_buffers=True (rank 0's, "
                              "which train shard 0, go to all with each step)")
         self.numel = sum(p.numel() for p in self.params)
+        self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
+        """Where each parameter's gradient starts in the flat gradient (the last: its end)."""
+        cap = None if self.wrapper is None or self.wrapper.bucket_bytes_cap_default else self.wrapper.bucket_cap_mb
+        self._overlap = None if deterministic else Overlap(self.params, spans(self.params, cap))
+        """The summed mode's buckets, sent during the last micro-batch's backward (:mod:`.overlap`)."""
+        self._wrapper_checked = False
+        """The wrapper's parameters were found to be the module's in the current view (:meth:`_wrapper_buckets`)."""
         self.configuration = agreement.configuration(
             model, virtual_shards=virtual_shards, batch_size=batch_size, seed=seed, shuffle=shuffle,
             drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper))
@@ -519,10 +541,13 @@ class FaultTolerance:
         buffer = self._pool[0]
         buffer[..., 0 if self.deterministic else self.numel :] = 0
         self._written = set()
+        if self._overlap is not None:
+            self._overlap.reset()
         return buffer
 
     def _layout(self) -> tuple[int, int, int, int, int]:
-        """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end (its
+        """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end (after
+        the values: whether this rank has gradients that came after their bucket went out, :mod:`.overlap`; its
         last word: whether this rank knows of members joining, :meth:`reduce`). The summed mode's row begins
         with the gradients; the deterministic mode's holds the bookkeeping alone."""
         counts = 0 if self.deterministic else self.numel
@@ -530,7 +555,7 @@ class FaultTolerance:
         buffers = marks + len(self.params)
         words = self.buffers.nbytes // 4 if self.deterministic else 0
         values = buffers + words
-        return counts, marks, buffers, values, values + VALUES + 1
+        return counts, marks, buffers, values, values + VALUES + 2
 
     def micro_batches(self, shards: Sequence[int]) -> list[list[int]]:
         """This rank's ``shards`` of a step, as the micro-batches it trains: one shard each in the deterministic
@@ -548,10 +573,9 @@ class FaultTolerance:
     def harvest(self, buffer: torch.Tensor, k: int, samples: Mapping[int, int], total: int) -> None:
         """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
         ``buffer`` (the deterministic mode: its gradient into the tree's sums), its gradients weighted by its
-        share of the step; ``.grad`` cleared for the next one."""
-        weight = sum(samples.values()) / total
-        if not self.deterministic and self._comm_hook_function() is not None:  # a hook divides by the world size
-            weight = sum(samples.values()) * self.world_size / total  # 1.0 exactly at an even split: DDP's bits
+        share of the step; ``.grad`` cleared for the next one. (A gradient the last micro-batch's backward
+        handed on as it came, :meth:`overlapping`, is gone from ``.grad`` already.)"""
+        weight = self._weight(samples, total)
         counts, marks = self._layout()[:2]
         if self.deterministic:
             row = buffer[k]
@@ -562,25 +586,139 @@ class FaultTolerance:
             row = grads = buffer
             for shard, n in samples.items():
                 row[counts + shard] = n
-        offset = 0
         for i, p in enumerate(self.params):
-            grad, n = p.grad, p.numel()
-            if grad is not None:
-                if grad.is_sparse:
-                    raise ValueError("FaultTolerance reduces dense gradients; a parameter has a sparse one "
-                                     "(nn.Embedding(sparse=True)?): make it dense (sparse=False)")
-                if self.deterministic or i not in self._written:  # the first gradient here: write, not add
-                    torch.mul(grad.reshape(-1), weight, out=grads[offset : offset + n])
-                    self._written.add(i)
-                else:
-                    grads[offset : offset + n].add_(grad.reshape(-1), alpha=weight)
-                row[marks + i] += 1
+            if p.grad is not None:
+                self._take(row, grads, i, p.grad, weight, marks)
             elif self.deterministic:  # every element of a shard's slot is written
-                grads[offset : offset + n].zero_()
-            offset += n
+                grads[self._offsets[i] : self._offsets[i + 1]].zero_()
             p.grad = None
         if self.deterministic:
             self._ordered.push()
+
+    def _weight(self, samples: Mapping[int, int], total: int) -> float:
+        """A micro-batch's weight in the step: its share of the step's samples (times the world size for a comm
+        hook, which divides by it: 1.0 exactly at an even split, DDP's bits)."""
+        if not self.deterministic and self._comm_hook_function() is not None:
+            return sum(samples.values()) * self.world_size / total
+        return sum(samples.values()) / total
+
+    def _take(self, row: torch.Tensor, grads: torch.Tensor, i: int, grad: torch.Tensor, weight: float,
+              marks: int) -> None:
+        """Parameter ``i``'s ``grad``, times ``weight``, into the step's sum ``grads`` (the late buffer where its
+        bucket has gone out, :mod:`.overlap`), counted in ``row``'s marks."""
+        if grad.is_sparse:
+            raise ValueError("FaultTolerance reduces dense gradients; a parameter has a sparse one "
+                             "(nn.Embedding(sparse=True)?): make it dense (sparse=False)")
+        lo, hi = self._offsets[i], self._offsets[i + 1]
+        overlap = self._overlap
+        if overlap is not None and overlap.buffer is grads and overlap.is_sent(i):
+            if overlap.late is None:
+                overlap.late = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            overlap.late[lo:hi].add_(grad.reshape(-1), alpha=weight)
+        elif self.deterministic or i not in self._written:  # the first gradient here: write, not add
+            torch.mul(grad.reshape(-1), weight, out=grads[lo:hi])
+            self._written.add(i)
+        else:
+            grads[lo:hi].add_(grad.reshape(-1), alpha=weight)
+        row[marks + i] += 1
+
+    def begin_overlap(self, buffer: torch.Tensor) -> bool:
+        """Whether the step's buckets go out as its last micro-batch's gradients come in (the summed mode, with
+        members to reduce with): then they go from ``buffer``."""
+        if self._overlap is None or self.group is None or self.world_size == 1:
+            return False
+        if self._comm_hook_function() is not None and not self._wrapper_checked:
+            self._wrapper_buckets()  # its parameters still the wrapper's (checked once a view)
+            self._wrapper_checked = True
+        self._overlap.begin(buffer)
+        return True
+
+    @contextlib.contextmanager
+    def overlapping(self, buffer: torch.Tensor, samples: Mapping[int, int], total: int,
+                    last: bool) -> Iterator[None]:
+        """Around a micro-batch's forward and backward: where it is this rank's ``last`` of the step (and the
+        step overlaps, :meth:`begin_overlap`), each gradient is weighted into ``buffer`` as autograd
+        accumulates it and each complete bucket goes out (:mod:`.overlap`)."""
+        overlap = self._overlap
+        if not last or overlap is None:
+            yield
+            return
+        weight, marks = self._weight(samples, total), self._layout()[1]
+
+        def take(i: int, param: torch.Tensor) -> None:
+            self._take(buffer, buffer, i, param.grad, weight, marks)
+            param.grad = None
+
+        overlap.arm(take, lambda b: self._send(buffer, b))
+        try:
+            yield
+        finally:
+            overlap.disarm()
+
+    def send_rest(self, buffer: torch.Tensor) -> None:
+        """Send the buckets of ``buffer`` that no backward completed (once the rank's micro-batches are done)."""
+        if self._overlap is not None and self._overlap.buffer is buffer:
+            self._overlap.flush(lambda b: self._send(buffer, b))
+
+    def _send(self, buffer: torch.Tensor, b: int) -> None:
+        """Bucket ``b`` of the step's ``buffer`` out: an asynchronous all-reduce of its stretch, or the wrapper's
+        comm hook on it (nothing after the step was aborted: it is discarded)."""
+        assert self._overlap is not None and self.group is not None
+        if self._step is not None and self._step.aborted:
+            return
+        lo, hi, indices = self._overlap.buckets[b]
+        for i in indices:
+            if i not in self._written:  # no gradient for it in this step: its stretch holds an older step's
+                buffer[self._offsets[i] : self._offsets[i + 1]] = 0
+        flat = buffer[lo:hi]
+        hooked = self._comm_hook()
+        try:
+            if hooked is None:
+                self._announce(f"all-reduce of bucket {b}", flat)
+                future = self.group.allreduce([flat]).get_future()
+            else:
+                hook, state = hooked
+                bucket = GradBucket(b, [self.params[i] for i in indices], list(indices), materialize=False)
+                bucket.set_buffer(flat)
+                bucket.last = b == len(self._overlap.buckets) - 1
+                events.collective("FaultTolerance: the comm hook's reduction of bucket {}", b,
+                                  step=self._step.index if self._step is not None else None,
+                                  nbytes=0)  # (the hook counts its own bytes)
+                future = hook(state, bucket)
+        except RuntimeError as e:  # a group a death broke may refuse the launch: met at the step's wait, as a
+            future = torch.futures.Future()  # collective that failed there (never raised inside backward)
+            future.set_exception(e)
+        else:
+            if hooked is not None:
+                future = check_hook_future(hooked[0], future, bucket)
+        self._overlap.futures.append((flat, future))
+
+    def _reduce_overlapped(self, buffer: torch.Tensor) -> None:
+        """The summed mode's step when its buckets went out during backward (:mod:`.overlap`): the rest of them,
+        the bookkeeping summed, all waited for in the current view; then the late gradients, if any member
+        has some."""
+        assert self._overlap is not None and self.group is not None
+        overlap = self._overlap
+        self.send_rest(buffer)  # (a loop that left the step's micro-batches early)
+        late_word = self._layout()[3] + VALUES
+        buffer[late_word] = float(overlap.late is not None)
+        payload = buffer[self.numel :]
+        self._announce("all-reduce of the step's counts and values", payload)
+        futures = [future for _, future in overlap.futures] + [self.group.allreduce([payload]).get_future()]
+        self._wait(torch.futures.collect_all(futures), step=True)
+        for flat, future in overlap.futures:
+            value = future.value()
+            reduced = (value[0] if isinstance(value, list) else value).reshape(-1)
+            if reduced.data_ptr() != flat.data_ptr():
+                flat.copy_(reduced)
+        if buffer[late_word] > 0:  # some member's gradient came after its bucket went out: every member adds its own
+            late = overlap.late if overlap.late is not None else torch.zeros(self.numel, device=self.device)
+            self._announce("all-reduce of the gradients that came after their bucket", late)
+            self._wait(self.group.allreduce([late]), step=True)
+            if self._comm_hook() is not None:
+                late.div_(self.world_size)  # weighted for a hook, which divides by the world size
+            buffer[: self.numel].add_(late)
+        overlap.reset()
 
     def _zero_unwritten(self, buffer: torch.Tensor) -> None:
         """The summed mode: zero the gradients' part of what no micro-batch of this step wrote (a parameter
@@ -609,8 +747,6 @@ class FaultTolerance:
             return self._discard()
         v, p = self.shards.virtual_shards, len(self.params)
         c0, m0, b0, v0, end = self._layout()
-        if not self.deterministic:
-            self._zero_unwritten(buffer)
         first = buffer[0] if self.deterministic else buffer
         if values is not None:
             first[v0 : v0 + values.numel()] = values.reshape(-1)
@@ -632,7 +768,10 @@ class FaultTolerance:
                     had.add_(row[m0 - c0 : m0 - c0 + p])
                 blob = received[0][0][b0 - c0 : v0 - c0].view(torch.uint8).clone()  # aligned: views its dtype
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
+            elif self._overlap is not None and self._overlap.buffer is buffer:
+                self._reduce_overlapped(buffer)
             else:
+                self._zero_unwritten(buffer)
                 hooked = self._comm_hook()
                 if hooked is not None:  # the gradients through the wrapper's hook (a world of one too, as DDP's)
                     self._reduce_through(hooked, buffer)
@@ -640,12 +779,13 @@ class FaultTolerance:
                     payload = buffer[self.numel :] if hooked else buffer
                     self._announce("all-reduce of the step", payload)
                     self._wait(self.group.allreduce([payload]), step=True)
+            if not self.deterministic:
                 total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
                 sums = buffer[v0:end]
                 blob = self._broadcast_blob() if self.buffers else None  # rank 0's bytes: a sum would change them
         except MembershipChanged:
             return self._discard()
-        self._join_agreed = round(float(sums[VALUES])) == self.world_size
+        self._join_agreed = round(float(sums[VALUES + 1])) == self.world_size
         if step is not None:
             expected = [len(self.shards.shard(step.index, s)) for s in range(v)]
             if [round(float(c)) for c in counts] != expected:
@@ -679,17 +819,25 @@ class FaultTolerance:
         wrapper's engine calls it, back in place (:class:`~ddpkit.parallel.fault_tolerance.hook_reduction.
         HookReduction`)."""
         if self._hooked is None:
-            assert self.wrapper is not None
-            groups = self.wrapper.bucket_indices()
-            if (sorted(i for idx in groups for i in idx) != list(range(len(self.params)))
-                    or any(a is not b for a, b in zip(self.wrapper.reducer.params, self.params))):
-                raise ValueError("FaultTolerance over a DistributedDataParallel whose parameters that require grad "
-                                 "are not the module's now (requires_grad changed after wrapping?): its buckets "
-                                 "would reduce other gradients; set requires_grad before wrapping the module")
-            self._hooked = HookReduction(self.params, groups)
+            self._hooked = HookReduction(self.params, self._wrapper_buckets())
         hook, state = hooked
         self._hooked(hook, state, buffer[: self.numel], lambda work: self._wait(work, step=True),
                      self._step.index if self._step is not None else None)
+
+    def _wrapper_buckets(self) -> list[list[int]]:
+        """The wrapper's buckets, which its comm hook reduces: each its parameters' indices.
+
+        Raises:
+            ValueError: the parameters that require grad are not the wrapper's (changed after wrapping).
+        """
+        assert self.wrapper is not None
+        groups = self.wrapper.bucket_indices()
+        if (sorted(i for idx in groups for i in idx) != list(range(len(self.params)))
+                or any(a is not b for a, b in zip(self.wrapper.reducer.params, self.params))):
+            raise ValueError("FaultTolerance over a DistributedDataParallel whose parameters that require grad "
+                             "are not the module's now (requires_grad changed after wrapping?): its buckets "
+                             "would reduce other gradients; set requires_grad before wrapping the module")
+        return groups
 
     def _broadcast_blob(self) -> torch.Tensor | None:
         """Rank 0's buffers' bytes, on every rank (one collective; a world of one: its own)."""
@@ -725,6 +873,9 @@ class FaultTolerance:
             p.grad = None
         self._pool = []  # the abandoned operation may still read or write them
         self._hooked = None
+        self._wrapper_checked = False
+        if self._overlap is not None:
+            self._overlap.reset()  # its buckets are abandoned with the buffers
         self._ordered.drop()
         self.buffers.put_back(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()

@@ -1,0 +1,142 @@
+"""The summed mode's buckets, each sent as soon as this rank's last micro-batch of the step has its gradients in:
+the step's reduction overlapped with that micro-batch's backward, as DDP's buckets overlap its backward.
+
+A rank's earlier micro-batches of a step accumulate into the step's send buffer after each backward
+(:meth:`FaultTolerance.harvest`). During its last micro-batch's backward each parameter's gradient is weighted
+into the buffer as autograd accumulates it (a post-accumulate-grad hook, :meth:`Overlap.on_gradient`), and a
+bucket (a contiguous stretch of the buffer, torch's assignment by size over the parameters in reverse order) whose
+parameters are all in goes out: an asynchronous all-reduce of its stretch, or the wrapper's comm hook on it.
+Buckets go out strictly in order (a complete bucket waits for those before it), so every member issues the same
+collectives in the same order; those a backward leaves (parameters without a gradient in it, a rank with no
+samples in the step) go out once the rank's micro-batches are done. Nothing waits inside backward:
+``step.sync()`` waits for the buckets as for any collective of the step, so a death abandons them and the step
+comes again.
+
+A gradient that arrives for a bucket already sent (a parameter used by two reentrant-checkpointed segments, a
+second backward of the same micro-batch, a ``.grad`` set by hand) goes to a *late* buffer; the members learn with
+the step's bookkeeping whether any of them has one, and then all sum theirs too (one more collective, the
+gradient's size) and add it: the step's gradient is the one a reduction after backward would have made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ddpkit.parallel.common.bucket_caps import bucket_limits
+from ddpkit.parallel.common.buckets import initial_buckets
+from ddpkit.parallel.common.grad_hooks import hook_gradients
+
+__all__ = ["Overlap", "spans"]
+
+
+def spans(params: Sequence[torch.Tensor], bucket_cap_mb: float | None) -> list[tuple[int, int, list[int]]]:
+    """The buckets over ``params`` in the order they go out: each its first and last word in the flat gradient
+    (the parameters in order) and its parameters' indices; torch's assignment by size (``bucket_cap_mb`` as
+    DDP's: None, 25 MiB with a first bucket of 1 MiB) over the parameters in registration order, the last first.
+    A bucket holds a run of consecutive parameters, so its stretch of the flat gradient is contiguous."""
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    # One key for all: the flat gradient is one float32 tensor, whatever the parameters' dtypes.
+    sized = [torch.empty(p.numel(), dtype=torch.float32, device="meta") for p in params]
+    return [(offsets[min(group)], offsets[max(group) + 1], sorted(group))
+            for group in initial_buckets(sized, bucket_limits(bucket_cap_mb))]
+
+
+class Overlap:
+    """Which parameters of the last micro-batch are in, and which buckets have gone out (see the module notes).
+
+    Args:
+        params: the parameters the mode reduces (a post-accumulate-grad hook on each, idle unless armed).
+        buckets: :func:`spans` of them.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[tuple[int, int, list[int]]]) -> None:
+        self.buckets = list(buckets)
+        self.bucket_of = [0] * len(params)
+        for b, (_, _, indices) in enumerate(self.buckets):
+            for i in indices:
+                self.bucket_of[i] = b
+        self.buffer: torch.Tensor | None = None
+        """The step's send buffer while its buckets are this object's to send (:meth:`begin` to :meth:`reset`)."""
+        self.sent = 0
+        """Buckets gone out this step (0 .. sent-1)."""
+        self.late: torch.Tensor | None = None
+        """Weighted gradients that came after their bucket went out (zeros elsewhere), or None."""
+        self.futures: list[tuple[torch.Tensor, torch.futures.Future]] = []
+        """Each bucket sent: its stretch of the buffer and the future of its reduction."""
+        self._take: Callable[[int, torch.Tensor], None] | None = None
+        self._send: Callable[[int], None] | None = None
+        self._waiting: list[int] = []
+        self._in: list[bool] = []
+        self._came: list[bool] = []
+        self.expected = [True] * len(params)
+        """Whether each parameter's gradient is waited for: it came in the last micro-batch's backward of the
+        step before (a parameter the graph leaves out does not hold its bucket back; if it comes after all, it
+        is late)."""
+        hook_gradients(self, params)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step (its buckets are abandoned or collected)."""
+        self.buffer, self.sent, self.late, self.futures = None, 0, None, []
+        self._take = self._send = None
+        self._waiting = [len(indices) for _, _, indices in self.buckets]
+        self._in = [False] * len(self.bucket_of)
+        self._came = [False] * len(self.bucket_of)
+
+    def begin(self, buffer: torch.Tensor) -> None:
+        """A step whose buckets go out from ``buffer``."""
+        self.reset()
+        self.buffer = buffer
+
+    def arm(self, take: Callable[[int, torch.Tensor], None], send: Callable[[int], None]) -> None:
+        """The last micro-batch's backward comes: ``take(index, param)`` each gradient as it is accumulated,
+        ``send(bucket)`` each bucket once complete, in order; a bucket of parameters not expected
+        (:attr:`expected`) at once."""
+        self._take, self._send = take, send
+        for i, expected in enumerate(self.expected):
+            if not expected:
+                self._count_in(i)
+        self._send_ready()
+
+    def disarm(self) -> None:
+        """The last micro-batch's backward is over: what came in it is what the next step waits for."""
+        if self._take is not None:
+            self.expected = list(self._came)
+        self._take = None
+
+    def is_sent(self, index: int) -> bool:
+        """Whether parameter ``index``'s bucket has gone out (a gradient for it now is late)."""
+        return self.bucket_of[index] < self.sent
+
+    def on_gradient(self, index: int, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (its hook): idle unless armed."""
+        take = self._take
+        if take is None:
+            return
+        self._came[index] = True
+        if param.grad is not None:
+            take(index, param)
+        if not self._in[index]:
+            self._count_in(index)
+            self._send_ready()
+
+    def _count_in(self, index: int) -> None:
+        self._in[index] = True
+        self._waiting[self.bucket_of[index]] -= 1
+
+    def _send_ready(self) -> None:
+        send = self._send
+        while self.sent < len(self.buckets) and self._waiting[self.sent] == 0 and send is not None:
+            self.sent += 1
+            send(self.sent - 1)
+
+    def flush(self, send: Callable[[int], None]) -> None:
+        """Send every bucket not yet sent, in order (the rank's micro-batches are done)."""
+        self._take = None
+        while self.sent < len(self.buckets):
+            self.sent += 1
+            send(self.sent - 1)
