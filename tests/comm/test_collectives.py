@@ -84,6 +84,41 @@ def test_all_reduce_matches_torch_two_ranks(dist2, algorithm):
         assert not failures, "\n".join(failures[:5])
 
 
+def _large_messages() -> list[str]:
+    """Every algorithm on messages of several pieces (:data:`ddpkit.comm.algorithms.PIECE_ELEMENTS`), sizes not
+    divisible by the world or the piece, against torch's all-reduce."""
+    from ddpkit.comm.algorithms import PIECE_ELEMENTS
+
+    failures = []
+    sizes = ((torch.float32, 3 * PIECE_ELEMENTS * dist.get_world_size() + 17), (torch.int64, PIECE_ELEMENTS + 5),
+             (torch.float16, 2 * PIECE_ELEMENTS + 1))
+    for dtype, n in sizes:
+        for algorithm in C.ALGORITHMS:
+            mine = _data(n, dtype, dist.get_rank())
+            expected = mine.clone()
+            dist.all_reduce(expected)
+            C.all_reduce(mine, op="sum", algorithm=algorithm, local_size=2)
+            try:
+                torch.testing.assert_close(mine, expected, **_tolerance(dtype, "sum"))
+            except AssertionError as e:
+                failures.append(f"{algorithm} {dtype} n={n}: {e}")
+    return failures
+
+
+def test_messages_of_several_pieces_arrive_whole(dist3, dist2):
+    # A large message goes in pieces posted together (both ways at once between two ranks): each piece must land
+    # in its place, at three ranks (the ring's chunks are pieces too) and at two (a send and a receive between the
+    # same two ranks).
+    for pool in (dist3, dist2):
+        for failures in pool.run(_large_messages, timeout=120):
+            assert not failures, "\n".join(failures[:5])
+
+
+def test_messages_of_several_pieces_arrive_whole_over_mpi(mpi2):
+    for failures in mpi2.run(_large_messages, timeout=120):
+        assert not failures, "\n".join(failures[:5])
+
+
 def test_world_of_one():
     ddpkit.init()
     t = torch.arange(5.0)

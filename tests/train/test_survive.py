@@ -842,11 +842,13 @@ def _hooked_steps(ours: bool, hook_name: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
-def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
-    """Three steps at world 2 of a model of several buckets with a layer no forward uses, through FaultTolerance
-    (over ddpkit's wrapper, with the fp16 hook or none); ``use``: how the middle layer is used twice (``inline``,
-    ``reentrant``: two reentrant-checkpointed segments, or ``twice``: ``inline`` with a second backward of half
-    the loss each). The step's collectives announced inside each step's last backward, and the weights."""
+def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]], list[int], dict[str, torch.Tensor]]:
+    """Four steps at world 2 of a model of several buckets with a layer no forward uses, through FaultTolerance
+    (over ddpkit's wrapper, with the fp16 hook or none). ``use``: how the loop body goes (``inline``: one
+    backward; ``reentrant``: the middle layer in two reentrant-checkpointed segments; ``twice``: two backward passes
+    of half the loss; ``fgsm``: a backward of another loss, ``zero_grad()``, then the loss's; ``manual``: the unused
+    layer's ``.grad`` set by hand after the backward). The collectives announced inside each step's last backward
+    (and a late reduction's in ``sync()``), the steps whose ``sync()`` said to do them again, and the weights."""
     from torch.utils.checkpoint import checkpoint
     from torch.utils.data import TensorDataset
 
@@ -872,12 +874,15 @@ def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]]
     model = ddpkit.DistributedDataParallel(net, bucket_cap_mb=0.01) if wrap else net  # a bucket per layer
     if hook:
         model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
-    data = TensorDataset(torch.randn(48, 6) * 3, torch.randint(0, 3, (48,)))
+    data = TensorDataset(torch.randn(64, 6) * 3, torch.randint(0, 3, (64,)))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
     ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=16, shuffle=False)
-    during = []
+    during, again = [], []
     for step in ft.steps(epochs=1):
         for x, y in step:
+            if use == "fgsm":
+                torch.nn.functional.cross_entropy(model(x + 0.1), y).backward()
+                optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             with events.observe(lambda e: during[-1].append(e.name)):
                 during.append([])
@@ -886,27 +891,34 @@ def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]]
                     (loss / 2).backward()
                 else:
                     loss.backward()
+            if use == "manual":
+                net.spare.weight.grad = torch.ones(2, 2)
         late = []
         with events.observe(lambda e: late.append(e.name)):
-            assert step.sync()
+            if not step.sync():
+                again.append(step.index)
+                continue
         during[-1] += [name for name in late if "after their bucket" in name]
+        if use == "manual":
+            assert net.spare.weight.grad.equal(torch.ones(2, 2))  # each rank's, weighted by its half of the step
         optimizer.step()
         optimizer.zero_grad()
-    return during, {k: v.clone() for k, v in net.state_dict().items()}
+    return during, again, {k: v.clone() for k, v in net.state_dict().items()}
 
 
 @pytest.mark.parametrize("wrap, hook", [(True, False), (True, True), (False, False)])
 def test_the_summed_mode_sends_buckets_during_the_last_backward_as_ddp_does(dist2, wrap: bool, hook: bool) -> None:
-    # From the second step on (the first learns which parameters a backward leaves out), buckets go out inside the
-    # backward; the weights are those of the same model under torch's DDP (world 2, its own hook), which the
+    # From the third step on (the first two learn which parameters a backward leaves out), buckets go out inside
+    # the backward; the weights are those of the same model under torch's DDP (world 2, its own hook), which the
     # reduction after backward gave before.
     ours = dist2.run(_overlapped_steps, wrap, hook, "inline")
-    for during, _ in ours:
-        assert all(any("bucket" in name for name in names) for names in during[1:]), during
+    for during, again, _ in ours:
+        assert all(any("bucket" in name for name in names) for names in during[2:]), during
         assert not any("after their bucket" in name for names in during for name in names)
-    assert all(ours[0][1][k].equal(ours[1][1][k]) for k in ours[0][1])
+        assert not again
+    assert all(ours[0][2][k].equal(ours[1][2][k]) for k in ours[0][2])
     theirs = dist2.run(_torch_ddp_steps, hook)
-    assert all(theirs[0][k].equal(ours[0][1][k]) for k in theirs[0])
+    assert all(theirs[0][k].equal(ours[0][2][k]) for k in theirs[0])
 
 
 def _torch_ddp_steps(hook: bool) -> dict[str, torch.Tensor]:
@@ -929,7 +941,7 @@ def _torch_ddp_steps(hook: bool) -> dict[str, torch.Tensor]:
     model = torch.nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
     if hook:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    data = TensorDataset(torch.randn(48, 6) * 3, torch.randint(0, 3, (48,)))
+    data = TensorDataset(torch.randn(64, 6) * 3, torch.randint(0, 3, (64,)))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
     sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
     for x, y in torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler):
@@ -939,16 +951,30 @@ def _torch_ddp_steps(hook: bool) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
-@pytest.mark.parametrize("use", ["reentrant", "twice"])
-def test_a_gradient_after_its_bucket_went_out_still_counts(dist2, use: str) -> None:
-    # A layer used by two reentrant-checkpointed segments hands its gradient in twice, as does a second backward:
-    # the first part goes out with its bucket, the rest in one more reduction that every member joins.
+@pytest.mark.parametrize("use", ["reentrant", "twice", "fgsm"])
+def test_a_gradient_changed_after_its_backward_trains_the_step_again_after_the_loop_body(dist2, use: str) -> None:
+    # A gradient taken during backward that changes before the loop body ends (a layer in two reentrant segments,
+    # a second backward, zero_grad() and another backward as FGSM does) would not be the step's: the step is trained
+    # again, once, and from then on reduced after the loop body, with the gradients the body leaves (FGSM: only
+    # the last backward's, as under DDP).
     ours = dist2.run(_overlapped_steps, True, False, use)
     inline = dist2.run(_overlapped_steps, True, False, "inline")
-    for during, _ in ours:
+    for during, again, _ in ours:
+        assert again == [0]
+        assert not any("bucket" in name for names in during[2:] for name in names)
+    assert all(ours[0][2][k].equal(ours[1][2][k]) for k in ours[0][2])
+    if use == "fgsm":
+        assert all(ours[0][2][k].equal(inline[0][2][k]) for k in inline[0][2])
+    else:
+        assert all(torch.allclose(ours[0][2][k], inline[0][2][k], atol=1e-6) for k in inline[0][2])
+
+
+def test_a_gradient_set_by_hand_after_its_bucket_went_out_is_summed_late(dist2) -> None:
+    # The unused layer's bucket goes out at once from the third step; its .grad set by hand after the backward
+    # then joins the step in one more reduction, every member's.
+    for during, again, _ in dist2.run(_overlapped_steps, True, False, "manual"):
+        assert not again
         assert any("after their bucket" in name for name in during[-1])
-    assert all(ours[0][1][k].equal(ours[1][1][k]) for k in ours[0][1])
-    assert all(torch.allclose(ours[0][1][k], inline[0][1][k], atol=1e-6) for k in inline[0][1])
 
 
 @pytest.mark.parametrize("hook_name", ["fp16_compress_hook", "allreduce_hook"])

@@ -12,10 +12,15 @@ samples in the step) go out once the rank's micro-batches are done. Nothing wait
 ``step.sync()`` waits for the buckets as for any collective of the step, so a death abandons them and the step
 comes again.
 
-A gradient that arrives for a bucket already sent (a parameter used by two reentrant-checkpointed segments, a
-second backward of the same micro-batch, a ``.grad`` set by hand) goes to a *late* buffer; the members learn with
-the step's bookkeeping whether any of them has one, and then all sum theirs too (one more collective, the
-gradient's size) and add it: the step's gradient is the one a reduction after backward would have made.
+The step's gradient must stay the one a reduction after the loop body makes, whatever the body does with
+``.grad``. A gradient taken is left in ``.grad`` (readable: SAM reads it) and remembered with its version; once the
+micro-batch is over (:meth:`FaultTolerance.harvest`) each must be unchanged. A gradient that changed after it was
+taken (a second backward accumulating into it, ``zero_grad()`` and another backward as in FGSM, clipping inside the
+body, a parameter that two reentrant-checkpointed segments use) makes the step *dirty*: the members learn it with
+the step's bookkeeping, discard the step's gradients and train the step again, and from then on the buckets go out
+after the loop body (one line says so). A gradient for a parameter whose bucket went out without it (the backward
+gave it none, and the body set ``.grad`` by hand) is *late*: the members learn that too, and then all sum their late
+gradients (one more collective, the gradient's size) and add them.
 """
 
 from __future__ import annotations
@@ -72,10 +77,15 @@ class Overlap:
         self._waiting: list[int] = []
         self._in: list[bool] = []
         self._came: list[bool] = []
+        self._came_before = [True] * len(params)
+        self.taken: list[tuple[torch.Tensor, int] | None] = []
+        """Each gradient taken in the last micro-batch, as the tensor ``.grad`` held and its version then."""
+        self.dirty = False
+        """A gradient changed after it was taken: the step cannot stand (see the module notes)."""
         self.expected = [True] * len(params)
-        """Whether each parameter's gradient is waited for: it came in the last micro-batch's backward of the
-        step before (a parameter the graph leaves out does not hold its bucket back; if it comes after all, it
-        is late)."""
+        """Whether each parameter's gradient is waited for: it came in the last micro-batch's backward of one of
+        the last two steps (a parameter the graph leaves out does not hold its bucket back; one used every other
+        step is waited for, where a late gradient would cost a whole reduction more)."""
         hook_gradients(self, params)
         self.reset()
 
@@ -86,6 +96,8 @@ class Overlap:
         self._waiting = [len(indices) for _, _, indices in self.buckets]
         self._in = [False] * len(self.bucket_of)
         self._came = [False] * len(self.bucket_of)
+        self.taken = [None] * len(self.bucket_of)
+        self.dirty = False
 
     def begin(self, buffer: torch.Tensor) -> None:
         """A step whose buckets go out from ``buffer``."""
@@ -103,10 +115,22 @@ class Overlap:
         self._send_ready()
 
     def disarm(self) -> None:
-        """The last micro-batch's backward is over: what came in it is what the next step waits for."""
-        if self._take is not None:
-            self.expected = list(self._came)
+        """The last micro-batch is over: what came in it (and in the step before) is what the next step waits
+        for (unchanged when nothing came: a micro-batch without a backward)."""
+        if self._take is not None and any(self._came):
+            self.expected = [now or before for now, before in zip(self._came, self._came_before)]
+            self._came_before = list(self._came)
         self._take = None
+
+    def check(self, index: int, grad: torch.Tensor | None) -> bool:
+        """Whether parameter ``index``'s ``grad`` after the micro-batch is the one taken, unchanged (else the step
+        is dirty). True for a parameter not taken."""
+        taken = self.taken[index]
+        if taken is None:
+            return True
+        if grad is not taken[0] or grad._version != taken[1]:
+            self.dirty = True
+        return not self.dirty
 
     def is_sent(self, index: int) -> bool:
         """Whether parameter ``index``'s bucket has gone out (a gradient for it now is late)."""
@@ -118,8 +142,13 @@ class Overlap:
         if take is None:
             return
         self._came[index] = True
-        if param.grad is not None:
+        grad = param.grad
+        if grad is not None:
+            if self.taken[index] is not None:  # a second gradient into the one taken: the step is dirty
+                self.dirty = True
+                return
             take(index, param)
+            self.taken[index] = (grad, grad._version)
         if not self._in[index]:
             self._count_in(index)
             self._send_ready()

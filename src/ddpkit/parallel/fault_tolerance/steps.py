@@ -84,8 +84,9 @@ only changes the dtype sets the dtype of the tree's additions instead).
   the step each gradient goes into the step's sum as autograd accumulates it, and each bucket (the wrapper's
   ``bucket_cap_mb``, torch's default for a plain module) is all-reduced, or handed to the comm hook, as soon as it
   is complete, as DDP's buckets go out during backward; ``step.sync()`` waits for them as for any collective of the
-  step. Inside the loop body, after that backward, ``.grad`` is empty: read and change gradients after
-  ``step.sync()`` (clipping, a norm), as under DDP after backward.
+  step. The step's gradient stays the one a reduction after the loop body makes: a gradient changed after its
+  backward took it (a second backward, ``zero_grad()`` between backward passes) makes the step be trained again,
+  once, and from then on the buckets go out after the loop body.
 Outside ``--on-failure continue`` (no launcher, torchrun, ``ddpkit launch``
 restarting) the same code trains the same steps on the default group, and a
 death fails the job as under DDP.
@@ -125,6 +126,9 @@ __all__ = ["Change", "FaultTolerance", "Step"]
 
 VALUES = 16
 """How many values ``step.sync(values=...)`` carries with the gradients."""
+LATE, DIRTY, JOINING = VALUES, VALUES + 1, VALUES + 2
+"""The words after the values in a step's bookkeeping: whether a rank has late gradients, or a dirty step
+(:mod:`.overlap`), and whether it knows of members joining (:meth:`FaultTolerance.reduce`)."""
 
 
 @dataclass
@@ -212,7 +216,8 @@ class Step:
 
         Returns:
             True: the gradients are the step's global average; apply them. False: the membership changed
-            during the step; its gradients are discarded and :meth:`FaultTolerance.steps` gives this step again.
+            during the step (or, once, a gradient changed after its backward took it, :mod:`.overlap`); its
+            gradients are discarded and :meth:`FaultTolerance.steps` gives this step again.
         """
         if self.synced is not None:
             raise RuntimeError(f"step {self.index}: sync() was already called for this step")
@@ -339,6 +344,8 @@ class FaultTolerance:
         """The summed mode's buckets, sent during the last micro-batch's backward (:mod:`.overlap`)."""
         self._wrapper_checked = False
         """The wrapper's parameters were found to be the module's in the current view (:meth:`_wrapper_buckets`)."""
+        self._overlap_off = False
+        """A step's gradients changed after its backward took them: the buckets go out after the loop body."""
         self.configuration = agreement.configuration(
             model, virtual_shards=virtual_shards, batch_size=batch_size, seed=seed, shuffle=shuffle,
             drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper))
@@ -547,15 +554,14 @@ class FaultTolerance:
 
     def _layout(self) -> tuple[int, int, int, int, int]:
         """Offsets in a row: the counts, the parameter marks, the buffers, the values, and the row's end (after
-        the values: whether this rank has gradients that came after their bucket went out, :mod:`.overlap`; its
-        last word: whether this rank knows of members joining, :meth:`reduce`). The summed mode's row begins
-        with the gradients; the deterministic mode's holds the bookkeeping alone."""
+        the values, :data:`LATE`, :data:`DIRTY` and :data:`JOINING`). The summed mode's row begins with the
+        gradients; the deterministic mode's holds the bookkeeping alone."""
         counts = 0 if self.deterministic else self.numel
         marks = counts + (1 if self.deterministic else self.shards.virtual_shards)
         buffers = marks + len(self.params)
         words = self.buffers.nbytes // 4 if self.deterministic else 0
         values = buffers + words
-        return counts, marks, buffers, values, values + VALUES + 2
+        return counts, marks, buffers, values, values + JOINING + 1
 
     def micro_batches(self, shards: Sequence[int]) -> list[list[int]]:
         """This rank's ``shards`` of a step, as the micro-batches it trains: one shard each in the deterministic
@@ -573,8 +579,8 @@ class FaultTolerance:
     def harvest(self, buffer: torch.Tensor, k: int, samples: Mapping[int, int], total: int) -> None:
         """This rank's ``k``-th micro-batch (its shards and their ``samples``, of the step's ``total``) into
         ``buffer`` (the deterministic mode: its gradient into the tree's sums), its gradients weighted by its
-        share of the step; ``.grad`` cleared for the next one. (A gradient the last micro-batch's backward
-        handed on as it came, :meth:`overlapping`, is gone from ``.grad`` already.)"""
+        share of the step; ``.grad`` cleared for the next one. (A gradient the last micro-batch's backward took as
+        it came, :meth:`overlapping`, is checked to be unchanged instead.)"""
         weight = self._weight(samples, total)
         counts, marks = self._layout()[:2]
         if self.deterministic:
@@ -586,8 +592,11 @@ class FaultTolerance:
             row = grads = buffer
             for shard, n in samples.items():
                 row[counts + shard] = n
+        overlap = self._overlap if self._overlap is not None and self._overlap.buffer is grads else None
         for i, p in enumerate(self.params):
-            if p.grad is not None:
+            if overlap is not None and overlap.taken[i] is not None:
+                overlap.check(i, p.grad)  # taken during backward: it must be as it was then
+            elif p.grad is not None:
                 self._take(row, grads, i, p.grad, weight, marks)
             elif self.deterministic:  # every element of a shard's slot is written
                 grads[self._offsets[i] : self._offsets[i + 1]].zero_()
@@ -625,7 +634,7 @@ class FaultTolerance:
     def begin_overlap(self, buffer: torch.Tensor) -> bool:
         """Whether the step's buckets go out as its last micro-batch's gradients come in (the summed mode, with
         members to reduce with): then they go from ``buffer``."""
-        if self._overlap is None or self.group is None or self.world_size == 1:
+        if self._overlap is None or self._overlap_off or self.group is None or self.world_size == 1:
             return False
         if self._comm_hook_function() is not None and not self._wrapper_checked:
             self._wrapper_buckets()  # its parameters still the wrapper's (checked once a view)
@@ -646,8 +655,7 @@ class FaultTolerance:
         weight, marks = self._weight(samples, total), self._layout()[1]
 
         def take(i: int, param: torch.Tensor) -> None:
-            self._take(buffer, buffer, i, param.grad, weight, marks)
-            param.grad = None
+            self._take(buffer, buffer, i, param.grad, weight, marks)  # (left in .grad: checked at the end)
 
         overlap.arm(take, lambda b: self._send(buffer, b))
         try:
@@ -693,32 +701,40 @@ class FaultTolerance:
                 future = check_hook_future(hooked[0], future, bucket)
         self._overlap.futures.append((flat, future))
 
-    def _reduce_overlapped(self, buffer: torch.Tensor) -> None:
+    def _reduce_overlapped(self, buffer: torch.Tensor) -> bool:
         """The summed mode's step when its buckets went out during backward (:mod:`.overlap`): the rest of them,
         the bookkeeping summed, all waited for in the current view; then the late gradients, if any member
-        has some."""
+        has some. False: a member's step is dirty (a gradient changed after it was taken), and the step must be
+        trained again."""
         assert self._overlap is not None and self.group is not None
         overlap = self._overlap
         self.send_rest(buffer)  # (a loop that left the step's micro-batches early)
-        late_word = self._layout()[3] + VALUES
-        buffer[late_word] = float(overlap.late is not None)
+        v0 = self._layout()[3]
+        buffer[v0 + LATE] = float(overlap.late is not None)
+        buffer[v0 + DIRTY] = float(overlap.dirty)
         payload = buffer[self.numel :]
         self._announce("all-reduce of the step's counts and values", payload)
         futures = [future for _, future in overlap.futures] + [self.group.allreduce([payload]).get_future()]
         self._wait(torch.futures.collect_all(futures), step=True)
+        for future in futures:
+            future.wait()  # (on a GPU: the current stream waits for each, which the combined future does not do)
+        if buffer[v0 + DIRTY] > 0:
+            return False
         for flat, future in overlap.futures:
             value = future.value()
             reduced = (value[0] if isinstance(value, list) else value).reshape(-1)
             if reduced.data_ptr() != flat.data_ptr():
                 flat.copy_(reduced)
-        if buffer[late_word] > 0:  # some member's gradient came after its bucket went out: every member adds its own
-            late = overlap.late if overlap.late is not None else torch.zeros(self.numel, device=self.device)
+        if buffer[v0 + LATE] > 0:  # a member's gradient came after its bucket went out: every member adds its own
+            late = overlap.late if overlap.late is not None else torch.zeros(self.numel, dtype=torch.float32,
+                                                                             device=self.device)
             self._announce("all-reduce of the gradients that came after their bucket", late)
             self._wait(self.group.allreduce([late]), step=True)
             if self._comm_hook() is not None:
                 late.div_(self.world_size)  # weighted for a hook, which divides by the world size
             buffer[: self.numel].add_(late)
         overlap.reset()
+        return True
 
     def _zero_unwritten(self, buffer: torch.Tensor) -> None:
         """The summed mode: zero the gradients' part of what no micro-batch of this step wrote (a parameter
@@ -769,7 +785,8 @@ class FaultTolerance:
                 blob = received[0][0][b0 - c0 : v0 - c0].view(torch.uint8).clone()  # aligned: views its dtype
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
             elif self._overlap is not None and self._overlap.buffer is buffer:
-                self._reduce_overlapped(buffer)
+                if not self._reduce_overlapped(buffer):
+                    return self._train_again()
             else:
                 self._zero_unwritten(buffer)
                 hooked = self._comm_hook()
@@ -785,7 +802,7 @@ class FaultTolerance:
                 blob = self._broadcast_blob() if self.buffers else None  # rank 0's bytes: a sum would change them
         except MembershipChanged:
             return self._discard()
-        self._join_agreed = round(float(sums[VALUES + 1])) == self.world_size
+        self._join_agreed = round(float(sums[JOINING])) == self.world_size
         if step is not None:
             expected = [len(self.shards.shard(step.index, s)) for s in range(v)]
             if [round(float(c)) for c in counts] != expected:
@@ -801,6 +818,23 @@ class FaultTolerance:
         if blob is not None:  # rank 0's buffers, which hold shard 0's update: every rank's now, bit for bit
             self.buffers.load_blob(blob)
         return counts, sums
+
+    def _train_again(self) -> None:
+        """A dirty step (:mod:`.overlap`), on every member alike: its gradients discarded and its buffer updates
+        undone, as for a step a death interrupted, but the group stands; from now on the buckets go out after the
+        loop body."""
+        for p in self.params:
+            p.grad = None
+        assert self._overlap is not None
+        self._overlap.reset()
+        self._overlap_off = True
+        self.buffers.put_back(self.step_buffers)
+        if self.rank == 0:
+            print("ddpkit: FaultTolerance: a gradient changed after its backward handed it to the step's reduction "
+                  "(a second backward, zero_grad() between backward passes, .grad changed inside the loop body): "
+                  "this step is trained again, and from now on each step's gradients are reduced after its loop "
+                  "body instead of during its last backward", file=sys.stderr, flush=True)
+        return None
 
     def _comm_hook_function(self) -> CommHook | None:
         """The wrapper's comm hook, or None."""
@@ -897,10 +931,11 @@ class FaultTolerance:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over the step's members (a metric) and return it.
 
-        Under ``--on-failure continue`` it is a collective of the step in flight, to be called between its
-        micro-batches and ``step.sync()``: when the membership loses a member during it, ``tensor`` keeps its
-        own value, the step is aborted (``step.sync()`` returns False without communicating, and the step comes
-        again), and the step's later collectives return at once. It is refused elsewhere in the mode (after
+        Under ``--on-failure continue`` it is a collective of the step in flight, to be called after its
+        micro-batch loop and before ``step.sync()`` (the step's buckets not yet sent go out first): when the
+        membership loses a member during it, ``tensor`` keeps its own value, the step is aborted (``step.sync()``
+        returns False without communicating, and the step comes again), and the step's later collectives return
+        at once. It is refused elsewhere in the mode (after
         ``step.sync()``, outside the steps): a member that finished such a collective may have gone on, so it
         could be neither done again nor trusted. Without the mode (no launcher, torchrun) it may be called
         anywhere, and a death fails the job as under DDP.
@@ -912,7 +947,7 @@ class FaultTolerance:
         if self.membership is not None and (step is None or step.synced is not None):
             where = "after step.sync()" if step is not None else "outside ft.steps()"
             raise RuntimeError(f"ft.all_reduce() / ft.barrier() {where}: under --on-failure continue they are "
-                               "collectives of a step, called between its micro-batches and step.sync() (a death "
+                               "collectives of a step, called after its micro-batch loop, before step.sync() (a death "
                                "then aborts the step on every member alike); move the call before step.sync(), "
                                "or pass up to 16 values to step.sync(values=...)")
         if self.group is None or self.world_size == 1 or (step is not None and step.aborted):
@@ -920,6 +955,10 @@ class FaultTolerance:
         if step is not None and self.membership is not None and self.membership.lost_since(self.view):
             step.aborted = True
             return tensor
+        if step is not None and step._buffer is not None:
+            # The step's buckets first, on every member (each sends the rest of them here): a gradient after this
+            # is late, and the collectives pair whoever had sent which.
+            self.send_rest(step._buffer)
         summed = tensor.detach().clone()  # an abandoned operation may still write its tensor: never the caller's
         self._announce("ft.all_reduce", summed)
         try:
