@@ -842,12 +842,15 @@ def _hooked_steps(ours: bool, hook_name: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
-def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]], list[int], dict[str, torch.Tensor]]:
+def _overlapped_steps(wrap: bool, hook: bool, use: str,
+                      overlap: bool = True) -> tuple[list[list[str]], list[int], dict[str, torch.Tensor]]:
     """Four steps at world 2 of a model of several buckets with a layer no forward uses, through FaultTolerance
     (over ddpkit's wrapper, with the fp16 hook or none). ``use``: how the loop body goes (``inline``: one
     backward; ``reentrant``: the middle layer in two reentrant-checkpointed segments; ``twice``: two backward passes
     of half the loss; ``fgsm``: a backward of another loss, ``zero_grad()``, then the loss's; ``manual``: the unused
-    layer's ``.grad`` set by hand after the backward). The collectives announced inside each step's last backward
+    layer's ``.grad`` set by hand after the backward; ``data``: a gradient's ``.data`` replaced after the backward;
+    ``kept``: ``zero_grad(set_to_none=False)`` after each step, so that the next backward adds into the
+    gradients ``sync()`` handed out). The collectives announced inside each step's last backward
     (and a late reduction's in ``sync()``), the steps whose ``sync()`` said to do them again, and the weights."""
     from torch.utils.checkpoint import checkpoint
     from torch.utils.data import TensorDataset
@@ -876,7 +879,7 @@ def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]]
         model.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
     data = TensorDataset(torch.randn(64, 6) * 3, torch.randint(0, 3, (64,)))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=16, shuffle=False)
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=16, shuffle=False, overlap=overlap)
     during, again = [], []
     for step in ft.steps(epochs=1):
         for x, y in step:
@@ -893,6 +896,8 @@ def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]]
                     loss.backward()
             if use == "manual":
                 net.spare.weight.grad = torch.ones(2, 2)
+            if use == "data":
+                net.head.weight.grad.data = net.head.weight.grad.data * 0.5
         late = []
         with events.observe(lambda e: late.append(e.name)):
             if not step.sync():
@@ -902,7 +907,7 @@ def _overlapped_steps(wrap: bool, hook: bool, use: str) -> tuple[list[list[str]]
         if use == "manual":
             assert net.spare.weight.grad.equal(torch.ones(2, 2))  # each rank's, weighted by its half of the step
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=use != "kept")
     return during, again, {k: v.clone() for k, v in net.state_dict().items()}
 
 
@@ -951,7 +956,20 @@ def _torch_ddp_steps(hook: bool) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
-@pytest.mark.parametrize("use", ["reentrant", "twice", "fgsm"])
+@pytest.mark.parametrize("use, overlap", [("kept", True), ("inline", False)])
+def test_kept_gradients_keep_the_overlap_and_it_can_be_left_out(dist2, use: str, overlap: bool) -> None:
+    # zero_grad(set_to_none=False): the next backward adds into the gradients sync() handed out, views of one
+    # buffer whose shared version counter each addition moves: not a change of the loop body's. overlap=False:
+    # every step reduced after the loop body. The same bits as the overlapped run either way.
+    ours = dist2.run(_overlapped_steps, True, False, use, overlap)
+    inline = dist2.run(_overlapped_steps, True, False, "inline")
+    for during, again, _ in ours:
+        assert not again
+        assert all(any("bucket" in name for name in names) == overlap for names in during[2:]), during
+    assert all(ours[0][2][k].equal(inline[0][2][k]) for k in inline[0][2])
+
+
+@pytest.mark.parametrize("use", ["reentrant", "twice", "fgsm", "data"])
 def test_a_gradient_changed_after_its_backward_trains_the_step_again_after_the_loop_body(dist2, use: str) -> None:
     # A gradient taken during backward that changes before the loop body ends (a layer in two reentrant segments,
     # a second backward, zero_grad() and another backward as FGSM does) would not be the step's: the step is trained
@@ -965,7 +983,7 @@ def test_a_gradient_changed_after_its_backward_trains_the_step_again_after_the_l
     assert all(ours[0][2][k].equal(ours[1][2][k]) for k in ours[0][2])
     if use == "fgsm":
         assert all(ours[0][2][k].equal(inline[0][2][k]) for k in inline[0][2])
-    else:
+    elif use != "data":
         assert all(torch.allclose(ours[0][2][k], inline[0][2][k], atol=1e-6) for k in inline[0][2])
 
 

@@ -28,18 +28,20 @@ COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
 
 
 PIECE_ELEMENTS = 1 << 18
-"""Elements of the pieces a large message travels in (1 MiB of float32): posted together, a send and a receive
-between the same two ranks then flow both ways at once. Measured across two testbed nodes at 1 Gbit/s, 8 MB each
-way between two ranks: 137 ms as one message each way (one way alone: 49 ms), 71 ms in 1 MiB pieces, gloo's own
-all-reduce of the same 72 ms (``scripts/algorithms_across_nodes.py`` measures the algorithms)."""
+"""Elements of the pieces a large message travels in through the CPU (gloo, MPI; 1 MiB of float32, 512 KiB of a
+16-bit dtype): posted together, a send and a receive between the same two ranks then flow both ways at once.
+Measured across two testbed nodes at 1 Gbit/s, 8 MB each way between two ranks: 137 ms as one message each way (one
+way alone: 49 ms), 71 ms in 1 MiB pieces, gloo's own all-reduce of the same 72 ms
+(``scripts/algorithms_across_nodes.py`` measures the algorithms)."""
 
 
 def exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int,
               group: dist.ProcessGroup) -> None:
     """Send and receive at once (group ranks); empty messages are skipped on both sides.
 
-    A message of more than :data:`PIECE_ELEMENTS` goes in pieces of that many elements, all posted at once (both
-    sides cut it alike: a message's sender and receiver hold the same number of elements).
+    Through the CPU a message of more than :data:`PIECE_ELEMENTS` goes in pieces of that many elements, all posted
+    at once (both sides cut it alike: a message's sender and receiver hold the same number of elements); NCCL's
+    messages go whole.
 
     gloo's point-to-point messages take CPU tensors only (handed a CUDA
     tensor it writes from a device address and fails, "Bad address", or
@@ -50,8 +52,9 @@ def exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm:
     recv = recv if recv is not None and recv.numel() else None
     device = comm_device(group, like=send if send is not None else recv)
     staged = torch.empty_like(recv, device=device) if recv is not None and recv.device != device else recv
-    sends = _pieces(send.to(device).reshape(-1)) if send is not None else []
-    recvs = _pieces(staged.view(-1)) if staged is not None else []
+    cut = device.type == "cpu"
+    sends = _pieces(send.to(device).reshape(-1), cut) if send is not None else []
+    recvs = _pieces(staged.view(-1), cut) if staged is not None else []
     for k in range(max(len(sends), len(recvs))):
         if k < len(sends):
             ops.append(dist.P2POp(dist.isend, sends[k], dist.get_global_rank(group, to), group))
@@ -64,9 +67,9 @@ def exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm:
         recv.copy_(staged)  # type: ignore[union-attr]
 
 
-def _pieces(flat: torch.Tensor) -> list[torch.Tensor]:
-    """``flat`` (1-D, contiguous) as views of :data:`PIECE_ELEMENTS` elements (the last shorter)."""
-    return list(flat.split(PIECE_ELEMENTS)) if flat.numel() > PIECE_ELEMENTS else [flat]
+def _pieces(flat: torch.Tensor, cut: bool) -> list[torch.Tensor]:
+    """``flat`` (1-D, contiguous) as views of :data:`PIECE_ELEMENTS` elements (the last shorter), where ``cut``."""
+    return list(flat.split(PIECE_ELEMENTS)) if cut and flat.numel() > PIECE_ELEMENTS else [flat]
 
 
 def tree_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:

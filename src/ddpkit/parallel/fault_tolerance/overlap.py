@@ -12,15 +12,17 @@ samples in the step) go out once the rank's micro-batches are done. Nothing wait
 ``step.sync()`` waits for the buckets as for any collective of the step, so a death abandons them and the step
 comes again.
 
-The step's gradient must stay the one a reduction after the loop body makes, whatever the body does with
-``.grad``. A gradient taken is left in ``.grad`` (readable: SAM reads it) and remembered with its version; once the
-micro-batch is over (:meth:`FaultTolerance.harvest`) each must be unchanged. A gradient that changed after it was
-taken (a second backward accumulating into it, ``zero_grad()`` and another backward as in FGSM, clipping inside the
-body, a parameter that two reentrant-checkpointed segments use) makes the step *dirty*: the members learn it with
-the step's bookkeeping, discard the step's gradients and train the step again, and from then on the buckets go out
-after the loop body (one line says so). A gradient for a parameter whose bucket went out without it (the backward
-gave it none, and the body set ``.grad`` by hand) is *late*: the members learn that too, and then all sum their late
-gradients (one more collective, the gradient's size) and add them.
+The step's gradient must stay the one a reduction after the loop body makes, whatever the body does with ``.grad``.
+A gradient taken is left in ``.grad`` (readable: SAM reads it) and remembered with its version; once the micro-batch
+is over (:meth:`FaultTolerance.harvest`) each must be unchanged. A gradient that changed after it was taken (a
+second backward accumulating into it, ``zero_grad()`` and another backward as in FGSM, clipping inside the body, a
+parameter that two reentrant-checkpointed segments use) makes the step *dirty*: the members learn it with the step's
+bookkeeping, discard the step's gradients and train the step again, and from then on (until the next change of
+membership) the buckets go out after the loop body (one line says so). A change made in place through ``.data``
+moves no version and is not seen (``FaultTolerance(overlap=False)`` reduces after the loop body). A gradient for a
+parameter whose bucket went out without it (the backward gave it none, and the body set ``.grad`` by hand) is
+*late*: the members learn that too, and then all sum their late gradients (one more collective, the gradient's size)
+and add them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.autograd import Variable
 
 from ddpkit.parallel.common.bucket_caps import bucket_limits
 from ddpkit.parallel.common.buckets import initial_buckets
@@ -78,8 +81,12 @@ class Overlap:
         self._in: list[bool] = []
         self._came: list[bool] = []
         self._came_before = [True] * len(params)
-        self.taken: list[tuple[torch.Tensor, int] | None] = []
-        """Each gradient taken in the last micro-batch, as the tensor ``.grad`` held and its version then."""
+        self.taken: list[tuple[torch.Tensor, int, int] | None] = []
+        """Each gradient taken in the last micro-batch: the tensor ``.grad`` held, its memory and its version at
+        the end of the backward that took it (gradients handed out as views of one buffer share a version
+        counter, which the backward's later gradients move on)."""
+        self._task = -1
+        """The backward whose end re-reads the taken gradients' versions (:meth:`_backward_ends`)."""
         self.dirty = False
         """A gradient changed after it was taken: the step cannot stand (see the module notes)."""
         self.expected = [True] * len(params)
@@ -98,6 +105,7 @@ class Overlap:
         self._came = [False] * len(self.bucket_of)
         self.taken = [None] * len(self.bucket_of)
         self.dirty = False
+        self._task = -1
 
     def begin(self, buffer: torch.Tensor) -> None:
         """A step whose buckets go out from ``buffer``."""
@@ -122,15 +130,14 @@ class Overlap:
             self._came_before = list(self._came)
         self._take = None
 
-    def check(self, index: int, grad: torch.Tensor | None) -> bool:
-        """Whether parameter ``index``'s ``grad`` after the micro-batch is the one taken, unchanged (else the step
-        is dirty). True for a parameter not taken."""
+    def check(self, index: int, grad: torch.Tensor | None) -> None:
+        """Parameter ``index``'s ``grad`` after the micro-batch must be the one taken, in the same memory, at the
+        version the backward left it (else the step is dirty); the taken gradient is let go. (A change made
+        through ``.data`` in place moves no version: it is not seen.)"""
         taken = self.taken[index]
-        if taken is None:
-            return True
-        if grad is not taken[0] or grad._version != taken[1]:
+        self.taken[index] = None
+        if taken is not None and (grad is not taken[0] or grad.data_ptr() != taken[1] or grad._version != taken[2]):
             self.dirty = True
-        return not self.dirty
 
     def is_sent(self, index: int) -> bool:
         """Whether parameter ``index``'s bucket has gone out (a gradient for it now is late)."""
@@ -148,10 +155,18 @@ class Overlap:
                 self.dirty = True
                 return
             take(index, param)
-            self.taken[index] = (grad, grad._version)
+            self.taken[index] = (grad, grad.data_ptr(), grad._version)
+            task = torch._C._current_graph_task_id()
+            if task != self._task:  # the versions are read again once this backward is over
+                self._task = task
+                Variable._execution_engine.queue_callback(self._backward_ends)
         if not self._in[index]:
             self._count_in(index)
             self._send_ready()
+
+    def _backward_ends(self) -> None:
+        """Each taken gradient's version as the backward leaves it (what the loop body must not change)."""
+        self.taken = [None if t is None else (t[0], t[1], t[0]._version) for t in self.taken]
 
     def _count_in(self, index: int) -> None:
         self._in[index] = True

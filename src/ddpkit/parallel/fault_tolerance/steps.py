@@ -278,6 +278,9 @@ class FaultTolerance:
         resume: a :meth:`state_dict` saved earlier (a checkpoint's) to start from. It is loaded before the
             members first agree, so the furthest state among them wins: a replacement that joins a running job
             takes the live state, not the older checkpoint.
+        overlap: the summed mode's buckets go out during each step's last backward (default True,
+            :mod:`.overlap`); False: after the loop body, for a body that changes gradients in place through
+            ``.data``, which the check for changed gradients cannot see. Every member must pass the same.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -288,7 +291,7 @@ class FaultTolerance:
                  seed: int = 0, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  fetch: Callable[[list[int]], Any] | None = None, device: torch.device | str | None = None,
                  state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True,
-                 resume: Mapping[str, Any] | None = None) -> None:
+                 resume: Mapping[str, Any] | None = None, overlap: bool = True) -> None:
         ctx = init()
         self.wrapper = wrapper_of(model, deterministic)
         """The ``ddpkit.DistributedDataParallel`` the script trains through, or None (a plain module)."""
@@ -340,7 +343,7 @@ class FaultTolerance:
         self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
         """Where each parameter's gradient starts in the flat gradient (the last: its end)."""
         cap = None if self.wrapper is None or self.wrapper.bucket_bytes_cap_default else self.wrapper.bucket_cap_mb
-        self._overlap = None if deterministic else Overlap(self.params, spans(self.params, cap))
+        self._overlap = None if deterministic or not overlap else Overlap(self.params, spans(self.params, cap))
         """The summed mode's buckets, sent during the last micro-batch's backward (:mod:`.overlap`)."""
         self._wrapper_checked = False
         """The wrapper's parameters were found to be the module's in the current view (:meth:`_wrapper_buckets`)."""
@@ -348,7 +351,8 @@ class FaultTolerance:
         """A step's gradients changed after its backward took them: the buckets go out after the loop body."""
         self.configuration = agreement.configuration(
             model, virtual_shards=virtual_shards, batch_size=batch_size, seed=seed, shuffle=shuffle,
-            drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper))
+            drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper),
+            overlap=overlap)
         """What every member must share to train the same samples into the same model (compared at each
         agreement: a member started otherwise is refused by name)."""
         self._step: Step | None = None
@@ -750,7 +754,8 @@ class FaultTolerance:
         """The step's ``buffer`` (:meth:`new_buffer`) summed over the job, the gradients into ``.grad``.
 
         Returns the samples each shard contributed and the summed values, or None when the membership changed
-        (the gradients are then discarded and the group rebuilt). A parameter no micro-batch of any rank gave a
+        (the gradients are then discarded and the group rebuilt) or a gradient changed after its backward took
+        it (:meth:`_train_again`). A parameter no micro-batch of any rank gave a
         gradient keeps ``.grad`` None, as under DDP.
 
         Raises:
@@ -993,6 +998,9 @@ class FaultTolerance:
                 group = self.membership.group(view, free_old=True)  # it waits on every operation it issues
                 self.view, self.group = view, group
                 self._join_agreed = False
+                # Every member of the new view starts alike: the buckets during backward (a replacement knows of
+                # no dirty step), the wrapper's parameters checked again.
+                self._overlap_off = self._wrapper_checked = False
                 received = self._agree(force=first)
             except MembershipChanged:
                 continue
@@ -1049,7 +1057,9 @@ class FaultTolerance:
                 difference.
         """
         theirs = state.get("configuration") or {}  # (files of before it was kept have none)
-        differ = [name for name, value in self.configuration.items() if name in theirs and theirs[name] != value]
+        # How the steps' buckets go out changes no result: a resumed run may choose it (the members compare it).
+        differ = [name for name, value in self.configuration.items()
+                  if name in theirs and theirs[name] != value and name != "overlap"]
         if differ:
             what = ", ".join(self._difference(name, theirs[name], self.configuration[name]) for name in differ)
             raise ValueError(f"FaultTolerance: the state to resume from was written under another configuration "
