@@ -52,9 +52,11 @@ def exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm:
     recv = recv if recv is not None and recv.numel() else None
     device = comm_device(group, like=send if send is not None else recv)
     staged = torch.empty_like(recv, device=device) if recv is not None and recv.device != device else recv
-    cut = device.type == "cpu"
-    sends = _pieces(send.to(device).reshape(-1), cut) if send is not None else []
-    recvs = _pieces(staged.view(-1), cut) if staged is not None else []
+    whole = max(1, send.numel() if send is not None else 0, staged.numel() if staged is not None else 0)
+    piece = PIECE_ELEMENTS if device.type == "cpu" else whole
+    flat = send.to(device).reshape(-1) if send is not None else None
+    sends = [flat[i : i + piece] for i in range(0, flat.numel(), piece)] if flat is not None else []
+    recvs = [staged.view(-1)[i : i + piece] for i in range(0, staged.numel(), piece)] if staged is not None else []
     for k in range(max(len(sends), len(recvs))):
         if k < len(sends):
             ops.append(dist.P2POp(dist.isend, sends[k], dist.get_global_rank(group, to), group))
@@ -65,11 +67,6 @@ def exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm:
             work.wait()
     if staged is not recv:
         recv.copy_(staged)  # type: ignore[union-attr]
-
-
-def _pieces(flat: torch.Tensor, cut: bool) -> list[torch.Tensor]:
-    """``flat`` (1-D, contiguous) as views of :data:`PIECE_ELEMENTS` elements (the last shorter), where ``cut``."""
-    return list(flat.split(PIECE_ELEMENTS)) if cut and flat.numel() > PIECE_ELEMENTS else [flat]
 
 
 def tree_reduce(flat: torch.Tensor, members: list[int], me: int, op: str, group: dist.ProcessGroup) -> None:
