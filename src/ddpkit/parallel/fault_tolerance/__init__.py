@@ -5,7 +5,8 @@ members.
 ``steps`` is ``FaultTolerance`` and its ``Step``s (given until applied, micro-batches per shard, each step's send
 buffer and its bookkeeping); ``agreement`` what the members compare before they go on and the state transfer to
 whoever is behind; ``model_buffers`` the module's buffers carried bit for bit; ``wrapped`` which models the mode
-drives (a ``ddpkit.DistributedDataParallel`` among them). ``shard_tree`` is the deterministic mode's fixed order
+drives (a ``ddpkit.DistributedDataParallel`` among them). ``all_reduced_sum`` is the summed (default) mode's reduction
+of a step's send buffer; ``shard_tree`` is the deterministic mode's fixed order
 of additions, ``ordered_sum`` its reduction along that tree (an ordered reduce-scatter and all-gather, in a dtype
 hook's dtype where the script registered one); ``overlap`` sends the summed mode's buckets during the last
 micro-batch's backward, and ``hook_reduction`` reduces its gradients through a ``DistributedDataParallel``'s comm

@@ -109,10 +109,10 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
-from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future
 from ddpkit.data.shards import VirtualShards
 from ddpkit.parallel.fault_tolerance import agreement
-from ddpkit.parallel.fault_tolerance.hook_reduction import HookReduction, hook_state, wire_dtype
+from ddpkit.parallel.fault_tolerance.all_reduced_sum import AllReducedSum, check_dense
+from ddpkit.parallel.fault_tolerance.hook_reduction import wire_dtype
 from ddpkit.parallel.fault_tolerance.model_buffers import ModelBuffers
 from ddpkit.parallel.fault_tolerance.ordered_sum import OrderedSum
 from ddpkit.parallel.fault_tolerance.overlap import Overlap, spans
@@ -343,12 +343,12 @@ class FaultTolerance:
         self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
         """Where each parameter's gradient starts in the flat gradient (the last: its end)."""
         cap = None if self.wrapper is None or self.wrapper.bucket_bytes_cap_default else self.wrapper.bucket_cap_mb
-        self._overlap = None if deterministic or not overlap else Overlap(self.params, spans(self.params, cap))
-        """The summed mode's buckets, sent during the last micro-batch's backward (:mod:`.overlap`)."""
-        self._wrapper_checked = False
-        """The wrapper's parameters were found to be the module's in the current view (:meth:`_wrapper_buckets`)."""
-        self._overlap_off = False
-        """A step's gradients changed after its backward took them: the buckets go out after the loop body."""
+        self._summed = AllReducedSum(
+            self.params, self.device, self.wrapper,
+            None if deterministic or not overlap else Overlap(self.params, spans(self.params, cap)),
+            self._announce, lambda work: self._wait(work, step=True), lambda: self._step)
+        """The summed mode's reduction (its buckets sent during the last micro-batch's backward, :mod:`.overlap`;
+        the deterministic mode uses its comm hook's accessors only)."""
         self.configuration = agreement.configuration(
             model, virtual_shards=virtual_shards, batch_size=batch_size, seed=seed, shuffle=shuffle,
             drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper),
@@ -363,11 +363,6 @@ class FaultTolerance:
         """The deterministic mode's tree at the current world size (:meth:`tree`)."""
         self._ordered = OrderedSum(self.device)
         """The deterministic mode's reduction along the tree, with its room kept from step to step."""
-        self._hooked: HookReduction | None = None
-        """The wrapper's buckets as its comm hook sees them (:meth:`_reduce_through`), made anew after a
-        membership change (an abandoned hook may still write them)."""
-        self._written: set[int] = set()
-        """The summed mode: the parameters whose gradient a micro-batch of this step wrote into its buffer."""
         self.step_buffers: list[torch.Tensor] = []
         """The buffers as the current step found them."""
         self.committed = 0
@@ -542,7 +537,7 @@ class FaultTolerance:
         if self.deterministic:
             tree = self.tree()
             shape: tuple[int, ...] = (max(len(run) for run in tree.runs), end)
-            wire = wire_dtype(self._comm_hook_function()) or torch.float32
+            wire = wire_dtype(self._summed.comm_hook_function()) or torch.float32
             self._ordered.start(tree, self.rank, self.numel, self.group is not None and self.world_size > 1, wire)
         else:
             shape = (end,)
@@ -551,9 +546,7 @@ class FaultTolerance:
         self._pool.reverse()
         buffer = self._pool[0]
         buffer[..., 0 if self.deterministic else self.numel :] = 0
-        self._written = set()
-        if self._overlap is not None:
-            self._overlap.reset()
+        self._summed.start(self.group)
         return buffer
 
     def _layout(self) -> tuple[int, int, int, int, int]:
@@ -596,12 +589,17 @@ class FaultTolerance:
             row = grads = buffer
             for shard, n in samples.items():
                 row[counts + shard] = n
-        overlap = self._overlap if self._overlap is not None and self._overlap.buffer is grads else None
+        overlap = None if self.deterministic else self._summed.taken_during_backward(grads)
         for i, p in enumerate(self.params):
             if overlap is not None and overlap.taken[i] is not None:
                 overlap.check(i, p.grad)  # taken during backward: it must be as it was then
             elif p.grad is not None:
-                self._take(row, grads, i, p.grad, weight, marks)
+                if self.deterministic:
+                    check_dense(p.grad)
+                    torch.mul(p.grad.reshape(-1), weight, out=grads[self._offsets[i] : self._offsets[i + 1]])
+                else:
+                    self._summed.take(grads, i, p.grad, weight)
+                row[marks + i] += 1
             elif self.deterministic:  # every element of a shard's slot is written
                 grads[self._offsets[i] : self._offsets[i + 1]].zero_()
             p.grad = None
@@ -611,143 +609,27 @@ class FaultTolerance:
     def _weight(self, samples: Mapping[int, int], total: int) -> float:
         """A micro-batch's weight in the step: its share of the step's samples (times the world size for a comm
         hook, which divides by it: 1.0 exactly at an even split, DDP's bits)."""
-        if not self.deterministic and self._comm_hook_function() is not None:
+        if not self.deterministic and self._summed.comm_hook_function() is not None:
             return sum(samples.values()) * self.world_size / total
         return sum(samples.values()) / total
-
-    def _take(self, row: torch.Tensor, grads: torch.Tensor, i: int, grad: torch.Tensor, weight: float,
-              marks: int) -> None:
-        """Parameter ``i``'s ``grad``, times ``weight``, into the step's sum ``grads`` (the late buffer where its
-        bucket has gone out, :mod:`.overlap`), counted in ``row``'s marks."""
-        if grad.is_sparse:
-            raise ValueError("FaultTolerance reduces dense gradients; a parameter has a sparse one "
-                             "(nn.Embedding(sparse=True)?): make it dense (sparse=False)")
-        lo, hi = self._offsets[i], self._offsets[i + 1]
-        overlap = self._overlap
-        if overlap is not None and overlap.buffer is grads and overlap.is_sent(i):
-            if overlap.late is None:
-                overlap.late = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-            overlap.late[lo:hi].add_(grad.reshape(-1), alpha=weight)
-        elif self.deterministic or i not in self._written:  # the first gradient here: write, not add
-            torch.mul(grad.reshape(-1), weight, out=grads[lo:hi])
-            self._written.add(i)
-        else:
-            grads[lo:hi].add_(grad.reshape(-1), alpha=weight)
-        row[marks + i] += 1
 
     def begin_overlap(self, buffer: torch.Tensor) -> bool:
         """Whether the step's buckets go out as its last micro-batch's gradients come in (the summed mode, with
         members to reduce with): then they go from ``buffer``."""
-        if self._overlap is None or self._overlap_off or self.group is None or self.world_size == 1:
-            return False
-        if self._comm_hook_function() is not None and not self._wrapper_checked:
-            self._wrapper_buckets()  # its parameters still the wrapper's (checked once a view)
-            self._wrapper_checked = True
-        self._overlap.begin(buffer)
-        return True
+        return not self.deterministic and self._summed.begin_overlap(buffer, self.world_size)
 
-    @contextlib.contextmanager
     def overlapping(self, buffer: torch.Tensor, samples: Mapping[int, int], total: int,
-                    last: bool) -> Iterator[None]:
+                    last: bool) -> contextlib.AbstractContextManager[None]:
         """Around a micro-batch's forward and backward: where it is this rank's ``last`` of the step (and the
         step overlaps, :meth:`begin_overlap`), each gradient is weighted into ``buffer`` as autograd
         accumulates it and each complete bucket goes out (:mod:`.overlap`)."""
-        overlap = self._overlap
-        if not last or overlap is None:
-            yield
-            return
-        weight, marks = self._weight(samples, total), self._layout()[1]
-
-        def take(i: int, param: torch.Tensor) -> None:
-            self._take(buffer, buffer, i, param.grad, weight, marks)  # (left in .grad: checked at the end)
-
-        overlap.arm(take, lambda b: self._send(buffer, b))
-        try:
-            yield
-        finally:
-            overlap.disarm()
+        if not last or self.deterministic:
+            return contextlib.nullcontext()
+        return self._summed.overlapping(buffer, self._weight(samples, total), self._layout()[1], last)
 
     def send_rest(self, buffer: torch.Tensor) -> None:
         """Send the buckets of ``buffer`` that no backward completed (once the rank's micro-batches are done)."""
-        if self._overlap is not None and self._overlap.buffer is buffer:
-            self._overlap.flush(lambda b: self._send(buffer, b))
-
-    def _send(self, buffer: torch.Tensor, b: int) -> None:
-        """Bucket ``b`` of the step's ``buffer`` out: an asynchronous all-reduce of its stretch, or the wrapper's
-        comm hook on it (nothing after the step was aborted: it is discarded)."""
-        assert self._overlap is not None and self.group is not None
-        if self._step is not None and self._step.aborted:
-            return
-        lo, hi, indices = self._overlap.buckets[b]
-        for i in indices:
-            if i not in self._written:  # no gradient for it in this step: its stretch holds an older step's
-                buffer[self._offsets[i] : self._offsets[i + 1]] = 0
-        flat = buffer[lo:hi]
-        hooked = self._comm_hook()
-        try:
-            if hooked is None:
-                self._announce(f"all-reduce of bucket {b}", flat)
-                future = self.group.allreduce([flat]).get_future()
-            else:
-                hook, state = hooked
-                bucket = GradBucket(b, [self.params[i] for i in indices], list(indices), materialize=False)
-                bucket.set_buffer(flat)
-                bucket.last = b == len(self._overlap.buckets) - 1
-                events.collective("FaultTolerance: the comm hook's reduction of bucket {}", b,
-                                  step=self._step.index if self._step is not None else None,
-                                  nbytes=0)  # (the hook counts its own bytes)
-                future = hook(state, bucket)
-        except RuntimeError as e:  # a group a death broke may refuse the launch: met at the step's wait, as a
-            future = torch.futures.Future()  # collective that failed there (never raised inside backward)
-            future.set_exception(e)
-        else:
-            if hooked is not None:
-                future = check_hook_future(hooked[0], future, bucket)
-        self._overlap.futures.append((flat, future))
-
-    def _reduce_overlapped(self, buffer: torch.Tensor) -> bool:
-        """The summed mode's step when its buckets went out during backward (:mod:`.overlap`): the rest of them,
-        the bookkeeping summed, all waited for in the current view; then the late gradients, if any member
-        has some. False: a member's step is dirty (a gradient changed after it was taken), and the step must be
-        trained again."""
-        assert self._overlap is not None and self.group is not None
-        overlap = self._overlap
-        self.send_rest(buffer)  # (a loop that left the step's micro-batches early)
-        v0 = self._layout()[3]
-        buffer[v0 + LATE] = float(overlap.late is not None)
-        buffer[v0 + DIRTY] = float(overlap.dirty)
-        payload = buffer[self.numel :]
-        self._announce("all-reduce of the step's counts and values", payload)
-        futures = [future for _, future in overlap.futures] + [self.group.allreduce([payload]).get_future()]
-        self._wait(torch.futures.collect_all(futures), step=True)
-        for future in futures:
-            future.wait()  # (on a GPU: the current stream waits for each, which the combined future does not do)
-        if buffer[v0 + DIRTY] > 0:
-            return False
-        for flat, future in overlap.futures:
-            value = future.value()
-            reduced = (value[0] if isinstance(value, list) else value).reshape(-1)
-            if reduced.data_ptr() != flat.data_ptr():
-                flat.copy_(reduced)
-        if buffer[v0 + LATE] > 0:  # a member's gradient came after its bucket went out: every member adds its own
-            late = overlap.late if overlap.late is not None else torch.zeros(self.numel, dtype=torch.float32,
-                                                                             device=self.device)
-            self._announce("all-reduce of the gradients that came after their bucket", late)
-            self._wait(self.group.allreduce([late]), step=True)
-            if self._comm_hook() is not None:
-                late.div_(self.world_size)  # weighted for a hook, which divides by the world size
-            buffer[: self.numel].add_(late)
-        overlap.reset()
-        return True
-
-    def _zero_unwritten(self, buffer: torch.Tensor) -> None:
-        """The summed mode: zero the gradients' part of what no micro-batch of this step wrote (a parameter
-        without a gradient): the buffer is reused, so it holds an older step's numbers there."""
-        offset = 0
-        for i, p in enumerate(self.params):
-            if i not in self._written:
-                buffer[offset : offset + p.numel()] = 0
-            offset += p.numel()
+        self._summed.send_rest(buffer)
 
     def reduce(self, buffer: torch.Tensor, values: torch.Tensor | None,
                step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -789,18 +671,11 @@ class FaultTolerance:
                     had.add_(row[m0 - c0 : m0 - c0 + p])
                 blob = received[0][0][b0 - c0 : v0 - c0].view(torch.uint8).clone()  # aligned: views its dtype
                 sums = sum(rows[0][v0 - c0 : end - c0] for rows in received)
-            elif self._overlap is not None and self._overlap.buffer is buffer:
-                if not self._reduce_overlapped(buffer):
+            elif self._summed.taken_during_backward(buffer) is not None:
+                if not self._summed.reduce_overlapped(buffer, v0 + LATE, v0 + DIRTY, self.world_size):
                     return self._train_again()
             else:
-                self._zero_unwritten(buffer)
-                hooked = self._comm_hook()
-                if hooked is not None:  # the gradients through the wrapper's hook (a world of one too, as DDP's)
-                    self._reduce_through(hooked, buffer)
-                if self.group is not None and self.world_size > 1:  # the bookkeeping summed (with the gradients)
-                    payload = buffer[self.numel :] if hooked else buffer
-                    self._announce("all-reduce of the step", payload)
-                    self._wait(self.group.allreduce([payload]), step=True)
+                self._summed.reduce_after(buffer, self.world_size)
             if not self.deterministic:
                 total, counts, had = buffer[: self.numel], buffer[c0 : c0 + v], buffer[m0 : m0 + p]
                 sums = buffer[v0:end]
@@ -830,9 +705,7 @@ class FaultTolerance:
         loop body."""
         for p in self.params:
             p.grad = None
-        assert self._overlap is not None
-        self._overlap.reset()
-        self._overlap_off = True
+        self._summed.train_again()
         self.buffers.put_back(self.step_buffers)
         if self.rank == 0:
             print("ddpkit: FaultTolerance: a gradient changed after its backward handed it to the step's reduction "
@@ -840,43 +713,6 @@ class FaultTolerance:
                   "this step is trained again, and from now on each step's gradients are reduced after its loop "
                   "body instead of during its last backward", file=sys.stderr, flush=True)
         return None
-
-    def _comm_hook_function(self) -> CommHook | None:
-        """The wrapper's comm hook, or None."""
-        return self.wrapper.reducer.comm_hook if self.wrapper is not None else None
-
-    def _comm_hook(self) -> tuple[CommHook, Any] | None:
-        """The wrapper's comm hook and the state to call it with (the step's group where the user gave None, or
-        an ``AllReduceState`` without a group), or None: no wrapper, no hook, or nothing to reduce with."""
-        if self.wrapper is None or self.wrapper.reducer.comm_hook is None or self.group is None:
-            return None
-        return self.wrapper.reducer.comm_hook, hook_state(self.wrapper.comm_state, self.group)
-
-    def _reduce_through(self, hooked: tuple[CommHook, Any], buffer: torch.Tensor) -> None:
-        """The summed mode's gradients (``buffer``'s first :attr:`numel` words, each rank's weighted by its share
-        of the step times the world size) reduced bucket by bucket through the wrapper's comm hook, as the
-        wrapper's engine calls it, back in place (:class:`~ddpkit.parallel.fault_tolerance.hook_reduction.
-        HookReduction`)."""
-        if self._hooked is None:
-            self._hooked = HookReduction(self.params, self._wrapper_buckets())
-        hook, state = hooked
-        self._hooked(hook, state, buffer[: self.numel], lambda work: self._wait(work, step=True),
-                     self._step.index if self._step is not None else None)
-
-    def _wrapper_buckets(self) -> list[list[int]]:
-        """The wrapper's buckets, which its comm hook reduces: each its parameters' indices.
-
-        Raises:
-            ValueError: the parameters that require grad are not the wrapper's (changed after wrapping).
-        """
-        assert self.wrapper is not None
-        groups = self.wrapper.bucket_indices()
-        if (sorted(i for idx in groups for i in idx) != list(range(len(self.params)))
-                or any(a is not b for a, b in zip(self.wrapper.reducer.params, self.params))):
-            raise ValueError("FaultTolerance over a DistributedDataParallel whose parameters that require grad "
-                             "are not the module's now (requires_grad changed after wrapping?): its buckets "
-                             "would reduce other gradients; set requires_grad before wrapping the module")
-        return groups
 
     def _broadcast_blob(self) -> torch.Tensor | None:
         """Rank 0's buffers' bytes, on every rank (one collective; a world of one: its own)."""
@@ -911,10 +747,7 @@ class FaultTolerance:
         for p in self.params:
             p.grad = None
         self._pool = []  # the abandoned operation may still read or write them
-        self._hooked = None
-        self._wrapper_checked = False
-        if self._overlap is not None:
-            self._overlap.reset()  # its buckets are abandoned with the buffers
+        self._summed.drop()  # its buckets are abandoned with the buffers
         self._ordered.drop()
         self.buffers.put_back(self.step_buffers)  # before a state transfer may bring newer ones
         self._rebuild()
@@ -998,9 +831,7 @@ class FaultTolerance:
                 group = self.membership.group(view, free_old=True)  # it waits on every operation it issues
                 self.view, self.group = view, group
                 self._join_agreed = False
-                # Every member of the new view starts alike: the buckets during backward (a replacement knows of
-                # no dirty step), the wrapper's parameters checked again.
-                self._overlap_off = self._wrapper_checked = False
+                self._summed.new_view()
                 received = self._agree(force=first)
             except MembershipChanged:
                 continue
