@@ -101,6 +101,37 @@ def test_one_lengthened_median_does_not_make_a_slow_link_look_fast():
     assert 1 / 12.5e6 < fit_link(sizes, times, times)[1] < 2 / 12.5e6
 
 
+def _probed_sizes(most_bytes: int | None, auto_comm: bool = False) -> list[int]:
+    """The all-reduce sizes a probe times (its 64 MiB ones taken as slow: loopback's speed varies), directly or as
+    AutoComm's default probe of :func:`_decide`'s model (buckets of 0.1 MB)."""
+    from ddpkit.comm import link_model
+
+    sizes: list[int] = []
+    real = link_model._timed_all_reduces
+
+    def timed(group, device, nbytes, reps):
+        sizes.append(nbytes)
+        return [1.0 if nbytes >= 64 << 20 else 1e-3 + nbytes / 1e9] * reps
+
+    link_model._timed_all_reduces = timed
+    try:
+        if auto_comm:
+            _decide(40, False)
+        else:
+            link_model.probe_link(most_bytes=most_bytes)
+    finally:
+        link_model._timed_all_reduces = real
+    return sizes
+
+
+def test_the_probe_stops_at_the_largest_message_that_matters(dist2):
+    whole = [4096 * 4**k for k in range(8)]  # 4 KiB to 64 MiB
+    assert dist2.run(_probed_sizes, None)[0] == whole
+    assert dist2.run(_probed_sizes, 100)[0] == whole[:6]  # 4 MiB at least: two sizes from 1 MiB for the slope
+    assert dist2.run(_probed_sizes, 5 << 20)[0] == whole[:7]  # the first that reaches it
+    assert dist2.run(_probed_sizes, None, True)[0] == whole[:6]  # AutoComm: its buckets of 0.1 MB
+
+
 def test_a_probe_the_fit_cannot_read_is_refused():
     with pytest.raises(ValueError, match="one of each per size"):
         fit_link([4096, 1 << 20], [0.1], [0.1])
@@ -171,7 +202,17 @@ def _slow_link(group, device) -> Link:
     return Link(latency_s=1e-4, seconds_per_byte=1 / 12.5e6, flops_per_s=1e9, world=2)
 
 
-def _decide(steps: int, slow: bool, accumulate: int = 1) -> dict:
+def _dial_up_link(group, device) -> Link:
+    """1 MB/s: the exact reduction is most of the step, PowerSGD's a small part of it."""
+    return Link(latency_s=1e-4, seconds_per_byte=1 / 1e6, flops_per_s=1e9, world=2)
+
+
+def _instant_link(group, device) -> Link:
+    """A link whose reductions take no time: no candidate can shorten the step."""
+    return Link(latency_s=0.0, seconds_per_byte=1e-15, flops_per_s=1e9, world=2)
+
+
+def _decide(steps: int, slow: bool | str, accumulate: int = 1, run_steps: int | None = None) -> dict:
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -180,7 +221,8 @@ def _decide(steps: int, slow: bool, accumulate: int = 1) -> dict:
     lines: list[str] = []
     # drift=None: a loaded machine's step times may double after the decision and re-open it (drift has tests of
     # its own); here the one decision is the subject.
-    state = AutoComm(say=lines.append, probe=_slow_link if slow else None, start=4, trial=6, drift=None)
+    probe = {False: None, True: _slow_link, "instant": _instant_link, "dial-up": _dial_up_link}[slow]
+    state = AutoComm(say=lines.append, probe=probe, start=4, trial=6, drift=None, run_steps=run_steps)
     model.register_comm_hook(state, auto.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -219,6 +261,47 @@ def test_every_rank_takes_the_same_decision_once_and_rank_0_says_it(dist2, slow)
     if slow:  # at 100 Mbit/s PowerSGD is predicted to pay: it is tried, after the exact all-reduce's own trial
         assert len(zero["tried"]) > 1 and zero["step"] == 4 + 1 + 6 * len(zero["tried"])
         assert "tried none " in line
+
+
+def test_a_runs_length_bounds_its_trials_to_2_percent_of_its_steps(dist2):
+    # 500 steps leave 10 for trials: at 100 Mbit/s three candidates are predicted to pay; the two best are tried,
+    # 5 steps each (4 at least), and the exact all-reduce's start stands for its own trial (it would take 4 more)
+    zero, one = dist2.run(_decide, 20, True, run_steps=500)
+    assert zero["chosen"] == one["chosen"] and zero["step"] == one["step"] == 4 + 1 + 10
+    expected = _expected_trials(zero["predicted"])
+    assert len(expected) == 4 and zero["tried"] == sorted(["none", *[s for s in _ranked(zero["predicted"])][:2]])
+    assert "tried none " in zero["lines"][0]
+
+
+def test_a_run_too_short_for_a_trial_takes_the_prediction_only_where_it_leaves_no_doubt(dist2):
+    # 150 steps leave 3 for trials, fewer than one trial's 4: nothing is tried; at 1 MB/s PowerSGD is predicted to
+    # take a fraction of the exact step and is chosen at once; where the link costs nothing, nothing is
+    zero, one = dist2.run(_decide, 12, "dial-up", run_steps=150)
+    assert zero["chosen"] == one["chosen"] and zero["step"] == one["step"] == 4 + 1 and zero["tried"] == []
+    best = _ranked(zero["predicted"])[0]
+    assert zero["chosen"] == best, (zero["predicted"], zero["lines"])
+    assert zero["predicted"][best] <= auto.UNTRIED * zero["predicted"]["none"]
+    line = zero["lines"][0]
+    assert "nothing tried (the run's 150 steps leave 3 for trials, 2%: fewer than a trial's 4)" in line, line
+    assert f"chose {best} (predicted to take at most 0.5 of the exact step)" in line, line
+    instant = dist2.run(_decide, 12, "instant", run_steps=150)[0]
+    assert instant["chosen"] == "none" and instant["tried"] == [] and instant["step"] == 5
+    assert "no candidate was predicted to take at most 0.5 of the exact step" in instant["lines"][0]
+
+
+def test_the_trials_of_a_bounded_run_take_the_steps_they_say(dist2):
+    # 512 steps: 10 for trials; fp16 alone pays, so the exact all-reduce is tried again as well: 5 steps each
+    # (steps 11-15 and 16-20), decided at step 21
+    out = dist2.run(_drive, ["fp16"], "by step", 24, budget_s=1000, run_steps=512)
+    used, [decision] = out[0]["used"], out[0]["decisions"]
+    assert used == ["none"] * 15 + ["fp16"] * 5 + ["none"] * 4 and decision["step"] == 21
+    assert out[0]["decisions"] == out[1]["decisions"]
+
+
+def _ranked(predicted: dict[str, float]) -> list[str]:
+    """The candidates by predicted step, the less lossy first among equals (one half precision)."""
+    ranked = sorted((s for s in predicted if s != "none"), key=lambda s: (predicted[s], parse_scheme(s).lossiness))
+    return [s for i, s in enumerate(ranked) if not (s in ("fp16", "bf16") and {"fp16", "bf16"} & set(ranked[:i]))]
 
 
 def _expected_trials(predicted: dict[str, float]) -> list[str]:

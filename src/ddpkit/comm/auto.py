@@ -9,8 +9,9 @@ runs, in three phases:
 1. **Start** (``start`` steps, default 10): the exact all-reduce, as DDP without a hook (the same bits; the start
    of training is where compression hurts most, as PowerSGD's own start steps), timing each step: from one step's
    first bucket to the next step's.
-2. **Probe and predict**: a short probe of the link with all-reduces of growing sizes (every rank takes part; the
-   slowest rank's times count): the bandwidth from the large ones, the latency from the small ones. A cost model
+2. **Probe and predict**: a short probe of the link with all-reduces of growing sizes, up to the model's largest
+   bucket (every rank takes part; the slowest rank's times count): the bandwidth from the large ones, the latency
+   from the small ones. A cost model
    of each candidate's bytes and collectives per step over the model's buckets (and PowerSGD's products, timed on
    this machine) predicts its step time as the exact step's minus the exact reduction's time plus the candidate's
    (where the probe's exact reduction alone outlasts the measured step, the measures disagree: the step in the
@@ -29,7 +30,11 @@ runs, in three phases:
    rank). Every rank computes the same choice from the same all-reduced numbers.
 
 Where steps are slow the decision keeps to a budget (``budget_s``, :data:`BUDGET_S`): the start and the trials
-end early, and the exact all-reduce is not tried again when its trial would not fit.
+end early, and the exact all-reduce is not tried again when its trial would not fit. Where the run's length is
+known (``run_steps``; ``ddpkit train`` gives it) the trials also keep to :data:`STEP_SHARE` of its steps: fewer and
+shorter trials (the best-predicted first, the exact all-reduce's own trial the first to go), and in a run too short
+for one trial of :data:`MIN_TRIAL` steps, none: a candidate is then chosen on its prediction alone, and only where
+it is predicted to take at most :data:`UNTRIED` of the exact step.
 
 Each decision is printed (rank 0, and the ``ddpkit.comm.auto`` logger) as one line that says what was measured,
 what was predicted, what each trial took, what was chosen and why, ending with the spec that pins it
@@ -130,6 +135,14 @@ MOVES = {
 the decision it interrupted)."""
 DRIFT_EVERY = 25
 """Steps between two looks at the step time after a decision (each: the median of the last 20)."""
+STEP_SHARE = 0.02
+"""The share of a run's steps (``run_steps``) a decision's trials may take: a run of 512 steps tries for 10."""
+MIN_TRIAL = 4
+"""The fewest steps a trial runs: one to settle in, three timed."""
+UNTRIED = 0.5
+"""A candidate chosen without a trial (a run too short for one) must be predicted to take at most this fraction of
+the exact step: the cost model has been off by about 2x (on loopback it predicted PowerSGD 20 % faster than the
+exact step, and the trial found it 70 % slower), so only a prediction that wide is taken on trust."""
 BUDGET_S = 30.0
 """The seconds a decision aims to take (``budget_s``). At its third step each phase takes its length from the
 slowest rank's second step (the first timed one): the exact start as many steps as fit in a third of the budget
@@ -167,9 +180,13 @@ class AutoComm:
             does).
         budget_s: the seconds the decision aims to take (see :data:`BUDGET_S`): where steps are slow, the start and
             the trials end early and the exact all-reduce is not tried again.
+        run_steps: the steps the run will take (synchronised backward passes), where known: each decision's trials
+            then take at most :data:`STEP_SHARE` of them (see the module notes); ``None``: no bound in steps. It
+            may be set on the state before the start ends.
         say: where the decision's line goes on rank 0 (default: standard error).
         pin: how the line names what pins a scheme (default ``comm='powersgd:4'``, the wrapper's argument).
-        probe: how the link is measured, ``probe(group, device) -> Link`` (default :func:`probe_link`): a link
+        probe: how the link is measured, ``probe(group, device) -> Link`` (default :func:`probe_link` up to the
+            size of the model's largest bucket): a link
             known in advance, or a test's.
 
     Every rank of the group must use one (its collectives run inside the hook, at the same steps on every rank).
@@ -177,7 +194,7 @@ class AutoComm:
 
     def __init__(self, process_group: Any = None, candidates: Sequence[Scheme] | None = None, *, start: int = 10,
                  trial: int = 8, tries: int = TRIES, drift: float | None = 2.0, guard: float | None = 0.5,
-                 budget_s: float = 30.0,
+                 budget_s: float = 30.0, run_steps: int | None = None,
                  say: Callable[[str], None] | None = None, pin: Callable[[Scheme], str] | None = None,
                  probe: Callable[[Any, torch.device], Link] | None = None) -> None:
         self.start = _whole(start, "start", 3, 60)  # a phase's steps are timed from the last 64 kept
@@ -192,6 +209,7 @@ class AutoComm:
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
             raise ValueError(f"budget_s={budget_s!r}: the seconds a decision aims to take, a positive number")
         self.budget_s = float(budget_s)
+        self.run_steps = None if run_steps is None else _whole(run_steps, "run_steps", 1)
         chosen = tuple(candidates) if candidates is not None else tuple(parse_scheme(s) for s in CANDIDATE_SPECS)
         for scheme in chosen:
             if not isinstance(scheme, Scheme):
@@ -204,7 +222,7 @@ class AutoComm:
         self.guard = guard
         self.say = say
         self.pin = pin or (lambda scheme: f"comm={scheme.spec!r}")
-        self.probe = probe or probe_link
+        self.probe = probe or self._probe_to_the_largest_bucket
         self.phase = Phase.START
         self.scheme = Scheme("none")
         self.steps = 0
@@ -221,6 +239,8 @@ class AutoComm:
         """Steps begun under the scheme in force, the current one included."""
         self._length = self.start
         """Steps the phase in force runs (its third step sets it within the budget)."""
+        self._trial_most = self.trial
+        """The most steps a trial of the decision under way runs (fewer where the run's steps bound it)."""
         self._shapes: dict[int, list[torch.Size]] = {}
         self._layout: dict[int, list[torch.Size]] = {}
         self._element_size = 4
@@ -381,7 +401,7 @@ class AutoComm:
                 self._queue[0].periods.append(period)
             if self._since == 3 and period is not None:
                 share = self.budget_s / 3 / self._trials
-                self._length = self._within(period, share, self.trial, 4, group, device)
+                self._length = self._within(period, share, self._trial_most, MIN_TRIAL, group, device)
             if ended >= self._length:
                 self._done.append(self._queue.pop(0))
                 if self._queue:
@@ -467,6 +487,12 @@ class AutoComm:
         [longest] = slowest([period], group, device)
         return min(most, max(least, math.ceil(seconds / longest) if longest > 0 else most))
 
+    def _probe_to_the_largest_bucket(self, group: Any, device: torch.device) -> Link:
+        """The default probe, its sizes up to the model's largest bucket (the same on every rank): at 1 Gbit/s
+        probing up to 64 MiB took 4.6 s, up to a 3 MB model's 4 MiB 0.3 s, for the same figures."""
+        largest = max((sum(s.numel() for s in shapes) for shapes in self._layout.values()), default=0)
+        return probe_link(group, device, most_bytes=largest * self._element_size or None)
+
     def _after_start(self, group: Any, device: torch.device) -> None:
         starts = self._starts[-(self._since - 1):]  # the start's steps after its first (which settles in)
         [self._exact] = slowest([statistics.median(b - a for a, b in itertools.pairwise(starts))], group, device)
@@ -488,20 +514,39 @@ class AutoComm:
                 # (taking its reduction alone as its step would hide any saving below the measured step)
                 self._predicted[scheme] = self._exact * own / exact
         worth = worth_trying({s: self._predicted[s] for s in self.candidates}, PAYS * self._exact, self.tries)
+        allowed = self.trial_steps()
+        self._trial_most = self.trial
+        if allowed is not None:  # the run's steps bound the trials: the best-predicted first, as many as fit
+            worth = worth[: allowed // MIN_TRIAL]
         if not worth:
             self._done = [_Trial(Scheme("none"), [self._exact])]
+            best = min(self.candidates, key=lambda s: (self._predicted[s], s.lossiness), default=None)
+            if allowed is not None and allowed < MIN_TRIAL and best is not None:
+                # too short a run for any trial: the prediction decides, where it leaves no doubt
+                self._decide(group, device, untried=best if self._predicted[best] <= UNTRIED * self._exact else None)
+                return
             self._decide(group, device)
             return
-        if self._exact * self.trial <= self.budget_s / 3:  # the exact all-reduce is tried as the candidates are
+        exact_again = self._exact * self.trial <= self.budget_s / 3  # the exact's whole trial fits the seconds
+        if allowed is not None:
+            exact_again = exact_again and (len(worth) + 1) * MIN_TRIAL <= allowed
+            self._trial_most = max(MIN_TRIAL, min(self.trial, allowed // (len(worth) + exact_again)))
+        if exact_again:  # the exact all-reduce is tried as the candidates are
             self._queue = [_Trial(Scheme("none")), *(_Trial(s) for s in worth)]
-        else:  # its steps are too slow to try again: the start's figure stands for it
+        else:  # its steps are too slow, or the run too short, to try it again: the start's figure stands for it
             self._done = [_Trial(Scheme("none"), [self._exact])]
             self._queue = [_Trial(s) for s in worth]
         self._trials = len(self._queue)
         self._move(Phase.TRIAL)
         self._use(self._queue[0].scheme)
 
-    def _decide(self, group: Any, device: torch.device) -> None:
+    def trial_steps(self) -> int | None:
+        """The steps a decision's trials may take (:data:`STEP_SHARE` of :attr:`run_steps`), or None: no bound."""
+        return None if self.run_steps is None else math.floor(STEP_SHARE * self.run_steps + 1e-9)  # (0.02 * 350)
+
+    def _decide(self, group: Any, device: torch.device, untried: Scheme | None = None) -> None:
+        """Choose among the trials done (a collective: the slowest rank's medians); ``untried``: no trial fitted the
+        run's steps, and this candidate's prediction is taken instead (None there: the exact all-reduce stays)."""
         done = self._done or [_Trial(Scheme("none"), [self._exact])]
         medians = slowest([statistics.median(t.periods) if t.periods else float("inf") for t in done], group,
                            device)
@@ -510,11 +555,13 @@ class AutoComm:
                            if m <= NEAR * fastest)[1]
         chosen = done[chosen_index].scheme
         self._baseline = medians[chosen_index]
+        if untried is not None:
+            chosen, self._baseline = untried, self._predicted[untried]
         record = {
             "step": self.steps, "link": self._link, "exact_step_s": self._exact,
             "predicted_s": {s.spec: p for s, p in self._predicted.items()},
             "tried_s": {t.scheme.spec: m for t, m in zip(done, medians)} if len(done) > 1 else {},
-            "chosen": chosen.spec,
+            "chosen": chosen.spec, "trial_steps": self.trial_steps(),
         }
         self.decisions.append(record)
         self._tell(self._line(record, chosen, fastest))
@@ -532,7 +579,14 @@ class AutoComm:
         if link is None:
             return head + f"a world of one reduces nothing: {chosen.spec}"
         predicted = ", ".join(f"{k} {ms(v)}" for k, v in sorted(record["predicted_s"].items(), key=lambda kv: kv[1]))
-        if not record["tried_s"]:
+        allowed = record.get("trial_steps")
+        if not record["tried_s"] and allowed is not None and allowed < MIN_TRIAL and len(record["predicted_s"]) > 1:
+            tried = (f"nothing tried (the run's {self.run_steps} steps leave {allowed} for trials, "
+                     f"{STEP_SHARE:.0%}: fewer than a trial's {MIN_TRIAL})")
+            why = (f"predicted to take at most {UNTRIED:g} of the exact step" if chosen.name != "none"
+                   else f"no candidate was predicted to take at most {UNTRIED:g} of the exact step, which a choice "
+                   "without a trial needs")
+        elif not record["tried_s"]:
             tried, why = "nothing tried", "no candidate was predicted 5 % faster than the exact step"
         else:
             tried = "tried " + ", ".join(f"{k} {ms(v)}" for k, v in record["tried_s"].items())
@@ -557,7 +611,7 @@ class AutoComm:
             self._powersgd[scheme.rank] = state
         self.scheme = scheme
         self._since = 1
-        self._length = self.start if self.phase is Phase.START else self.trial  # until its third step sets it
+        self._length = self.start if self.phase is Phase.START else self._trial_most  # until its third step sets it
 
     def _move(self, to: Phase) -> None:
         check_move(MOVES, self.phase, to, "comm auto")

@@ -87,10 +87,13 @@ def _matmul_rate(device: torch.device) -> float:
     return 2 * 512 * 512 * 8 * reps / max(time.perf_counter() - start, 1e-9)
 
 
-def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 5) -> Link:
+def probe_link(group: Any = None, device: torch.device | None = None, reps: int = 5,
+               most_bytes: int | None = None) -> Link:
     """Time all-reduces of 4 KiB, 16 KiB, ... (until one takes :data:`PROBE_LIMIT_S`, at most 64 MiB) over the
-    group, ``reps`` of each, and fit the slowest rank's times with :func:`fit_link`. Every rank of the group must
-    call it at once (a series of collectives); all get the same :class:`Link`."""
+    group, ``reps`` of each, and fit the slowest rank's times with :func:`fit_link`. ``most_bytes``: the largest
+    message that matters (a model's largest bucket): the sizes stop at the first that reaches it (4 MiB at
+    least, so that two sizes of 1 MiB and more give the bandwidth). Every rank of the group must call it at once
+    (a series of collectives, with the same ``most_bytes``); all get the same :class:`Link`."""
     group = group if group is not None else dist.group.WORLD
     device = device if device is not None else torch.device("cpu")
     world = dist.get_world_size(group)
@@ -104,7 +107,7 @@ def probe_link(group: Any = None, device: torch.device | None = None, reps: int 
         sizes.append(size)
         medians.append(median)
         fastest.append(low)
-        if median >= PROBE_LIMIT_S:
+        if median >= PROBE_LIMIT_S or (most_bytes is not None and size >= max(4 << 20, most_bytes)):
             break
         size *= 4
     rate = -slowest([-_matmul_rate(device)], group, device)[0]  # the slowest rank's rate

@@ -76,6 +76,7 @@ from ddpkit.train.recipe import (
     set_lr,
     shard_state,
     sharded_params,
+    steps_per_epoch,
     wrap,
 )
 from ddpkit.train.run import Run
@@ -258,7 +259,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     elif attempt:
         print0(f"ddpkit train: restart {attempt}: no checkpoint yet, starting again in {claim.out}")
     if model is None:
-        model = wrap(state.model, config, ctx.device)
+        run_steps = steps_per_epoch(config, state.sampler.num_samples) * config.epochs
+        model = wrap(state.model, config, ctx.device, run_steps)
     run = Run(state=state, config=config, model=model, strategy=make_strategy(state, model, config),
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)

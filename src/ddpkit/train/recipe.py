@@ -9,6 +9,7 @@ learning rate are those of DDP at the same number of replicas).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -27,12 +28,15 @@ from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "lr_scale", "make_deterministic", "model_for",
-           "replicas", "set_lr", "shard_state", "sharded_params", "warmup_lr", "with_comm_hook", "wrap"]
+           "replicas", "set_lr", "shard_state", "sharded_params", "steps_per_epoch", "warmup_lr", "with_comm_hook",
+           "wrap"]
 
 
-def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device,
+         run_steps: int | None = None) -> torch.nn.Module:
     """``model`` in the engine ``config.engine`` names (``single`` and the strategies that keep the replicas
-    together in the optimizer, ``optimizer``, ``ps-*`` and ``ssp``: as it is)."""
+    together in the optimizer, ``optimizer``, ``ps-*`` and ``ssp``: as it is). ``run_steps``: the run's optimizer
+    steps, which bound ``--comm-hook auto``'s trials."""
     ids = [device.index] if device.type == "cuda" else None
     if config.engine == "ddpkit" and config.strategy in SERVER_STRATEGIES:
         return model  # every worker starts from the parameters worker 0 gives the servers
@@ -46,18 +50,19 @@ def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> t
 
         stage = config.zero if config.zero >= 2 else 0
         return with_comm_hook(DistributedDataParallel(model, device_ids=ids, zero_stage=stage),
-                              config)
+                              config, run_steps)
     if config.engine == "torch":
         from ddpkit._reference import torch_ddp
 
-        return with_comm_hook(torch_ddp(model, device_ids=ids), config)
+        return with_comm_hook(torch_ddp(model, device_ids=ids), config, run_steps)
     if config.engine == "dp":
         return DataParallel(model, device_ids=dp_devices(config))
     return model
 
 
-def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    """``ddp`` (ddpkit's DDP or torch's) reducing its buckets with ``--comm-hook`` (ddpkit's hooks run on both)."""
+def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig, run_steps: int | None = None) -> torch.nn.Module:
+    """``ddp`` (ddpkit's DDP or torch's) reducing its buckets with ``--comm-hook`` (ddpkit's hooks run on both;
+    ``auto``'s trials within 2 % of ``run_steps``, where given)."""
     from ddpkit.comm import bucket_hooks as hooks, powersgd
 
     if config.comm_hook == "none":
@@ -81,7 +86,7 @@ def with_comm_hook(ddp: torch.nn.Module, config: TrainConfig) -> torch.nn.Module
         # Under --amp fp16 the hook sees gradients times the loss scale, whose halving and doubling the guard would
         # take for the gradient's: no guard there.
         guard = None if config.amp == "fp16" else 0.5
-        ddp.register_comm_hook(auto.AutoComm(candidates=candidates, pin=flags, guard=guard,
+        ddp.register_comm_hook(auto.AutoComm(candidates=candidates, pin=flags, guard=guard, run_steps=run_steps,
                                              say=lambda line: print(line, flush=True)), auto.auto_hook)
     elif config.comm_hook == "powersgd":
         state = powersgd.PowerSGDState(None, matrix_approximation_rank=config.powersgd_rank,
@@ -220,6 +225,11 @@ def warmup_lr(config: TrainConfig, scale: int, step: int, steps_per_epoch: int) 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def steps_per_epoch(config: TrainConfig, num_samples: int) -> int:
+    """Optimizer steps in an epoch of a rank's shard of ``num_samples`` samples."""
+    return math.ceil(math.ceil(num_samples / (config.batch_size * replicas(config))) / config.grad_accum)
 
 
 def sharded_params(config: TrainConfig) -> bool:

@@ -11,7 +11,6 @@ training goes on (see :mod:`ddpkit.train.loop`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from ddpkit.runtime.durable import CheckpointError, describe_write_error
 from ddpkit.runtime.group import print0
 from ddpkit.train import rundir
 from ddpkit.train.train_config import TrainConfig
-from ddpkit.train.recipe import lr_scale, replicas, warmup_lr
+from ddpkit.train.recipe import lr_scale, replicas, steps_per_epoch, warmup_lr
 from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy
 
@@ -90,7 +89,7 @@ class Run:
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps in an epoch of this rank's shard."""
-        return math.ceil(math.ceil(self.state.sampler.num_samples / self.batch) / self.config.grad_accum)
+        return steps_per_epoch(self.config, self.state.sampler.num_samples)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (from 0): :attr:`lr`, reached linearly from one process's
