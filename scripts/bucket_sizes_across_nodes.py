@@ -82,6 +82,7 @@ def main() -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src"),
            "DDPKIT_JOB_TOKEN": secrets.token_hex(16)}
+    env.pop("GLOO_SOCKET_IFNAME", None)  # each namespace has one interface: gloo finds it
     with Testbed(2) as testbed:
         testbed.shape(None if args.rate == "none" else args.rate)
         port = str(29500 + os.getpid() % 1000)

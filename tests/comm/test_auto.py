@@ -289,6 +289,39 @@ def test_a_run_too_short_for_a_trial_takes_the_prediction_only_where_it_leaves_n
     assert "no candidate was predicted to take at most 0.5 of the exact step" in instant["lines"][0]
 
 
+def _kilobyte_link(group, device) -> Link:
+    """1 MB/s: two 100 x 100 buckets (80 KB) in 80 ms exactly, with PowerSGD at rank 16 in about 26."""
+    return Link(latency_s=0.0, seconds_per_byte=1 / 1e6, flops_per_s=1e9, world=2)
+
+
+def test_a_choice_made_on_its_prediction_takes_its_own_steps_as_the_baseline(dist2):
+    # 150 steps: no trial; PowerSGD predicted at 48 % of the exact 100 ms step and chosen untried; its steps take
+    # 99 ms, twice the prediction: that is the prediction's error, not a drift of the link, so the decision stands
+    # (it was re-opened at every look, deciding the same again and again)
+    out = dist2.run(_drive, ["powersgd:16"], "powersgd a little faster", 120, link=_kilobyte_link,
+                    shape=(100, 100), run_steps=150)
+    zero, one = out
+    assert zero["decisions"] == one["decisions"] and zero["used"] == one["used"]
+    [decision] = zero["decisions"]
+    assert decision["step"] == 11 and decision["chosen"] == "powersgd:16" and decision["tried_s"] == {}
+    assert decision["predicted_s"]["powersgd:16"] <= 0.5 * 0.1
+    assert zero["used"] == ["none"] * 10 + ["powersgd:16"] * 110
+    assert not any("deciding again" in line for line in zero["lines"]), zero["lines"]
+
+
+def _uneven_run_lengths() -> dict:
+    import torch.distributed as dist
+
+    return _drive(["fp16"], "by step", 14, budget_s=1000, run_steps=150 if dist.get_rank() == 0 else 600)
+
+
+def test_ranks_given_other_run_lengths_take_the_fewest_trial_steps(dist2):
+    # rank 0 is told 150 steps (no trial), rank 1 600 (12 for trials): every rank takes rank 0's, at the same steps
+    zero, one = dist2.run(_uneven_run_lengths)
+    assert zero["used"] == one["used"] == ["none"] * 14 and zero["decisions"] == one["decisions"]
+    assert zero["decisions"][0]["step"] == 11 and zero["decisions"][0]["tried_s"] == {}
+
+
 def test_the_trials_of_a_bounded_run_take_the_steps_they_say(dist2):
     # 512 steps: 10 for trials; fp16 alone pays, so the exact all-reduce is tried again as well: 5 steps each
     # (steps 11-15 and 16-20), decided at step 21
@@ -366,8 +399,12 @@ def test_a_pinned_spec_trains_the_bits_of_its_hook_registered_by_hand(dist2, spe
 class _Bucket:
     """A bucket as a comm hook sees it (index, last, buffer, parameters), for driving AutoComm step by step."""
 
-    def __init__(self, index: int, count: int, numel: int = 64, value: float = 1.0) -> None:
-        self._index, self._count, self._buffer = index, count, torch.full((numel,), value)
+    def __init__(self, index: int, count: int, numel: int = 64, value: float = 1.0,
+                 shape: tuple[int, int] | None = None) -> None:
+        # shape: a real parameter's (the buffer its size; PowerSGD can then reduce it), else 1000 x 1000 to the cost
+        # model alone
+        self._index, self._count, self._shape = index, count, shape
+        self._buffer = torch.full((shape[0] * shape[1] if shape else numel,), value)
 
     def index(self) -> int:
         return self._index
@@ -378,7 +415,13 @@ class _Bucket:
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
+    def gradients(self) -> list[torch.Tensor]:
+        assert self._shape is not None
+        return [self._buffer.view(self._shape)]
+
     def parameters(self) -> list[torch.Tensor]:
+        if self._shape is not None:
+            return [torch.empty(*self._shape)]
         return [torch.empty(1000, 1000, device="meta")]  # 4 MB a bucket to the cost model (its shape alone)
 
 
@@ -403,7 +446,7 @@ class _Clock:
 
 
 def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fake_link, late: float = 0.0,
-           grads: str = "steady", **kwargs) -> dict:
+           grads: str = "steady", shape: tuple[int, int] | None = None, **kwargs) -> dict:
     """Run AutoComm for ``steps`` steps of two buckets with the step times of :data:`PERIODS` [``period``] and the
     gradients of :data:`GRADS` [``grads``]; what scheme each step used and what was said. ``late``: rank 1's first
     step starts that many seconds after rank 0's (its clock is ahead by that much from its second step on)."""
@@ -418,7 +461,7 @@ def _drive(candidates: list[str], period: str, steps: int, link: Callable = _fak
         used = []
         for step in range(1, steps + 1):
             for index in range(2):
-                state.reduce(_Bucket(index, 2, value=GRADS[grads](step))).wait()
+                state.reduce(_Bucket(index, 2, value=GRADS[grads](step), shape=shape)).wait()
             used.append(state.scheme.spec)
             clock.now += PERIODS[period](step, used[-1]) + (late if step == 1 and dist.get_rank() == 1 else 0.0)
     finally:
@@ -434,6 +477,7 @@ PERIODS = {
     "crawling": lambda step, spec: 8.7 if spec == "none" else 4.4,
     "halves": lambda step, spec: 0.1 if spec == "none" else 0.05,
     "slows after the start": lambda step, spec: 0.01 if step <= 10 else (8.7 if spec == "none" else 4.4),
+    "powersgd a little faster": lambda step, spec: 0.1 if spec == "none" else 0.099,
 }
 """Step times (seconds) by step and scheme: each a case of :func:`test_the_phases_take_the_steps_they_say`."""
 

@@ -426,3 +426,20 @@ def test_the_gpt_learns_tiny_shakespeare_under_ddp_and_diloco(dist2, tmp_path: P
     assert diloco["outer_syncs"] == 4 and "tokens.weight" in _weights(tmp_path / "diloco")
     # DDP's rate is scaled by the world (2), DiLoCo's inner one is --lr itself: each worker steps on its own batch
     assert ddp["lr"] == 0.002 and diloco["lr"] == 0.001, (ddp["lr"], diloco["lr"])
+
+
+def test_the_steps_left_to_a_run_count_the_rest_of_a_resharded_epoch_then_whole_ones():
+    # what --comm-hook auto's trials are bounded by: 1,000 samples, batch 32, 3 epochs
+    from ddpkit.train.recipe import steps_left
+
+    config = TrainConfig(batch_size=32, epochs=3)
+    data = list(range(1000))
+    fresh = ddpkit.DistributedSampler(data, num_replicas=2, rank=0)
+    assert steps_left(config, fresh, 0) == 16 * 3  # 500 samples a rank: 16 steps an epoch
+    saved = fresh.state_dict(consumed=160)  # 5 steps into epoch 0 at world 2 ...
+    saved["epoch"] = 1
+    resumed = ddpkit.DistributedSampler(data, num_replicas=4, rank=0)
+    resumed.load_state_dict(saved)  # ... of epoch 1, resumed at world 4: 680 samples left, 170 a rank
+    assert steps_left(config, resumed, 1) == 6 + 8  # the rest (6 steps), then one epoch of 250 a rank
+    assert steps_left(config, resumed, 2) == 6  # the last epoch's rest alone
+    assert steps_left(TrainConfig(batch_size=32, epochs=3, grad_accum=2), fresh, 0) == 8 * 3

@@ -241,6 +241,10 @@ class AutoComm:
         """Steps the phase in force runs (its third step sets it within the budget)."""
         self._trial_most = self.trial
         """The most steps a trial of the decision under way runs (fewer where the run's steps bound it)."""
+        self._allowed: int | None = None
+        """The steps the decision under way may give its trials (every rank's least), or None: no bound."""
+        self._exact_tried = False
+        """The decision under way tries the exact all-reduce again (else the start's figure stands for it)."""
         self._shapes: dict[int, list[torch.Size]] = {}
         self._layout: dict[int, list[torch.Size]] = {}
         self._element_size = 4
@@ -435,7 +439,10 @@ class AutoComm:
         if self.drift is not None and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
             [now] = slowest([statistics.median(recent)], group, device)
-            ratio = now / self._baseline if self._baseline > 0 else 1.0
+            if self._baseline == 0:  # a choice made on its prediction: its own steps are the baseline
+                self._baseline = now
+                return False
+            ratio = now / self._baseline
             if ratio >= self.drift or ratio <= 1 / self.drift:
                 self._tell(f"comm auto: the step went from {self._baseline * 1e3:.1f} to {now * 1e3:.1f} ms "
                            f"({ratio:.2f}x) under {self.scheme.spec}: deciding again")
@@ -497,6 +504,7 @@ class AutoComm:
         starts = self._starts[-(self._since - 1):]  # the start's steps after its first (which settles in)
         [self._exact] = slowest([statistics.median(b - a for a, b in itertools.pairwise(starts))], group, device)
         self._done, self._queue = [], []
+        self._allowed, self._exact_tried = None, False
         self._predicted = {Scheme("none"): self._exact}
         if dist.get_world_size(group) == 1:  # nothing to reduce, nothing to choose
             self._link = None
@@ -514,10 +522,11 @@ class AutoComm:
                 # (taking its reduction alone as its step would hide any saving below the measured step)
                 self._predicted[scheme] = self._exact * own / exact
         worth = worth_trying({s: self._predicted[s] for s in self.candidates}, PAYS * self._exact, self.tries)
-        allowed = self.trial_steps()
+        allowed = self._allowed = self._agreed_trial_steps(group, device)
         self._trial_most = self.trial
         if allowed is not None:  # the run's steps bound the trials: the best-predicted first, as many as fit
             worth = worth[: allowed // MIN_TRIAL]
+        self._exact_tried = False
         if not worth:
             self._done = [_Trial(Scheme("none"), [self._exact])]
             best = min(self.candidates, key=lambda s: (self._predicted[s], s.lossiness), default=None)
@@ -527,10 +536,15 @@ class AutoComm:
                 return
             self._decide(group, device)
             return
-        exact_again = self._exact * self.trial <= self.budget_s / 3  # the exact's whole trial fits the seconds
-        if allowed is not None:
-            exact_again = exact_again and (len(worth) + 1) * MIN_TRIAL <= allowed
-            self._trial_most = max(MIN_TRIAL, min(self.trial, allowed // (len(worth) + exact_again)))
+        if allowed is not None:  # the exact all-reduce tried again only if a trial of it fits beside every candidate
+            fits = (len(worth) + 1) * MIN_TRIAL <= allowed
+            self._trial_most = min(self.trial, allowed // (len(worth) + fits))
+        else:
+            fits = True
+        exact_again = fits and self._exact * self._trial_most <= self.budget_s / 3  # its whole trial fits the seconds
+        if allowed is not None and not exact_again:
+            self._trial_most = min(self.trial, allowed // len(worth))
+        self._exact_tried = exact_again
         if exact_again:  # the exact all-reduce is tried as the candidates are
             self._queue = [_Trial(Scheme("none")), *(_Trial(s) for s in worth)]
         else:  # its steps are too slow, or the run too short, to try it again: the start's figure stands for it
@@ -539,6 +553,13 @@ class AutoComm:
         self._trials = len(self._queue)
         self._move(Phase.TRIAL)
         self._use(self._queue[0].scheme)
+
+    def _agreed_trial_steps(self, group: Any, device: torch.device) -> int | None:
+        """:meth:`trial_steps` as every rank takes it: the fewest of any rank's (a collective; ``run_steps`` given
+        otherwise on some rank must not make the ranks take other branches)."""
+        mine = self.trial_steps()
+        [least] = slowest([-(float(mine) if mine is not None else math.inf)], group, device)
+        return None if math.isinf(least) else int(-least)
 
     def trial_steps(self) -> int | None:
         """The steps a decision's trials may take (:data:`STEP_SHARE` of :attr:`run_steps`), or None: no bound."""
@@ -555,13 +576,13 @@ class AutoComm:
                            if m <= NEAR * fastest)[1]
         chosen = done[chosen_index].scheme
         self._baseline = medians[chosen_index]
-        if untried is not None:
-            chosen, self._baseline = untried, self._predicted[untried]
+        if untried is not None:  # its step is measured at the drift's first look (a prediction may be 2x off)
+            chosen, self._baseline = untried, 0.0
         record = {
             "step": self.steps, "link": self._link, "exact_step_s": self._exact,
             "predicted_s": {s.spec: p for s, p in self._predicted.items()},
             "tried_s": {t.scheme.spec: m for t, m in zip(done, medians)} if len(done) > 1 else {},
-            "chosen": chosen.spec, "trial_steps": self.trial_steps(),
+            "chosen": chosen.spec, "trial_steps": self._allowed, "exact_tried": self._exact_tried,
         }
         self.decisions.append(record)
         self._tell(self._line(record, chosen, fastest))
@@ -589,7 +610,9 @@ class AutoComm:
         elif not record["tried_s"]:
             tried, why = "nothing tried", "no candidate was predicted 5 % faster than the exact step"
         else:
-            tried = "tried " + ", ".join(f"{k} {ms(v)}" for k, v in record["tried_s"].items())
+            start = "" if record.get("exact_tried", True) else " (its start's: not tried again)"
+            tried = "tried " + ", ".join(f"{k} {ms(v)}{start if k == 'none' else ''}"
+                                         for k, v in record["tried_s"].items())
             why = ("the fastest trial" if record["tried_s"][chosen.spec] == fastest
                    else f"within 5 % of the fastest trial ({ms(fastest)}) and less lossy")
         return (head + f"measured {link.describe()}, exact step {ms(record['exact_step_s'])}; predicted {predicted}; "

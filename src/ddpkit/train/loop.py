@@ -76,7 +76,7 @@ from ddpkit.train.recipe import (
     set_lr,
     shard_state,
     sharded_params,
-    steps_per_epoch,
+    steps_left,
     wrap,
 )
 from ddpkit.train.run import Run
@@ -259,8 +259,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
     elif attempt:
         print0(f"ddpkit train: restart {attempt}: no checkpoint yet, starting again in {claim.out}")
     if model is None:
-        run_steps = steps_per_epoch(config, state.sampler.num_samples) * config.epochs
-        model = wrap(state.model, config, ctx.device, run_steps)
+        # (--comm-hook auto's trials keep to a share of the steps left)
+        model = wrap(state.model, config, ctx.device, steps_left(config, state.sampler, state.extra["epoch"]) or None)
     run = Run(state=state, config=config, model=model, strategy=make_strategy(state, model, config),
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)

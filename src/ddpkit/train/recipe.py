@@ -28,15 +28,15 @@ from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "lr_scale", "make_deterministic", "model_for",
-           "replicas", "set_lr", "shard_state", "sharded_params", "steps_per_epoch", "warmup_lr", "with_comm_hook",
+           "replicas", "set_lr", "shard_state", "sharded_params", "steps_left", "steps_per_epoch", "warmup_lr", "with_comm_hook",
            "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device,
          run_steps: int | None = None) -> torch.nn.Module:
     """``model`` in the engine ``config.engine`` names (``single`` and the strategies that keep the replicas
-    together in the optimizer, ``optimizer``, ``ps-*`` and ``ssp``: as it is). ``run_steps``: the run's optimizer
-    steps, which bound ``--comm-hook auto``'s trials."""
+    together in the optimizer, ``optimizer``, ``ps-*`` and ``ssp``: as it is). ``run_steps``: the optimizer steps
+    left to the run, which bound ``--comm-hook auto``'s trials."""
     ids = [device.index] if device.type == "cuda" else None
     if config.engine == "ddpkit" and config.strategy in SERVER_STRATEGIES:
         return model  # every worker starts from the parameters worker 0 gives the servers
@@ -230,6 +230,13 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def steps_per_epoch(config: TrainConfig, num_samples: int) -> int:
     """Optimizer steps in an epoch of a rank's shard of ``num_samples`` samples."""
     return math.ceil(math.ceil(num_samples / (config.batch_size * replicas(config))) / config.grad_accum)
+
+
+def steps_left(config: TrainConfig, sampler: DistributedSampler, epoch: int) -> int:
+    """Optimizer steps from ``sampler``'s position in epoch ``epoch`` (from 0) to the run's end: the rest of this
+    epoch (re-sharded after a resume at another world), then whole epochs of ``ceil(len / world)`` samples."""
+    whole = steps_per_epoch(config, math.ceil(len(sampler.dataset) / sampler.num_replicas))
+    return steps_per_epoch(config, len(sampler)) + whole * max(0, config.epochs - epoch - 1)
 
 
 def sharded_params(config: TrainConfig) -> bool:
