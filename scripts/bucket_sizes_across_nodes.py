@@ -4,9 +4,9 @@ model's ``bucket_cap_mb`` (docs/comm-auto.md, "What it does not do").
 Makes two testbed nodes (network namespaces on one bridge, every cable shaped with ``tc tbf``,
 :mod:`ddpkit.bench.sections.links.testbed`; needs root), starts ``ddpkit launch --nnodes 2 --nproc-per-node 1``
 in each, and trains one model (``--model``, one of ``ddpkit train``'s language models, on random symbols, batch
-``--batch-size``, SGD) under ddpkit's DDP at each ``--caps`` (MB), interleaved step by step, each from the same
-weights (cap 0: the default, ``bucket_cap_mb=None``). Prints the slowest rank's median step of each cap over ``--steps`` steps (the first two left out), with
-its quartiles, and each cap's buckets:
+``--batch-size``, SGD) under ddpkit's DDP at each ``--caps`` (MB; 0: the default, ``bucket_cap_mb=None``),
+interleaved step by step, each from the same weights. Prints the slowest rank's median step of each cap over
+``--steps`` steps (the first two left out), with its quartiles, and each cap's buckets:
 
     .venv/bin/python scripts/bucket_sizes_across_nodes.py --rate 1gbit --model gpt
 """

@@ -28,8 +28,8 @@ from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "lr_scale", "make_deterministic", "model_for",
-           "replicas", "set_lr", "shard_state", "sharded_params", "steps_left", "steps_per_epoch", "warmup_lr", "with_comm_hook",
-           "wrap"]
+           "replicas", "set_lr", "shard_state", "sharded_params", "steps_left", "steps_per_epoch", "warmup_lr",
+           "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device,
