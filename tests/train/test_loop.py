@@ -428,9 +428,9 @@ def test_the_gpt_learns_tiny_shakespeare_under_ddp_and_diloco(dist2, tmp_path: P
     assert ddp["lr"] == 0.002 and diloco["lr"] == 0.001, (ddp["lr"], diloco["lr"])
 
 
-def test_the_steps_left_to_a_run_count_the_rest_of_a_resharded_epoch_then_whole_ones():
+def test_the_steps_left_to_a_run_count_the_rest_of_a_resharded_epoch_then_whole_ones():  # and an epoch's steps
     # what --comm-hook auto's trials are bounded by: 1,000 samples, batch 32, 3 epochs
-    from ddpkit.train.recipe import steps_left
+    from ddpkit.train.recipe import steps_left, whole_epoch_steps
 
     config = TrainConfig(batch_size=32, epochs=3)
     data = list(range(1000))
@@ -441,5 +441,7 @@ def test_the_steps_left_to_a_run_count_the_rest_of_a_resharded_epoch_then_whole_
     resumed = ddpkit.DistributedSampler(data, num_replicas=4, rank=0)
     resumed.load_state_dict(saved)  # ... of epoch 1, resumed at world 4: 680 samples left, 170 a rank
     assert steps_left(config, resumed, 1) == 6 + 8  # the rest (6 steps), then one epoch of 250 a rank
+    # an epoch's steps (the warm-up's unit, Run.steps_per_epoch) stay a whole epoch's at this world, not the rest's
+    assert whole_epoch_steps(config, resumed) == 8 and resumed.num_samples == 170
     assert steps_left(config, resumed, 2) == 6  # the last epoch's rest alone
     assert steps_left(TrainConfig(batch_size=32, epochs=3, grad_accum=2), fresh, 0) == 8 * 3

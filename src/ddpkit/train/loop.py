@@ -310,7 +310,7 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
     run = _start(config, claim, attempt)
     progress = run.progress
     first_epoch = progress["epoch"]
-    left = run.steps_per_epoch * (config.epochs - first_epoch) - progress["batches_done"]
+    left = steps_left(config, run.state.sampler, first_epoch)
     bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
                # A bar redraws with carriage returns: on a terminal only, never
                # into a redirected log (the epoch lines are printed either way).

@@ -29,7 +29,7 @@ from ddpkit.train.state import TrainState
 
 __all__ = ["autocast_for", "build_state", "check_model", "dp_devices", "lr_scale", "make_deterministic", "model_for",
            "replicas", "set_lr", "shard_state", "sharded_params", "steps_left", "steps_per_epoch", "warmup_lr",
-           "with_comm_hook", "wrap"]
+           "whole_epoch_steps", "with_comm_hook", "wrap"]
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device,
@@ -232,11 +232,18 @@ def steps_per_epoch(config: TrainConfig, num_samples: int) -> int:
     return math.ceil(math.ceil(num_samples / (config.batch_size * replicas(config))) / config.grad_accum)
 
 
+def whole_epoch_steps(config: TrainConfig, sampler: DistributedSampler) -> int:
+    """Optimizer steps in a whole epoch of ``sampler``'s world: ``ceil(len / world)`` samples a rank (padded), also
+    while the sampler finishes an epoch re-sharded after a resume at another world (its ``num_samples`` then the
+    rest's)."""
+    return steps_per_epoch(config, math.ceil(len(sampler.dataset) / sampler.num_replicas))
+
+
 def steps_left(config: TrainConfig, sampler: DistributedSampler, epoch: int) -> int:
     """Optimizer steps from ``sampler``'s position in epoch ``epoch`` (from 0) to the run's end: the rest of this
-    epoch (re-sharded after a resume at another world), then whole epochs of ``ceil(len / world)`` samples."""
-    whole = steps_per_epoch(config, math.ceil(len(sampler.dataset) / sampler.num_replicas))
-    return steps_per_epoch(config, len(sampler)) + whole * max(0, config.epochs - epoch - 1)
+    epoch (re-sharded after a resume at another world), then whole epochs."""
+    later = max(0, config.epochs - epoch - 1)
+    return steps_per_epoch(config, len(sampler)) + whole_epoch_steps(config, sampler) * later
 
 
 def sharded_params(config: TrainConfig) -> bool:

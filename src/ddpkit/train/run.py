@@ -27,7 +27,7 @@ from ddpkit.runtime.durable import CheckpointError, describe_write_error
 from ddpkit.runtime.group import print0
 from ddpkit.train import rundir
 from ddpkit.train.train_config import TrainConfig
-from ddpkit.train.recipe import lr_scale, replicas, steps_per_epoch, warmup_lr
+from ddpkit.train.recipe import lr_scale, replicas, warmup_lr, whole_epoch_steps
 from ddpkit.train.state import TrainState, checkpoint_files
 from ddpkit.train.strategy import Strategy
 
@@ -89,7 +89,7 @@ class Run:
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps in an epoch of this rank's shard."""
-        return steps_per_epoch(self.config, self.state.sampler.num_samples)
+        return whole_epoch_steps(self.config, self.state.sampler)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (from 0): :attr:`lr`, reached linearly from one process's
