@@ -2,7 +2,7 @@
 
 Three jobs of two CPU processes, run side by side: Lightning's own launching
 with ``strategy="ddp"`` (the reference) and ``strategy="ddpkit"``; ``ddpkit
-launch`` with ``DDPKitStrategy()``; and Lightning's ``"ddp"`` with torch's
+launch`` with ``DDPKitStrategy()`` and ``DDPKitStrategy(comm="auto")``; and Lightning's ``"ddp"`` with torch's
 ``DistributedDataParallel`` rebound to ddpkit's, as users adopt a drop-in.
 Each fits a linear model, a model with BatchNorm, and one with manual
 optimisation that accumulates a micro-batch under ``block_backward_sync``.
@@ -38,8 +38,8 @@ def fits(tmp_path_factory):  # type: ignore[no-untyped-def]
     script = str(SCRIPTS / "lightning_parity.py")
     jobs = {
         "lightning": _start([script, "ddp,ddpkit", MODELS, str(out)], out),
-        "ddpkit launch": _start(["-m", "ddpkit", "launch", "--nproc-per-node", "2", script, "ddpkit-object", MODELS,
-                                 str(out)], ROOT),
+        "ddpkit launch": _start(["-m", "ddpkit", "launch", "--nproc-per-node", "2", script, "ddpkit-object,ddpkit-auto",
+                                 MODELS, str(out)], ROOT),
         "rebound": _start([script, "ddp-rebound", MODELS, str(out)], out),
     }
     done = {name: (p.communicate(timeout=300), p.returncode) for name, p in jobs.items()}
@@ -51,7 +51,7 @@ def fits(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("model", MODELS.split(","))
-@pytest.mark.parametrize("strategy", ["ddpkit", "ddpkit-object", "ddp-rebound"])
+@pytest.mark.parametrize("strategy", ["ddpkit", "ddpkit-object", "ddp-rebound", "ddpkit-auto"])
 def test_final_weights_equal_lightning_with_torch_ddp(fits, strategy, model):
     out, _ = fits
     reference, ours = torch.load(out / f"ddp-{model}.pt"), torch.load(out / f"{strategy}-{model}.pt")
@@ -70,6 +70,13 @@ def test_the_strategy_wraps_in_ddpkit_and_unwraps_at_teardown(fits):
                     "env TorchElasticEnvironment") in lines
             assert (f"LIGHTNING rank {rank} ddp-rebound {model}: DDPStrategy, model after teardown {cls}, "
                     "env LightningEnvironment") in lines
+
+
+def test_comm_auto_is_given_the_fits_optimizer_steps(fits):
+    _, lines = fits
+    for rank in (0, 1):
+        for model in MODELS.split(","):
+            assert f"LIGHTNING rank {rank} ddpkit-auto {model}: run_steps 8" in lines, lines
 
 
 def test_the_names_are_registered():

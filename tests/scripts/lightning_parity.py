@@ -3,6 +3,7 @@
 usage: lightning_parity.py STRATEGY[,STRATEGY...] MODEL[,MODEL...] OUTDIR
   Fits every model with every strategy, in this order, and saves OUTDIR/STRATEGY-MODEL.pt.
   STRATEGY  ddp (torch's DDP) | ddpkit (the registered name) | ddpkit-object (DDPKitStrategy()) |
+            ddpkit-auto (DDPKitStrategy(comm="auto"): eight steps are its exact start, DDP's bits) |
             ddp-rebound ("ddp" with torch's DistributedDataParallel rebound to ddpkit's before Lightning
             is imported, as users adopt a drop-in)
   MODEL     boring (a linear layer) | bn (convolution, BatchNorm, two heads) | manual (bn, manual
@@ -74,13 +75,23 @@ def fit(strategy_name: str, model_name: str) -> None:
     model = {"boring": Boring, "bn": WithBatchNorm, "manual": Manual}[model_name]()
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(128, 32, generator=g), torch.randint(0, 2, (128,), generator=g))
-    strategy = {"ddpkit-object": ddpkit_lightning.DDPKitStrategy(), "ddp-rebound": "ddp"}.get(strategy_name, strategy_name)
+    strategy = {"ddpkit-object": ddpkit_lightning.DDPKitStrategy(), "ddp-rebound": "ddp",
+                "ddpkit-auto": ddpkit_lightning.DDPKitStrategy(comm="auto")}.get(strategy_name, strategy_name)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=8, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    auto_steps: list[int | None] = [None]
+    if strategy_name == "ddpkit-auto":
+        class Peek(L.Callback):  # the run length the strategy gave the comm hook's state when the fit started
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+                auto_steps[0] = trainer.strategy.model.comm_state.run_steps
+
+        trainer.callbacks.append(Peek())
     trainer.fit(model, DataLoader(data, batch_size=8))
     line = (f"LIGHTNING rank {trainer.global_rank} {strategy_name} {model_name}: {type(trainer.strategy).__name__}, "
             f"model after teardown {type(trainer.strategy.model).__name__}, "
             f"env {type(trainer.strategy.cluster_environment).__name__}\n")
+    if strategy_name == "ddpkit-auto":  # what bounds auto's trials: the fit's optimizer steps
+        line += f"LIGHTNING rank {trainer.global_rank} {strategy_name} {model_name}: run_steps {auto_steps[0]}\n"
     sys.stdout.write(line)  # one write: the ranks share the pipe
     sys.stdout.flush()
     if trainer.global_rank == 0:

@@ -6,9 +6,11 @@ launching (its own processes, or ``ddpkit launch`` / torchrun / SLURM as the
 cluster environment), process group, samplers, precision, checkpoints and
 logging are unchanged. Its arguments are ``DDPStrategy``'s: ``DDP`` keywords
 (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
-``bucket_cap_mb``, ...) go to ddpkit's wrapper, and ``ddp_comm_hook`` (with
+``bucket_cap_mb``, ``comm``, ...) go to ddpkit's wrapper, and ``ddp_comm_hook`` (with
 ``ddp_comm_state`` and ``ddp_comm_wrapper``) is registered on it on any device,
-gloo included (Lightning registers it on CUDA only).
+gloo included (Lightning registers it on CUDA only). Under ``comm="auto"`` the
+decision's trials keep to a share of the fit's optimizer steps (Lightning's
+``trainer.estimated_stepping_batches``, where finite), as under ``ddpkit train``.
 
 Importing this module registers the strategy names with Lightning:
 
@@ -36,6 +38,7 @@ supported.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -48,6 +51,7 @@ except ImportError as e:  # pragma: no cover - the extra is missing
         "ddpkit.integrations.lightning needs Lightning: pip install 'ddpkit[lightning]' (or lightning)"
     ) from e
 
+from ddpkit.comm.auto import AutoComm
 from ddpkit.parallel.common.unused import UnusedParametersError
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 
@@ -83,6 +87,17 @@ class DDPKitStrategy(DDPStrategy):
             hook = self._ddp_comm_wrapper(hook)
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(self._ddp_comm_state, hook)
+
+    def on_train_start(self) -> None:
+        """``comm="auto"`` (an ``AutoComm`` registered without a run length): the fit's optimizer steps bound its
+        trials (:class:`~ddpkit.comm.auto.AutoComm`'s ``run_steps``)."""
+        super().on_train_start()
+        state = self.model.comm_state if isinstance(self.model, DistributedDataParallel) else None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if isinstance(state, AutoComm) and state.run_steps is None and trainer is not None:
+            steps = trainer.estimated_stepping_batches
+            if math.isfinite(steps) and steps >= 1:
+                state.run_steps = int(steps)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         """Manual optimisation: arm the reducer, or not, as this backward will (or will not) synchronise."""
