@@ -435,13 +435,16 @@ def test_the_steps_left_to_a_run_count_the_rest_of_a_resharded_epoch_then_whole_
     config = TrainConfig(batch_size=32, epochs=3)
     data = list(range(1000))
     fresh = ddpkit.DistributedSampler(data, num_replicas=2, rank=0)
-    assert steps_left(config, fresh, 0) == 16 * 3  # 500 samples a rank: 16 steps an epoch
+    assert steps_left(config, fresh, 0, mid_epoch=False) == 16 * 3  # 500 samples a rank: 16 steps an epoch
     saved = fresh.state_dict(consumed=160)  # 5 steps into epoch 0 at world 2 ...
     saved["epoch"] = 1
     resumed = ddpkit.DistributedSampler(data, num_replicas=4, rank=0)
     resumed.load_state_dict(saved)  # ... of epoch 1, resumed at world 4: 680 samples left, 170 a rank
-    assert steps_left(config, resumed, 1) == 6 + 8  # the rest (6 steps), then one epoch of 250 a rank
+    assert steps_left(config, resumed, 1, mid_epoch=True) == 6 + 8  # the rest (6 steps), then an epoch of 250 a rank
     # an epoch's steps (the warm-up's unit, Run.steps_per_epoch) stay a whole epoch's at this world, not the rest's
     assert whole_epoch_steps(config, resumed) == 8 and resumed.num_samples == 170
-    assert steps_left(config, resumed, 2) == 6  # the last epoch's rest alone
-    assert steps_left(TrainConfig(batch_size=32, epochs=3, grad_accum=2), fresh, 0) == 8 * 3
+    assert steps_left(config, resumed, 2, mid_epoch=True) == 6  # the last epoch's rest alone
+    # resumed at an epoch's start, the sampler still holding the offset of the re-sharded epoch before: whole epochs
+    assert steps_left(config, resumed, 2, mid_epoch=False) == 8
+    assert steps_left(config, resumed, 3, mid_epoch=False) == 0  # past the last epoch: none
+    assert steps_left(TrainConfig(batch_size=32, epochs=3, grad_accum=2), fresh, 0, mid_epoch=False) == 8 * 3

@@ -439,9 +439,12 @@ class AutoComm:
         if self.drift is not None and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
             [now] = slowest([statistics.median(recent)], group, device)
-            if self._baseline == 0:  # a choice made on its prediction: its own steps are the baseline
-                self._baseline = now
-                return False
+            if self._baseline == 0:  # a choice made on its prediction: its own steps are the baseline, if they pay
+                if now < PAYS * self._exact:
+                    self._baseline = now
+                    return False
+                self._fall_back(now)
+                return True
             ratio = now / self._baseline
             if ratio >= self.drift or ratio <= 1 / self.drift:
                 self._tell(f"comm auto: the step went from {self._baseline * 1e3:.1f} to {now * 1e3:.1f} ms "
@@ -452,6 +455,19 @@ class AutoComm:
                 self._use(Scheme("none"))
                 return True
         return False
+
+    def _fall_back(self, took: float) -> None:
+        """A choice made on its prediction whose steps (``took``, the slowest rank's median) are not 5 % shorter
+        than the exact start's: the exact all-reduce from now on, as a decision of its own."""
+        untried = self._chosen
+        self._tell(f"comm auto at step {self.steps}: {untried.spec}, chosen on its prediction, takes "
+                   f"{took * 1e3:.1f} ms a step, not 5 % less than the exact all-reduce's {self._exact * 1e3:.1f}: "
+                   f"the exact all-reduce from now on; pin it with {self.pin(Scheme('none'))}")
+        self.decisions.append({**self.decisions[-1], "step": self.steps, "chosen": "none", "exact_tried": False,
+                               "tried_s": {"none": self._exact, untried.spec: took}})
+        self._chosen, self._baseline = Scheme("none"), self._exact
+        self._window_norm, self._norms, self._norm_sq = None, [], None
+        self._use(Scheme("none"))
 
     def _guarded(self, group: Any, device: torch.device) -> None:
         """The guard's check at a look (see the module notes)."""
@@ -602,8 +618,8 @@ class AutoComm:
         predicted = ", ".join(f"{k} {ms(v)}" for k, v in sorted(record["predicted_s"].items(), key=lambda kv: kv[1]))
         allowed = record.get("trial_steps")
         if not record["tried_s"] and allowed is not None and allowed < MIN_TRIAL and len(record["predicted_s"]) > 1:
-            tried = (f"nothing tried (the run's {self.run_steps} steps leave {allowed} for trials, "
-                     f"{STEP_SHARE:.0%}: fewer than a trial's {MIN_TRIAL})")
+            tried = (f"nothing tried ({allowed} steps for trials, {STEP_SHARE:.0%} of the run's: fewer than a "
+                     f"trial's {MIN_TRIAL})")
             why = (f"predicted to take at most {UNTRIED:g} of the exact step" if chosen.name != "none"
                    else f"no candidate was predicted to take at most {UNTRIED:g} of the exact step, which a choice "
                    "without a trial needs")

@@ -9,8 +9,9 @@ logging are unchanged. Its arguments are ``DDPStrategy``'s: ``DDP`` keywords
 ``bucket_cap_mb``, ``comm``, ...) go to ddpkit's wrapper, and ``ddp_comm_hook`` (with
 ``ddp_comm_state`` and ``ddp_comm_wrapper``) is registered on it on any device,
 gloo included (Lightning registers it on CUDA only). Under ``comm="auto"`` the
-decision's trials keep to a share of the fit's optimizer steps (Lightning's
-``trainer.estimated_stepping_batches``, where finite), as under ``ddpkit train``.
+decision's trials keep to a share of the fit's optimizer steps left (Lightning's
+``trainer.estimated_stepping_batches``, where finite, less the global step), as
+under ``ddpkit train``.
 
 Importing this module registers the strategy names with Lightning:
 
@@ -89,15 +90,16 @@ class DDPKitStrategy(DDPStrategy):
         self.model.register_comm_hook(self._ddp_comm_state, hook)
 
     def on_train_start(self) -> None:
-        """``comm="auto"`` (an ``AutoComm`` registered without a run length): the fit's optimizer steps bound its
-        trials (:class:`~ddpkit.comm.auto.AutoComm`'s ``run_steps``)."""
+        """``comm="auto"`` (an ``AutoComm`` registered without a run length): the fit's optimizer steps left (a
+        resumed fit's: from its global step) bound its trials (:class:`~ddpkit.comm.auto.AutoComm`'s
+        ``run_steps``)."""
         super().on_train_start()
         state = self.model.comm_state if isinstance(self.model, DistributedDataParallel) else None
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if isinstance(state, AutoComm) and state.run_steps is None and trainer is not None:
-            steps = trainer.estimated_stepping_batches
-            if math.isfinite(steps) and steps >= 1:
-                state.run_steps = int(steps)
+        if isinstance(state, AutoComm) and state.run_steps is None and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
+            steps = trainer.estimated_stepping_batches  # (inf: unbounded; -1: an iterable of unknown length)
+            if math.isfinite(steps) and steps - trainer.global_step >= 1:
+                state.run_steps = int(steps - trainer.global_step)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         """Manual optimisation: arm the reducer, or not, as this backward will (or will not) synchronise."""

@@ -260,7 +260,8 @@ def _start(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> Run
         print0(f"ddpkit train: restart {attempt}: no checkpoint yet, starting again in {claim.out}")
     if model is None:
         # (--comm-hook auto's trials keep to a share of the steps left)
-        model = wrap(state.model, config, ctx.device, steps_left(config, state.sampler, state.extra["epoch"]) or None)
+        left = steps_left(config, state.sampler, state.extra["epoch"], mid_epoch=state.extra["batches_done"] > 0)
+        model = wrap(state.model, config, ctx.device, left or None)
     run = Run(state=state, config=config, model=model, strategy=make_strategy(state, model, config),
               device=ctx.device, world=ctx.world_size, out=claim.out,
               train_data=(data.train.images.to(ctx.device), data.train.labels.to(ctx.device)), test=data.test)
@@ -310,7 +311,7 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
     run = _start(config, claim, attempt)
     progress = run.progress
     first_epoch = progress["epoch"]
-    left = steps_left(config, run.state.sampler, first_epoch)
+    left = steps_left(config, run.state.sampler, first_epoch, mid_epoch=progress["batches_done"] > 0)
     bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
                # A bar redraws with carriage returns: on a terminal only, never
                # into a redirected log (the epoch lines are printed either way).

@@ -239,11 +239,15 @@ def whole_epoch_steps(config: TrainConfig, sampler: DistributedSampler) -> int:
     return steps_per_epoch(config, math.ceil(len(sampler.dataset) / sampler.num_replicas))
 
 
-def steps_left(config: TrainConfig, sampler: DistributedSampler, epoch: int) -> int:
-    """Optimizer steps from ``sampler``'s position in epoch ``epoch`` (from 0) to the run's end: the rest of this
-    epoch (re-sharded after a resume at another world), then whole epochs."""
-    later = max(0, config.epochs - epoch - 1)
-    return steps_per_epoch(config, len(sampler)) + whole_epoch_steps(config, sampler) * later
+def steps_left(config: TrainConfig, sampler: DistributedSampler, epoch: int, mid_epoch: bool) -> int:
+    """Optimizer steps from ``sampler``'s position in epoch ``epoch`` (from 0) to the run's end: where the run stands
+    ``mid_epoch``, the rest of this epoch (``len(sampler)``: re-sharded after a resume at another world), then
+    whole epochs (an epoch's start is a whole one, whatever offset the sampler kept from the epoch before)."""
+    if epoch >= config.epochs:
+        return 0
+    whole = whole_epoch_steps(config, sampler)
+    first = steps_per_epoch(config, len(sampler)) if mid_epoch else whole
+    return first + whole * (config.epochs - epoch - 1)
 
 
 def sharded_params(config: TrainConfig) -> bool:
