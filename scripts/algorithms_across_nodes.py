@@ -15,10 +15,7 @@ left out):
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,18 +66,10 @@ def main() -> None:
     sys.path.insert(0, str(root / "src"))
     from ddpkit.bench.sections.links.testbed import Testbed
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src"),
-           "DDPKIT_JOB_TOKEN": secrets.token_hex(16)}
-    env.pop("GLOO_SOCKET_IFNAME", None)  # each namespace has one interface: gloo finds it
     with Testbed(2) as testbed:
         testbed.shape(None if args.rate == "none" else args.rate)
-        port = str(29500 + os.getpid() % 1000)
-        argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--nproc-per-node", "2",
-                "--master-addr", testbed.nodes[0].address, "--master-port", port]
         script = [__file__, "--worker", "--elements", str(args.elements), "--rounds", str(args.rounds)]
-        launchers = [subprocess.Popen(testbed.command(k, [*argv, "--node-rank", str(k), *script]), env=env)
-                     for k in range(2)]
-        codes = [p.wait() for p in launchers]
+        codes = testbed.launch(script, nproc_per_node=2)
     if any(codes):
         sys.exit(f"a launcher failed: exit codes {codes}")
 

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import secrets
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,19 +77,11 @@ def main() -> None:
     sys.path.insert(0, str(root / "src"))
     from ddpkit.bench.sections.links.testbed import Testbed
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src"),
-           "DDPKIT_JOB_TOKEN": secrets.token_hex(16)}
-    env.pop("GLOO_SOCKET_IFNAME", None)  # each namespace has one interface: gloo finds it
     with Testbed(2) as testbed:
         testbed.shape(None if args.rate == "none" else args.rate)
-        port = str(29500 + os.getpid() % 1000)
-        argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master-addr", testbed.nodes[0].address, "--master-port", port]
         script = [__file__, "--worker", "--model", args.model, "--steps", str(args.steps), "--batch-size",
                   str(args.batch_size), "--caps", *(str(c) for c in args.caps)]
-        launchers = [subprocess.Popen(testbed.command(k, [*argv, "--node-rank", str(k), *script]), env=env)
-                     for k in range(2)]
-        codes = [p.wait() for p in launchers]
+        codes = testbed.launch(script)
     if any(codes):
         sys.exit(f"a launcher failed: exit codes {codes}")
 

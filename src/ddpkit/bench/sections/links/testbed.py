@@ -9,7 +9,8 @@ receives; a bucket of 1 ms at the rate, at least 128 KiB), as a NIC of that
 speed would; this kernel has no ``netem``, so
 rate only, no added delay or loss. :meth:`Testbed.cut` and
 :meth:`Testbed.mend` pull a node's cable and plug it back. Commands run in a
-node through :meth:`Testbed.command` (``ip netns exec``).
+node through :meth:`Testbed.command` (``ip netns exec``); :meth:`Testbed.launch`
+starts a ``ddpkit launch`` job on every node (the measurement scripts').
 
 Needs root and iproute2 (``ip``, ``tc``); everything made is removed on
 exit, also after an error. The tests' nodes and ``ddpkit bench links`` are
@@ -24,6 +25,7 @@ import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 __all__ = ["Node", "Testbed", "TestbedError", "parse_rate"]
@@ -149,6 +151,23 @@ class Testbed:
     def command(self, node: int, argv: list[str]) -> list[str]:
         """``argv`` run inside node ``node``."""
         return ["ip", "netns", "exec", self.nodes[node].namespace, *argv]
+
+    def launch(self, script: list[str], nproc_per_node: int = 1) -> list[int]:
+        """``ddpkit launch`` of ``script`` (a Python file and its arguments) on every node, ``nproc_per_node``
+        workers each, node 0 the master; waits for the launchers and returns their exit codes. Each worker gets one
+        thread, this checkout's ``src`` on its path and a fresh job token; ``GLOO_SOCKET_IFNAME`` is left out (each
+        namespace has one interface, which gloo finds)."""
+        import sys
+
+        src = str(Path(__file__).resolve().parents[4])  # the checkout's src/
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src, "DDPKIT_JOB_TOKEN": secrets.token_hex(16)}
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        argv = [sys.executable, "-m", "ddpkit", "launch", "--nnodes", str(len(self.nodes)), "--nproc-per-node",
+                str(nproc_per_node), "--master-addr", self.nodes[0].address, "--master-port",
+                str(29500 + os.getpid() % 1000)]
+        launchers = [subprocess.Popen(self.command(k, [*argv, "--node-rank", str(k), *script]), env=env)
+                     for k in range(len(self.nodes))]
+        return [p.wait() for p in launchers]
 
     def shape(self, rate: str | None) -> None:
         """Every cable at ``rate`` in both directions (``100mbit``, ``1gbit``, ...); None: unshaped again."""
