@@ -254,7 +254,9 @@ class AutoComm:
         self._exact = 0.0
         self._link: Link | None = None
         self._predicted: dict[Scheme, float] = {}
-        self._baseline = 0.0
+        self._baseline: float | None = None
+        """The chosen scheme's step time the drift compares with (its trial's median); None until measured (a choice
+        made on its prediction, :meth:`_drifted`)."""
         self._chosen = Scheme("none")
         """The decision in force (the scheme a guarded window returns to)."""
         self._norm_sq: torch.Tensor | None = None
@@ -327,7 +329,8 @@ class AutoComm:
             self.phase = phase  # taken back, not moved: the phase the saved run was in
             self._chosen = chosen
             self._since, self._length = int(state["since"]), int(state["length"])
-            self._baseline, self._exact = float(state["baseline"]), float(state["exact"])
+            self._baseline = None if state["baseline"] is None else float(state["baseline"])
+            self._exact = float(state["exact"])
             self._window_norm = state["window_norm"]
             self._norms = [torch.tensor(v, dtype=torch.float32, device=device) for v in state["norms"]]
             if state["norm_sq"] is not None:
@@ -439,13 +442,13 @@ class AutoComm:
         if self.drift is not None and len(self._starts) > 20:
             recent = [b - a for a, b in itertools.pairwise(self._starts[-21:])]
             [now] = slowest([statistics.median(recent)], group, device)
-            if self._baseline == 0:  # a choice made on its prediction: its own steps are the baseline, if they pay
+            if self._baseline is None:  # a choice made on its prediction: its own steps are the baseline, if they pay
                 if now < PAYS * self._exact:
                     self._baseline = now
                     return False
                 self._fall_back(now)
                 return True
-            ratio = now / self._baseline
+            ratio = now / self._baseline if self._baseline > 0 else 1.0
             if ratio >= self.drift or ratio <= 1 / self.drift:
                 self._tell(f"comm auto: the step went from {self._baseline * 1e3:.1f} to {now * 1e3:.1f} ms "
                            f"({ratio:.2f}x) under {self.scheme.spec}: deciding again")
@@ -542,7 +545,6 @@ class AutoComm:
         self._trial_most = self.trial
         if allowed is not None:  # the run's steps bound the trials: the best-predicted first, as many as fit
             worth = worth[: allowed // MIN_TRIAL]
-        self._exact_tried = False
         if not worth:
             self._done = [_Trial(Scheme("none"), [self._exact])]
             best = min(self.candidates, key=lambda s: (self._predicted[s], s.lossiness), default=None)
@@ -593,7 +595,7 @@ class AutoComm:
         chosen = done[chosen_index].scheme
         self._baseline = medians[chosen_index]
         if untried is not None:  # its step is measured at the drift's first look (a prediction may be 2x off)
-            chosen, self._baseline = untried, 0.0
+            chosen, self._baseline = untried, None
         record = {
             "step": self.steps, "link": self._link, "exact_step_s": self._exact,
             "predicted_s": {s.spec: p for s, p in self._predicted.items()},

@@ -133,12 +133,12 @@ class AllReducedSum:
         return True
 
     @contextlib.contextmanager
-    def overlapping(self, buffer: torch.Tensor, weight: float, marks: int, last: bool) -> Iterator[None]:
-        """Around a micro-batch's forward and backward: where it is this rank's ``last`` of the step (and the
-        step overlaps), each gradient is weighted into ``buffer`` as autograd accumulates it (counted in the
-        parameter marks from word ``marks``) and each complete bucket goes out."""
+    def overlapping(self, buffer: torch.Tensor, weight: float, marks: int) -> Iterator[None]:
+        """Around this rank's last micro-batch of the step (where the step overlaps): each gradient is weighted
+        into ``buffer`` as autograd accumulates it (counted in the parameter marks from word ``marks``) and each
+        complete bucket goes out."""
         overlap = self.overlap
-        if not last or overlap is None:
+        if overlap is None:
             yield
             return
 

@@ -625,7 +625,7 @@ class FaultTolerance:
         accumulates it and each complete bucket goes out (:mod:`.overlap`)."""
         if not last or self.deterministic:
             return contextlib.nullcontext()
-        return self._summed.overlapping(buffer, self._weight(samples, total), self._layout()[1], last)
+        return self._summed.overlapping(buffer, self._weight(samples, total), self._layout()[1])
 
     def send_rest(self, buffer: torch.Tensor) -> None:
         """Send the buckets of ``buffer`` that no backward completed (once the rank's micro-batches are done)."""
