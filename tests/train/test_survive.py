@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from event_files import epochs_of, expected_from_metrics, read_board
 from procs import ROOT, base_env, launch, script
 from shared_runs import ft_reference, ft_run
 
@@ -613,15 +614,26 @@ def _train(out: Path, *args: str) -> dict:
 def test_train_in_the_mode_trains_ddps_bits_when_nobody_dies(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    # With a warm-up: the learning rate of every step is the default mode's too.
-    ddp = _train(tmp_path / "ddp", "--nproc-per-node", "2", "--warmup-epochs", "0.5")
+    # With a warm-up: the learning rate of every step is the default mode's too. And --tensorboard: the mode
+    # writes the default mode's points.
+    ddp = _train(tmp_path / "ddp", "--nproc-per-node", "2", "--warmup-epochs", "0.5", "--tensorboard",
+                 str(tmp_path / "tb-ddp"))
     survive = _train(tmp_path / "continue", "--nproc-per-node", "2", "--warmup-epochs", "0.5", "--on-failure",
-                     "continue")
+                     "continue", "--tensorboard", str(tmp_path / "tb-continue"))
     assert survive["test_accuracy"] == ddp["test_accuracy"] and survive["steps"] == ddp["steps"]
+    shared = ("lr", "base_lr", "global_batch_size", "replicas", "engine", "strategy", "amp", "grad_accum", "epochs",
+              "test_samples", "resumed_from_epoch")  # summary.json: the default mode's keys hold in the mode too
+    assert {k: survive[k] for k in shared} == {k: ddp[k] for k in shared} and survive["samples_per_s"] > 0
     a, b = load_file(tmp_path / "ddp" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
     assert all(a[k].equal(b[k]) for k in a)
     metrics = [json.loads(line) for line in (tmp_path / "continue" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["min_seen"] == metrics[-1]["max_seen"] == 1
+    default = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert set(metrics[-1]) == set(default[-1]) | {"world_size"}  # the default mode's record, and the world
+    ours, theirs = read_board(tmp_path / "tb-continue"), read_board(tmp_path / "tb-ddp")
+    timing = ("perf/samples_per_s", "perf/epoch_time_s")
+    assert {t: p for t, p in ours.items() if t not in timing} == {t: p for t, p in theirs.items() if t not in timing}
+    assert set(ours) == set(theirs) and len(ours["train/loss_step"]) >= 10
 
 
 @FAULTS
@@ -706,10 +718,17 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def _rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
 @pytest.mark.slow("two or three ddpkit train runs of two or three workers in the mode, one killed")
-@pytest.mark.parametrize("victims", ["workers", "launcher", "workers, and --max-restarts"])
-def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp_path: Path, shared_runs,
+@pytest.mark.parametrize("victims", ["workers", "launcher", "workers, and --max-restarts", "the first worker"])
+def test_a_run_that_loses_its_workers_or_launcher_ends_bitwise_equal(tmp_path: Path, shared_runs,
                                                                               victims: str) -> None:
+    # And --tensorboard: each epoch once in the event files, with metrics.jsonl's values, whoever wrote them (the
+    # resumed run from its checkpoint's step; the second worker from where the first, the writer, died).
     import os
     import re
     import signal
@@ -724,8 +743,9 @@ def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp
     ref, _ = shared_runs.get("floor: " + " ".join(FLOOR), reference)
     out = tmp_path / "run"
     restarts = ["--max-restarts", "1"] if "restarts" in victims else []
+    board = ["--tensorboard", str(tmp_path / "tb")]
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", *FLOOR, *restarts,
-                             "--output-dir", str(out)], env=base_env(), stdout=subprocess.PIPE,
+                             *board, "--output-dir", str(out)], env=base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
         for line in proc.stdout:
@@ -736,29 +756,45 @@ def test_every_worker_killed_then_resume_ends_bitwise_equal_at_another_world(tmp
         while not any(int(p.stem.split("-")[1]) > 23 for p in (out / "checkpoints").glob("step-*.safetensors")):
             assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint in the second epoch"
             time.sleep(0.01)
-        for pid in [proc.pid] if victims == "launcher" else _children(proc.pid):
+        pids = _children(proc.pid)
+        if victims == "launcher":
+            pids = [proc.pid]
+        elif victims == "the first worker":
+            pids = [pid for pid in pids if _rank_of(pid) == 0]
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
         said = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
         proc.communicate()
-    if restarts:  # the command restarts every worker from the newest checkpoint by itself
+    if victims == "the first worker":  # the second worker trains on alone, and writes
+        assert proc.returncode == 0 and "the job goes on with 1 worker(s)" in said, said[-3000:]
+        resumed = None
+    elif restarts:  # the command restarts every worker from the newest checkpoint by itself
         assert proc.returncode == 0, said[-3000:]
         assert "no worker holding the training state is left; restart 1 of 1" in said
         resumed = said
     else:
         assert not (out / "summary.json").exists()
-        done = _floor_run(out, 3, "--resume")  # another world: the global batch and the shards are the checkpoint's
+        done = _floor_run(out, 3, "--resume", *board)  # another world: the batch and the shards are the checkpoint's
         assert done.returncode == 0, done.stderr[-3000:]
         assert "with 3 worker(s)" in done.stdout
         resumed = done.stdout
-    resumed_at = int(re.search(r"resumed from step-\d+\.safetensors \(step (\d+)\)", resumed).group(1))
-    assert 23 < resumed_at < 92  # after the first epoch, before the end: the resumed run trained steps
+    if resumed is not None:
+        resumed_at = int(re.search(r"resumed from step-\d+\.safetensors \(step (\d+)\)", resumed).group(1))
+        assert 23 < resumed_at < 92  # after the first epoch, before the end: the resumed run trained steps
     mine = load_file(out / "model.safetensors")
     assert all(ref[k].equal(mine[k]) for k in ref)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["min_seen"] == m["max_seen"] == 1 for m in metrics)
+    points, expected = epochs_of(read_board(tmp_path / "tb")), expected_from_metrics(out)
+    timing = ("perf/samples_per_s", "perf/epoch_time_s")  # each writer's own (metrics.jsonl: the last writer's)
+    for tag in timing:
+        assert [step for step, _ in points.pop(tag)] == [step for step, _ in expected.pop(tag)] == [23, 46, 69, 92]
+    assert points == expected
+    points = read_board(tmp_path / "tb")
+    assert [step for step, _ in points["train/loss_step"]] == list(range(10, 93, 10))  # each once
 
 
 @pytest.mark.parametrize("extra,world,start,match", [

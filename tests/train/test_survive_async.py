@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from event_files import expected_from_metrics, read_board
 from procs import ROOT, base_env, children
 
 pytestmark = pytest.mark.alone("a parameter server's job, and faults sent while it trains")
@@ -109,24 +110,36 @@ def test_ps_sync_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> Non
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
-def _same_weights_in_both_modes(tmp_path: Path, strategy: str, flags: tuple[str, ...]) -> dict:
-    """``ddpkit train`` of two workers for an epoch in the default mode and in the mode: the same weights, bit for
-    bit; the mode's summary."""
+def _same_weights_in_both_modes(tmp_path: Path, strategy: str, flags: tuple[str, ...],
+                                continued: tuple[str, ...] = ()) -> dict:
+    """``ddpkit train`` of two workers for an epoch in the default mode and in the mode (with ``continued`` too): the
+    same weights, bit for bit; the mode's summary."""
     from safetensors.torch import load_file
 
-    for name, mode in (("default", flags), ("continue", (*flags, "--on-failure", "continue"))):
+    for name, mode in (("default", flags), ("continue", (*flags, *continued, "--on-failure", "continue"))):
         done = subprocess.run(_args(tmp_path / name, strategy, 1, workers=2, mode=mode), env=base_env(),
                               capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-3000:]
     a, b = load_file(tmp_path / "default" / "model.safetensors"), load_file(tmp_path / "continue" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    return json.loads((tmp_path / "continue" / "summary.json").read_text())
+    default, survive = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("default", "continue"))
+    shared = ("lr", "base_lr", "global_batch_size", "replicas", "engine", "strategy", "amp", "grad_accum", "epochs",
+              "steps", "test_samples", "resumed_from_epoch")  # the default mode's keys hold in the mode too
+    assert {k: survive[k] for k in shared} == {k: default[k] for k in shared}
+    return survive
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")
-@pytest.mark.slow("two ddpkit train runs of two SSP workers on MNIST, one in the mode")
+@pytest.mark.slow("two ddpkit train runs of two SSP workers on MNIST, one in the mode, both compiled")
 def test_ssp_without_staleness_in_the_mode_equals_the_default_modes_run(tmp_path: Path) -> None:
-    _same_weights_in_both_modes(tmp_path, "ssp", ("--staleness", "0", "--warmup-epochs", "0.5"))
+    # --compile and --tensorboard hold in the mode too (both were silently dropped there until 2026-12-01): the
+    # compiled forward's bits are the default mode's compiled ones, and the first member writes its epochs.
+    board = tmp_path / "tb"
+    _same_weights_in_both_modes(tmp_path, "ssp", ("--staleness", "0", "--warmup-epochs", "0.5", "--compile"),
+                                ("--tensorboard", str(board)))
+    points = read_board(board)
+    assert points == expected_from_metrics(tmp_path / "continue") | {"train/loss_step": points["train/loss_step"]}
+    assert [step for step, _ in points["train/loss_step"]] == list(range(10, 126, 10))  # 125 steps of 32 a worker
 
 
 @pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/data/mnist")

@@ -16,6 +16,12 @@ attempt at or after it is hidden) and writes the epochs from there again:
 each epoch and each logged step shows once, as the run that never stopped
 would show it. Into a directory without earlier event files it writes the
 whole history.
+
+Under ``--on-failure continue`` the first member of the membership writes
+(the same points; ``train/loss_step`` its own micro-batches' mean loss), and
+when a death makes another member first, that one puts a restart marker at
+the last step the other was first at and writes the epochs from there again
+before its first point (:class:`MemberBoard`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 
 from ddpkit.runtime.options import ConfigError
 
-__all__ = ["SCALARS", "STEP_EVERY", "EpochBoard", "check"]
+__all__ = ["SCALARS", "STEP_EVERY", "EpochBoard", "MemberBoard", "check"]
 
 SCALARS = {"train_loss": "train/loss", "test_loss": "test/loss", "test_accuracy": "test/accuracy", "lr": "lr",
            "samples_per_s": "perf/samples_per_s", "epoch_time_s": "perf/epoch_time_s"}
@@ -91,7 +97,84 @@ class EpochBoard:
             if key in record:
                 writer.add_scalar(tag, float(record[key]), global_step=int(record["step"]))
 
+    def publish(self, record: Mapping[str, Any]) -> None:
+        """:meth:`write`, where a failure warns and training goes on."""
+        try:
+            self.write(record)
+        except OSError as e:
+            self.warn(e)
+
+    def publish_step(self, step: int, loss: float) -> None:
+        """:meth:`step`, where a failure warns once and ends the per-step points of this run (the epochs' go on
+        being tried, each failure warning)."""
+        if not self.steps:
+            return
+        try:
+            self.step(step, loss)
+        except OSError as e:
+            self.steps = False
+            self.warn(e, ", without per-step points")
+
+    def warn(self, error: OSError, after: str = "") -> None:
+        """One line: the events could not be written, and training goes on."""
+        from ddpkit.runtime.durable import describe_write_error  # (torch's import: not at the launcher's start)
+
+        print(f"ddpkit train: warning: could not write TensorBoard events to {self.directory}: "
+              f"{describe_write_error(error)}; training goes on{after}", flush=True)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+class MemberBoard:
+    """``--tensorboard`` where the writer can change hands (``--on-failure continue``): whoever is ``first`` (the
+    first member of the current membership) writes. Told after each applied optimizer step whether this process
+    is first (:meth:`applied`), a process that becomes first takes over before its first point: a restart marker
+    at the last step another member was first at (that one may have died before writing that step's points), or,
+    first from the start of a run resumed at ``resumed_at``, at that step; then the epochs of its history from
+    there (:meth:`EpochBoard.rewrite`). Nothing is written without a directory."""
+
+    def __init__(self, directory: Path | None, resumed_at: int | None) -> None:
+        self.board = None if directory is None else EpochBoard(directory)
+        self.since = resumed_at
+        """From which optimizer step this process's points replace what is there (None: nothing to replace)."""
+        self._writing = False
+
+    def applied(self, first: bool, step: int) -> None:
+        """After optimizer step ``step`` was applied: whether this process is first now."""
+        if not first:
+            if self._writing and self.board is not None:
+                self.board.close()  # a take-over again opens with its restart marker
+            self.since, self._writing = step, False
+
+    def _writer(self, first: bool, history: list[Mapping[str, Any]]) -> EpochBoard | None:
+        """The board if this process writes now, having taken over where it had not written yet."""
+        if self.board is None or not first:
+            return None
+        if not self._writing:
+            self._writing = True
+            if self.since is not None:
+                try:
+                    self.board.rewrite(history, self.since)
+                except OSError as e:
+                    self.board.warn(e)
+        return self.board
+
+    def epoch(self, first: bool, history: list[Mapping[str, Any]]) -> None:
+        """The epoch just appended to ``history`` (unless a take-over wrote it with the others)."""
+        took_over = not self._writing and self.since is not None
+        board = self._writer(first, history)
+        if board is not None and not took_over:
+            board.publish(history[-1])
+
+    def step(self, first: bool, history: list[Mapping[str, Any]], step: int, loss: float) -> None:
+        """``train/loss_step`` at optimizer step ``step``: this process's own micro-batches' mean loss."""
+        board = self._writer(first, history)
+        if board is not None:
+            board.publish_step(step, loss)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()

@@ -31,7 +31,9 @@ deaths), each settles once more (diloco: the last epoch's outer step, which
 ends with the members agreed, made the final model) and the first member writes
 ``model.safetensors`` and ``summary.json``. Buffers (BatchNorm's statistics)
 are each worker's own: the servers, and the replicas' average, hold the
-parameters only.
+parameters only. ``--compile`` compiles each worker's forward, and with
+``--tensorboard`` the first member writes its own epochs' points as
+``metrics.jsonl`` holds them (:class:`~ddpkit.integrations.tensorboard.MemberBoard`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit.data.sampler import DistributedSampler
+from ddpkit.integrations.tensorboard import STEP_EVERY, MemberBoard
 from ddpkit.parallel.diloco import DiLoCo
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
@@ -96,6 +99,9 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         print(f"ddpkit train: {config.model} on {config.dataset}, --strategy {config.strategy} --on-failure continue "
               f"with {world} worker(s), {servers}, lr {config.lr:g} x {scale}, output {out}", flush=True)
     history: list[dict[str, Any]] = []
+    board = MemberBoard(config.tensorboard, resumed_at=None)
+    # dynamic=False: one kernel per shape (a short last batch is a shape of its own), as in the default mode.
+    forward = torch.compile(model, dynamic=False) if config.compile else model
     said = 0  # DiLoCo's changes said so far
     start = time.perf_counter()
     for epoch in range(config.epochs):
@@ -110,7 +116,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                                       steps_per_epoch))
             opt.zero_grad(set_to_none=True)
             with autocast():
-                logits = model(x[b])
+                logits = forward(x[b])
             loss = F.cross_entropy(logits.float().flatten(0, -2), y[b].flatten())
             loss.backward()
             opt.step()
@@ -119,6 +125,11 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                 said = _say_changes(outer, members, said)
             loss_sum += float(loss.detach()) * len(b)
             count += len(b)
+            done = epoch * steps_per_epoch + at // config.batch_size + 1  # this worker's optimizer steps
+            first = members.latest().members[0] == members.member
+            board.applied(first, done)
+            if done % STEP_EVERY == 0:
+                board.step(first, history, done, float(loss.detach()))
         settle()
         if outer is not None and epoch == config.epochs - 1:
             outer.sync()  # the inner steps since the last outer step, in one more: every member holds the model
@@ -126,10 +137,13 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         with _global_model(outer):
             test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
         view = members.latest()
-        record = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss,
-                  "test_accuracy": accuracy, "workers": view.size, "servers_gone": list(view.servers_gone),
-                  "samples": count, "epoch_time_s": round(time.perf_counter() - began, 4), "rank": rank}
+        elapsed = time.perf_counter() - began
+        record = {"epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch, "train_loss": loss_sum / max(count, 1),
+                  "test_loss": test_loss, "test_accuracy": accuracy, "lr": opt.param_groups[0]["lr"],
+                  "epoch_time_s": round(elapsed, 4), "samples_per_s": round(count / elapsed, 1) if elapsed else None,
+                  "workers": view.size, "servers_gone": list(view.servers_gone), "samples": count, "rank": rank}
         history.append(record)
+        board.epoch(view.members[0] == members.member, history)
         if view.members[0] == members.member:
             left = "" if ssp or diloco else f", {config.num_servers - len(view.servers_gone)} server(s)"
             print(f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss "
@@ -146,10 +160,13 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
     wall = time.perf_counter() - start
     summary = {"test_accuracy": accuracy, "test_loss": test_loss, "test_samples": n, "epochs": config.epochs,
-               "world_size": view.size, "started_with": world, "servers": config.num_servers,
-               "servers_gone": list(view.servers_gone), "ps_replication": config.ps_replication,
-               "strategy": config.strategy, "wall_time_s": round(wall, 3), "model": config.model,
-               "dataset": config.dataset, "on_failure": "continue"}
+               "world_size": view.size, "global_batch_size": config.batch_size * world, "replicas": world,
+               "lr": config.lr * scale, "base_lr": config.lr, "wall_time_s": round(wall, 3),
+               "engine": config.engine, "strategy": config.strategy, "model": config.model,
+               "dataset": config.dataset, "amp": config.amp, "grad_accum": config.grad_accum,
+               "resumed_from_epoch": 0, "steps": config.epochs * steps_per_epoch,  # (each worker's)
+               "started_with": world, "servers": config.num_servers, "servers_gone": list(view.servers_gone),
+               "ps_replication": config.ps_replication, "on_failure": "continue"}
     if outer is not None:
         planned = len(sampler) * world * config.epochs
         summary.update(servers=0, diloco={
@@ -174,6 +191,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         print(f"DiLoCo: the global model holds {d['samples_in_model']} of the {d['samples_planned']} samples planned"
               + (f" ({d['samples_lost']} lost: the inner steps of the workers that died since their last outer "
                  "step, and the data they had left)" if d["samples_lost"] else ""), flush=True)
+    board.close()
     if not ssp and not diloco:
         ps.close()
     return summary

@@ -25,7 +25,12 @@ counts each step reduces with its gradients (so a shard lost or trained twice
 shows). ``membership.jsonl`` lists every change as the worker that wrote it
 lived it: when the launcher's word arrived, when the group was rebuilt, when
 the first step after it was applied, the state received. At the end the
-first member writes ``model.safetensors`` and ``summary.json``.
+first member writes ``model.safetensors`` and ``summary.json``. The epoch's
+record holds the default mode's keys (``lr``; ``epoch_time_s`` and
+``samples_per_s`` as the writer timed them) and the world size; with
+``--tensorboard`` the first member writes the default mode's points, and one
+that becomes first after a death takes over
+(:class:`~ddpkit.integrations.tensorboard.MemberBoard`).
 
 Its state lives in the surviving processes, and also on disk, as a floor:
 the first member writes a checkpoint (``<output-dir>/checkpoints``, atomic,
@@ -53,6 +58,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ddpkit.integrations.tensorboard import STEP_EVERY, MemberBoard
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import membership
 from ddpkit.runtime.discovery import discover
@@ -192,20 +198,25 @@ def worker(config: TrainConfig) -> dict[str, Any]:
               f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}"
               + (f", resumed from {resumed[0].name} (step {ft.committed})" if resumed else ""), flush=True)
     saver = Saver(config, out, world, ft.steps_per_epoch)
+    board = MemberBoard(config.tensorboard, ft.committed if resumed else None)
     autocast = autocast_for(config, ctx.device)
     # dynamic=False: one kernel per shape, whatever shapes a process saw before, so a replacement computes a shard's
     # bits as the others do (automatic dynamic shapes would give it a static kernel where they use a dynamic one).
     forward = torch.compile(model, dynamic=False) if config.compile else model  # FaultTolerance keeps the plain module
     start = time.perf_counter()
-    epoch_start = start
+    first_step, trained = ft.committed, 0  # (the samples of the steps this process saw applied)
+    epoch_start, epoch_samples = start, 0  # this process's timing of the epoch
     for step in ft.steps(epochs=config.epochs):
         loss_sum = torch.zeros(1, dtype=torch.float64)
+        mine = 0
         for xb, yb in step:
             with autocast():
                 logits = forward(xb)
             loss = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten())
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
+            mine += len(yb)
+        own = float(loss_sum)  # (step.sync() sums loss_sum in place)
         if step.sync(values=loss_sum):
             if config.warmup_for(world):  # the starting world's scaled rate: the global batch keeps its size
                 set_lr(optimizer, warmup_lr(config, world, step.index, ft.steps_per_epoch))
@@ -213,14 +224,25 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             progress.account(step, ft.shards)
             progress.loss_sum += float(step.values[0])
             progress.count += step.samples
+            epoch_samples += step.samples
+            trained += step.samples
+            board.applied(ft.rank == 0, step.index + 1)
+            if (step.index + 1) % STEP_EVERY == 0 and mine:  # as the default mode's rank 0: its own mean loss
+                board.step(ft.rank == 0, progress.history, step.index + 1, own / mine)
         optimizer.zero_grad(set_to_none=True)
         if step.synced and (step.index + 1) % ft.steps_per_epoch == 0:
-            _end_epoch(config, ft, step, progress, data.test, out, autocast, time.perf_counter() - epoch_start)
-            epoch_start = time.perf_counter()
+            elapsed = time.perf_counter() - epoch_start
+            _end_epoch(config, ft, step, progress, data.test, out, autocast, elapsed, epoch_samples)
+            board.epoch(ft.rank == 0, progress.history)
+            epoch_start, epoch_samples = time.perf_counter(), 0
         if step.synced and ft.rank == 0 and saver.due(step.index + 1):
             saver.save(ft)
+    board.close()
     _write_changes(out, ft)
-    return _finish(config, ft, progress, data.test.labels.numel(), out, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return _finish(config, ft, progress, data.test.labels.numel(), out, wall, {
+        "replicas": world, "lr": config.lr * world, "base_lr": config.lr, "samples_per_s": round(trained / wall, 1) if wall > 0 else None,
+        "resumed_from_epoch": first_step // ft.steps_per_epoch if resumed else 0})
 
 
 def _newest(out: Path, rank: int) -> tuple[Path, dict[str, Any]] | None:
@@ -271,15 +293,19 @@ class Saver:
 
 
 def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Progress, test: Any, out: Path,
-               autocast: Any, elapsed: float) -> None:
+               autocast: Any, elapsed: float, samples: int) -> None:
+    """Evaluate, and append the epoch's record (the default mode's keys, and the world size) to the history.
+
+    ``elapsed`` and ``samples``: the seconds this process timed the epoch and the samples of the steps applied
+    meanwhile (a replacement's first epoch: since it started)."""
     epoch = step.epoch + 1
-    record: dict[str, Any] = {"epoch": epoch, "step": step.index + 1,
-                              "train_loss": progress.loss_sum / max(progress.count, 1),
-                              "min_seen": int(progress.seen.min()), "max_seen": int(progress.seen.max()),
-                              "world_size": ft.world_size, "epoch_time_s": round(elapsed, 4)}
     # Every member evaluates (the replicas are equal), so that every one holds the same history to hand on.
     loss, accuracy, _ = evaluate_alone(ft.model, test, ft.device, autocast)
-    record.update(test_loss=loss, test_accuracy=accuracy)
+    record: dict[str, Any] = {
+        "epoch": epoch, "step": step.index + 1, "train_loss": progress.loss_sum / max(progress.count, 1),
+        "test_loss": loss, "test_accuracy": accuracy, "lr": ft.optimizer.param_groups[0]["lr"],
+        "epoch_time_s": round(elapsed, 4), "samples_per_s": round(samples / elapsed, 1) if elapsed > 0 else None,
+        "min_seen": int(progress.seen.min()), "max_seen": int(progress.seen.max()), "world_size": ft.world_size}
     if ft.rank == 0:
         print(f"epoch {epoch}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss {loss:.4f}, test "
               f"accuracy {100 * accuracy:.2f}%, {ft.world_size} worker(s)", flush=True)
@@ -299,15 +325,18 @@ def _write_changes(out: Path, ft: FaultTolerance) -> None:
             f.write(lines)
 
 
-def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int, out: Path,
-            wall: float) -> dict[str, Any]:
+def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int, out: Path, wall: float,
+            timing: dict[str, Any]) -> dict[str, Any]:
+    """The final weights and ``summary.json`` (the default mode's keys, ``timing`` among them, and the mode's)."""
     last = progress.history[-1]  # the last step ends the last epoch, which evaluated the final weights
     loss, accuracy = last["test_loss"], last["test_accuracy"]
     summary = {"test_accuracy": accuracy, "test_loss": loss, "test_samples": n, "epochs": config.epochs,
                "world_size": ft.world_size, "global_batch_size": ft.shards.batch_size,
+               "wall_time_s": round(wall, 3), "engine": config.engine, "strategy": config.strategy,
+               "model": config.model, "dataset": config.dataset, "amp": config.amp, "grad_accum": config.grad_accum,
+               "steps": ft.committed, **timing,
                "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
-               "steps": ft.committed, "wall_time_s": round(wall, 3), "membership_changes": len(ft.changes),
-               "model": config.model, "dataset": config.dataset, "on_failure": "continue"}
+               "membership_changes": len(ft.changes), "on_failure": "continue"}
     if ft.rank == 0:
         save_weights(out / "model.safetensors", ft.model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -173,8 +173,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
                 torch.cuda.synchronize(run.device)
             time.sleep((slow - 1) * (time.perf_counter() - began))
         if config.warmup_for(run.lr_scale):
-            for group in state.optimizer.param_groups:
-                group["lr"] = run.lr_at(state.step)
+            set_lr(state.optimizer, run.lr_at(state.step))
         with tracer.phase("optimizer"):
             run.strategy.step(state.scaler, state.optimizer)
         state.step += 1

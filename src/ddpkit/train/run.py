@@ -160,26 +160,14 @@ class Run:
 
     def publish(self, record: dict[str, Any]) -> None:
         """Rank 0 adds a finished epoch to the TensorBoard files (``--tensorboard``); a failure warns."""
-        if self.board is None:
-            return
-        try:
-            self.board.write(record)
-        except OSError as e:
-            print(f"ddpkit train: warning: could not write TensorBoard events to {self.board.directory}: "
-                  f"{describe_write_error(e)}; training goes on", flush=True)
+        if self.board is not None:
+            self.board.publish(record)
 
     def publish_step(self, step: int, loss: float) -> None:
-        """Rank 0's mean loss of optimizer step ``step`` to the TensorBoard files. A failure warns once and ends
-        the per-step points of this run (the epochs' go on being tried, each failure warning)."""
-        board = self.board
-        if board is None or not board.steps:
-            return
-        try:
-            board.step(step, loss)
-        except OSError as e:
-            board.steps = False
-            print(f"ddpkit train: warning: could not write TensorBoard events to {board.directory}: "
-                  f"{describe_write_error(e)}; training goes on, without per-step points", flush=True)
+        """Rank 0's mean loss of optimizer step ``step`` to the TensorBoard files (a failure warns once, and the
+        run's per-step points end)."""
+        if self.board is not None:
+            self.board.publish_step(step, loss)
 
     def write_metrics(self) -> None:
         """Rank 0 rewrites ``metrics.jsonl``; a failure warns (the history is in every checkpoint too)."""
