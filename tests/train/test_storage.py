@@ -90,12 +90,13 @@ def test_a_run_directory_removed_mid_run_stops_the_run_naming_it(tmp_path: Path)
         while not checkpoint_files(out / "checkpoints"):
             assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint came"
             time.sleep(0.1)
-        for _ in range(100):  # a checkpoint being written while the tree goes: its folder is not empty yet
+        while proc.poll() is None:  # until it is gone: a checkpoint written while the tree goes refills its folder
             try:
                 shutil.rmtree(out)
                 break
             except OSError:
-                time.sleep(0.05)
+                time.sleep(0.01)
+        assert not out.exists(), "the run ended before its folder could be removed"
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
