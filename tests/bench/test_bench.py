@@ -423,6 +423,29 @@ def test_zero_config_is_checked():
         BenchConfig(zero=True, scaling=True)
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"zero": True, "workloads": ("mlp",), "trace": "t.json"}, "--trace does not apply to --zero"),
+    ({"zero": True, "workloads": ("mlp",), "engine_cost": True}, "--engine-cost does not apply to --zero"),
+    ({"zero": True, "workloads": ("mlp",), "memory": True}, "--memory does not apply to --zero"),
+    ({"zero": True, "workloads": ("mlp",), "block": 2}, "--block does not apply to --zero"),
+    ({"zero": True, "workloads": ("mlp",), "target_spread": 0.02}, "--target-spread does not apply to --zero"),
+    ({"scaling": True, "trace": "t.json"}, "--trace does not apply to --scaling, whose sweeps record no trace"),
+    ({"scaling": True, "workloads": ("dp", "strategies")}, "--scaling sweeps the DDP workloads"),
+    ({"plot": "p.png"}, "--plot draws --scaling's sweeps"),
+])
+def test_a_flag_the_measurement_would_not_read_is_refused(tmp_path, monkeypatch, settings, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**settings)
+
+
+def test_scaling_sweeps_the_ddp_workloads_of_the_default_list():
+    from ddpkit.bench.sections.scaling import plan
+
+    jobs = plan(BenchConfig(scaling=True, world_sizes=(1,), mlp_sizes=()))  # dp and strategies (no batch) left out
+    assert {name for sweep, name, _ in jobs[1]} == {"convnet", "mlp", "resnet", "transformer", "linear200"}
+
+
 def _what_a_rank_found(rank: int, caller: int, out: str) -> None:
     import sys
 

@@ -79,6 +79,8 @@ def test_nccl_is_planned_one_gpu_per_rank():
     ({"nproc_per_node": 0}, "--nproc-per-node 0 must be at least 1"),
     ({"backends": ("tcp",)}, "--backends tcp: choose among gloo, nccl, mpi"),
     ({"timeout": 0}, "--timeout 0 must be a positive number of seconds"),
+    ({"backends": ("nccl",), "selftest": False}, "--backends nccl sets the self-test, and --no-selftest turns it off"),
+    ({"nproc_per_node": 4, "selftest": False}, "--nproc-per-node 4 sets the self-test"),
 ])
 def test_bad_flags_name_the_value(kwargs, message):
     with pytest.raises(ConfigError, match=message):

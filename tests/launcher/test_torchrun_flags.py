@@ -14,6 +14,7 @@ import pytest
 
 from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.output import read_error_file
+from ddpkit.runtime.process import free_port
 from tests.procs import SCRIPTS, base_env, launch
 
 SHELL = str(SCRIPTS / "print_env.sh")
@@ -95,6 +96,17 @@ def test_flags_that_change_nothing_here_are_accepted_with_a_note():
                  "--logs-specs custom: ddpkit has no log plugins", "--event-log-handler console: ddpkit writes no",
                  "--rdzv-conf: foo not used by ddpkit's rendezvous", "--start-method fork: every worker is a new"):
         assert f"ddpkit launch: {note}" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("key", ["join_timeout", "timeout"])
+def test_a_static_job_across_nodes_waits_for_node_0_as_long_as_rdzv_conf_says(key):
+    # torchrun's static rendezvous reads --rdzv-conf timeout; ddpkit's took DDPKIT_TIMEOUT (300 s) whatever it said.
+    start = time.monotonic()
+    done = launch("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+                  str(free_port()), "--nproc-per-node", "1", "--rdzv-conf", f"{key}=2", "--no-python", SHELL,
+                  env=base_env(DDPKIT_JOB_TOKEN="0123456789abcdef0123456789abcdef"), timeout=120)
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert "node 1 could not reach the rendezvous at 127.0.0.1:" in done.stderr and "within 2 s" in done.stderr
 
 
 def test_torchs_record_writes_the_error_file_the_launcher_reads(tmp_path):

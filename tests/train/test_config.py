@@ -44,6 +44,14 @@ def test_building_the_cli_does_not_import_torch():
     ({"powersgd_rank": 0}, "--powersgd-rank 0 must be at least 1"),
     ({"powersgd_start": 1}, "--powersgd-start 1 must be at least 2"),
     ({"tensorboard": "/dev/null"}, "--tensorboard '/dev/null' is a file"),
+    # A flag of one mode given outside it is refused, not ignored.
+    ({"local_sgd_warmup": 2, "strategy": "diloco"}, "--local-sgd-warmup 2 sets local SGD's synchronous start: it "
+                                                    "needs --strategy local-sgd"),
+    ({"powersgd_rank": 4, "comm_hook": "fp16"}, "--powersgd-rank 4 sets PowerSGD's hook: it needs --comm-hook "
+                                                "powersgd, not --comm-hook fp16"),
+    ({"powersgd_start": 3, "comm_hook": "auto"}, r"not --comm-hook auto \(auto tries ranks 16 and 32"),
+    ({"momentum": 0.5, "optimizer": "adamw"}, "--momentum 0.5 is SGD's: --optimizer adamw has none"),
+    ({"sync_bn": True, "engine": "dp"}, "--sync-bn True does not fit --engine dp"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):

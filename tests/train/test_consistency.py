@@ -19,7 +19,7 @@ from shared_runs import SYNTHETIC_RUN
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.checkpoint import load_checkpoint
 from ddpkit.train.loop import train
-from ddpkit.train.restart import _check_servers
+from ddpkit.train.restart import check_servers
 from ddpkit.train.state import checkpoint_files
 from ddpkit.train.strategy import async_momentum
 from ddpkit.train.train_config import TrainConfig
@@ -148,11 +148,16 @@ def test_a_killed_server_under_ddpkit_launch_is_the_root_cause_and_the_relaunch_
 def test_under_a_launcher_without_servers_the_error_says_how_to_start_them() -> None:
     config = TrainConfig(strategy="ps-sync", num_servers=2)
     with pytest.raises(ConfigError, match="ddpkit launch --num-servers 2"):
-        _check_servers(config, {})
+        check_servers(config, {})
     with pytest.raises(ConfigError, match="--num-servers 2 but the launcher started 1"):
-        _check_servers(config, {"DDPKIT_NUM_SERVERS": "1"})
-    _check_servers(config, {"DDPKIT_NUM_SERVERS": "2"})
-    _check_servers(TrainConfig(), {})
+        check_servers(config, {"DDPKIT_NUM_SERVERS": "1"})
+    check_servers(config, {"DDPKIT_NUM_SERVERS": "2"})
+    check_servers(TrainConfig(), {})
+    # Under --on-failure continue (ddpkit train's workers of the mode check it too): the copies of each key range.
+    replicated = TrainConfig(strategy="ps-async", num_servers=2, ps_replication=2, on_failure="continue")
+    with pytest.raises(ConfigError, match=r"--ps-replication 2 but the launcher keeps each key range on 1 server"):
+        check_servers(replicated, {"DDPKIT_NUM_SERVERS": "2"})
+    check_servers(replicated, {"DDPKIT_NUM_SERVERS": "2", "DDPKIT_PS_REPLICATION": "2"})
 
 
 @pytest.mark.parametrize("kwargs, message", [

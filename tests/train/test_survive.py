@@ -199,6 +199,17 @@ def test_a_workers_usage_error_before_it_holds_the_state_ends_the_job_without_re
     assert "to replace it" not in done.stderr and "Traceback" not in done.stderr
 
 
+def test_servers_other_than_the_launchers_are_a_usage_error_in_the_mode_too(tmp_path: Path) -> None:
+    # Checked in the default mode's workers; those of the mode trained with the launcher's one server while saying
+    # two (until 2026-12-01).
+    done = launch("--standalone", "--nproc-per-node", "2", "--num-servers", "1", "--on-failure", "continue",
+                  *TRAIN_SMALL, "--strategy", "ps-sync", "--num-servers", "2", "--output-dir", str(tmp_path / "run"),
+                  timeout=180)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "ddpkit train: error: --num-servers 2 but the launcher started 1" in done.stderr, done.stderr[-3000:]
+    assert "before it held the training state: a usage error" in done.stderr
+
+
 @pytest.mark.slow("a whole launch of two workers that fail")
 def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp_path: Path) -> None:
     plain = tmp_path / "plain.py"

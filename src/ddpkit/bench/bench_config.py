@@ -56,8 +56,9 @@ class BenchConfig(WorkloadSizes):
     local_sgd_period: int = option(4, "strategies: local SGD averages the parameters every this many steps")
     powersgd_rank: int = option(2, "strategies: PowerSGD's matrix approximation rank")
     scaling: bool = option(
-        False, "measure scaling instead: step time and throughput at each of --world-sizes (weak: the same batch "
-        "per rank; strong: the same global batch), and step time and ratio of MLPs of --mlp-sizes parameters"
+        False, "measure scaling instead: step time and throughput of --workloads' DDP workloads (dp and strategies "
+        "are not swept) at each of --world-sizes (weak: the same batch per rank; strong: the same global batch), "
+        "and step time and ratio of MLPs of --mlp-sizes parameters"
     )
     world_sizes: tuple[int, ...] = option(
         (), "world sizes of --scaling (default: 1 to the CPU count) and of --zero (default: 2 and 3)", metavar="N"
@@ -120,6 +121,24 @@ class BenchConfig(WorkloadSizes):
         None, "write a report to this directory: the JSON, the traces, the plots and summary.md (tables and "
         "pictures to read)", metavar="DIR",
     )
+
+    def _refuse_unread(self) -> None:
+        """Flags that the measurement asked for never reads (before ``--report`` fills in its defaults)."""
+        if self.scaling and not any(w in STRATEGY_WORKLOADS for w in self.workloads):
+            raise ConfigError(f"--scaling sweeps the DDP workloads ({', '.join(STRATEGY_WORKLOADS)}), and --workloads "
+                              f"{' '.join(self.workloads)} has none: add one")
+        unread = {"--trace": self.trace is not None} if self.scaling else {}
+        if self.zero:
+            unread = {"--trace": self.trace is not None, "--engine-cost": self.engine_cost, "--memory": self.memory,
+                      "--block": self.block != 1, "--target-spread": self.target_spread != 0.0,
+                      "--time-budget": self.time_budget != 300.0}
+        for flag, given in unread.items():
+            if given:
+                raise ConfigError(f"{flag} does not apply to --zero, which measures its own table (steps, warm-up and "
+                                  f"the bucket cap are what it reads): drop {flag}" if self.zero else
+                                  f"{flag} does not apply to --scaling, whose sweeps record no trace: drop {flag}")
+        if self.plot is not None and not self.scaling:
+            raise ConfigError("--plot draws --scaling's sweeps: add --scaling, or drop --plot")
 
     @property
     def measures_engine_cost(self) -> bool:
@@ -186,6 +205,7 @@ class BenchConfig(WorkloadSizes):
         if any(not p >= 1e3 for p in self.mlp_sizes):
             raise ConfigError(f"--mlp-sizes {' '.join(f'{p:g}' for p in self.mlp_sizes)}: each must be at least "
                               "1000 parameters")
+        self._refuse_unread()
         if self.json_path is not None:
             self.json_path = writable_file(self.json_path, "--json")
         if self.report is not None:

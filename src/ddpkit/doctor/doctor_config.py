@@ -38,3 +38,9 @@ class DoctorConfig:
                 raise ConfigError(f"--backends {' '.join(self.backends)}: choose among {', '.join(BACKENDS)}")
         if not self.timeout > 0:
             raise ConfigError(f"--timeout {self.timeout} must be a positive number of seconds")
+        for flag, value, given in (("--backends", " ".join(self.backends or ()), self.backends is not None),
+                                   ("--nproc-per-node", self.nproc_per_node, self.nproc_per_node is not None),
+                                   ("--timeout", f"{self.timeout:g}", self.timeout != 30.0)):
+            if given and not self.selftest:
+                raise ConfigError(f"{flag} {value} sets the self-test, and --no-selftest turns it off: drop one of "
+                                  "them")

@@ -75,10 +75,10 @@ class DynamicRendezvous(NodeRendezvous):
         self.node, self.nnodes = -1, launch.max_nodes
         self.node_id = uuid.uuid4().hex[:12]
         self.addr = launch.config.local_addr or socket.getfqdn()
-        self.stale_s = float(self.conf["keep_alive_interval"]) * int(self.conf["keep_alive_max_attempt"])
+        beat_s, self.stale_s = launch.keep_alive()
         serve = self.conf["is_host"] if self.conf["is_host"] is not None else is_local(host)
         self._connect(host, port, serve=bool(serve), token=token, timeout_s=float(self.conf["read_timeout"]),
-                      fall_back=self.conf["is_host"] is None, beat_s=float(self.conf["keep_alive_interval"]))
+                      fall_back=self.conf["is_host"] is None, beat_s=beat_s)
         self._members: dict[int, dict[int, str]] = {}
 
     def _unreachable(self, serving: bool, error: Exception, timeout_s: float) -> ConfigError:

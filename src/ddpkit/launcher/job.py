@@ -29,7 +29,7 @@ from ddpkit.launcher.elastic import DynamicRendezvous, RendezvousClosed
 from ddpkit.launcher.mpi_group import MPIWorkerGroup
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
-from ddpkit.launcher.node_rendezvous import POLL_S, STALE_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
+from ddpkit.launcher.node_rendezvous import POLL_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings, resolve
 from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
 from ddpkit.launcher.council_group import CouncilGroup
@@ -92,8 +92,10 @@ def run(cfg: LaunchConfig) -> int:
                         if job.rdzv.serving:
                             say(f"serving the rendezvous at {job.rdzv.where}: the job ends if this launcher stops")
                     elif launch.max_nodes > 1:
+                        beat_s, stale_s = launch.keep_alive()
                         job.rdzv = NodeRendezvous(host=master_addr, port=port, node=cfg.node_rank,
-                                                  nnodes=launch.nnodes, token=token, timeout_s=rendezvous_timeout())
+                                                  nnodes=launch.nnodes, token=token, beat_s=beat_s, stale_s=stale_s,
+                                                  timeout_s=launch.join_timeout_s(rendezvous_timeout()))
                     else:
                         job.store = AgentStore(master_addr, port, rendezvous_timeout)
                 return job.elastic_rounds() if launch.dynamic else job.attempts()
@@ -279,7 +281,7 @@ class _Job:
         launch = self.launch
         try:
             # The failure detector is the rendezvous's keep-alive (--rdzv-conf): interval x attempts, 6 s by default.
-            suspect_s = float(launch.conf["keep_alive_interval"]) * int(launch.conf["keep_alive_max_attempt"])
+            suspect_s = launch.keep_alive()[1]
             self.council, served = take_seat(rdzv, node=rdzv.node, nnodes=launch.nnodes, nproc=launch.nproc,
                                              master_addr=self.master_addr, port=self.port, token=self.token,
                                              timeout_s=rendezvous_timeout(), most=launch.max_nodes,
@@ -408,7 +410,7 @@ def _share(rdzv: NodeRendezvous, attempt: int, node: int, failure: Failure) -> R
     if any(k in text for k in _PEER_ERRORS):
         # A broken connection is the symptom; the cause is on the node that
         # went away, which its launcher (or node 0, by its heartbeat) records.
-        deadline = time.monotonic() + (STALE_S + 2 * POLL_S if rdzv.serving else 2.0)
+        deadline = time.monotonic() + (rdzv.stale_s + 2 * POLL_S if rdzv.serving else 2.0)
         while time.monotonic() < deadline:
             if remote := rdzv.watch(attempt):
                 return remote

@@ -70,12 +70,13 @@ class RemoteFailure:
 class NodeRendezvous:
     """This launcher's connection to the job's store (node 0's launcher serves it)."""
 
-    def __init__(self, *, host: str, port: int, node: int, nnodes: int, token: str | None, timeout_s: float) -> None:
+    def __init__(self, *, host: str, port: int, node: int, nnodes: int, token: str | None, timeout_s: float,
+                 beat_s: float = BEAT_S, stale_s: float = STALE_S) -> None:
         self.node, self.nnodes = node, nnodes
         self.node_id = str(node)
         """Names this launcher's heartbeat and its done mark (static: the node rank)."""
-        self.stale_s = STALE_S
-        self._connect(host, port, serve=node == 0, token=token, timeout_s=timeout_s)
+        self.stale_s = stale_s
+        self._connect(host, port, serve=node == 0, token=token, timeout_s=timeout_s, beat_s=beat_s)
 
     def _connect(self, host: str, port: int, *, serve: bool, token: str | None, timeout_s: float,
                  fall_back: bool = False, beat_s: float = BEAT_S) -> None:

@@ -92,6 +92,18 @@ class LaunchSettings:
     def port(self) -> int:
         return self.master_port if self.master_port is not None else DEFAULT_PORT
 
+    def keep_alive(self) -> tuple[float, float]:
+        """``--rdzv-conf``'s keep-alive: a heartbeat every ``keep_alive_interval`` seconds, and a node not heard for
+        that times ``keep_alive_max_attempt`` judged gone (1 s and 6 s by default)."""
+        beat = float(self.conf["keep_alive_interval"])  # type: ignore[arg-type]
+        return beat, beat * int(self.conf["keep_alive_max_attempt"])  # type: ignore[call-overload]
+
+    def join_timeout_s(self, default: float) -> float:
+        """How long a static job's launchers wait for node 0's store: ``--rdzv-conf join_timeout`` (or its older
+        name ``timeout``, which torchrun's static rendezvous reads) where given, else ``default``."""
+        given = {part.partition("=")[0].strip() for part in self.config.rdzv_conf.split(",")}
+        return float(self.conf["join_timeout"]) if given & {"join_timeout", "timeout"} else default  # type: ignore
+
     def notes(self) -> list[str]:
         """One line for each torchrun flag given here that changes nothing in ddpkit."""
         cfg = self.config

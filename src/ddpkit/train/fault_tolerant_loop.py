@@ -66,6 +66,7 @@ from ddpkit.runtime.durable import write_or_warn
 from ddpkit.runtime.group import shutdown
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import rundir
+from ddpkit.train.restart import check_servers
 from ddpkit.train.checkpoint import CheckpointError, save_checkpoint, save_weights
 from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.curves import write_curves
@@ -92,6 +93,7 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
     """
     servers = config.strategy in SERVER_STRATEGIES
     if os.environ.get(membership.FD_ENV):
+        check_servers(config, os.environ)  # (a usage error: the launcher ends the job, replacing no one)
         try:
             return async_worker(config) if servers or config.strategy in ("ssp", "diloco") else worker(config)
         finally:
@@ -241,7 +243,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     _write_changes(out, ft)
     wall = time.perf_counter() - start
     return _finish(config, ft, progress, data.test.labels.numel(), out, wall, {
-        "replicas": world, "lr": config.lr * world, "base_lr": config.lr, "samples_per_s": round(trained / wall, 1) if wall > 0 else None,
+        "replicas": world, "lr": config.lr * world, "base_lr": config.lr,
+        "samples_per_s": round(trained / wall, 1) if wall > 0 else None,
         "resumed_from_epoch": first_step // ft.steps_per_epoch if resumed else 0})
 
 

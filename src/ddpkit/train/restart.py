@@ -32,7 +32,7 @@ from ddpkit.runtime import variables
 from ddpkit.runtime.discovery import discover
 from ddpkit.runtime.group import choose_backend, print0, shutdown
 from ddpkit.runtime.options import ConfigError, RunError
-from ddpkit.runtime.process import NUM_SERVERS_ENV
+from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV
 from ddpkit.runtime.spawn import WorkerError, spawn, start_forkserver
 from ddpkit.train import rundir
 from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
@@ -68,7 +68,7 @@ def attempts(config: TrainConfig, worker: Worker, check: Callable[[], Any] = lam
         # as a restart, but continues the run all the same.
         restart = max(variables.count(os.environ, "TORCHELASTIC_RESTART_COUNT"),
                       variables.count(os.environ, "DDPKIT_RDZV_ROUND"))
-        _check_servers(config, os.environ)
+        check_servers(config, os.environ)
         config.check_world(place.world_size)
         try:
             return worker(place.rank, config, None, restart)
@@ -122,8 +122,9 @@ def _own_attempts(config: TrainConfig, worker: Worker, claim: rundir.Claim, npro
                   f"(restart {attempt + 1} of {config.max_restarts})", flush=True)
 
 
-def _check_servers(config: TrainConfig, environ: Any) -> None:
-    """Under a launcher: the parameter servers ``--strategy ps-*`` needs are the ones the launcher started."""
+def check_servers(config: TrainConfig, environ: Any) -> None:
+    """Under a launcher: the parameter servers ``--strategy ps-*`` needs are the ones the launcher started, each
+    key range on as many of them (``--ps-replication``, under ``--on-failure continue``)."""
     started = environ.get(NUM_SERVERS_ENV, "")
     if config.strategy in SERVER_STRATEGIES:
         if not started or started == "0":
@@ -135,6 +136,10 @@ def _check_servers(config: TrainConfig, environ: Any) -> None:
         if started != str(config.num_servers):
             raise ConfigError(f"--num-servers {config.num_servers} but the launcher started {started} "
                               f"({NUM_SERVERS_ENV}={started}): give the same number to both")
+        kept = environ.get(PS_REPLICATION_ENV) or "1"
+        if kept != str(config.ps_replication):
+            raise ConfigError(f"--ps-replication {config.ps_replication} but the launcher keeps each key range on "
+                              f"{kept} server(s) ({PS_REPLICATION_ENV}={kept}): give the same number to both")
 
 
 def agree_on_claim(config: TrainConfig, claim: rundir.Claim | None, world: int, restart: int) -> rundir.Claim:

@@ -223,6 +223,9 @@ class TrainConfig:
             self.strategy = "local-sgd"
         elif self.strategy == "local-sgd":
             self.local_sgd = 4
+        need(self.local_sgd_warmup == 0 or self.strategy == "local-sgd", "local_sgd_warmup",
+             f"sets local SGD's synchronous start: it needs --strategy local-sgd (or --local-sgd H), not --strategy "
+             f"{self.strategy}")
         if self.sync_every is not None:
             need(self.strategy in ("ddp", "diloco"), "sync_every", f"does not fit --strategy {self.strategy}: drop one")
             need(self.sync_every >= 1, "sync_every", "must be at least 1 (inner steps between outer steps)")
@@ -308,6 +311,11 @@ class TrainConfig:
         need(self.powersgd_rank >= 1, "powersgd_rank", "must be at least 1")
         need(self.powersgd_start >= 2, "powersgd_start", "must be at least 2 (PowerSGD's error feedback and warm "
              "start need exact steps first, as torch's PowerSGDState)")
+        for name, default in (("powersgd_rank", 1), ("powersgd_start", 10)):
+            need(getattr(self, name) == default or self.comm_hook == "powersgd", name, "sets PowerSGD's hook: it needs "
+                 f"--comm-hook powersgd, not --comm-hook {self.comm_hook}" + (" (auto tries ranks 16 and 32 after "
+                 "its own exact start; to try others, list them: --comm-hook auto:powersgd:4,powersgd:8)"
+                 if self.comm_hook.startswith("auto") else ""))
         need(self.optimizer in OPTIMIZERS, "optimizer", f"is not an optimizer: choose {' or '.join(OPTIMIZERS)}")
         need(self.amp in AMP_MODES, "amp", f"is not an autocast mode: choose one of {', '.join(AMP_MODES)}")
         need(self.epochs >= 1, "epochs", "must be at least 1")
@@ -321,6 +329,11 @@ class TrainConfig:
              "does not fit --strategy diloco: its inner rate is --lr itself, not scaled by the world size, so there "
              "is no scaled rate to ramp up to; drop --warmup-epochs")
         need(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
+        need(self.momentum == 0.9 or self.optimizer == "sgd", "momentum", f"is SGD's: --optimizer {self.optimizer} "
+             "has none of its own (AdamW's betas stay torch's defaults); drop --momentum or use --optimizer sgd")
+        need(not (self.sync_bn and self.engine == "dp"), "sync_bn", "does not fit --engine dp: DataParallel's "
+             "replicas share one process, and ddpkit.SyncBatchNorm synchronises across processes; use --engine "
+             "ddpkit (each replica a process) or drop --sync-bn")
         need(self.weight_decay >= 0, "weight_decay", "must be non-negative")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be 0 (epoch ends only) or more")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1 (the newest is always kept)")

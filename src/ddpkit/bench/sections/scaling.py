@@ -70,7 +70,7 @@ def mlp_hidden_for(params: float) -> int:
 def plan(cfg: BenchConfig) -> dict[int, list[tuple[str, str, BenchConfig]]]:
     """The measurements of each world size: ``(sweep, workload, settings)``."""
     worlds = sorted(set(cfg.world_sizes)) or list(range(1, (os.cpu_count() or 1) + 1))
-    names = [w for w in cfg.workloads if w != "dp"]
+    names = [w for w in cfg.workloads if w in BATCH_FIELD]  # the DDP workloads (not dp, nor strategies)
     jobs: dict[int, list[tuple[str, str, BenchConfig]]] = {w: [] for w in worlds}
     quiet = {"json_path": None, "plot": None, "scaling": False, "world_sizes": (), "report": None, "trace": None}
     for w in worlds:
