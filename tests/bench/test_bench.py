@@ -465,6 +465,21 @@ def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
             [{"preloaded": True, "parent_is_caller": False}] * 2
 
 
+def test_the_capped_tables_report_holds_its_summary(tmp_path, monkeypatch):
+    # --report with --zero-cap-mb wrote the JSON only (its summary.md never came); the measurement itself is
+    # test_zero_cap_...'s, so it is replaced here.
+    import ddpkit.bench.runners.memory_cap
+    import ddpkit.bench.sections.capped
+    from ddpkit.bench.command import run
+
+    monkeypatch.setattr(ddpkit.bench.runners.memory_cap, "unavailable", lambda: None)
+    monkeypatch.setattr(ddpkit.bench.sections.capped, "measure_capped", lambda cfg: {"rows": []})
+    monkeypatch.setattr(ddpkit.bench.sections.capped, "format_capped", lambda found: "THE CAPPED TABLE")
+    assert run(BenchConfig(zero=True, zero_cap_mb=96, workloads=("mlp",), report=tmp_path / "r")) == []
+    assert "THE CAPPED TABLE" in (tmp_path / "r" / "summary.md").read_text()
+    assert json.loads((tmp_path / "r" / "bench.json").read_text())["capped"] == {"rows": []}
+
+
 def test_the_capped_table_sizes_its_model_from_the_cap_and_says_each_outcome():
     # The cap's bench, without the cap (that is test_zero_cap_...): the model is 1.5 times the cap or more, and
     # the table says which setup trained and which the kernel killed.

@@ -40,12 +40,15 @@ def test_bad_server_settings_are_refused(kwargs, message):
 
 
 @pytest.mark.slow("a launched job with parameter servers, waited out")
-def test_a_script_that_never_closes_its_servers_still_ends_and_leaves_none_running():
-    done = launch("--standalone", "--nproc-per-node", "2", "--num-servers", "1", script("ps_script.py"), timeout=120)
+def test_a_script_that_never_closes_its_servers_still_ends_and_leaves_none_running(tmp_path):
+    done = launch("--standalone", "--nproc-per-node", "2", "--num-servers", "1", "--log-dir", str(tmp_path),
+                  script("ps_script.py"), timeout=120)
     assert done.returncode == 0, done.stderr
     assert [r["steps"] for r in done.reports()] == [5, 5]
     assert {r["world"] for r in done.reports()} == {2}  # the servers are not in the workers' world
     assert not _servers_running()
+    # --log-dir holds the server's output beside the ranks' (it went to the console only until 2026-12-01).
+    assert sorted(p.name for p in (tmp_path / "attempt_0").iterdir()) == ["rank0.log", "rank1.log", "server0.log"]
 
 
 def _servers_running() -> list[str]:

@@ -79,7 +79,15 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         from ddpkit.bench.sections.capped import format_capped, measure_capped
 
         capped = measure_capped(cfg)
-        print(format_capped(capped), flush=True)
+        table = format_capped(capped)
+        print(table, flush=True)
+        if cfg.report is not None:
+            from ddpkit.bench.report.summary import command_line
+
+            summary = cfg.report / "summary.md"
+            summary.write_text("\n".join(["# ddpkit bench --zero --zero-cap-mb", "", f"`{command_line(cfg)}`", "",
+                                          "```", table, "```", ""]))
+            print(f"report: {summary}", flush=True)
         if cfg.json_path is not None:
             cfg.json_path.write_text(json.dumps({"settings": plain(cfg), "capped": capped}, indent=2) + "\n")
         return []

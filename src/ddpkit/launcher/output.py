@@ -179,6 +179,17 @@ class LogLayout:
             out.append((name, console[name] if to_console else None, prefix.encode(), log, dup))
         return out
 
+    def server_streams(self, server: int, console: dict[str, BinaryIO]) -> list[tuple]:
+        """A parameter server's streams, as :meth:`streams`: the console, marked ``[serverK]: `` (a server has no
+        local rank to filter or redirect by), and with ``--log-dir`` a file of its own beside the ranks'
+        (``attempt_K/serverK.log``)."""
+        log = None
+        if self.launch.config.log_dir:
+            folder = self._attempt_dir if self.torchrun_layout else \
+                Path(self.launch.config.log_dir) / f"attempt_{self._attempt}"
+            log = self._file(folder / f"server{server}.log")
+        return [(name, console[name], f"[server{server}]: ".encode(), log, None) for name in ("stdout", "stderr")]
+
     def _tee_prefix(self, rank: int, local_rank: int) -> str:
         if self.template:
             return string.Template(self.template).safe_substitute(

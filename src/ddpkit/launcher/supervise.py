@@ -154,10 +154,8 @@ class WorkerGroup:
         self.tails[spec.rank] = collections.deque(maxlen=TAIL_LINES)
         console = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
         sources = {"stdout": proc.stdout, "stderr": proc.stderr}
-        streams = self.layout.streams(spec.rank, spec.local_rank, console) if spec.server is None else [
-            # A parameter server's output goes to the console, marked (it has no local rank of its own).
-            (name, console[name], f"[server{spec.server}]: ".encode(), None, None) for name in ("stdout", "stderr")
-        ]
+        streams = self.layout.streams(spec.rank, spec.local_rank, console) if spec.server is None else \
+            self.layout.server_streams(spec.server, console)
         for name, dst, prefix, log, dup in streams:
             pump = Pump(sources[name], dst, prefix, log, self.tails[spec.rank] if name == "stderr" else None, dup)
             pump.start()

@@ -6,7 +6,9 @@ each; NCCL and one GPU each with ``--device cuda``), DataParallel in rank 0's
 process with one replica per rank, in threads, on the CPU or on the ranks'
 GPUs (the other ranks wait meanwhile, so each engine has the machine to
 itself). Rounds alternate which engine goes first; the ratio DP / DDP is the
-median over rounds, with its interquartile range.
+median over rounds, with its interquartile range. DDP takes ``--bucket-cap-mb``;
+``--steps`` and ``--warmup`` count rounds (``--block``, ``--target-spread`` and
+``--trace`` are the engine table's).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def bench_dp_vs_ddp(cfg: BenchConfig) -> DPResult:
     torch.manual_seed(0)
     base = ConvNet()
     device = bench_device(cfg)
-    ddp = stepper(DistributedDataParallel(copy.deepcopy(base).to(device)), x.chunk(world)[rank].to(device),
-                  y.chunk(world)[rank].to(device))
+    ddp = stepper(DistributedDataParallel(copy.deepcopy(base).to(device), bucket_cap_mb=cfg.bucket_cap_mb),
+                  x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
     dp = None
     if rank == 0:
         # One replica per rank: CPU replicas in threads, or on CUDA the ranks' GPUs, driven from the first.
