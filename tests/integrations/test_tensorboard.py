@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 from event_files import epochs_of, expected_from_metrics, read_board
@@ -65,42 +64,53 @@ def _record(step: int, loss: float, seconds: float) -> dict:
             "lr": 0.1, "samples_per_s": 100.0, "epoch_time_s": seconds}
 
 
-def test_under_the_mode_the_member_that_becomes_first_writes_what_the_dead_one_left_unwritten(tmp_path):
+def test_under_the_mode_the_member_that_becomes_first_writes_the_run_as_it_holds_it(tmp_path):
     # --on-failure continue: the first member writes. Member A applies steps 1-24 and dies after step 24, the end
-    # of epoch 2, before it wrote that epoch; member B, first from step 25 on, takes over at its first point.
+    # of epoch 2, before it wrote that epoch; member B, first from step 25 on, takes over at its first point: a
+    # restart marker at its origin (0), then its own epochs and step points.
     history = [_record(12, 1.0, 0.5), _record(24, 0.8, 0.6)]
-    a = MemberBoard(tmp_path, resumed_at=None)
-    for step in range(1, 25):
-        a.applied(True, step)
-        if step % 10 == 0:
-            a.step(True, history[: step // 12], step, 3.0 - step / 10)
-        if step == 12:
-            a.epoch(True, history[:1])
+    a = MemberBoard(tmp_path)
+    for step in range(1, 24):
+        a.applied(step, 3.0 - step / 10)
+        a.write(True, history[: step // 12])
     a.close()
-    time.sleep(1.1)  # event files are named by the second they were opened in
-    b = MemberBoard(tmp_path, resumed_at=None)
+    b = MemberBoard(tmp_path)  # (its file is named a second after A's: the marker must be read after A's points)
     mine = [dict(r, epoch_time_s=r["epoch_time_s"] + 1) for r in history]  # B timed the epochs itself
     for step in range(1, 37):
-        b.applied(step > 24, step)
-        if step % 10 == 0:
-            b.step(step > 24, mine, step, 1.5)  # (not first: nothing written)
-    mine.append(_record(36, 0.5, 0.7))
-    b.epoch(True, mine)
+        b.applied(step, 1.5)
+        b.write(step > 24, mine[: step // 12])  # (not first: nothing written)
+        if step == 30:  # a state transfer brings an epoch B did not end itself
+            mine.append(_record(36, 0.5, 0.7))
     b.close()
     board = read_board(tmp_path)
-    # Each epoch once: A's first, then B's from the step A was last first at (the epoch A did not write).
-    assert board["perf/epoch_time_s"] == [(12, 0.5), (24, pytest.approx(1.6)), (36, pytest.approx(0.7))]
-    assert [step for step, _ in board["train/loss"]] == [12, 24, 36]
-    assert board["train/loss_step"] == [(10, 2.0), (20, 1.0), (30, 1.5)]  # A's own losses, then B's
+    assert board["perf/epoch_time_s"] == [(12, 1.5), (24, pytest.approx(1.6)), (36, pytest.approx(0.7))]
+    assert [step for step, _ in board["train/loss"]] == [12, 24, 36]  # each epoch once, B's
+    assert board["train/loss_step"] == [(10, 1.5), (20, 1.5), (30, 1.5)]  # B's own, each step once
+
+
+def test_a_resumed_writer_keeps_what_came_before_its_origin(tmp_path):
+    first = MemberBoard(tmp_path)
+    for step in range(1, 25):
+        first.applied(step, 2.0)
+        first.write(True, [_record(12, 1.0, 0.5)] if step >= 12 else [])
+    first.close()
+    resumed = MemberBoard(tmp_path)  # a run resumed from the checkpoint of step 12: its steps 13 on, again
+    history = [_record(12, 1.0, 0.5)]
+    for step in range(13, 25):
+        resumed.applied(step, 3.0)
+        resumed.write(True, history + ([_record(24, 0.9, 0.5)] if step == 24 else []))
+    resumed.close()
+    board = read_board(tmp_path)
+    assert board["train/loss_step"] == [(10, 2.0), (20, 3.0)] and [s for s, _ in board["train/loss"]] == [12, 24]
+    assert board["train/loss"][1] == (24, pytest.approx(0.9))
 
 
 def test_event_files_that_cannot_be_written_warn_and_training_goes_on(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    board = MemberBoard(tmp_path / "file" / "tb", resumed_at=None)  # a folder under a file: never writable
-    board.step(True, [], 10, 1.0)
-    board.step(True, [], 20, 1.0)  # the per-step points ended with the first failure: no second line
-    board.epoch(True, [_record(12, 1.0, 0.5)])
-    MemberBoard(tmp_path / "file" / "tb", resumed_at=5).epoch(True, [_record(12, 1.0, 0.5)])  # a take-over's
+    board = MemberBoard(tmp_path / "file" / "tb")  # a folder under a file: never writable
+    for step in range(1, 25):
+        board.applied(step, 1.0)
+        board.write(True, [_record(12, 1.0, 0.5)] if step >= 12 else [])  # the take-over is tried at each point
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3 and all("could not write TensorBoard events" in line for line in lines)
-    assert lines[0].endswith("training goes on, without per-step points") and lines[1].endswith("training goes on")
+    assert len(lines) == 1 and "could not write TensorBoard events" in lines[0], lines
+    assert lines[0].endswith("training goes on")

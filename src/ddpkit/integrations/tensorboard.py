@@ -20,13 +20,14 @@ whole history.
 Under ``--on-failure continue`` the first member of the membership writes
 (the same points; ``train/loss_step`` its own micro-batches' mean loss), and
 when a death makes another member first, that one puts a restart marker at
-the last step the other was first at and writes the epochs from there again
-before its first point (:class:`MemberBoard`).
+the step it started training after and writes the run as it holds it from
+there before its first point (:class:`MemberBoard`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,20 @@ class EpochBoard:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            if purge_at is not None:
+                self._after_the_others()
             self._writer = SummaryWriter(str(self.directory), purge_step=purge_at)
         return self._writer
+
+    def _after_the_others(self) -> None:
+        """TensorBoard reads a folder's event files in the order of their names, which begin with the second each
+        was opened in, and a restart marker hides only what the files read before its own hold: wait, where need
+        be, for a second later than every file already there (a writer of the same second could be read after)."""
+        seconds = [int(part) for f in self.directory.glob("events.out.tfevents.*")
+                   if (part := f.name.split(".")[3]).isdigit()]
+        wait = max(seconds, default=0) + 1 - time.time()
+        if wait > 0:
+            time.sleep(wait)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """One finished epoch (a ``metrics.jsonl`` record) at its optimizer step."""
@@ -94,7 +107,7 @@ class EpochBoard:
     @staticmethod
     def _add(writer: Any, record: Mapping[str, Any]) -> None:
         for key, tag in SCALARS.items():
-            if key in record:
+            if record.get(key) is not None:  # (a rate over no time is None)
                 writer.add_scalar(tag, float(record[key]), global_step=int(record["step"]))
 
     def publish(self, record: Mapping[str, Any]) -> None:
@@ -130,50 +143,62 @@ class EpochBoard:
 
 class MemberBoard:
     """``--tensorboard`` where the writer can change hands (``--on-failure continue``): whoever is ``first`` (the
-    first member of the current membership) writes. Told after each applied optimizer step whether this process
-    is first (:meth:`applied`), a process that becomes first takes over before its first point: a restart marker
-    at the last step another member was first at (that one may have died before writing that step's points), or,
-    first from the start of a run resumed at ``resumed_at``, at that step; then the epochs of its history from
-    there (:meth:`EpochBoard.rewrite`). Nothing is written without a directory."""
+    first member of the current membership) writes the run as it holds it, its epochs and its own step points.
 
-    def __init__(self, directory: Path | None, resumed_at: int | None) -> None:
+    Every process keeps its own ``train/loss_step`` points (one number every :data:`STEP_EVERY` steps) from its
+    origin, the step it started training after (0; the step a resumed run starts from; a replacement's first step
+    less one), told by :meth:`applied`. A process that becomes first takes over before it writes anything: a
+    restart marker at its origin, which hides what any earlier writer put there or after, then its epochs and its
+    step points from there (:meth:`EpochBoard.rewrite`); from then on :meth:`write` adds what is new, the epochs a
+    state transfer brought included. Nothing is written without a directory."""
+
+    def __init__(self, directory: Path | None) -> None:
         self.board = None if directory is None else EpochBoard(directory)
-        self.since = resumed_at
-        """From which optimizer step this process's points replace what is there (None: nothing to replace)."""
+        self.origin: int | None = None
+        self._steps: list[tuple[int, float]] = []
+        """This process's own step points, from its origin on."""
         self._writing = False
+        self._epochs_until = -1
+        """The step of the last epoch written."""
+        self._steps_written = 0
+        self._warned = False
 
-    def applied(self, first: bool, step: int) -> None:
-        """After optimizer step ``step`` was applied: whether this process is first now."""
-        if not first:
-            if self._writing and self.board is not None:
-                self.board.close()  # a take-over again opens with its restart marker
-            self.since, self._writing = step, False
+    def applied(self, step: int, loss: float | None) -> None:
+        """Optimizer step ``step`` was applied; ``loss``: this process's own micro-batches' mean loss (None: it
+        trained none)."""
+        if self.origin is None:
+            self.origin = step - 1
+        if loss is not None and step % STEP_EVERY == 0:
+            self._steps.append((step, loss))
 
-    def _writer(self, first: bool, history: list[Mapping[str, Any]]) -> EpochBoard | None:
-        """The board if this process writes now, having taken over where it had not written yet."""
-        if self.board is None or not first:
-            return None
+    def write(self, first: bool, history: list[Mapping[str, Any]]) -> None:
+        """Where this process is ``first``: take over if it has not written yet, else write the epochs of
+        ``history`` and the step points it has not written."""
+        board = self.board
+        if board is None or not first:
+            return
         if not self._writing:
+            try:
+                # (none applied yet, a replacement at the very end: from the newest epoch it holds)
+                origin = self.origin if self.origin is not None else int(history[-1]["step"]) if history else 0
+                board.rewrite(history, origin)
+                for step, loss in self._steps:
+                    board.step(step, loss)
+            except OSError as e:
+                if not self._warned:  # (tried again at the next point)
+                    board.warn(e)
+                self._warned = True
+                board.close()
+                return
             self._writing = True
-            if self.since is not None:
-                try:
-                    self.board.rewrite(history, self.since)
-                except OSError as e:
-                    self.board.warn(e)
-        return self.board
-
-    def epoch(self, first: bool, history: list[Mapping[str, Any]]) -> None:
-        """The epoch just appended to ``history`` (unless a take-over wrote it with the others)."""
-        took_over = not self._writing and self.since is not None
-        board = self._writer(first, history)
-        if board is not None and not took_over:
-            board.publish(history[-1])
-
-    def step(self, first: bool, history: list[Mapping[str, Any]], step: int, loss: float) -> None:
-        """``train/loss_step`` at optimizer step ``step``: this process's own micro-batches' mean loss."""
-        board = self._writer(first, history)
-        if board is not None:
-            board.publish_step(step, loss)
+        else:
+            for record in history:
+                if int(record["step"]) > self._epochs_until:
+                    board.publish(record)
+            for step, loss in self._steps[self._steps_written:]:
+                board.publish_step(step, loss)
+        self._epochs_until = max([self._epochs_until, *(int(r["step"]) for r in history)])
+        self._steps_written = len(self._steps)
 
     def close(self) -> None:
         if self.board is not None:

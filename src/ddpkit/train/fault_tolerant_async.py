@@ -48,12 +48,13 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit.data.sampler import DistributedSampler
-from ddpkit.integrations.tensorboard import STEP_EVERY, MemberBoard
+from ddpkit.integrations.tensorboard import MemberBoard
 from ddpkit.parallel.diloco import DiLoCo
 from ddpkit.parallel.ps.optimizer import ParameterServerOptimizer
 from ddpkit.parallel.ssp import StaleSynchronousOptimizer
 from ddpkit.runtime import membership
 from ddpkit.runtime.durable import write_or_warn
+from ddpkit.train import rundir
 from ddpkit.train.checkpoint import save_weights
 from ddpkit.train.curves import write_curves
 from ddpkit.train.train_config import TrainConfig
@@ -99,7 +100,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         print(f"ddpkit train: {config.model} on {config.dataset}, --strategy {config.strategy} --on-failure continue "
               f"with {world} worker(s), {servers}, lr {config.lr:g} x {scale}, output {out}", flush=True)
     history: list[dict[str, Any]] = []
-    board = MemberBoard(config.tensorboard, resumed_at=None)
+    board = MemberBoard(config.tensorboard)
     # dynamic=False: one kernel per shape (a short last batch is a shape of its own), as in the default mode.
     forward = torch.compile(model, dynamic=False) if config.compile else model
     said = 0  # DiLoCo's changes said so far
@@ -125,11 +126,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                 said = _say_changes(outer, members, said)
             loss_sum += float(loss.detach()) * len(b)
             count += len(b)
-            done = epoch * steps_per_epoch + at // config.batch_size + 1  # this worker's optimizer steps
-            first = members.latest().members[0] == members.member
-            board.applied(first, done)
-            if done % STEP_EVERY == 0:
-                board.step(first, history, done, float(loss.detach()))
+            board.applied(epoch * steps_per_epoch + at // config.batch_size + 1, float(loss.detach()))
+            board.write(members.latest().members[0] == members.member, history)  # (its own steps, and epochs)
         settle()
         if outer is not None and epoch == config.epochs - 1:
             outer.sync()  # the inner steps since the last outer step, in one more: every member holds the model
@@ -143,13 +141,13 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                   "epoch_time_s": round(elapsed, 4), "samples_per_s": round(count / elapsed, 1) if elapsed else None,
                   "workers": view.size, "servers_gone": list(view.servers_gone), "samples": count, "rank": rank}
         history.append(record)
-        board.epoch(view.members[0] == members.member, history)
+        board.write(view.members[0] == members.member, history)
         if view.members[0] == members.member:
             left = "" if ssp or diloco else f", {config.num_servers - len(view.servers_gone)} server(s)"
             print(f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss "
                   f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s)"
                   f"{left})", flush=True)
-            write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+            rundir.write_metrics(out, history, warn=True)
     if outer is not None:  # the last epoch's outer step made the final model, evaluated above
         outer.agree()  # (not members.barrier(): a member may still be in an agreement on the same group)
         view = outer.view
@@ -177,7 +175,9 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         summary.update(servers=0, ssp=opt.stats())  # type: ignore[attr-defined]
     else:
         summary["ps"] = ps.stats.as_dict()
+    board.write(view.members[0] == members.member, history)  # (the first member now, maybe not at the last epoch)
     if view.members[0] == members.member:
+        rundir.write_metrics(out, history, warn=True)
         save_weights(out / "model.safetensors", model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_curves(out, history)

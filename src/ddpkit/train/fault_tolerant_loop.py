@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddpkit.integrations.tensorboard import STEP_EVERY, MemberBoard
+from ddpkit.integrations.tensorboard import MemberBoard
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
 from ddpkit.runtime import membership
 from ddpkit.runtime.discovery import discover
@@ -200,7 +200,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
               f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}"
               + (f", resumed from {resumed[0].name} (step {ft.committed})" if resumed else ""), flush=True)
     saver = Saver(config, out, world, ft.steps_per_epoch)
-    board = MemberBoard(config.tensorboard, ft.committed if resumed else None)
+    board = MemberBoard(config.tensorboard)
     autocast = autocast_for(config, ctx.device)
     # dynamic=False: one kernel per shape, whatever shapes a process saw before, so a replacement computes a shard's
     # bits as the others do (automatic dynamic shapes would give it a static kernel where they use a dynamic one).
@@ -218,7 +218,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
             mine += len(yb)
-        own = float(loss_sum)  # (step.sync() sums loss_sum in place)
+        own = float(loss_sum)  # this worker's (step.values will hold the step's sum)
         if step.sync(values=loss_sum):
             if config.warmup_for(world):  # the starting world's scaled rate: the global batch keeps its size
                 set_lr(optimizer, warmup_lr(config, world, step.index, ft.steps_per_epoch))
@@ -228,17 +228,17 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             progress.count += step.samples
             epoch_samples += step.samples
             trained += step.samples
-            board.applied(ft.rank == 0, step.index + 1)
-            if (step.index + 1) % STEP_EVERY == 0 and mine:  # as the default mode's rank 0: its own mean loss
-                board.step(ft.rank == 0, progress.history, step.index + 1, own / mine)
+            board.applied(step.index + 1, own / mine if mine else None)  # as the default mode's rank 0: its own
         optimizer.zero_grad(set_to_none=True)
         if step.synced and (step.index + 1) % ft.steps_per_epoch == 0:
             elapsed = time.perf_counter() - epoch_start
             _end_epoch(config, ft, step, progress, data.test, out, autocast, elapsed, epoch_samples)
-            board.epoch(ft.rank == 0, progress.history)
             epoch_start, epoch_samples = time.perf_counter(), 0
+        if step.synced:
+            board.write(ft.rank == 0, progress.history)
         if step.synced and ft.rank == 0 and saver.due(step.index + 1):
             saver.save(ft)
+    board.write(ft.rank == 0, progress.history)  # (the first member now: the one before may have died at the end)
     board.close()
     _write_changes(out, ft)
     wall = time.perf_counter() - start
@@ -316,7 +316,7 @@ def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Pr
     progress.seen.zero_()
     progress.loss_sum, progress.count = 0.0, 0
     if ft.rank == 0:
-        write_or_warn(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in progress.history))
+        rundir.write_metrics(out, progress.history, warn=True)
 
 
 def _write_changes(out: Path, ft: FaultTolerance) -> None:
@@ -341,6 +341,8 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
                "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
                "membership_changes": len(ft.changes), "on_failure": "continue"}
     if ft.rank == 0:
+        # Again: the member first at the last epoch's end may have died before it wrote them.
+        rundir.write_metrics(out, progress.history, warn=True)
         save_weights(out / "model.safetensors", ft.model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_curves(out, progress.history)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.data.datasets import fingerprint
-from ddpkit.runtime.durable import write_atomic
+from ddpkit.runtime.durable import write_atomic, write_or_warn
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.lock import LOCK_FILE, RunLock
@@ -89,9 +89,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
-    """Rewrite ``metrics.jsonl`` from ``history``, one JSON line per epoch (durable, atomic)."""
-    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history).encode())
+def write_metrics(out: Path, history: list[dict[str, Any]], *, warn: bool = False) -> None:
+    """Rewrite ``metrics.jsonl`` from ``history``, one JSON line per epoch (durable, atomic); ``warn``: a failure
+    is a warning (training goes on), not an OSError."""
+    text = "".join(json.dumps(r) + "\n" for r in history)
+    if warn:
+        write_or_warn(out / "metrics.jsonl", text)
+    else:
+        write_atomic(out / "metrics.jsonl", text.encode())
 
 
 def _holds_a_run(out: Path) -> bool:
@@ -117,10 +122,21 @@ def _fresh_default(base: Path) -> Path:
     raise ConfigError(f"no free output directory next to {base}: pass --output-dir")
 
 
+INERT = {"momentum": lambda c: c.get("optimizer", "sgd") != "sgd",
+         "powersgd_rank": lambda c: c.get("comm_hook", "none") != "powersgd",
+         "powersgd_start": lambda c: c.get("comm_hook", "none") != "powersgd",
+         "local_sgd_warmup": lambda c: c.get("strategy", "ddp") != "local-sgd",
+         "sync_bn": lambda c: c.get("engine", "ddpkit") == "dp"}
+"""Settings a run saved before 2026-12-01 may hold where they changed nothing (since refused there), by whether
+the saved config made them so: they compare as their defaults, so such a run resumes with the flags it needs now."""
+
+
 def _as_saved(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved config with the settings it does not name (added in a later version) at their defaults."""
+    """A saved config with the settings it does not name (added in a later version) at their defaults, and those it
+    held to no effect (:data:`INERT`) too."""
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-    return {**defaults, **saved}
+    saved = {**defaults, **saved}
+    return {**saved, **{k: defaults[k] for k, inert in INERT.items() if inert(saved)}}
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
