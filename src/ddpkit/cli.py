@@ -146,6 +146,10 @@ def _saved_settings(args: argparse.Namespace, config: type) -> dict[str, Any]:
     if unknown and getattr(args, "config_file", None) is not None:
         raise ConfigError(f"--config {path}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a "
                           "setting of ddpkit train (see ddpkit train --help)")
+    from ddpkit.train.train_config import TrainConfig, without_inert
+
+    if config is TrainConfig:
+        saved = without_inert(saved)  # (a run saved with a setting that changed nothing, since refused)
     kinds = {f.name: str(f.type) for f in dataclasses.fields(config)}
     return {k: tuple(v) if isinstance(v, list) and kinds[k].startswith("tuple[") else v
             for k, v in saved.items() if k in names}

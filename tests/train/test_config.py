@@ -111,7 +111,7 @@ def test_a_run_saved_before_a_setting_existed_resumes_at_its_default():
     assert _differences(older, TrainConfig(local_sgd=4).to_dict()) == ["local_sgd", "strategy"]
 
 
-def test_a_run_saved_with_a_setting_that_changed_nothing_resumes_without_it():
+def test_a_run_saved_with_a_setting_that_changed_nothing_resumes_without_it(tmp_path):
     # Accepted and ignored until 2026-12-01, refused since: such a run resumes with the flags that are taken now.
     from ddpkit.train.rundir import _differences
 
@@ -121,6 +121,17 @@ def test_a_run_saved_with_a_setting_that_changed_nothing_resumes_without_it():
     assert _differences({**dp, "sync_bn": True}, dp) == []
     sgd = TrainConfig().to_dict()
     assert _differences({**sgd, "momentum": 0.5}, sgd) == ["momentum"]  # where it did change the run: compared
+    # ddpkit train --resume --output-dir DIR alone starts from DIR/config.json: taken without the inert setting.
+    import json
+
+    from ddpkit.cli import _saved_settings, build_parser
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**adamw, "momentum": 0.5, "output_dir": str(run)}, default=str))
+    args = build_parser().parse_args(["train", "--resume", "--output-dir", str(run)])
+    saved = _saved_settings(args, TrainConfig)
+    assert "momentum" not in saved and TrainConfig(**saved).optimizer == "adamw"
 
 
 def test_diloco_steps_its_inner_optimizer_at_lr_itself_where_the_others_scale_it_and_refuses_a_warm_up() -> None:

@@ -10,18 +10,19 @@ convention; read back only then, so a GPU step is not made to wait every
 time). Written by rank 0 through torch's ``SummaryWriter`` (the
 ``tensorboard`` package, ``pip install 'ddpkit[tensorboard]'``).
 
-A resumed or restarted run puts a purge marker at the step it resumes from
-(TensorBoard's own rule for a restarted run: every point of an earlier
-attempt at or after it is hidden) and writes the epochs from there again:
+A resumed or restarted run puts a purge marker just after the step it resumes
+from (TensorBoard's own rule for a restarted run: every point of an earlier
+attempt at or after the marker is hidden) and writes the epochs after it again:
 each epoch and each logged step shows once, as the run that never stopped
-would show it. Into a directory without earlier event files it writes the
-whole history.
+would show it (the points of the step it resumes from were written, and
+flushed, before its checkpoint). Into a directory without earlier event files
+it writes the whole history.
 
 Under ``--on-failure continue`` the first member of the membership writes
 (the same points; ``train/loss_step`` its own micro-batches' mean loss), and
-when a death makes another member first, that one puts a restart marker at
-the step it started training after and writes the run as it holds it from
-there before its first point (:class:`MemberBoard`).
+when a death makes another member first, that one puts a restart marker just
+after the step it started training after and writes the run as it holds it
+from there before its first point (:class:`MemberBoard`).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class EpochBoard:
                    if (part := f.name.split(".")[3]).isdigit()]
         wait = max(seconds, default=0) + 1 - time.time()
         if wait > 0:
-            time.sleep(wait)
+            time.sleep(min(wait, 1.0))  # (a file of a later second, from a clock set ahead: not waited out)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """One finished epoch (a ``metrics.jsonl`` record) at its optimizer step."""
@@ -95,14 +96,24 @@ class EpochBoard:
         self._open(purge_at=None).add_scalar("train/loss_step", loss, global_step=step)
 
     def rewrite(self, history: Iterable[Mapping[str, Any]], start: int) -> None:
-        """A run resumed at optimizer step ``start``: hide what earlier attempts wrote from there on, then write the
-        epochs of ``history`` from there (all of them into a directory without earlier events)."""
+        """A run resumed at optimizer step ``start``: hide what earlier attempts wrote after it, then write the
+        epochs of ``history`` after it (all of them into a directory without earlier events). What was written at
+        ``start`` itself stays: the run flushes its events before each checkpoint (:meth:`flush`), so that those
+        of the step it resumes from are on disk."""
         fresh = not any(self.directory.glob("events.out.tfevents.*"))
-        writer = self._open(purge_at=start)
+        writer = self._open(purge_at=start + 1)
         for record in history:
-            if fresh or int(record["step"]) >= start:
+            if fresh or int(record["step"]) > start:
                 self._add(writer, record)
         writer.flush()
+
+    def flush(self) -> None:
+        """The events written so far onto disk (before a checkpoint: see :meth:`rewrite`); a failure warns."""
+        if self._writer is not None:
+            try:
+                self._writer.flush()
+            except OSError as e:
+                self.warn(e)
 
     @staticmethod
     def _add(writer: Any, record: Mapping[str, Any]) -> None:
@@ -136,9 +147,13 @@ class EpochBoard:
               f"{describe_write_error(error)}; training goes on{after}", flush=True)
 
     def close(self) -> None:
+        """Close the event file; one that cannot be written warns (its last points are lost)."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except OSError as e:
+                self.warn(e)
 
 
 class MemberBoard:
@@ -148,8 +163,8 @@ class MemberBoard:
     Every process keeps its own ``train/loss_step`` points (one number every :data:`STEP_EVERY` steps) from its
     origin, the step it started training after (0; the step a resumed run starts from; a replacement's first step
     less one), told by :meth:`applied`. A process that becomes first takes over before it writes anything: a
-    restart marker at its origin, which hides what any earlier writer put there or after, then its epochs and its
-    step points from there (:meth:`EpochBoard.rewrite`); from then on :meth:`write` adds what is new, the epochs a
+    restart marker after its origin, which hides what any earlier writer put after it, then its epochs and its
+    step points after it (:meth:`EpochBoard.rewrite`); from then on :meth:`write` adds what is new, the epochs a
     state transfer brought included. Nothing is written without a directory."""
 
     def __init__(self, directory: Path | None) -> None:
@@ -161,7 +176,6 @@ class MemberBoard:
         self._epochs_until = -1
         """The step of the last epoch written."""
         self._steps_written = 0
-        self._warned = False
 
     def applied(self, step: int, loss: float | None) -> None:
         """Optimizer step ``step`` was applied; ``loss``: this process's own micro-batches' mean loss (None: it
@@ -185,10 +199,9 @@ class MemberBoard:
                 for step, loss in self._steps:
                     board.step(step, loss)
             except OSError as e:
-                if not self._warned:  # (tried again at the next point)
-                    board.warn(e)
-                self._warned = True
+                board.warn(e, ", without TensorBoard events from this worker")
                 board.close()
+                self.board = None  # (not tried again at every step: a full disk would hold up every one)
                 return
             self._writing = True
         else:
@@ -199,6 +212,11 @@ class MemberBoard:
                 board.publish_step(step, loss)
         self._epochs_until = max([self._epochs_until, *(int(r["step"]) for r in history)])
         self._steps_written = len(self._steps)
+
+    def flush(self) -> None:
+        """Before a checkpoint: the events written so far onto disk (see :meth:`EpochBoard.rewrite`)."""
+        if self.board is not None and self._writing:
+            self.board.flush()
 
     def close(self) -> None:
         if self.board is not None:

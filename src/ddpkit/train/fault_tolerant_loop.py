@@ -237,6 +237,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         if step.synced:
             board.write(ft.rank == 0, progress.history)
         if step.synced and ft.rank == 0 and saver.due(step.index + 1):
+            board.flush()  # (its events so far: a resume from this checkpoint keeps its step's)
             saver.save(ft)
     board.write(ft.rank == 0, progress.history)  # (the first member now: the one before may have died at the end)
     board.close()

@@ -215,11 +215,11 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
     progress["batches_done"] = 0
     progress["partial"] = torch.zeros(run.world, 2, dtype=torch.float64)
     progress["seen"] = torch.zeros_like(seen)
+    run.publish(record)  # before the checkpoint (Run.save flushes it): a resume from it keeps this epoch's points
     run.save(0)
     if progress["epoch"] < run.config.epochs:  # after the last epoch the model stays the replicas' consensus
         run.strategy.after_consensus(run.state.optimizer)
     run.write_metrics()
-    run.publish(record)
     return record
 
 

@@ -135,6 +135,8 @@ class Run:
         The first of a run of failures warns; the ones after it are counted, and a checkpoint written again
         says how many were skipped.
         """
+        if self.board is not None:
+            self.board.flush()  # the events so far: a resume from this checkpoint keeps its step's (EpochBoard.rewrite)
         try:
             self.state.save(self.out / rundir.CHECKPOINT_DIR, self.state.step, sampler_consumed=consumed,
                             within=self.out)

@@ -50,7 +50,7 @@ from typing import Any
 from ddpkit.data.datasets import fingerprint
 from ddpkit.runtime.durable import write_atomic, write_or_warn
 from ddpkit.runtime.options import ConfigError
-from ddpkit.train.train_config import TrainConfig
+from ddpkit.train.train_config import TrainConfig, without_inert
 from ddpkit.train.lock import LOCK_FILE, RunLock
 from ddpkit.train.state import checkpoint_files, newest_valid_checkpoint
 
@@ -122,21 +122,11 @@ def _fresh_default(base: Path) -> Path:
     raise ConfigError(f"no free output directory next to {base}: pass --output-dir")
 
 
-INERT = {"momentum": lambda c: c.get("optimizer", "sgd") != "sgd",
-         "powersgd_rank": lambda c: c.get("comm_hook", "none") != "powersgd",
-         "powersgd_start": lambda c: c.get("comm_hook", "none") != "powersgd",
-         "local_sgd_warmup": lambda c: c.get("strategy", "ddp") != "local-sgd",
-         "sync_bn": lambda c: c.get("engine", "ddpkit") == "dp"}
-"""Settings a run saved before 2026-12-01 may hold where they changed nothing (since refused there), by whether
-the saved config made them so: they compare as their defaults, so such a run resumes with the flags it needs now."""
-
-
 def _as_saved(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved config with the settings it does not name (added in a later version) at their defaults, and those it
-    held to no effect (:data:`INERT`) too."""
+    held to no effect too (:func:`~ddpkit.train.train_config.without_inert`)."""
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-    saved = {**defaults, **saved}
-    return {**saved, **{k: defaults[k] for k, inert in INERT.items() if inert(saved)}}
+    return {**defaults, **without_inert({**defaults, **saved})}
 
 
 def _same(key: str, a: Any, b: Any) -> bool:

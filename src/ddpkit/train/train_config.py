@@ -43,6 +43,21 @@ KEEP_CHECKPOINTS = 3
 """``--keep-checkpoints``'s default."""
 
 
+INERT = {"momentum": lambda c: c.get("optimizer", "sgd") != "sgd",
+         "powersgd_rank": lambda c: c.get("comm_hook", "none") != "powersgd",
+         "powersgd_start": lambda c: c.get("comm_hook", "none") != "powersgd",
+         "local_sgd_warmup": lambda c: c.get("strategy", "ddp") != "local-sgd",
+         "sync_bn": lambda c: c.get("engine", "ddpkit") == "dp"}
+"""Settings a run saved before 2026-12-01 may hold where they changed nothing (refused there since), by whether
+the saved settings made them so."""
+
+
+def without_inert(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved settings with those it held to no effect (:data:`INERT`) left out, so that resuming it takes
+    their defaults (and compares them as such) instead of refusing a flag the user never gave."""
+    return {k: v for k, v in saved.items() if not (k in INERT and INERT[k](saved))}
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything ``ddpkit train`` needs; the CLI builds exactly this."""
