@@ -82,11 +82,10 @@ def run(cfg: BenchConfig) -> list[WorkloadResult]:
         table = format_capped(capped)
         print(table, flush=True)
         if cfg.report is not None:
-            from ddpkit.bench.report.summary import command_line
+            from ddpkit.bench.report.summary import table_page
 
             summary = cfg.report / "summary.md"
-            summary.write_text("\n".join(["# ddpkit bench --zero --zero-cap-mb", "", f"`{command_line(cfg)}`", "",
-                                          "```", table, "```", ""]))
+            summary.write_text(table_page("ddpkit bench --zero --zero-cap-mb", cfg, table))
             print(f"report: {summary}", flush=True)
         if cfg.json_path is not None:
             cfg.json_path.write_text(json.dumps({"settings": plain(cfg), "capped": capped}, indent=2) + "\n")

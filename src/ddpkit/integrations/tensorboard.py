@@ -210,7 +210,8 @@ class MemberBoard:
                     board.publish(record)
             for step, loss in self._steps[self._steps_written:]:
                 board.publish_step(step, loss)
-        self._epochs_until = max([self._epochs_until, *(int(r["step"]) for r in history)])
+        if history:  # (in step order)
+            self._epochs_until = max(self._epochs_until, int(history[-1]["step"]))
         self._steps_written = len(self._steps)
 
     def flush(self) -> None:

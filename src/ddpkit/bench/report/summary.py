@@ -43,6 +43,11 @@ def command_line(cfg: BenchConfig) -> str:
     return " ".join(w for w in words if w)
 
 
+def table_page(title: str, cfg: BenchConfig, table: str, *after: str) -> str:
+    """A ``summary.md`` of one table: its title, the command that made it, the table, then ``after``'s lines."""
+    return "\n".join([f"# {title}", "", f"`{command_line(cfg)}`", "", "```", table, "```", "", *after])
+
+
 def _machine(data: dict[str, Any]) -> list[str]:
     start, end = data["machine_at_start"], data["machine_at_end"]
     load = (f"load average (1 min) {start['load_average'][0]:.2f} at start, {end['load_average'][0]:.2f} at end"

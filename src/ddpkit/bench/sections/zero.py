@@ -222,14 +222,13 @@ def memory_plot(found: dict[str, Any], path: Path) -> Path:
 
 def write_zero_report(cfg: BenchConfig, found: dict[str, Any], table: str) -> Path:
     """``--report DIR`` with ``--zero``: ``zero.json``, ``zero-memory.png`` and ``summary.md`` (command, table)."""
-    from ddpkit.bench.report.summary import command_line
+    from ddpkit.bench.report.summary import table_page
     from ddpkit.runtime.options import plain
 
     directory = Path(cfg.report)
     (directory / "zero.json").write_text(json.dumps({"settings": plain(cfg), "zero": found}, indent=2) + "\n")
     memory_plot(found, directory / "zero-memory.png")
     summary = directory / "summary.md"
-    summary.write_text("\n".join([
-        "# ddpkit bench --zero", "", f"`{command_line(cfg)}`", "", "```", table, "```", "",
-        "![memory per rank against the world size](zero-memory.png)", ""]))
+    summary.write_text(table_page("ddpkit bench --zero", cfg, table,
+                                  "![memory per rank against the world size](zero-memory.png)", ""))
     return summary
