@@ -107,6 +107,17 @@ def test_a_static_job_across_nodes_waits_for_node_0_as_long_as_rdzv_conf_says(ke
                   env=base_env(DDPKIT_JOB_TOKEN="0123456789abcdef0123456789abcdef"), timeout=120)
     assert done.returncode != 0 and time.monotonic() - start < 60
     assert "node 1 could not reach the rendezvous at 127.0.0.1:" in done.stderr and "within 2 s" in done.stderr
+    # ddpkit's line alone: torch's client logged a C++ stack trace at each of its tries (41 lines in all)
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+
+
+def test_an_elastic_node_that_cannot_reach_the_endpoint_says_so_in_one_line():
+    done = launch("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                  "--rdzv-conf", "is_host=0,read_timeout=2", "--nproc-per-node", "1", "--no-python", SHELL,
+                  env=base_env(DDPKIT_JOB_TOKEN="0123456789abcdef0123456789abcdef"), timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().startswith("ddpkit launch: error: could not reach the rendezvous at 127.0.0.1:")
+    assert "within 2 s (ConnectionRefusedError)" in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
 
 
 def test_torchs_record_writes_the_error_file_the_launcher_reads(tmp_path):

@@ -83,7 +83,7 @@ class NodeRendezvous:
         """Serve (``serve``) or reach the store; ``fall_back``: serving failed, so another launcher serves it."""
         import torch.distributed as dist
 
-        from ddpkit.runtime.rendezvous import job_keys
+        from ddpkit.runtime.rendezvous import job_keys, wait_for_listener
 
         self.where = f"{host}:{port}"
         for serving in ([serve, False] if serve and fall_back else [serve]):
@@ -91,6 +91,8 @@ class NodeRendezvous:
                 listen = {}
                 if serving and (fd := loopback_listener(host, port)) is not None:
                     listen = {"master_listen_fd": fd}
+                if not serving and (unreachable := wait_for_listener(host, port, time.monotonic() + timeout_s)):
+                    raise unreachable  # (torch's client would log a C++ stack trace at every try)
                 raw = dist.TCPStore(host, port, None, serving, timeout=timedelta(seconds=timeout_s),
                                     wait_for_workers=False, **listen)
                 break

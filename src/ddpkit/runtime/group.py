@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ddpkit.runtime import backends, events, membership, stall, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, discover
 from ddpkit.runtime.network import route_interface
-from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store
+from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store, wait_for_listener
 
 __all__ = ["DistContext", "RendezvousError", "barrier", "choose_backend", "context", "init", "is_main",
            "local_rank", "print0", "rank", "shutdown", "world_size", "zero_first"]
@@ -246,6 +246,8 @@ def _init_surviving(place: Placement, backend: str, join_timeout: float, collect
 
     def reach(where: str) -> dist.Store:  # across nodes, the store moves when its node is lost
         host, port = where.rsplit(":", 1) if where else (place.master_addr, str(place.master_port))
+        if unreachable := wait_for_listener(host, int(port), time.monotonic() + join_timeout):
+            raise unreachable  # (torch's client would log a C++ stack trace at every try)
         return dist.PrefixStore(prefix, dist.TCPStore(host, int(port), None, False, timeout=timedelta(
             seconds=join_timeout), wait_for_workers=False))
 

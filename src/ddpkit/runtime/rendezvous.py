@@ -147,25 +147,33 @@ def admit(store: dist.Store, place: Placement, token: str | None) -> None:
     raise RendezvousError(f"rank {place.rank} was refused by the rendezvous at {where}: {why}")
 
 
-def _wait_reachable(place: Placement, join_timeout: float, deadline: float) -> None:
-    """Wait until something listens at the rendezvous, within the one deadline of the whole rendezvous.
+def wait_for_listener(host: str, port: int, deadline: float) -> OSError | None:
+    """Wait until something listens at ``host:port``, before ``deadline`` (:func:`time.monotonic`'s); ``None``
+    once it does, else the last error (:class:`TimeoutError` when no time was left for one try).
 
-    Checked here, in Python, so that an unreachable store fails once, on time
-    and with ddpkit's message alone (torch's client retries past its timeout
-    and logs a C++ stack trace on every failed try).
+    A client of torch's ``TCPStore`` checks this first, in Python, so that an unreachable store fails once, on
+    time and with ddpkit's message alone (torch's client retries past its timeout and logs a C++ stack trace of
+    about twenty lines on every failed try).
     """
-    where = (place.master_addr, place.master_port)
-    last: OSError | None = None
+    last: OSError = TimeoutError("no time left")
     while (left := deadline - time.monotonic()) > 0:
         try:
-            socket.create_connection(where, timeout=min(left, 2.0)).close()
-            return
+            socket.create_connection((host, port), timeout=min(left, 2.0)).close()
+            return None
         except OSError as e:
             last = e
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    return last
+
+
+def _wait_reachable(place: Placement, join_timeout: float, deadline: float) -> None:
+    """Wait until something listens at the rendezvous, within the one deadline of the whole rendezvous."""
+    last = wait_for_listener(place.master_addr, place.master_port, deadline)
+    if last is None:
+        return
     raise RendezvousError(
-        f"rank {place.rank} could not reach the rendezvous at {where[0]}:{where[1]} within {join_timeout:g} s "
-        f"({last.strerror or last if last else 'no time left'}): check that rank 0 is running, that MASTER_ADDR/"
+        f"rank {place.rank} could not reach the rendezvous at {place.master_addr}:{place.master_port} within "
+        f"{join_timeout:g} s ({last.strerror or last}): check that rank 0 is running, that MASTER_ADDR/"
         "MASTER_PORT are the same on every node, and that the port is open (DDPKIT_TIMEOUT sets the wait)"
     )
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,7 +51,7 @@ from ddpkit.runtime.discovery import JOB_TOKEN_ENV
 from ddpkit.runtime.network import loopback_listener
 from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, ROLE_ENV, SERVER_RANK_ENV, key_range_chain
 from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
-from ddpkit.runtime.rendezvous import job_keys
+from ddpkit.runtime.rendezvous import job_keys, wait_for_listener
 
 __all__ = [
     "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "ack_tag", "connect", "forward_tag",
@@ -218,6 +219,9 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
     def build() -> None:
         try:
             fd = loopback_listener(place.master_addr, place.port) if serving else None
+            if not serving and (unreachable := wait_for_listener(place.master_addr, place.port,
+                                                                 time.monotonic() + timeout)):
+                raise unreachable  # (torch's client would log a C++ stack trace at every try)
             store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1, serving,
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False,
                                   **({"master_listen_fd": fd} if fd is not None else {}))
