@@ -37,3 +37,9 @@ def test_a_bench_flag_given_before_a_suite_that_has_no_use_for_it_is_refused(cap
     # A flag both take still carries over from before the suite.
     args = build_parser().parse_args(["bench", "--no-progress", "--json", "x.json", "strategies"])
     assert args.progress is False and str(args.json_path) == "x.json"
+
+
+def test_ddpkit_launch_takes_a_flags_unambiguous_prefix_as_torchrun_does() -> None:
+    args = build_parser().parse_args(["launch", "--max-restart", "2", "--nproc-per", "3", "train.py", "--lr", "1"])
+    assert args.max_restarts == 2 and args.nproc_per_node == "3" and args.program == "train.py"
+    assert args.args == ["--lr", "1"]  # the script's own flags are the script's

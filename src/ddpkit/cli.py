@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, short, description, config, handler in _subcommands():
-        p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)
+        # ddpkit launch takes a flag's unambiguous prefix (--max-restart), as torchrun's parser does.
+        p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=name == "launch")
         _add_config_flags(p, config())
         p.set_defaults(handler=handler, parser=p)
         if name == "train":

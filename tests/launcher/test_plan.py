@@ -131,3 +131,25 @@ def test_torchrun_flags_no_python_role_shutdown_timeout_and_accepted_ones():
     with pytest.raises(ConfigError, match="neither a file nor a command on PATH"):
         resolve(LaunchConfig(program="no-such-binary-xyz", no_python=True))
     assert resolve(LaunchConfig(program="true", no_python=True)).config.program == "true"
+
+
+def test_a_module_is_found_without_running_its_package_in_the_launcher(tmp_path, monkeypatch):
+    # torchrun never imports the program; find_spec("pkg.mod") imports pkg, whose __init__ ran in the launcher.
+    pkg = tmp_path / "sideeffect_pkg"
+    (pkg / "inner").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\n")
+    (pkg / "inner" / "__init__.py").write_text("")
+    (pkg / "inner" / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    for name in ("sideeffect_pkg.inner.train", "sideeffect_pkg.inner", "sideeffect_pkg"):
+        resolve(LaunchConfig(program=name, module=True))
+    for name in ("sideeffect_pkg.inner.nope", "sideeffect_pkg.nope.train", "sideeffect_pkg.inner.train.x"):
+        with pytest.raises(ConfigError, match=f"module '{name}' cannot be found"):
+            resolve(LaunchConfig(program=name, module=True))
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("value, serves", [("yes", True), ("Y", True), ("t", True), ("1", True), ("TRUE", True),
+                                           ("no", False), ("n", False), ("F", False), ("0", False)])
+def test_is_host_takes_torchs_spellings(value, serves):
+    assert resolve(LaunchConfig(program=SCRIPT, rdzv_conf=f"is_host={value}")).conf["is_host"] is serves

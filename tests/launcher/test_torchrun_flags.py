@@ -140,9 +140,18 @@ def test_torchs_record_writes_the_error_file_the_launcher_reads(tmp_path):
     assert "Traceback" in text and "KeyError: 'shard 7 is missing'" in text
     assert read_error_file(str(tmp_path / "absent.json")) == ""
 
-    done = launch("--nproc-per-node", "1", str(worker), cwd=tmp_path)
+    own = tmp_path / "launcher_error.json"  # the launcher's own, as a scheduler (TorchX) gives torchrun
+    done = launch("--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"), str(worker), cwd=tmp_path,
+                  env=base_env(TORCHELASTIC_ERROR_FILE=str(own)))
     assert done.returncode == 1
     assert "Root cause: rank 0" in done.stderr and "KeyError: 'shard 7 is missing'" in done.stderr
+    # torchrun's @record main copies the root cause there, its errorCode the worker's exit code
+    copied = json.loads(own.read_text())["message"]
+    assert copied["errorCode"] == 1 and "KeyError" in copied["message"], copied
+    # --log-dir alone keeps the workers' error files in torchrun's layout, beside ddpkit's own logs
+    [kept] = (tmp_path / "logs").glob("*/attempt_0/0/error.json")
+    assert "shard 7 is missing" in kept.read_text()
+    assert (tmp_path / "logs" / "attempt_0" / "rank0.log").is_file()
 
 
 def test_a_listed_signal_is_forwarded_and_ends_the_launcher():

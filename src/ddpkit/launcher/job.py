@@ -31,7 +31,7 @@ from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.plan import NodeSlot, plan_workers
 from ddpkit.launcher.node_rendezvous import POLL_S, NodeRendezvous, RemoteFailure, rendezvous_timeout
 from ddpkit.launcher.settings import LaunchSettings, resolve
-from ddpkit.launcher.supervise import Failure, WorkerGroup, report, say
+from ddpkit.launcher.supervise import Failure, WorkerGroup, copy_root_cause, report, say
 from ddpkit.launcher.council_group import CouncilGroup
 from ddpkit.launcher.fault_tolerant_group import FaultTolerantGroup
 from ddpkit.runtime import mpirun, variables
@@ -98,7 +98,11 @@ def run(cfg: LaunchConfig) -> int:
                                                   timeout_s=launch.join_timeout_s(rendezvous_timeout()))
                     else:
                         job.store = AgentStore(master_addr, port, rendezvous_timeout)
-                return job.elastic_rounds() if launch.dynamic else job.attempts()
+                code = job.elastic_rounds() if launch.dynamic else job.attempts()
+                if code and job.failure is not None:  # (before the layout's error files are removed)
+                    copy_root_cause(job.failure.error_file, job.failure.exitcode,
+                                    os.environ.get("TORCHELASTIC_ERROR_FILE"))
+                return code
             except Interrupted as e:
                 say(f"received {signal.Signals(e.signum).name}: stopping all workers")
                 signals.deferring = True  # a second Ctrl-C must not cut the teardown short
@@ -195,6 +199,8 @@ class _Job:
         self.group: WorkerGroup | None = None
         self.council: Council | None = None
         """Several nodes under ``--on-failure continue``: the agents' majority membership."""
+        self.failure: Failure | None = None
+        """This node's last failed worker (the root cause torchrun's ``@record`` copies: :func:`copy_root_cause`)."""
 
     def _round(self, attempt: int, restart_count: int, slot: NodeSlot,
                watch: Callable[[], RemoteFailure | str | None] | None) -> Failure | RemoteFailure | str | None:
@@ -229,6 +235,7 @@ class _Job:
         elif isinstance(outcome, Failure):
             cause = _share(self.rdzv, attempt, slot.node_rank, outcome) if self.rdzv and not self.council else None
             report(outcome)
+            self.failure = outcome
             if cause is not None and cause.node != slot.node_rank:
                 say(f"root cause on another node: {cause.describe()}")
         return outcome

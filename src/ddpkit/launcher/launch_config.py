@@ -31,7 +31,8 @@ RDZV_CONF = {
     "read_timeout": (60.0, float),
     "keep_alive_interval": (1.0, float),
     "keep_alive_max_attempt": (6, int),
-    "is_host": (None, lambda v: {"1": True, "true": True, "0": False, "false": False}[v.lower()]),
+    "is_host": (None, lambda v: {**dict.fromkeys(("1", "true", "t", "yes", "y"), True),
+                                 **dict.fromkeys(("0", "false", "f", "no", "n"), False)}[v.lower()]),  # torch's
     "store_type": ("tcp", str),
 }
 """``--rdzv-conf`` keys ddpkit reads, with their defaults."""

@@ -6,7 +6,8 @@ start keep working); ``--prefix-output`` prefixes every line with
 ``[rankN]: ``. Files, per launch:
 
 ``--log-dir DIR`` alone
-    both streams of rank N in ``DIR/attempt_K/rankN.log``, and the console.
+    both streams of rank N in ``DIR/attempt_K/rankN.log``, and the console; the error files (below) in
+    torchrun's layout, ``DIR/RUN_ID_xxxx/attempt_K/LOCAL_RANK/error.json``.
 ``--redirects`` / ``--tee`` (with or without ``--log-dir``)
     torchrun's layout: ``DIR/RUN_ID_xxxx/attempt_K/LOCAL_RANK/stdout.log``
     and ``stderr.log`` for the streams named (``DIR``: a new temporary
@@ -20,8 +21,10 @@ start keep working); ``--prefix-output`` prefixes every line with
 
 Every worker gets ``TORCHELASTIC_ERROR_FILE``, where torch's ``@record``
 writes the exception that ended it; the launcher reads it when the worker's
-stderr holds no traceback. Without redirection those files live in a
-private temporary directory removed when the launcher exits.
+stderr holds no traceback, and when the job fails copies the first failed
+worker's to the launcher's own ``TORCHELASTIC_ERROR_FILE``, if it has one
+(as torchrun's ``@record`` does). Without ``--log-dir`` or redirection those
+files live in a private temporary directory removed when the launcher exits.
 """
 
 from __future__ import annotations
@@ -125,8 +128,9 @@ class LogLayout:
         self.filters = {"stdout": _filters(launch.config.duplicate_stdout_filters),
                         "stderr": _filters(launch.config.duplicate_stderr_filters)}
         self._private: Path | None = None
-        if self.torchrun_layout or any(self.filters.values()):
-            log_dir = launch.config.log_dir
+        log_dir = launch.config.log_dir
+        self._shown = self.torchrun_layout or any(self.filters.values())
+        if self._shown or log_dir:  # --log-dir alone: the error files in torchrun's layout there too
             base = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="ddpkit_logs_"))
             base.mkdir(parents=True, exist_ok=True)
             self.run_dir = Path(tempfile.mkdtemp(prefix=f"{run_id}_", dir=base))
@@ -136,8 +140,9 @@ class LogLayout:
 
     @property
     def shown_dir(self) -> Path | None:
-        """The directory the user should be told about (None: nothing of theirs is written there)."""
-        return None if self._private else self.run_dir
+        """The directory the user should be told about (None: nothing but error files is written there; with
+        ``--log-dir`` alone, ddpkit's own ``attempt_K/rankN.log`` are beside it)."""
+        return self.run_dir if self._shown else None
 
     def start_attempt(self, attempt: int, nproc: int) -> dict[int, str]:
         """Make the attempt's directories; return each local rank's ``TORCHELASTIC_ERROR_FILE``."""

@@ -13,6 +13,7 @@ port; ``--run-path`` wins over ``--no-python``, as in torchrun).
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import shutil
@@ -235,6 +236,24 @@ def _shown_ranks(text: str, nproc: int) -> set[int] | None:
     return shown
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` finds the module, without importing anything of it: ``find_spec`` of a dotted
+    name imports its parent packages (their ``__init__`` would run in the launcher, without the workers'
+    environment); here only the top-level name goes through the import system's finders, which locate it without
+    running it, and each part after it is looked for in its package's folders."""
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None or not spec.submodule_search_locations:
+                return False
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]),
+                                                            list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
 def _check_program(cfg: LaunchConfig, no_python: bool) -> None:
     if no_python:
         if not (Path(cfg.program).is_file() or shutil.which(cfg.program)):
@@ -244,9 +263,7 @@ def _check_program(cfg: LaunchConfig, no_python: bool) -> None:
         # Workers run `python -m`, which puts the working directory first on sys.path.
         sys.path.insert(0, os.getcwd())
         try:
-            found = importlib.util.find_spec(cfg.program) is not None
-        except (ImportError, ValueError):
-            found = False
+            found = _module_exists(cfg.program)
         finally:
             sys.path.pop(0)
         if not found:

@@ -17,6 +17,7 @@ Failure handling, in order:
 from __future__ import annotations
 
 import collections
+import json
 import queue
 import re
 import signal
@@ -26,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
 from ddpkit.launcher.plan import WorkerSpec
@@ -107,6 +109,8 @@ class Failure:
 
     server: int | None = None
     """The parameter server's index when a server failed."""
+    error_file: str = ""
+    """Where the worker's ``TORCHELASTIC_ERROR_FILE`` was (torch's ``@record`` writes its traceback there)."""
 
     def describe(self) -> str:
         if self.server is not None:
@@ -221,6 +225,7 @@ class WorkerGroup:
         """The :class:`Failure` of worker ``index``, which exited with ``code``, from its output."""
         spec = self.specs[index]
         failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code, server=spec.server,
+                          error_file=spec.env.get("TORCHELASTIC_ERROR_FILE", ""),
                           traceback=extract_traceback(list(self.tails[spec.rank]))
                           or read_error_file(spec.env.get("TORCHELASTIC_ERROR_FILE", "")),
                           last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
@@ -242,6 +247,24 @@ class WorkerGroup:
         for pump in self.pumps:
             pump.join(timeout=2.0)
         self.layout.close_files()
+
+def copy_root_cause(failure_file: str, exitcode: int, target: str | None) -> None:
+    """What torchrun's ``@record`` does with the root cause of a failed job: the failed worker's error file (torch's
+    ``@record`` wrote it), its ``errorCode`` set to the exit code, copied to ``target``, the launcher's own
+    ``TORCHELASTIC_ERROR_FILE`` (a scheduler such as TorchX reads it). Nothing when either is missing."""
+    if not target or not failure_file:
+        return
+    try:
+        data = json.loads(Path(failure_file).read_text())
+    except (OSError, ValueError):
+        return  # the worker wrote none (no @record): torchrun copies nothing either
+    if isinstance(data, dict) and isinstance(data.get("message"), dict) and exitcode:
+        data["message"]["errorCode"] = exitcode
+    try:
+        Path(target).write_text(json.dumps(data))
+    except OSError as e:
+        say(f"could not write the root cause to TORCHELASTIC_ERROR_FILE={target}: {e.strerror or e}")
+
 
 def report(failure: Failure) -> None:
     """Print the root cause of a failed attempt: a stall report when a rank printed one, else the first failure."""
