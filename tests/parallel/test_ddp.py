@@ -446,6 +446,76 @@ def test_parameter_mismatch_raises_on_every_rank(dist2):
         assert "rank 1 has '1.weight' shape [3, 4]" in msg
 
 
+def _strides_differ() -> str:
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
+    if dist.get_rank() == 1:
+        net = net.to(memory_format=torch.channels_last)  # the same shapes, another memory order
+    try:
+        ddpkit.DDP(net)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_parameters_in_another_memory_order_on_one_rank_are_refused_on_every_rank(dist2):
+    # Averaged element by element in each one's memory order, they were silently mixed up. torch's DDP refuses
+    # too ("appears not to match strides"), on the rank that differs (the other waits for it until its timeout).
+    for msg in dist2.run(_strides_differ):
+        assert "first difference at parameter #0 '0.weight'" in msg and "strides [27, 9, 3, 1]" in msg, msg
+        assert "rank 1 has '0.weight' shape [4, 3, 3, 3] strides [27, 1, 9, 3]" in msg, msg
+
+
+def test_a_static_graph_with_find_unused_parameters_warns_as_torchs_does():
+    with pytest.warns(UserWarning, match="find_unused_parameters=True is not needed with a static graph"):
+        ddpkit.DDP(nn.Linear(2, 2), static_graph=True, find_unused_parameters=True)
+    model = ddpkit.DDP(nn.Linear(2, 2))
+    assert model._has_rebuilt_buckets is False  # torch's attribute (its ZeRO overlap hook reads it)
+    for _ in range(2):
+        model(torch.randn(3, 2)).sum().backward()
+    assert model._has_rebuilt_buckets is True
+
+
+def _seen_by_a_gradient_hook(engine: str, cap: float) -> list[list[float]]:
+    from ddpkit._reference import torch_ddp
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model = ddpkit.DDP(module, bucket_cap_mb=cap) if engine == "ddpkit" else torch_ddp(module, bucket_cap_mb=cap)
+    seen = []
+    for p in module.parameters():  # registered after wrapping, as a user's optimizer-in-backward or logging hook
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.flatten().tolist()))
+    for _ in range(2):  # the second backward after the rebuild
+        seen.clear()
+        model(torch.randn(5, 4) + dist.get_rank()).square().sum().backward()
+    return sorted(seen) + [[float(p.grad.sum())] for p in module.parameters()]
+
+
+def test_a_gradient_hook_sees_the_local_gradient_whatever_the_buckets(dist2):
+    # A bucket of one parameter was reduced inside .grad itself: the hook saw it divided by the world size, and
+    # the all-reduce could still be writing into it. torch reduces a copy.
+    for cap in (1e-6, 25.0):
+        assert dist2.run(_seen_by_a_gradient_hook, "ddpkit", cap) == dist2.run(_seen_by_a_gradient_hook, "torch", cap)
+
+
+def _builtin_hook_in_a_subgroup(engine: str) -> list[float]:
+    from ddpkit._reference import torch_ddp
+
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # every rank alone
+    module = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        module.weight.fill_(1.0)
+    model = ddpkit.DDP(module, process_group=alone) if engine == "ddpkit" else torch_ddp(module, process_group=alone)
+    model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    model(torch.full((1, 1), 2.0 * (dist.get_rank() + 1))).sum().backward()
+    return module.weight.grad.flatten().tolist()
+
+
+def test_a_builtin_comm_hook_reduces_over_the_models_group(dist2):
+    # It reduced over the world whatever the model's group (3.0 on both ranks here, where torch keeps 2.0 and 4.0).
+    ours, theirs = dist2.run(_builtin_hook_in_a_subgroup, "ddpkit"), dist2.run(_builtin_hook_in_a_subgroup, "torch")
+    assert ours == theirs == [[2.0], [4.0]]
+
+
 def _unused_without_flag(everywhere: bool) -> str:
     model = ddpkit.DDP(make("branchy"))
     x, y = batch("branchy", dist.get_rank())

@@ -126,7 +126,7 @@ class StagingPlan:
         self.fused_views = [v for v, f in zip(bucket.views, small) if f]
         self.each = [s for s, f in enumerate(small) if not f]
         """Positions staged one by one."""
-        # A bucket of one is reduced in place instead (see the staging), and under
+        # A bucket of one is staged when it is ready, which is when its one gradient is; under
         # gradient_as_bucket_view the gradients already live in the bucket.
         self.eager = frozenset(self.each if len(bucket.params) > 1 and not as_view else ())
         """Positions staged the moment their gradient is ready."""

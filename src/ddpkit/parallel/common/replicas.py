@@ -32,7 +32,10 @@ def verify_same_parameters(
     named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup, owner: str = "DistributedDataParallel"
 ) -> None:
     """Raise on every rank if the ranks' parameters differ, naming the first difference (``owner`` says who checks)."""
-    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad) for n, p in named]
+    # The strides too (torch's DDP checks them): the buckets copy each gradient in its memory order, so a
+    # channels_last weight on one rank would be averaged element by element with another layout's.
+    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad, tuple(p.stride()))
+            for n, p in named]
     world = dist.get_world_size(group)
     # A digest first (a few bytes from each rank); the lists themselves only to name a difference.
     digests: list[Any] = [None] * world
@@ -52,12 +55,14 @@ def verify_same_parameters(
             def describe(x: Any) -> str:
                 if x is None:
                     return "no such parameter"
-                return f"{x[0]!r} shape {list(x[1])} {x[2]}" + ("" if x[3] else " (frozen)")
+                strides = f" strides {list(x[4])}" if len({e[4] for e in entries if e is not None}) > 1 else ""
+                return f"{x[0]!r} shape {list(x[1])}{strides} {x[2]}" + ("" if x[3] else " (frozen)")
 
             what = "; ".join(f"rank {r} has {describe(x)}" for r, x in enumerate(entries))
             counts = ", ".join(f"rank {r}: {len(e)}" for r, e in enumerate(everyone))
             raise DDPConfigError(
                 f"{owner}: the ranks hold different parameters (counts {counts}); "
                 f"first difference at parameter #{k} {name!r}: {what}. Build the same model with "
-                "the same arguments and the same requires_grad flags on every rank before wrapping it"
+                "the same arguments, the same requires_grad flags and the same memory format on every rank "
+                "before wrapping it"
             )

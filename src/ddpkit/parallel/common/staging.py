@@ -8,8 +8,11 @@ Staging
     ``.grad`` contributes zeros; one whose gradient did not arrive in this
     backward contributes the gradient it holds (accumulated under
     ``no_sync``), as torch's reducer does. A bucket of one parameter is
-    reduced where its gradient lies (no copy either way); a sparse one
-    reduces the sparse gradient itself, divided first (torch's rule).
+    copied too, as torch's: reduced where its gradient lies (as it was until
+    2026-12-01), ``.grad`` was divided and written by the collective while
+    the backward went on, under the eyes of the user's own gradient hooks. A
+    sparse bucket reduces the sparse gradient itself, divided first (torch's
+    rule).
 Collecting
     A comm hook's future must hold the reduced bucket: a tensor of the
     bucket's size (or, for a sparse bucket, a sparse tensor). It is copied
@@ -61,16 +64,6 @@ class Staging:
             return
         factor = None if divide is None else 1.0 / divide
         params = bucket.params
-        if len(params) == 1 and not self.as_view:
-            grad = params[0].grad
-            if grad is not None and not grad.is_sparse and grad.is_contiguous() and grad.dtype == bucket.flat.dtype:
-                # A bucket of one: reduce the gradient where it lies, saving the
-                # copy into the bucket and the copy back (a full pass each way).
-                bucket.target = grad.detach().view(-1)
-                bucket.set_buffer(bucket.target)
-                if factor is not None:
-                    grad.mul_(factor)
-                return
         each: Sequence[int] = range(len(params))
         if not self.as_view and plan.fused_params:
             grads = [p.grad for p in plan.fused_params]

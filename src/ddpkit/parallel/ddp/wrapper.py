@@ -41,6 +41,9 @@ from ddpkit.runtime import membership
 
 __all__ = ["DDP", "DDPConfigError", "DistributedDataParallel"]
 
+_STATIC_AND_UNUSED = ("find_unused_parameters=True is not needed with a static graph: it finds its unused parameters "
+                      "in the first iteration (they must stay unused)")
+
 _MIB = 1024 * 1024
 
 
@@ -187,6 +190,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.batched_grad_copy = batched_grad_copy  # a speed knob of torch's C++ reducer: no effect here
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = find_unused_parameters
+        if self.static_graph and find_unused_parameters:  # torch's constructor warns so (its _set_static_graph)
+            warnings.warn(_STATIC_AND_UNUSED, stacklevel=2)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.zero_stage = ddp_args.check_zero_stage(zero_stage, static_graph, gradient_as_bucket_view,
                                                     skip_all_reduce_unused_params)
@@ -295,6 +300,11 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             parameters_to_ignore=frozenset(self.parameters_to_ignore), stage3=self.stage3_settings)
 
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """Whether the buckets were rebuilt in gradient order (torch's attribute; its ZeRO overlap hook reads it)."""
+        return bool(getattr(self.reducer, "rebuilt", False))
+
     def _set_static_graph(self) -> None:
         """Turn on ``static_graph`` after construction (torch's older API; Lightning calls it)."""
         if self.static_graph:
@@ -304,10 +314,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.static_graph = True
         self._logging.static_graph()
         if self.find_unused_parameters:
-            warnings.warn(
-                "find_unused_parameters=True is not needed with _set_static_graph(): a static graph finds its "
-                "unused parameters in the first iteration (they must stay unused)", stacklevel=2,
-            )
+            warnings.warn(_STATIC_AND_UNUSED, stacklevel=2)
 
     # -- pickling (torch.save of the whole wrapper), as torch's DDP allows --------
 
@@ -572,7 +579,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         if name not in hooks:
             raise ValueError(f"comm_hook_type={comm_hook_type!r}: use dist.BuiltinCommHookType.ALLREDUCE or "
                              "FP16_COMPRESS, or register a hook with register_comm_hook()")
-        self.reducer.register_comm_hook(None, hooks[name])
+        self.reducer.register_comm_hook(self.process_group, hooks[name])  # the model's group, as torch's
         self._logging.comm_hook(str(comm_hook_type))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
