@@ -419,11 +419,11 @@ def test_the_phases_of_the_call_sequences_users_write(dist2, static_graph: bool)
     seen = dist2.run(_phases, static_graph)[0]
     assert seen["after forward"] == ["armed"] * 3
     assert seen["after autograd.grad"] == ["armed"] * 3  # no hook ran: still armed for the real backward
-    # Per step: autograd.grad (no gradient hook runs; with a static graph DDP's output sink queued the callback,
-    # which finds no hook ran and leaves the reducer armed), the backward (queued; a static graph's later backwards
-    # seed its unused parameters), the no_sync() backward.
-    grad, later = ("queued", "seeded") if static_graph else ("armed", "queued")
-    assert seen["during backward"] == [grad, "queued", "idle"] + [grad, later, "idle"] * 2
+    # Per step: autograd.grad (no gradient hook runs; DDP's output sink, or its anchor on the output's nodes, queued
+    # the callback, which finds no hook ran and leaves the reducer armed), the backward (queued; a static graph's
+    # later backwards seed its unused parameters), the no_sync() backward.
+    later = "seeded" if static_graph else "queued"
+    assert seen["during backward"] == ["queued", "queued", "idle"] + ["queued", later, "idle"] * 2
     assert seen["after backward"] == seen["after a no_sync backward"] == ["idle"] * 3
     assert seen["after a no_grad forward"] == ["idle"] * 3
     # The rebuild is due after the first synchronised backward (a static graph's second), done at the next forward.

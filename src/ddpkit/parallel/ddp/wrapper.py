@@ -420,12 +420,15 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             self.reducer.disarm()
         self.require_forward_param_sync = sync
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
-        # forwards until its first backward. Later, a static graph's synchronised backward is anchored on
-        # the output's nodes instead (reentrant checkpointing), the outputs untouched as under torch.
+        # forwards until its first backward. Every other synchronised backward is anchored on the output's
+        # nodes instead, the outputs untouched as under torch: the end-of-backward callback goes on the
+        # backward the loss started, not on a reentrant checkpoint's inner one, where the first gradients
+        # may arrive (the callback ran when that ended, before the parameters in front of the checkpoint
+        # had their gradients: they were reported unused). torch queues it when the last bucket is ready.
         first_static = self.static_graph and not self.reducer.static.counted
         if (self.find_unused_parameters and not self.static_graph and self.zero_stage < 3) or first_static:
             output = through_sink(output, self.reducer, self._ddp_sink_clone)
-        elif sync and self.static_graph:
+        elif sync and (self.static_graph or self.zero_stage < 3):
             anchor_end_of_backward(output, self.reducer)
         return output
 
