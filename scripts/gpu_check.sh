@@ -39,6 +39,10 @@ fi
 start=$SECONDS
 xdist=()
 "$py" -c "import xdist" 2>/dev/null && xdist=(-n "$workers" --dist loadgroup)
+# pytest 9.2's node ids make pytest-xdist 3.8 ignore every group (pytest-xdist#1386): the suite still passes, each
+# worker computing the reference runs a group would share. Said in the summary, not fixed here (no installs).
+"$py" -c "import pytest, sys; sys.exit(tuple(map(int, pytest.__version__.split('.')[:2])) >= (9, 2))" 2>/dev/null \
+    || echo "note: pytest $("$py" -c 'import pytest; print(pytest.__version__)') ignores the xdist groups (pytest-xdist#1386)" >> "$out/summary.txt"
 timeouts=()
 "$py" -c "import pytest_timeout" 2>/dev/null && timeouts=(--timeout 300)
 "$py" -m pytest tests/gpu -m gpu -q -rfEs "${xdist[@]}" "${timeouts[@]}" --durations 15 \

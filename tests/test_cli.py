@@ -39,7 +39,8 @@ def test_a_bench_flag_given_before_a_suite_that_has_no_use_for_it_is_refused(cap
     assert args.progress is False and str(args.json_path) == "x.json"
 
 
-def test_ddpkit_launch_takes_a_flags_unambiguous_prefix_as_torchrun_does() -> None:
-    args = build_parser().parse_args(["launch", "--max-restart", "2", "--nproc-per", "3", "train.py", "--lr", "1"])
-    assert args.max_restarts == 2 and args.nproc_per_node == "3" and args.program == "train.py"
-    assert args.args == ["--lr", "1"]  # the script's own flags are the script's
+def test_the_scripts_own_flags_reach_it_whatever_launcher_flag_they_begin() -> None:
+    # With prefixes taken, as torchrun's parser takes them, --run (of --run-path and --run_path) was refused.
+    argv = ["train.py", "--run", "exp1", "--no", "--max", "3", "--log", "x"]
+    args = build_parser().parse_args(["launch", "--nproc-per-node", "2", *argv])
+    assert args.program == "train.py" and args.args == argv[1:] and args.nproc_per_node == "2"

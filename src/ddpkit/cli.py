@@ -359,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, short, description, config, handler in _subcommands():
-        # ddpkit launch takes a flag's unambiguous prefix (--max-restart), as torchrun's parser does.
-        p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=name == "launch")
+        # No prefixes of flags, where torchrun takes them: argparse would read the script's own flags as
+        # prefixes too, and refuse `ddpkit launch train.py --run exp1` as ambiguous (--run-path, --run_path).
+        p = subparsers.add_parser(name, help=short, description=description, allow_abbrev=False)
         _add_config_flags(p, config())
         p.set_defaults(handler=handler, parser=p)
         if name == "train":

@@ -457,12 +457,27 @@ def _strides_differ() -> str:
     return "no error"
 
 
+def _harmless_strides() -> str:
+    # A dimension of 1 with another stride, and a frozen parameter in another memory order: no element moves in
+    # a bucket (the frozen one is in none), so nothing is refused.
+    net = nn.Sequential(nn.Linear(4, 1), nn.Conv2d(3, 4, 3))
+    net[1].requires_grad_(False)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            net[0].weight = nn.Parameter(torch.empty_strided((1, 4), (1, 1)).copy_(net[0].weight))  # [1, 4]
+        net[1].weight = nn.Parameter(net[1].weight.detach().to(memory_format=torch.channels_last),
+                                     requires_grad=False)
+    ddpkit.DDP(net)
+    return str(net[0].weight.stride())
+
+
 def test_parameters_in_another_memory_order_on_one_rank_are_refused_on_every_rank(dist2):
     # Averaged element by element in each one's memory order, they were silently mixed up. torch's DDP refuses
     # too ("appears not to match strides"), on the rank that differs (the other waits for it until its timeout).
     for msg in dist2.run(_strides_differ):
         assert "first difference at parameter #0 '0.weight'" in msg and "strides [27, 9, 3, 1]" in msg, msg
         assert "rank 1 has '0.weight' shape [4, 3, 3, 3] strides [27, 1, 9, 3]" in msg, msg
+    assert dist2.run(_harmless_strides) == ["(4, 1)", "(1, 1)"]
 
 
 def test_a_static_graph_with_find_unused_parameters_warns_as_torchs_does():

@@ -67,8 +67,8 @@ class GradBucket:
             offset += p.numel()
         self._buffer = self.flat
         self.target = self.flat
-        """Where the reduced result must end up: ``flat``, or the gradient itself
-        for a one-parameter bucket reduced in place."""
+        """Where the reduced result must end up: ``flat``, a sparse bucket's gradient itself, or a joined rank's
+        zeros (a shadow step)."""
         self.last = False
         """Whether the bucket is launched last in an iteration (:meth:`is_last`)."""
         self.pending = len(params)
@@ -98,8 +98,6 @@ class GradBucket:
         """
         if self.sparse:
             return [self.target]
-        if self.target is not self.flat and len(self.views) == 1:  # one parameter's gradient, reduced in place
-            return [self.target.view(self.views[0].shape)]
         source = self.target.reshape(-1)  # the flat bucket, or a joined rank's zeros in its place (a shadow step)
         pieces, offset = [], 0
         for view in self.views:  # made on each call, as torch's are

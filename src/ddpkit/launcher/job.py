@@ -206,6 +206,7 @@ class _Job:
                watch: Callable[[], RemoteFailure | str | None] | None) -> Failure | RemoteFailure | str | None:
         """Run this node's workers for one round; the outcome of :meth:`WorkerGroup.wait`, reported."""
         launch = self.launch
+        self.failure = None  # (a round that ends otherwise must not pass an earlier round's error on)
         errors = self.layout.start_attempt(attempt, launch.nproc)
         specs = plan_workers(launch, master_port=slot.master_port, restart_count=restart_count, base_env=os.environ,
                              job_token=self.token, agent_store=True, run_id=self.run_id,

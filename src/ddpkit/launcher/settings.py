@@ -237,21 +237,26 @@ def _shown_ranks(text: str, nproc: int) -> set[int] | None:
 
 
 def _module_exists(name: str) -> bool:
-    """Whether ``python -m name`` finds the module, without importing anything of it: ``find_spec`` of a dotted
-    name imports its parent packages (their ``__init__`` would run in the launcher, without the workers'
-    environment); here only the top-level name goes through the import system's finders, which locate it without
-    running it, and each part after it is looked for in its package's folders."""
+    """Whether ``python -m name`` finds the module, without importing anything of it where it can: ``find_spec``
+    of a dotted name imports its parent packages (their ``__init__`` would run in the launcher, without the
+    workers' environment); here the top-level name goes through the import system's finders, which locate it
+    without running it, and each part after it is looked for in its package's folders."""
     parts = name.split(".")
     try:
         spec = importlib.util.find_spec(parts[0])
         for i in range(1, len(parts)):
             if spec is None or not spec.submodule_search_locations:
-                return False
+                spec = None  # (a module, not a package: nothing below it)
+                break
             spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]),
                                                             list(spec.submodule_search_locations))
+        if spec is not None:
+            return True
+        # Not in its packages' folders: a package that extends its path when imported (pkgutil's namespaces), or
+        # an importer on sys.meta_path alone (a frozen bundle). Only then is the package imported to look.
+        return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-    return spec is not None
 
 
 def _check_program(cfg: LaunchConfig, no_python: bool) -> None:

@@ -225,7 +225,7 @@ class WorkerGroup:
         """The :class:`Failure` of worker ``index``, which exited with ``code``, from its output."""
         spec = self.specs[index]
         failure = Failure(rank=spec.rank, local_rank=spec.local_rank, exitcode=code, server=spec.server,
-                          error_file=spec.env.get("TORCHELASTIC_ERROR_FILE", ""),
+                          error_file=spec.env.get("TORCHELASTIC_ERROR_FILE", "") if spec.server is None else "",
                           traceback=extract_traceback(list(self.tails[spec.rank]))
                           or read_error_file(spec.env.get("TORCHELASTIC_ERROR_FILE", "")),
                           last_lines=[line for line in self.tails[spec.rank] if line.strip()][-5:])
@@ -247,6 +247,7 @@ class WorkerGroup:
         for pump in self.pumps:
             pump.join(timeout=2.0)
         self.layout.close_files()
+
 
 def copy_root_cause(failure_file: str, exitcode: int, target: str | None) -> None:
     """What torchrun's ``@record`` does with the root cause of a failed job: the failed worker's error file (torch's

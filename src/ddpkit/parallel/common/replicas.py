@@ -33,8 +33,11 @@ def verify_same_parameters(
 ) -> None:
     """Raise on every rank if the ranks' parameters differ, naming the first difference (``owner`` says who checks)."""
     # The strides too (torch's DDP checks them): the buckets copy each gradient in its memory order, so a
-    # channels_last weight on one rank would be averaged element by element with another layout's.
-    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad, tuple(p.stride()))
+    # channels_last weight on one rank would be averaged element by element with another layout's. Those of
+    # trainable parameters' dimensions longer than 1 only: a frozen one is in no bucket, and a dimension of 1 has
+    # any stride without changing where an element lies.
+    mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad,
+             tuple(st for size, st in zip(p.shape, p.stride()) if size > 1) if p.requires_grad else ())
             for n, p in named]
     world = dist.get_world_size(group)
     # A digest first (a few bytes from each rank); the lists themselves only to name a difference.

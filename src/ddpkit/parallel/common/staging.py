@@ -186,7 +186,7 @@ class Staging:
                     param.grad = bucket.target  # it had none: the zeros it sent came back as the average
                 continue
             if bucket.target is not bucket.flat:
-                continue  # reduced in place: .grad holds the average already
+                continue  # a joined rank's zeros (a shadow step): its gradients stay as they are
             if not self.as_view and not skip:
                 grads = [p.grad for p in bucket.params]
                 if not any(g is None for g in grads):

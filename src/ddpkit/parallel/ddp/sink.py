@@ -1,11 +1,11 @@
-"""Where backward enters the model: torch's ``_DDPSink`` on the forward's outputs, and a static graph's anchors.
+"""Where backward enters the model: torch's ``_DDPSink`` on the forward's outputs, or anchors on their nodes.
 
 The reducer's end-of-backward callback must belong to the outer backward,
 even when the first gradients arrive inside a reentrant (checkpointing)
 backward nested in it. So the forward's outputs tell the reducer when
 backward reaches them: through :class:`_DDPSink` (torch's rule: every forward
 with ``find_unused_parameters``, and a static graph's forwards until its
-first backward), or, for a static graph's later synchronised forwards,
+first backward), or, for every other synchronised forward (stages 0 to 2),
 through prehooks on the nodes that made them, the outputs left untouched.
 """
 
@@ -17,6 +17,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["anchor_end_of_backward", "through_sink"]
+
+_ANCHORED = "ddpkit: anchored for"
+"""The key of a node's ``metadata`` that names the reducer its prehook tells."""
 
 
 class _DDPSink(torch.autograd.Function):
@@ -69,4 +72,7 @@ def anchor_end_of_backward(output: Any, reducer: Any) -> None:
         reducer.expect_backward()
 
     for node in nodes.values():
+        if node.metadata.get(_ANCHORED) is reducer:
+            continue  # an output kept from an earlier forward (cached on the module): one prehook is enough
+        node.metadata[_ANCHORED] = reducer
         node.register_prehook(arrived)
