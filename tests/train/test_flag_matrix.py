@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,9 @@ import pytest
 from ddpkit.cli import build_parser, main
 from ddpkit.runtime.options import ConfigError
 from ddpkit.train.train_config import TrainConfig
+from budget import charge_to_session, cpu_seconds
 from procs import base_env
+from train_each import parse
 
 FLAGS = {
     "ddp": [], "optimizer": ["--strategy", "optimizer"], "local-sgd": ["--strategy", "local-sgd"],
@@ -107,7 +111,15 @@ FAST_CONTINUE = {("ddp", "continue"), ("ddp", "continue-ordered"), ("diloco", "c
 (``train/fault_tolerant_async.py``); ps-sync's and SSP's runs, and the other flags', are the whole suite's."""
 
 
-def _slow_run(flag: str, mode: str) -> list:
+SHARED = [flag for flag, mode in RUNS if mode == "restart" and flag != "compile"]
+"""The restart mode's runs, made one after another by one process (``tests/train_each.py``, each as the
+command makes it): a restart forks its workers from a forkserver, which that process starts once for all of them,
+where each command would pay a second interpreter's imports twice (its own, and its forkserver's: about 5 of a
+run's 6 CPU-seconds in a clean clone's run of 2026-12-01). ``--compile``'s run is a command of its own: its
+compilation is the whole suite's."""
+
+
+def _param(flag: str, mode: str) -> list:
     if flag == "compile":
         marks = [pytest.mark.slow("torch.compile's first compilation in each of two workers")]
     elif mode.startswith("continue") and (flag, mode) not in FAST_CONTINUE:
@@ -115,16 +127,40 @@ def _slow_run(flag: str, mode: str) -> list:
         # restart forks preloaded workers): the fast tier keeps FAST_CONTINUE's, the whole suite runs every one.
         marks = [pytest.mark.slow("a job of the continuing mode's launcher and its fresh workers (and servers), "
                                   "for one flag")]
+    elif mode == "restart":
+        marks = [pytest.mark.xdist_group("flag-matrix-restart")]  # one worker makes the shared runs, once
     else:
         marks = []
     return pytest.param(flag, mode, marks=marks, id=f"{flag}-{mode}")
 
 
-@pytest.mark.parametrize("flag, mode", [_slow_run(f, m) for f, m in RUNS])
-def test_each_flag_that_is_taken_trains_under_each_failure_mode(flag: str, mode: str, tmp_path: Path) -> None:
-    argv = [*FLAGS[flag], *MODES[mode], *SMALL, "--output-dir", str(tmp_path / "run")]
-    done = subprocess.run([sys.executable, "-m", "ddpkit", "train", *argv], capture_output=True, text=True,
-                          timeout=240, env={**base_env(), "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def restart_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """:data:`SHARED`'s runs, each in its own output directory under the folder returned, with what each printed
+    on stdout and on stderr (``{flag: (exit code, text)}``)."""
+    cpu, wall = cpu_seconds(), time.monotonic()
+    folder = tmp_path_factory.mktemp("restart-runs")
+    runs = {flag: [*FLAGS[flag], *MODES["restart"], *SMALL, "--output-dir", str(folder / flag)] for flag in SHARED}
+    (folder / "runs.json").write_text(json.dumps(runs))
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "train_each.py"), str(folder / "runs.json")],
+                          capture_output=True, text=True, timeout=600, env=base_env(), cwd=folder)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "test accuracy:" in done.stdout and "Traceback" not in done.stderr
-    assert (tmp_path / "run" / "model.safetensors").is_file()
+    charge_to_session(cpu_seconds() - cpu, time.monotonic() - wall)  # every test of SHARED's, not the first's
+    return folder, parse(done.stdout), parse(done.stderr)
+
+
+@pytest.mark.parametrize("flag, mode", [_param(f, m) for f, m in RUNS])
+def test_each_flag_that_is_taken_trains_under_each_failure_mode(flag: str, mode: str, tmp_path: Path,
+                                                               request: pytest.FixtureRequest) -> None:
+    if flag in SHARED and mode == "restart":
+        folder, out, err = request.getfixturevalue("restart_runs")
+        (code, stdout), (_, stderr) = out[flag], err[flag]
+        run = folder / flag
+    else:
+        argv = [*FLAGS[flag], *MODES[mode], *SMALL, "--output-dir", str(tmp_path / "run")]
+        done = subprocess.run([sys.executable, "-m", "ddpkit", "train", *argv], capture_output=True, text=True,
+                              timeout=240, env=base_env(), cwd=tmp_path)
+        code, stdout, stderr, run = done.returncode, done.stdout, done.stderr, tmp_path / "run"
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
+    assert "test accuracy:" in stdout and "Traceback" not in stderr
+    assert (run / "model.safetensors").is_file()
