@@ -84,6 +84,30 @@ def children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def descendants(root: int) -> list[int]:
+    """Every descendant of ``root``."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for child, _ in children(pid):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def named(root: int, name: str) -> list[int]:
+    """The descendants of ``root`` named ``name`` (``/proc/PID/comm``): ``ddpkit-rank3``, the worker of rank 3 that
+    ``ddpkit train --on-failure continue`` started; ``ddpkit-server0``, parameter server 0."""
+    found = []
+    for pid in descendants(root):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -16,10 +16,9 @@ UNDER_TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADD
     ({"nproc_per_node": 1}, {}, False),  # the one worker is this process
     ({"nproc_per_node": 2}, UNDER_TORCHRUN, False),  # the launcher started the workers
     ({"nproc_per_node": 2, "engine": "dp"}, {}, False),
-    # --on-failure continue: its launcher starts each worker as a process of its own, which it waits for; a
-    # forkserver would import torch for nothing, beside the run's own imports
-    ({"nproc_per_node": 2, "on_failure": "continue"}, {}, False),
-    ({"nproc_per_node": 2, "on_failure": "continue", "max_restarts": 1}, {}, False),
+    # --on-failure continue: its launcher, in this process, forks every worker (ddpkit.runtime.preloaded)
+    ({"nproc_per_node": 2, "on_failure": "continue"}, {}, True),
+    ({"nproc_per_node": 2, "on_failure": "continue", "max_restarts": 1}, {}, True),
 ], ids=["two workers", "restarts", "one worker", "under torchrun", "dataparallel", "continue",
         "continue, replacements"])
 def test_a_forkserver_starts_only_where_workers_are_forked_from_it(settings, environ, forks):

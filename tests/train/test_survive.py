@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from event_files import epochs_of, expected_from_metrics, read_board
-from procs import ROOT, base_env, launch, script
+from procs import ROOT, base_env, launch, named, script
 from shared_runs import ft_reference, ft_run
 
 from ddpkit.data.sampler import DistributedSampler
@@ -725,15 +725,6 @@ def _floor_run(out: Path, nproc: int, *extra: str) -> subprocess.CompletedProces
                           timeout=180, cwd=ROOT)
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _rank_of(pid: int) -> int:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
-
-
 @pytest.mark.slow("two or three ddpkit train runs of two or three workers in the mode, one killed")
 @pytest.mark.parametrize("victims", ["workers", "launcher", "workers, and --max-restarts", "the first worker"])
 def test_a_run_that_loses_its_workers_or_launcher_ends_bitwise_equal(tmp_path: Path, shared_runs,
@@ -767,11 +758,12 @@ def test_a_run_that_loses_its_workers_or_launcher_ends_bitwise_equal(tmp_path: P
         while not any(int(p.stem.split("-")[1]) > 23 for p in (out / "checkpoints").glob("step-*.safetensors")):
             assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint in the second epoch"
             time.sleep(0.01)
-        pids = _children(proc.pid)
+        pids = [pid for rank in range(2) for pid in named(proc.pid, f"ddpkit-rank{rank}")]
+        assert len(pids) == 2
         if victims == "launcher":
             pids = [proc.pid]
         elif victims == "the first worker":
-            pids = [pid for pid in pids if _rank_of(pid) == 0]
+            pids = named(proc.pid, "ddpkit-rank0")
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         said = proc.communicate(timeout=120)[0]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from event_files import expected_from_metrics, read_board
-from procs import ROOT, base_env, children
+from procs import ROOT, base_env, named
 
 pytestmark = pytest.mark.alone("a parameter server's job, and faults sent while it trains")
 
@@ -32,30 +32,11 @@ def _args(out: Path | None, strategy: str, epochs: int, workers: int = 3, mode: 
             "--no-progress", *(("--output-dir", str(out)) if out else ())]
 
 
-def _processes(root: int) -> list[int]:
-    """Every descendant of ``root``."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        for child, _ in children(pid):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _find(root: int, *, rank: int | None = None, server: int | None = None) -> int:
-    for pid in _processes(root):
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if server is not None and comm == f"ddpkit-server{server}":
-            return pid
-        if rank is not None and f"RANK={rank}".encode() in environ and b"DDPKIT_ROLE=server" not in environ \
-                and any(b"DDPKIT_FT_MEMBER=" in e for e in environ):
-            return pid
-    raise AssertionError(f"no process of rank {rank} / server {server} under {root}")
+    name = f"ddpkit-server{server}" if server is not None else f"ddpkit-rank{rank}"
+    found = named(root, name)
+    assert len(found) == 1, f"{len(found)} processes named {name} under {root}"
+    return found[0]
 
 
 def _with_and_without_deaths(tmp_path: Path, args: list[str], kills: list[dict[str, int]]) -> tuple[dict, dict, str]:

@@ -184,8 +184,8 @@ class FaultTolerantGroup(WorkerGroup):
         member = self._member_id(spec, replacing)
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
-        spec.env.update({FT_FD: str(down_r), FT_REPLY_FD: str(up_w), FT_MEMBER: str(member)})
-        index = self._start_one(spec, pass_fds=(down_r, up_w))
+        spec.env[FT_MEMBER] = str(member)
+        index = self._start_one(spec, fds={FT_FD: down_r, FT_REPLY_FD: up_w})
         os.close(down_r)
         os.close(up_w)
         self.member_of[index] = member
@@ -200,8 +200,7 @@ class FaultTolerantGroup(WorkerGroup):
         """A parameter server: not a member, but told of the deaths (its waits on another server end when that
         one dies) on a pipe of its own."""
         down_r, down_w = os.pipe()
-        spec.env[FT_FD] = str(down_r)
-        self._start_one(spec, pass_fds=(down_r,))
+        self._start_one(spec, fds={FT_FD: down_r})
         os.close(down_r)
         self.server_pipes.append(down_w)
 

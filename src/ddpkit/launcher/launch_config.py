@@ -215,6 +215,10 @@ class LaunchConfig:
         "MPI job on this node (default: DDPKIT_BACKEND, else the workers' own choice)", metavar="gloo|nccl|mpi",
     )
     python: str = option(sys.executable, "interpreter that runs the workers", cli=False)
+    preload: tuple[str, ...] = option(
+        (), "modules imported once, in a server the workers of a -m program are forked from (see "
+        "ddpkit.runtime.preloaded): ddpkit train's own workers and servers, never a user's program", cli=False,
+    )
 
     def __post_init__(self) -> None:
         # Every rule that needs nothing but the values; the rest is resolve()'s (settings.py).

@@ -25,14 +25,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit.launcher.launch_config import LaunchConfig
 from ddpkit.launcher.output import LogLayout, Pump, read_error_file, write_lock
 from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.node_rendezvous import POLL_S, RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
+from ddpkit.runtime.preloaded import PreloadedProcess, start_module
 from ddpkit.runtime.process import (
     PS_REPLICATION_ENV,
     SignalCatcher,
@@ -118,6 +120,14 @@ class Failure:
         return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
 
 
+def preloaded_module(argv: list[str], cfg: LaunchConfig) -> tuple[str, list[str]] | None:
+    """``(module, args)`` where ``argv`` runs ``python -u -m module args`` with this launcher's interpreter and the
+    launch preloads (``cfg.preload``: ``ddpkit train``'s own workers), else None: a fresh interpreter."""
+    if not cfg.preload or len(argv) < 4 or argv[:3] != [sys.executable, "-u", "-m"]:
+        return None
+    return argv[3], argv[4:]
+
+
 class WorkerGroup:
     """The running workers of one attempt.
 
@@ -130,7 +140,7 @@ class WorkerGroup:
         self.launch = launch
         self.layout = layout
         self.specs: list[WorkerSpec] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | PreloadedProcess] = []
         self.pumps: list[Pump] = []
         self.tails: dict[int, collections.deque] = {}
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -144,14 +154,24 @@ class WorkerGroup:
                     break
                 self._start_one(spec)
 
-    def _start_one(self, spec: WorkerSpec, pass_fds: tuple[int, ...] = ()) -> int:
-        # start_new_session: the worker leads a process group holding all
-        # its descendants, which killpg can then take down together. stdin is
-        # the launcher's, as under torchrun (piped input reaches the workers).
-        proc = subprocess.Popen(
-            spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent, pass_fds=pass_fds,
-        )
+    def _start_one(self, spec: WorkerSpec, fds: Mapping[str, int] | None = None) -> int:
+        """Start one worker; ``fds``: environment variables naming a file descriptor of this process that the
+        worker inherits."""
+        preloaded = preloaded_module(spec.argv, self.launch.config)
+        if preloaded is not None:
+            module, args = preloaded
+            name = f"ddpkit-rank{spec.rank}" if spec.server is None else f"ddpkit-server{spec.server}"
+            proc: subprocess.Popen | PreloadedProcess = start_module(module, args, spec.env, fds=fds, name=name,
+                                                                     preload=self.launch.config.preload)
+        else:
+            spec.env.update({name: str(fd) for name, fd in (fds or {}).items()})
+            # start_new_session: the worker leads a process group holding all
+            # its descendants, which killpg can then take down together. stdin is
+            # the launcher's, as under torchrun (piped input reaches the workers).
+            proc = subprocess.Popen(
+                spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=die_with_parent, pass_fds=tuple((fds or {}).values()),
+            )
         index = len(self.procs)
         self.specs.append(spec)
         self.procs.append(proc)

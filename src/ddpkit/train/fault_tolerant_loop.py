@@ -69,6 +69,7 @@ from ddpkit.train import rundir
 from ddpkit.train.restart import check_servers
 from ddpkit.train.checkpoint import CheckpointError, save_checkpoint, save_weights
 from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
+from ddpkit.train.preload import FAULT_TOLERANT_PRELOAD
 from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate_alone
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
@@ -119,7 +120,7 @@ def train(config: TrainConfig, check: Callable[[], Any] = lambda: None) -> dict[
             code = run(LaunchConfig(program="ddpkit.train.fault_tolerant_loop", module=True, nproc_per_node=nproc,
                                     standalone=True, on_failure="continue", max_restarts=config.max_restarts,
                                     backend=config.backend, num_servers=config.num_servers if servers else 0,
-                                    ps_replication=config.ps_replication))
+                                    ps_replication=config.ps_replication, preload=FAULT_TOLERANT_PRELOAD))
             if code == 0:
                 break
             found = newest_valid_checkpoint(claim.out / rundir.CHECKPOINT_DIR)  # (ps and ssp: no restarts, no files)

@@ -167,16 +167,21 @@ def _cmdline(pid: int) -> str:
 
 
 def _workers(pid: int) -> list[int]:
-    """The training workers of the ``ddpkit train`` process ``pid``: its launcher's workers (continue), or the
-    children of its fork server (restart); not the other helpers (the resource tracker, a compiler's workers)."""
+    """The training workers of the ``ddpkit train`` process ``pid``: the children of its forkserver, which both
+    failure modes fork them from; not the other helpers (the resource tracker, a compiler's workers, a parameter
+    server: ``ddpkit-server0``)."""
     found = []
     for child in _children(pid):
-        command = _cmdline(child)
-        if "ddpkit.train.fault_tolerant_loop" in command:
-            found.append(child)
-        elif "forkserver" in command:
-            found += _children(child)
+        if "forkserver" in _cmdline(child):
+            found += [w for w in _children(child) if not _comm(w).startswith("ddpkit-server")]
     return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _train(args: list[str], out: Path, kill_after: float | None, rng: random.Random) -> Outcome:

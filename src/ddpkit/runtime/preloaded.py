@@ -1,0 +1,175 @@
+"""Processes that run ``python -u -m MODULE ARGS``, forked from a server that imported torch and MODULE's imports
+once (multiprocessing's forkserver), where each fresh interpreter would import them again.
+
+A worker of ``ddpkit train --on-failure continue`` started fresh spends about three CPU-seconds importing torch,
+``torch._dynamo`` and the training code before it trains, and a replacement spends them before it can join the
+job. Forked from a server that holds those imports, it starts in milliseconds. The launcher uses this for the
+modules it is told to preload (``LaunchConfig.preload``, which only ``ddpkit train`` sets: its own modules); a
+user's program always gets a fresh interpreter, as under torchrun.
+
+What the child gets is what ``subprocess.Popen`` gives a fresh interpreter, with three differences that do not
+matter to ddpkit's own modules:
+
+* torch was imported in the server, before the child's environment was set: a variable torch reads at import is
+  the server's (``OMP_NUM_THREADS`` is applied by hand, as :mod:`ddpkit.runtime.spawn` does);
+* stdin is ``/dev/null`` (multiprocessing's rule; these modules read none);
+* a file descriptor passed to the child has another number there: the environment variable that names it is
+  rewritten to the child's number;
+* ``ps`` shows the server's command line, and ``/proc/PID/environ`` the server's environment (the kernel keeps
+  what ``exec`` was given); the launcher names each child instead (``/proc/PID/comm``, what ``ps -o comm`` and
+  ``top`` show): ``ddpkit-rank3`` for rank 3's worker, ``ddpkit-server0`` for parameter server 0.
+
+The child leads a process group of its own (:func:`start_module` returns once it does, so a signal to the group
+reaches it) and dies with the server, which dies with the launcher. It ends as the interpreter would, without
+its teardown: an exception that escaped goes to ``sys.excepthook`` (exit code 1), ``SystemExit`` gives its code,
+an escaped ``KeyboardInterrupt`` ends it by SIGINT; then non-daemon threads are joined, ``atexit`` handlers run,
+and the streams are flushed before ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import multiprocessing as mp
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import wait
+from multiprocessing.reduction import DupFd
+from typing import Any, BinaryIO
+
+from ddpkit.runtime.process import die_with_parent, exit_now, set_process_name
+from ddpkit.runtime.spawn import start_forkserver
+
+__all__ = ["PreloadedProcess", "start_module"]
+
+
+class PreloadedProcess:
+    """What the launcher reads of a ``subprocess.Popen``: ``pid``, ``stdout``, ``stderr`` (the read ends of the
+    child's), ``poll()``, ``wait()``, ``returncode`` (negative: the signal that ended it)."""
+
+    def __init__(self, process: Any, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        self._process = process
+        self._lock = threading.Lock()  # the forkserver sends the exit status once: one reader at a time
+        self.pid: int = process.pid
+        self.stdout = stdout
+        self.stderr = stderr
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not wait([self._process.sentinel], timeout):
+            raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
+        code = self.poll()
+        assert code is not None  # the sentinel is readable once the status was sent
+        return code
+
+
+def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, preload: Sequence[str],
+                 fds: Mapping[str, int] | None = None, name: str | None = None) -> PreloadedProcess:
+    """Start ``python -u -m module *args`` with ``env``, forked from the forkserver with ``preload`` imported
+    (:func:`ddpkit.runtime.spawn.start_forkserver`: started now if it is not running yet).
+
+    Args:
+        fds: environment variables that name a file descriptor of this process which the child inherits (the
+            child's variable names its own copy).
+        name: the child's name in ``/proc/PID/comm`` (15 characters at most).
+    """
+    start_forkserver(preload)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    passed = dict(fds or {})
+    try:
+        process = mp.get_context("forkserver").Process(
+            target=_run, name=f"ddpkit:{module}",
+            args=(module, list(args), dict(env), _Inherited(out_w), _Inherited(err_w), _Inherited(ready_w),
+                  {variable: _Inherited(fd) for variable, fd in passed.items()}, name),
+        )
+        process.start()
+    finally:
+        for fd in (out_w, err_w, ready_w):
+            os.close(fd)
+    with os.fdopen(ready_r, "rb", buffering=0) as ready:
+        ready.read(1)  # the child leads its process group (or died before: then it is read as its exit)
+    return PreloadedProcess(process, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+
+
+class _Inherited:
+    """A file descriptor of this process that the child inherits: pickled for the child's start (and only then),
+    it goes with the start's own (SCM_RIGHTS), and arrives as the child's number for it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _received, (DupFd(self.fd),)
+
+
+def _received(dup: Any) -> int:
+    return dup.detach()
+
+
+def _run(module: str, args: list[str], env: dict[str, str], stdout: int, stderr: int, ready: int,
+         fds: dict[str, int], name: str | None) -> None:
+    """The child (see the module notes)."""
+    die_with_parent()
+    os.setsid()
+    if name:
+        set_process_name(name)
+    for target, received in ((1, stdout), (2, stderr)):
+        os.dup2(received, target)
+        os.close(received)
+    with os.fdopen(ready, "wb", buffering=0) as told:
+        told.write(b"1")
+    env = {**env, **{variable: str(fd) for variable, fd in fds.items()}}
+    os.environ.clear()
+    os.environ.update(env)
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # python -u
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+    atexit.unregister(exit_now)  # the server's own (ddpkit.runtime.server_exit) would end this with 0
+    sys.argv = [module, *args]
+    # runpy's warning that the module it runs as __main__ was imported already: by the server, on purpose (as in a
+    # fresh interpreter, the module's code runs again as __main__ beside the imported copy).
+    warnings.filterwarnings("ignore", message=r"'.*' found in sys\.modules after import of package",
+                            category=RuntimeWarning)
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - the interpreter's rule: the hook prints it, the exit code says it
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End the child as the interpreter would, without its teardown (see the module notes)."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
+    if code == -signal.SIGINT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    exit_now(code)

@@ -1,0 +1,136 @@
+"""A module started from the preloaded server (``ddpkit.runtime.preloaded``) runs as ``python -u -m`` would run it:
+its arguments, its environment, the descriptors it inherits, its exit code and output, its exit handlers, a process
+group of its own; and the launcher preloads only what it is told to, never a user's program."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddpkit.runtime.preloaded import start_module
+from ddpkit.runtime.process import terminate
+
+CHILD = textwrap.dedent("""
+    import atexit, json, os, sys, threading, time
+
+    def report():
+        fd = int(os.environ["PROBE_FD"])
+        print(json.dumps({"argv": sys.argv[1:], "probe": os.environ.get("PROBE"), "leads": os.getpgid(0) == os.getpid(),
+                          "read": os.read(fd, 5).decode(), "name": __name__, "torch": "torch" in sys.modules,
+                          "comm": open("/proc/self/comm").read().strip()}))
+
+    def main():
+        atexit.register(lambda: print("atexit ran", flush=True))
+        what = os.environ.get("PROBE_DO", "")
+        if what == "report":
+            report()
+        elif what == "raise":
+            raise ValueError("raised in the child")
+        elif what == "message":
+            sys.exit("a message instead of a code")
+        elif what == "thread":
+            threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+        elif what == "sleep":
+            print("sleeping", flush=True)
+            time.sleep(60)
+        sys.exit(int(os.environ.get("PROBE_CODE", "0")))
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+@pytest.fixture()
+def child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "probes").mkdir()  # a package's module, as ddpkit's are (runpy treats those apart)
+    (tmp_path / "probes" / "__init__.py").write_text("")
+    (tmp_path / "probes" / "preloaded.py").write_text(CHILD)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the server's children take this process's sys.path
+    return "probes.preloaded"
+
+
+def _start(module: str, args: list[str] | None = None, fds: dict[str, int] | None = None, **env: str):
+    return start_module(module, args or [], {**os.environ, **env}, preload=("torch",), fds=fds, name="probe-child")
+
+
+def test_a_module_gets_its_arguments_environment_and_descriptors_and_leads_its_group(child: str) -> None:
+    read, write = os.pipe()
+    os.write(write, b"hello")
+    proc = _start(child, ["--flag", "x y"], fds={"PROBE_FD": read}, PROBE="set", PROBE_DO="report")
+    os.close(read)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    assert proc.wait() == 0, err
+    report = json.loads(out.splitlines()[0])
+    assert report == {"argv": ["--flag", "x y"], "probe": "set", "leads": True, "read": "hello", "name": "__main__",
+                      "comm": "probe-child", "torch": True}  # preloaded, and run as the main module
+    assert out.splitlines()[1:] == ["atexit ran"]
+    os.close(write)
+
+
+def test_a_preloaded_module_runs_again_as_main_without_a_word(child: str, tmp_path: Path) -> None:
+    # The server imported the module itself (as ddpkit train's launcher has it import its workers' module): runpy
+    # would warn that the module was imported before it ran it as __main__. A process of its own, whose server
+    # starts with that preload (this one's may run already, with another), and finds the module on PYTHONPATH.
+    driver = textwrap.dedent(f"""
+        import os, sys
+        from ddpkit.runtime.preloaded import start_module
+        read, write = os.pipe()
+        os.write(write, b"again")
+        proc = start_module({child!r}, [], {{**os.environ, "PROBE_DO": "report"}}, preload=("torch", {child!r}),
+                            fds={{"PROBE_FD": read}})
+        sys.stdout.write(proc.stdout.read().decode())
+        sys.stderr.write(proc.stderr.read().decode())
+        sys.exit(proc.wait())
+    """)
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["read"] == "again"
+
+
+@pytest.mark.parametrize(("env", "code", "said"), [
+    ({"PROBE_CODE": "3"}, 3, ""),
+    ({"PROBE_DO": "raise"}, 1, "ValueError: raised in the child"),
+    ({"PROBE_DO": "message"}, 1, "a message instead of a code"),
+], ids=["exit 3", "an exception", "exit with a message"])
+def test_it_exits_as_the_interpreter_would(child: str, env: dict, code: int, said: str) -> None:
+    proc = _start(child, **env)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    assert proc.wait() == code
+    assert said in err and ("Traceback" in err) == (code == 1 and "raise" in env.get("PROBE_DO", ""))
+    assert out.splitlines() == ["atexit ran"]  # exit handlers run after an exception too
+
+
+def test_non_daemon_threads_finish_before_the_exit(child: str) -> None:
+    proc = _start(child, PROBE_DO="thread")
+    assert proc.stdout.read().decode().splitlines() == ["thread done", "atexit ran"]
+    assert proc.wait() == 0
+
+
+def test_a_signal_to_its_group_stops_it_and_reads_as_the_signal(child: str) -> None:
+    proc = _start(child, PROBE_DO="sleep")
+    assert proc.stdout.readline() == b"sleeping\n"
+    assert proc.poll() is None
+    terminate([proc], grace_s=5.0)
+    assert proc.wait() == -signal.SIGTERM and proc.returncode == -signal.SIGTERM
+
+
+def test_the_launcher_preloads_only_what_it_is_told_to() -> None:
+    from ddpkit.launcher import LaunchConfig
+    from ddpkit.launcher.supervise import preloaded_module
+
+    def preloaded(argv: list[str], **cfg) -> object:
+        return preloaded_module(argv, LaunchConfig(program="ddpkit.train.fault_tolerant_loop", module=True, **cfg))
+
+    argv = [sys.executable, "-u", "-m", "ddpkit.train.fault_tolerant_loop", "--x"]
+    assert preloaded(argv, preload=("torch",)) == ("ddpkit.train.fault_tolerant_loop", ["--x"])
+    assert preloaded(argv) is None  # ddpkit launch: a user's program gets a fresh interpreter, as under torchrun
+    assert preloaded(["/other/python", *argv[1:]], preload=("torch",)) is None  # PYTHON_EXEC
+    assert preloaded([sys.executable, "-u", "script.py"], preload=("torch",)) is None
