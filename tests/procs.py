@@ -97,15 +97,21 @@ def descendants(root: int) -> list[int]:
 
 def named(root: int, name: str) -> list[int]:
     """The descendants of ``root`` named ``name`` (``/proc/PID/comm``): ``ddpkit-rank3``, the worker of rank 3 that
-    ``ddpkit train --on-failure continue`` started; ``ddpkit-server0``, parameter server 0."""
-    found = []
-    for pid in descendants(root):
+    ``ddpkit train --on-failure continue`` started; ``ddpkit-server0``, parameter server 0. Not the processes such
+    a worker forks (they inherit its name)."""
+    def comm(pid: int) -> str:
         try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
-                found.append(pid)
+            return Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
-            continue
-    return found
+            return ""
+
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    return [pid for pid in descendants(root) if comm(pid) == name and comm(parent(pid)) != name]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 60) -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,12 @@ CHILD = textwrap.dedent("""
         elif what == "message":
             sys.exit("a message instead of a code")
         elif what == "thread":
-            threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+            def late():
+                time.sleep(0.2)
+                print("thread done in", sys.modules["__main__"].__spec__.name, flush=True)
+            threading.Thread(target=late).start()
+        elif what == "interrupt":
+            raise KeyboardInterrupt
         elif what == "sleep":
             print("sleeping", flush=True)
             time.sleep(60)
@@ -97,20 +103,26 @@ def test_a_preloaded_module_runs_again_as_main_without_a_word(child: str, tmp_pa
 
 @pytest.mark.parametrize(("env", "code", "said"), [
     ({"PROBE_CODE": "3"}, 3, ""),
-    ({"PROBE_DO": "raise"}, 1, "ValueError: raised in the child"),
+    ({"PROBE_CODE": "-2"}, 254, ""),  # an exit code, not a signal
+    ({"PROBE_DO": "raise"}, 1, "Traceback"),
     ({"PROBE_DO": "message"}, 1, "a message instead of a code"),
-], ids=["exit 3", "an exception", "exit with a message"])
+    ({"PROBE_DO": "interrupt"}, -signal.SIGINT, "Traceback"),
+], ids=["exit 3", "exit -2", "an exception", "exit with a message", "an escaped KeyboardInterrupt"])
 def test_it_exits_as_the_interpreter_would(child: str, env: dict, code: int, said: str) -> None:
+    # What python -u -m gives each: the code, the message or the traceback, the exit handlers run.
+    fresh = subprocess.run([sys.executable, "-u", "-m", child], env={**os.environ, **env}, capture_output=True,
+                           text=True, timeout=60, cwd=sys.path[0])
     proc = _start(child, **env)
     out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
-    assert proc.wait() == code
-    assert said in err and ("Traceback" in err) == (code == 1 and "raise" in env.get("PROBE_DO", ""))
-    assert out.splitlines() == ["atexit ran"]  # exit handlers run after an exception too
+    assert proc.wait() == fresh.returncode == code
+    assert said in err and said in fresh.stderr and ("Traceback" in err) == ("Traceback" in fresh.stderr)
+    assert out.splitlines() == fresh.stdout.splitlines() == ["atexit ran"]
 
 
 def test_non_daemon_threads_finish_before_the_exit(child: str) -> None:
     proc = _start(child, PROBE_DO="thread")
-    assert proc.stdout.read().decode().splitlines() == ["thread done", "atexit ran"]
+    # __main__ is still the module's after it returned, as under python -m
+    assert proc.stdout.read().decode().splitlines() == [f"thread done in {child}", "atexit ran"]
     assert proc.wait() == 0
 
 
@@ -120,6 +132,64 @@ def test_a_signal_to_its_group_stops_it_and_reads_as_the_signal(child: str) -> N
     assert proc.poll() is None
     terminate([proc], grace_s=5.0)
     assert proc.wait() == -signal.SIGTERM and proc.returncode == -signal.SIGTERM
+
+
+def _driver(child: str, tmp_path: Path, catch_term: bool = False) -> subprocess.Popen:
+    """A launcher of one preloaded child (``PROBE_DO=sleep``), in a session of its own; it prints the child's pid."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from ddpkit.runtime.preloaded import start_module
+        if __name__ == "__main__":
+            if {catch_term!r}:
+                signal.signal(signal.SIGTERM, lambda *_: None)  # a launcher stopping its workers gracefully
+            proc = start_module({child!r}, [], {{**os.environ, "PROBE_DO": "sleep"}}, preload=("torch",))
+            assert proc.stdout.readline() == b"sleeping\\n"
+            print(proc.pid, flush=True)
+            time.sleep(120)
+    """)
+    (tmp_path / "driver.py").write_text(code)
+    return subprocess.Popen([sys.executable, str(tmp_path / "driver.py")], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, start_new_session=True)
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_child_dies_with_a_launcher_killed_outright(child: str, tmp_path: Path) -> None:
+    # SIGKILL: the launcher cannot stop its workers; the server must see it gone, exit, and take its children.
+    driver = _driver(child, tmp_path)
+    try:
+        pid = int(driver.stdout.readline())
+        driver.kill()
+        driver.wait()
+        assert _gone(pid, 10.0), "a preloaded child outlived its launcher"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.stdout.close()
+
+
+def test_a_signal_to_the_launchers_group_is_the_launchers_to_handle(child: str, tmp_path: Path) -> None:
+    # `timeout` or a job control signals the launcher's whole group: the server is not in it (nor the children),
+    # so the launcher decides how its workers stop; the server's death would have ended them at once.
+    driver = _driver(child, tmp_path, catch_term=True)
+    try:
+        pid = int(driver.stdout.readline())
+        os.killpg(driver.pid, signal.SIGTERM)
+        assert not _gone(pid, 1.0)
+        driver.kill()
+        driver.wait()
+        assert _gone(pid, 10.0)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.stdout.close()
 
 
 def test_the_launcher_preloads_only_what_it_is_told_to() -> None:

@@ -104,9 +104,11 @@ def test_spawn_gives_each_worker_one_thread_unless_the_user_chose(tmp_path, monk
     assert sorted(p.read_text() for p in tmp_path.glob("*.threads")) == ["1", "1"]
 
 
-def test_workers_die_with_a_parent_killed_outright(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_die_with_a_parent_killed_outright(tmp_path, method):
     # The parent (ddpkit train's own workers have one) killed with SIGKILL cannot stop its children; the
-    # kernel must, or they train on, orphaned, writing into the run directory.
+    # kernel must, or they train on, orphaned, writing into the run directory. Under a forkserver (ddpkit
+    # train's), the server must see the parent gone although every child got a copy of the pipe that tells it.
     import subprocess
     import sys
 
@@ -117,7 +119,7 @@ def test_workers_die_with_a_parent_killed_outright(tmp_path):
             "    open(f'{out}/{rank}.pid', 'w').write(str(__import__('os').getpid()))\n"
             "    time.sleep(120)\n"
             "if __name__ == '__main__':\n"
-            f"    ddpkit.spawn(worker, 2, args=({str(tmp_path)!r},))\n")
+            f"    ddpkit.spawn(worker, 2, args=({str(tmp_path)!r},), start_method={method!r})\n")
     script = tmp_path / "parent.py"
     script.write_text(code)
     parent = subprocess.Popen([sys.executable, str(script)], env=base_env(), start_new_session=True)

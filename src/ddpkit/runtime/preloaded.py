@@ -7,11 +7,13 @@ job. Forked from a server that holds those imports, it starts in milliseconds. T
 modules it is told to preload (``LaunchConfig.preload``, which only ``ddpkit train`` sets: its own modules); a
 user's program always gets a fresh interpreter, as under torchrun.
 
-What the child gets is what ``subprocess.Popen`` gives a fresh interpreter, with three differences that do not
-matter to ddpkit's own modules:
+What the child gets is what ``subprocess.Popen`` gives a fresh interpreter, with these differences, none of which
+matters to ddpkit's own modules:
 
-* torch was imported in the server, before the child's environment was set: a variable torch reads at import is
-  the server's (``OMP_NUM_THREADS`` is applied by hand, as :mod:`ddpkit.runtime.spawn` does);
+* the interpreter and torch started in the server, before the child's environment was set: what they read of it
+  at their start is the server's (the launcher's): ``PYTHONHASHSEED``, ``PYTHONIOENCODING``, ``PYTHONWARNINGS``,
+  ``PYTHONFAULTHANDLER``, torch's import-time variables (``OMP_NUM_THREADS`` is applied by hand, as
+  :mod:`ddpkit.runtime.spawn` does);
 * stdin is ``/dev/null`` (multiprocessing's rule; these modules read none);
 * a file descriptor passed to the child has another number there: the environment variable that names it is
   rewritten to the child's number;
@@ -20,31 +22,38 @@ matter to ddpkit's own modules:
   ``top`` show): ``ddpkit-rank3`` for rank 3's worker, ``ddpkit-server0`` for parameter server 0.
 
 The child leads a process group of its own (:func:`start_module` returns once it does, so a signal to the group
-reaches it) and dies with the server, which dies with the launcher. It ends as the interpreter would, without
-its teardown: an exception that escaped goes to ``sys.excepthook`` (exit code 1), ``SystemExit`` gives its code,
-an escaped ``KeyboardInterrupt`` ends it by SIGINT; then non-daemon threads are joined, ``atexit`` handlers run,
-and the streams are flushed before ``os._exit``.
+reaches it) and dies with the server, which dies with the launcher (also one killed outright:
+:func:`ddpkit.runtime.spawn.leave_forkserver`). Its module runs as ``python -m`` runs it, in a fresh ``__main__``
+that stays ``__main__`` to the end; it ends as the interpreter would, without its teardown: an exception that
+escaped goes to ``sys.excepthook`` (exit code 1), ``SystemExit`` gives its code, an escaped ``KeyboardInterrupt``
+ends it by SIGINT; then non-daemon threads are joined, ``atexit`` handlers run, and the streams are flushed
+before ``os._exit``.
+
+As with every use of multiprocessing's forkserver, each child first imports the launcher's own main module (as
+``__mp_main__``): its work must sit under ``if __name__ == "__main__":`` (``python -m ddpkit``'s does).
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
+import importlib.util
 import io
 import multiprocessing as mp
+import multiprocessing.process
 import os
-import runpy
 import signal
 import subprocess
 import sys
 import threading
-import warnings
+import types
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import wait
 from multiprocessing.reduction import DupFd
 from typing import Any, BinaryIO
 
 from ddpkit.runtime.process import die_with_parent, exit_now, set_process_name
-from ddpkit.runtime.spawn import start_forkserver
+from ddpkit.runtime.spawn import leave_forkserver, start_forkserver
 
 __all__ = ["PreloadedProcess", "start_module"]
 
@@ -55,7 +64,11 @@ class PreloadedProcess:
 
     def __init__(self, process: Any, stdout: BinaryIO, stderr: BinaryIO) -> None:
         self._process = process
-        self._lock = threading.Lock()  # the forkserver sends the exit status once: one reader at a time
+        # The forkserver sends the exit status once: one reader at a time, and none of multiprocessing's own (its
+        # clean-up of finished children, at every start and at exit, would read it from another thread: the
+        # loser reads the pipe's end and takes 255 for the status). The launcher waits for its workers itself.
+        multiprocessing.process._children.discard(process)  # noqa: SLF001
+        self._lock = threading.Lock()
         self.pid: int = process.pid
         self.stdout = stdout
         self.stderr = stderr
@@ -98,12 +111,17 @@ def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, pr
                   {variable: _Inherited(fd) for variable, fd in passed.items()}, name),
         )
         process.start()
+    except BaseException:
+        for fd in (out_r, err_r, ready_r):
+            os.close(fd)
+        raise
     finally:
         for fd in (out_w, err_w, ready_w):
             os.close(fd)
+    started = PreloadedProcess(process, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
     with os.fdopen(ready_r, "rb", buffering=0) as ready:
         ready.read(1)  # the child leads its process group (or died before: then it is read as its exit)
-    return PreloadedProcess(process, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+    return started
 
 
 class _Inherited:
@@ -125,6 +143,7 @@ def _run(module: str, args: list[str], env: dict[str, str], stdout: int, stderr:
          fds: dict[str, int], name: str | None) -> None:
     """The child (see the module notes)."""
     die_with_parent()
+    leave_forkserver()
     os.setsid()
     if name:
         set_process_name(name)
@@ -142,32 +161,46 @@ def _run(module: str, args: list[str], env: dict[str, str], stdout: int, stderr:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     atexit.unregister(exit_now)  # the server's own (ddpkit.runtime.server_exit) would end this with 0
     sys.argv = [module, *args]
-    # runpy's warning that the module it runs as __main__ was imported already: by the server, on purpose (as in a
-    # fresh interpreter, the module's code runs again as __main__ beside the imported copy).
-    warnings.filterwarnings("ignore", message=r"'.*' found in sys\.modules after import of package",
-                            category=RuntimeWarning)
-    code = 0
+    code, interrupted = 0, False
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        _run_as_main(module)
     except SystemExit as e:
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:  # noqa: BLE001 - the interpreter's rule: the hook prints it, the exit code says it
-        sys.excepthook(*sys.exc_info())
-        code = -signal.SIGINT if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1
-    _exit(code)
+    except BaseException as e:  # noqa: BLE001 - the interpreter's rule: the hook prints it, the exit code says it
+        sys.excepthook(type(e), e, e.__traceback__)
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+    _exit(code, interrupted)
 
 
-def _exit(code: int) -> None:
+def _run_as_main(module: str) -> None:
+    """Run ``module`` as ``python -m`` does: its parent packages imported, its code run in a fresh ``__main__``
+    module that stays in ``sys.modules`` (a package runs its ``__main__`` submodule)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+    if spec.submodule_search_locations is not None:
+        return _run_as_main(f"{module}.__main__")
+    code = spec.loader.get_code(spec.name)  # type: ignore[attr-defined]
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__spec__=spec, __file__=spec.origin, __loader__=spec.loader, __package__=spec.parent,
+                         __cached__=spec.cached, __builtins__=builtins)
+    sys.modules["__main__"] = main
+    sys.argv[0] = spec.origin or module
+    exec(code, main.__dict__)  # noqa: S102 - what python -m does with the module's code
+    return None
+
+
+def _exit(code: int, interrupted: bool) -> None:
     """End the child as the interpreter would, without its teardown (see the module notes)."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
-    if code == -signal.SIGINT:
+    if interrupted:  # the interpreter's rule for an escaped KeyboardInterrupt: end by SIGINT
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -1,4 +1,10 @@
-"""Imported by the forkserver ddpkit starts, and nowhere else: the server ends without the interpreter's teardown.
+"""Imported by the forkserver ddpkit starts, and nowhere else: the server leaves its parent's process group, and
+ends without the interpreter's teardown.
+
+A signal to the parent's process group (``timeout``, a job control's ``kill -TERM -PGID``) would kill the server at
+once, and the kernel would then end every child it forked (``die_with_parent``) before the parent could stop them
+gracefully; in a session of its own the server sees none of those, and exits when its parent does (multiprocessing
+tells it so by a pipe: :func:`ddpkit.runtime.spawn.leave_forkserver`).
 
 A forkserver exits when the process that started it does. With torch
 imported, the interpreter's teardown would keep it (and the output streams it
@@ -12,7 +18,10 @@ end with ``os._exit`` (multiprocessing's rule) and never reach it.
 from __future__ import annotations
 
 import atexit
+import os
 
 from ddpkit.runtime.process import exit_now
 
+if os.getpgid(0) != os.getpid():  # (a group leader cannot, and needs not)
+    os.setsid()
 atexit.register(exit_now, 0)

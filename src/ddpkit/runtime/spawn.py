@@ -66,6 +66,24 @@ def start_forkserver(preload: Sequence[str]) -> None:
     forkserver.ensure_running()
 
 
+def leave_forkserver() -> None:
+    """In a child the forkserver forked: close this process's copy of the pipe whose end tells the server that its
+    parent is gone.
+
+    multiprocessing gives every child that copy; while any child holds it, the server never sees its parent die,
+    so a parent killed outright (SIGKILL, the OOM killer) left the server running, and with it every child (whose
+    ``die_with_parent`` watches the server). Without the copy, the server exits when the parent does and the
+    kernel ends the children. A child that starts processes of its own by the forkserver method gets a server of
+    its own (multiprocessing's rule in a child already: it never reuses its parent's).
+    """
+    import multiprocessing.forkserver as forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the one place multiprocessing keeps the copy
+    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:  # noqa: SLF001
+        os.close(server._forkserver_alive_fd)  # noqa: SLF001
+        server._forkserver_alive_fd = None  # noqa: SLF001
+
+
 def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str, str], conn: Connection,
            parent: int) -> None:
     # A parent killed outright (kill -9, the OOM killer) cannot stop its children: the kernel does, as for the
@@ -73,6 +91,7 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     # until the collective's timeout). A parent already gone before this line means: exit at once. Under a
     # forkserver the kernel's parent is the server, which exits when ``parent`` does.
     die_with_parent()
+    leave_forkserver()
     if os.getppid() != parent and (os.getppid() == 1 or not pid_alive(parent)):
         exit_now(1)
     # Own process group, so the parent can take down grandchildren too (a
