@@ -35,6 +35,25 @@ def test_spawn_runs_every_rank_with_the_launcher_env(tmp_path):
     assert got == ["0 3 3", "1 3 3", "2 3 3"]
 
 
+def _ports(rank: int, out: str) -> None:
+    Path(out, f"{rank}.ports").write_text(f"{os.environ['MASTER_PORT']} {os.environ.get('DDPKIT_PS_PORT', '-')}")
+
+
+def test_the_parameter_servers_channel_gets_a_port_found_free_not_the_rendezvous_port_plus_one(tmp_path,
+                                                                                                monkeypatch):
+    # Rank 0 serves the channel when there are no servers (ddpkit bench strategies' ps-sync): its default port,
+    # MASTER_PORT + 1, was never checked, and a run under load found it taken ("Address already in use").
+    monkeypatch.delenv("DDPKIT_PS_PORT", raising=False)
+    ddpkit.spawn(_ports, 2, args=(str(tmp_path),))
+    ports = {p.read_text() for p in tmp_path.glob("*.ports")}
+    assert len(ports) == 1  # the same for every rank
+    master, channel = ports.pop().split()
+    assert channel.isdigit() and channel != master  # spawn found one (before, none was given: MASTER_PORT + 1)
+    monkeypatch.setenv("DDPKIT_PS_PORT", "40123")  # the user's choice stands
+    ddpkit.spawn(_ports, 2, args=(str(tmp_path),))
+    assert {p.read_text().split()[1] for p in tmp_path.glob("*.ports")} == {"40123"}
+
+
 def test_spawn_reraises_the_failing_rank_with_its_traceback_and_stops_the_rest():
     start = time.monotonic()
     with pytest.raises(ddpkit.WorkerError) as info:

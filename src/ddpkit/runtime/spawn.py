@@ -207,7 +207,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     ctx = mp.get_context(start_method)
     port = free_port()
     token = mint_job_token()  # only these children may join (see ddpkit.init)
-    ps_port = str(free_port()) if num_servers else ""
+    # The parameter servers' channel (rank 0's, without servers) on a port found free too: its default, the
+    # rendezvous port + 1, may be any other process's (a client's ephemeral port, another job's store).
+    ps_port = str(free_port())
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, tuple[int, Connection]] = {}
     signals = SignalCatcher()
@@ -222,6 +224,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
                 env = _env(min(rank, nprocs - 1), nprocs, port, backend, token)
                 if num_servers:
                     env.update({NUM_SERVERS_ENV: str(num_servers), PS_PORT_ENV: ps_port})
+                else:
+                    env.setdefault(PS_PORT_ENV, ps_port)
                 target, child_args, name = fn, tuple(args), f"ddpkit-rank{rank}"
                 if rank >= nprocs:
                     env = server_env(env, rank - nprocs)
