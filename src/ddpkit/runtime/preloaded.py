@@ -67,7 +67,7 @@ class PreloadedProcess:
         # The forkserver sends the exit status once: one reader at a time, and none of multiprocessing's own (its
         # clean-up of finished children, at every start and at exit, would read it from another thread: the
         # loser reads the pipe's end and takes 255 for the status). The launcher waits for its workers itself.
-        multiprocessing.process._children.discard(process)  # noqa: SLF001
+        getattr(multiprocessing.process, "_children", set()).discard(process)
         self._lock = threading.Lock()
         self.pid: int = process.pid
         self.stdout = stdout

@@ -78,9 +78,11 @@ def leave_forkserver() -> None:
     """
     import multiprocessing.forkserver as forkserver
 
-    server = forkserver._forkserver  # noqa: SLF001 - the one place multiprocessing keeps the copy
-    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:  # noqa: SLF001
-        os.close(server._forkserver_alive_fd)  # noqa: SLF001
+    # The one place multiprocessing keeps the copy (CPython 3.8 to 3.14; elsewhere nothing to do).
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and getattr(server, "_forkserver_pid", None) is None:  # (a server of this process's own: no)
+        os.close(fd)
         server._forkserver_alive_fd = None  # noqa: SLF001
 
 
