@@ -446,23 +446,38 @@ def test_scaling_sweeps_the_ddp_workloads_of_the_default_list():
     assert {name for sweep, name, _ in jobs[1]} == {"convnet", "mlp", "resnet", "transformer", "linear200"}
 
 
-def _what_a_rank_found(rank: int, caller: int, out: str) -> None:
-    import sys
-
-    found = {"preloaded": "torch._dynamo" in sys.modules and "ddpkit.bench.sections.zero" in sys.modules,
-             "parent_is_caller": os.getppid() == caller}
-    Path(out, f"{rank}.json").write_text(json.dumps(found))
-
-
 def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
     # Every group of ranks the bench starts (--memory and --zero several per command) comes ready-imported,
-    # from a server that is not this process, instead of paying seconds of imports per rank.
-    from ddpkit.bench.runners.ranks import spawn_ranks
+    # from a server that is not this process, instead of paying seconds of imports per rank. In a process of its
+    # own, as the command's: a process's forkserver keeps the preload it started with, and a test before this one
+    # on the same pytest worker may have started one with another.
+    import subprocess
+    import sys
+    import textwrap
 
-    for _ in range(2):
-        spawn_ranks(_what_a_rank_found, 2, args=(os.getpid(), str(tmp_path)))
-        assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == \
-            [{"preloaded": True, "parent_is_caller": False}] * 2
+    from procs import base_env
+
+    driver = textwrap.dedent(f"""
+        import json, os, sys
+        from pathlib import Path
+
+        def found(rank, caller, out):
+            Path(out, f"{{rank}}.json").write_text(json.dumps(
+                {{"preloaded": "torch._dynamo" in sys.modules and "ddpkit.bench.sections.zero" in sys.modules,
+                  "parent_is_caller": os.getppid() == caller}}))
+
+        if __name__ == "__main__":
+            from ddpkit.bench.runners.ranks import spawn_ranks
+            for attempt in range(2):
+                spawn_ranks(found, 2, args=(os.getpid(), {str(tmp_path)!r}))
+                print(json.dumps([json.loads(Path({str(tmp_path)!r}, f"{{r}}.json").read_text()) for r in range(2)]))
+    """)
+    (tmp_path / "driver.py").write_text(driver)
+    done = subprocess.run([sys.executable, str(tmp_path / "driver.py")], capture_output=True, text=True,
+                          timeout=120, env=base_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads(line) for line in done.stdout.splitlines()] == \
+        [[{"preloaded": True, "parent_is_caller": False}] * 2] * 2
 
 
 def test_the_capped_tables_report_holds_its_summary(tmp_path, monkeypatch):
