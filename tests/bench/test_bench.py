@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -451,8 +450,6 @@ def test_the_ranks_are_forked_from_one_server_that_imported_torch(tmp_path):
     # from a server that is not this process, instead of paying seconds of imports per rank. In a process of its
     # own, as the command's: a process's forkserver keeps the preload it started with, and a test before this one
     # on the same pytest worker may have started one with another.
-    import subprocess
-    import sys
     import textwrap
 
     from procs import base_env
