@@ -53,7 +53,7 @@ from multiprocessing.reduction import DupFd
 from typing import Any, BinaryIO
 
 from ddpkit.runtime.process import die_with_parent, exit_now, set_process_name
-from ddpkit.runtime.spawn import leave_forkserver, start_forkserver
+from ddpkit.runtime.spawn import leave_forkserver, start_forkserver, take_environment
 
 __all__ = ["PreloadedProcess", "start_module"]
 
@@ -153,10 +153,7 @@ def _run(module: str, args: list[str], env: dict[str, str], stdout: int, stderr:
     with os.fdopen(ready, "wb", buffering=0) as told:
         told.write(b"1")
     env = {**env, **{variable: str(fd) for variable, fd in fds.items()}}
-    os.environ.clear()
-    os.environ.update(env)
-    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    take_environment(env)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # python -u
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     atexit.unregister(exit_now)  # the server's own (ddpkit.runtime.server_exit) would end this with 0

@@ -86,6 +86,20 @@ def leave_forkserver() -> None:
         server._forkserver_alive_fd = None  # noqa: SLF001
 
 
+def take_environment(env: dict[str, str]) -> None:
+    """In a child forked with torch already imported: ``env`` becomes this process's environment, and its
+    ``OMP_NUM_THREADS`` torch's thread count.
+
+    torch came in before this environment was set (with the function's module, or in the forkserver), so it sized
+    its thread pool for the whole machine: several ranks would each use every core. The launcher's rule (one thread
+    per worker unless the user chose) has to be applied by hand here.
+    """
+    os.environ.clear()
+    os.environ.update(env)
+    if "torch" in sys.modules and "OMP_NUM_THREADS" in env:
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
 def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str, str], conn: Connection,
            parent: int) -> None:
     # A parent killed outright (kill -9, the OOM killer) cannot stop its children: the kernel does, as for the
@@ -99,14 +113,7 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     # Own process group, so the parent can take down grandchildren too (a
     # DataLoader worker is one) with a single killpg.
     os.setpgid(0, 0)
-    os.environ.clear()
-    os.environ.update(env)
-    if "torch" in sys.modules and "OMP_NUM_THREADS" in env:
-        # torch came in with fn's module, before this environment was set, so
-        # it sized its thread pool for the whole machine: several ranks would
-        # each use every core. The launcher's rule (one thread per worker
-        # unless the user chose) has to be applied by hand here.
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    take_environment(env)
     try:
         fn(rank, *args)
     except KeyboardInterrupt:
