@@ -1,7 +1,9 @@
 """Multi-process test harness: a pool of persistent gloo ranks on localhost.
 
 ``import torch`` costs about a second here, so the workers are started once
-per world size and reused by every test: the test sends a module-level
+per world size and reused by every test, each forked from a server that
+imported torch and ddpkit once (multiprocessing's forkserver,
+:data:`POOL_PRELOAD`): the test sends a module-level
 function, every rank runs it, and the parent gets the per-rank results. The
 first failure (an exception or a dead worker) is re-raised in the test with
 the rank and its traceback, the other ranks are killed (they would be stuck
@@ -21,11 +23,17 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ddpkit.runtime.process import free_port, terminate, worker_env
-from ddpkit.runtime.spawn import WorkerError
+from ddpkit.runtime.spawn import WorkerError, leave_forkserver, start_forkserver
+
+
+POOL_PRELOAD = ("torch", "torch._dynamo", "ddpkit", "ddpkit.runtime.group", "ddpkit.parallel.ddp.wrapper", "harness")
+"""What the ranks' server imports once for every rank it forks (``import torch`` and the DDP wrapper's
+``torch._dynamo`` are most of a fresh rank's 2.5 CPU-seconds before its first job)."""
 
 
 def _serve(rank: int, world_size: int, port: int, conn) -> None:
     faulthandler.enable()  # a worker killed by a signal (SIGSEGV, SIGABRT) leaves its Python stack in the test's stderr
+    leave_forkserver()  # (the server then exits with the test process, as a fresh rank's parent would be gone)
     os.setpgid(0, 0)
     os.environ.update(worker_env(rank=rank, local_rank=rank, world_size=world_size,
                                  local_world_size=world_size, master_port=port))
@@ -67,7 +75,10 @@ class RankPool:
         self._conns: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # Forked from this process's forkserver, which imports POOL_PRELOAD once (a server already started by a
+        # test before, with another preload, serves as well: its ranks then import the rest themselves).
+        start_forkserver(POOL_PRELOAD)
+        ctx = mp.get_context("forkserver")
         port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()

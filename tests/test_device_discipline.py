@@ -65,9 +65,9 @@ class _OneSiteOffDevice(ast.NodeTransformer):
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
-        name = ast.unparse(node.func)
-        if name not in ("comm_tensor", "comm_device"):
+        if not isinstance(node.func, ast.Name) or node.func.id not in ("comm_tensor", "comm_device"):
             return node
+        name = node.func.id
         self.seen += 1
         self.order.append(node)
         if self.seen != self.index:
@@ -102,7 +102,6 @@ def _sites() -> list[tuple[str, int]]:
 
 
 SITES = _sites()
-WRAPPED = package_wrappers(PACKAGE)
 
 
 def test_the_package_uses_the_device_rule_at_its_collectives():
@@ -115,11 +114,11 @@ def test_the_package_uses_the_device_rule_at_its_collectives():
 @pytest.mark.parametrize("relative, index", SITES, ids=[f"{s}#{i}" for s, i in SITES])
 def test_each_site_of_the_device_rule_is_seen_by_the_check(relative, index):
     source = (PACKAGE / relative).read_text()
-    before = check_source(source, relative, WRAPPED)
+    before = check_source(source, relative, package_wrappers(PACKAGE))
     mutant = _OneSiteOffDevice(index)
     tree = mutant.visit(ast.parse(source))
     assert mutant.done
-    after = check_source(ast.unparse(ast.fix_missing_locations(tree)), relative, WRAPPED)
+    after = check_source(ast.unparse(ast.fix_missing_locations(tree)), relative, package_wrappers(PACKAGE))
     assert len(after) > len(before), f"{relative}: use #{index} of comm_tensor/comm_device turned into a CPU " \
                                      "tensor, and the check did not see it"
 

@@ -73,7 +73,9 @@ def test_the_zero3_example_shards_a_meta_model_saves_and_loads_it(tmp_path: Path
         "index.json", "rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow(
+    "the fast tier runs the example in its asynchronous mode; the synchronous servers are test_consistency.py's "
+    "and test_ps.py's there")), "async"])
 def test_the_parameter_server_example_trains_under_both_modes(tmp_path: Path, mode: str) -> None:
     done = _run(_launch("--num-servers", "1", str(ROOT / "examples" / "parameter_servers.py"), "--mode", mode,
                         "--steps", "10"), tmp_path)

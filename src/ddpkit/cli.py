@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -156,10 +157,12 @@ def _saved_settings(args: argparse.Namespace, config: type) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ddpkit.runtime import variables
     from ddpkit.train.preload import start_early
     from ddpkit.train.train_config import TrainConfig
 
     config = _build(TrainConfig, args, _saved_settings(args, TrainConfig))
+    variables.refuse_bad_environment(os.environ)  # (again in train(): a bad variable refused before any import)
     start_early(config)  # the workers' imports start now, beside this process's own
     from ddpkit.train.loop import train
 

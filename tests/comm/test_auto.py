@@ -692,6 +692,8 @@ def test_comm_with_zero_stage_2_is_refused_by_name(dist2):
     assert all("does not fit zero_stage=2" in said for said in dist2.run(_refused))
 
 
+@pytest.mark.slow("an MPI pool of its own on its pytest worker: the fast tier decides on gloo; the MPI backend's "
+                  "fast test is test_collectives.py's")
 def test_the_decision_on_mpi_as_on_gloo(mpi2):
     zero, one = mpi2.run(_decide, 30, True)
     assert zero["chosen"] == one["chosen"] and zero["tried"] == one["tried"] == _expected_trials(zero["predicted"])

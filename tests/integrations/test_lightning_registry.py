@@ -3,10 +3,14 @@ model is ddpkit's DDP (the two-process parity with Lightning's own DDP is test_l
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="Lightning is an optional extra: pip install 'ddpkit[lightning]'")
+if importlib.util.find_spec("lightning") is None:  # (looked for, not imported: importing Lightning's 2,000 modules
+    # cost each pytest worker 3 s of its collection)
+    pytest.skip("Lightning is an optional extra: pip install 'ddpkit[lightning]'", allow_module_level=True)
 
 
 def test_the_strategy_names_are_registered_and_a_fit_wraps_the_model_in_ddpkits_ddp(tmp_path) -> None:

@@ -10,6 +10,7 @@ optimisation that accumulates a micro-batch under ``block_backward_sync``.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -17,7 +18,9 @@ import pytest
 import torch
 from procs import ROOT, SCRIPTS, base_env
 
-pytest.importorskip("lightning", reason="Lightning is an optional extra: pip install 'ddpkit[lightning]'")
+if importlib.util.find_spec("lightning") is None:  # (looked for, not imported: importing Lightning's 2,000 modules
+    # cost each pytest worker 3 s of its collection)
+    pytest.skip("Lightning is an optional extra: pip install 'ddpkit[lightning]'", allow_module_level=True)
 
 MODELS = "boring,bn,manual"
 

@@ -37,9 +37,14 @@ def _expected(dead: int, rounds_with_it: int) -> tuple[float, int]:
     return value, 3 * H * rounds_with_it + 2 * H * (rounds - rounds_with_it)
 
 
+_WHOLE_SUITE = pytest.mark.slow("a job of three workers run alone: the fast tier keeps the death inside an exchange "
+                                "(1:7), the hardest of the three")
+
+
 @pytest.mark.alone("a job of three workers, and a fault timed inside an outer step")
-@pytest.mark.parametrize("kill, codec, rounds_with_it", [("2:6", "fp32", [1]), ("0:8", "int8", [1, 2]),
-                                                         ("1:7", "fp32", [1, 2])])
+@pytest.mark.parametrize("kill, codec, rounds_with_it", [
+    pytest.param("2:6", "fp32", [1], marks=_WHOLE_SUITE), pytest.param("0:8", "int8", [1, 2], marks=_WHOLE_SUITE),
+    ("1:7", "fp32", [1, 2])])
 def test_a_death_between_or_inside_outer_steps_leaves_the_survivors_equal_and_counts_the_samples(
         kill: str, codec: str, rounds_with_it: list[int]) -> None:
     # 2:6 between outer steps (the dead's second round lost); 0:8 right after its second exchange ended on it

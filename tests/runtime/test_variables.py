@@ -55,3 +55,15 @@ def test_the_commands_refuse_a_bad_variable_in_one_line_before_any_worker(
     assert lines == [f"ddpkit {command}: error: {message}" + lines[0].split(message, 1)[1]], done.stderr
     assert "Traceback" not in done.stderr and "REPORT" not in done.stdout  # no worker ran
     assert not (tmp_path / "run").exists()
+
+
+def test_ddpkit_train_refuses_a_bad_variable_before_it_imports_the_training_code(tmp_path) -> None:
+    # The refusal comes in a fifth of a second, not after torch and the training code (2.5 s): nothing of torch
+    # is imported when it is said.
+    probe = ("import sys\nfrom ddpkit.cli import main\n"
+             f"code = main(['train', '--output-dir', {str(tmp_path / 'run')!r}, '--epochs', '1'])\n"
+             "print(code, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], env=base_env(DDPKIT_TIMEOUT="abc"), capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    assert "DDPKIT_TIMEOUT='abc' is not a number of seconds" in done.stderr

@@ -833,7 +833,8 @@ def test_the_ordered_reduction_of_a_gradient_smaller_than_its_blocks_gives_the_b
     assert all(len(bits[world]) == 1 and bits[world] == bits[1] for world in worlds), bits
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.slow(
+    "the same jobs under mpirun: the fast tier keeps gloo's, the whole suite both"))])
 def test_the_summed_mode_at_four_shards_per_worker_trains_ddps_batches_in_one_micro_batch(
         backend: str, mpi_why: str | None) -> None:
     # V = 4n, the setting for spares, trained each shard as a micro-batch of its own (2.25x DDP's step on a 25 M

@@ -49,10 +49,7 @@ def run(cfg: LaunchConfig) -> int:
             unresolvable address, a busy port.
     """
     launch = resolve(cfg)
-    try:
-        variables.check_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    variables.refuse_bad_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
     if cfg.backend:
         os.environ["DDPKIT_BACKEND"] = cfg.backend  # what every worker's ddpkit.init() reads
     check_backend(os.environ.get("DDPKIT_BACKEND", ""), launch.max_nodes)

@@ -96,10 +96,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """
     if config.amp == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--amp fp16 needs CUDA (loss scaling on GPU): use --amp bf16 on CPU")
-    try:
-        variables.check_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    variables.refuse_bad_environment(os.environ)  # what every worker reads first: one line now, not N tracebacks
     try:
         choose_backend(config.backend)
     except ValueError as e:
