@@ -16,10 +16,12 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 from ddpkit.runtime.process import free_port, terminate, worker_env
@@ -31,10 +33,33 @@ POOL_PRELOAD = ("torch", "torch._dynamo", "ddpkit", "ddpkit.runtime.group", "ddp
 ``torch._dynamo`` are most of a fresh rank's 2.5 CPU-seconds before its first job)."""
 
 
-def _serve(rank: int, world_size: int, port: int, conn) -> None:
+class _Fd:
+    """A file descriptor of the process that starts a pool, handed to a rank (duplicated as the rank starts)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _received, (DupFd(self.fd),)
+
+
+def _received(dup: Any) -> int:
+    return dup.detach()
+
+
+def _serve(rank: int, world_size: int, port: int, conn, environ: dict[str, str], stdout: int, stderr: int) -> None:
+    # What a spawned rank had and a forked one must be given: the output, environment and randomness of its own
+    # start, not of the server's (started earlier, perhaps by another test, with that test's captured output).
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
     faulthandler.enable()  # a worker killed by a signal (SIGSEGV, SIGABRT) leaves its Python stack in the test's stderr
     leave_forkserver()  # (the server then exits with the test process, as a fresh rank's parent would be gone)
     os.setpgid(0, 0)
+    os.environ.clear()
+    os.environ.update(environ)
+    _coverage_as_started()
     os.environ.update(worker_env(rank=rank, local_rank=rank, world_size=world_size,
                                  local_world_size=world_size, master_port=port))
     os.environ["DDPKIT_BACKEND"] = "gloo"
@@ -43,9 +68,25 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
 
     import ddpkit
 
+    torch.seed()  # each rank its own seed, as each fresh interpreter's import of torch draws one
     torch.set_num_threads(1)
     ddpkit.init(backend="gloo", timeout=90)
     serve_jobs(conn)
+
+
+def _coverage_as_started() -> None:
+    """coverage.py's start-up hook (its ``.pth`` file, ``tests/fast_tier.py``) runs in a fresh interpreter, not in
+    a rank forked from the server: run it where this rank's environment asks for it, and stop a measurement the
+    server's own start began where it does not."""
+    wanted = "COVERAGE_PROCESS_CONFIG" in os.environ or "COVERAGE_PROCESS_START" in os.environ
+    coverage = sys.modules.get("coverage")
+    started = getattr(getattr(coverage, "process_startup", None), "coverage", None)
+    if wanted and started is None:
+        import coverage
+
+        coverage.process_startup()
+    elif started is not None and not wanted:
+        started.stop()
 
 
 def serve_jobs(conn) -> None:
@@ -82,7 +123,8 @@ class RankPool:
         port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_serve, daemon=True,
+                               args=(rank, self.world_size, port, child, dict(os.environ), _Fd(1), _Fd(2)))
             proc.start()
             child.close()
             self._procs.append(proc)
