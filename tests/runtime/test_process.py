@@ -89,3 +89,33 @@ def test_terminate_takes_down_children_that_ignore_sigterm() -> None:
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child)
+
+
+_KILLED_RANK = '''
+import multiprocessing as mp, os, signal, sys
+
+def rank(ready):
+    from ddpkit.runtime.process import rank_bar
+    from tqdm import tqdm
+    bar = rank_bar(total=3, disable=True) if sys.argv[1] == "rank_bar" else tqdm(total=3, disable=True)
+    ready.send(1)
+    signal.pause()
+
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=rank, args=(there,))
+    child.start()
+    here.recv()
+    os.kill(child.pid, signal.SIGKILL)  # as a launcher's teardown ends a rank after another failed
+    child.join()
+'''
+
+
+def test_a_killed_ranks_progress_bar_leaves_no_semaphore_behind(tmp_path) -> None:
+    script = tmp_path / "killed_rank.py"
+    script.write_text(_KILLED_RANK)
+    said = {how: subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60,
+                                cwd=tmp_path).stderr for how in ("tqdm", "rank_bar")}
+    assert "leaked semaphore" in said["tqdm"], said  # what the job's one-line error got beneath it
+    assert said["rank_bar"] == "", said

@@ -52,8 +52,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
-
 from ddpkit.data.datasets import load_dataset
 from ddpkit.integrations.tensorboard import STEP_EVERY, EpochBoard
 from ddpkit.parallel.common.trace import instrument, write
@@ -61,6 +59,7 @@ from ddpkit.runtime import events, variables
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
+from ddpkit.runtime.process import rank_bar
 from ddpkit.runtime.options import ConfigError, RunError
 from ddpkit.train import restart, rundir, fault_tolerant_loop
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
@@ -308,10 +307,10 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
     progress = run.progress
     first_epoch = progress["epoch"]
     left = steps_left(config, run.state.sampler, first_epoch, mid_epoch=progress["batches_done"] > 0)
-    bar = tqdm(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
-               # A bar redraws with carriage returns: on a terminal only, never
-               # into a redirected log (the epoch lines are printed either way).
-               disable=dist.get_rank() != 0 or not config.progress or not sys.stderr.isatty())
+    bar = rank_bar(total=max(left, 0), unit="step", dynamic_ncols=True, leave=False,
+                   # A bar redraws with carriage returns: on a terminal only, never
+                   # into a redirected log (the epoch lines are printed either way).
+                   disable=dist.get_rank() != 0 or not config.progress or not sys.stderr.isatty())
     start = time.perf_counter()
     sent, first_step = ByteCounter(), run.state.step
     while progress["epoch"] < config.epochs:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bench.bench_config import BenchConfig
+from ddpkit.runtime.process import rank_bar
 
 __all__ = ["machine", "progress_bar", "say"]
 
@@ -22,10 +23,8 @@ def say(cfg: BenchConfig, message: str) -> None:
 
 def progress_bar(name: str, cfg: BenchConfig) -> Any:
     """Rank 0's bar over the timed steps, on a terminal only (a redirected log gets the per-workload lines)."""
-    from tqdm import tqdm
-
     shown = cfg.progress and dist.get_rank() == 0 and sys.stderr.isatty()
-    return tqdm(total=cfg.steps, desc=name, unit="step", leave=False, disable=not shown, file=sys.stderr)
+    return rank_bar(total=cfg.steps, desc=name, unit="step", leave=False, disable=not shown, file=sys.stderr)
 
 
 def machine() -> dict[str, Any]:
