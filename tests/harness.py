@@ -21,9 +21,9 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from multiprocessing.reduction import DupFd
 from typing import Any
 
+from ddpkit.runtime.preloaded import Inherited
 from ddpkit.runtime.process import free_port, terminate, worker_env
 from ddpkit.runtime.spawn import WorkerError, leave_forkserver, start_forkserver
 
@@ -31,20 +31,6 @@ from ddpkit.runtime.spawn import WorkerError, leave_forkserver, start_forkserver
 POOL_PRELOAD = ("torch", "torch._dynamo", "ddpkit", "ddpkit.runtime.group", "ddpkit.parallel.ddp.wrapper", "harness")
 """What the ranks' server imports once for every rank it forks (``import torch`` and the DDP wrapper's
 ``torch._dynamo`` are most of a fresh rank's 2.5 CPU-seconds before its first job)."""
-
-
-class _Fd:
-    """A file descriptor of the process that starts a pool, handed to a rank (duplicated as the rank starts)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _received, (DupFd(self.fd),)
-
-
-def _received(dup: Any) -> int:
-    return dup.detach()
 
 
 def _serve(rank: int, world_size: int, port: int, conn, environ: dict[str, str], stdout: int, stderr: int) -> None:
@@ -124,7 +110,7 @@ class RankPool:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, daemon=True,
-                               args=(rank, self.world_size, port, child, dict(os.environ), _Fd(1), _Fd(2)))
+                               args=(rank, self.world_size, port, child, dict(os.environ), Inherited(1), Inherited(2)))
             proc.start()
             child.close()
             self._procs.append(proc)

@@ -55,7 +55,7 @@ from typing import Any, BinaryIO
 from ddpkit.runtime.process import die_with_parent, exit_now, set_process_name
 from ddpkit.runtime.spawn import leave_forkserver, start_forkserver, take_environment
 
-__all__ = ["PreloadedProcess", "start_module"]
+__all__ = ["Inherited", "PreloadedProcess", "start_module"]
 
 
 class PreloadedProcess:
@@ -107,8 +107,8 @@ def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, pr
     try:
         process = mp.get_context("forkserver").Process(
             target=_run, name=f"ddpkit:{module}",
-            args=(module, list(args), dict(env), _Inherited(out_w), _Inherited(err_w), _Inherited(ready_w),
-                  {variable: _Inherited(fd) for variable, fd in passed.items()}, name),
+            args=(module, list(args), dict(env), Inherited(out_w), Inherited(err_w), Inherited(ready_w),
+                  {variable: Inherited(fd) for variable, fd in passed.items()}, name),
         )
         process.start()
     except BaseException:
@@ -124,9 +124,10 @@ def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, pr
     return started
 
 
-class _Inherited:
-    """A file descriptor of this process that the child inherits: pickled for the child's start (and only then),
-    it goes with the start's own (SCM_RIGHTS), and arrives as the child's number for it."""
+class Inherited:
+    """A file descriptor of this process that a child of the forkserver inherits (an argument of its
+    ``Process``): pickled for the child's start (and only then), it goes with the start's own (SCM_RIGHTS), and
+    arrives as the child's number for it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
