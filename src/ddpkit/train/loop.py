@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from ddpkit.data.datasets import load_dataset
 from ddpkit.integrations.tensorboard import STEP_EVERY, EpochBoard
 from ddpkit.parallel.common.trace import instrument, write
@@ -59,8 +60,8 @@ from ddpkit.runtime import events, variables
 from ddpkit.runtime.devices import comm_tensor
 from ddpkit.runtime.events import ByteCounter
 from ddpkit.runtime.group import barrier, choose_backend, init, print0, zero_first
-from ddpkit.runtime.process import rank_bar
 from ddpkit.runtime.options import ConfigError, RunError
+from ddpkit.runtime.process import rank_bar
 from ddpkit.train import restart, rundir, fault_tolerant_loop
 from ddpkit.train.checkpoint import CheckpointError, load_checkpoint, save_json, save_weights
 from ddpkit.train.train_config import TrainConfig
