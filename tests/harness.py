@@ -25,7 +25,7 @@ from typing import Any
 
 from ddpkit.runtime.preloaded import Inherited
 from ddpkit.runtime.process import free_port, terminate, worker_env
-from ddpkit.runtime.spawn import WorkerError, leave_forkserver, start_forkserver
+from ddpkit.runtime.spawn import WorkerError, leave_forkserver, start_forkserver, take_environment
 
 
 POOL_PRELOAD = ("torch", "torch._dynamo", "ddpkit", "ddpkit.runtime.group", "ddpkit.parallel.ddp.wrapper", "harness")
@@ -43,19 +43,14 @@ def _serve(rank: int, world_size: int, port: int, conn, environ: dict[str, str],
     faulthandler.enable()  # a worker killed by a signal (SIGSEGV, SIGABRT) leaves its Python stack in the test's stderr
     leave_forkserver()  # (the server then exits with the test process, as a fresh rank's parent would be gone)
     os.setpgid(0, 0)
-    os.environ.clear()
-    os.environ.update(environ)
+    take_environment({**worker_env(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                                   master_port=port, base=environ), "DDPKIT_BACKEND": "gloo", "OMP_NUM_THREADS": "1"})
     _coverage_as_started()
-    os.environ.update(worker_env(rank=rank, local_rank=rank, world_size=world_size,
-                                 local_world_size=world_size, master_port=port))
-    os.environ["DDPKIT_BACKEND"] = "gloo"
-    os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
     import ddpkit
 
     torch.seed()  # each rank its own seed, as each fresh interpreter's import of torch draws one
-    torch.set_num_threads(1)
     ddpkit.init(backend="gloo", timeout=90)
     serve_jobs(conn)
 
