@@ -160,6 +160,8 @@ class RankPool:
                 pass
 
     def _exitcode(self, rank: int) -> int | None:
+        """The exit status of a rank whose pipe has closed (its forkserver reports it a moment after)."""
+        self._procs[rank].join(timeout=5.0)
         return self._procs[rank].exitcode
 
     def close(self) -> None:

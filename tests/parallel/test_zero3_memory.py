@@ -2,7 +2,7 @@
 resumes bit-identically and loads into a plain module, each rank under a kernel-enforced memory limit.
 
 Each of four ranks joins a memory cgroup (:class:`ddpkit.bench.runners.memory_cap.MemoryCap`) that lets it touch ``BUDGET``
-bytes of new memory, and the kernel kills it past that. The model's weights alone are 1.5 times the budget: a
+bytes of new memory, and the kernel kills it past that. The model's weights alone are 1.25 times the budget: a
 process that builds it whole in the same cap is killed (the control). Stage 3 builds it on the meta device,
 materialises each rank's rows unit by unit, and trains.
 """
@@ -28,8 +28,11 @@ pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=f"no memory c
 DEPTH, WIDTH = 96, 512
 WHOLE = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
 """The weights in bytes (fp32): 100.8 MB."""
-BUDGET = int(WHOLE / 1.5)
-"""What each rank may touch: two thirds of the weights (67 MB)."""
+BUDGET = int(WHOLE / 1.25)
+"""What each rank may touch: four fifths of the weights (80.6 MB). A rank's rows of the weights and of their
+gradients are half the weights (50.4 MB); with what the steps, the saves and the loads hold beside them it peaks at
+65 MB of resident memory (measured in the cap, memory.stat's rss sampled each millisecond): under a cap of two
+thirds of the weights (67 MB) that left 2 MB, and a rank of a whole run was once killed."""
 
 
 def _model() -> nn.Module:
@@ -95,7 +98,7 @@ def test_a_model_larger_than_a_ranks_memory_trains_saves_resumes_and_loads_whole
     assert list(straight) == list(resumed) and all(torch.equal(straight[k], resumed[k]) for k in straight)
     plain = _model()
     plain.load_state_dict(straight)  # the whole model, outside the cap, as a plain module
-    assert sum(p.numel() * p.element_size() for p in plain.parameters()) == WHOLE > BUDGET * 1.49
+    assert sum(p.numel() * p.element_size() for p in plain.parameters()) == WHOLE > BUDGET * 1.24
 
 
 def test_the_same_model_built_whole_under_the_same_cap_is_killed(tmp_path):
