@@ -51,7 +51,12 @@ def test_building_the_cli_does_not_import_torch():
                                                 "powersgd, not --comm-hook fp16"),
     ({"powersgd_start": 3, "comm_hook": "auto"}, r"not --comm-hook auto \(auto tries ranks 16 and 32"),
     ({"momentum": 0.5, "optimizer": "adamw"}, "--momentum 0.5 is SGD's: --optimizer adamw has none"),
-    ({"sync_bn": True, "engine": "dp"}, "--sync-bn True does not fit --engine dp"),
+    ({"sync_bn": True, "engine": "dp"}, "--sync-bn does not fit --engine dp"),
+    # Each refusal of --on-failure continue says why, and a switch is named without its value.
+    ({"sync_bn": True, "on_failure": "continue"}, "^--sync-bn does not fit --on-failure continue: SyncBatchNorm "
+                                                  "all-reduces each forward's batch statistics"),
+    ({"on_failure": "continue", "straggler": "1:2"}, "--straggler .1:2. does not fit --on-failure continue: it "
+                                                     "slows a rank, and the mode's ranks change with each death"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -223,8 +223,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} {getattr(self, name)!r} {rule}")
+                flag, value = "--" + name.replace("_", "-"), getattr(self, name)
+                raise ConfigError(f"{flag} {rule}" if value is True else f"{flag} {value!r} {rule}")
 
         need(self.model in MODELS, "model", f"is not a model: choose one of {', '.join(MODELS)}")
         need(self.dataset in DATASETS, "dataset", f"is not a dataset: choose one of {', '.join(DATASETS)}")
@@ -427,13 +427,18 @@ class TrainConfig:
              "is kept on another rank); train without --zero, or use --on-failure restart")
         need(self.comm_hook in ("none", "fp16", "bf16"), "comm_hook", f"{why}: PowerSGD and auto keep a state per "
              "group, and the members' group changes with each death; use --comm-hook fp16 or bf16, or none")
-        need(not self.sync_bn, "sync_bn", f"{why}: drop --sync-bn")
+        need(not self.sync_bn, "sync_bn", f"{why}: SyncBatchNorm all-reduces each forward's batch statistics "
+             "in the process group, which the mode replaces at each death, and a shard's gradient would then depend "
+             "on the shards it shared a forward with; drop --sync-bn (BatchNorm then moves its statistics "
+             "as under DDP: shard 0's update, handed to every worker with the step)")
         need(self.grad_accum == 1, "grad_accum", f"{why}: the step's shards are its micro-batches (see "
              "--deterministic-shards)")
-        need(self.amp != "fp16", "amp", f"{why}: use --amp bf16 or off")
+        need(self.amp != "fp16", "amp", f"{why}: fp16 needs a loss scale whose skipped steps every worker "
+             "agrees on, which the mode's step does not carry; use --amp bf16 (no loss scale) or off")
         need(self.trace is None, "trace", f"{why}: there are no DDP buckets to trace")
         need(self.backend in (None, "gloo"), "backend", f"{why}: the survivors rebuild gloo groups")
-        need(self.straggler is None, "straggler", f"{why}: drop --straggler")
+        need(self.straggler is None, "straggler", f"{why}: it slows a rank, and the mode's ranks change "
+             "with each death; drop --straggler")
 
     def lr_scale(self, world: int, *, replicas: int) -> int:
         """How many times ``--lr`` the optimizer steps with (after any warm-up): the linear scaling rule, by the
