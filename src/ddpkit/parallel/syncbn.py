@@ -10,6 +10,11 @@ rank's batch is small. It costs two small collectives per layer and step:
 * backward: one all-reduce of the two per-channel sums the input gradient
   needs (sum of the output gradient, and of it times the normalised input).
 
+A half-precision input (bf16, fp16) is handled as ``BatchNorm`` handles it:
+its statistics and its normalisation in float32, the output and the input's
+gradient rounded once to the input's dtype, the parameters' gradients in
+theirs.
+
 The weight and bias gradients stay local (DDP averages them like any other),
 so inside DDP the step equals one ``BatchNorm`` over the global batch.
 Running statistics follow ``BatchNorm``'s rules over the global batch
@@ -45,37 +50,49 @@ def _shape(x: torch.Tensor) -> list[int]:
     return [1, -1] + [1] * (x.dim() - 2)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Half-precision inputs are normalised in float32 and the result rounded once, as torch's batch norm kernels
+    do (their accumulation type); float32 and float64 in their own precision."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
 class _SyncNorm(torch.autograd.Function):
-    """Normalise with global statistics; the backward reduces its two sums over the group."""
+    """Normalise with global statistics; the backward reduces its two sums over the group.
+
+    The output and the input's gradient are in the input's dtype, the parameters' gradients in theirs, as
+    BatchNorm's; the arithmetic is in :func:`_compute_dtype`. The input is saved, not the normalised input (what
+    torch's SyncBatchNorm saves: the same memory as BatchNorm's backward needs)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 mean: torch.Tensor, invstd: torch.Tensor, total: int, group: Any) -> torch.Tensor:
-        shape = _shape(x)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
-        ctx.save_for_backward(xhat, weight, invstd)
-        ctx.total, ctx.group = total, group
-        out = xhat
+        shape, dtype = _shape(x), _compute_dtype(x)
+        mean, invstd = mean.to(dtype), invstd.to(dtype)
+        out = (x.to(dtype) - mean.view(shape)) * invstd.view(shape)
         if weight is not None:
-            out = out * weight.view(shape) + bias.view(shape)
-        return out
+            out = out * weight.to(dtype).view(shape) + bias.to(dtype).view(shape)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.total, ctx.group = total, group
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        xhat, weight, invstd = ctx.saved_tensors
-        dims, shape = _reduce_dims(xhat), _shape(xhat)
-        grad_out = grad_out.contiguous()
-        local = torch.stack([grad_out.sum(dims), (grad_out * xhat).sum(dims)])
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims, shape, dtype = _reduce_dims(x), _shape(x), mean.dtype
+        xhat = (x.to(dtype) - mean.view(shape)) * invstd.view(shape)
+        grad = grad_out.to(dtype).contiguous()
+        local = torch.stack([grad.sum(dims), (grad * xhat).sum(dims)])
         sums = local.clone()
         # Every rank of the group reaches this, including one with no samples
         # (its sums are zeros): the layers' backward collectives line up.
         events.collective("SyncBatchNorm backward: all-reduce gradient sums", nbytes=sums.numel() * sums.element_size())
         dist.all_reduce(sums, group=ctx.group)
         mean_g, mean_gx = (sums / ctx.total).unbind(0)
-        scale = invstd if weight is None else invstd * weight
-        grad_x = scale.view(shape) * (grad_out - mean_g.view(shape) - xhat * mean_gx.view(shape))
-        grad_w = local[1] if weight is not None and ctx.needs_input_grad[1] else None
-        grad_b = local[0] if weight is not None and ctx.needs_input_grad[2] else None
+        scale = invstd if weight is None else invstd * weight.to(dtype)
+        grad_x = (scale.view(shape) * (grad - mean_g.view(shape) - xhat * mean_gx.view(shape))).to(x.dtype)
+        grad_w = local[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = local[0].to(ctx.bias_dtype) if weight is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
@@ -146,9 +163,8 @@ class SyncBatchNorm(_BatchNorm):
             )
         if self.training and self.track_running_stats:
             self._update_running_stats(mean, var, total)
-        invstd = torch.rsqrt(var + self.eps).to(input.dtype)
-        return _SyncNorm.apply(input, self.weight, self.bias, mean.to(input.dtype), invstd, total,
-                               self.process_group)
+        invstd = torch.rsqrt(var + self.eps)  # (float64: the forward rounds it to its compute dtype)
+        return _SyncNorm.apply(input, self.weight, self.bias, mean, invstd, total, self.process_group)
 
     def _plain(self, input: torch.Tensor) -> torch.Tensor:
         factor = 0.0 if self.momentum is None else self.momentum
@@ -168,9 +184,9 @@ class SyncBatchNorm(_BatchNorm):
         n = x.numel() // x.shape[1] if x.shape[1] else 0
         with torch.no_grad():
             if n:
-                # In the input's precision, as BatchNorm computes its own
-                # statistics; only the combination across ranks is in float64.
-                var, mean = (t.double() for t in torch.var_mean(x, dims, unbiased=False))
+                # In the precision BatchNorm computes its own statistics in (float32 for a half-precision
+                # input); only the combination across ranks is in float64.
+                var, mean = (t.double() for t in torch.var_mean(x.to(_compute_dtype(x)), dims, unbiased=False))
             else:
                 mean = var = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
             mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), mean, var * n])
