@@ -162,7 +162,8 @@ def _half_precision(dtype: torch.dtype, autocast: bool) -> dict:
     dist.all_reduce(grads)
     return {"dtypes": (y.dtype, x.grad.dtype, sync.weight.grad.dtype),
             "y": (y.detach(), ref_y.detach().split(sizes)[rank]), "dx": (x.grad, whole.grad.split(sizes)[rank]),
-            "dwb": (grads, torch.stack([ref.weight.grad, ref.bias.grad])), "mean": (sync.running_mean, ref.running_mean)}
+            "dwb": (grads, torch.stack([ref.weight.grad, ref.bias.grad])),
+            "mean": (sync.running_mean, ref.running_mean)}
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
