@@ -31,8 +31,9 @@ WHOLE = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
 BUDGET = int(WHOLE / 1.25)
 """What each rank may touch: four fifths of the weights (80.6 MB). A rank's rows of the weights and of their
 gradients are half the weights (50.4 MB); with what the steps, the saves and the loads hold beside them it peaks at
-65 MB of resident memory (measured in the cap, memory.stat's rss sampled each millisecond): under a cap of two
-thirds of the weights (67 MB) that left 2 MB, and a rank of a whole run was once killed."""
+65-66 MB of resident memory (measured in the cap, memory.stat's rss sampled each millisecond; the saves' page cache
+fills the cap's rest, which the kernel reclaims): under a cap of two thirds of the weights (67 MB) that left a
+megabyte or so, and a rank of a whole run was once killed."""
 
 
 def _model() -> nn.Module:

@@ -54,7 +54,9 @@ def test_building_the_cli_does_not_import_torch():
     ({"sync_bn": True, "engine": "dp"}, "--sync-bn does not fit --engine dp"),
     # Each refusal of --on-failure continue says why, and a switch is named without its value.
     ({"sync_bn": True, "on_failure": "continue"}, "^--sync-bn does not fit --on-failure continue: SyncBatchNorm "
-                                                  "all-reduces each forward's batch statistics"),
+                                                  "all-gathers each forward.s batch statistics"),
+    ({"sync_bn": True, "on_failure": "continue", "strategy": "diloco"}, r"drop --sync-bn \(BatchNorm then keeps each "
+                                                                       "worker's own statistics"),
     ({"on_failure": "continue", "straggler": "1:2"}, "--straggler .1:2. does not fit --on-failure continue: it "
                                                      "slows a rank, and the mode's ranks change with each death"),
 ])

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit.runtime import events
@@ -77,6 +78,7 @@ class _SyncNorm(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
+    @once_differentiable  # its collective has no derivative: a double backward raises rather than come out wrong
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         x, weight, mean, invstd = ctx.saved_tensors
         dims, shape, dtype = _reduce_dims(x), _shape(x), mean.dtype

@@ -427,14 +427,15 @@ class TrainConfig:
              "is kept on another rank); train without --zero, or use --on-failure restart")
         need(self.comm_hook in ("none", "fp16", "bf16"), "comm_hook", f"{why}: PowerSGD and auto keep a state per "
              "group, and the members' group changes with each death; use --comm-hook fp16 or bf16, or none")
-        need(not self.sync_bn, "sync_bn", f"{why}: SyncBatchNorm all-reduces each forward's batch statistics "
-             "in the process group, which the mode replaces at each death, and a shard's gradient would then depend "
-             "on the shards it shared a forward with; drop --sync-bn (BatchNorm then moves its statistics "
-             "as under DDP: shard 0's update, handed to every worker with the step)")
+        kept = ("moves its statistics as under DDP: shard 0's update, handed to every worker with the step"
+                if self.strategy == "ddp" else "keeps each worker's own statistics")
+        need(not self.sync_bn, "sync_bn", f"{why}: SyncBatchNorm all-gathers each forward's batch statistics over "
+             f"the process group, which the mode replaces at each death (a death in a forward would cut that "
+             f"collective); drop --sync-bn (BatchNorm then {kept})")
         need(self.grad_accum == 1, "grad_accum", f"{why}: the step's shards are its micro-batches (see "
              "--deterministic-shards)")
-        need(self.amp != "fp16", "amp", f"{why}: fp16 needs a loss scale whose skipped steps every worker "
-             "agrees on, which the mode's step does not carry; use --amp bf16 (no loss scale) or off")
+        need(self.amp != "fp16", "amp", f"{why}: fp16 needs a loss scale (torch's GradScaler), which the mode's "
+             "training loops do not keep; use --amp bf16 (no loss scale needed) or off")
         need(self.trace is None, "trace", f"{why}: there are no DDP buckets to trace")
         need(self.backend in (None, "gloo"), "backend", f"{why}: the survivors rebuild gloo groups")
         need(self.straggler is None, "straggler", f"{why}: it slows a rank, and the mode's ranks change "
