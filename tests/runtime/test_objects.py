@@ -25,6 +25,7 @@ def _helpers(n: int, shuffle: bool, pad: bool) -> dict:
         "broadcast": ddpkit.broadcast_object(f"from {rank}", src=world - 1),
         "mean": ddpkit.reduce_value(rank + 1),
         "max": ddpkit.reduce_value(torch.tensor([rank], dtype=torch.int32), op="max"),
+        "complex": (ddpkit.reduce_value(torch.tensor([rank + 1j]), op="sum"), ddpkit.reduce_value(1j * rank)),
         "world": world,
     }
 
@@ -42,6 +43,10 @@ def _check(results: list[dict], n: int) -> None:
         assert r["broadcast"] == f"from {world - 1}"
         assert r["mean"] == pytest.approx((world + 1) / 2)
         assert r["max"].dtype == torch.int32 and r["max"].tolist() == [world - 1]
+        # a complex value keeps its imaginary part (cast to float64 it was dropped, with only a warning)
+        tensor, number = r["complex"]
+        assert tensor.dtype == torch.complex64 and tensor.tolist() == [complex(world * (world - 1) / 2, world)]
+        assert number == pytest.approx(1j * (world - 1) / 2)
 
 
 @pytest.mark.parametrize("n, shuffle, pad", [(10, True, True), (11, False, False), (7, True, True)])
@@ -67,6 +72,7 @@ def _torch_sampler_and_errors() -> tuple:
         lambda: ddpkit.gather_for_metrics(mine[:1], sampler=sampler),
         lambda: ddpkit.gather(torch.zeros(2, dist.get_rank() + 1)),
         lambda: ddpkit.reduce_value(1.0, op="median"),
+        lambda: ddpkit.reduce_value(torch.tensor([1j]), op="max"),
     ):
         try:
             bad()
@@ -81,3 +87,4 @@ def test_torch_samplers_and_bad_input(dist2) -> None:
         assert "run the whole epoch before gathering" in errors[0]
         assert "only the first dimension may differ" in errors[1]
         assert "choose one of sum, mean, min, max" in errors[2]
+        assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[3]

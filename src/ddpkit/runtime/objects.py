@@ -170,17 +170,25 @@ def gather_for_metrics(value: Any, sampler: Any = None, group: dist.ProcessGroup
 def reduce_value(value: float | int | torch.Tensor, op: str = "mean", group: dist.ProcessGroup | None = None) -> Any:
     """A scalar (or tensor) reduced over the ranks, for logging: ``op`` in mean, sum, min, max.
 
-    Reduced in float64; a Python number comes back as a ``float``, a tensor as
-    a tensor of its own dtype and device.
+    Reduced in float64 (complex128 for a complex value); a Python number comes
+    back as a ``float`` (a ``complex``), a tensor as a tensor of its own dtype
+    and device.
 
     Raises:
-        ValueError: ``op`` is not one of mean, sum, min, max.
+        ValueError: ``op`` is not one of mean, sum, min, max; min or max of a
+            complex value (complex numbers have no order).
     """
     if op not in _OPS:
         raise ValueError(f"reduce_value(op={op!r}): choose one of {', '.join(_OPS)}")
     is_tensor = isinstance(value, torch.Tensor)
+    complex_ = value.is_complex() if is_tensor else isinstance(value, complex)
+    if complex_ and op in ("min", "max"):
+        raise ValueError(f"reduce_value(op={op!r}) of a complex value: complex numbers have no order; reduce its "
+                         "abs() (or its real part), or use op='sum' or 'mean'")
+    wide = torch.complex128 if complex_ else torch.float64
     world = _world(group)
-    t = value.detach().to(torch.float64) if is_tensor else torch.tensor(float(value), dtype=torch.float64)
+    # (a complex value cast to float64 would lose its imaginary part, with only a warning)
+    t = value.detach().to(wide) if is_tensor else torch.tensor(complex(value) if complex_ else float(value), dtype=wide)
     if world > 1:
         t = comm_tensor(t, group=group)
         events.collective("reduce_value (op {})", op, nbytes=t.numel() * t.element_size())
