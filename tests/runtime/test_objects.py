@@ -73,6 +73,7 @@ def _torch_sampler_and_errors() -> tuple:
         lambda: ddpkit.gather(torch.zeros(2, dist.get_rank() + 1)),
         lambda: ddpkit.reduce_value(1.0, op="median"),
         lambda: ddpkit.reduce_value(torch.tensor([1j]), op="max"),
+        lambda: ddpkit.reduce_value(torch.tensor([dist.get_rank()]), op="mean"),  # 0.5, truncated to 0 before
     ):
         try:
             bad()
@@ -88,3 +89,4 @@ def test_torch_samplers_and_bad_input(dist2) -> None:
         assert "only the first dimension may differ" in errors[1]
         assert "choose one of sum, mean, min, max" in errors[2]
         assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[3]
+        assert "reduce_value(op='mean') of a torch.int64 tensor: the mean would be truncated" in errors[4]

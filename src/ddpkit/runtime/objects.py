@@ -176,12 +176,16 @@ def reduce_value(value: float | int | torch.Tensor, op: str = "mean", group: dis
 
     Raises:
         ValueError: ``op`` is not one of mean, sum, min, max; min or max of a
-            complex value (complex numbers have no order).
+            complex value (complex numbers have no order); the mean of an
+            integer or bool tensor (it would be truncated to that dtype).
     """
     if op not in _OPS:
         raise ValueError(f"reduce_value(op={op!r}): choose one of {', '.join(_OPS)}")
     is_tensor = isinstance(value, torch.Tensor)
     complex_ = value.is_complex() if is_tensor else isinstance(value, complex)
+    if is_tensor and op == "mean" and not (value.is_floating_point() or complex_):
+        raise ValueError(f"reduce_value(op='mean') of a {value.dtype} tensor: the mean would be truncated to its "
+                         "dtype; pass a floating-point tensor (or a Python number), or use op='sum' and divide")
     if complex_ and op in ("min", "max"):
         raise ValueError(f"reduce_value(op={op!r}) of a complex value: complex numbers have no order; reduce its "
                          "abs() (or its real part), or use op='sum' or 'mean'")
