@@ -58,6 +58,10 @@ def test_helpers_on_two_ranks(dist2) -> None:
     _check(dist2.run(_helpers, 9, True, True), 9)
 
 
+def test_helpers_on_two_mpi_ranks(mpi2) -> None:
+    _check(mpi2.run(_helpers, 9, True, True), 9)
+
+
 def test_helpers_in_a_world_of_one() -> None:
     ddpkit.init()
     _check([_helpers(5, True, True)], 5)
