@@ -202,6 +202,57 @@ def test_a_rank_outside_the_group_is_refused(dist2):
     assert dist2.run(_outside_the_group)[1].startswith("this rank (1) is not in the group")
 
 
+def _roots_in_a_subgroup() -> dict:
+    group = dist.new_group([1, 2])  # every rank takes part in creating it
+    rank, out = dist.get_rank(), {}
+    if rank == 0:
+        return out
+    for algorithm in ("native", "naive", "tree"):
+        for how, kwargs in (("src=1", {"src": 1}), ("group_src=1", {"group_src": 1})):
+            t = torch.full((3,), 10.0 * rank)
+            C.broadcast(t, algorithm=algorithm, group=group, **kwargs)
+            out[f"broadcast {how} {algorithm}"] = t.tolist()
+        t = torch.full((3,), 10.0 * rank)
+        C.reduce(t, dst=2, algorithm=algorithm, group=group)
+        out[f"reduce dst=2 {algorithm}"] = t.tolist()
+    for kwargs in ({"src": 0}, {"src": 1, "group_src": 0}, {"group_src": 2}):
+        try:
+            C.broadcast(torch.ones(2), group=group, **kwargs)
+        except ValueError as e:
+            out[str(kwargs)] = str(e)
+    return out
+
+
+def test_src_and_dst_are_global_ranks_and_group_src_a_rank_within_the_group(dist3):
+    # As torch.distributed: src/dst are global ranks, group_src/group_dst ranks within the group. ddpkit took
+    # src=1 in the group of global ranks [1, 2] for its second member, and sent global rank 2's data.
+    _, one, two = dist3.run(_roots_in_a_subgroup)
+    for algorithm in ("native", "naive", "tree"):
+        for out in (one, two):
+            assert out[f"broadcast src=1 {algorithm}"] == [10.0] * 3
+            assert out[f"broadcast group_src=1 {algorithm}"] == [20.0] * 3
+        assert two[f"reduce dst=2 {algorithm}"] == [30.0] * 3
+    assert "src=0 is not a rank of the group (its global ranks: [1, 2])" in one["{'src': 0}"]
+    assert "not both" in one["{'src': 1, 'group_src': 0}"]
+    assert "group_src=2 is not a rank within the group (0 to 1)" in one["{'group_src': 2}"]
+
+
+def _average_waited_twice() -> list[list[float]]:
+    results = []
+    for _ in range(20):
+        t = torch.full((4,), 1.0 + dist.get_rank())
+        handle = C.all_reduce(t, op="avg", async_op=True)
+        handle.get_future()  # its callback and wait() both finish the average: once
+        handle.wait()
+        results.append(t.tolist())
+    return results
+
+
+def test_an_average_whose_future_was_taken_is_divided_once(dist2):
+    for results in dist2.run(_average_waited_twice):
+        assert results == [[1.5] * 4] * 20
+
+
 def test_bad_inputs_are_named_on_every_rank_without_hanging(dist2):
     for errors in dist2.run(_bad_inputs, timeout=60):
         assert "every rank must pass the same shape and dtype" in errors[0]

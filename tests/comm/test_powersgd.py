@@ -106,6 +106,65 @@ def test_several_buckets_match_torch_hook(dist2, settings):
     _assert_same(dist2.run(_train, settings, 5, 0.002, "serial-torch-hook"))
 
 
+def _torch_hook_in_several_buckets() -> str:
+    ddp = ddpkit.DDP(Net(), bucket_cap_mb=0.002)
+    ddp.register_comm_hook(torch_powersgd.PowerSGDState(None, 1, start_powerSGD_iter=2), torch_powersgd.powerSGD_hook)
+    try:
+        for _ in range(3):  # the first backward has one bucket (torch's rule); the rebuilt ones several
+            ddp(torch.randn(5, 2, 6, 6)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_torchs_hook_in_several_buckets_on_gloo_is_refused_instead_of_hanging(dist2):
+    # It waits for each all-reduce inside gloo's callback of the one before: with several buckets it hung
+    # forever on ddpkit's DDP (torch's DDP aborts the process on a collective mismatch).
+    for message in dist2.run(_torch_hook_in_several_buckets, timeout=60):
+        assert "torch's powerSGD_hook deadlocks on gloo with more than one bucket" in message
+        assert "ddpkit.hooks.powersgd_hook" in message
+
+
+def _chained(hook):
+    def chain(state, bucket):
+        return hook(state, bucket).then(lambda f: f.value())
+
+    return chain
+
+
+def _wrapped(wrapper: str) -> list[list[torch.Tensor]]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wrap = default_hooks.fp16_compress_wrapper if wrapper == "fp16" else _chained
+    torch.manual_seed(0)
+    base = Net()
+    out = []
+    for ours in (True, False):
+        model = copy.deepcopy(base)
+        ddp = ddpkit.DDP(model) if ours else TorchDDP(model)
+        state = (PowerSGDState if ours else torch_powersgd.PowerSGDState)(None, 1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, wrap(powersgd_hook if ours else torch_powersgd.powerSGD_hook))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+            opt.zero_grad()
+            x, y = torch.randn(5, 2, 6, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("wrapper", ["fp16", "then"])
+def test_ddpkits_hook_under_torchs_fp16_wrapper_or_a_then_chain_trains_as_torchs(dist2, wrapper):
+    # fp16_compress_wrapper hands the hook a half-precision buffer: bucket.gradients() gave float32 views of the
+    # old one ("expected scalar type Float but found Half"); a .then() on the hook's future hung (its work ran only
+    # when that future itself was waited for).
+    for ours, theirs in dist2.run(_wrapped, wrapper, timeout=60):
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+
+
 def test_matches_torch_powersgd_one_bucket_world3(dist3):
     # Default buckets (the whole model in the first): gloo's three-way sums agree too.
     for ours, theirs in dist3.run(_train, SETTINGS[0], 4, 25.0):

@@ -837,8 +837,11 @@ def test_builtin_comm_hooks_by_type(dist2):
             assert torch.equal(g, t)
 
 
-def _cast_after_wrapping() -> str:
-    model = ddpkit.DDP(nn.Linear(4, 3))
+def _cast_after_wrapping(steps: int = 0, as_view: bool = False) -> str:
+    model = ddpkit.DDP(nn.Linear(4, 3), gradient_as_bucket_view=as_view)
+    for _ in range(steps):  # past the first steps, the buckets rebuilt
+        model(torch.randn(2, 4)).sum().backward()
+        model.zero_grad()
     model.double()
     try:
         model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
@@ -852,6 +855,14 @@ def test_a_model_cast_after_wrapping_is_a_clear_error(dist2):
     for message in dist2.run(_cast_after_wrapping):
         assert "parameter 'weight' is torch.float64 on cpu, but was torch.float32 on cpu" in message
         assert "before wrapping it" in message
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copied", "bucket-view"])
+def test_a_model_cast_after_some_steps_is_the_same_clear_error(dist2, as_view):
+    # It averaged the float64 gradients through the float32 buckets (5e-8 off, without a word), or with
+    # gradient_as_bucket_view raised torch's "attempting to assign a gradient with dtype 'float'", naming nothing.
+    for message in dist2.run(_cast_after_wrapping, 3, as_view):
+        assert "parameter 'bias' is torch.float64 on cpu, but was torch.float32 on cpu" in message
 
 
 def test_accepts_torchs_arguments_in_torchs_order():

@@ -33,6 +33,7 @@ asynchronous as the backend makes it.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -65,14 +66,22 @@ class Handle:
     def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None, after: Callable[[], None] | None = None):
         self._tensor, self._work, self._after = tensor, work, after
         self._done = work is None
+        self._finishing = threading.Lock()
+        """``after`` runs once: from ``wait()`` or from a future's callback (the backend's thread), whichever
+        comes first, and the other waits for it (an average divided twice otherwise)."""
 
     @torch.no_grad()
+    def _finish(self) -> None:
+        with self._finishing:
+            after, self._after = self._after, None
+            if after is not None:
+                after()
+            self._done = True
+
     def wait(self) -> bool:
         if not self._done:
             self._work.wait()
-            if self._after is not None:
-                self._after()
-            self._done = True
+            self._finish()
         return True
 
     def is_completed(self) -> bool:
@@ -84,12 +93,9 @@ class Handle:
             fut.set_result([self._tensor])
             return fut
 
-        @torch.no_grad()
         def finish(f: torch.futures.Future) -> list[torch.Tensor]:
             f.wait()
-            if self._after is not None and not self._done:
-                self._after()
-                self._done = True
+            self._finish()
             return [self._tensor]
 
         return self._work.get_future().then(finish)
@@ -124,6 +130,26 @@ def _check(op: str | dist.ReduceOp, algorithm: str, tensor: torch.Tensor) -> str
         raise ValueError(f"op={op!r} is not defined for complex tensors ({tensor.dtype}), as in torch.distributed: "
                          "use sum or avg")
     return op
+
+
+def _root(group: dist.ProcessGroup, rank: int | None, group_rank: int | None, what: str) -> int:
+    """The group rank of a broadcast's source or a reduction's destination: ``rank`` is a global rank
+    (torch.distributed's ``src``/``dst``), ``group_rank`` one within ``group`` (its ``group_src``/``group_dst``);
+    neither: the group's first."""
+    if rank is not None and group_rank is not None:
+        raise ValueError(f"give {what}= (a global rank) or group_{what}= (a rank within the group), not both")
+    size = dist.get_world_size(group)
+    if group_rank is not None:
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < size:
+            raise ValueError(f"group_{what}={group_rank!r} is not a rank within the group (0 to {size - 1})")
+        return group_rank
+    if rank is None:
+        return 0
+    members = dist.get_process_group_ranks(group)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in members:
+        raise ValueError(f"{what}={rank!r} is not a rank of the group (its global ranks: {members}): {what} is a "
+                         f"global rank, as in torch.distributed; group_{what}= takes a rank within the group")
+    return members.index(rank)
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -241,11 +267,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
 
 
 @torch.no_grad()
-def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
-              group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
-    """Overwrite ``tensor`` with rank ``src``'s (group rank) in place; ``tree`` or ``native``/``naive``."""
+def broadcast(tensor: torch.Tensor, src: int | None = None, algorithm: str = "native",
+              group: dist.ProcessGroup | None = None, *, group_src: int | None = None, check: bool = True) -> None:
+    """Overwrite ``tensor`` with rank ``src``'s in place; ``tree`` or ``native``/``naive``.
+
+    ``src`` is a global rank and ``group_src`` a rank within ``group``, as in ``torch.distributed.broadcast``
+    (neither: the group's first rank).
+    """
     _check("sum", algorithm, tensor)
     group = _group(group)
+    src = _root(group, src, group_src, "src")
     world = dist.get_world_size(group)
     if world > 1:
         events.collective("collectives.broadcast (from group rank {}, {} algorithm)", src, algorithm,
@@ -270,11 +301,16 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
 
 
 @torch.no_grad()
-def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "native",
-           group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
-    """Reduce onto rank ``dst`` (group rank) in place; the others' tensors are left as scratch."""
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: str = "sum", algorithm: str = "native",
+           group: dist.ProcessGroup | None = None, *, group_dst: int | None = None, check: bool = True) -> None:
+    """Reduce onto rank ``dst`` in place; the others' tensors are left as scratch.
+
+    ``dst`` is a global rank and ``group_dst`` a rank within ``group``, as in ``torch.distributed.reduce``
+    (neither: the group's first rank).
+    """
     op = _check(op, algorithm, tensor)
     group = _group(group)
+    dst = _root(group, dst, group_dst, "dst")
     world = dist.get_world_size(group)
     if world > 1:
         events.collective("collectives.reduce (op {}, to group rank {}, {} algorithm)", op, dst, algorithm,

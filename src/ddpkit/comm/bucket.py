@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_future", "check_hook_signature",
-           "check_new_hook"]
+__all__ = ["CommHook", "CommHookSignatureError", "GradBucket", "check_hook_fits", "check_hook_future",
+           "check_hook_signature", "check_new_hook"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 """``hook(state, bucket) -> Future[Tensor]``: reduces one bucket."""
@@ -93,12 +93,15 @@ class GradBucket:
         """Each parameter's gradient, as a view into the bucket's memory.
 
         As torch's ``GradBucket.gradients()``: each parameter's stretch of the
-        buffer viewed in the parameter's shape with contiguous strides (for a
-        channels_last parameter that is its memory order read as if contiguous).
+        current :meth:`buffer` viewed in the parameter's shape with contiguous
+        strides (for a channels_last parameter that is its memory order read as
+        if contiguous).
         """
         if self.sparse:
             return [self.target]
-        source = self.target.reshape(-1)  # the flat bucket, or a joined rank's zeros in its place (a shadow step)
+        # The buffer as it is now (torch's rule): the flat bucket, a joined rank's zeros in its place (a shadow
+        # step), or what a compression wrapper's set_buffer() put there (half-precision views for the hook it wraps).
+        source = self._buffer.reshape(-1)
         pieces, offset = [], 0
         for view in self.views:  # made on each call, as torch's are
             pieces.append(source[offset : offset + view.numel()].view(view.shape))
@@ -152,6 +155,29 @@ def check_hook_signature(hook: Callable[..., Any]) -> None:
             and not isinstance(returned, str):
         raise ValueError(f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor], "
                          f"not {returned!r}")
+
+
+_TORCH_POWERSGD_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
+
+
+def check_hook_fits(hook: CommHook, group: Any, buckets: int) -> None:
+    """Before a backward's first bucket goes to ``hook``: refuse torch's PowerSGD hooks where they deadlock.
+
+    torch's ``powerSGD_hook`` waits for each of its all-reduces inside the callback of the one before, which gloo
+    runs on its own thread: with several buckets in flight that thread waits for work queued behind itself, and
+    the job hangs with no timeout (torch's DDP aborts on a collective mismatch instead). NCCL runs it.
+    """
+    if buckets < 2 or getattr(hook, "__module__", None) != _TORCH_POWERSGD_MODULE:
+        return
+    backend = dist.get_backend(group) if group is not None else "none"
+    if backend == "nccl":
+        return
+    raise RuntimeError(
+        f"torch's {getattr(hook, '__name__', 'PowerSGD hook')} deadlocks on {backend} with more than one bucket "
+        f"(this model has {buckets}): it waits for its next all-reduce inside the callback of the one before, on "
+        "the backend's own thread. Register ddpkit.hooks.powersgd_hook with the same state (it takes torch's "
+        "PowerSGDState and computes torch's bits), or give bucket_cap_mb large enough for one bucket"
+    )
 
 
 def check_hook_future(hook: CommHook, future: Any, bucket: GradBucket) -> torch.futures.Future:

@@ -38,7 +38,7 @@ the same bits (the memory is per bucket, and torch's DDP would reduce its first 
 """
 
 # No ``from __future__ import annotations``: torch's DDP checks the hook's annotations as objects (see
-# ddpkit.comm.bucket_hooks), and powersgd_hook runs on torch's DDP too.
+# ddpkit.comm.bucket_hooks), and powersgd_hook runs on torch's DDP too (one bucket on gloo, as torch's hook).
 
 import logging
 from typing import Any
@@ -416,3 +416,12 @@ class _OnWait(torch.futures.Future):
     def value(self) -> Any:
         self.wait()
         return super().value()
+
+    def then(self, callback: Any) -> torch.futures.Future:
+        """As ``Future.then``, run where the returned future is first waited for (a compression wrapper's
+        ``hook(state, bucket).then(decompress)``): this future's own work would otherwise never run."""
+        def finish() -> Any:
+            self.wait()
+            return callback(self)
+
+        return _OnWait(finish)

@@ -159,6 +159,8 @@ class BucketSet:
         for bucket in self.buckets:
             for s, i in enumerate(bucket.indices):
                 self.slot[i], self.pos[i] = bucket, s
+        self.dtypes = [(p, bucket.flat.dtype) for bucket in self.buckets for p in bucket.params]
+        """Each parameter and its bucket's dtype (:meth:`check_dtypes`)."""
         eager = [plan.eager for plan in self.plans] or [frozenset()] * len(self.buckets)
         self.route = [(b, s if s in eager[b.index()] else None) for b, s in zip(self.slot, self.pos)]
         """Each parameter's bucket, and its position there if it is staged the moment it is ready (what a
@@ -190,6 +192,12 @@ class BucketSet:
             b.future = None
             b.target = b.flat
             b.set_buffer(b.flat)
+
+    def check_dtypes(self, names: Sequence[str]) -> None:
+        """:meth:`check_unchanged`, looking at dtypes only (cheap enough for every step)."""
+        for p, dtype in self.dtypes:
+            if p.dtype is not dtype:
+                self.check_unchanged(names)
 
     def check_unchanged(self, names: Sequence[str]) -> None:
         """Raise if a parameter changed dtype or device since its bucket was made (a model cast or moved after

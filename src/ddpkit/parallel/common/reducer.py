@@ -45,8 +45,9 @@ rebuild
     :class:`Assignment`.
 
 Failure modes, each naming the parameter: no gradient (see :mod:`~ddpkit.parallel.common.unused`); ready twice in one
-backward without ``static_graph``; a sparse gradient where none is expected, or the reverse; a model cast or moved
-after wrapping (at its first backward).
+backward without ``static_graph``; a sparse gradient where none is expected, or the reverse; a model cast after
+wrapping (at any synchronised forward) or moved (at its first backward); with ``find_unused_parameters``, a second
+backward through one forward that reaches a parameter the synchronised backward reduced without.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_future, check_new_hook
+from ddpkit.comm.bucket import CommHook, GradBucket, check_hook_fits, check_hook_future, check_new_hook
 from ddpkit.parallel.common import static_graph as sg
 from ddpkit.parallel.common.bucket_caps import bucket_limits
 from ddpkit.parallel.common.buckets import BucketLayout, payload
@@ -310,8 +311,10 @@ class Reducer:
         backward, without it."""
         del outputs
         self.rebuild_if_due()
-        if self.step < 2:  # where a cast or move after wrapping shows
+        if self.step < 2:  # where a move after wrapping shows
             self.layout.set.check_unchanged(self.names)  # type: ignore[union-attr]
+        else:  # a cast, at any step (a dtype's look per parameter): its bucket would convert its gradient
+            self.layout.set.check_dtypes(self.names)  # type: ignore[union-attr]
         self._reset()
         # Nothing but the buckets to count: the gradient hooks take the short path.
         plain = not self.find_unused and not self.static_graph and self.layout.final and self.ready_order is None
@@ -328,6 +331,10 @@ class Reducer:
         """Let the next backward accumulate locally (``no_sync``)."""
         self._reset()
 
+    def new_forward(self) -> None:
+        """A forward ran that does not arm the reducer (under ``no_sync()``): its backward accumulates locally."""
+        self._left_out = frozenset()
+
     def _reset(self) -> None:
         self._become(Phase.IDLE)
         self._next_launch = 0
@@ -335,6 +342,10 @@ class Reducer:
         self._hits = [0] * len(self.params)
         self._saved: dict[int, torch.Tensor] = {}
         self._undefined: set[int] = set()  # parameters whose hook ran without a gradient
+        self._left_out: frozenset[int] = frozenset()
+        """With ``find_unused_parameters``: the parameters the last synchronised backward reduced without a
+        gradient of this rank's, until the next forward. A gradient for one of them now comes from a second
+        backward through that forward, which nothing will reduce."""
         self.static.reset()
         self.layout.set.reset()  # type: ignore[union-attr]
 
@@ -369,6 +380,8 @@ class Reducer:
     def _unarmed_gradient(self, index: int, param: torch.Tensor) -> None:
         """A gradient outside a synchronised backward (``no_sync``, or the reducer not armed)."""
         if self.find_unused and param.grad is not None:
+            if index in self._left_out:
+                raise late_gradient_error(self.names[index])
             # Used in a no_sync() backward: its accumulated gradient must be reduced by the next synchronised backward
             # even if that one does not use it (torch records local use the same way).
             self._used_since_sync[index] = True
@@ -458,6 +471,8 @@ class Reducer:
             events.collective("{} bucket {} all-reduce", self.owner, bucket.index(), step=self.step,
                               nbytes=0 if self.comm_hook is not None else nbytes)
         if self.comm_hook is not None:
+            if bucket.index() == 0:
+                check_hook_fits(self.comm_hook, self.group, len(self.buckets))
             bucket.future = check_hook_future(self.comm_hook, self.comm_hook(self.comm_state, bucket), bucket)
         elif self.world_size > 1:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
@@ -486,9 +501,12 @@ class Reducer:
         """The synchronised backward's end: launch the rest, wait, write ``.grad``."""
         try:
             self._launch_rest()
+            unreached = frozenset(self._launched[1]) | self._undefined  # (the reset below empties _undefined)
             self._complete()
         finally:
             self._end_step()
+        if self.find_unused and not self.static_graph:
+            self._left_out = unreached
 
     def _end_step(self) -> None:
         self.step += 1
@@ -608,4 +626,15 @@ def twice_error(name: str) -> RuntimeError:
         "checkpointing, or two backward passes through one forward): run a forward before each backward, "
         "use no_sync() for all but the last, or construct DistributedDataParallel(..., static_graph=True) "
         "if the model is the same every iteration"
+    )
+
+
+def late_gradient_error(name: str) -> RuntimeError:
+    """Parameter ``name`` got a gradient from a second backward through a forward whose synchronised backward had
+    reduced without it (``find_unused_parameters``)."""
+    return RuntimeError(
+        f"DistributedDataParallel: parameter {name!r} received a gradient from a second backward through one "
+        "forward, after that forward's synchronised backward had reduced without it (find_unused_parameters=True): "
+        "nothing would average it, and the replicas would drift apart (torch's DDP raises at the next backward). "
+        "Sum the losses and call backward once, or run a forward before each backward"
     )

@@ -418,6 +418,8 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             # it is at a forward under no_sync(): a synchronised forward's arming stands until a backward uses it,
             # so a no_sync() micro-batch run between that forward and its backward is the one reduced (kept).
             self.reducer.disarm()
+        elif grad:
+            self.reducer.new_forward()
         self.require_forward_param_sync = sync
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
         # forwards until its first backward. Every other synchronised backward is anchored on the output's
