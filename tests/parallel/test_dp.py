@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections import namedtuple
 
@@ -107,6 +108,39 @@ def test_no_devices_runs_the_module_and_bad_input_is_named():
         dp([1, 2])
     with pytest.raises(ValueError, match="is on cpu, but device_ids\\[0\\] is meta"):
         ddpkit.DataParallel(net, device_ids=["meta"])
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    note: str | None = None
+
+
+class _Returns(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.lin, self.what = nn.Linear(2, 3), what
+
+    def forward(self, x: torch.Tensor):  # noqa: ANN201 - what the case returns
+        h = self.lin(x)
+        return {"dataclass": lambda: _Output(h), "int": lambda: x.shape[0], "loss": lambda: h.sum()}[self.what]()
+
+
+def test_outputs_join_across_replicas_or_are_refused_by_name():
+    # A dataclass came back as replica 0's alone (half the batch, without a word), an int as replica 0's count;
+    # torch's gather raises on both (or builds them from a map object). A scalar per replica is stacked, with
+    # torch's warning.
+    torch.manual_seed(0)
+    x = torch.randn(4, 2)
+    whole = _Returns("dataclass")
+    out = ddpkit.DataParallel(whole, device_ids=["cpu", "cpu"])(x)
+    assert isinstance(out, _Output) and out.note is None
+    torch.testing.assert_close(out.logits, whole.lin(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="replicas returned int values"):
+        ddpkit.DataParallel(_Returns("int"), device_ids=["cpu", "cpu"])(x)
+    with pytest.warns(UserWarning, match="all input tensors were scalars"):
+        losses = ddpkit.DataParallel(_Returns("loss"), device_ids=["cpu", "cpu"])(x)
+    assert losses.shape == (2,)
 
 
 def test_a_replica_error_names_the_replica():

@@ -422,3 +422,92 @@ def test_step_hooks_run_once_per_step_through_the_wrapped_optimizer():
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     assert calls == ["pre", "post"] and state.step == 1
+
+
+def _scheduled_before_wrapping(wrap_first: bool) -> tuple[list[torch.Tensor], list[float]]:
+    model = _model("plain")
+    ddpkit.broadcast_parameters(model.state_dict(), root_rank=0)
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrap_first:
+        opt = ddpkit.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    else:  # the scheduler puts a `step` of its own on the optimizer it is given
+        schedule = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+        opt = ddpkit.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    rates = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (made before wrapping, it says it saw no optimizer.step(), as under Horovod)
+        for step in range(3):
+            x, y = batch("plain", 1000 + 100 * step + 10 * dist.get_rank())
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            schedule.step()
+            rates.append(opt.param_groups[0]["lr"])
+    return [p.detach().clone() for p in model.parameters()], rates
+
+
+def test_a_scheduler_made_before_wrapping_leaves_the_steps_averaged(dist2):
+    # Its `step` on the optimizer stepped the original without the all-reduce: each rank on its own gradients.
+    first, second = dist2.run(_scheduled_before_wrapping, False)
+    reference = dist2.run(_scheduled_before_wrapping, True)[0]
+    assert first[1] == reference[1] == [0.05, 0.025, 0.0125]
+    for a, b, c in zip(first[0], second[0], reference[0]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _closures(optimizer: str) -> dict[str, list[torch.Tensor]]:
+    out = {}
+    for engine in ("horovod", "ddp"):
+        model = _model("plain")
+        ddpkit.broadcast_parameters(model.state_dict(), root_rank=0)
+        ddp = ddpkit.DDP(model) if engine == "ddp" else model
+        make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                "lbfgs": lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=4)}[optimizer]
+        opt = make(model.parameters())
+        if engine == "horovod":
+            opt = ddpkit.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        for step in range(3):
+            x, y = batch("plain", 1000 + 100 * step + 10 * dist.get_rank())
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(ddp(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        out[engine] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lbfgs"])
+def test_a_closure_steps_on_the_averaged_gradients_of_its_backward(dist2, optimizer):
+    # The gradients were all-reduced before the closure ran: each rank stepped on its own (SGD), or LBFGS's
+    # second call of the closure failed on a reduction still pending.
+    for out in dist2.run(_closures, optimizer):
+        for a, b in zip(out["horovod"], out["ddp"]):
+            assert torch.equal(a, b)
+
+
+def test_a_world_of_one_accumulates_and_checks_nothing_as_horovod_at_size_1():
+    # Horovod registers no hooks at size 1: zero_grad() between backward and step, or more passes than
+    # backward_passes_per_step, are the plain optimizer's business. ddpkit raised its AssertionErrors.
+    torch.manual_seed(0)
+    model, twin = nn.Linear(3, 2), nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    opt = ddpkit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    for m, o in ((model, opt), (twin, plain)):
+        m(x).sum().backward()
+        o.zero_grad()
+        m(x).sum().backward()
+        m(2 * x).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    opt.synchronize()
+    opt.load_state_dict(opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a synchronize() before load_state_dict() no longer counts (Horovod's rule)
+        opt.step()

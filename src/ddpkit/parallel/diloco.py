@@ -209,6 +209,7 @@ class DiLoCo:
         if self.ddp is not None:
             # Inner steps are local: nothing in backward; buffers follow DDP's rule (broadcast before each forward).
             self.ddp.require_backward_grad_sync = False
+            self.ddp.local_steps = True
             self.ddp.require_forward_param_sync = True
         self.params = trainable
         self.outer = outer_optimizer if outer_optimizer is not None else torch.optim.SGD(

@@ -12,7 +12,9 @@ Each forward:
    ``model.parameters()`` trains it;
 3. runs the replicas in parallel threads, each with the caller's grad mode
    and autocast state;
-4. gathers the outputs (same nesting) onto ``output_device`` along ``dim``.
+4. gathers the outputs (same nesting) onto ``output_device`` along ``dim``: tensors (scalars stacked, with
+   torch's warning), None, and tuples, lists, dicts, namedtuples and dataclasses of them; any other value (an
+   int, a string) is refused by name, as torch's gather fails on it.
 
 Buffers: the first replica shares the module's own buffers, so its updates
 (BatchNorm's running statistics) are kept; the other replicas work on copies

@@ -153,6 +153,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         world = 1 if group is None else dist.get_world_size(group)
+        self._alone = world == 1
+        """A world of one: as Horovod at size 1 (no hooks), nothing is reduced or checked, gradients accumulate
+        as under the plain optimizer."""
         if world > 1:
             verify_same_parameters(named, group, "DistributedOptimizer")
         reducer = DeferredReducer(named, process_group=group, bucket_cap_mb=bucket_cap_mb, reduce_missing=True,
@@ -172,7 +175,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- passes ----------------------------------------------------------------
 
     def _arm_if_last_pass(self) -> None:
-        if self._passes == self.backward_passes_per_step - 1:
+        if not self._alone and self._passes == self.backward_passes_per_step - 1:
             self.reducer.prepare_for_backward()
 
     def _end_of_local_pass(self) -> None:
@@ -193,7 +196,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self.reducer.add_observer(observer)
 
     def _pending(self) -> bool:
-        return self._passes > 0 or self.reducer.in_flight
+        return not self._alone and (self._passes > 0 or self.reducer.in_flight)
 
     # -- Horovod's API ---------------------------------------------------------
 
@@ -205,9 +208,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         count as zeros and get the average, as in Horovod). Every rank must
         call it (or ``step()``) the same number of times.
         """
-        reducer = self.reducer
-        reducer.launch_now()
-        reducer.complete()
+        if not self._alone:
+            self.reducer.launch_now()
+            self.reducer.complete()
         self._passes = 0
         self._arm_if_last_pass()
         self._synchronized = True
@@ -231,6 +234,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Synchronise (unless inside :meth:`skip_synchronize`), then step.
+
+        A ``closure`` (LBFGS's, or ``step(closure)`` of any optimizer) synchronises after each of its calls: its
+        backward's gradients are the ones the step uses (Horovod synchronises before calling it, and each rank
+        steps on its own gradients).
+        """
+        if closure is not None and self._should_synchronize:
+            closure = self._synchronizing(closure)
+            if not self._pending():  # nothing reduced before it: the closure's backward is the step's
+                return self._step_now(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -240,8 +253,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     stacklevel=2,
                 )
             self.synchronize()
+        return self._step_now(closure)
+
+    def _step_now(self, closure: Any) -> Any:
+        try:
+            return super().step(closure)
+        finally:
+            self._synchronized = False
+
+    def _synchronizing(self, closure: Any) -> Any:
+        def closure_then_synchronize() -> Any:
+            loss = closure()
+            self.synchronize()
+            return loss
+
+        return closure_then_synchronize
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As the wrapped optimizer's; a ``synchronize()`` before it no longer counts (Horovod's rule)."""
+        super().load_state_dict(state_dict)
         self._synchronized = False
-        return super().step(closure)
+        self._should_synchronize = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending():
@@ -354,6 +386,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory that retu
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hooks
+    for name in ("step", "zero_grad"):
+        # Not a method of the instance's own: an LR scheduler made before wrapping puts a `step` there that steps
+        # the original optimizer, without the all-reduce. As under Horovod (a new optimizer over the same groups),
+        # the scheduler still sets the rates, and at its first step warns that it saw no optimizer.step().
+        wrapped.__dict__.pop(name, None)
     # Not patched for step hooks: the wrapped class's own step (which ours calls) runs them, once per step.
     wrapped._setup(named, backward_passes_per_step, compression, op, float(gradient_predivide_factor),
                    world_group(process_group), bucket_cap_mb, bool(sparse_as_dense))

@@ -19,7 +19,10 @@ the step wins).
 
 Buffers (BatchNorm statistics) follow DDP's rule as under torch's post-local
 SGD hook: with ``broadcast_buffers`` they are broadcast from rank 0 before
-every forward, local steps included; they are not averaged.
+every forward with grad enabled (and the first after one without), local
+steps and their micro-batches included; they are not averaged. Only the
+trainable parameters are averaged (torch's averagers skip those without a
+gradient).
 """
 
 from __future__ import annotations
@@ -144,6 +147,12 @@ class LocalSGD:
         self.algorithm = algorithm
         self.periods = self._hierarchy(period)
         """``[(period, group), ...]`` with increasing periods; the last group is the whole one."""
+        self.hierarchical = isinstance(period, Mapping)
+        """``period`` was a dict: torch's ``HierarchicalModelAverager``'s rule (the step itself divisible by a
+        period), one entry too; an int: ``PeriodicModelAverager``'s (counted from the warm-up's end)."""
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        """What is averaged: the trainable parameters (torch's averagers skip those without a gradient; a frozen
+        one would only pick up the rounding of the average)."""
         self.period = self.periods[-1][0]
         self.step_count = 0
         """Optimizer steps taken so far (``step()`` calls)."""
@@ -196,15 +205,15 @@ class LocalSGD:
         if self.ddp is None:
             return
         self.ddp.require_backward_grad_sync = not self.local
+        self.ddp.local_steps = self.local  # as under torch's post-local SGD hook, every forward broadcasts buffers
         if self.local:
-            # As under torch's post-local SGD hook, every forward still broadcasts buffers.
             self.ddp.require_forward_param_sync = True
 
     def _due(self, step: int) -> dist.ProcessGroup | None | bool:
         """The group to average over after ``step``, or False."""
         if step < self.warmup_steps:
             return False
-        if len(self.periods) == 1:
+        if not self.hierarchical:
             return self.periods[0][1] if (step - self.warmup_steps) % self.period == 0 else False
         for p, group in reversed(self.periods):  # torch's hierarchical rule: the step itself, largest period
             if step % p == 0:
@@ -220,7 +229,7 @@ class LocalSGD:
         """
         if self.world_size <= 1:
             return
-        tensors = list(self.module.parameters())
+        tensors = list(self.params)
         if optimizer is not None:
             tensors += [v for p in tensors for k, v in optimizer.state.get(p, {}).items()
                         if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
@@ -232,7 +241,7 @@ class LocalSGD:
         group = self._due(self.step_count)
         averaged = group is not False and self.world_size > 1
         if averaged:
-            average_parameters(list(self.module.parameters()), group, self.algorithm)  # type: ignore[arg-type]
+            average_parameters(self.params, group, self.algorithm)  # type: ignore[arg-type]
             self.averages += 1
         self.step_count += 1
         self._apply_mode()

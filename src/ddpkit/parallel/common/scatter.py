@@ -7,6 +7,8 @@ cut along ``dim`` (scatter) or concatenated along it (gather), as torch's
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,11 +58,20 @@ def scatter(obj: Any, devices: Sequence[torch.device], dim: int) -> list[Any]:
 
 
 def gather(outputs: list[Any], device: torch.device, dim: int) -> Any:
-    """The replicas' ``outputs`` joined along ``dim`` on ``device``, the nesting kept (scalars stacked)."""
+    """The replicas' ``outputs`` joined along ``dim`` on ``device``, the nesting kept (scalars stacked, with torch's
+    warning). Dataclasses are joined field by field.
+
+    Raises:
+        TypeError: a value of any other type (an int, a string, an object), which no concatenation joins (torch's
+            gather raises, or builds the type from a ``map`` object); replica 0's value alone would drop the
+            others' part of the batch.
+    """
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
             # Scalars (a loss per replica) become a vector, one entry per replica.
+            warnings.warn("Was asked to gather along dimension 0, but all input tensors were scalars; will instead "
+                          "unsqueeze and return a vector.", stacklevel=2)
             return torch.stack([o.to(device) for o in outputs])
         return torch.cat([o.to(device) for o in outputs], dim)
     if first is None:
@@ -71,4 +82,12 @@ def gather(outputs: list[Any], device: torch.device, dim: int) -> Any:
         return type(first)(*(gather(list(parts), device, dim) for parts in zip(*outputs)))
     if isinstance(first, (list, tuple)):
         return type(first)(gather(list(parts), device, dim) for parts in zip(*outputs))
-    return first
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        joined = {f.name: gather([getattr(o, f.name) for o in outputs], device, dim)
+                  for f in dataclasses.fields(first) if f.init}
+        return dataclasses.replace(first, **joined)
+    raise TypeError(
+        f"DataParallel: the replicas returned {type(first).__name__} values ({', '.join(map(repr, outputs))[:200]}), "
+        "which cannot be joined across devices: return tensors, None, or tuples, lists, dicts, namedtuples and "
+        "dataclasses of them (a number as torch.tensor(value))"
+    )

@@ -221,6 +221,11 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         self.require_forward_param_sync = True
         """Whether the next forward broadcasts buffers: the previous forward was
         a synchronised one (torch's rule; Accelerate reads and sets it)."""
+        self.local_steps = False
+        """Set by :class:`ddpkit.LocalSGD` and :class:`ddpkit.DiLoCo` while their steps are local: backwards
+        reduce nothing (``require_backward_grad_sync`` is off) and every forward with grad enabled still counts as
+        synchronised for the buffers' broadcast, as under torch's post-local SGD hook (where DDP synchronises and
+        the hook sends nothing)."""
         self._ddp_sink_clone = True
         self._init_join()
         self.parameters_to_ignore: set[str] = set(getattr(module, IGNORED_ATTRIBUTE, ()))
@@ -349,6 +354,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
         if "bucket_caps_given" in state:  # pickled before the caps went by torch's names
             state["_bucket_cap_mb_given"], caps = state.pop("bucket_caps_given")
             state["_bucket_cap_mb_list"] = list(caps)
+        state.setdefault("local_steps", False)  # pickled before LocalSGD and DiLoCo set it
         super().__setstate__(state)
         self.process_group = dist.group.WORLD if grouped and had_group else None
         self.under_membership = self.process_group is None and membership.current() is not None
@@ -420,7 +426,7 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             self.reducer.disarm()
         elif grad:
             self.reducer.new_forward()
-        self.require_forward_param_sync = sync
+        self.require_forward_param_sync = sync or (grad and self.local_steps)
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
         # forwards until its first backward. Every other synchronised backward is anchored on the output's
         # nodes instead, the outputs untouched as under torch: the end-of-backward callback goes on the
