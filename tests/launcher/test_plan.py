@@ -133,6 +133,25 @@ def test_torchrun_flags_no_python_role_shutdown_timeout_and_accepted_ones():
     assert resolve(LaunchConfig(program="true", no_python=True)).config.program == "true"
 
 
+def test_a_program_is_checked_as_the_workers_will_start_it(tmp_path, monkeypatch):
+    # --no-python: a file in the working directory given without ./ and a file without the execute bit passed the
+    # check and failed in Popen with the launcher's own traceback. A folder holding __main__.py (python runs it,
+    # torchrun's workers do) was refused as a script that "does not exist".
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    with pytest.raises(ConfigError, match="'run.sh' is in .* but not a command on PATH: give ./run.sh"):
+        resolve(LaunchConfig(program="run.sh", no_python=True))
+    with pytest.raises(ConfigError, match=r"'./run.sh' is not executable: chmod \+x ./run.sh"):
+        resolve(LaunchConfig(program="./run.sh", no_python=True))
+    (tmp_path / "run.sh").chmod(0o755)
+    assert resolve(LaunchConfig(program="./run.sh", no_python=True)).no_python
+    (tmp_path / "app").mkdir()
+    with pytest.raises(ConfigError, match="script 'app' does not exist"):
+        resolve(LaunchConfig(program="app"))
+    (tmp_path / "app" / "__main__.py").write_text("print('main')\n")
+    assert resolve(LaunchConfig(program="app")).config.program == "app"
+
+
 def test_a_module_is_found_without_running_its_package_in_the_launcher(tmp_path, monkeypatch):
     # torchrun never imports the program; find_spec("pkg.mod") imports pkg, whose __init__ ran in the launcher.
     pkg = tmp_path / "sideeffect_pkg"

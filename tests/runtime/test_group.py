@@ -197,3 +197,37 @@ def test_the_backend_is_spelt_as_torch_takes_it_and_the_per_device_form_is_named
         choose_backend("cpu:gloo,cuda:nccl")
     with pytest.raises(ValueError, match="backend 'ucc' is not one of gloo, nccl, mpi"):
         choose_backend("ucc")
+
+
+def _adopting(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+    from datetime import timedelta
+    from pathlib import Path
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # torch.multiprocessing.spawn's children: no launcher variable
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    before = (ddpkit.rank(), ddpkit.world_size(), ddpkit.is_main())
+    ctx = ddpkit.init(backend="GLOO", timeout=timedelta(seconds=30))  # torch's spelling and timeout type
+    assert ddpkit.init(backend="Gloo") is ctx
+    Path(out, f"{rank}.json").write_text(json.dumps(
+        {"before": before, "ctx": [ctx.rank, ctx.world_size, ctx.local_rank, ctx.local_world_size],
+         "after": [ddpkit.rank(), ddpkit.world_size(), ddpkit.is_main()]}))
+    dist.destroy_process_group()
+
+
+def test_a_group_made_by_init_process_group_is_adopted_with_its_rank_and_size(tmp_path):
+    # The classic torch pattern: ddpkit.init() after init_process_group(init_method="tcp://...", rank, world_size)
+    # read the empty environment: rank 0 of a world of 1 on every rank (print0 printed everywhere, zero_first let
+    # every rank first). A timedelta timeout (torch's type) was a TypeError, "Gloo" then "GLOO" a clash.
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_adopting, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got["before"] == got["after"] == [rank, 2, rank == 0]
+        assert got["ctx"] == [rank, 2, rank, 2]

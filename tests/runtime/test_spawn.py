@@ -66,6 +66,30 @@ def test_spawn_reraises_the_failing_rank_with_its_traceback_and_stops_the_rest()
     assert isinstance(err.__cause__, KeyError)
 
 
+def _fail_at_length(rank: int, out: str) -> None:
+    import atexit
+
+    log = open(Path(out, f"{rank}.log"), "w")  # noqa: SIM115 - left open on purpose: the exit must flush it
+    log.write(f"rank {rank} wrote this")
+    atexit.register(Path(out, f"{rank}.atexit").write_text, "ran")
+    if rank == 1:
+        raise ValueError("x" * 200_000)  # a report larger than the pipe's buffer
+
+
+def test_a_long_failure_report_arrives_and_a_worker_ends_as_the_interpreter_would(tmp_path):
+    # A report over the pipe's 64 KiB kept the worker in its send while the parent waited for it to exit: a hang
+    # (a load_state_dict error of a large model is enough). Its atexit handlers never ran and a file it left open
+    # came out empty (os._exit), where torch's spawn runs the teardown.
+    start = time.monotonic()
+    with pytest.raises(ddpkit.WorkerError) as info:
+        ddpkit.spawn(_fail_at_length, 2, args=(str(tmp_path),))
+    assert time.monotonic() - start < 60
+    assert info.value.rank == info.value.error_index == 1 and info.value.exit_code == 1
+    assert "x" * 200_000 in str(info.value)
+    assert Path(tmp_path, "1.log").read_text() == "rank 1 wrote this"
+    assert Path(tmp_path, "1.atexit").read_text() == "ran"
+
+
 def _exits(rank: int, how: str) -> None:
     import sys
 
@@ -95,6 +119,11 @@ def test_sys_exit_n_in_a_worker_fails_with_exit_code_n():
 def test_spawn_rejects_a_bad_process_count(nprocs):
     with pytest.raises(ValueError, match="nprocs"):
         ddpkit.spawn(_sum_ranks, nprocs)
+
+
+def test_torchs_argument_order_is_named():
+    with pytest.raises(ValueError, match="torch's spawn takes fn, args, nprocs: pass them by name"):
+        ddpkit.spawn(_sum_ranks, ("out",), 2)
 
 
 def _segfault_on_rank_zero(rank: int) -> None:

@@ -261,8 +261,17 @@ def _module_exists(name: str) -> bool:
 
 def _check_program(cfg: LaunchConfig, no_python: bool) -> None:
     if no_python:
-        if not (Path(cfg.program).is_file() or shutil.which(cfg.program)):
-            raise ConfigError(f"--no-python: {cfg.program!r} is neither a file nor a command on PATH")
+        program = cfg.program
+        # As the workers are started (exec, as a shell): a name with a slash is a path, any other a command on PATH.
+        found = shutil.which(program) if os.sep not in program else program if Path(program).is_file() else None
+        if found is None and os.sep not in program and Path(program).is_file():
+            raise ConfigError(f"--no-python: {program!r} is in {os.getcwd()} but not a command on PATH: give "
+                              f"./{program}, as a shell takes it")
+        if found is None:
+            raise ConfigError(f"--no-python: {program!r} is neither a file nor a command on PATH")
+        if not os.access(found, os.X_OK):
+            raise ConfigError(f"--no-python: {found!r} is not executable: chmod +x {found} (with a #! line), or "
+                              "drop --no-python to run it with python")
         return
     if cfg.module:
         # Workers run `python -m`, which puts the working directory first on sys.path.
@@ -273,7 +282,8 @@ def _check_program(cfg: LaunchConfig, no_python: bool) -> None:
             sys.path.pop(0)
         if not found:
             raise ConfigError(f"module {cfg.program!r} cannot be found: check the name and PYTHONPATH")
-    elif not Path(cfg.program).is_file():
+    elif not (Path(cfg.program).is_file() or (Path(cfg.program) / "__main__.py").is_file()):
+        # (python runs a folder or a zip archive holding a __main__.py, as torchrun's workers do)
         raise ConfigError(
             f"script {cfg.program!r} does not exist (looked in {os.getcwd()}): check the path, "
             "or pass -m to run a module"

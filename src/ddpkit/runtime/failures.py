@@ -27,6 +27,17 @@ class WorkerError(RuntimeError):
         detail = f"\n\n--- traceback of {who} ---\n{traceback_text}" if traceback_text else ""
         super().__init__(f"{who} failed: {message}{detail}")
 
+    @property
+    def error_index(self) -> int:
+        """The rank, by the name torch's ``ProcessException`` gives it."""
+        return self.rank
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code, by the name torch's ``ProcessExitedException`` gives it (negative: killed by that
+        signal)."""
+        return self.exitcode
+
 
 def encode_failure(exc: BaseException) -> tuple[float, str, str, bytes | None]:
     """What a failing child sends home: when, the exception in a line, its traceback, the exception pickled."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -77,12 +78,15 @@ class DistContext:
 _ctx: DistContext | None = None
 
 
-def timeouts(timeout: float | None = None) -> tuple[float, float]:
-    """``(rendezvous, collective)`` timeouts in seconds: ``timeout``, else ``DDPKIT_TIMEOUT``, else the defaults.
+def timeouts(timeout: float | timedelta | None = None) -> tuple[float, float]:
+    """``(rendezvous, collective)`` timeouts in seconds: ``timeout`` (seconds, or a ``timedelta`` as torch's
+    ``init_process_group`` takes), else ``DDPKIT_TIMEOUT``, else the defaults.
 
     Raises:
         ValueError: ``DDPKIT_TIMEOUT`` is not a number, or a timeout is not positive.
     """
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
     if timeout is None:
         timeout = variables.timeout_seconds(os.environ)
     if timeout is None:
@@ -131,7 +135,7 @@ def _choose_device(place: Placement, backend: str) -> torch.device:
     return device
 
 
-def init(backend: str | None = None, timeout: float | None = None) -> DistContext:
+def init(backend: str | None = None, timeout: float | timedelta | None = None) -> DistContext:
     """Join the job described by the environment and create the process group.
 
     Calling it again returns the same context (asking for another backend
@@ -142,7 +146,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
     Args:
         backend: ``gloo``, ``nccl`` or ``mpi``. Default: ``DDPKIT_BACKEND``,
             else ``nccl`` with CUDA and ``gloo`` without.
-        timeout: seconds for the rendezvous and each collective. Default:
+        timeout: seconds (or a ``timedelta``) for the rendezvous and each collective. Default:
             ``DDPKIT_TIMEOUT``, else 300 s to meet and 1800 s per collective (300 s under
             ``--on-failure continue``, whose abandoned operations hold their buffers that long).
 
@@ -179,7 +183,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistContex
         backend = choose_backend(backend)
     # A backend of ddpkit's own (mpi) meets over its own library: it needs no rendezvous address.
     plugin = backends.find(backend) if backend in backends.names() else None
-    place = discover(os.environ, master_needed=plugin is None)
+    place = discover(os.environ, master_needed=plugin is None and not dist.is_initialized())
+    if dist.is_initialized():
+        place = _adopted(place)
     if plugin is not None and not dist.is_initialized():
         place = _init_plugin(plugin, place, join_timeout, collective_timeout)
     device = _choose_device(place, backend)
@@ -283,7 +289,7 @@ def _check_same_backend(asked: str | None) -> None:
     """A process group exists: a different backend asked for now would be silently ignored."""
     asked = asked or os.environ.get("DDPKIT_BACKEND") or None
     have = _ddpkit_name(str(dist.get_backend()))
-    if asked is not None and asked != have:
+    if asked is not None and str(asked).strip().lower() != have:  # (torch's spelling rule: "GLOO" is gloo)
         raise ValueError(
             f"ddpkit.init(backend={asked!r}): the process group already exists with backend {have!r}; "
             "a process has one group: call ddpkit.shutdown() first to start over with another backend"
@@ -344,8 +350,27 @@ def context() -> DistContext | None:
 
 def _placement() -> DistContext | Placement:
     # Before init() the environment still answers "who am I", so scripts may
-    # ask is_main() early (e.g. to set up logging) without a process group.
-    return context() or discover(os.environ, master_needed=False)
+    # ask is_main() early (e.g. to set up logging) without a process group;
+    # a group the user made (init_process_group) answers first.
+    ctx = context()
+    if ctx is not None:
+        return ctx
+    place = discover(os.environ, master_needed=False)
+    return _adopted(place) if dist.is_available() and dist.is_initialized() else place
+
+
+def _adopted(place: Placement) -> Placement:
+    """``place`` with the rank and world size of the default group someone else made: what the group says goes
+    (``init_process_group(init_method="tcp://...", rank=r, world_size=n)`` in ``torch.multiprocessing.spawn``'s
+    children sets no variable). Without ``LOCAL_RANK`` the job is taken for one node."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (place.rank, place.world_size) == (rank, world):
+        return place
+    local = "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
+    return dataclasses.replace(place, rank=rank, world_size=world,
+                               local_rank=place.local_rank if local else rank,
+                               local_world_size=place.local_world_size if local else world,
+                               node_rank=place.node_rank if local else 0)
 
 
 def rank() -> int:

@@ -35,6 +35,7 @@ from ddpkit.runtime.process import (
     PS_PORT_ENV,
     SignalCatcher,
     exit_now,
+    finish_as_interpreter,
     free_port,
     torn_down,
     worker_env,
@@ -154,10 +155,12 @@ def main(folder: str) -> None:
 
 
 def _finish(code: int) -> None:
-    """Destroy the group (its progress threads), then exit at once; :func:`exit_now` leaves MPI first."""
+    """Destroy the group (its progress threads), end as the interpreter would, then exit at once
+    (:func:`exit_now` leaves MPI first)."""
     from ddpkit.runtime.group import shutdown
 
     shutdown()
+    finish_as_interpreter()
     exit_now(code)
 
 

@@ -26,8 +26,8 @@ reaches it) and dies with the server, which dies with the launcher (also one kil
 :func:`ddpkit.runtime.spawn.leave_forkserver`). Its module runs as ``python -m`` runs it, in a fresh ``__main__``
 that stays ``__main__`` to the end; it ends as the interpreter would, without its teardown: an exception that
 escaped goes to ``sys.excepthook`` (exit code 1), ``SystemExit`` gives its code, an escaped ``KeyboardInterrupt``
-ends it by SIGINT; then non-daemon threads are joined, ``atexit`` handlers run, and the streams are flushed
-before ``os._exit``.
+ends it by SIGINT; then non-daemon threads are joined, ``atexit`` handlers run, and the streams and files still
+open are flushed before ``os._exit``.
 
 As with every use of multiprocessing's forkserver, each child first imports the launcher's own main module (as
 ``__mp_main__``): its work must sit under ``if __name__ == "__main__":`` (``python -m ddpkit``'s does).
@@ -52,7 +52,7 @@ from multiprocessing.connection import wait
 from multiprocessing.reduction import DupFd
 from typing import Any, BinaryIO
 
-from ddpkit.runtime.process import die_with_parent, exit_now, set_process_name
+from ddpkit.runtime.process import die_with_parent, exit_now, finish_as_interpreter, set_process_name
 from ddpkit.runtime.spawn import leave_forkserver, start_forkserver, take_environment
 
 __all__ = ["Inherited", "PreloadedProcess", "start_module"]
@@ -194,10 +194,7 @@ def _run_as_main(module: str) -> None:
 
 def _exit(code: int, interrupted: bool) -> None:
     """End the child as the interpreter would, without its teardown (see the module notes)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
+    finish_as_interpreter()
     if interrupted:  # the interpreter's rule for an escaped KeyboardInterrupt: end by SIGINT
         sys.stdout.flush()
         sys.stderr.flush()

@@ -16,7 +16,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import io
 import logging
 import multiprocessing.util
 import os
@@ -208,6 +211,25 @@ def environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def finish_as_interpreter(join_threads: bool = True) -> None:
+    """What the interpreter does at exit before its teardown, which :func:`exit_now` skips: join the non-daemon
+    threads (``join_threads``), run the ``atexit`` handlers (a logger's last upload, a writer's close), and flush
+    every file object still open, whose buffer the teardown would have written (an unclosed log file came out
+    empty). About a tenth of a second with torch loaded, where the teardown takes most of a second."""
+    if join_threads:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
+    for obj in gc.get_objects():
+        if issubclass(type(obj), io.IOBase):  # (not isinstance: it reads __class__, which some proxies warn on)
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:  # noqa: BLE001, S110 - as the teardown: a file that cannot be flushed is left
+                pass
 
 
 def exit_now(code: int) -> NoReturn:

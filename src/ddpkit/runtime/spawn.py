@@ -41,6 +41,7 @@ from ddpkit.runtime.process import (
     describe_exit,
     die_with_parent,
     exit_now,
+    finish_as_interpreter,
     free_port,
     pid_alive,
     server_env,
@@ -114,6 +115,8 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
     # DataLoader worker is one) with a single killpg.
     os.setpgid(0, 0)
     take_environment(env)
+    # Each way out ends as the interpreter would (atexit handlers, open files flushed: torch's spawn children run
+    # the teardown), without the teardown itself; a failing one joins no thread (one may wait on a dead peer).
     try:
         fn(rank, *args)
     except KeyboardInterrupt:
@@ -122,15 +125,19 @@ def _child(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: dict[str
         # As a process would exit (torch's spawn too): sys.exit() and sys.exit(0) succeed, sys.exit(3)
         # fails with exit code 3, sys.exit("message") prints it and fails with 1.
         if exc.code is None or exc.code == 0:
+            finish_as_interpreter()
             exit_now(0)
         if not isinstance(exc.code, int):
             sys.stderr.write(f"{exc.code}\n")
         conn.send(encode_failure(exc))
+        finish_as_interpreter(join_threads=False)
         exit_now(exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - everything goes home, then exit non-zero
         conn.send(encode_failure(exc))
+        finish_as_interpreter(join_threads=False)
         exit_now(1)
     _leave_in_order()
+    finish_as_interpreter()
     exit_now(0)
 
 
@@ -205,8 +212,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
 
         ddpkit.spawn(worker, nprocs=2, args=(100,))
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        order = (" (ddpkit.spawn takes fn, nprocs, args; torch's spawn takes fn, args, nprocs: pass them by name)"
+                 if isinstance(nprocs, (tuple, list)) else "")
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer{order}")
     if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 0:
         raise ValueError(f"num_servers={num_servers!r} must be a whole number >= 0")
     if start_method not in START_METHODS:
@@ -270,7 +279,7 @@ def _spawn_mpi(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], num_ser
         for proc in servers:
             if proc.exitcode not in (None, 0):
                 rank, conn = conns[proc.sentinel]
-                raise _failure(rank, proc.exitcode, conn, time.time(), f"parameter server {rank - nprocs}")[1]
+                raise _failure(rank, proc.exitcode, _read(conn), time.time(), f"parameter server {rank - nprocs}")[1]
 
     spawn_mpi(fn, nprocs, args, num_servers, start_servers, watch_servers)
 
@@ -284,35 +293,53 @@ def _env(rank: int, nprocs: int, port: int, backend: str | None, token: str) -> 
 
 
 def _watch(procs: list[mp.process.BaseProcess], conns: dict[int, tuple[int, Connection]], workers: int) -> None:
-    """Until every worker (the first ``workers`` processes) succeeded, or one process failed (raised)."""
+    """Until every worker (the first ``workers`` processes) succeeded, or one process failed (raised).
+
+    A child's report is read as soon as it is sent: one larger than the pipe's buffer (a long message, a
+    traceback, a pickled exception: 64 KiB) would otherwise keep the child in its send, and the parent waiting
+    for it to exit, for good.
+    """
     pending = {p.sentinel: p for p in procs}
+    unread = {conns[p.sentinel][1]: p.sentinel for p in procs}
+    reports: dict[int, Any] = {}
     while any(conns[s][0] < workers for s in pending):
         failures = []
         alive_at = time.time()  # every process still pending was alive when this wait began
-        for sentinel in wait(list(pending)):
-            proc = pending.pop(sentinel)  # type: ignore[call-overload]
+        for ready in wait([*pending, *unread]):
+            if isinstance(ready, Connection):
+                if ready in unread:  # (else read already: its process's exit came first in this list)
+                    reports[unread.pop(ready)] = _read(ready)
+                continue
+            proc = pending.pop(ready)  # type: ignore[call-overload]
             proc.join()
             if proc.exitcode != 0:
-                rank, conn = conns[sentinel]
-                failures.append(_failure(rank, proc.exitcode, conn, alive_at,
+                rank, conn = conns[ready]
+                report = reports[ready] if ready in reports else _read(conn)
+                unread.pop(conn, None)
+                failures.append(_failure(rank, proc.exitcode, report, alive_at,
                                          f"parameter server {rank - workers}" if rank >= workers else None))
         if failures:
             _, error = min(failures, key=lambda f: f[0])
             raise error
 
 
-def _failure(rank: int, exitcode: int | None, conn: Connection, alive_at: float,
+def _read(conn: Connection) -> Any:
+    """A child's report, or None: it sent none (a signal, os._exit, a success)."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+def _failure(rank: int, exitcode: int | None, report: Any, alive_at: float,
              who: str | None) -> tuple[float, WorkerError]:
-    """When the process failed (for the root cause: the earliest wins) and the error naming it.
+    """When the process failed (for the root cause: the earliest wins) and the error naming it (``report``: what
+    it sent, or None).
 
     A process killed by SIGKILL reports nothing, and nothing but the outside (a user, the OOM killer) sends that
     signal, never a peer's failure: it counts as failed when it was last known alive (``alive_at``), so that the
     ranks which raised because it vanished, and reported before the parent woke, are not blamed in its place.
     """
-    try:
-        report = conn.recv() if conn.poll() else None
-    except EOFError:  # died (a signal, os._exit) before reporting anything
-        report = None
     if report is None:
         how = describe_exit(exitcode)
         how = how if how.startswith("killed") else f"ended with {how}"
