@@ -186,3 +186,54 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_at_once(dist2, tm
     said = dist2.run(_save_with_a_full_disk_on_rank_1, str(tmp_path / "ckpt"), timeout=60)
     assert said[0] == said[1] and "rank 1 could not write" in said[0] and "No space left on device" in said[0], said
     assert not (tmp_path / "ckpt" / "index.json").exists()  # never said to be whole
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def _save_with_buffers(directory: str) -> dict[str, torch.Tensor]:
+    model = ddpkit.DDP(_bn_net(), zero_stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))  # a tensor rate, as torch's take
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + ddpkit.rank())
+        nn.functional.cross_entropy(model(torch.randn(4, 6, generator=g)), torch.randint(0, 3, (4,), generator=g)
+                                    ).backward()
+        opt.step()
+        opt.zero_grad()
+    ddpkit.save_sharded(model, directory, opt)
+    return {n: b.clone() for n, b in model.module.named_buffers()}
+
+
+def _load_with_buffers(directory: str) -> tuple[dict[str, torch.Tensor], object, str]:
+    model = ddpkit.DDP(_bn_net(), zero_stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.5))
+    ddpkit.load_sharded(model, directory, opt)
+    smaller = ddpkit.DDP(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)), zero_stage=3)
+    try:
+        ddpkit.load_sharded(smaller, directory)
+        said = "loaded"
+    except ValueError as e:
+        said = str(e)
+    return {n: b.clone() for n, b in model.module.named_buffers()}, opt.param_groups[0]["lr"], said
+
+
+def test_buffers_and_a_tensor_learning_rate_go_through_a_sharded_checkpoint(dist2, tmp_path) -> None:
+    # The buffers (BatchNorm's statistics) were not saved: a load left the model's own, and the consolidated state
+    # dict failed a plain module's strict load on their missing keys. A tensor learning rate failed the save on
+    # rank 0 (not JSON), leaving the others waiting and a directory without an index behind it.
+    saved = dist2.run(_save_with_buffers, str(tmp_path / "ck"))[0]
+    assert int(saved["1.num_batches_tracked"]) == 2
+    for buffers, lr, said in dist2.run(_load_with_buffers, str(tmp_path / "ck")):
+        assert all(torch.equal(buffers[n], saved[n]) for n in saved)
+        assert isinstance(lr, torch.Tensor) and torch.equal(lr, torch.tensor(0.01))
+        assert said.startswith("the sharded checkpoint in") and "their parameters differ first at position 4, " \
+            "where the model has nothing more and the checkpoint '2.weight' of shape [3, 8]" in said
+    whole = ddpkit.consolidate_sharded(tmp_path / "ck")
+    plain = _bn_net()
+    plain.load_state_dict(whole["model"])  # strict: every key, buffers included
+    assert torch.equal(plain[1].running_mean, saved["1.running_mean"])
+    (tmp_path / "ck" / "index.json").unlink()
+    with pytest.raises(ddpkit.WorkerError, match="holds a sharded checkpoint \\(an unfinished one"):
+        dist2.run(_save_with_buffers, str(tmp_path / "ck"))

@@ -76,13 +76,15 @@ def _fail_at_length(rank: int, out: str) -> None:
         raise ValueError("x" * 200_000)  # a report larger than the pipe's buffer
 
 
-def test_a_long_failure_report_arrives_and_a_worker_ends_as_the_interpreter_would(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_long_failure_report_arrives_and_a_worker_ends_as_the_interpreter_would(tmp_path, method):
     # A report over the pipe's 64 KiB kept the worker in its send while the parent waited for it to exit: a hang
     # (a load_state_dict error of a large model is enough). Its atexit handlers never ran and a file it left open
-    # came out empty (os._exit), where torch's spawn runs the teardown.
+    # came out empty (os._exit), where torch's spawn runs the teardown. (A forked child's copy of its forkserver's
+    # own exit handler must not end it with 0.)
     start = time.monotonic()
     with pytest.raises(ddpkit.WorkerError) as info:
-        ddpkit.spawn(_fail_at_length, 2, args=(str(tmp_path),))
+        ddpkit.spawn(_fail_at_length, 2, args=(str(tmp_path),), start_method=method)
     assert time.monotonic() - start < 60
     assert info.value.rank == info.value.error_index == 1 and info.value.exit_code == 1
     assert "x" * 200_000 in str(info.value)

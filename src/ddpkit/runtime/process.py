@@ -222,6 +222,7 @@ def finish_as_interpreter(join_threads: bool = True) -> None:
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
+    atexit.unregister(exit_now)  # a forked child's copy of its forkserver's own (server_exit) would end it with 0
     atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
     for obj in gc.get_objects():
         if issubclass(type(obj), io.IOBase):  # (not isinstance: it reads __class__, which some proxies warn on)

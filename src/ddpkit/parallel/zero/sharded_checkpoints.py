@@ -7,11 +7,14 @@ world size, without the whole model ever on one rank.
   parameter (``param.NAME``) and, with an optimizer, of each per-element
   state tensor (``optim.I.KEY``, e.g. AdamW's ``exp_avg`` of the optimizer's
   ``I``-th parameter);
+* the model's buffers (``buffer.NAME``: BatchNorm's statistics; each rank
+  holds them whole, as its state dict's persistent ones) in rank 0's file;
 * ``index.json`` (rank 0, written last: a directory without it is an
-  unfinished save): the world size, each parameter's name, shape and dtype,
-  the optimizer's param groups and its other state (AdamW's ``step``: the
-  same on every rank), and for every rank file its size and the digest of
-  each of its tensors; the index carries a digest of itself.
+  unfinished save): the world size, each parameter's and buffer's name, shape
+  and dtype, the optimizer's param groups (a tensor learning rate as its
+  value and dtype) and its other state (AdamW's ``step``: the same on every
+  rank), and for every rank file its size and the digest of each of its
+  tensors; the index carries a digest of itself.
 
 Every file is written as whole checkpoints are (:func:`ddpkit.runtime.durable.write_atomic`:
 fsynced, renamed into place, the same file mode), and verified as they are:
@@ -56,15 +59,32 @@ __all__ = ["FORMAT", "INDEX", "consolidate_sharded", "load_sharded", "save_shard
 
 INDEX = "index.json"
 """The file that makes a directory a finished sharded checkpoint."""
-FORMAT = "ddpkit-zero3-sharded/3"
-"""Each parameter cut by rows, every file's tensors and the index digested (format 2, before, carried no digests
-and is read unchecked; format 1 cut the units' flat buffers)."""
-READABLE = ("ddpkit-zero3-sharded/2", FORMAT)
+FORMAT = "ddpkit-zero3-sharded/4"
+"""Each parameter cut by rows, the buffers whole in rank 0's file, every file's tensors and the index digested
+(format 3, before, held no buffers: a load leaves them as they are; format 2 carried no digests and is read
+unchecked; format 1 cut the units' flat buffers)."""
+READABLE = ("ddpkit-zero3-sharded/2", "ddpkit-zero3-sharded/3", FORMAT)
+DIGESTED = ("ddpkit-zero3-sharded/3", FORMAT)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    return getattr(inner, "_orig_mod", inner)
+
+
+def _buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's persistent buffers (those its state dict holds), named as in it."""
+    out = []
+    for prefix, module in _inner(model).named_modules():
+        transient = getattr(module, "_non_persistent_buffers_set", set())
+        out += [(f"{prefix}.{name}" if prefix else name, buf) for name, buf in module.named_buffers(recurse=False)
+                if buf is not None and name not in transient]
+    return out
 
 
 def _engine(model: nn.Module) -> ShardedParameters:
-    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
-    engine = engine_of(getattr(inner, "_orig_mod", inner))
+    inner = _inner(model)
+    engine = engine_of(inner)
     if engine is None:
         raise ValueError(f"{type(model).__name__} does not shard its parameters: sharded checkpoints are for "
                          "DistributedDataParallel(module, zero_stage=3); save its state_dict() otherwise")
@@ -101,19 +121,30 @@ def save_sharded(model: nn.Module, directory: str | os.PathLike, optimizer: torc
     if engine.world_size > 1:
         dist.broadcast_object_list(found, src=dist.get_global_rank(engine.group, 0), group=engine.group)
     if found[0]:
-        raise FileExistsError(f"{directory} already holds a sharded checkpoint: save into a new directory (or "
-                              "remove it first)")
-    directory.mkdir(parents=True, exist_ok=True)
+        unfinished = "" if (directory / INDEX).exists() else " (an unfinished one: rank files without index.json)"
+        raise FileExistsError(f"{directory} already holds a sharded checkpoint{unfinished}: save into a new "
+                              "directory (or remove it first)")
     tensors: dict[str, torch.Tensor] = {}
     for q in _params(engine):
         tensors[f"param.{q.name}"] = local_of(q.param).detach().cpu().contiguous()
+    buffers = _buffers(model)
+    if engine.rank == 0:
+        tensors.update({f"buffer.{name}": buf.detach().cpu().contiguous() for name, buf in buffers})
     index: dict[str, Any] = {
         "format": FORMAT, "world_size": engine.world_size,
         "params": [{"name": q.name, "shape": list(q.shape), "dtype": str(q.param.dtype).removeprefix("torch.")}
                    for q in _params(engine)],
+        "buffers": [{"name": name, "shape": list(buf.shape), "dtype": str(buf.dtype).removeprefix("torch.")}
+                    for name, buf in buffers],
     }
     if optimizer is not None:
         index["optimizer"] = _optimizer_shards(engine, optimizer, tensors)
+    try:  # every rank alike, before any file is written: none is left waiting, nothing half-written
+        json.dumps(index)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_sharded: the optimizer's param groups hold a value the index cannot keep "
+                         f"({one_line(e)}): keep numbers, strings, lists and scalar tensors there") from e
+    directory.mkdir(parents=True, exist_ok=True)
     path = _rank_file(directory, engine.rank, engine.world_size)
     mine: dict[str, Any] | str
     try:
@@ -177,13 +208,14 @@ def _read_index(directory: Path) -> dict[str, Any]:
         older = " (saved by an older ddpkit, whose layout this one does not read)" if str(found).startswith(
             "ddpkit-zero3-sharded/") else ""
         raise CheckpointError(f"{path} is not a ddpkit sharded checkpoint of format {FORMAT}{older}")
-    if found == FORMAT and index.get("digest") != _index_digest(index):
+    if found in DIGESTED and index.get("digest") != _index_digest(index):
         raise CheckpointError(f"sharded checkpoint index {path} is damaged: its content does not match its digest "
                               "(its bytes changed after it was written)")
     try:
         world = int(index["world_size"])
-        params = [(str(p["name"]), [int(n) for n in p["shape"]], str(p["dtype"])) for p in index["params"]]
-        if world < 1 or (found == FORMAT and sorted(index["files"]) != sorted(
+        params = [(str(p["name"]), [int(n) for n in p["shape"]], str(p["dtype"]))
+                  for p in [*index["params"], *index.get("buffers", [])]]
+        if world < 1 or (found in DIGESTED and sorted(index["files"]) != sorted(
                 _rank_file(directory, r, world).name for r in range(world))):
             raise ValueError(f"world size {world} and the files it names disagree")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -272,19 +304,48 @@ def _optimizer_shards(engine: ShardedParameters, optimizer: torch.optim.Optimize
                 entry[key] = {"tensor": value.item(), "dtype": str(value.dtype)}
             else:
                 entry[key] = value
-    groups = [{k: {"tuple": list(v)} if isinstance(v, tuple) else v for k, v in g.items()}
-              for g in saved["param_groups"]]  # JSON keeps no tuples (AdamW's betas)
+    groups = [{k: _to_json(v) for k, v in g.items()} for g in saved["param_groups"]]
     return {"param_groups": groups, "state": other, "params": names}
 
 
-def _check(engine: ShardedParameters, index: dict[str, Any], directory: Path) -> None:
-    mine = [(q.name, list(q.shape)) for q in _params(engine)]
-    theirs = [(p["name"], p["shape"]) for p in index["params"]]
-    if mine != theirs:
-        first = next(((a, b) for a, b in zip(mine, theirs) if a != b), (mine[len(theirs):] or theirs[len(mine):], None))
-        raise ValueError(f"the sharded checkpoint in {directory} is not of this model (its parameters differ, first "
-                         f"at {first[0]!r} against the checkpoint's {first[1]!r}): load it into a model of the same "
-                         "layers")
+def _to_json(value: Any) -> Any:
+    """A param group's setting as JSON keeps it: a tuple (AdamW's betas) or a scalar tensor (a tensor learning
+    rate, which torch's optimizers take) marked, to come back as it was (:func:`_from_json`)."""
+    if isinstance(value, tuple):
+        return {"tuple": [_to_json(v) for v in value]}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"tensor": value.item(), "dtype": str(value.dtype), "shape": list(value.shape)}
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"tuple"}:
+        return tuple(_from_json(v) for v in value["tuple"])
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype", "shape"}:
+        dtype = getattr(torch, value["dtype"].removeprefix("torch."))
+        return torch.tensor(value["tensor"], dtype=dtype).reshape(value["shape"])
+    return value
+
+
+def _groups(saved: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: _from_json(v) for k, v in g.items()} for g in saved["param_groups"]]
+
+
+def _check(engine: ShardedParameters, model: nn.Module, index: dict[str, Any], directory: Path) -> None:
+    """The checkpoint is of this model: the same parameters (and, from format 4, persistent buffers), in order."""
+    kinds = [("parameters", [(q.name, list(q.shape)) for q in _params(engine)], index["params"])]
+    if "buffers" in index:
+        kinds.append(("buffers", [(n, list(b.shape)) for n, b in _buffers(model)], index["buffers"]))
+    for what, mine, saved in kinds:
+        theirs = [(p["name"], p["shape"]) for p in saved]
+        if mine == theirs:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        model_has = f"{mine[at][0]!r} of shape {mine[at][1]}" if at < len(mine) else "nothing more"
+        saved_has = f"{theirs[at][0]!r} of shape {theirs[at][1]}" if at < len(theirs) else "nothing more"
+        raise ValueError(f"the sharded checkpoint in {directory} is not of this model: their {what} differ first at "
+                         f"position {at}, where the model has {model_has} and the checkpoint {saved_has}; load it "
+                         "into a model of the same layers")
 
 
 def _read(directory: Path, world: int, name: str, q: UnitParam, start: int, stop: int,
@@ -327,7 +388,7 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
     engine.adopt()
     directory = Path(directory)
     index = _agreed_index(engine, directory)
-    _check(engine, index, directory)
+    _check(engine, model, index, directory)
     world = int(index["world_size"])
     if optimizer is not None and "optimizer" not in index:
         raise ValueError(f"the sharded checkpoint in {directory} holds no optimizer state: load the model alone")
@@ -335,9 +396,23 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
         local = local_of(q.param)
         a, b = q.local_rows(engine.rank)
         local.copy_(_read(directory, world, f"param.{q.name}", q, a, b, local).view(local.shape))
+    if "buffers" in index:  # (format 3 held none: the buffers stay as they are)
+        saved = _read_buffers(directory, world, [n for n, _ in _buffers(model)])
+        for name, buf in _buffers(model):
+            buf.copy_(saved[name].to(buf.dtype))
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(engine, optimizer, index, directory, world))
     _barrier(engine)
+
+
+def _read_buffers(directory: Path, world: int, names: list[str]) -> dict[str, torch.Tensor]:
+    """The saved buffers (rank 0's file), by name."""
+    path = _rank_file(directory, 0, world)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(f"buffer.{name}") for name in names}
+    except (SafetensorError, OSError) as e:  # checked before, so only a file changed meanwhile
+        raise CheckpointError(f"sharded checkpoint file {path} cannot be read: {one_line(e)}") from e
 
 
 def _optimizer_state(engine: ShardedParameters, optimizer: torch.optim.Optimizer, index: dict[str, Any],
@@ -362,9 +437,7 @@ def _optimizer_state(engine: ShardedParameters, optimizer: torch.optim.Optimizer
         for key in entry.get("per_element", []):
             rows = _read(directory, world, f"optim.{i}.{key}", q, a, b, local).to(local.device)
             state[i][key] = like_param(rows.view(q.local_shape(engine.rank)), q, engine.mesh)
-    groups = [{k: tuple(v["tuple"]) if isinstance(v, dict) and set(v) == {"tuple"} else v for k, v in g.items()}
-              for g in saved["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _groups(saved)}
 
 
 
@@ -390,6 +463,8 @@ def consolidate_sharded(directory: str | os.PathLike) -> dict[str, Any]:
     like = {q.name: torch.empty(0, dtype=getattr(torch, e["dtype"])) for q, e in zip(layout, index["params"])}
     model = {q.name: _read(directory, world, f"param.{q.name}", q, 0, q.rows, like[q.name]).view(q.shape)
              for q in layout}
+    if "buffers" in index:
+        model.update(_read_buffers(directory, world, [b["name"] for b in index["buffers"]]))
     out: dict[str, Any] = {"model": model}
     saved = index.get("optimizer")
     if saved is not None:
@@ -405,7 +480,5 @@ def consolidate_sharded(directory: str | os.PathLike) -> dict[str, Any]:
                         for k, v in entry.items() if k != "per_element"}
             for key in entry.get("per_element", []):
                 state[i][key] = _read(directory, world, f"optim.{i}.{key}", q, 0, q.rows, like[q.name]).view(q.shape)
-        groups = [{k: tuple(v["tuple"]) if isinstance(v, dict) and set(v) == {"tuple"} else v for k, v in g.items()}
-                  for g in saved["param_groups"]]
-        out["optimizer"] = {"state": state, "param_groups": groups}
+        out["optimizer"] = {"state": state, "param_groups": _groups(saved)}
     return out

@@ -178,7 +178,15 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError(f"a zero_stage=2 model needs one ZeroRedundancyOptimizer over all of its trainable "
                              f"parameters; {', '.join(left_out[:3])}{' ...' if len(left_out) > 3 else ''} "
                              "are not in this one")
-        del optimizer_class
+        # Each rank steps flat segments of the parameters: an optimizer whose update depends on a parameter's shape
+        # or on all of it computes another one there, silently (Adafactor factors no matrix, its state still one
+        # value per element; LBFGS's directions span the model). Elementwise ones (SGD, Adam, ...) are exact.
+        shaped = tuple(c for c in (getattr(torch.optim, n, None) for n in ("Adafactor", "LBFGS", "SparseAdam"))
+                       if c is not None)
+        if issubclass(optimizer_class, shaped):
+            raise ValueError(f"{optimizer_class.__name__} over a zero_stage=2 model: its update depends on whole "
+                             "parameters (their shapes, or all of them), and stage 2 steps flat segments of them: "
+                             "use zero_stage=1 (each parameter whole on one rank) or zero_stage=0")
 
     def _segment_groups(self) -> list[dict[str, Any]]:
         """The local optimizer's groups under stage 2: each group's segments, as views of the parameter shards."""
@@ -235,7 +243,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             return
         self._partition = partition(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
-        copy_settings(self.optim.param_groups, self.param_groups)
+        # The groups before: the user's settings since the last step (a scheduler's rate) stand, as under torch's;
+        # the new one: the inner class's defaults (Adam's betas) filled in, as at construction.
+        copy_settings(self.param_groups[:-1], self.optim.param_groups[:-1])
+        copy_settings(self.optim.param_groups[-1:], self.param_groups[-1:])
         self._build_buckets()
         self._trainable = self._trainability()  # new parameters, not a change of trainability: no warning
 
