@@ -106,9 +106,13 @@ def test_several_buckets_match_torch_hook(dist2, settings):
     _assert_same(dist2.run(_train, settings, 5, 0.002, "serial-torch-hook"))
 
 
-def _torch_hook_in_several_buckets() -> str:
+def _torch_hook_in_several_buckets(wrapped: bool) -> str:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     ddp = ddpkit.DDP(Net(), bucket_cap_mb=0.002)
-    ddp.register_comm_hook(torch_powersgd.PowerSGDState(None, 1, start_powerSGD_iter=2), torch_powersgd.powerSGD_hook)
+    hook = torch_powersgd.powerSGD_hook
+    ddp.register_comm_hook(torch_powersgd.PowerSGDState(None, 1, start_powerSGD_iter=2),
+                           default_hooks.fp16_compress_wrapper(hook) if wrapped else hook)
     try:
         for _ in range(3):  # the first backward has one bucket (torch's rule); the rebuilt ones several
             ddp(torch.randn(5, 2, 6, 6)).sum().backward()
@@ -117,11 +121,12 @@ def _torch_hook_in_several_buckets() -> str:
     return "no error"
 
 
-def test_torchs_hook_in_several_buckets_on_gloo_is_refused_instead_of_hanging(dist2):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "fp16-wrapped"])
+def test_torchs_hook_in_several_buckets_on_gloo_is_refused_instead_of_hanging(dist2, wrapped):
     # It waits for each all-reduce inside gloo's callback of the one before: with several buckets it hung
     # forever on ddpkit's DDP (torch's DDP aborts the process on a collective mismatch).
-    for message in dist2.run(_torch_hook_in_several_buckets, timeout=60):
-        assert "torch's powerSGD_hook deadlocks on gloo with more than one bucket" in message
+    for message in dist2.run(_torch_hook_in_several_buckets, wrapped, timeout=60):
+        assert "torch's powerSGD_hook deadlocks on gloo (tensors on cpu) with more than one bucket" in message
         assert "ddpkit.hooks.powersgd_hook" in message
 
 

@@ -271,3 +271,26 @@ def test_average_now_includes_the_optimizer_state(dist2):
     a, b = dist2.run(_average_with_optimizer_state)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def _unfrozen_later() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = MODELS["convbn"]()
+    model.conv1.weight.requires_grad_(False)
+    ddp = ddpkit.DDP(model, find_unused_parameters=True)
+    local = ddpkit.LocalSGD(ddp, period=2)
+    model.conv1.weight.requires_grad_(True)  # progressive unfreezing, after the averager was made
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        _micro_batches(ddp, "convbn", step, 1)
+        opt.step()
+        local.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_layer_unfrozen_after_the_averager_was_made_is_averaged(dist2):
+    # Torch's averagers look at the parameters at each average; the list must not be the one of construction.
+    first, second = dist2.run(_unfrozen_later)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+

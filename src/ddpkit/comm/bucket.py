@@ -160,20 +160,36 @@ def check_hook_signature(hook: Callable[..., Any]) -> None:
 _TORCH_POWERSGD_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
 
 
-def check_hook_fits(hook: CommHook, group: Any, buckets: int) -> None:
+def _torch_powersgd(hook: Any, depth: int = 2) -> Any:
+    """torch's PowerSGD hook, when ``hook`` is it or wraps it (``fp16_compress_wrapper(powerSGD_hook)``), else None."""
+    if getattr(hook, "__module__", None) == _TORCH_POWERSGD_MODULE:
+        return hook
+    for cell in (getattr(hook, "__closure__", None) or ()) if depth else ():
+        try:
+            if (found := _torch_powersgd(cell.cell_contents, depth - 1)) is not None:
+                return found
+        except ValueError:  # an empty cell
+            continue
+    return None
+
+
+def check_hook_fits(hook: CommHook, group: Any, buckets: int, device: torch.device) -> None:
     """Before a backward's first bucket goes to ``hook``: refuse torch's PowerSGD hooks where they deadlock.
 
     torch's ``powerSGD_hook`` waits for each of its all-reduces inside the callback of the one before, which gloo
     runs on its own thread: with several buckets in flight that thread waits for work queued behind itself, and
-    the job hangs with no timeout (torch's DDP aborts on a collective mismatch instead). NCCL runs it.
+    the job hangs with no timeout (torch's DDP aborts on a collective mismatch instead). NCCL, with the buckets
+    on the GPU, runs it.
     """
-    if buckets < 2 or getattr(hook, "__module__", None) != _TORCH_POWERSGD_MODULE:
+    powersgd = _torch_powersgd(hook) if buckets > 1 and group is not None else None
+    if powersgd is None:
         return
-    backend = dist.get_backend(group) if group is not None else "none"
-    if backend == "nccl":
+    backend = str(dist.get_backend(group))
+    if device.type == "cuda" and "nccl" in backend:
         return
     raise RuntimeError(
-        f"torch's {getattr(hook, '__name__', 'PowerSGD hook')} deadlocks on {backend} with more than one bucket "
+        f"torch's {getattr(powersgd, '__name__', 'PowerSGD hook')} deadlocks on {backend} (tensors on "
+        f"{device.type}) with more than one bucket "
         f"(this model has {buckets}): it waits for its next all-reduce inside the callback of the one before, on "
         "the backend's own thread. Register ddpkit.hooks.powersgd_hook with the same state (it takes torch's "
         "PowerSGDState and computes torch's bits), or give bucket_cap_mb large enough for one bucket"

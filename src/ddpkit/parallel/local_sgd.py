@@ -150,9 +150,6 @@ class LocalSGD:
         self.hierarchical = isinstance(period, Mapping)
         """``period`` was a dict: torch's ``HierarchicalModelAverager``'s rule (the step itself divisible by a
         period), one entry too; an int: ``PeriodicModelAverager``'s (counted from the warm-up's end)."""
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        """What is averaged: the trainable parameters (torch's averagers skip those without a gradient; a frozen
-        one would only pick up the rounding of the average)."""
         self.period = self.periods[-1][0]
         self.step_count = 0
         """Optimizer steps taken so far (``step()`` calls)."""
@@ -229,19 +226,24 @@ class LocalSGD:
         """
         if self.world_size <= 1:
             return
-        tensors = list(self.params)
+        tensors = self._trainable()
         if optimizer is not None:
             tensors += [v for p in tensors for k, v in optimizer.state.get(p, {}).items()
                         if torch.is_tensor(v) and v.is_floating_point() and k != "step"]
         average_parameters(tensors, self.group, self.algorithm)  # type: ignore[arg-type]
         self.averages += 1
 
+    def _trainable(self) -> list[torch.Tensor]:
+        """What is averaged: the parameters trainable now (torch's averagers skip those without a gradient; a
+        frozen one would only pick up the rounding of the average; one unfrozen later is averaged from then on)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
     def step(self) -> bool:
         """Call after every ``optimizer.step()``; averages when due. Returns whether it averaged."""
         group = self._due(self.step_count)
         averaged = group is not False and self.world_size > 1
         if averaged:
-            average_parameters(self.params, group, self.algorithm)  # type: ignore[arg-type]
+            average_parameters(self._trainable(), group, self.algorithm)  # type: ignore[arg-type]
             self.averages += 1
         self.step_count += 1
         self._apply_mode()

@@ -218,7 +218,11 @@ def finish_as_interpreter(join_threads: bool = True) -> None:
     threads (``join_threads``), run the ``atexit`` handlers (a logger's last upload, a writer's close), and flush
     every file object still open, whose buffer the teardown would have written (an unclosed log file came out
     empty). About a tenth of a second with torch loaded, where the teardown takes most of a second."""
-    if join_threads:
+    if join_threads and threading.current_thread() is threading.main_thread():
+        # The interpreter's own step: threading's exit hooks first (concurrent.futures wakes the idle workers of
+        # executors never shut down, which a plain join would wait for forever), then the non-daemon threads.
+        threading._shutdown()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
+    elif join_threads:
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()

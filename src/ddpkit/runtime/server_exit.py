@@ -12,7 +12,9 @@ shares) alive for a second or more after the command has ended, a process a
 user, a script or a test sees as left over. Importing this module registers,
 in the server, an exit handler that flushes and leaves at once, after the
 others have run (handlers run last-registered first). The server's children
-end with ``os._exit`` (multiprocessing's rule) and never reach it.
+end with ``os._exit`` (multiprocessing's rule); those that run the exit
+handlers themselves first (:func:`ddpkit.runtime.process.finish_as_interpreter`)
+take this one out of their copy.
 """
 
 from __future__ import annotations

@@ -46,8 +46,7 @@ rebuild
 
 Failure modes, each naming the parameter: no gradient (see :mod:`~ddpkit.parallel.common.unused`); ready twice in one
 backward without ``static_graph``; a sparse gradient where none is expected, or the reverse; a model cast after
-wrapping (at any synchronised forward) or moved (at its first backward); with ``find_unused_parameters``, a second
-backward through one forward that reaches a parameter the synchronised backward reduced without.
+wrapping (at any synchronised forward) or moved (at its first backward).
 """
 
 from __future__ import annotations
@@ -331,10 +330,6 @@ class Reducer:
         """Let the next backward accumulate locally (``no_sync``)."""
         self._reset()
 
-    def new_forward(self) -> None:
-        """A forward ran that does not arm the reducer (under ``no_sync()``): its backward accumulates locally."""
-        self._left_out = frozenset()
-
     def _reset(self) -> None:
         self._become(Phase.IDLE)
         self._next_launch = 0
@@ -342,10 +337,6 @@ class Reducer:
         self._hits = [0] * len(self.params)
         self._saved: dict[int, torch.Tensor] = {}
         self._undefined: set[int] = set()  # parameters whose hook ran without a gradient
-        self._left_out: frozenset[int] = frozenset()
-        """With ``find_unused_parameters``: the parameters the last synchronised backward reduced without a
-        gradient of this rank's, until the next forward. A gradient for one of them now comes from a second
-        backward through that forward, which nothing will reduce."""
         self.static.reset()
         self.layout.set.reset()  # type: ignore[union-attr]
 
@@ -380,8 +371,6 @@ class Reducer:
     def _unarmed_gradient(self, index: int, param: torch.Tensor) -> None:
         """A gradient outside a synchronised backward (``no_sync``, or the reducer not armed)."""
         if self.find_unused and param.grad is not None:
-            if index in self._left_out:
-                raise late_gradient_error(self.names[index])
             # Used in a no_sync() backward: its accumulated gradient must be reduced by the next synchronised backward
             # even if that one does not use it (torch records local use the same way).
             self._used_since_sync[index] = True
@@ -472,7 +461,7 @@ class Reducer:
                               nbytes=0 if self.comm_hook is not None else nbytes)
         if self.comm_hook is not None:
             if bucket.index() == 0:
-                check_hook_fits(self.comm_hook, self.group, len(self.buckets))
+                check_hook_fits(self.comm_hook, self.group, len(self.buckets), bucket.buffer().device)
             bucket.future = check_hook_future(self.comm_hook, self.comm_hook(self.comm_state, bucket), bucket)
         elif self.world_size > 1:
             bucket.work = dist.all_reduce(bucket.target, group=self.group, async_op=True)
@@ -501,12 +490,9 @@ class Reducer:
         """The synchronised backward's end: launch the rest, wait, write ``.grad``."""
         try:
             self._launch_rest()
-            unreached = frozenset(self._launched[1]) | self._undefined  # (the reset below empties _undefined)
             self._complete()
         finally:
             self._end_step()
-        if self.find_unused and not self.static_graph:
-            self._left_out = unreached
 
     def _end_step(self) -> None:
         self.step += 1
@@ -626,15 +612,4 @@ def twice_error(name: str) -> RuntimeError:
         "checkpointing, or two backward passes through one forward): run a forward before each backward, "
         "use no_sync() for all but the last, or construct DistributedDataParallel(..., static_graph=True) "
         "if the model is the same every iteration"
-    )
-
-
-def late_gradient_error(name: str) -> RuntimeError:
-    """Parameter ``name`` got a gradient from a second backward through a forward whose synchronised backward had
-    reduced without it (``find_unused_parameters``)."""
-    return RuntimeError(
-        f"DistributedDataParallel: parameter {name!r} received a gradient from a second backward through one "
-        "forward, after that forward's synchronised backward had reduced without it (find_unused_parameters=True): "
-        "nothing would average it, and the replicas would drift apart (torch's DDP raises at the next backward). "
-        "Sum the losses and call backward once, or run a forward before each backward"
     )

@@ -68,7 +68,7 @@ def gather(outputs: list[Any], device: torch.device, dim: int) -> Any:
     """
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
+        if dim == 0 and all(o.dim() == 0 for o in outputs):  # (torch's condition)
             # Scalars (a loss per replica) become a vector, one entry per replica.
             warnings.warn("Was asked to gather along dimension 0, but all input tensors were scalars; will instead "
                           "unsqueeze and return a vector.", stacklevel=2)
@@ -87,7 +87,8 @@ def gather(outputs: list[Any], device: torch.device, dim: int) -> Any:
                   for f in dataclasses.fields(first) if f.init}
         return dataclasses.replace(first, **joined)
     raise TypeError(
-        f"DataParallel: the replicas returned {type(first).__name__} values ({', '.join(map(repr, outputs))[:200]}), "
+        f"DataParallel: the replicas returned {type(first).__name__} values "
+        f"({', '.join(map(repr, outputs[:4]))[:200]}), "
         "which cannot be joined across devices: return tensors, None, or tuples, lists, dicts, namedtuples and "
         "dataclasses of them (a number as torch.tensor(value))"
     )

@@ -424,8 +424,6 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
             # it is at a forward under no_sync(): a synchronised forward's arming stands until a backward uses it,
             # so a no_sync() micro-batch run between that forward and its backward is the one reduced (kept).
             self.reducer.disarm()
-        elif grad:
-            self.reducer.new_forward()
         self.require_forward_param_sync = sync or (grad and self.local_steps)
         # torch's rule for its sink: every forward with find_unused_parameters, and a static graph's
         # forwards until its first backward. Every other synchronised backward is anchored on the output's
@@ -481,12 +479,12 @@ class DistributedDataParallel(DDPBuffers, DDPJoinable, nn.Module):
                     loss_fn(model(x)).backward()
             loss_fn(model(micro_batches[-1])).backward()
         """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
+        previous = self.require_backward_grad_sync, self.local_steps
+        self.require_backward_grad_sync = self.local_steps = False  # (local steps too: as torch's, no broadcast)
         try:
             yield
         finally:
-            self.require_backward_grad_sync = previous
+            self.require_backward_grad_sync, self.local_steps = previous
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's way to accumulate gradients without reducing them, under ``zero_stage=3``: off, the backwards
