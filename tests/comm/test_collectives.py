@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -243,7 +245,7 @@ def _average_waited_twice() -> list[list[float]]:
         t = torch.full((4,), 1.0 + dist.get_rank())
         handle = C.all_reduce(t, op="avg", async_op=True)
         handle.get_future()  # its callback and wait() both finish the average: once
-        handle.wait()
+        handle.wait(timeout=timedelta(seconds=30))  # (torch's Work.wait takes one)
         results.append(t.tolist())
     return results
 

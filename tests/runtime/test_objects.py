@@ -71,9 +71,12 @@ def _torch_sampler_and_errors() -> tuple:
     sampler = TorchSampler(range(5), shuffle=False)
     mine = torch.tensor(list(sampler))
     got = ddpkit.gather_for_metrics(mine, sampler=sampler).tolist()
+    loader = torch.utils.data.DataLoader(range(5), sampler=sampler)  # the loader holding it (an AttributeError)
+    assert ddpkit.gather_for_metrics(mine, sampler=loader).tolist() == got
     errors = []
     for bad in (
         lambda: ddpkit.gather_for_metrics(mine[:1], sampler=sampler),
+        lambda: ddpkit.gather_for_metrics(mine, sampler=range(5)),
         lambda: ddpkit.gather(torch.zeros(2, dist.get_rank() + 1)),
         lambda: ddpkit.reduce_value(1.0, op="median"),
         lambda: ddpkit.reduce_value(torch.tensor([1j]), op="max"),
@@ -90,7 +93,8 @@ def test_torch_samplers_and_bad_input(dist2) -> None:
     for got, errors in dist2.run(_torch_sampler_and_errors):
         assert got == [0, 1, 2, 3, 4]
         assert "run the whole epoch before gathering" in errors[0]
-        assert "only the first dimension may differ" in errors[1]
-        assert "choose one of sum, mean, min, max" in errors[2]
-        assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[3]
-        assert "reduce_value(op='mean') of a torch.int64 tensor: the mean would be truncated" in errors[4]
+        assert "gather_for_metrics(sampler=range): pass the epoch's DistributedSampler" in errors[1]
+        assert "only the first dimension may differ" in errors[2]
+        assert "choose one of sum, mean, min, max" in errors[3]
+        assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[4]
+        assert "reduce_value(op='mean') of a torch.int64 tensor: the mean would be truncated" in errors[5]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -78,9 +79,13 @@ class Handle:
                 after()
             self._done = True
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until done (``timeout``: as torch's ``Work.wait``, the longest wait; a ``RuntimeError`` after it)."""
         if not self._done:
-            self._work.wait()
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
             self._finish()
         return True
 

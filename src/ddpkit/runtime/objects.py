@@ -133,16 +133,23 @@ def gather_for_metrics(value: Any, sampler: Any = None, group: dist.ProcessGroup
     """:func:`gather`, then drop the samples the sampler added to even out the shards.
 
     With ``sampler`` (a :class:`ddpkit.DistributedSampler` or torch's, over
-    the whole epoch) the rows come back in the sampler's order over the
-    dataset, each sample exactly once: ``len(dataset)`` rows (fewer with
-    ``drop_last``). Without it, this is :func:`gather`.
+    the whole epoch, or the ``DataLoader`` that holds it) the rows come back in
+    the sampler's order over the dataset, each sample exactly once:
+    ``len(dataset)`` rows (fewer with ``drop_last``). Without it, this is
+    :func:`gather`.
 
     Raises:
         ValueError: a rank's row count does not match its shard of the sampler
             (the epoch was not run to its end).
+        TypeError: ``sampler`` is not a distributed sampler (nor a loader with one).
     """
     if sampler is None:
         return gather(value, group)
+    if not hasattr(sampler, "num_samples") and hasattr(getattr(sampler, "sampler", None), "num_samples"):
+        sampler = sampler.sampler  # a DataLoader: its sampler
+    if not (hasattr(sampler, "num_samples") and hasattr(sampler, "dataset")):
+        raise TypeError(f"gather_for_metrics(sampler={type(sampler).__name__}): pass the epoch's DistributedSampler "
+                        "(ddpkit's or torch's), or the DataLoader that holds it")
     world = _world(group)
     n = len(sampler.dataset)
     drop_last = getattr(sampler, "drop_last", False)
