@@ -145,6 +145,26 @@ def test_unreachable_master_fails_within_the_timeout():
     assert f"could not reach the rendezvous at 127.0.0.1:{port}" in done.stderr
 
 
+@pytest.mark.slow("waits out a rendezvous timeout")
+def test_a_port_that_never_answers_the_handshake_fails_within_the_timeout():
+    # A listener that accepts and never answers (a frozen rank 0, another program): torch's store client waits for
+    # the handshake's answer past its own timeout (still waiting after 100 s).
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = str(holder.getsockname()[1])
+        envs = [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                 "DDPKIT_TIMEOUT": "3"}]
+        start = time.monotonic()
+        (done,) = run_ranks(envs)
+    assert time.monotonic() - start < 30
+    assert done.returncode != 0
+    assert f"rank 1 reached 127.0.0.1:{port}, but what listens there did not answer the rendezvous store's " \
+           "handshake" in done.stderr
+
+
 def test_unresolvable_master_names_the_address():
     envs = [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29999"}]
     (done,) = run_ranks(envs)

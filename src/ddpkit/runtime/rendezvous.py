@@ -5,7 +5,9 @@ with a :class:`RendezvousError` naming the value and the fix, within one
 deadline (``DDPKIT_TIMEOUT``), never a silent hang:
 
 * ``MASTER_ADDR`` does not resolve, or nothing answers there in time (probed
-  from Python first, so torch's retries and C++ stack traces never show);
+  from Python first, so torch's retries and C++ stack traces never show), or
+  what listens there never answers the store's handshake (a frozen rank 0,
+  another program: torch's client waits for it past its timeout);
 * rank 0 cannot listen on ``MASTER_PORT`` (the port is busy); with a
   loopback ``MASTER_ADDR`` the store listens on loopback only;
 * a process presents no secret, or another one, than the job's
@@ -21,8 +23,11 @@ import hmac
 import os
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -61,10 +66,13 @@ def open_store(place: Placement, join_timeout: float, deadline: float) -> dist.S
         _wait_reachable(place, join_timeout, deadline)
     try:
         listen = {"master_listen_fd": fd} if is_server and (fd := _loopback_listener(place)) is not None else {}
-        return dist.TCPStore(
-            place.master_addr, place.master_port, place.world_size, is_server,
-            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())), wait_for_workers=False, **listen,
-        )
+        timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+
+        def make() -> dist.Store:
+            return dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_server, timeout=timeout,
+                                 wait_for_workers=False, **listen)
+
+        return make() if is_server else answered_in_time(make, timeout.total_seconds(), place)
     except RendezvousError:
         raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here
@@ -85,6 +93,33 @@ def open_store(place: Placement, join_timeout: float, deadline: float) -> dist.S
             f"{join_timeout:g} s ({e}): check that rank 0 is running, that MASTER_ADDR/"
             "MASTER_PORT are the same on every node, and that the port is open"
         ) from None
+
+
+def answered_in_time(make: Callable[[], dist.Store], seconds: float, place: Placement) -> dist.Store:
+    """``make()`` (a store client's connection), or a :class:`RendezvousError` once ``seconds`` (and one more)
+    have passed: torch's client waits for the store's answer to its handshake past its own timeout when what
+    listens never answers. The connecting thread is left behind, blocked (the process is ending with the error)."""
+    made: list[Any] = []
+
+    def connect() -> None:
+        try:
+            made.append(make())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            made.append(e)
+
+    thread = threading.Thread(target=connect, name="ddpkit-store-connect", daemon=True)
+    thread.start()
+    thread.join(seconds + 1.0)
+    if not made:
+        where = f"{place.master_addr}:{place.master_port}"
+        raise RendezvousError(
+            f"rank {place.rank} reached {where}, but what listens there did not answer the rendezvous store's "
+            f"handshake within {seconds:g} s: rank 0 may be stopped or frozen (a debugger, SIGSTOP), or another "
+            "program holds the port (--master-port / MASTER_PORT)"
+        )
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def _loopback_listener(place: Placement) -> int | None:
