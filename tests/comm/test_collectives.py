@@ -15,7 +15,8 @@ from ddpkit import collectives as C
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 LENGTHS = [0, 1, 5, 13]  # empty, tiny, and not divisible by the world size
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-             "max": dist.ReduceOp.MAX}
+             "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR,
+             "bxor": dist.ReduceOp.BXOR}
 
 
 def _data(n: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
@@ -40,8 +41,9 @@ def _all_algorithms(algorithm: str) -> list[str]:
     failures = []
     for dtype in DTYPES:
         for n in LENGTHS:
-            for op in ("sum", "prod", "min", "max", "avg"):
-                if op == "avg" and not dtype.is_floating_point:
+            for op in ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor"):  # (bitwise ones: refused before)
+                bitwise = op in ("band", "bor", "bxor")
+                if (op == "avg" and not dtype.is_floating_point) or (bitwise and dtype.is_floating_point):
                     continue
                 mine = _data(n, dtype, rank)
                 expected = mine.clone()
@@ -116,6 +118,27 @@ def test_messages_of_several_pieces_arrive_whole(dist3, dist2):
             assert not failures, "\n".join(failures[:5])
 
 
+def _bitwise() -> list[str]:
+    failures = []
+    for algorithm in C.ALGORITHMS:
+        for dtype in (torch.int32, torch.uint8, torch.bool):
+            for op in ("band", "bor", "bxor"):
+                mine = _data(7, dtype, dist.get_rank())
+                expected = mine.clone()
+                dist.all_reduce(expected, op=TORCH_OPS[op])
+                C.all_reduce(mine, op=op, algorithm=algorithm, local_size=1)
+                if not torch.equal(mine, expected):
+                    failures.append(f"{algorithm} {op} {dtype}: {mine.tolist()} != {expected.tolist()}")
+    return failures
+
+
+def test_bitwise_ops_match_the_backends_on_gloo_and_mpi(dist2, mpi2):
+    # Refused before ("use sum, avg, prod, min or max"), where gloo and MPI have them.
+    for pool in (dist2, mpi2):
+        for failures in pool.run(_bitwise, timeout=120):
+            assert not failures, "\n".join(failures[:5])
+
+
 def test_messages_of_several_pieces_arrive_whole_over_mpi(mpi2):
     for failures in mpi2.run(_large_messages, timeout=120):
         assert not failures, "\n".join(failures[:5])
@@ -180,6 +203,7 @@ def _bad_inputs() -> list[str]:
         lambda: C.all_reduce(torch.ones(3, dtype=torch.int64), op="avg"),
         lambda: C.all_reduce(torch.ones(3, dtype=torch.complex64), op="min", algorithm="naive"),
         lambda: C.all_reduce(torch.ones(3).to_sparse(), algorithm="tree"),
+        lambda: C.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND, algorithm="ring"),
     ):
         try:
             call()
@@ -264,6 +288,7 @@ def test_bad_inputs_are_named_on_every_rank_without_hanging(dist2):
         assert "op='avg' on a torch.int64 tensor" in errors[4]
         assert "op='min' is not defined for complex tensors" in errors[5]  # torch.distributed: ValueError too
         assert "a torch.sparse_coo tensor is not supported" in errors[6]
+        assert "op='band' (bitwise) of a torch.float32 tensor: bitwise ops take integer or bool tensors" in errors[7]
 
 
 def _leaf_and_reduce_op(algorithm: str) -> list[torch.Tensor]:

@@ -23,6 +23,8 @@ __all__ = ["COMBINE", "exchange", "hierarchical_all_reduce", "naive_all_reduce",
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
     "sum": lambda a, b: a.add_(b), "avg": lambda a, b: a.add_(b), "prod": lambda a, b: a.mul_(b),
     "min": lambda a, b: torch.minimum(a, b, out=a), "max": lambda a, b: torch.maximum(a, b, out=a),
+    "band": lambda a, b: a.bitwise_and_(b), "bor": lambda a, b: a.bitwise_or_(b),
+    "bxor": lambda a, b: a.bitwise_xor_(b),
 }
 """How each op combines a received tensor into this rank's, in place."""
 

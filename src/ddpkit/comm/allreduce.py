@@ -56,9 +56,11 @@ from ddpkit.runtime.devices import comm_device
 __all__ = ["ALGORITHMS", "OPS", "Handle", "all_gather", "all_reduce", "broadcast", "reduce", "reduce_scatter"]
 
 ALGORITHMS = ("native", "naive", "ring", "tree", "hierarchical")
-OPS = ("sum", "avg", "prod", "min", "max")
+OPS = ("sum", "avg", "prod", "min", "max", "band", "bor", "bxor")
+_BITWISE = ("band", "bor", "bxor")
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-               "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
+               "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM, "band": dist.ReduceOp.BAND,
+               "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
 
 
 class Handle:
@@ -110,7 +112,8 @@ class Handle:
 
 
 _FROM_REDUCE_OP = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod",
-                   dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
+                   dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band",
+                   dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
 
 
 def _check(op: str | dist.ReduceOp, algorithm: str, tensor: torch.Tensor) -> str:
@@ -118,7 +121,7 @@ def _check(op: str | dist.ReduceOp, algorithm: str, tensor: torch.Tensor) -> str
     given the same arguments raises the same error, none is left waiting. Returns the op's name."""
     if isinstance(op, dist.ReduceOp.RedOpType) or type(op) is dist.ReduceOp:
         if op not in _FROM_REDUCE_OP:
-            raise ValueError(f"op={op!r} is not supported: use sum, avg, prod, min or max")
+            raise ValueError(f"op={op!r} is not supported: use {', '.join(OPS)}")
         op = _FROM_REDUCE_OP[op]
     if op not in OPS:
         raise ValueError(f"op={op!r} is not a reduction: choose one of {', '.join(OPS)} (or a dist.ReduceOp)")
@@ -131,6 +134,9 @@ def _check(op: str | dist.ReduceOp, algorithm: str, tensor: torch.Tensor) -> str
                          "(t.to_dense()), or use torch.distributed's own collective")
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"op='avg' on a {tensor.dtype} tensor cannot hold the mean in place: use a floating dtype")
+    if op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"op={op!r} (bitwise) of a {tensor.dtype} tensor: bitwise ops take integer or bool tensors, "
+                         "as in torch.distributed")
     if tensor.is_complex() and op in ("min", "max", "prod"):
         raise ValueError(f"op={op!r} is not defined for complex tensors ({tensor.dtype}), as in torch.distributed: "
                          "use sum or avg")
@@ -218,7 +224,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
 
     Args:
         tensor: the same shape and dtype on every rank; any layout.
-        op: ``sum``, ``avg`` (floating dtypes), ``prod``, ``min`` or ``max``.
+        op: ``sum``, ``avg`` (floating dtypes), ``prod``, ``min``, ``max``, or ``band``, ``bor``, ``bxor``
+            (integer and bool dtypes).
         algorithm: ``native``, ``naive``, ``ring``, ``tree`` or ``hierarchical``.
         group: the process group (default: the world).
         async_op: return a :class:`Handle` instead of ``None``.
