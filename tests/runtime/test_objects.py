@@ -98,3 +98,25 @@ def test_torch_samplers_and_bad_input(dist2) -> None:
         assert "choose one of sum, mean, min, max" in errors[3]
         assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[4]
         assert "reduce_value(op='mean') of a torch.int64 tensor: the mean would be truncated" in errors[5]
+
+
+def _outside_the_group() -> list[str]:
+    group = dist.new_group([0])  # every rank takes part in making it
+    said = []
+    for call in (lambda: ddpkit.all_gather_object(5, group=group),
+                 lambda: ddpkit.gather(torch.tensor([5]), group=group),
+                 lambda: ddpkit.reduce_value(5.0, group=group),
+                 lambda: ddpkit.broadcast_object(5, group=group)):
+        try:
+            said.append(repr(call()))
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_rank_outside_the_group_is_refused_by_every_helper(dist2) -> None:
+    # It got its own value back from reduce_value, [] from all_gather_object, torch's "Invalid process group" from
+    # gather: as if the group had answered.
+    member, outsider = dist2.run(_outside_the_group)
+    assert member == ["[5]", "tensor([5])", "5.0", "5"]
+    assert all(s == "this rank (1) is not in the group it was given: call only on its members" for s in outsider)

@@ -29,8 +29,12 @@ _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceO
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
+    """The group's size; a rank outside ``group`` is refused (torch's collectives return there with a warning, and
+    these helpers would hand back this rank's own value, or nothing, as the group's)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the group it was given: call only on its members")
     return dist.get_world_size(group)
 
 
