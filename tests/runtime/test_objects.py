@@ -74,9 +74,14 @@ def _torch_sampler_and_errors() -> tuple:
     loader = torch.utils.data.DataLoader(range(5), sampler=sampler)  # the loader holding it (an AttributeError)
     assert ddpkit.gather_for_metrics(mine, sampler=loader).tolist() == got
     errors = []
+    deep = ddpkit.gather(torch.zeros(1, 1, 1, 1, 1, 1, 1, 2))  # 8 dimensions (6 at most before)
+    assert deep.shape == (2, 1, 1, 1, 1, 1, 1, 2)
     for bad in (
         lambda: ddpkit.gather_for_metrics(mine[:1], sampler=sampler),
         lambda: ddpkit.gather_for_metrics(mine, sampler=range(5)),
+        # The keys in another order on each rank: joined by position before (rank 0's a with rank 1's b).
+        lambda: ddpkit.gather({"a": torch.zeros(1), "b": torch.ones(1)} if dist.get_rank() == 0
+                              else {"b": torch.ones(1), "a": torch.zeros(1)}),
         lambda: ddpkit.gather(torch.zeros(2, dist.get_rank() + 1)),
         lambda: ddpkit.reduce_value(1.0, op="median"),
         lambda: ddpkit.reduce_value(torch.tensor([1j]), op="max"),
@@ -94,10 +99,11 @@ def test_torch_samplers_and_bad_input(dist2) -> None:
         assert got == [0, 1, 2, 3, 4]
         assert "run the whole epoch before gathering" in errors[0]
         assert "gather_for_metrics(sampler=range): pass the epoch's DistributedSampler" in errors[1]
-        assert "only the first dimension may differ" in errors[2]
-        assert "choose one of sum, mean, min, max" in errors[3]
-        assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[4]
-        assert "reduce_value(op='mean') of a torch.int64 tensor: the mean would be truncated" in errors[5]
+        assert "value is nested otherwise than this rank's (other keys, or keys in another order" in errors[2]
+        assert "only the first dimension may differ" in errors[3]
+        assert "choose one of sum, mean, min, max" in errors[4]
+        assert "reduce_value(op='max') of a complex value: complex numbers have no order" in errors[5]
+        assert "reduce_value(op='mean') of a torch.int64 tensor: the mean would be truncated" in errors[6]
 
 
 def _outside_the_group() -> list[str]:

@@ -14,6 +14,7 @@ Example, exact evaluation over a sharded test set::
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,26 +79,49 @@ def _map(fn: Any, value: Any) -> Any:
     )
 
 
-def _gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """Each rank's ``t``; the first dimension may differ between ranks, nothing else."""
+_MAX_DIMS = 32
+"""The most dimensions a gathered tensor may have (what one row of the shapes' all-gather holds)."""
+
+
+def _structure(value: Any) -> int:
+    """A digest of ``value``'s nesting (types, keys in their order, positions): the same on every rank, or the
+    leaves of two ranks would be joined by position (a dict's keys in another order)."""
+    def walk(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return "T"
+        if isinstance(v, Mapping):
+            return "{" + ",".join(f"{k!r}:{walk(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, (list, tuple)):
+            return f"{type(v).__name__}[" + ",".join(walk(x) for x in v) + "]"
+        return type(v).__name__
+
+    return zlib.crc32(walk(value).encode())
+
+
+def _gather_parts(t: torch.Tensor, group: dist.ProcessGroup | None, structure: int) -> list[torch.Tensor]:
+    """Each rank's ``t``; the first dimension may differ between ranks, nothing else (nor the structure ``t`` is a
+    leaf of)."""
     if t.dim() == 0:
         t = t.reshape(1)
-    if t.dim() > 6 or t.dtype not in _DTYPES:
-        raise ValueError(f"gather: a {t.dim()}-dimensional {t.dtype} tensor is not supported (at most 6 "
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ValueError(f"gather: a {t.dim()}-dimensional {t.dtype} tensor is not supported (at most {_MAX_DIMS} "
                          "dimensions, a standard dtype)")
     world = _world(group)
     device = comm_device(group)
-    # One small all-gather of (rows, dims, trailing shape, dtype) first: the
+    # One small all-gather of (rows, structure, dtype, dims, trailing shape) first: the
     # rows may differ between ranks, everything else must not.
-    mine = torch.tensor([t.shape[0], t.dim(), *t.shape[1:], _DTYPES.index(t.dtype)], dtype=torch.int64)
-    row = torch.zeros(8, dtype=torch.int64)
+    mine = torch.tensor([t.shape[0], structure, _DTYPES.index(t.dtype), t.dim(), *t.shape[1:]], dtype=torch.int64)
+    row = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64)
     row[: len(mine)] = mine
-    rows = [torch.zeros(8, dtype=torch.int64, device=device) for _ in range(world)]
+    rows = [torch.zeros_like(row, device=device) for _ in range(world)]
     events.collective("gather (tensors)", nbytes=row.numel() * row.element_size())
     dist.all_gather(rows, row.to(device), group=group)
     meta = torch.stack([r.cpu() for r in rows])
     for r in range(world):
-        if meta[r, 1:].tolist() != row[1:].tolist():
+        if meta[r, 1] != structure:
+            raise ValueError(f"gather: rank {r}'s value is nested otherwise than this rank's (other keys, or keys "
+                             "in another order, or other lengths): every rank must pass the same structure")
+        if meta[r, 2:].tolist() != row[2:].tolist():
             raise ValueError(
                 f"gather: rank {r} has a tensor of other rank, trailing shape or dtype than this rank's "
                 f"{tuple(t.shape)} {t.dtype}: only the first dimension may differ between ranks"
@@ -130,7 +154,8 @@ def gather(value: Any, group: dist.ProcessGroup | None = None) -> Any:
     """
     if _world(group) == 1:
         return _map(lambda t: t.reshape(1) if t.dim() == 0 else t, value)
-    return _map(lambda t: torch.cat(_gather_parts(t, group)), value)
+    structure = _structure(value)
+    return _map(lambda t: torch.cat(_gather_parts(t, group, structure)), value)
 
 
 def gather_for_metrics(value: Any, sampler: Any = None, group: dist.ProcessGroup | None = None) -> Any:
@@ -159,8 +184,10 @@ def gather_for_metrics(value: Any, sampler: Any = None, group: dist.ProcessGroup
     drop_last = getattr(sampler, "drop_last", False)
     padded = getattr(sampler, "pad", True)
 
+    structure = _structure(value)
+
     def order(t: torch.Tensor) -> torch.Tensor:
-        parts = _gather_parts(t, group) if world > 1 else [t.reshape(1) if t.dim() == 0 else t]
+        parts = _gather_parts(t, group, structure) if world > 1 else [t.reshape(1) if t.dim() == 0 else t]
         shard = [len(range(r, n, world)) for r in range(world)] if not padded else [sampler.num_samples] * world
         got = [len(p) for p in parts]
         if got != shard:
