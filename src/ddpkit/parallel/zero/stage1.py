@@ -241,6 +241,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         super().add_param_group(param_group)
         if not self._initialized:
             return
+        self._consolidated = []  # of the groups before: state_dict() asks for a consolidation again
         self._partition = partition(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
         # The groups before: the user's settings since the last step (a scheduler's rate) stand, as under torch's;
