@@ -229,12 +229,16 @@ def finish_as_interpreter(join_threads: bool = True) -> None:
     atexit.unregister(exit_now)  # a forked child's copy of its forkserver's own (server_exit) would end it with 0
     atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, which os._exit skips
     for obj in gc.get_objects():
-        if issubclass(type(obj), io.IOBase):  # (not isinstance: it reads __class__, which some proxies warn on)
+        if type(obj) in _FILE_TYPES:  # (by type, not isinstance: a tenth of the time over a torch process's objects)
             try:
                 if not obj.closed:
                     obj.flush()
             except Exception:  # noqa: BLE001, S110 - as the teardown: a file that cannot be flushed is left
                 pass
+
+
+_FILE_TYPES = frozenset({io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair, io.FileIO})
+"""What ``open()`` returns, and what it wraps: the files whose buffers :func:`finish_as_interpreter` flushes."""
 
 
 def exit_now(code: int) -> NoReturn:
