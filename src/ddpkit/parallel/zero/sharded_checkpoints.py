@@ -397,8 +397,9 @@ def load_sharded(model: nn.Module, directory: str | os.PathLike,
         a, b = q.local_rows(engine.rank)
         local.copy_(_read(directory, world, f"param.{q.name}", q, a, b, local).view(local.shape))
     if "buffers" in index:  # (format 3 held none: the buffers stay as they are)
-        saved = _read_buffers(directory, world, [n for n, _ in _buffers(model)])
-        for name, buf in _buffers(model):
+        buffers = _buffers(model)
+        saved = _read_buffers(directory, world, [name for name, _ in buffers])
+        for name, buf in buffers:
             buf.copy_(saved[name].to(buf.dtype))
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(engine, optimizer, index, directory, world))
