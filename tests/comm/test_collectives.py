@@ -193,6 +193,46 @@ def test_building_blocks(dist3):
         assert out["async"] == [3.0] * 4 and out["async native"] == [3.0] * 4
 
 
+def _building_blocks_async() -> dict:
+    # async_op on every function, as torch.distributed takes it: the result is there once the handle is waited for
+    # (non-contiguous tensors and avg: the copy back and the division wait for the backend's work too).
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for algorithm in ("native", "naive", "tree"):
+        t = torch.full((7, 2), float(rank)).t()  # not contiguous
+        handle = C.broadcast(t, src=world - 1, algorithm=algorithm, async_op=True)
+        out[f"broadcast {algorithm}"] = (handle.wait(), t.tolist(), handle.get_future().wait()[0] is t)
+        r = (torch.arange(14.0).view(7, 2) + rank).t()
+        handle = C.reduce(r, dst=1, op="avg", algorithm=algorithm, async_op=True)
+        out[f"reduce {algorithm}"] = (handle.wait(), r.tolist() if rank == 1 else None)
+    for algorithm in ("ring", "native"):
+        full = torch.arange(10.0) * (rank + 1)
+        part = torch.empty(len(torch.arange(10).tensor_split(world)[rank]))
+        handle = C.reduce_scatter(part, full.clone(), op="avg", algorithm=algorithm, async_op=True)
+        out[f"reduce_scatter {algorithm}"] = (handle.get_future().wait()[0] is part, part.tolist())
+        gathered = torch.empty(3, world).t()  # not contiguous
+        handle = C.all_gather(gathered, torch.full((3,), float(rank)), algorithm=algorithm, async_op=True)
+        out[f"all_gather {algorithm}"] = (handle.wait(), gathered.tolist())
+    out["sync"] = [C.broadcast(torch.ones(2)), C.reduce(torch.ones(2)), C.all_gather(torch.empty(2 * world),
+                   torch.ones(2)), C.reduce_scatter(torch.empty(1), torch.ones(world))]
+    return out
+
+
+def test_every_building_block_takes_async_op_on_gloo_and_mpi(dist3, mpi3):
+    world = 3
+    for rank, out in enumerate(dist3.run(_building_blocks_async) + mpi3.run(_building_blocks_async)):
+        rank %= world
+        for algorithm in ("native", "naive", "tree"):
+            assert out[f"broadcast {algorithm}"] == (True, [[2.0] * 7] * 2, True)
+            if rank == 1:  # the mean of 14 * j + 2 * i + rank over the ranks, transposed
+                assert out[f"reduce {algorithm}"] == (True, [[2.0 * i + j + 1 for i in range(7)] for j in range(2)])
+        chunk = torch.arange(10).tensor_split(world)[rank]
+        for algorithm in ("ring", "native"):
+            assert out[f"reduce_scatter {algorithm}"] == (True, [float(i) * 2 for i in chunk.tolist()])
+            assert out[f"all_gather {algorithm}"] == (True, [[float(r)] * 3 for r in range(world)])
+        assert out["sync"] == [None] * 4
+
+
 def _bad_inputs() -> list[str]:
     errors = []
     for call in (

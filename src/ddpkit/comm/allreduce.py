@@ -24,10 +24,12 @@ included, as with torch.distributed), non-contiguous ones too. Integer tensors
 are exact; floating sums depend on the order of additions, which differs
 between algorithms (a few ulps).
 
-``async_op=True`` returns a :class:`Handle` (``wait()``, ``get_future()``), so
-a DDP comm hook can use any algorithm. The point-to-point algorithms run to
-completion before returning (their handle is already done); ``native`` is
-asynchronous as the backend makes it.
+``async_op=True`` (every function, as in torch.distributed) returns a
+:class:`Handle` (``wait()``, ``get_future()``), so a DDP comm hook can use any
+algorithm. The point-to-point algorithms run to completion before returning
+(their handle is already done); ``native`` is asynchronous as the backend
+makes it, and the tensor (the output, for ``reduce_scatter`` and
+``all_gather``) holds the result once the handle is waited for.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": d
 class Handle:
     """The result of ``async_op=True``: ``wait()`` blocks until done; ``get_future()`` yields the tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None, after: Callable[[], None] | None = None):
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None, after: Callable[[], object] | None = None):
         self._tensor, self._work, self._after = tensor, work, after
         self._done = work is None
         self._finishing = threading.Lock()
@@ -209,6 +211,27 @@ def _local_size(local_size: int | None) -> int:
 # ---------------------------------------------------------------- public API
 
 
+def _done(result: torch.Tensor, async_op: bool) -> Handle | None:
+    """What a collective that has finished returns: a finished :class:`Handle` of ``result`` under ``async_op``."""
+    return Handle(result) if async_op else None
+
+
+def _native(result: torch.Tensor, work: dist.Work, finish: Callable[[], object], async_op: bool) -> Handle | None:
+    """What a collective of the backend's returns: ``finish`` (copies back, an average's division) runs once the
+    backend's ``work`` is done, at once without ``async_op``, else from the :class:`Handle`."""
+    if async_op:
+        return Handle(result, work, finish)
+    work.wait()
+    finish()
+    return None
+
+
+def _copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
+    """The result into ``tensor`` where the collective ran on a contiguous copy of it."""
+    if flat is not tensor:
+        tensor.copy_(flat)
+
+
 def _in_place(tensor: torch.Tensor, run: Callable[[torch.Tensor], None]) -> None:
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     run(flat)
@@ -254,18 +277,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
 
     if algorithm == "native":
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()
-
-        def finish() -> None:
-            if flat is not tensor:
-                tensor.copy_(flat)
-            average()
-
         work = dist.all_reduce(flat, op=_NATIVE_OPS[op], group=group, async_op=True)
-        if async_op:
-            return Handle(tensor, work, finish)
-        work.wait()
-        finish()
-        return None
+        return _native(tensor, work, lambda: (_copy_back(flat, tensor), average()), async_op)
     members, me = list(range(world)), dist.get_rank(group)
     run = {
         "naive": lambda f: naive_all_reduce(f, members, me, op, group),
@@ -280,11 +293,12 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
 
 @torch.no_grad()
 def broadcast(tensor: torch.Tensor, src: int | None = None, algorithm: str = "native",
-              group: dist.ProcessGroup | None = None, *, group_src: int | None = None, check: bool = True) -> None:
+              group: dist.ProcessGroup | None = None, async_op: bool = False, *, group_src: int | None = None,
+              check: bool = True) -> Handle | None:
     """Overwrite ``tensor`` with rank ``src``'s in place; ``tree`` or ``native``/``naive``.
 
     ``src`` is a global rank and ``group_src`` a rank within ``group``, as in ``torch.distributed.broadcast``
-    (neither: the group's first rank).
+    (neither: the group's first rank). ``async_op``: return a :class:`Handle` instead of ``None``.
     """
     _check("sum", algorithm, tensor)
     group = _group(group)
@@ -296,13 +310,11 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, algorithm: str = "na
     if check and world > 1:
         _same_everywhere(tensor, group, "broadcast")
     if world == 1:
-        return
+        return _done(tensor, async_op)
     if algorithm == "native":
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()
-        dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
-        if flat is not tensor:
-            tensor.copy_(flat)
-        return
+        work = dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group, async_op=True)
+        return _native(tensor, work, lambda: _copy_back(flat, tensor), async_op)
     members = [src] + [r for r in range(world) if r != src]
     me = dist.get_rank(group)
     if algorithm == "naive":
@@ -310,15 +322,17 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, algorithm: str = "na
                   else exchange(None, 0, f, src, group))
     else:
         _in_place(tensor, lambda f: tree_broadcast(f, members, me, group))
+    return _done(tensor, async_op)
 
 
 @torch.no_grad()
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: str = "sum", algorithm: str = "native",
-           group: dist.ProcessGroup | None = None, *, group_dst: int | None = None, check: bool = True) -> None:
+           group: dist.ProcessGroup | None = None, async_op: bool = False, *, group_dst: int | None = None,
+           check: bool = True) -> Handle | None:
     """Reduce onto rank ``dst`` in place; the others' tensors are left as scratch.
 
     ``dst`` is a global rank and ``group_dst`` a rank within ``group``, as in ``torch.distributed.reduce``
-    (neither: the group's first rank).
+    (neither: the group's first rank). ``async_op``: return a :class:`Handle` instead of ``None``.
     """
     op = _check(op, algorithm, tensor)
     group = _group(group)
@@ -329,26 +343,33 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: str = "sum", algori
                           nbytes=tensor.numel() * tensor.element_size())
     if check and world > 1:
         _same_everywhere(tensor, group, "reduce")
+    mine = dist.get_rank(group) == dst
+
+    def average() -> None:
+        if op == "avg" and mine:
+            tensor.div_(world)
+
+    if world > 1 and algorithm == "native":
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = dist.reduce(flat, dst=dist.get_global_rank(group, dst), op=_NATIVE_OPS[op], group=group,
+                           async_op=True)
+        return _native(tensor, work, lambda: (_copy_back(flat, tensor), average()), async_op)
     if world > 1:
-        if algorithm == "native":
-            flat = tensor if tensor.is_contiguous() else tensor.contiguous()
-            dist.reduce(flat, dst=dist.get_global_rank(group, dst), op=_NATIVE_OPS[op], group=group)
-            if flat is not tensor:
-                tensor.copy_(flat)
-        else:
-            members = [dst] + [r for r in range(world) if r != dst]
-            _in_place(tensor, lambda f: tree_reduce(f, members, dist.get_rank(group), op, group))
-    if op == "avg" and (world == 1 or dist.get_rank(group) == dst):
-        tensor.div_(world)
+        members = [dst] + [r for r in range(world) if r != dst]
+        _in_place(tensor, lambda f: tree_reduce(f, members, dist.get_rank(group), op, group))
+    average()
+    return _done(tensor, async_op)
 
 
 @torch.no_grad()
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
-                   group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
+                   group: dist.ProcessGroup | None = None, async_op: bool = False, *,
+                   check: bool = True) -> Handle | None:
     """``output`` gets this rank's part of the reduction of ``tensor`` (its ``tensor_split`` chunk).
 
     ``tensor`` (same on every rank) is consumed as scratch. ``ring`` is the
     point-to-point algorithm; ``native`` reduces all and keeps the chunk.
+    ``async_op``: return a :class:`Handle` (of ``output``) instead of ``None``.
     """
     op = _check(op, algorithm, tensor)
     group = _group(group)
@@ -365,6 +386,14 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
             f"reduce_scatter: output has {output.numel()} elements, this rank's part of {flat.numel()} "
             f"over {world} ranks has {chunks[me].numel()}"
         )
+    def finish() -> None:
+        output.copy_(chunks[me].view(output.shape))
+        if op == "avg":
+            output.div_(world)
+
+    if world > 1 and algorithm == "native":
+        work = dist.all_reduce(flat, op=_NATIVE_OPS[op], group=group, async_op=True)
+        return _native(output, work, finish, async_op)
     if world > 1:
         if algorithm == "ring":
             # The ring leaves member i owning chunk i + 1: shift the ring by one
@@ -372,17 +401,19 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
             members = [(r + 1) % world for r in range(world)]
             ring_reduce_scatter(chunks, members, me, op, group)
         else:
-            all_reduce(flat, "sum" if op == "avg" else op, "native" if algorithm == "native" else algorithm,
-                       group, check=False)
-    output.copy_(chunks[me].view(output.shape))
-    if op == "avg":
-        output.div_(world)
+            all_reduce(flat, "sum" if op == "avg" else op, algorithm, group, check=False)
+    finish()
+    return _done(output, async_op)
 
 
 @torch.no_grad()
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "ring",
-               group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
-    """``output`` (``world`` times ``tensor``'s elements) gets every rank's ``tensor``, in rank order."""
+               group: dist.ProcessGroup | None = None, async_op: bool = False, *,
+               check: bool = True) -> Handle | None:
+    """``output`` (``world`` times ``tensor``'s elements) gets every rank's ``tensor``, in rank order.
+
+    ``async_op``: return a :class:`Handle` (of ``output``) instead of ``None``.
+    """
     _check("sum", algorithm, tensor)
     group = _group(group)
     world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -398,11 +429,15 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, algorithm: str = "rin
     flat = output.view(-1) if output.is_contiguous() else output.contiguous().view(-1)
     chunks = list(flat.chunk(world)) if tensor.numel() else [flat[:0]] * world
     chunks[me].copy_(tensor.reshape(-1))
+
+    def finish() -> None:
+        if flat.data_ptr() != output.data_ptr() or not output.is_contiguous():
+            output.copy_(flat.view(output.shape))
+
+    if world > 1 and algorithm == "native":
+        work = dist.all_gather(chunks, tensor.contiguous().view(-1), group=group, async_op=True)
+        return _native(output, work, finish, async_op)
     if world > 1:
-        if algorithm == "native":
-            dist.all_gather(chunks, tensor.contiguous().view(-1), group=group)
-        else:
-            members = list(range(world))
-            ring_all_gather(chunks, members, me, group, owned=me)
-    if flat.data_ptr() != output.data_ptr() or not output.is_contiguous():
-        output.copy_(flat.view(output.shape))
+        ring_all_gather(chunks, list(range(world)), me, group, owned=me)
+    finish()
+    return _done(output, async_op)
