@@ -546,3 +546,54 @@ def test_the_roles_allowed_moves() -> None:
         assert not council.report.candidate
         council._become(Role.STOPPED, "cut off")  # noqa: SLF001
     assert council.stop_reason == "cut off" and not council.report.candidate
+
+
+def test_strangers_holding_every_handshake_slot_or_sending_garbage_keep_no_node_out(said) -> None:
+    # Found by a review: 16 connections that sent a byte every 5 s (never a whole line) held every answering slot
+    # (each read's timeout started again with each byte), so a reset link between two nodes could not be dialed
+    # again and node 2 was removed; and a first line of `[]`, `5` or deep nesting ended its handshake thread with
+    # a traceback. A handshake now has HANDSHAKE_S in all, the oldest stranger gives up its slot to a new caller,
+    # and any line a stranger sends is a refusal.
+    from ddpkit.launcher.council import _HANDSHAKES
+    from ddpkit.launcher.council_link import HANDSHAKE_S
+
+    councils, _ = _councils(3, suspect_s=SUSPECT_S)
+    assert all(isinstance(c, Council) for c in councils), councils
+    port = councils[0]._listener.getsockname()[1]  # noqa: SLF001 - node 0's council port
+    strangers = []
+    try:
+        for line in (b"[]\n", b"5\n", b"[" * 3000 + b"\n"):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(line)
+            sock.settimeout(3.0)
+            assert sock.recv(100) == b""  # refused and closed at once
+            sock.close()
+        for _ in range(_HANDSHAKES):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"{")
+            strangers.append(sock)
+        trickle = threading.Event()
+
+        def drip() -> None:
+            while not trickle.wait(0.5):
+                for s in strangers:
+                    try:
+                        s.sendall(b" ")
+                    except OSError:
+                        pass
+
+        threading.Thread(target=drip, daemon=True).start()
+        time.sleep(0.5)
+        link = councils[2]._peers[0]  # noqa: SLF001 - a reset link between node 2 and node 0
+        link.sock.shutdown(socket.SHUT_RDWR)
+        _until(lambda: councils[2]._peers.get(0) not in (None, link), timeout=HANDSHAKE_S + 10)  # noqa: SLF001
+        time.sleep(SUSPECT_S + 1)
+        assert all(c.entry.nodes == (0, 1, 2) and c.role is not Role.STOPPED for c in councils)
+        trickle.set()
+        assert "Traceback" not in "".join(said)
+    finally:
+        for s in strangers:
+            s.close()
+        for c in councils:
+            if isinstance(c, Council):
+                c.close()

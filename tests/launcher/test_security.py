@@ -170,3 +170,64 @@ def test_a_node_with_another_secret_is_refused_before_any_worker_and_the_job_goe
     assert first.returncode == 0 and second.returncode == 0, results
     assert "DONE 0 round 0" in results[0][0] and "DONE 1 round 0" in results[1][0]
     assert "refused a launcher on " in results[0][1] and "joining as node 1 with another job's secret" in results[0][1]
+
+
+INTRUDER = """
+import re, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+
+port = int(sys.argv[1])
+client = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30), wait_for_workers=False)
+prefix = None
+while prefix is None:  # torch's store lists every key to any client: the job's secret prefix among them
+    prefix = next((m.group(1) for k in client.list_keys() if (m := re.match(r"(ddpkit/[0-9a-f]{32}/0/)/claim/0$", k))),
+                  None)
+    time.sleep(0.05)
+print("PREFIX", prefix, flush=True)
+store = dist.PrefixStore(prefix, client)
+store.add("claim/1", 1)  # the census, as rank 1 would answer it
+store.add("joined", 1)
+dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=20))
+weight = torch.zeros(4)
+dist.broadcast(weight, src=0)
+print("RECEIVED", weight.tolist(), flush=True)
+"""
+
+VICTIM = """
+import torch, torch.distributed as dist
+import ddpkit
+ddpkit.init()
+weight = torch.arange(4.0)
+dist.broadcast(weight, src=0)
+print("TRAINED", flush=True)
+"""
+
+
+def test_an_intruder_that_reads_the_prefix_in_the_store_joins_no_group_and_receives_nothing(tmp_path):
+    # Found by a review: torch's TCPStore lists every key to any client, the job's secret prefix included; an
+    # intruder without the secret claimed rank 1 of a job whose node 1 had not started yet, put its gloo address
+    # in the store, and received the weights (then poisoned the gradients). Every value the job reads from the
+    # store is now sealed with its secret: the forged address is refused by name, and the intruder gets nothing.
+    import os
+    import signal
+
+    port = free_port()
+    (tmp_path / "victim.py").write_text(VICTIM)
+    node = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "launch", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", "job", str(tmp_path / "victim.py")],
+        env=base_env(DDPKIT_JOB_TOKEN=SECRET, DDPKIT_TIMEOUT="30"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        intruder = subprocess.run([sys.executable, "-c", INTRUDER, str(port)], env=base_env(), capture_output=True,
+                                  text=True, timeout=90)
+        out, err = node.communicate(timeout=90)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert "PREFIX ddpkit/" in intruder.stdout, intruder.stderr  # it did read the prefix
+    assert "RECEIVED" not in intruder.stdout and intruder.returncode != 0
+    assert "TRAINED" not in out and node.returncode != 0
+    assert "RendezvousError: rank 0: the value under the job's key '" in err, err  # (gloo's key of rank 1's address)
+    assert "' was not written by a process holding the job's secret" in err, err

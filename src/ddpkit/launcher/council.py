@@ -82,7 +82,9 @@ REDIAL_S = 1.0
 """How long a closed connection is given to be dialed again before its agent counts as gone: a launcher that was
 killed does not answer (its node is removed a second after its connections closed), a reset link does."""
 _HANDSHAKES = 16
-"""Handshakes answered at once; a connection beyond them is closed unanswered (no thread per stranger)."""
+"""Handshakes answered at once (no thread per stranger): a connection beyond them shuts the oldest of those in
+progress, so that strangers holding every slot with a byte now and then (each for up to ``HANDSHAKE_S``) keep no
+node out: a genuine handshake takes milliseconds, theirs are the oldest."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
 
@@ -226,7 +228,9 @@ class Council:
         self._told = threading.Event()
         """This node's report changed: send it now."""
         self._stop = threading.Event()
-        self._handshakes = threading.BoundedSemaphore(_HANDSHAKES)
+        self._answering: dict[socket.socket, float] = {}
+        """The connections being answered (:meth:`_accept_loop`) and when each came."""
+        self._answering_lock = threading.Lock()
         self._listener = listener
         self._quorum = Quorum.HEARD
         self._minority_since = 0.0
@@ -306,16 +310,20 @@ class Council:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            if not self._handshakes.acquire(blocking=False):  # a flood of strangers: no thread each
-                close_socket(sock)
-                continue
+            with self._answering_lock:
+                if len(self._answering) >= _HANDSHAKES:  # strangers hold the slots: the oldest makes room
+                    oldest = min(self._answering, key=self._answering.__getitem__)
+                    del self._answering[oldest]
+                    close_socket(oldest)
+                self._answering[sock] = time.monotonic()
             threading.Thread(target=self._answer, args=(sock,), daemon=True).start()
 
     def _answer(self, sock: socket.socket) -> None:
         try:
             self._handshake(sock, None)
         finally:
-            self._handshakes.release()
+            with self._answering_lock:
+                self._answering.pop(sock, None)
 
     def _may_call(self, peer: int) -> None:
         """Refuse (PermissionError, saying why) a node that may not dial this one: only higher starting nodes and

@@ -36,6 +36,9 @@ _SEND_S = 2
 """Seconds a send to another agent may block (its buffers full: a cut link) before it is given up."""
 _LINE_MAX = 4096
 """The longest handshake line read before the caller is known (a stranger's endless line is cut there)."""
+HANDSHAKE_S = 5.0
+"""The longest a whole handshake may take, however its bytes trickle in (three lines: milliseconds between nodes
+that answer): a stranger that sends a byte now and then holds neither a dialer nor an answering slot past it."""
 
 
 class _OtherProtocol(PermissionError):
@@ -83,7 +86,7 @@ class Connection:
             seq, body = int(sealed["seq"]), str(sealed["body"])
             label = f"{self.peer}>{self.node}|{seq}|{body}"
             good = hmac.compare_digest(str(sealed["mac"]), hmac.new(self.key, label.encode(), "sha256").hexdigest())
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             good, seq, body = False, -1, ""
         if not good or seq != self.received + 1:
             why = "a forged or altered message" if not good else f"a replayed message (number {seq}, expected " \
@@ -103,9 +106,14 @@ def handshake(sock: socket.socket, key: bytes, node: int, place: list[Any], dial
     agent (``may_call`` raises PermissionError, saying why, for a node that may not call this one); ``key``: the
     job's council key. The link, the peer's place and the reader of its lines; None (said, and the socket closed)
     when the peer did not prove the secret or speaks another protocol."""
-    sock.settimeout(10.0)
+    sock.settimeout(HANDSHAKE_S)
     reader = sock.makefile("rb")
     mine = os.urandom(16).hex()
+    # Past the deadline the socket is shut: a read blocked on a trickle ends at once (a per-read timeout would
+    # start again with each byte).
+    deadline = threading.Timer(HANDSHAKE_S, close_socket, args=(sock,))
+    deadline.daemon = True
+    deadline.start()
 
     def mac(role: str, transcript: tuple[Any, ...]) -> str:
         return hmac.new(key, json.dumps([role, *transcript]).encode(), "sha256").hexdigest()
@@ -135,13 +143,15 @@ def handshake(sock: socket.socket, key: bytes, node: int, place: list[Any], dial
                 raise PermissionError("not this job's secret")
         if len(nonce) != 32:
             raise PermissionError("a malformed nonce")
-    except (OSError, ValueError, KeyError, TypeError, PermissionError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a stranger's lines make of the parsing (a list, deep nesting)
+        deadline.cancel()
         if isinstance(e, _OtherProtocol):
             say(f"refused a council connection from {_peer_name(sock)}: {e}")
         elif isinstance(e, PermissionError):
             say(f"refused a council connection from {_peer_name(sock)}: {e} (the job's secret)")
-        sock.close()
+        close_socket(sock)
         return None
+    deadline.cancel()
     session = hmac.new(key, json.dumps(["session", *transcript]).encode(), "sha256").digest()
     sock.settimeout(None)
     # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.

@@ -103,7 +103,10 @@ class NodeRendezvous:
         self.serving = serving
         self.raw = raw
         self._check_secret(raw, token, serving, timeout_s)
-        self._store = dist.PrefixStore(f"{job_keys(token)[1]}launch/", raw)
+        from ddpkit.runtime.sealed_store import seal
+
+        scope = f"{job_keys(token)[1]}launch/"
+        self._store = seal(dist.PrefixStore(scope, raw), token, scope)  # (the prefix alone hides nothing)
         self.store = BoundedStore(self._store, OP_TIMEOUT_S)
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -41,6 +41,7 @@ from ddpkit.runtime import backends, events, membership, stall, variables
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, discover
 from ddpkit.runtime.network import route_interface
 from ddpkit.runtime.rendezvous import RendezvousError, admit, census, job_keys, open_store, wait_for_listener
+from ddpkit.runtime.sealed_store import ForgedValue, seal
 
 __all__ = ["DistContext", "RendezvousError", "barrier", "choose_backend", "context", "init", "is_main",
            "local_rank", "print0", "rank", "shutdown", "world_size", "zero_first"]
@@ -209,7 +210,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
             if os.environ.get("DDPKIT_RDZV_ROUND"):
                 attempt = f"round{variables.count(os.environ, 'DDPKIT_RDZV_ROUND')}"
             prefix = f"{job_keys(token)[1]}{attempt}/"
-            store = dist.PrefixStore(prefix, store)
+            store = seal(dist.PrefixStore(prefix, store), token, prefix)  # (the prefix alone hides nothing)
             census(store, place, join_timeout, deadline)
         if backend == "gloo" and place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
             # Advertise the address peers can reach: the one on the route to the store.
@@ -219,10 +220,13 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
             # Its own connection to the store, made before the process group: rank 0 serves the store and cannot
             # finish init_process_group (and exit, in a short job) before every rank has reached it.
             stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
-        dist.init_process_group(
-            backend, store=store, rank=place.rank, world_size=place.world_size,
-            timeout=timedelta(seconds=collective_timeout),
-        )
+        try:
+            dist.init_process_group(
+                backend, store=store, rank=place.rank, world_size=place.world_size,
+                timeout=timedelta(seconds=collective_timeout),
+            )
+        except ForgedValue as e:  # (gloo's rendezvous read an address that the job's secret did not seal)
+            raise RendezvousError(f"rank {place.rank}: {e}") from None
     if place.world_size > 1:
         finish_backend_at_exit()
     _ctx = DistContext(
@@ -254,10 +258,11 @@ def _init_surviving(place: Placement, backend: str, join_timeout: float, collect
         host, port = where.rsplit(":", 1) if where else (place.master_addr, str(place.master_port))
         if unreachable := wait_for_listener(host, int(port), time.monotonic() + join_timeout):
             raise unreachable  # (torch's client would log a C++ stack trace at every try)
-        return dist.PrefixStore(prefix, dist.TCPStore(host, int(port), None, False, timeout=timedelta(
-            seconds=join_timeout), wait_for_workers=False))
+        return seal(dist.PrefixStore(prefix, dist.TCPStore(host, int(port), None, False, timeout=timedelta(
+            seconds=join_timeout), wait_for_workers=False)), token, prefix)
 
-    membership.current(dist.PrefixStore(prefix, store), collective_timeout, reach if place.world_size > 1 else None)
+    membership.current(seal(dist.PrefixStore(prefix, store), token, prefix), collective_timeout,
+                       reach if place.world_size > 1 else None)
     if place.world_size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
         if interface := route_interface(place.master_addr, place.master_port):
             os.environ["GLOO_SOCKET_IFNAME"] = interface

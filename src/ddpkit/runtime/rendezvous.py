@@ -247,7 +247,8 @@ def census(store: dist.Store, place: Placement, join_timeout: float, deadline: f
             if place.rank == 0 and time.monotonic() >= speak:  # a wait that says what it waits for
                 speak = time.monotonic() + SPEAK_S
                 missing = [r for r in range(place.world_size) if not store.check([f"claim/{r}"])]
-                print(f"ddpkit: rank 0 waits at the rendezvous at {where} for {_ranks(missing)} ({joined} of "
+                whom = _ranks(missing) if missing else "ranks that claimed their place but have not joined"
+                print(f"ddpkit: rank 0 waits at the rendezvous at {where} for {whom} ({joined} of "
                       f"{place.world_size} joined); it gives up in {max(0.0, deadline - time.monotonic()):.0f} s "
                       "(DDPKIT_TIMEOUT)", file=sys.stderr, flush=True)
             time.sleep(_POLL_S)

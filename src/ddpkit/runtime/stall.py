@@ -150,10 +150,14 @@ class Inspector(threading.Thread):
         super().__init__(name="ddpkit-stall-inspector", daemon=True)
         import torch.distributed as dist
 
+        from ddpkit.runtime.discovery import JOB_TOKEN_ENV
+        from ddpkit.runtime.sealed_store import seal
+
         # Every store call is bounded: the process serving the store may be
         # the one that stopped, and a call to it would never return.
         self.root = BoundedStore(root, _CALL_TIMEOUT_S)
-        self.store = BoundedStore(dist.PrefixStore(prefix, root), _CALL_TIMEOUT_S)
+        self.store = BoundedStore(seal(dist.PrefixStore(prefix, root), os.environ.get(JOB_TOKEN_ENV), prefix),
+                                  _CALL_TIMEOUT_S)
         self.store_owner = store_owner
         self.rank = rank
         self.world_size = world_size
@@ -227,7 +231,9 @@ class Inspector(threading.Thread):
         count = self.root.add(REFUSED_KEY, 0)
         while self._refused < count:
             self._refused += 1
-            who = self.root.get(f"{REFUSED_KEY}/{self._refused}").decode()
+            # Written by a process without the job's secret (which is why it was refused): its words, on one
+            # escaped line of at most 200 characters, never lines of the job's own.
+            who = ascii(self.root.get(f"{REFUSED_KEY}/{self._refused}").decode(errors="replace"))[1:-1][:200]
             sys.stderr.write(f"ddpkit: the rendezvous refused {who}; the job goes on without it\n")
             sys.stderr.flush()
 

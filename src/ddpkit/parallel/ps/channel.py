@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV
 from ddpkit.runtime.network import loopback_listener
+from ddpkit.runtime.sealed_store import seal
 from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, ROLE_ENV, SERVER_RANK_ENV, key_range_chain
 from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
 from ddpkit.runtime.rendezvous import job_keys, wait_for_listener
@@ -211,9 +212,11 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
     """
     built: dict[str, Any] = {}
 
-    # The job's keys: under the prefix its secret makes (as the rendezvous's), so a process without the secret
-    # cannot address the channel's meeting, and on loopback alone where the job's address is loopback.
-    prefix = f"{job_keys(os.environ.get(JOB_TOKEN_ENV) or None)[1]}ps/"
+    # The job's keys: under the prefix its secret makes (as the rendezvous's), each value sealed with the secret
+    # (runtime/sealed_store.py: a process without it cannot put its address among the members'), and on loopback
+    # alone where the job's address is loopback.
+    token = os.environ.get(JOB_TOKEN_ENV) or None
+    prefix = f"{job_keys(token)[1]}ps/"
     serving = place.role == "worker" and place.index == 0
 
     def build() -> None:
@@ -225,7 +228,7 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
             store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1, serving,
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False,
                                   **({"master_listen_fd": fd} if fd is not None else {}))
-            built["group"] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), place.rank,
+            built["group"] = dist.ProcessGroupGloo(seal(dist.PrefixStore(prefix, store), token, prefix), place.rank,
                                                    place.workers + place.servers, timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             built["error"] = e

@@ -1,0 +1,124 @@
+"""The job's keys in a store that anyone who reaches it may read and write: each value sealed with the job's secret.
+
+torch's ``TCPStore`` checks no one: any process that reaches its port may read every key (torch 2.13 lists them
+all: ``list_keys()``), write any value and delete any key. A job's keys live under a prefix derived from its secret
+(:func:`~ddpkit.runtime.rendezvous.job_keys`), but the prefix shows in the listing, so it hides nothing.
+
+What a process trusts from the store is therefore sealed: :class:`SealedStore` stores each value after a MAC of
+its place (the prefix the store was given as ``scope``, the key) and the value, under a key derived from the job's
+secret, and checks it on every read. A value written without the secret, or moved from another key, another
+attempt or another generation of the job, is refused (:class:`ForgedValue`) instead of believed: a process
+without the secret cannot put its address among the ranks' (gloo's rendezvous reads them through this store), a
+seat among the council's, or a census answer among the ranks'. It can still read what the ranks publish
+(addresses, never the secret or the training state) and stop the job by writing or deleting keys: the store
+cannot keep it out, and gloo's own connections are not authenticated either, so a job across machines belongs on
+a network its owner trusts (as torch's documentation says of c10d).
+
+Counters (``add``) stay plain integers, which a MAC cannot cover: the census counts claims with them, and an
+intruder who bumps one can only make the job fail its census, with the census's message.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ddpkit.runtime.discovery import job_key
+
+__all__ = ["ForgedValue", "SealedStore", "seal"]
+
+_MAC_BYTES = 32
+_KEPT: list[SealedStore] = []
+"""Every sealed store this process made, kept for its life: torch holds a store subclassed in Python by its C++
+part only, so once Python let go of it, torch's calls into it (a group made later from the default store, gloo's
+rendezvous) would fail ("Not implemented"). A process makes a few: one per group it meets in."""
+
+
+class ForgedValue(RuntimeError):
+    """A value in the job's store that the job's secret did not seal (see the module notes)."""
+
+
+@functools.cache
+def _seal_key(token: str) -> bytes:
+    return hmac.new(job_key(token), b"ddpkit seal", "sha256").digest()
+
+
+class SealedStore(dist.Store):
+    """``inner``'s keys, each value sealed under ``key`` for its place (``scope`` and the key itself)."""
+
+    def __init__(self, inner: dist.Store, key: bytes, scope: str) -> None:
+        super().__init__()
+        self._inner, self._key, self._scope = inner, key, scope.encode()
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        place = self._scope + b"\0" + key.encode() + b"\0"
+        return hmac.new(self._key, place + value, "sha256").digest()
+
+    def _sealed(self, key: str, value: str | bytes) -> bytes:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return self._mac(key, data) + data
+
+    def _opened(self, key: str, raw: bytes) -> bytes:
+        mac, data = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if len(raw) < _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, data)):
+            raise ForgedValue(
+                f"the value under the job's key {key!r} was not written by a process holding the job's secret: "
+                "something without it reached the job's store (torch's TCPStore admits any client) and wrote "
+                "there; keep the job's ports on a network you trust"
+            )
+        return data
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._inner.set(key, self._sealed(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._opened(key, self._inner.get(key))
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._inner.multi_set(keys, [self._sealed(k, v) for k, v in zip(keys, values, strict=True)])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self._opened(k, raw) for k, raw in zip(keys, self._inner.multi_get(keys), strict=True)]
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        # An empty ``expected`` means "the key is absent" to torch's store: it stays empty.
+        raw = self._inner.compare_set(key, self._sealed(key, expected) if expected else expected,
+                                      self._sealed(key, desired))
+        return self._opened(key, raw) if raw else raw
+
+    def append(self, key: str, value: str | bytes) -> None:
+        raise NotImplementedError("append to a sealed store: each value carries one seal; use set")
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+
+def seal(store: dist.Store, token: str | None, scope: str) -> dist.Store:
+    """``store`` with its values sealed by the job's secret ``token`` for ``scope`` (the prefix of the job's keys
+    it holds); ``store`` itself where the job has no secret (a job started without ddpkit's launcher)."""
+    if not token:
+        return store
+    sealed = SealedStore(store, _seal_key(token), scope)
+    _KEPT.append(sealed)
+    return sealed
