@@ -220,7 +220,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             loss_sum += loss.detach().double().cpu() * len(yb)
             mine += len(yb)
         own = float(loss_sum)  # this worker's (step.values will hold the step's sum)
-        if step.sync(values=loss_sum):
+        if step.sync(values=loss_sum.float()):  # (summed in float32, as the step's buffer holds it)
             if config.warmup_for(world):  # the starting world's scaled rate: the global batch keeps its size
                 set_lr(optimizer, warmup_lr(config, world, step.index, ft.steps_per_epoch))
             optimizer.step()

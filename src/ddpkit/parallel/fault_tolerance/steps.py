@@ -170,12 +170,25 @@ class Step:
     """After a successful :meth:`sync`: samples each shard of the step contributed, as reduced over the job
     (from whichever rank trained it): the step's own account that no shard was lost or counted twice."""
     values: torch.Tensor | None = None
-    """After :meth:`sync`: the ``values`` given to it, summed over the ranks."""
+    """After :meth:`sync`: the ``values`` given to it (float32, float16 or bfloat16; summed in float32), summed
+    over the ranks."""
     _buffer: torch.Tensor | None = None
     """What this rank sends: the weighted gradients of its shards, their sample counts, which parameters had a
     gradient, and room for the caller's values (see :meth:`FaultTolerance.new_buffer`)."""
+    _iterating: bool = False
+    """Inside the loop over this rank's micro-batches (ranks train different numbers of them)."""
+    _iterated: bool = False
+    """The loop over this rank's micro-batches ran to its end."""
 
     def __iter__(self) -> Iterator[Any]:
+        self._iterating = True
+        try:
+            yield from self._micro_batches()
+        finally:
+            self._iterating = False
+        self._iterated = True
+
+    def _micro_batches(self) -> Iterator[Any]:
         engine = self.engine
         # Every micro-batch starts from the step's buffers, and the step keeps shard 0's update of them (rank 0
         # trains shard 0 at any world size, and its buffers start the next step): batch-norm statistics move
@@ -221,12 +234,20 @@ class Step:
         """
         if self.synced is not None:
             raise RuntimeError(f"step {self.index}: sync() was already called for this step")
+        if not self._iterated:
+            raise RuntimeError(f"step {self.index}: sync() before this rank's micro-batches of the step were all "
+                               f"given: iterate the step to its end first (for x, y in step: ... .backward()), "
+                               "without a break; each rank trains its own shards of the step there")
         if values is not None and values.numel() > VALUES:
             raise ValueError(f"step.sync(values=...) takes at most {VALUES} values, not {values.numel()}: sum "
                              "more with ft.all_reduce()")
+        if values is not None and values.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"step.sync(values=...) of {values.dtype}: the values ride in the step's float32 "
+                             "buffer, where a float64 loses its last digits and a count above 2**24 its units; pass "
+                             "float32 values, or sum these exactly in their dtype with ft.all_reduce()")
         buffer = self._buffer if self._buffer is not None else self.engine.new_buffer()
         self._buffer = None
-        reduced = self.engine.reduce(buffer, values, self)
+        reduced = self.engine.reduce(buffer, None if values is None else values.detach(), self)
         self.synced = reduced is not None
         if reduced is not None:
             counts, sums = reduced
@@ -331,6 +352,8 @@ class FaultTolerance:
                                     drop_last=drop_last)
         self.dataset = dataset
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._trainable = [p.requires_grad for p in model.parameters()]
+        """Which parameters required grad when the engine was built (its layout): :meth:`_check_trainable`."""
         self.buffers = ModelBuffers(model, self.device)
         self.batch_statistics = any(isinstance(m, _BatchNorm) for m in model.modules())
         """The model normalises over the batch: its micro-batches are one shard each (:meth:`micro_batches`)."""
@@ -367,6 +390,11 @@ class FaultTolerance:
         """The buffers as the current step found them."""
         self.committed = 0
         """Steps applied on this rank."""
+        self.loops_done = 0
+        """Loops over :meth:`steps` that the members ran to their end together (a state transfer carries it)."""
+        self._skip_loops = 0
+        """Loops of the script's that the job had finished before this process took its state (a replacement, a
+        resumed run): its next calls of :meth:`steps` give no step and communicate nothing."""
         self._join_agreed = False
         """The last step's reduction said that every member knew of members joining: switch before the next."""
         self.changes: list[Change] = []
@@ -419,29 +447,50 @@ class FaultTolerance:
         if epochs is None and max_steps is None:
             raise ValueError("steps() needs epochs or max_steps")
         end = min(x for x in (epochs and epochs * self.shards.steps_per_epoch, max_steps) if x is not None)
+        if self._skip_loops:  # the members ended this loop before this process took the state: they are past it
+            self._skip_loops -= 1
+            return
         try:
             while True:
                 while self.committed < end:
                     if self._view_changes():
                         self._rebuild()
                         continue
+                    self._check_trainable()
                     index = self.committed
                     step = self._step = Step(self, index, self.shards.epoch_of(index),
                                              self.shards_of(self.rank),
                                              len(self.shards.step(index)), view_generation=self.view.generation)
-                    yield step
+                    try:
+                        yield step
+                    finally:  # (a `break` after an applied step too: the step is the state's, once)
+                        if step.synced:
+                            self.committed = index + 1
+                            if self.changes and self.changes[-1].resumed is None:
+                                self.changes[-1].resumed = time.time()
                     if step.synced is None:
                         raise RuntimeError(f"step {index}: the loop body did not call step.sync(); call it once per "
                                            "step (after the micro-batches' backward, before optimizer.step())")
-                    if step.synced:
-                        self.committed = index + 1
-                        if self.changes and self.changes[-1].resumed is None:
-                            self.changes[-1].resumed = time.time()
                 self._step = None
                 if self._finished(end):
+                    self.loops_done += 1
                     return
         finally:
             self._step = None
+
+    def _check_trainable(self) -> None:
+        """Refuse a model whose parameters' ``requires_grad`` changed since the engine was built: the step's layout
+        holds the gradients of those that required grad then, so one unfrozen later would be trained on each
+        member's own shards alone and the replicas would part (one frozen later would be moved on a zero)."""
+        now = [p.requires_grad for p in self.model.parameters()]
+        if now != self._trainable:
+            names = [n for (n, p), was in zip(self.model.named_parameters(), self._trainable)
+                     if p.requires_grad != was]
+            shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+            raise RuntimeError(f"FaultTolerance: requires_grad of {shown} changed after FaultTolerance was built: "
+                               "its reduction holds the gradients of the parameters that required grad then, and "
+                               "the replicas would part; build a new FaultTolerance (from ft.state_dict()) after "
+                               "freezing or unfreezing, as torch's DDP needs a new wrapper")
 
     def tree(self) -> ShardTree:
         """The deterministic mode's order of additions at the current world size."""
@@ -782,6 +831,10 @@ class FaultTolerance:
             RuntimeError: in the mode, outside a step's window (the message says where to call it instead).
         """
         step = self._step
+        if step is not None and (step._iterating or (self.membership is not None and not step._iterated)):
+            raise RuntimeError(f"ft.all_reduce() / ft.barrier() {'inside' if step._iterating else 'before'} the "
+                               "step's micro-batch loop: ranks train different numbers of micro-batches there, so "
+                               "the ranks' collectives would not pair; call it after the loop, before step.sync()")
         if self.membership is not None and (step is None or step.synced is not None):
             where = "after step.sync()" if step is not None else "outside ft.steps()"
             raise RuntimeError(f"ft.all_reduce() / ft.barrier() {where}: under --on-failure continue they are "
@@ -876,7 +929,8 @@ class FaultTolerance:
         committed = step.index + 1 if step is not None and step.synced else self.committed
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "state": {name: obj.state_dict() for name, obj in self.state.items()},
-                "committed": committed, "first_world": self.first_world, "configuration": dict(self.configuration)}
+                "committed": committed, "first_world": self.first_world, "configuration": dict(self.configuration),
+                "loops": self.loops_done}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take ``state`` (:meth:`state_dict`'s, a peer's or a checkpoint's).
@@ -902,6 +956,9 @@ class FaultTolerance:
             obj.load_state_dict(state["state"][name])
         self.committed = int(state["committed"])
         self.first_world = int(state.get("first_world", self.first_world))  # (files of before it was kept)
+        loops = int(state.get("loops", self.loops_done))
+        self._skip_loops = max(0, loops - self.loops_done)
+        self.loops_done = max(loops, self.loops_done)
 
 
 def _to(batch: Any, device: torch.device) -> Any:
