@@ -70,10 +70,11 @@ def test_gloo_meets_through_the_seal_and_a_forged_value_under_its_prefix_is_refu
     # A group of one meets through the sealed store (gloo's own keys, sealed); a forged address under a peer's key
     # fails the reader, where it would have connected to the forger.
     raw = dist.HashStore()
-    group = dist.ProcessGroupGloo(dist.PrefixStore("g/", _sealed(raw)), 0, 1, timedelta(seconds=10))
+    sealed = _sealed(raw)  # (kept while the group lives: torch holds a Python store by its C++ part alone)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("g/", sealed), 0, 1, timedelta(seconds=10))
     t = torch.ones(2)
     group.allreduce([t]).wait()
     assert t.tolist() == [1.0, 1.0]
     raw.set("g//0", b"forged")
     with pytest.raises(ForgedValue):
-        dist.PrefixStore("g/", _sealed(raw)).get("0")
+        dist.PrefixStore("g/", sealed).get("0")

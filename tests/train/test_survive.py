@@ -792,6 +792,17 @@ for step in ft.steps(max_steps=1):
     else:
         raise AssertionError("a sync after a broken micro-batch loop went through")
     break
+# A state saved after a loop ended and resumed to train further: the steps after it (its loop is not skipped).
+net = nn.Linear(6, 2)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+ft = ddpkit.FaultTolerance(net, opt, TensorDataset(x, y), batch_size=16)
+for step in ft.steps(epochs=1):
+    list(step)
+    step.sync()
+assert ft.loops_done == 1 and ft.committed == 4
+resumed = ddpkit.FaultTolerance(net, opt, TensorDataset(x, y), batch_size=16, resume=ft.state_dict())
+trained = [step.index for step in resumed.steps(epochs=2) if list(step) is not None and step.sync()]
+assert trained == [4, 5, 6, 7] and resumed.committed == 8, trained
 for bad in (torch.tensor([2**24 + 1, 3]), torch.ones(2, dtype=torch.float64)):
     for step in ft.steps(max_steps=2):
         list(step)

@@ -386,6 +386,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", 
             f"reduce_scatter: output has {output.numel()} elements, this rank's part of {flat.numel()} "
             f"over {world} ranks has {chunks[me].numel()}"
         )
+
     def finish() -> None:
         output.copy_(chunks[me].view(output.shape))
         if op == "avg":

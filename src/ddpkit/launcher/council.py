@@ -83,8 +83,11 @@ REDIAL_S = 1.0
 killed does not answer (its node is removed a second after its connections closed), a reset link does."""
 _HANDSHAKES = 16
 """Handshakes answered at once (no thread per stranger): a connection beyond them shuts the oldest of those in
-progress, so that strangers holding every slot with a byte now and then (each for up to ``HANDSHAKE_S``) keep no
-node out: a genuine handshake takes milliseconds, theirs are the oldest."""
+progress if it is older than ``_SETTLE_S`` (else the newcomer is closed: a flood), so that strangers holding every
+slot with a byte now and then (each for up to ``HANDSHAKE_S``) keep no node out: a genuine handshake takes
+milliseconds, theirs are the oldest."""
+_SETTLE_S = 0.5
+"""How long a handshake in progress keeps its slot against a newcomer."""
 ROUND_S = 1.0
 """How long a proposer waits for a majority's answers before it tries again (a refusal ends the wait at once)."""
 
@@ -313,6 +316,9 @@ class Council:
             with self._answering_lock:
                 if len(self._answering) >= _HANDSHAKES:  # strangers hold the slots: the oldest makes room
                     oldest = min(self._answering, key=self._answering.__getitem__)
+                    if time.monotonic() - self._answering[oldest] < _SETTLE_S:  # a flood: refuse the newcomer
+                        close_socket(sock)
+                        continue
                     del self._answering[oldest]
                     close_socket(oldest)
                 self._answering[sock] = time.monotonic()
@@ -336,6 +342,8 @@ class Council:
         """The link's handshake (:func:`~ddpkit.launcher.council_link.handshake`), as the dialer (``dialed``: the
         node called) or the answering agent; then the connection is the peer's (a reader thread per peer)."""
         made = handshake(sock, self._key, self.node, list(self.places[self.node]), dialed, self._may_call)
+        with self._answering_lock:  # settled: no longer a slot a newcomer may take
+            self._answering.pop(sock, None)
         if made is None:
             return
         connection, their_place, reader = made

@@ -110,8 +110,14 @@ def handshake(sock: socket.socket, key: bytes, node: int, place: list[Any], dial
     reader = sock.makefile("rb")
     mine = os.urandom(16).hex()
     # Past the deadline the socket is shut: a read blocked on a trickle ends at once (a per-read timeout would
-    # start again with each byte).
-    deadline = threading.Timer(HANDSHAKE_S, close_socket, args=(sock,))
+    # start again with each byte). A handshake that ended as it fired is refused too (its socket is shut).
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        close_socket(sock)
+
+    deadline = threading.Timer(HANDSHAKE_S, expire)
     deadline.daemon = True
     deadline.start()
 
@@ -143,6 +149,9 @@ def handshake(sock: socket.socket, key: bytes, node: int, place: list[Any], dial
                 raise PermissionError("not this job's secret")
         if len(nonce) != 32:
             raise PermissionError("a malformed nonce")
+        deadline.cancel()
+        if expired.is_set():
+            raise TimeoutError(f"the handshake took more than {HANDSHAKE_S:g} s")
     except Exception as e:  # noqa: BLE001 - whatever a stranger's lines make of the parsing (a list, deep nesting)
         deadline.cancel()
         if isinstance(e, _OtherProtocol):
@@ -151,7 +160,6 @@ def handshake(sock: socket.socket, key: bytes, node: int, place: list[Any], dial
             say(f"refused a council connection from {_peer_name(sock)}: {e} (the job's secret)")
         close_socket(sock)
         return None
-    deadline.cancel()
     session = hmac.new(key, json.dumps(["session", *transcript]).encode(), "sha256").digest()
     sock.settimeout(None)
     # A send to a node cut off must not hold this agent up once its buffers fill: give up after _SEND_S.

@@ -207,6 +207,11 @@ class NodeRendezvous:
         return None
 
     def store_lost(self, error: Exception) -> RemoteFailure:
+        from ddpkit.runtime.sealed_store import ForgedValue
+
+        if isinstance(error, ForgedValue):  # the store answers, with a value the job's secret did not seal
+            return RemoteFailure(0, None, f"its rendezvous store holds a forged value: {error}",
+                                 "a process without the job's secret wrote into the store")
         return RemoteFailure(0, None, f"the rendezvous it serves stopped answering ({type(error).__name__})",
                              "node 0 is down, its launcher was killed, or the network to it is cut")
 

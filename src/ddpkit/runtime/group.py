@@ -77,6 +77,8 @@ class DistContext:
 
 
 _ctx: DistContext | None = None
+_store: dist.Store | None = None
+"""The default group's store while the group lives: a sealed one (runtime/sealed_store.py) is Python's to keep."""
 
 
 def timeouts(timeout: float | timedelta | None = None) -> tuple[float, float]:
@@ -165,7 +167,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         ctx = ddpkit.init()
         model = ddpkit.DDP(model.to(ctx.device))
     """
-    global _ctx
+    global _ctx, _store
     if dist.is_initialized():
         _check_same_backend(backend)
     if _ctx is not None and (dist.is_initialized() or membership.current() is not None):
@@ -220,6 +222,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
             # Its own connection to the store, made before the process group: rank 0 serves the store and cannot
             # finish init_process_group (and exit, in a short job) before every rank has reached it.
             stall.start(place.master_addr, place.master_port, prefix, place.rank, place.world_size, collective_timeout)
+        _store = store
         try:
             dist.init_process_group(
                 backend, store=store, rank=place.rank, world_size=place.world_size,
@@ -303,12 +306,12 @@ def _check_same_backend(asked: str | None) -> None:
 
 def shutdown() -> None:
     """Destroy the process group. Harmless when :func:`init` was never called."""
-    global _ctx
+    global _ctx, _store
     stall.stop("left the job (ddpkit.shutdown())")
     if dist.is_initialized():
         dist.destroy_process_group()
         _let_backend_threads_finish()
-    _ctx = None
+    _ctx = _store = None
 
 
 def _let_backend_threads_finish() -> None:

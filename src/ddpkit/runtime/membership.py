@@ -104,6 +104,9 @@ class Membership:
         self._views: list[View] = []
         self._closed = False
         self._by_generation: dict[int, dist.ProcessGroup] = {}
+        self._group_stores: dict[int, dist.Store] = {}
+        """The store each group of ``_by_generation`` met on, kept while the group lives (a sealed store is Python's
+        to keep: runtime/sealed_store.py)."""
         """The groups built, by generation; an older one is freed once no abandoned operation of it is left
         (:meth:`_free_old`)."""
         self._abandoned: dict[int, list[threading.Event]] = {}
@@ -267,7 +270,7 @@ class Membership:
 
         def build() -> None:  # on a thread: the store itself may die with its node (or hang, cut off)
             try:
-                store = self._store_of(view)
+                store = built["store"] = self._store_of(view)
                 store.set(f"{prefix}arrived/{self.member}", "1")
                 store.add(f"{prefix}arrivals", 1)  # for members still in an older group (_gone_ahead)
                 keys = [f"{prefix}arrived/{m}" for m in view.members]
@@ -290,6 +293,7 @@ class Membership:
         finally:
             abandoned.set()
         self._by_generation[view.generation] = built["group"]
+        self._group_stores[view.generation] = built["store"]
         if free_old:
             self._free_old(view.generation)
         return built["group"]
@@ -301,6 +305,7 @@ class Membership:
         for generation in [e for e in self._by_generation if e < current]:
             if all(done.is_set() for done in self._abandoned.get(generation, [])):
                 del self._by_generation[generation]
+                self._group_stores.pop(generation, None)
                 self._abandoned.pop(generation, None)
 
     def _store_of(self, view: View) -> dist.Store:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ddpkit.runtime import stall
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV, Placement, job_key
 from ddpkit.runtime.network import loopback_listener
+from ddpkit.runtime.sealed_store import ForgedValue
 
 _POLL_S = 0.01
 SPEAK_S = 15.0
@@ -254,6 +255,8 @@ def census(store: dist.Store, place: Placement, join_timeout: float, deadline: f
             time.sleep(_POLL_S)
     except RendezvousError:
         raise
+    except ForgedValue as e:  # the store answers, with a value the job's secret did not seal
+        raise RendezvousError(f"rank {place.rank}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the store's network errors vary by version
         raise RendezvousError(
             f"rank {place.rank} lost the rendezvous at {where} while {joined} of "

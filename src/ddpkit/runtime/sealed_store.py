@@ -6,16 +6,16 @@ all: ``list_keys()``), write any value and delete any key. A job's keys live und
 
 What a process trusts from the store is therefore sealed: :class:`SealedStore` stores each value after a MAC of
 its place (the prefix the store was given as ``scope``, the key) and the value, under a key derived from the job's
-secret, and checks it on every read. A value written without the secret, or moved from another key, another
-attempt or another generation of the job, is refused (:class:`ForgedValue`) instead of believed: a process
-without the secret cannot put its address among the ranks' (gloo's rendezvous reads them through this store), a
-seat among the council's, or a census answer among the ranks'. It can still read what the ranks publish
-(addresses, never the secret or the training state) and stop the job by writing or deleting keys: the store
-cannot keep it out, and gloo's own connections are not authenticated either, so a job across machines belongs on
-a network its owner trusts (as torch's documentation says of c10d).
-
-Counters (``add``) stay plain integers, which a MAC cannot cover: the census counts claims with them, and an
-intruder who bumps one can only make the job fail its census, with the census's message.
+secret, and checks it on every read. A value written without the secret, or moved from another key or scope (an
+attempt, a generation of the membership), is refused (:class:`ForgedValue`) instead of believed: a process without
+the secret cannot put its address among the ranks' (gloo's rendezvous reads them through this store), a seat among
+the council's, or a value into the census. It can still read what the ranks publish (addresses, never the secret
+or the training state) and stop the job by writing or deleting keys. What this does not cover: a value sealed in
+another run under the same secret (give each run its own), counters (``add``: plain integers, which a MAC cannot
+cover; one bumped makes the census pass a rank short or fail, and the job then fails at gloo's rendezvous) and
+which keys exist (``check``, ``wait``: a forged one ends a wait early, and the read that follows fails), and gloo's
+own connections, which are not authenticated: a job across machines belongs on a network its owner trusts (as
+torch's documentation says of c10d).
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ from ddpkit.runtime.discovery import job_key
 __all__ = ["ForgedValue", "SealedStore", "seal"]
 
 _MAC_BYTES = 32
-_KEPT: list[SealedStore] = []
-"""Every sealed store this process made, kept for its life: torch holds a store subclassed in Python by its C++
-part only, so once Python let go of it, torch's calls into it (a group made later from the default store, gloo's
-rendezvous) would fail ("Not implemented"). A process makes a few: one per group it meets in."""
 
 
 class ForgedValue(RuntimeError):
@@ -47,14 +43,21 @@ def _seal_key(token: str) -> bytes:
 
 
 class SealedStore(dist.Store):
-    """``inner``'s keys, each value sealed under ``key`` for its place (``scope`` and the key itself)."""
+    """``inner``'s keys, each value sealed under ``key`` for its place (``scope`` and the key itself).
+
+    Its owner keeps a reference for as long as torch uses it (a process group made on it): torch holds a store
+    subclassed in Python by its C++ part only, and once Python let go of the object, torch's calls into it fail
+    ("Not implemented", "pure virtual function").
+    """
 
     def __init__(self, inner: dist.Store, key: bytes, scope: str) -> None:
         super().__init__()
         self._inner, self._key, self._scope = inner, key, scope.encode()
+        self._clones: list[SealedStore] = []
+        """The stores :meth:`clone` made (torch's group splits hold them in C++ alone), kept as long as this one."""
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        place = self._scope + b"\0" + key.encode() + b"\0"
+        place = b"%d:%s%d:%s" % (len(self._scope), self._scope, len(key.encode()), key.encode())
         return hmac.new(self._key, place + value, "sha256").digest()
 
     def _sealed(self, key: str, value: str | bytes) -> bytes:
@@ -113,12 +116,24 @@ class SealedStore(dist.Store):
     def set_timeout(self, timeout: timedelta) -> None:
         self._inner.set_timeout(timeout)
 
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout
+
+    def clone(self) -> SealedStore:
+        twin = SealedStore(self._inner.clone(), self._key, self._scope.decode())
+        self._clones.append(twin)
+        return twin
+
+    # The names torch's C++ side calls these by, through a store that wraps this one (a PrefixStore).
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815
+
 
 def seal(store: dist.Store, token: str | None, scope: str) -> dist.Store:
     """``store`` with its values sealed by the job's secret ``token`` for ``scope`` (the prefix of the job's keys
-    it holds); ``store`` itself where the job has no secret (a job started without ddpkit's launcher)."""
+    it holds); ``store`` itself where the job has no secret (a job started without ddpkit's launcher). The caller
+    keeps the result while torch uses it (see :class:`SealedStore`)."""
     if not token:
         return store
-    sealed = SealedStore(store, _seal_key(token), scope)
-    _KEPT.append(sealed)
-    return sealed
+    return SealedStore(store, _seal_key(token), scope)

@@ -193,6 +193,11 @@ class Inspector(threading.Thread):
             if self._broken:
                 return
             self._broken = True
+        from ddpkit.runtime.sealed_store import ForgedValue
+
+        if isinstance(error, ForgedValue):  # it answers, with a value the job's secret did not seal
+            _print([f"stopped watching: {error}"])
+            return
         _print([f"the rendezvous store stopped answering ({type(error).__name__}): {self.store_owner}, which serves "
                 "it, is stopped, hung or gone"])
 

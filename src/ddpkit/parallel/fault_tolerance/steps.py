@@ -391,10 +391,12 @@ class FaultTolerance:
         self.committed = 0
         """Steps applied on this rank."""
         self.loops_done = 0
-        """Loops over :meth:`steps` that the members ran to their end together (a state transfer carries it)."""
+        """Calls of :meth:`steps` this run of the script ended (ran to their end together, or left with a
+        ``break``), the members' count: a state transfer carries it (a checkpoint's is not taken back: a resumed
+        script starts its loops again, as every member of it does)."""
         self._skip_loops = 0
-        """Loops of the script's that the job had finished before this process took its state (a replacement, a
-        resumed run): its next calls of :meth:`steps` give no step and communicate nothing."""
+        """Calls of :meth:`steps` the members had ended before this process took their state (a replacement, which
+        runs the script from its start): its next ones give no step and communicate nothing."""
         self._join_agreed = False
         """The last step's reduction said that every member knew of members joining: switch before the next."""
         self.changes: list[Change] = []
@@ -463,7 +465,10 @@ class FaultTolerance:
                                              len(self.shards.step(index)), view_generation=self.view.generation)
                     try:
                         yield step
-                    finally:  # (a `break` after an applied step too: the step is the state's, once)
+                    except GeneratorExit:  # a `break`: every member leaves this loop at the same step
+                        self.loops_done += 1
+                        raise
+                    finally:  # (a `break` after sync() returned True too: the step is the state's, once)
                         if step.synced:
                             self.committed = index + 1
                             if self.changes and self.changes[-1].resumed is None:
@@ -831,10 +836,15 @@ class FaultTolerance:
             RuntimeError: in the mode, outside a step's window (the message says where to call it instead).
         """
         step = self._step
-        if step is not None and (step._iterating or (self.membership is not None and not step._iterated)):
-            raise RuntimeError(f"ft.all_reduce() / ft.barrier() {'inside' if step._iterating else 'before'} the "
-                               "step's micro-batch loop: ranks train different numbers of micro-batches there, so "
-                               "the ranks' collectives would not pair; call it after the loop, before step.sync()")
+        if step is not None and step._iterating:
+            raise RuntimeError("ft.all_reduce() / ft.barrier() inside the step's micro-batch loop: ranks train "
+                               "different numbers of micro-batches, so the ranks' collectives would not pair; call it "
+                               "after the loop, before step.sync()")
+        if step is not None and self.membership is not None and not step._iterated:
+            raise RuntimeError("ft.all_reduce() / ft.barrier() before the step's micro-batch loop: under "
+                               "--on-failure continue they are collectives of the step, after its micro-batches (a "
+                               "death then aborts the step on every member alike); call it after the loop, before "
+                               "step.sync()")
         if self.membership is not None and (step is None or step.synced is not None):
             where = "after step.sync()" if step is not None else "outside ft.steps()"
             raise RuntimeError(f"ft.all_reduce() / ft.barrier() {where}: under --on-failure continue they are "
@@ -917,6 +927,9 @@ class FaultTolerance:
                                              self.device)
         if state is not None:
             self.load_state_dict(state)
+            # A replacement runs the script from its start: the loops the members ended, it passes by.
+            self._skip_loops = max(0, int(state.get("loops", 0)) - self.loops_done)
+            self.loops_done = max(self.loops_done, int(state.get("loops", 0)))
         return received
 
     def state_dict(self) -> dict[str, Any]:
@@ -956,9 +969,6 @@ class FaultTolerance:
             obj.load_state_dict(state["state"][name])
         self.committed = int(state["committed"])
         self.first_world = int(state.get("first_world", self.first_world))  # (files of before it was kept)
-        loops = int(state.get("loops", self.loops_done))
-        self._skip_loops = max(0, loops - self.loops_done)
-        self.loops_done = max(loops, self.loops_done)
 
 
 def _to(batch: Any, device: torch.device) -> Any:

@@ -39,6 +39,7 @@ import io
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,10 +50,10 @@ import torch.distributed as dist
 
 from ddpkit.runtime.discovery import JOB_TOKEN_ENV
 from ddpkit.runtime.network import loopback_listener
-from ddpkit.runtime.sealed_store import seal
 from ddpkit.runtime.process import NUM_SERVERS_ENV, PS_REPLICATION_ENV, ROLE_ENV, SERVER_RANK_ENV, key_range_chain
 from ddpkit.runtime.process import PS_PORT_ENV as PORT_ENV
 from ddpkit.runtime.rendezvous import job_keys, wait_for_listener
+from ddpkit.runtime.sealed_store import seal
 
 __all__ = [
     "HEADER", "TAG_HEADER", "TAG_TO_SERVER", "TAG_TO_WORKER", "Op", "PSPlace", "ack_tag", "connect", "forward_tag",
@@ -228,8 +229,10 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
             store = dist.TCPStore(place.master_addr, place.port, place.workers + place.servers + 1, serving,
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False,
                                   **({"master_listen_fd": fd} if fd is not None else {}))
-            built["group"] = dist.ProcessGroupGloo(seal(dist.PrefixStore(prefix, store), token, prefix), place.rank,
-                                                   place.workers + place.servers, timedelta(seconds=timeout))
+            sealed = seal(dist.PrefixStore(prefix, store), token, prefix)
+            built["group"] = dist.ProcessGroupGloo(sealed, place.rank, place.workers + place.servers,
+                                                   timedelta(seconds=timeout))
+            _STORES[built["group"]] = sealed
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             built["error"] = e
 
@@ -250,6 +253,10 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
             "MASTER_PORT + 1); check that the port is free and the same for every process"
         ) from None
     return built["group"]
+
+
+_STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.Store] = weakref.WeakKeyDictionary()
+"""Each channel's store while its group lives (a sealed store is Python's to keep: runtime/sealed_store.py)."""
 
 
 def workers_lost(left: list[int]) -> str | None:
