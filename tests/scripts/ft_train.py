@@ -6,7 +6,11 @@ after each step; ``GROW=N``: after a step applied by fewer than N workers, wait 
 ``GROW_WAITS`` times, and only while fewer replacements have joined the job) for the next membership (a
 replacement's admission) before the next step, so that a replacement joins however long its interpreter takes to
 start (``GROW_MID=1``: wait in the middle of the step's micro-batches instead, so the join comes during a step);
-``METRIC=1``: an ``ft.all_reduce`` of a metric between the micro-batches and
+a ``KILL`` entry ``MEMBER:STEP:stop`` makes that member SIGSTOP itself there instead (a stalled worker, which
+its launcher kills once its beats stop), and ``MEMBER:STEP:launcher`` stops its launcher for ``HOLD_LAUNCHER``
+seconds and SIGKILLs itself (a launcher held up while a worker dies); ``STOP_ON_ADMISSION=1``: a replacement
+SIGSTOPs itself the moment its launcher admits it, before the state transfer; ``METRIC=1``: an ``ft.all_reduce``
+of a metric between the micro-batches and
 ``step.sync()``, and a ``KILL`` entry ``MEMBER:STEP:metric`` kills that member just before it (so the others are
 inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a joiner started otherwise than the
 job); ``QUIT=MEMBER:STEP``: that member leaves the loop at that step and exits 0 (the others are waiting for it in
@@ -23,6 +27,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -35,6 +40,18 @@ from torch.utils.data import TensorDataset
 import ddpkit
 
 ddpkit.init()
+if os.environ.get("STOP_ON_ADMISSION") == "1" and int(os.environ["DDPKIT_FT_MEMBER"]) >= int(os.environ["WORLD_SIZE"]):
+    import threading
+
+    from ddpkit.runtime import membership
+
+    def stop_once_admitted() -> None:
+        watch = membership.current()
+        while int(os.environ["DDPKIT_FT_MEMBER"]) not in watch.latest().members:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=stop_once_admitted, daemon=True).start()
 torch.manual_seed(0)
 x = torch.randn(600, 20)
 y = (x[:, :10].sum(1) > 0).long()
@@ -77,6 +94,8 @@ if os.environ.get("PIDS"):
     with open(os.environ["PIDS"], "a") as f:
         f.write(f"{os.getpid()}\n")
 kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k and k.count(":") == 1}
+holds = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":launcher")}
+stops = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":stop")}
 metric_kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":metric")}
 quit_at = tuple(map(int, os.environ["QUIT"].split(":"))) if os.environ.get("QUIT") else None
 trained = {}
@@ -110,6 +129,15 @@ for step in ft.steps(epochs=epochs):
             xb = xb + torch.from_numpy(np.random.standard_normal(xb.shape)).float() * 0.05 + random.random() * 0.05
         F.cross_entropy(model(xb), yb).backward()
         if i == 0 and (member, step.index) in kills:  # after its first micro-batch: in the middle of the step
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i == 0 and (member, step.index) in stops:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if i == 0 and (member, step.index) in holds:  # the launcher continued by a process of its own
+            launcher = os.getppid()
+            os.kill(launcher, signal.SIGSTOP)
+            subprocess.Popen(["sh", "-c", f"sleep {os.environ['HOLD_LAUNCHER']}; kill -CONT {launcher}"],
+                             start_new_session=True)
+            time.sleep(0.2)  # the others are in the step's reduction with it when it dies
             os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get("METRIC") == "1":
         if (member, step.index) in metric_kills:

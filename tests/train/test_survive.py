@@ -248,6 +248,56 @@ def test_a_worker_killed_mid_step_costs_nothing_and_the_run_ends_bitwise_equal(t
     assert all(weights[k].equal(reference[k]) for k in reference)  # batch norm, dropout, momentum included
 
 
+SHORT_KEEP_ALIVE = ("--rdzv-conf", "keep_alive_interval=0.25,keep_alive_max_attempt=8")
+"""A worker silent for 2 s is stalled (6 s by default): the tests of stalls wait less."""
+
+
+@FAULTS
+@pytest.mark.slow("a whole job of three workers through a stop, against the run without (shared)")
+def test_a_worker_stopped_mid_step_is_killed_after_the_keep_alive_and_the_run_ends_bitwise_equal(
+        tmp_path: Path, shared_runs) -> None:
+    # A SIGSTOPped worker held every survivor in the step's reduction until DDPKIT_TIMEOUT (1,800 s), then the
+    # survivors died and it finished alone; stopped for good, the job hung without a word.
+    reference, plain, _ = _reference(shared_runs)
+    weights, account, stderr = ft_run(tmp_path, "stopped", kill="1:4:stop", launch_flags=SHORT_KEEP_ALIVE)
+    assert ("member 1 (rank 1 at the start) sent no word for 2 s (a beat is due every 0.25 s): it stalled "
+            "(paused, or holding Python's lock); killing it") in stderr, stderr[-3000:]
+    assert ("member 1 (rank 1 at the start) died: killed by signal SIGKILL (it had stalled: no word from it for 2 s); "
+            "the job goes on with 2 worker(s)") in stderr
+    assert account["world_size"] == 2 and account["committed"] == plain["committed"]
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+@FAULTS
+@pytest.mark.slow("a run of three workers with a death and a replacement that stops once admitted")
+def test_a_replacement_stopped_once_admitted_is_killed_and_the_members_go_on_bitwise(tmp_path: Path,
+                                                                                    shared_runs) -> None:
+    # The survivors' group build with the admitted replacement timed out and they exited, losing the state.
+    reference, _, _ = _reference(shared_runs)
+    weights, account, stderr = ft_run(tmp_path, "joiner", kill="1:2", replacements=1, grow=3, GROW_WAITS="1",
+                                       STOP_ON_ADMISSION="1", launch_flags=SHORT_KEEP_ALIVE)
+    assert "member(s) 3 joined" in stderr and "member 3 (rank 1 at the start) died: killed by signal SIGKILL (it " \
+        "had stalled" in stderr, stderr[-3000:]
+    assert account["world_size"] == 2 and account["committed"] == 26
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+@FAULTS
+@pytest.mark.slow("a run of three workers whose launcher is stopped for 8 s while a worker dies")
+def test_the_survivors_wait_for_a_held_up_launchers_word_as_long_as_the_keep_alive_says(tmp_path: Path,
+                                                                                       shared_runs) -> None:
+    # The survivors waited a fixed 5 s for the launcher's word after a failed reduction, then died with the
+    # state. They wait the keep-alive's timeout now (15 s here), and the launcher back judges none of them
+    # stalled for the beats it did not read while it was stopped.
+    reference, _, _ = _reference(shared_runs)
+    weights, account, stderr = ft_run(tmp_path, "held", kill="1:4:launcher", HOLD_LAUNCHER="8", launch_flags=(
+        "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=15"))
+    assert "member 1 (rank 1 at the start) died: killed by signal SIGKILL; the job goes on with 2" in stderr
+    assert "stalled" not in stderr, stderr[-3000:]
+    assert account["world_size"] == 2 and account["committed"] == 26
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
 @FAULTS
 @pytest.mark.slow("a whole job of three workers through a death, the model in ddpkit's DDP (the reference shared)")
 def test_a_ddp_script_under_the_mode_survives_a_kill_with_the_bits_of_the_plain_run(tmp_path: Path,

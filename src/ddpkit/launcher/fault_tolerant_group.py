@@ -8,6 +8,16 @@ the survivors rebuild their group and go on in the same processes. With
 ``--max-restarts`` budget left it also starts a replacement, which joins the
 view after next once it says it is ready (a peer hands it the training state).
 
+A worker that stops without dying (paused, or holding Python's lock) would
+hold every survivor in its next collective until the group's timeout. Each
+worker beats on its pipe back every keep-alive interval (``--rdzv-conf``'s
+``keep_alive_interval``, 1 s), from a thread of its own; one not heard for
+the keep-alive's timeout (``keep_alive_interval x keep_alive_max_attempt``,
+6 s) once it has beaten is killed, with a line that says so, and its death is
+survived as any other (a replacement takes its place while ``--max-restarts``
+allows). A launcher that was itself held up that long judges nobody on that
+turn.
+
 The job succeeds when the workers still alive at the end exit 0; when the
 last one dies, its first death is the job's failure, reported as today. A
 worker that exits with code 2 (a usage error) before it held the training
@@ -31,6 +41,7 @@ import json
 import os
 import queue
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -42,9 +53,9 @@ from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.node_rendezvous import RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, WorkerGroup, say
-from ddpkit.runtime.process import SignalCatcher, describe_exit, terminate
+from ddpkit.runtime.process import SignalCatcher, describe_exit, signal_groups, terminate
 from ddpkit.runtime.states import check_move
-from ddpkit.runtime.variables import FT_FD, FT_MEMBER, FT_REPLY_FD
+from ddpkit.runtime.variables import FT_FD, FT_KEEP_ALIVE, FT_MEMBER, FT_REPLY_FD
 
 __all__ = ["GO", "HOLD", "USAGE_EXIT", "WORKER_MOVES", "Death", "FaultTolerantGroup", "Stop", "Turn", "WorkerPhase"]
 
@@ -158,6 +169,14 @@ class FaultTolerantGroup(WorkerGroup):
         """Held by :meth:`_move` (the replies' threads move a worker to training)."""
         self._next_member = 0
         self.server_pipes: list[int] = []
+        self.keep_alive = launch.keep_alive()
+        """(interval, timeout) in seconds: each worker beats every interval; one silent for the timeout is stalled."""
+        self._heard: dict[int, float] = {}
+        """member id -> ``time.monotonic()`` of its last line on the pipe back (a replies' thread writes it)."""
+        self._swept = time.monotonic()
+        """When :meth:`_kill_stalled` last looked."""
+        self.stalled: set[int] = set()
+        """Members killed for their silence."""
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start this node's workers."""
@@ -185,6 +204,7 @@ class FaultTolerantGroup(WorkerGroup):
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         spec.env[FT_MEMBER] = str(member)
+        spec.env[FT_KEEP_ALIVE] = ",".join(f"{s:g}" for s in self.keep_alive)
         index = self._start_one(spec, fds={FT_FD: down_r, FT_REPLY_FD: up_w})
         os.close(down_r)
         os.close(up_w)
@@ -213,6 +233,7 @@ class FaultTolerantGroup(WorkerGroup):
     def _read_replies(self, fd: int, member: int) -> None:
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             for line in pipe:
+                self._heard[member] = time.monotonic()
                 if line.strip() == b"ready":
                     self._ready.put(member)
                 elif line.strip() == b"holding":
@@ -252,6 +273,7 @@ class FaultTolerantGroup(WorkerGroup):
             if turn is HOLD:
                 time.sleep(_POLL_S)  # an exit now is of a worker out of the job, not a death: not yet
                 continue
+            self._kill_stalled()
             try:
                 code, index = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
@@ -294,6 +316,8 @@ class FaultTolerantGroup(WorkerGroup):
             self._close(member)
             said = [line for line in failure.last_lines if not _TORCH_LOG.match(line)]  # not c10d's warnings
             why = (failure.traceback.splitlines() or said or [""])[-1].strip()
+            if member in self.stalled:
+                why = f"it had stalled: no word from it for {self.keep_alive[1]:g} s"
             died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
                     + (f" ({why})" if why else ""))
             self.deaths.append(Death(member, code, time.time(), self.generation + 1))
@@ -312,6 +336,25 @@ class FaultTolerantGroup(WorkerGroup):
         for fd in self.server_pipes:
             os.close(fd)
         return self._outcome(first)
+
+    def _kill_stalled(self) -> None:
+        """Kill the workers in the job that beat once and then fell silent for the keep-alive's timeout (the
+        module notes); their exits come as deaths. A launcher held up for half that timeout itself (paused, or
+        starved) judges nobody this turn: its workers' beats may be waiting unread in their pipes."""
+        now = time.monotonic()
+        interval, timeout = self.keep_alive
+        if now - self._swept > timeout / 2:
+            self._heard = {member: now for member in self._heard}
+        self._swept = now
+        for index in self._in_job():
+            member = self.member_of[index]
+            if member in self.stalled or now - self._heard.get(member, now) <= timeout:
+                continue
+            self.stalled.add(member)
+            say(f"member {member} (rank {self.specs[index].rank} at the start) sent no word for {timeout:g} s "
+                f"(a beat is due every {interval:g} s): it stalled (paused, or holding Python's lock); killing it "
+                "so that the others go on (--rdzv-conf keep_alive_interval x keep_alive_max_attempt sets how long)")
+            signal_groups([self.procs[index]], signal.SIGKILL)
 
     # -- what one node decides alone (CouncilGroup asks the nodes' majority instead) ---------------
 

@@ -21,17 +21,22 @@ not reuse them.
 
 The pipe carries one JSON line per view (with the parameter servers that
 died, which are not members: a server's death is announced in the same
-generation); a replacement answers on
-``DDPKIT_FT_REPLY_FD`` with ``ready`` once it can take part.
+generation); a worker answers on ``DDPKIT_FT_REPLY_FD``: ``ready`` (a
+replacement that can take part), ``holding`` (it holds the training state),
+and ``beat`` every keep-alive interval from a thread of its own
+(``DDPKIT_FT_KEEP_ALIVE``), so that its launcher knows a worker that stopped
+(paused, or holding Python's lock) from one that is only slow: a worker silent
+for the keep-alive's timeout is killed, and its death is survived as any other.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -41,9 +46,13 @@ import torch.distributed as dist
 
 from ddpkit.runtime import variables
 
-__all__ = ["FD_ENV", "MEMBER_ENV", "REPLY_FD_ENV", "Membership", "MembershipChanged", "View", "current"]
+__all__ = ["FD_ENV", "MEMBER_ENV", "REPLY_FD_ENV", "Membership", "MembershipChanged", "View", "current",
+           "keep_alive_of"]
 
 FD_ENV, REPLY_FD_ENV, MEMBER_ENV = variables.FT_FD, variables.FT_REPLY_FD, variables.FT_MEMBER
+KEEP_ALIVE = (1.0, 6.0)
+"""The launcher's keep-alive by default (``--rdzv-conf keep_alive_interval`` x ``keep_alive_max_attempt``): a beat
+every second, and a worker, or the launcher's word after a failed operation, awaited 6 s."""
 _POLL_S = 0.005
 _LOOK_S = 0.05
 """How often a wait that lets a join pass looks whether a member went ahead to the joiners' group."""
@@ -91,11 +100,15 @@ class Membership:
         reply_fd: the write end of the pipe back to the launcher, if any.
         reach: opens a connection to the store at ``host:port`` (``""``: the job's first store), under the job's
             key prefix: each group is built on one of its own.
+        keep_alive: the launcher's keep-alive (interval, timeout) in seconds: a beat on ``reply_fd`` every
+            interval, and the launcher's word awaited that long after a failed operation.
     """
 
     def __init__(self, fd: int, member: int, store: dist.Store | None, timeout_s: float,
-                 reply_fd: int | None = None, reach: Callable[[str], dist.Store] | None = None):
+                 reply_fd: int | None = None, reach: Callable[[str], dist.Store] | None = None,
+                 keep_alive: tuple[float, float] = KEEP_ALIVE):
         self.member = member
+        self.keep_alive = keep_alive
         self.store = store
         self._reach = reach
         self.timeout = timedelta(seconds=timeout_s)
@@ -118,6 +131,14 @@ class Membership:
         """Connections (by ``host:port``) on which a waiting thread looks for members gone ahead."""
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
         self._reader.start()
+        if reply_fd is not None:
+            threading.Thread(target=self._beat, name="ddpkit-membership-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        """Tell the launcher this process still runs, every keep-alive interval, until it closes the pipe."""
+        while not self._closed:
+            self._reply(b"beat\n")
+            time.sleep(self.keep_alive[0])
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb", buffering=0) as pipe:
@@ -201,13 +222,19 @@ class Membership:
             newest = self._views[-1] if self._views else view
         return newest.generation > view.generation and self.member in newest.members and not self.lost_since(view)
 
-    def _expect_change(self, view: View, grace_s: float = 5.0) -> None:
-        """After a failed operation: raise :class:`MembershipChanged` if a newer view comes within ``grace_s``."""
-        deadline = time.monotonic() + grace_s
+    def _expect_change(self, view: View) -> None:
+        """After a failed operation: raise :class:`MembershipChanged` if a newer view comes within the keep-alive's
+        timeout (a launcher held up that long is judged as a stalled worker is)."""
+        deadline = time.monotonic() + self.keep_alive[1]
         while time.monotonic() < deadline:
             self._check(view)
             with self._cond:
                 self._cond.wait(0.05)
+        sys.stderr.write(f"ddpkit: member {self.member}: an operation of membership generation {view.generation} "
+                         f"failed and the launcher announced no change within {self.keep_alive[1]:g} s (--rdzv-conf "
+                         "keep_alive_interval x keep_alive_max_attempt): not a death it saw, or the launcher was "
+                         "held up; this worker stops with the error below\n")
+        sys.stderr.flush()
 
     def _check(self, view: View, *, joins: bool = True) -> None:
         # Any newer view ends the wait, a join too (unless the caller switches at an agreed step, `joins=False`):
@@ -352,5 +379,15 @@ def current(store: dist.Store | None = None, timeout_s: float = 1800.0,
             raise RuntimeError("membership: the first call needs the launcher's store")
         reply = os.environ.get(REPLY_FD_ENV)
         _membership = Membership(int(fd), int(os.environ[MEMBER_ENV]), store, timeout_s,
-                                 int(reply) if reply else None, reach)
+                                 int(reply) if reply else None, reach, keep_alive_of(os.environ))
     return _membership
+
+
+def keep_alive_of(environ: Mapping[str, str]) -> tuple[float, float]:
+    """The keep-alive its launcher gave this worker (``DDPKIT_FT_KEEP_ALIVE``, ``INTERVAL,TIMEOUT``), else
+    :data:`KEEP_ALIVE`."""
+    given = environ.get(variables.FT_KEEP_ALIVE)
+    if not given:
+        return KEEP_ALIVE
+    interval, timeout = (float(part) for part in given.split(","))
+    return interval, timeout

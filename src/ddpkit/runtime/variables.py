@@ -17,6 +17,7 @@ variable                        value
 ``DDPKIT_FT_FD``                set by ``ddpkit launch --on-failure continue``: the membership pipe
 ``DDPKIT_FT_REPLY_FD``          set by it too: the pipe back to the launcher
 ``DDPKIT_FT_MEMBER``            set by it too: this worker's member id
+``DDPKIT_FT_KEEP_ALIVE``        set by it too: ``INTERVAL,TIMEOUT`` seconds of its failure detector
 ``DDPKIT_MPI_CUDA_AWARE``       ``0`` or ``1``: overrides the MPI library's answer
 ``DDPKIT_MPIRUN``               the MPI launcher to use: a program on ``PATH``, or a path
 ==============================  =============================================
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 
 from ddpkit.runtime.options import ConfigError
 
-__all__ = ["BACKENDS", "FT_FD", "FT_MEMBER", "FT_REPLY_FD", "backend", "check_environment", "count",
+__all__ = ["BACKENDS", "FT_FD", "FT_KEEP_ALIVE", "FT_MEMBER", "FT_REPLY_FD", "backend", "check_environment", "count",
            "mpi_cuda_aware", "mpirun_program", "refuse_bad_environment", "stall_warn_seconds", "timeout_seconds"]
 
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -40,6 +41,10 @@ FT_REPLY_FD = "DDPKIT_FT_REPLY_FD"
 """The write end of a worker's pipe back to the launcher."""
 FT_MEMBER = "DDPKIT_FT_MEMBER"
 """A worker's member id under ``--on-failure continue``."""
+FT_KEEP_ALIVE = "DDPKIT_FT_KEEP_ALIVE"
+"""``INTERVAL,TIMEOUT``: a worker under ``--on-failure continue`` beats to its launcher every INTERVAL seconds (a
+worker silent for TIMEOUT is stalled, and killed), and waits TIMEOUT for the launcher's word after a failed
+operation (``--rdzv-conf``'s keep-alive)."""
 
 
 def timeout_seconds(environ: Mapping[str, str]) -> float | None:
