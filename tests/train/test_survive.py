@@ -668,6 +668,9 @@ def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path)
     assert done.returncode == 1
     assert "the job goes on with 1 worker(s)" in done.stderr
     assert "no worker holding the training state is left" in done.stderr
+    # The root cause is the death that ended the job, not the first one, which it survived.
+    assert "the job went on through 1 death(s) before the one that ended it" in done.stderr
+    assert "rank 1 (local rank 1) failed first" in done.stderr and "Root cause: rank 1" in done.stderr, done.stderr
 
 
 @FAULTS

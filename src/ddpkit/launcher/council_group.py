@@ -132,6 +132,9 @@ class CouncilGroup(FaultTolerantGroup):
         host, port = self.entry.store.rsplit(":", 1)  # it meets on the store of now (node 0's may be gone)
         return {**env, "MASTER_ADDR": host, "MASTER_PORT": port}
 
+    def _went_on(self) -> bool:
+        return False
+
     def _outcome(self, first: Failure | None) -> Failure | str | None:
         return None if self.entry.succeeded else first or "every worker of the job died"
 

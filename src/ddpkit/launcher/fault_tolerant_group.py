@@ -177,6 +177,8 @@ class FaultTolerantGroup(WorkerGroup):
         """When :meth:`_kill_stalled` last looked."""
         self.stalled: set[int] = set()
         """Members killed for their silence."""
+        self.survived = 0
+        """Deaths the job went on from (one node: :meth:`_went_on`)."""
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start this node's workers."""
@@ -264,7 +266,8 @@ class FaultTolerantGroup(WorkerGroup):
 
     def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
              ) -> Failure | RemoteFailure | str | None:
-        """Until every live worker exited 0 (None) or none is left (the first death's :class:`Failure`)."""
+        """Until every live worker exited 0 (None) or none is left (the :class:`Failure` of the first death the job
+        did not go on from: the deaths it survived are each in a line of their own)."""
         first: Failure | None = None
         while self._running() or not self._job_over():
             turn = self._turn()
@@ -323,6 +326,9 @@ class FaultTolerantGroup(WorkerGroup):
             self.deaths.append(Death(member, code, time.time(), self.generation + 1))
             if not self._died(member, died):
                 break
+            if self._went_on():
+                first = None  # survived: not the cause of a failure to come
+                self.survived += 1
             if self.replacements > 0 and not self._finished():
                 self.replacements -= 1
                 dead = self.specs[index]  # the replacement takes the dead worker's place (rank, local rank, GPU)
@@ -366,6 +372,11 @@ class FaultTolerantGroup(WorkerGroup):
         """What the loop does before it waits for the next exit: go on (this launcher is the job's word)."""
         return GO
 
+    def _went_on(self) -> bool:
+        """Whether the job went on from the death just handled (one node: it did, since :meth:`_died` did not say
+        otherwise); across nodes the majority decides later, and the first death stays the cause of a failure."""
+        return True
+
     def _postpone(self) -> bool:
         """Whether a worker's exit is handled after the next turn instead (never here)."""
         return False
@@ -375,8 +386,14 @@ class FaultTolerantGroup(WorkerGroup):
         return env
 
     def _outcome(self, first: Failure | None) -> Failure | str | None:
-        """What the job ended with once no worker is left: success if one finished, else the first death."""
-        return None if self._finished() else first
+        """What the job ended with once no worker is left: success if one finished, else the first death it did not
+        go on from."""
+        if self._finished():
+            return None
+        if first is not None and self.survived:
+            say(f"the job went on through {self.survived} death(s) before the one that ended it (each in a line "
+                "above)")
+        return first
 
     def _died(self, member: int, died: str) -> bool:
         """``member`` died (``died`` says how): the next view, said; False when the job cannot go on."""
