@@ -674,6 +674,21 @@ def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path)
 
 
 @FAULTS
+@pytest.mark.parametrize("dies", [False, True])
+def test_a_runs_final_files_are_written_once_and_again_by_the_next_member_when_the_writer_dies(
+        tmp_path: Path, dies: bool) -> None:
+    # The first member wrote the summary and the final weights at the end; when it died first, the run failed
+    # although two survivors held the same final state (ddpkit train's loops write through by_the_first now).
+    out = tmp_path / "writers"
+    done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_writer.py"),
+                  env=base_env(OUT=str(out), WRITER_DIES="1" if dies else "0"), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_text().split() == (["1"] if dies else ["0"])
+    finished = sorted(line.split()[2] for line in done.stdout.splitlines() if line.startswith("DONE"))
+    assert finished == (["1", "2"] if dies else ["0", "1", "2"]), done.stdout
+
+
+@FAULTS
 @pytest.mark.slow("a whole job of two workers, two deaths and a replacement's interpreter")
 def test_a_replacement_never_trains_from_scratch_when_every_holder_of_the_state_died(tmp_path: Path) -> None:
     # Member 1 dies, its replacement starts; member 0 dies before the replacement joined: nobody can hand it the

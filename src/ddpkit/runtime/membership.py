@@ -278,6 +278,18 @@ class Membership:
             except MembershipChanged:
                 continue
 
+    def by_the_first(self, view: View, work: Callable[[], None]) -> View:
+        """``work()`` done once by the first member of ``view`` (a run's final files): every member then waits for
+        the others (:meth:`barrier`), and when the one that did it died before the barrier, the first of the view
+        the barrier ended in does it again, until one that did it is seen alive after. The view it ended in."""
+        while True:
+            if view.members[0] == self.member:
+                work()
+            after = self.barrier()
+            if view.members[0] in after.members:
+                return after
+            view = after
+
     def group(self, view: View, *, free_old: bool = False) -> dist.ProcessGroup:
         """The gloo group of ``view`` (this worker's rank: its place in ``view.members``), built once per view.
 

@@ -176,7 +176,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     else:
         summary["ps"] = ps.stats.as_dict()
     board.write(view.members[0] == members.member, history)  # (the first member now, maybe not at the last epoch)
-    if view.members[0] == members.member:
+
+    def write() -> None:
         rundir.write_metrics(out, history, warn=True)
         save_weights(out / "model.safetensors", model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -186,11 +187,14 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "
               f"epoch(s) in {wall:.1f} s, {view.size} of {world} worker(s){left} at the end; weights in "
               f"{out / 'model.safetensors'}", flush=True)
-    if outer is not None and view.members[0] == members.member:
-        d = summary["diloco"]
-        print(f"DiLoCo: the global model holds {d['samples_in_model']} of the {d['samples_planned']} samples planned"
-              + (f" ({d['samples_lost']} lost: the inner steps of the workers that died since their last outer "
-                 "step, and the data they had left)" if d["samples_lost"] else ""), flush=True)
+        if outer is not None:
+            d = summary["diloco"]
+            print(f"DiLoCo: the global model holds {d['samples_in_model']} of the {d['samples_planned']} samples "
+                  "planned" + (f" ({d['samples_lost']} lost: the inner steps of the workers that died since their "
+                               "last outer step, and the data they had left)" if d["samples_lost"] else ""),
+                  flush=True)
+
+    members.by_the_first(view, write)  # a writer that dies before it wrote leaves it to the next first member
     board.close()
     if not ssp and not diloco:
         ps.close()

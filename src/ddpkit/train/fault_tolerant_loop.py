@@ -342,7 +342,8 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
                "steps": ft.committed, **timing,
                "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
                "membership_changes": len(ft.changes), "on_failure": "continue"}
-    if ft.rank == 0:
+
+    def write() -> None:
         # Again: the member first at the last epoch's end may have died before it wrote them.
         rundir.write_metrics(out, progress.history, warn=True)
         save_weights(out / "model.safetensors", ft.model.state_dict())
@@ -350,8 +351,14 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
         write_curves(out, progress.history)
         what = "symbols" if config.dataset == "shakespeare" else "images"
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} {what} (test loss {loss:.4f}), {config.epochs} epoch(s) "
-              f"in {wall:.1f} s, {ft.world_size} worker(s) at the end after {len(ft.changes)} membership change(s); "
-              f"weights in {out / 'model.safetensors'}", flush=True)
+              f"in {wall:.1f} s, {summary['world_size']} worker(s) at the end after {len(ft.changes)} membership "
+              f"change(s); weights in {out / 'model.safetensors'}", flush=True)
+
+    if ft.membership is None:
+        if ft.rank == 0:
+            write()
+    else:  # a writer that dies before it wrote leaves it to the next first member, who holds the same state
+        ft.membership.by_the_first(ft.view, write)
     return summary
 
 
