@@ -192,6 +192,18 @@ def test_a_node_with_another_worker_count_or_a_taken_rank_is_refused_before_it_s
         take_seat(rdzv, node=1, nproc=2, **common)
 
 
+def test_a_seat_on_a_loopback_job_address_listens_on_loopback_alone() -> None:
+    # The council listened on every interface although the job's address (and so every node) was this machine's
+    # loopback: any host on the network could reach its handshake.
+    rdzv = _Rendezvous()
+    council, served = take_seat(rdzv, node=0, nnodes=1, nproc=1, master_addr="127.0.0.1", port=1, token="job",
+                                timeout_s=5.0, most=1)
+    try:
+        assert served is None and council._listener.getsockname()[0] == "127.0.0.1"
+    finally:
+        council.close()
+
+
 def test_two_spares_that_come_at_once_connect_once_and_carry_the_job_when_the_starting_nodes_are_gone() -> None:
     councils, spare_seat = _councils(2, most=4)
     assert all(isinstance(c, Council) for c in councils), councils

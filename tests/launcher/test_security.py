@@ -231,3 +231,21 @@ def test_an_intruder_that_reads_the_prefix_in_the_store_joins_no_group_and_recei
     assert "TRAINED" not in out and node.returncode != 0
     assert "RendezvousError: rank 0: the value under the job's key '" in err, err  # (gloo's key of rank 1's address)
     assert "' was not written by a process holding the job's secret" in err, err
+
+
+@pytest.mark.parametrize("mode, said", [(0o600, False), (0o640, True), (0o644, True)])
+def test_a_secret_file_other_users_can_read_is_said_in_one_line(tmp_path, capsys, mode: int, said: bool):
+    # ssh refuses such a private key; a shared cluster file system may need a group to read it: said, not refused.
+    from ddpkit.launcher.job import job_token
+    from ddpkit.launcher.launch_config import LaunchConfig
+    from ddpkit.launcher.settings import resolve
+
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(mode)
+    config = LaunchConfig(program=str(SCRIPTS / "nodes.py"), nnodes="2", node_rank=0, master_addr="127.0.0.1",
+                          master_port=1, job_secret_file=secret)
+    assert job_token(resolve(config)) == SECRET
+    err = capsys.readouterr().err
+    assert (f"--job-secret-file {secret} can be read by other users of this machine (mode {mode:04o}): any of them "
+            f"can join this job; chmod 600 {secret}" in err) is said, err

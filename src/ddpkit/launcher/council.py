@@ -67,6 +67,7 @@ from typing import Any
 
 from ddpkit.launcher.council_link import Connection, close_socket, handshake
 from ddpkit.runtime.discovery import job_key
+from ddpkit.runtime.network import loopback_listener
 from ddpkit.runtime.states import check_move
 
 __all__ = ["BEAT_S", "SUSPECT_S", "Council", "Entry", "Report", "Role"]
@@ -751,10 +752,8 @@ def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str
         served = AgentStore(host, free_port(host), lambda: timeout_s)
         served.start()
         store = served.where
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("", 0))
-    listener.listen(64)
+    # On loopback alone when the job's address is a loopback one (every node on this machine), as its stores do.
+    listener = socket.socket(fileno=loopback_listener(host, 0, or_any=True))
     rdzv.store.set(f"council/{node}", json.dumps([host, listener.getsockname()[1], store]))
     _wait_keys(rdzv.store, [f"council/{n}" for n in range(nnodes)], deadline,
                "node(s) {missing} did not publish their council seat")

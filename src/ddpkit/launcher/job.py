@@ -166,6 +166,11 @@ def job_token(launch: LaunchSettings) -> str | None:
             raise ConfigError(f"--job-secret-file {path}: cannot read it ({e.strerror})") from None
         if token is None:
             raise ConfigError(f"--job-secret-file {path} is empty: write the job's secret in it")
+        # ssh refuses a private key that others can read; a secret on a cluster's shared file system may have to
+        # be readable by a group, so this says so and goes on.
+        if (mode := path.stat().st_mode) & 0o077:
+            say(f"--job-secret-file {path} can be read by other users of this machine (mode {mode & 0o777:04o}): "
+                f"any of them can join this job; chmod 600 {path}")
     else:
         token = os.environ.get(JOB_TOKEN_ENV) or None
     if token is None and (launch.max_nodes == 1 or launch.standalone):  # its rendezvous is this machine's alone
