@@ -269,6 +269,17 @@ def test_a_worker_stopped_mid_step_is_killed_after_the_keep_alive_and_the_run_en
 
 
 @FAULTS
+def test_workers_stopped_together_are_one_failure_named_with_their_stall(tmp_path: Path) -> None:
+    # Both workers of a job stall in one step: killed in one look, one failure (not "went on from" the first),
+    # and the root cause says why a process with no traceback was killed.
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", *SHORT_KEEP_ALIVE,
+                  script("ft_train.py"), env=base_env(KILL="0:2:stop,1:2:stop"), timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "failed first: killed by signal SIGKILL\n" in done.stderr and "went on from" not in done.stderr
+    assert "(killed by its launcher: it had stalled, no word from it for 2 s)" in done.stderr, done.stderr
+
+
+@FAULTS
 @pytest.mark.slow("a run of three workers with a death and a replacement that stops once admitted")
 def test_a_replacement_stopped_once_admitted_is_killed_and_the_members_go_on_bitwise(tmp_path: Path,
                                                                                     shared_runs) -> None:
@@ -664,13 +675,13 @@ def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path:
 @pytest.mark.slow("a whole job of two workers through two deaths")
 def test_the_last_workers_death_fails_the_job_and_leaves_nothing(tmp_path: Path) -> None:
     done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", script("ft_train.py"),
-                  env=base_env(KILL="0:2,1:5"), timeout=120)
+                  env=base_env(KILL="0:2,1:5", SLEEP="0.3"), timeout=120)  # (the job goes on for a second)
     assert done.returncode == 1
     assert "the job goes on with 1 worker(s)" in done.stderr
     assert "no worker holding the training state is left" in done.stderr
-    # The root cause is the death that ended the job, not the first one, which it survived.
-    assert "the job went on through 1 death(s) before the one that ended it" in done.stderr
-    assert "rank 1 (local rank 1) failed first" in done.stderr and "Root cause: rank 1" in done.stderr, done.stderr
+    # The root cause is the death that ended the job, not the first one, which it went on from.
+    assert ("rank 1 (local rank 1) failed first (of the deaths that ended the job; it went on from 1 earlier "
+            "death(s), each in a line above)") in done.stderr and "Root cause: rank 1" in done.stderr, done.stderr
 
 
 @FAULTS
@@ -683,9 +694,19 @@ def test_a_runs_final_files_are_written_once_and_again_by_the_next_member_when_t
     done = launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", script("ft_writer.py"),
                   env=base_env(OUT=str(out), WRITER_DIES="1" if dies else "0"), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert out.read_text().split() == (["1"] if dies else ["0"])
+    assert out.read_text().splitlines() == (["1 [1, 2]"] if dies else ["0 [0, 1, 2]"])
     finished = sorted(line.split()[2] for line in done.stdout.splitlines() if line.startswith("DONE"))
     assert finished == (["1", "2"] if dies else ["0", "1", "2"]), done.stdout
+
+
+@FAULTS
+def test_a_worker_whose_exit_outlasts_the_keep_alive_is_not_taken_for_stalled(tmp_path: Path) -> None:
+    # Its beats stop with the interpreter's teardown: it says goodbye first, or a job that ended well failed.
+    out = tmp_path / "writers"
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", *SHORT_KEEP_ALIVE,
+                  script("ft_writer.py"), env=base_env(OUT=str(out), TEARDOWN_S="3"), timeout=120)
+    assert done.returncode == 0 and "stalled" not in done.stderr, done.stderr[-3000:]
+    assert out.read_text().splitlines() == ["0 [0, 1]"]
 
 
 @FAULTS

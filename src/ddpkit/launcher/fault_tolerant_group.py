@@ -10,8 +10,9 @@ view after next once it says it is ready (a peer hands it the training state).
 
 A worker that stops without dying (paused, or holding Python's lock) would
 hold every survivor in its next collective until the group's timeout. Each
-worker beats on its pipe back every keep-alive interval (``--rdzv-conf``'s
-``keep_alive_interval``, 1 s), from a thread of its own; one not heard for
+worker beats on its pipe back twice every keep-alive interval (``--rdzv-conf``'s
+``keep_alive_interval``, 1 s), from a thread of its own, and says goodbye at
+exit (its teardown is no stall); one not heard for
 the keep-alive's timeout (``keep_alive_interval x keep_alive_max_attempt``,
 6 s) once it has beaten is killed, with a line that says so, and its death is
 survived as any other (a replacement takes its place while ``--max-restarts``
@@ -60,6 +61,10 @@ from ddpkit.runtime.variables import FT_FD, FT_KEEP_ALIVE, FT_MEMBER, FT_REPLY_F
 __all__ = ["GO", "HOLD", "USAGE_EXIT", "WORKER_MOVES", "Death", "FaultTolerantGroup", "Stop", "Turn", "WorkerPhase"]
 
 _POLL_S = 0.05
+_WENT_ON_S = 0.5
+"""A death at least this long after the one before starts a new account of the job's failure: the job went on from
+the deaths before it (the deaths of one failure, a cascade of reset connections or workers killed as stalled in one
+look, come within milliseconds of each other)."""
 USAGE_EXIT = 2
 """The exit code of a usage error (argparse's, ``ddpkit``'s command line): a worker that exits with it before it
 held the training state ends the job instead of being replaced."""
@@ -177,8 +182,8 @@ class FaultTolerantGroup(WorkerGroup):
         """When :meth:`_kill_stalled` last looked."""
         self.stalled: set[int] = set()
         """Members killed for their silence."""
-        self.survived = 0
-        """Deaths the job went on from (one node: :meth:`_went_on`)."""
+        self._leaving: set[int] = set()
+        """Members that said goodbye (they exit: not judged any more)."""
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start this node's workers."""
@@ -236,7 +241,9 @@ class FaultTolerantGroup(WorkerGroup):
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             for line in pipe:
                 self._heard[member] = time.monotonic()
-                if line.strip() == b"ready":
+                if line.strip() == b"bye":  # exiting: its teardown beats no more, and is no stall
+                    self._leaving.add(member)
+                elif line.strip() == b"ready":
                     self._ready.put(member)
                 elif line.strip() == b"holding":
                     with self._moving:  # read and moved together: the main loop may dismiss it meanwhile
@@ -266,9 +273,11 @@ class FaultTolerantGroup(WorkerGroup):
 
     def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
              ) -> Failure | RemoteFailure | str | None:
-        """Until every live worker exited 0 (None) or none is left (the :class:`Failure` of the first death the job
-        did not go on from: the deaths it survived are each in a line of their own)."""
+        """Until every live worker exited 0 (None) or none is left (the :class:`Failure` of the first of the deaths
+        that ended the job: on one node, those that came less than :data:`_WENT_ON_S` apart, the last among them;
+        the deaths before, which the job went on from, are each in a line of their own)."""
         first: Failure | None = None
+        last_death = -float("inf")
         while self._running() or not self._job_over():
             turn = self._turn()
             if isinstance(turn, Stop):
@@ -307,7 +316,14 @@ class FaultTolerantGroup(WorkerGroup):
             usage = code == USAGE_EXIT and self.phases[index] is WorkerPhase.STARTED
             self._move(index, WorkerPhase.DIED)
             failure = self.failure(index, code)
-            first = first or failure
+            if member in self.stalled and not failure.traceback:
+                failure.last_lines = [*failure.last_lines, f"(killed by its launcher: it had stalled, no word from it "
+                                                           f"for {self.keep_alive[1]:g} s)"]
+            if first is not None and self._went_on() and time.monotonic() - last_death >= _WENT_ON_S:
+                first = None  # the job went on from the deaths before: not the cause of a failure to come
+            if first is None:
+                failure.earlier = len(self.deaths)
+            first, last_death = first or failure, time.monotonic()
             if usage:
                 # Exit 2 before the worker held the training state: a usage error (a bad flag, a wrong launcher),
                 # which every replacement would make again. Not a death to survive.
@@ -326,9 +342,6 @@ class FaultTolerantGroup(WorkerGroup):
             self.deaths.append(Death(member, code, time.time(), self.generation + 1))
             if not self._died(member, died):
                 break
-            if self._went_on():
-                first = None  # survived: not the cause of a failure to come
-                self.survived += 1
             if self.replacements > 0 and not self._finished():
                 self.replacements -= 1
                 dead = self.specs[index]  # the replacement takes the dead worker's place (rank, local rank, GPU)
@@ -350,11 +363,11 @@ class FaultTolerantGroup(WorkerGroup):
         now = time.monotonic()
         interval, timeout = self.keep_alive
         if now - self._swept > timeout / 2:
-            self._heard = {member: now for member in self._heard}
+            self._heard = dict.fromkeys(tuple(self._heard), now)  # (a replies' thread may add a member meanwhile)
         self._swept = now
         for index in self._in_job():
             member = self.member_of[index]
-            if member in self.stalled or now - self._heard.get(member, now) <= timeout:
+            if member in self.stalled or member in self._leaving or now - self._heard.get(member, now) <= timeout:
                 continue
             self.stalled.add(member)
             say(f"member {member} (rank {self.specs[index].rank} at the start) sent no word for {timeout:g} s "
@@ -373,8 +386,9 @@ class FaultTolerantGroup(WorkerGroup):
         return GO
 
     def _went_on(self) -> bool:
-        """Whether the job went on from the death just handled (one node: it did, since :meth:`_died` did not say
-        otherwise); across nodes the majority decides later, and the first death stays the cause of a failure."""
+        """Whether the job went on from the deaths handled so far (one node: it did, since :meth:`_died` did not
+        say otherwise); across nodes the majority decides later, and the first death stays the cause of a
+        failure."""
         return True
 
     def _postpone(self) -> bool:
@@ -388,12 +402,7 @@ class FaultTolerantGroup(WorkerGroup):
     def _outcome(self, first: Failure | None) -> Failure | str | None:
         """What the job ended with once no worker is left: success if one finished, else the first death it did not
         go on from."""
-        if self._finished():
-            return None
-        if first is not None and self.survived:
-            say(f"the job went on through {self.survived} death(s) before the one that ended it (each in a line "
-                "above)")
-        return first
+        return None if self._finished() else first
 
     def _died(self, member: int, died: str) -> bool:
         """``member`` died (``died`` says how): the next view, said; False when the job cannot go on."""

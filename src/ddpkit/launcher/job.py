@@ -168,9 +168,9 @@ def job_token(launch: LaunchSettings) -> str | None:
             raise ConfigError(f"--job-secret-file {path} is empty: write the job's secret in it")
         # ssh refuses a private key that others can read; a secret on a cluster's shared file system may have to
         # be readable by a group, so this says so and goes on.
-        if (mode := path.stat().st_mode) & 0o077:
+        if (mode := path.stat().st_mode) & 0o044:
             say(f"--job-secret-file {path} can be read by other users of this machine (mode {mode & 0o777:04o}): "
-                f"any of them can join this job; chmod 600 {path}")
+                f"whoever of them reaches it and the job's ports can join the job; chmod 600 {path}")
     else:
         token = os.environ.get(JOB_TOKEN_ENV) or None
     if token is None and (launch.max_nodes == 1 or launch.standalone):  # its rendezvous is this machine's alone

@@ -113,11 +113,16 @@ class Failure:
     """The parameter server's index when a server failed."""
     error_file: str = ""
     """Where the worker's ``TORCHELASTIC_ERROR_FILE`` was (torch's ``@record`` writes its traceback there)."""
+    earlier: int = 0
+    """Under ``--on-failure continue``: deaths before this failure's that the job went on from."""
 
     def describe(self) -> str:
+        went_on = (f" (of the deaths that ended the job; it went on from {self.earlier} earlier death(s), each in a "
+                   "line above)") if self.earlier else ""
         if self.server is not None:
-            return f"parameter server {self.server} failed first: {describe_exit(self.exitcode)}"
-        return f"rank {self.rank} (local rank {self.local_rank}) failed first: {describe_exit(self.exitcode)}"
+            return f"parameter server {self.server} failed first{went_on}: {describe_exit(self.exitcode)}"
+        return (f"rank {self.rank} (local rank {self.local_rank}) failed first{went_on}: "
+                f"{describe_exit(self.exitcode)}")
 
 
 def preloaded_module(argv: list[str], cfg: LaunchConfig) -> tuple[str, list[str]] | None:

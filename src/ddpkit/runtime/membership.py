@@ -23,14 +23,16 @@ The pipe carries one JSON line per view (with the parameter servers that
 died, which are not members: a server's death is announced in the same
 generation); a worker answers on ``DDPKIT_FT_REPLY_FD``: ``ready`` (a
 replacement that can take part), ``holding`` (it holds the training state),
-and ``beat`` every keep-alive interval from a thread of its own
+``beat`` twice every keep-alive interval from a thread of its own
 (``DDPKIT_FT_KEEP_ALIVE``), so that its launcher knows a worker that stopped
 (paused, or holding Python's lock) from one that is only slow: a worker silent
-for the keep-alive's timeout is killed, and its death is survived as any other.
+for the keep-alive's timeout is killed, and its death is survived as any other;
+and ``bye`` at exit (its teardown beats no more, and is no stall).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -131,14 +133,23 @@ class Membership:
         """Connections (by ``host:port``) on which a waiting thread looks for members gone ahead."""
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
         self._reader.start()
+        self._leaving = False
         if reply_fd is not None:
             threading.Thread(target=self._beat, name="ddpkit-membership-beat", daemon=True).start()
+            atexit.register(self._bye)
 
     def _beat(self) -> None:
-        """Tell the launcher this process still runs, every keep-alive interval, until it closes the pipe."""
-        while not self._closed:
+        """Tell the launcher this process still runs, twice every keep-alive interval (a beat late by up to half
+        an interval is no missed one), until it closes the pipe or this process says goodbye."""
+        while not self._closed and not self._leaving:
             self._reply(b"beat\n")
-            time.sleep(self.keep_alive[0])
+            time.sleep(self.keep_alive[0] / 2)
+
+    def _bye(self) -> None:
+        """At exit (``atexit``, while threads still run): no more beats come, and that is no stall (the interpreter's
+        teardown stops this thread, and may take longer than the keep-alive)."""
+        self._leaving = True
+        self._reply(b"bye\n")
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb", buffering=0) as pipe:
@@ -278,17 +289,35 @@ class Membership:
             except MembershipChanged:
                 continue
 
-    def by_the_first(self, view: View, work: Callable[[], None]) -> View:
-        """``work()`` done once by the first member of ``view`` (a run's final files): every member then waits for
-        the others (:meth:`barrier`), and when the one that did it died before the barrier, the first of the view
-        the barrier ended in does it again, until one that did it is seen alive after. The view it ended in."""
+    def by_the_first(self, view: View, work: Callable[[list[int]], None]) -> None:
+        """``work(alive)`` done once, by the first member of ``view`` still alive (a run's final files; ``alive``:
+        the members of ``view`` still in the job), while the others wait for it: when the one doing it dies
+        first, the next one does it again, so a death at the very end loses nothing that a survivor holds.
+
+        A mark in the store says it is done (not a collective: a replacement admitted at the end, still in its
+        state agreement on the newest view's group, must meet no collective of the members there; the
+        launcher stops it once a member finishes). Every wait is bounded by the liveness of the one doing the
+        work: its death, or its silence (the launcher kills a stalled worker), makes the next view.
+        """
+        done = "ft/final/done"
+        stores: dict[str, dist.Store] = {}  # this thread's own connection per store (the store moves with node 0)
         while True:
-            if view.members[0] == self.member:
-                work()
-            after = self.barrier()
-            if view.members[0] in after.members:
-                return after
-            view = after
+            newest = self.latest()
+            alive = [m for m in view.members if m in newest.members]
+            if newest.store not in stores:
+                stores[newest.store] = self._store_of(newest)
+            store = stores[newest.store]
+            if store.check([done]):
+                return
+            if alive and alive[0] == self.member:
+                work(alive)
+                store.set(done, str(self.member))
+                return
+            if self._closed:
+                raise RuntimeError("the launcher closed the membership pipe while the run's last files were being "
+                                   "written: this worker stops too")
+            with self._cond:
+                self._cond.wait(_LOOK_S)
 
     def group(self, view: View, *, free_old: bool = False) -> dist.ProcessGroup:
         """The gloo group of ``view`` (this worker's rank: its place in ``view.members``), built once per view.

@@ -177,7 +177,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         summary["ps"] = ps.stats.as_dict()
     board.write(view.members[0] == members.member, history)  # (the first member now, maybe not at the last epoch)
 
-    def write() -> None:
+    def write(alive: list[int]) -> None:  # (this member's own buffers and history: those of its replica)
+        summary["world_size"] = len(alive)
         rundir.write_metrics(out, history, warn=True)
         save_weights(out / "model.safetensors", model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -185,7 +186,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         left = "" if ssp or diloco else (f" and {config.num_servers - len(view.servers_gone)} of "
                                          f"{config.num_servers} server(s)")
         print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "
-              f"epoch(s) in {wall:.1f} s, {view.size} of {world} worker(s){left} at the end; weights in "
+              f"epoch(s) in {wall:.1f} s, {len(alive)} of {world} worker(s){left} at the end; weights in "
               f"{out / 'model.safetensors'}", flush=True)
         if outer is not None:
             d = summary["diloco"]

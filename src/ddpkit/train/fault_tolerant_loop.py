@@ -332,9 +332,26 @@ def _write_changes(out: Path, ft: FaultTolerance) -> None:
 
 def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int, out: Path, wall: float,
             timing: dict[str, Any]) -> dict[str, Any]:
-    """The final weights and ``summary.json`` (the default mode's keys, ``timing`` among them, and the mode's)."""
+    """The final weights and ``summary.json`` (the default mode's keys, ``timing`` among them, and the mode's),
+    written by the first member still alive (:meth:`~ddpkit.runtime.membership.Membership.by_the_first`): the
+    members it counts are the last step's that are still in the job, and each one lost after that step is one more
+    membership change."""
     last = progress.history[-1]  # the last step ends the last epoch, which evaluated the final weights
     loss, accuracy = last["test_loss"], last["test_accuracy"]
+
+    def write(alive: list[int]) -> None:
+        # Again: the member first at the last epoch's end may have died before it wrote them.
+        changes = len(ft.changes) + ft.world_size - len(alive)
+        summary.update(world_size=len(alive), membership_changes=changes)
+        rundir.write_metrics(out, progress.history, warn=True)
+        save_weights(out / "model.safetensors", ft.model.state_dict())
+        write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_curves(out, progress.history)
+        what = "symbols" if config.dataset == "shakespeare" else "images"
+        print(f"test accuracy: {100 * accuracy:.2f}% on {n} {what} (test loss {loss:.4f}), {config.epochs} epoch(s) "
+              f"in {wall:.1f} s, {len(alive)} worker(s) at the end after {changes} membership change(s); weights "
+              f"in {out / 'model.safetensors'}", flush=True)
+
     summary = {"test_accuracy": accuracy, "test_loss": loss, "test_samples": n, "epochs": config.epochs,
                "world_size": ft.world_size, "global_batch_size": ft.shards.batch_size,
                "wall_time_s": round(wall, 3), "engine": config.engine, "strategy": config.strategy,
@@ -342,21 +359,9 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
                "steps": ft.committed, **timing,
                "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
                "membership_changes": len(ft.changes), "on_failure": "continue"}
-
-    def write() -> None:
-        # Again: the member first at the last epoch's end may have died before it wrote them.
-        rundir.write_metrics(out, progress.history, warn=True)
-        save_weights(out / "model.safetensors", ft.model.state_dict())
-        write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        write_curves(out, progress.history)
-        what = "symbols" if config.dataset == "shakespeare" else "images"
-        print(f"test accuracy: {100 * accuracy:.2f}% on {n} {what} (test loss {loss:.4f}), {config.epochs} epoch(s) "
-              f"in {wall:.1f} s, {summary['world_size']} worker(s) at the end after {len(ft.changes)} membership "
-              f"change(s); weights in {out / 'model.safetensors'}", flush=True)
-
     if ft.membership is None:
         if ft.rank == 0:
-            write()
+            write(list(range(ft.world_size)))
     else:  # a writer that dies before it wrote leaves it to the next first member, who holds the same state
         ft.membership.by_the_first(ft.view, write)
     return summary

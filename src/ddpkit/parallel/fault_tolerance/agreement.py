@@ -85,7 +85,7 @@ def transfer(group: dist.ProcessGroup, wait: Wait, rank: int, source: int,
     if rank == source:
         buffer = io.BytesIO()
         torch.save(state(), buffer)
-        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        payload = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)  # (no copy: one holds Python's lock)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
@@ -96,8 +96,36 @@ def transfer(group: dist.ProcessGroup, wait: Wait, rank: int, source: int,
         wait(group.broadcast([payload[start : start + CHUNK_BYTES]], root(source)))
     if rank == source:
         return None, 0
-    received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True, map_location=device)
+    received = torch.load(_Reader(memoryview(payload.numpy())), weights_only=True, map_location=device)
     return received, int(size)
+
+
+class _Reader(io.RawIOBase):
+    """A file over bytes already in memory, read in place: ``io.BytesIO`` would copy them whole first (a state of
+    gigabytes: twice its memory, and Python's lock held long enough to look like a stalled worker)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._at = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, into: Any) -> int:
+        n = max(0, min(len(into), len(self._view) - self._at))
+        into[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._at = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence] + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 def root(rank: int) -> dist.BroadcastOptions:
