@@ -700,6 +700,33 @@ def test_a_runs_final_files_are_written_once_and_again_by_the_next_member_when_t
 
 
 @FAULTS
+@pytest.mark.slow("ddpkit train of three workers, one killed as the last epoch ends while a replacement is left")
+def test_a_death_as_the_last_epoch_ends_with_a_replacement_to_start_ends_the_run(tmp_path: Path) -> None:
+    # The replacement was admitted while the members met to write the final files: it ran its state agreement
+    # against their collective on the newest group, and the job hung until the group's timeout (found in review).
+    import os
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "digits", "--model", "mlp",
+                             "--epochs", "3", "--nproc-per-node", "3", "--on-failure", "continue", "--max-restarts",
+                             "1", "--no-progress", "--output-dir", str(out)], env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("epoch 3/3"):
+                os.kill(named(proc.pid, "ddpkit-rank2")[0], signal.SIGKILL)
+                break
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "member 2 (rank 2 at the start) died" in stderr and "started member 3 to replace it" in stderr, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["world_size"] in (2, 3)  # (2: it died before the files were written)
+
+
+@FAULTS
 def test_a_worker_whose_exit_outlasts_the_keep_alive_is_not_taken_for_stalled(tmp_path: Path) -> None:
     # Its beats stop with the interpreter's teardown: it says goodbye first, or a job that ended well failed.
     out = tmp_path / "writers"
