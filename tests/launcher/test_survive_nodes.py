@@ -56,6 +56,24 @@ def _nodes(out: Path, addresses: list[str], *flags: str, namespaces: list[str] |
     return nodes
 
 
+@pytest.mark.slow("three launchers, node 0's killed while its worker writes the run's final files")
+def test_the_store_s_node_lost_while_the_final_files_are_written_leaves_them_to_a_survivor(tmp_path: Path) -> None:
+    # The survivors asked node 0's store whether the files were written, found it gone, and died with the state
+    # (found in review). They now wait for the next view, which names the store's new place, and one writes.
+    out, port = tmp_path / "writers", free_port()
+    nodes = [Streamed([sys.executable, "-m", "ddpkit", "launch", "--nnodes", "3", "--node-rank", str(node),
+                       "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id",
+                       "writers", "--on-failure", "continue", script("ft_writer.py")],
+                      base_env(OUT=str(out), WRITE_S="60", DDPKIT_JOB_TOKEN=NODES_SECRET)) for node in range(3)]
+    for node in (1, 2):  # (past their rendezvous, which node 0's store serves)
+        nodes[node].wait_for(f"READY member {node}", timeout=90)
+    nodes[0].wait_for("WRITING member 0", timeout=90)
+    os.kill(nodes[0].pid, signal.SIGKILL)  # the store's host, and its worker (the writer) with it
+    errs = _finish(nodes)
+    assert [n.returncode for n in nodes] == [-signal.SIGKILL, 0, 0], errs
+    assert out.read_text().splitlines() == ["1 [1, 2]"], errs
+
+
 def _finish(nodes: list[Streamed], timeout: float = 120) -> list[str]:
     try:
         return [node.communicate(timeout=timeout)[1] for node in nodes]

@@ -9,7 +9,8 @@ start (``GROW_MID=1``: wait in the middle of the step's micro-batches instead, s
 a ``KILL`` entry ``MEMBER:STEP:stop`` makes that member SIGSTOP itself there instead (a stalled worker, which
 its launcher kills once its beats stop), and ``MEMBER:STEP:launcher`` stops its launcher for ``HOLD_LAUNCHER``
 seconds and SIGKILLs itself (a launcher held up while a worker dies); ``STOP_ON_ADMISSION=1``: a replacement
-SIGSTOPs itself the moment its launcher admits it, before the state transfer; ``METRIC=1``: an ``ft.all_reduce``
+SIGSTOPs itself the moment its launcher admits it, before the state transfer; ``RAISE=MEMBER:STEP``: that member
+raises there instead, and ``TEARDOWN_S`` makes its interpreter teardown take that long; ``METRIC=1``: an ``ft.all_reduce``
 of a metric between the micro-batches and
 ``step.sync()``, and a ``KILL`` entry ``MEMBER:STEP:metric`` kills that member just before it (so the others are
 inside it); ``REPLACEMENT_SHARDS=N``: a replacement asks for N virtual shards (a joiner started otherwise than the
@@ -94,6 +95,15 @@ if os.environ.get("PIDS"):
     with open(os.environ["PIDS"], "a") as f:
         f.write(f"{os.getpid()}\n")
 kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k and k.count(":") == 1}
+raise_at = tuple(map(int, os.environ["RAISE"].split(":"))) if os.environ.get("RAISE") else None
+
+
+class SlowToGo:
+    def __del__(self) -> None:
+        time.sleep(float(os.environ.get("TEARDOWN_S", "0")))
+
+
+kept = SlowToGo() if raise_at and raise_at[0] == member else None  # destroyed in the teardown, after the threads
 holds = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":launcher")}
 stops = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":stop")}
 metric_kills = {tuple(map(int, k.split(":")[:2])) for k in os.environ.get("KILL", "").split(",") if k.endswith(":metric")}
@@ -130,6 +140,8 @@ for step in ft.steps(epochs=epochs):
         F.cross_entropy(model(xb), yb).backward()
         if i == 0 and (member, step.index) in kills:  # after its first micro-batch: in the middle of the step
             os.kill(os.getpid(), signal.SIGKILL)
+        if i == 0 and (member, step.index) == raise_at:
+            raise RuntimeError(f"member {member} fails in step {step.index}")
         if i == 0 and (member, step.index) in stops:
             os.kill(os.getpid(), signal.SIGSTOP)
         if i == 0 and (member, step.index) in holds:  # the launcher continued by a process of its own

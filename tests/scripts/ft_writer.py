@@ -1,7 +1,7 @@
 """The end of a run under ``ddpkit launch --on-failure continue``: its final files written once, by the first member
 of the view (``Membership.by_the_first``, as ``ddpkit train``'s loops write their summary). ``WRITER_DIES=1``: the
 first member SIGKILLs itself where it would write, so the next first member must write instead. Each writer adds
-its member id to the file ``OUT``. ``TEARDOWN_S``: each process's interpreter teardown takes that long (a module
+its member id to the file ``OUT``, member 0 after ``WRITE_S`` seconds of writing. ``TEARDOWN_S``: each process's interpreter teardown takes that long (a module
 global whose destructor waits, as a large native object's may), after its beats have stopped."""
 
 import os
@@ -25,11 +25,15 @@ kept = SlowToGo()  # a module global: destroyed in the teardown, once the daemon
 
 
 def write(alive: list[int]) -> None:
+    print(f"WRITING member {members.member}", flush=True)
     if os.environ.get("WRITER_DIES") == "1" and members.member == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+    if members.member == 0:
+        time.sleep(float(os.environ.get("WRITE_S", "0")))  # (a large model's files)
     with open(os.environ["OUT"], "a") as f:
         f.write(f"{members.member} {alive}\n")
 
 
+print(f"READY member {members.member}", flush=True)
 members.by_the_first(members.latest(), write)
 print(f"DONE member {members.member}", flush=True)

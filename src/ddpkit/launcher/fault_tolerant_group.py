@@ -12,7 +12,7 @@ A worker that stops without dying (paused, or holding Python's lock) would
 hold every survivor in its next collective until the group's timeout. Each
 worker beats on its pipe back twice every keep-alive interval (``--rdzv-conf``'s
 ``keep_alive_interval``, 1 s), from a thread of its own, and says goodbye at
-exit (its teardown is no stall); one not heard for
+exit (its teardown gets the shutdown grace period more); one not heard for
 the keep-alive's timeout (``keep_alive_interval x keep_alive_max_attempt``,
 6 s) once it has beaten is killed, with a line that says so, and its death is
 survived as any other (a replacement takes its place while ``--max-restarts``
@@ -61,10 +61,6 @@ from ddpkit.runtime.variables import FT_FD, FT_KEEP_ALIVE, FT_MEMBER, FT_REPLY_F
 __all__ = ["GO", "HOLD", "USAGE_EXIT", "WORKER_MOVES", "Death", "FaultTolerantGroup", "Stop", "Turn", "WorkerPhase"]
 
 _POLL_S = 0.05
-_WENT_ON_S = 0.5
-"""A death at least this long after the one before starts a new account of the job's failure: the job went on from
-the deaths before it (the deaths of one failure, a cascade of reset connections or workers killed as stalled in one
-look, come within milliseconds of each other)."""
 USAGE_EXIT = 2
 """The exit code of a usage error (argparse's, ``ddpkit``'s command line): a worker that exits with it before it
 held the training state ends the job instead of being replaced."""
@@ -183,7 +179,9 @@ class FaultTolerantGroup(WorkerGroup):
         self.stalled: set[int] = set()
         """Members killed for their silence."""
         self._leaving: set[int] = set()
-        """Members that said goodbye (they exit: not judged any more)."""
+        """Members that said goodbye: they exit, and their teardown gets the shutdown grace period too."""
+        self._built: dict[int, int] = {}
+        """member id -> the newest generation whose group it built (a replies' thread writes it)."""
 
     def start(self, specs: list[WorkerSpec], signals: SignalCatcher) -> None:
         """Start this node's workers."""
@@ -241,8 +239,10 @@ class FaultTolerantGroup(WorkerGroup):
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             for line in pipe:
                 self._heard[member] = time.monotonic()
-                if line.strip() == b"bye":  # exiting: its teardown beats no more, and is no stall
+                if line.strip() == b"bye":  # exiting: its teardown beats no more (judged after the grace period)
                     self._leaving.add(member)
+                elif line.startswith(b"built "):  # it built a view's group: the job went on past that change
+                    self._built[member] = int(line.split()[1])
                 elif line.strip() == b"ready":
                     self._ready.put(member)
                 elif line.strip() == b"holding":
@@ -274,10 +274,10 @@ class FaultTolerantGroup(WorkerGroup):
     def wait(self, watch: Callable[[], RemoteFailure | str | None] | None = None,
              ) -> Failure | RemoteFailure | str | None:
         """Until every live worker exited 0 (None) or none is left (the :class:`Failure` of the first of the deaths
-        that ended the job: on one node, those that came less than :data:`_WENT_ON_S` apart, the last among them;
-        the deaths before, which the job went on from, are each in a line of their own)."""
+        that ended the job: on one node, the deaths since a member last built a group of a view after a death, a
+        sign the job went on from it; the deaths before are each in a line of their own)."""
         first: Failure | None = None
-        last_death = -float("inf")
+        first_view = 0  # the view announced for `first`
         while self._running() or not self._job_over():
             turn = self._turn()
             if isinstance(turn, Stop):
@@ -306,6 +306,8 @@ class FaultTolerantGroup(WorkerGroup):
             if self.phases[index] is WorkerPhase.DISMISSED:
                 self._move(index, WorkerPhase.GONE)
                 continue
+            if code != 0 and member in self.stalled and member in self._leaving:
+                code = 0  # its program had ended (it said goodbye): only its teardown hung, and was cut short
             if code == 0:
                 first_to_finish = not self._finished()
                 self._move(index, WorkerPhase.FINISHED)
@@ -316,14 +318,14 @@ class FaultTolerantGroup(WorkerGroup):
             usage = code == USAGE_EXIT and self.phases[index] is WorkerPhase.STARTED
             self._move(index, WorkerPhase.DIED)
             failure = self.failure(index, code)
-            if member in self.stalled and not failure.traceback:
+            if member in self.stalled:
                 failure.last_lines = [*failure.last_lines, f"(killed by its launcher: it had stalled, no word from it "
-                                                           f"for {self.keep_alive[1]:g} s)"]
-            if first is not None and self._went_on() and time.monotonic() - last_death >= _WENT_ON_S:
+                                                           f"for {self._limit(member):g} s)"]
+            if first is not None and self._went_on() and max(tuple(self._built.values()), default=-1) >= first_view:
                 first = None  # the job went on from the deaths before: not the cause of a failure to come
             if first is None:
-                failure.earlier = len(self.deaths)
-            first, last_death = first or failure, time.monotonic()
+                failure.earlier, first_view = len(self.deaths), self.generation + 1
+            first = first or failure
             if usage:
                 # Exit 2 before the worker held the training state: a usage error (a bad flag, a wrong launcher),
                 # which every replacement would make again. Not a death to survive.
@@ -336,7 +338,8 @@ class FaultTolerantGroup(WorkerGroup):
             said = [line for line in failure.last_lines if not _TORCH_LOG.match(line)]  # not c10d's warnings
             why = (failure.traceback.splitlines() or said or [""])[-1].strip()
             if member in self.stalled:
-                why = f"it had stalled: no word from it for {self.keep_alive[1]:g} s"
+                stalled = f"no word from it for {self._limit(member):g} s"
+                why = f"{why}; then it stalled: {stalled}" if failure.traceback else f"it had stalled: {stalled}"
             died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
                     + (f" ({why})" if why else ""))
             self.deaths.append(Death(member, code, time.time(), self.generation + 1))
@@ -367,12 +370,18 @@ class FaultTolerantGroup(WorkerGroup):
         self._swept = now
         for index in self._in_job():
             member = self.member_of[index]
-            if member in self.stalled or member in self._leaving or now - self._heard.get(member, now) <= timeout:
+            if member in self.stalled or now - self._heard.get(member, now) <= self._limit(member):
                 continue
             self.stalled.add(member)
-            say(f"member {member} (rank {self.specs[index].rank} at the start) sent no word for {timeout:g} s "
-                f"(a beat is due every {interval:g} s): it stalled (paused, or holding Python's lock); killing it "
-                "so that the others go on (--rdzv-conf keep_alive_interval x keep_alive_max_attempt sets how long)")
+            if member in self._leaving:
+                say(f"member {member} (rank {self.specs[index].rank} at the start) is still exiting "
+                    f"{self._limit(member):g} s after its goodbye (the keep-alive's timeout and --shutdown-timeout): "
+                    "killing it; its program had ended, so it counts as finished")
+            else:
+                say(f"member {member} (rank {self.specs[index].rank} at the start) sent no word for {timeout:g} s "
+                    f"(a beat is due every {interval:g} s): it stalled (paused, or holding Python's lock); killing "
+                    "it so that the others go on (--rdzv-conf keep_alive_interval x keep_alive_max_attempt sets how "
+                    "long)")
             signal_groups([self.procs[index]], signal.SIGKILL)
 
     # -- what one node decides alone (CouncilGroup asks the nodes' majority instead) ---------------
@@ -384,6 +393,11 @@ class FaultTolerantGroup(WorkerGroup):
     def _turn(self) -> Turn:
         """What the loop does before it waits for the next exit: go on (this launcher is the job's word)."""
         return GO
+
+    def _limit(self, member: int) -> float:
+        """How long ``member`` may be silent: the keep-alive's timeout; after its goodbye, the shutdown grace period
+        more (its teardown)."""
+        return self.keep_alive[1] + (self.launch.grace_period_s if member in self._leaving else 0.0)
 
     def _went_on(self) -> bool:
         """Whether the job went on from the deaths handled so far (one node: it did, since :meth:`_died` did not

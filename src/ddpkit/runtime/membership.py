@@ -23,7 +23,8 @@ The pipe carries one JSON line per view (with the parameter servers that
 died, which are not members: a server's death is announced in the same
 generation); a worker answers on ``DDPKIT_FT_REPLY_FD``: ``ready`` (a
 replacement that can take part), ``holding`` (it holds the training state),
-``beat`` twice every keep-alive interval from a thread of its own
+``built GENERATION`` (it built that view's group: the job went on past the
+change), ``beat`` twice every keep-alive interval from a thread of its own
 (``DDPKIT_FT_KEEP_ALIVE``), so that its launcher knows a worker that stopped
 (paused, or holding Python's lock) from one that is only slow: a worker silent
 for the keep-alive's timeout is killed, and its death is survived as any other;
@@ -134,6 +135,8 @@ class Membership:
         self._reader = threading.Thread(target=self._read, args=(fd,), name="ddpkit-membership", daemon=True)
         self._reader.start()
         self._leaving = False
+        self._finals = 0
+        """Calls of :meth:`by_the_first` so far (each has its own mark)."""
         if reply_fd is not None:
             threading.Thread(target=self._beat, name="ddpkit-membership-beat", daemon=True).start()
             atexit.register(self._bye)
@@ -146,8 +149,12 @@ class Membership:
             time.sleep(self.keep_alive[0] / 2)
 
     def _bye(self) -> None:
-        """At exit (``atexit``, while threads still run): no more beats come, and that is no stall (the interpreter's
-        teardown stops this thread, and may take longer than the keep-alive)."""
+        """At exit (``atexit``, while threads still run): no more beats come, and the interpreter's teardown, which
+        stops this thread and may outlast the keep-alive, is no stall (its launcher gives it the shutdown grace
+        period). Not after an exception escaped: a failing worker holds its peers in their collectives until it
+        is gone, so its teardown is judged as any stall."""
+        if getattr(sys, "last_value", None) is not None:
+            return
         self._leaving = True
         self._reply(b"bye\n")
 
@@ -296,23 +303,36 @@ class Membership:
 
         A mark in the store says it is done (not a collective: a replacement admitted at the end, still in its
         state agreement on the newest view's group, must meet no collective of the members there; the
-        launcher stops it once a member finishes). Every wait is bounded by the liveness of the one doing the
-        work: its death, or its silence (the launcher kills a stalled worker), makes the next view.
+        launcher stops it once a member finishes). Every member calls it as often as the others, each with the
+        view it ended in (views a death or a join apart name the same first member alive). Every wait is bounded by the liveness of the one doing the work: its death, or its silence
+        (the launcher kills a stalled worker), makes the next view; so does the loss of the store's node (the
+        next view names the store's new place).
         """
-        done = "ft/final/done"
+        self._finals += 1
+        done = f"ft/final/{self._finals}/done"  # (not the view's: members may end in views a death apart)
         stores: dict[str, dist.Store] = {}  # this thread's own connection per store (the store moves with node 0)
+        worked = False
         while True:
             newest = self.latest()
             alive = [m for m in view.members if m in newest.members]
-            if newest.store not in stores:
-                stores[newest.store] = self._store_of(newest)
-            store = stores[newest.store]
-            if store.check([done]):
-                return
-            if alive and alive[0] == self.member:
-                work(alive)
-                store.set(done, str(self.member))
-                return
+            try:
+                if newest.store not in stores:
+                    stores[newest.store] = self._store_of(newest)
+                if stores[newest.store].check([done]):
+                    return
+                if alive and alive[0] == self.member:
+                    if not worked:  # (done already when only its mark was lost with a store)
+                        work(alive)
+                        worked = True
+                    stores[newest.store].set(done, str(self.member))
+                    return
+            except Exception:  # noqa: BLE001 - the store's node lost: its next place comes with the next view
+                stores.pop(newest.store, None)
+                try:
+                    self._expect_change(newest)
+                except MembershipChanged:
+                    continue
+                raise
             if self._closed:
                 raise RuntimeError("the launcher closed the membership pipe while the run's last files were being "
                                    "written: this worker stops too")
@@ -362,6 +382,7 @@ class Membership:
             abandoned.set()
         self._by_generation[view.generation] = built["group"]
         self._group_stores[view.generation] = built["store"]
+        self._reply(f"built {view.generation}\n".encode())  # the job went on past that view's change
         if free_old:
             self._free_old(view.generation)
         return built["group"]

@@ -121,7 +121,10 @@ class _Reader(io.RawIOBase):
         return n
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._at = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence] + offset
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}
+        if whence not in bases or bases[whence] + offset < 0:
+            raise ValueError(f"seek({offset}, {whence}): not a position in the bytes")
+        self._at = bases[whence] + offset
         return self._at
 
     def tell(self) -> int:
