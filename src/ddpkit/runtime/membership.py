@@ -304,9 +304,10 @@ class Membership:
         A mark in the store says it is done (not a collective: a replacement admitted at the end, still in its
         state agreement on the newest view's group, must meet no collective of the members there; the
         launcher stops it once a member finishes). Every member calls it as often as the others, each with the
-        view it ended in (views a death or a join apart name the same first member alive). Every wait is bounded by the liveness of the one doing the work: its death, or its silence
-        (the launcher kills a stalled worker), makes the next view; so does the loss of the store's node (the
-        next view names the store's new place).
+        view it ended in (views a death or a join apart name the same first member alive). Every wait is bounded
+        by the liveness of the one doing the work: its death, or its silence (the launcher kills a stalled
+        worker), makes the next view; so does the loss of the store's node (the next view names the store's new
+        place).
         """
         self._finals += 1
         done = f"ft/final/{self._finals}/done"  # (not the view's: members may end in views a death apart)
