@@ -20,7 +20,9 @@ allows). A launcher that was itself held up that long judges nobody on that
 turn.
 
 The job succeeds when the workers still alive at the end exit 0; when the
-last one dies, its first death is the job's failure, reported as today. A
+last one dies, the first of the deaths that ended it is the job's failure
+(on one node, the deaths since the survivors last went on: one of them built
+the group of a view after a death), reported as today. A
 worker that exits with code 2 (a usage error) before it held the training
 state ends the job at once: a replacement would make the same mistake.
 Parameter servers (``--num-servers``) are not members: the workers that are

@@ -321,10 +321,7 @@ class Membership:
                     stores[newest.store] = self._store_of(newest)
                 if stores[newest.store].check([done]):
                     return
-                if alive and alive[0] == self.member:
-                    if not worked:  # (done already when only its mark was lost with a store)
-                        work(alive)
-                        worked = True
+                if worked:  # (again when its mark was lost with a store)
                     stores[newest.store].set(done, str(self.member))
                     return
             except Exception:  # noqa: BLE001 - the store's node lost: its next place comes with the next view
@@ -334,6 +331,10 @@ class Membership:
                 except MembershipChanged:
                     continue
                 raise
+            if alive and alive[0] == self.member:
+                work(alive)  # (its own failure is its own: not taken for the store's)
+                worked = True
+                continue
             if self._closed:
                 raise RuntimeError("the launcher closed the membership pipe while the run's last files were being "
                                    "written: this worker stops too")
