@@ -1,8 +1,9 @@
 """The end of a run under ``ddpkit launch --on-failure continue``: its final files written once, by the first member
 of the view (``Membership.by_the_first``, as ``ddpkit train``'s loops write their summary). ``WRITER_DIES=1``: the
-first member SIGKILLs itself where it would write, so the next first member must write instead. Each writer adds
-its member id to the file ``OUT``, member 0 after ``WRITE_S`` seconds of writing. ``TEARDOWN_S``: each process's interpreter teardown takes that long (a module
-global whose destructor waits, as a large native object's may), after its beats have stopped."""
+first member SIGKILLs itself where it would write (``raise``: it fails to write), so the next first member must
+write instead. Each writer adds its member id to the file ``OUT``, member 0 after ``WRITE_S`` seconds of writing.
+``TEARDOWN_S``: each process's interpreter teardown takes that long (a module global whose destructor waits, as a
+large native object's may), after its beats have stopped."""
 
 import os
 import signal
@@ -28,6 +29,8 @@ def write(alive: list[int]) -> None:
     print(f"WRITING member {members.member}", flush=True)
     if os.environ.get("WRITER_DIES") == "1" and members.member == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("WRITER_DIES") == "raise" and members.member == 0:
+        raise OSError(28, "No space left on device")  # its own failure, not the store's
     if members.member == 0:
         time.sleep(float(os.environ.get("WRITE_S", "0")))  # (a large model's files)
     with open(os.environ["OUT"], "a") as f:
