@@ -42,8 +42,8 @@ FT_REPLY_FD = "DDPKIT_FT_REPLY_FD"
 FT_MEMBER = "DDPKIT_FT_MEMBER"
 """A worker's member id under ``--on-failure continue``."""
 FT_KEEP_ALIVE = "DDPKIT_FT_KEEP_ALIVE"
-"""``INTERVAL,TIMEOUT``: a worker under ``--on-failure continue`` beats to its launcher every INTERVAL seconds (a
-worker silent for TIMEOUT is stalled, and killed), and waits TIMEOUT for the launcher's word after a failed
+"""``INTERVAL,TIMEOUT``: a worker under ``--on-failure continue`` beats to its launcher twice every INTERVAL seconds
+(a worker silent for TIMEOUT is stalled, and killed), and waits TIMEOUT for the launcher's word after a failed
 operation (``--rdzv-conf``'s keep-alive)."""
 
 
