@@ -14,7 +14,7 @@ from procs import base_env
 from ddpkit.launcher import LaunchConfig, plan_workers, resolve
 from ddpkit.launcher.output import LogLayout
 from ddpkit.launcher.council_group import STANDING_MOVES, CouncilGroup, Standing
-from ddpkit.launcher.fault_tolerant_group import WORKER_MOVES, FaultTolerantGroup, WorkerPhase
+from ddpkit.launcher.fault_tolerant_group import LIVENESS_MOVES, WORKER_MOVES, FaultTolerantGroup, Liveness, WorkerPhase
 from ddpkit.runtime.process import SignalCatcher, free_port
 
 
@@ -26,6 +26,16 @@ def test_a_move_the_worker_phases_do_not_allow_raises(start: WorkerPhase, to: Wo
     with pytest.raises(RuntimeError, match=f"member 7's worker has no move from {start.value} to {to.value}"):
         group._move(4, to)
     assert group.phases[4] is start
+
+
+@pytest.mark.parametrize("start, to", [(s, t) for s in Liveness for t in Liveness if t not in LIVENESS_MOVES[s]],
+                         ids=lambda p: p.name)
+def test_a_move_a_members_liveness_does_not_allow_raises(start: Liveness, to: Liveness) -> None:
+    group = FaultTolerantGroup.__new__(FaultTolerantGroup)  # its bookkeeping alone: no launcher, no processes
+    group.liveness, group._moving = {7: start}, threading.RLock()
+    with pytest.raises(RuntimeError, match=f"process 7's liveness has no move from {start.value} to {to.value}"):
+        group._hear(7, to)
+    assert group.liveness[7] is start
 
 
 @pytest.mark.parametrize("start, to", [(s, t) for s in Standing for t in Standing if t not in STANDING_MOVES[s]],

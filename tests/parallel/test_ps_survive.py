@@ -21,11 +21,16 @@ from ddpkit.runtime.process import lost_key_ranges
 pytestmark = pytest.mark.alone("a parameter server's job, and faults sent while it trains")
 
 
-def _run(out: Path, *args: str, workers: int = 2, servers: int = 3, replication: int = 2, timeout: float = 120):
+SHORT_KEEP_ALIVE = ("--rdzv-conf", "keep_alive_interval=0.25,keep_alive_max_attempt=8")
+"""A process silent for 2 s is stalled (6 s by default): the tests of stalls wait less."""
+
+
+def _run(out: Path, *args: str, workers: int = 2, servers: int = 3, replication: int = 2, timeout: float = 120,
+         launch_flags: tuple[str, ...] = ()):
     out.mkdir()
     return launch("--standalone", "--nproc-per-node", str(workers), "--num-servers", str(servers),
-                  "--ps-replication", str(replication), "--on-failure", "continue", script("ps_survive.py"),
-                  "--out", str(out), *args, timeout=timeout)
+                  "--ps-replication", str(replication), "--on-failure", "continue", *launch_flags,
+                  script("ps_survive.py"), "--out", str(out), *args, timeout=timeout)
 
 
 def _params(out: Path, rank: int) -> list[torch.Tensor]:
@@ -39,14 +44,22 @@ def _plain(folder: Path) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.slow("a whole job of two workers and three servers, a server killed, against the run without (shared)")
-@pytest.mark.parametrize("kill", ["0@3", "1@7"])
+@pytest.mark.parametrize("kill", ["0@3", "1@7", "stop 0@3"])
 def test_a_synchronous_job_loses_a_server_and_ends_bitwise_equal_to_the_run_without(tmp_path: Path, shared_runs,
                                                                                     kill: str) -> None:
     # Momentum and weight decay: the replica must have made every update the dead head made, in its order.
+    # A server stopped (SIGSTOP) held every worker's request to it for good (it had no beat): now its launcher
+    # kills it after the keep-alive, and its death is survived as any other.
     plain, _ = shared_runs.get("ps_survive sync 2 workers 3 servers replication 2", _plain)
-    killed = _run(tmp_path / "killed", "--kill-server", kill)
+    stop = kill.startswith("stop ")
+    kill = kill.removeprefix("stop ")
+    killed = _run(tmp_path / "killed", "--stop-server" if stop else "--kill-server", kill,
+                  launch_flags=SHORT_KEEP_ALIVE if stop else ())
     assert killed.returncode == 0, killed.stderr[-3000:]
     server = kill.split("@")[0]
+    if stop:
+        assert (f"parameter server {server} sent no word for 2 s (a beat is due every 0.25 s): it stalled (paused, "
+                "or holding Python's lock); killing it") in killed.stderr, killed.stderr[-3000:]
     assert f"parameter server {server} died: killed by signal SIGKILL; its key ranges are served by the next " \
            "server of their chains (--ps-replication 2), the job goes on with 2 server(s)" in killed.stderr
     for rank in range(2):
@@ -76,11 +89,15 @@ def test_asynchronous_workers_go_on_through_a_worker_and_a_server_death_losing_n
         assert applied - sum(acked.values()) in (0, 1)
 
 
-@pytest.mark.slow("a whole job of two workers and two servers, a server killed")
-def test_a_server_death_that_loses_a_key_range_fails_the_job_naming_the_server(tmp_path: Path) -> None:
-    done = _run(tmp_path / "run", "--kill-server", "0@3", servers=2, replication=1)
+@pytest.mark.slow("a whole job of two workers and two servers, a server killed or stopped")
+@pytest.mark.parametrize("fault", ["--kill-server", "--stop-server"])
+def test_a_server_death_that_loses_a_key_range_fails_the_job_naming_the_server(tmp_path: Path, fault: str) -> None:
+    done = _run(tmp_path / "run", fault, "0@3", servers=2, replication=1,
+                launch_flags=SHORT_KEEP_ALIVE if fault == "--stop-server" else ())
     assert done.returncode != 0
     assert "parameter server 0 failed first: killed by signal SIGKILL" in done.stderr
+    assert ("(killed by its launcher: it had stalled, no word from it for 2 s)" in done.stderr) == (
+        fault == "--stop-server"), done.stderr[-3000:]
 
 
 @pytest.mark.slow("a whole job of two workers and two servers, a worker killed")

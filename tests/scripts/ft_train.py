@@ -19,7 +19,8 @@ the step's reduction); ``NOISE=1``: inputs get noise from NumPy's and Python's g
 augmentation as users write it); ``DDP=1``: the script wraps the model in ``ddpkit.DistributedDataParallel`` (as a DDP script would) and
 trains through the wrapper (``HOOK=NAME``: with ``ddpkit.hooks.NAME`` registered, its calls counted outside the
 deterministic mode); ``COUNTERS=1``: the model carries a float64 and an int64 buffer beyond float32's
-precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``OUT`` where the
+precision, moved every forward; ``PIDS`` a file each worker adds its PID to; ``STOP_AT_START=MEMBER``: that
+member SIGSTOPs itself before ``ddpkit.init()`` (before its first beat); ``OUT`` where the
 first member saves the final state dict and a JSON account (its membership changes, steps, the samples each step
 reduced, the steps whose ``sync()`` said to do them again).
 """
@@ -40,6 +41,8 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 
+if os.environ.get("STOP_AT_START") == os.environ["DDPKIT_FT_MEMBER"]:
+    os.kill(os.getpid(), signal.SIGSTOP)
 ddpkit.init()
 if os.environ.get("STOP_ON_ADMISSION") == "1" and int(os.environ["DDPKIT_FT_MEMBER"]) >= int(os.environ["WORLD_SIZE"]):
     import threading

@@ -8,7 +8,8 @@ server applies takes ``1 / workers`` off every element of its tensors, so the fi
 applied, tensor by tensor, and a partly applied one shows as unequal elements. Each worker writes how many of
 its steps were answered to ``OUT/acked{R}`` after each one.
 
-``--kill-server K@STEP``: worker 0 SIGKILLs the job's server K before its step STEP.
+``--kill-server K@STEP``: worker 0 SIGKILLs the job's server K before its step STEP (``--stop-server``: SIGSTOPs
+it, for good).
 ``--kill-self R@SECONDS``: worker R SIGKILLs itself that long after its first step, wherever it is.
 Every worker writes the wall time (``time.time()``) at which each of its steps was answered to
 ``OUT/times{R}.json``, and worker 0 the moment of its kill to ``OUT/killed_at``.
@@ -32,6 +33,7 @@ parser.add_argument("--mode", default="sync")
 parser.add_argument("--model", default="mlp")
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--kill-server", default="")
+parser.add_argument("--stop-server", default="")
 parser.add_argument("--kill-self", default="")
 parser.add_argument("--out", required=True)
 parser.add_argument("--exit-early", type=int, default=-1, help="this worker exits 3 before joining the servers")
@@ -65,13 +67,15 @@ if args.model == "mlp":
 else:
     model = nn.ParameterList([nn.Parameter(torch.zeros(1 << 20)) for _ in range(4)])
     opt = ddpkit.ParameterServerOptimizer(model.parameters(), torch.optim.SGD, lr=1.0, mode=args.mode)
-kill_server = tuple(map(int, args.kill_server.split("@"))) if args.kill_server else None
+fault = signal.SIGSTOP if args.stop_server else signal.SIGKILL
+server_fault = args.stop_server or args.kill_server
+kill_server = tuple(map(int, server_fault.split("@"))) if server_fault else None
 kill_self = args.kill_self.split("@") if args.kill_self else None
 g = torch.Generator().manual_seed(100 + rank)
 answered = []
 for step in range(args.steps):
     if kill_server and rank == 0 and step == kill_server[1]:
-        os.kill(server_pid(kill_server[0]), signal.SIGKILL)
+        os.kill(server_pid(kill_server[0]), fault)
         (out / "killed_at").write_text(repr(time.time()))
     opt.zero_grad()
     if args.model == "mlp":

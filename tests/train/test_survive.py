@@ -254,6 +254,21 @@ SHORT_KEEP_ALIVE = ("--rdzv-conf", "keep_alive_interval=0.25,keep_alive_max_atte
 
 @FAULTS
 @pytest.mark.slow("a whole job of three workers through a stop, against the run without (shared)")
+def test_a_worker_stopped_before_its_first_beat_is_killed_and_the_run_ends_bitwise_equal(tmp_path: Path,
+                                                                                       shared_runs) -> None:
+    # A worker stopped before it first beat (its launcher judged only workers that had beaten) held the others
+    # in their first group's rendezvous for good: the job hung (400 s seen).
+    reference, plain, _ = _reference(shared_runs)
+    weights, account, stderr = ft_run(tmp_path, "stopped", STOP_AT_START="1", launch_flags=SHORT_KEEP_ALIVE)
+    assert ("member 1 (rank 1 at the start) was stopped (a SIGSTOP) before its first beat and stayed so for 2 s: "
+            "killing it") in stderr, stderr[-3000:]
+    assert "member 1 (rank 1 at the start) died: killed by signal SIGKILL" in stderr
+    assert account["world_size"] == 2 and account["committed"] == plain["committed"]
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+@FAULTS
+@pytest.mark.slow("a whole job of three workers through a stop, against the run without (shared)")
 def test_a_worker_stopped_mid_step_is_killed_after_the_keep_alive_and_the_run_ends_bitwise_equal(
         tmp_path: Path, shared_runs) -> None:
     # A SIGSTOPped worker held every survivor in the step's reduction until DDPKIT_TIMEOUT (1,800 s), then the

@@ -14,7 +14,8 @@ worker beats on its pipe back twice every keep-alive interval (``--rdzv-conf``'s
 ``keep_alive_interval``, 1 s), from a thread of its own, and says goodbye at
 exit (its teardown gets the shutdown grace period more); one not heard for
 the keep-alive's timeout (``keep_alive_interval x keep_alive_max_attempt``,
-6 s) once it has beaten is killed, with a line that says so, and its death is
+6 s) once it has beaten, or stopped (the system says so) that long before its
+first beat, is killed, with a line that says so, and its death is
 survived as any other (a replacement takes its place while ``--max-restarts``
 allows). A launcher that was itself held up that long judges nobody on that
 turn.
@@ -28,13 +29,15 @@ state ends the job at once: a replacement would make the same mistake.
 Parameter servers (``--num-servers``) are not members: the workers that are
 left keep pushing to them, a server's death is survived while every key
 range has a server left (``--ps-replication``), and they are stopped once
-the workers are done.
+the workers are done. They beat as the workers do, and one that stalls is
+killed in the same way.
 
 Across nodes the nodes' majority decides each view instead
 (:mod:`ddpkit.launcher.council_group`).
 
 Each worker's part in the job, as its launcher sees it, is a :class:`WorkerPhase`; it moves by
-:meth:`FaultTolerantGroup._move` only, along :data:`WORKER_MOVES`.
+:meth:`FaultTolerantGroup._move` only, along :data:`WORKER_MOVES`. What its beats say of it is a
+:class:`Liveness`, moved by :meth:`FaultTolerantGroup._hear` only, along :data:`LIVENESS_MOVES`.
 """
 
 from __future__ import annotations
@@ -56,11 +59,12 @@ from ddpkit.launcher.plan import WorkerSpec
 from ddpkit.launcher.node_rendezvous import RemoteFailure
 from ddpkit.launcher.settings import LaunchSettings
 from ddpkit.launcher.supervise import Failure, WorkerGroup, say
-from ddpkit.runtime.process import SignalCatcher, describe_exit, signal_groups, terminate
+from ddpkit.runtime.process import SignalCatcher, describe_exit, process_stopped, signal_groups, terminate
 from ddpkit.runtime.states import check_move
 from ddpkit.runtime.variables import FT_FD, FT_KEEP_ALIVE, FT_MEMBER, FT_REPLY_FD
 
-__all__ = ["GO", "HOLD", "USAGE_EXIT", "WORKER_MOVES", "Death", "FaultTolerantGroup", "Stop", "Turn", "WorkerPhase"]
+__all__ = ["GO", "HOLD", "LIVENESS_MOVES", "USAGE_EXIT", "WORKER_MOVES", "Death", "FaultTolerantGroup", "Liveness",
+           "Stop", "Turn", "WorkerPhase"]
 
 _POLL_S = 0.05
 USAGE_EXIT = 2
@@ -121,6 +125,47 @@ class Go(enum.Enum):
     worker out of the job, not a death)."""
 
 
+class Liveness(enum.Enum):
+    """What a worker's or a parameter server's beats say of it (the module notes), as its launcher hears them;
+    orthogonal to a worker's :class:`WorkerPhase` (a worker may stall or say goodbye whether or not it holds the
+    state). Its moves are :data:`LIVENESS_MOVES`, made by :meth:`FaultTolerantGroup._hear` only."""
+
+    UNHEARD = "unheard"
+    """No line from it yet (starting: an interpreter, torch's import, the program's own set-up): judged only
+    when the system says it is stopped (a SIGSTOP), for the keep-alive's timeout."""
+    BEATING = "beating"
+    """It beats: judged silent after the keep-alive's timeout."""
+    LEAVING = "leaving"
+    """It said goodbye (its program ended): exiting; its teardown gets the shutdown grace period more."""
+    STALLED = "stalled"
+    """Killed by its launcher for its silence: its exit is a death."""
+    CUT_SHORT = "cut short"
+    """Killed by its launcher for its silence after its goodbye: only its teardown hung, and it counts as
+    finished."""
+    EXITED = "exited"
+    """Its exit was seen: nothing left to judge."""
+
+    @property
+    def judged(self) -> bool:
+        """Whether its silence is watched (it beat once, and it was not killed yet)."""
+        return self in (Liveness.BEATING, Liveness.LEAVING)
+
+    @property
+    def leaving(self) -> bool:
+        """Whether it said goodbye."""
+        return self in (Liveness.LEAVING, Liveness.CUT_SHORT)
+
+
+LIVENESS_MOVES: dict[Liveness, frozenset[Liveness]] = {
+    Liveness.UNHEARD: frozenset({Liveness.BEATING, Liveness.LEAVING, Liveness.STALLED, Liveness.EXITED}),
+    Liveness.BEATING: frozenset({Liveness.LEAVING, Liveness.STALLED, Liveness.EXITED}),
+    Liveness.LEAVING: frozenset({Liveness.CUT_SHORT, Liveness.EXITED}),
+    Liveness.STALLED: frozenset({Liveness.EXITED}),
+    Liveness.CUT_SHORT: frozenset({Liveness.EXITED}),
+    Liveness.EXITED: frozenset(),
+}
+"""The moves of a member's :class:`Liveness`; any other is a bug (:meth:`FaultTolerantGroup._hear` raises)."""
+
 GO, HOLD = Go.GO, Go.HOLD
 
 
@@ -166,22 +211,21 @@ class FaultTolerantGroup(WorkerGroup):
         self._ready: queue.Queue[int] = queue.Queue()
         self.phases: dict[int, WorkerPhase] = {}
         """worker index -> its phase (members only: parameter servers are not); changed by :meth:`_move` only."""
-        self._index_of: dict[int, int] = {}
-        """member id -> worker index."""
         self._moving = threading.RLock()
         """Held by :meth:`_move` (the replies' threads move a worker to training)."""
         self._next_member = 0
         self.server_pipes: list[int] = []
         self.keep_alive = launch.keep_alive()
         """(interval, timeout) in seconds: each worker beats every interval; one silent for the timeout is stalled."""
+        self.liveness: dict[int, Liveness] = {}
+        """worker index (members and parameter servers) -> what its beats say of it; changed by :meth:`_hear`
+        only."""
         self._heard: dict[int, float] = {}
-        """member id -> ``time.monotonic()`` of its last line on the pipe back (a replies' thread writes it)."""
+        """worker index -> ``time.monotonic()`` of its last line on the pipe back (a replies' thread writes it)."""
         self._swept = time.monotonic()
         """When :meth:`_kill_stalled` last looked."""
-        self.stalled: set[int] = set()
-        """Members killed for their silence."""
-        self._leaving: set[int] = set()
-        """Members that said goodbye: they exit, and their teardown gets the shutdown grace period too."""
+        self._stopped: dict[int, float] = {}
+        """worker index -> ``time.monotonic()`` since which the system has said it is stopped (unheard ones)."""
         self._built: dict[int, int] = {}
         """member id -> the newest generation whose group it built (a replies' thread writes it)."""
 
@@ -216,20 +260,26 @@ class FaultTolerantGroup(WorkerGroup):
         os.close(down_r)
         os.close(up_w)
         self.member_of[index] = member
-        self._index_of[member] = index
         self.phases[index] = WorkerPhase.STARTED
+        self.liveness[index] = Liveness.UNHEARD
         self.pipes[member] = down_w
         if self.members:
             os.write(down_w, self._view())
-        threading.Thread(target=self._read_replies, args=(up_r, member), daemon=True).start()
+        threading.Thread(target=self._read_replies, args=(up_r, index), daemon=True).start()
 
     def _start_server(self, spec: WorkerSpec) -> None:
         """A parameter server: not a member, but told of the deaths (its waits on another server end when that
-        one dies) on a pipe of its own."""
+        one dies) on a pipe of its own, and beating on one back as a worker does (a stalled server would hold
+        every worker's request to it)."""
         down_r, down_w = os.pipe()
-        self._start_one(spec, fds={FT_FD: down_r})
+        up_r, up_w = os.pipe()
+        spec.env[FT_KEEP_ALIVE] = ",".join(f"{s:g}" for s in self.keep_alive)
+        index = self._start_one(spec, fds={FT_FD: down_r, FT_REPLY_FD: up_w})
         os.close(down_r)
+        os.close(up_w)
         self.server_pipes.append(down_w)
+        self.liveness[index] = Liveness.UNHEARD
+        threading.Thread(target=self._read_replies, args=(up_r, index), daemon=True).start()
 
     def _member_id(self, spec: WorkerSpec, replacing: bool) -> int:
         """A worker's member id: its first rank; a replacement's, the next one unused."""
@@ -237,19 +287,24 @@ class FaultTolerantGroup(WorkerGroup):
         self._next_member += 1
         return member
 
-    def _read_replies(self, fd: int, member: int) -> None:
+    def _read_replies(self, fd: int, index: int) -> None:
+        member = self.member_of.get(index, -1)  # (a parameter server's only beat)
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             for line in pipe:
-                self._heard[member] = time.monotonic()
-                if line.strip() == b"bye":  # exiting: its teardown beats no more (judged after the grace period)
-                    self._leaving.add(member)
-                elif line.startswith(b"built "):  # it built a view's group: the job went on past that change
+                self._heard[index] = time.monotonic()
+                bye = line.strip() == b"bye"  # exiting: its teardown beats no more (judged after the grace period)
+                with self._moving:  # read and moved together: the main loop may kill it meanwhile
+                    # (a line read after it was killed or its exit seen, or a beat after its goodbye, leaves it)
+                    if bye and self.liveness[index] in (Liveness.UNHEARD, Liveness.BEATING):
+                        self._hear(index, Liveness.LEAVING)
+                    elif not bye and self.liveness[index] is Liveness.UNHEARD:
+                        self._hear(index, Liveness.BEATING)
+                if line.startswith(b"built "):  # it built a view's group: the job went on past that change
                     self._built[member] = int(line.split()[1])
                 elif line.strip() == b"ready":
                     self._ready.put(member)
                 elif line.strip() == b"holding":
                     with self._moving:  # read and moved together: the main loop may dismiss it meanwhile
-                        index = self._index_of[member]
                         if self.phases[index] is WorkerPhase.STARTED:  # not dismissed, its exit not yet seen
                             self._move(index, WorkerPhase.TRAINING)
                     if member >= self.launch.world_size:  # a replacement's or a spare's: it can train now
@@ -297,18 +352,20 @@ class FaultTolerantGroup(WorkerGroup):
             if code != 0 and self.phases.get(index) is not WorkerPhase.DISMISSED and self._postpone():
                 self.exits.put((code, index))  # stopped while waiting for it: handled after the next turn's check
                 continue
+            live = self.liveness[index]
+            self._hear(index, Liveness.EXITED)
             if self.specs[index].server is not None:
                 if code != 0:
                     if not self.server_replaced(index, code):
                         self.stop()
-                        return self.failure(index, code)
+                        return self._with_stall(self.failure(index, code), index, live)
                     self._announce()  # the same generation: the workers' requests to it stop waiting
                 continue
             member = self.member_of[index]
             if self.phases[index] is WorkerPhase.DISMISSED:
                 self._move(index, WorkerPhase.GONE)
                 continue
-            if code != 0 and member in self.stalled and member in self._leaving:
+            if code != 0 and live is Liveness.CUT_SHORT:
                 code = 0  # its program had ended (it said goodbye): only its teardown hung, and was cut short
             if code == 0:
                 first_to_finish = not self._finished()
@@ -319,10 +376,7 @@ class FaultTolerantGroup(WorkerGroup):
                 continue
             usage = code == USAGE_EXIT and self.phases[index] is WorkerPhase.STARTED
             self._move(index, WorkerPhase.DIED)
-            failure = self.failure(index, code)
-            if member in self.stalled:
-                failure.last_lines = [*failure.last_lines, f"(killed by its launcher: it had stalled, no word from it "
-                                                           f"for {self._limit(member):g} s)"]
+            failure = self._with_stall(self.failure(index, code), index, live)
             if first is not None and self._went_on() and max(tuple(self._built.values()), default=-1) >= first_view:
                 first = None  # the job went on from the deaths before: not the cause of a failure to come
             if first is None:
@@ -339,9 +393,9 @@ class FaultTolerantGroup(WorkerGroup):
             self._close(member)
             said = [line for line in failure.last_lines if not _TORCH_LOG.match(line)]  # not c10d's warnings
             why = (failure.traceback.splitlines() or said or [""])[-1].strip()
-            if member in self.stalled:
-                stalled = f"no word from it for {self._limit(member):g} s"
-                why = f"{why}; then it stalled: {stalled}" if failure.traceback else f"it had stalled: {stalled}"
+            if live is Liveness.STALLED:
+                silence = f"no word from it for {self._limit(index):g} s"
+                why = f"{why}; then it stalled: {silence}" if failure.traceback else f"it had stalled: {silence}"
             died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
                     + (f" ({why})" if why else ""))
             self.deaths.append(Death(member, code, time.time(), self.generation + 1))
@@ -362,29 +416,58 @@ class FaultTolerantGroup(WorkerGroup):
         return self._outcome(first)
 
     def _kill_stalled(self) -> None:
-        """Kill the workers in the job that beat once and then fell silent for the keep-alive's timeout (the
-        module notes); their exits come as deaths. A launcher held up for half that timeout itself (paused, or
-        starved) judges nobody this turn: its workers' beats may be waiting unread in their pipes."""
+        """Kill the workers in the job and the parameter servers that beat once and then fell silent for the
+        keep-alive's timeout (the module notes); their exits come as deaths. A launcher held up for half that
+        timeout itself (paused, or starved) judges nobody this turn: the beats may be waiting unread in their
+        pipes."""
         now = time.monotonic()
         interval, timeout = self.keep_alive
         if now - self._swept > timeout / 2:
-            self._heard = dict.fromkeys(tuple(self._heard), now)  # (a replies' thread may add a member meanwhile)
+            self._heard = dict.fromkeys(tuple(self._heard), now)  # (a replies' thread may add one meanwhile)
+            self._stopped = dict.fromkeys(self._stopped, now)
         self._swept = now
-        for index in self._in_job():
-            member = self.member_of[index]
-            if member in self.stalled or now - self._heard.get(member, now) <= self._limit(member):
-                continue
-            self.stalled.add(member)
-            if member in self._leaving:
-                say(f"member {member} (rank {self.specs[index].rank} at the start) is still exiting "
-                    f"{self._limit(member):g} s after its goodbye (the keep-alive's timeout and --shutdown-timeout): "
-                    "killing it; its program had ended, so it counts as finished")
+        servers = [i for i, spec in enumerate(self.specs) if spec.server is not None]
+        for index in [*self._in_job(), *servers]:
+            with self._moving:  # judged and moved together: a replies' thread may read its goodbye meanwhile
+                live = self.liveness[index]
+                if live is Liveness.UNHEARD:
+                    if not self._stopped_too_long(index, now):
+                        continue
+                elif not live.judged or now - self._heard.get(index, now) <= self._limit(index):
+                    continue
+                leaving = live is Liveness.LEAVING
+                self._hear(index, Liveness.CUT_SHORT if leaving else Liveness.STALLED)
+            spec = self.specs[index]
+            who = (f"parameter server {spec.server}" if spec.server is not None
+                   else f"member {self.member_of[index]} (rank {spec.rank} at the start)")
+            if live is Liveness.UNHEARD:
+                say(f"{who} was stopped (a SIGSTOP) before its first beat and stayed so for {timeout:g} s: killing it "
+                    "so that the job goes on without it (--rdzv-conf keep_alive_interval x keep_alive_max_attempt "
+                    "sets how long)")
+            elif leaving:
+                say(f"{who} is still exiting {self._limit(index):g} s after its goodbye (the keep-alive's timeout "
+                    "and --shutdown-timeout): killing it; its program had ended, so it counts as finished")
             else:
-                say(f"member {member} (rank {self.specs[index].rank} at the start) sent no word for {timeout:g} s "
-                    f"(a beat is due every {interval:g} s): it stalled (paused, or holding Python's lock); killing "
-                    "it so that the others go on (--rdzv-conf keep_alive_interval x keep_alive_max_attempt sets how "
-                    "long)")
+                say(f"{who} sent no word for {timeout:g} s (a beat is due every {interval:g} s): it stalled (paused, "
+                    "or holding Python's lock); killing it so that the job goes on without it (--rdzv-conf "
+                    "keep_alive_interval x keep_alive_max_attempt sets how long)")
             signal_groups([self.procs[index]], signal.SIGKILL)
+
+    def _stopped_too_long(self, index: int, now: float) -> bool:
+        """Whether the system has said process ``index`` is stopped for longer than the keep-alive's timeout (one
+        that has not beaten yet: its program may take any time to start, but a stopped one makes no progress)."""
+        if not process_stopped(self.procs[index].pid):
+            self._stopped.pop(index, None)
+            return False
+        return now - self._stopped.setdefault(index, now) > self.keep_alive[1]
+
+    def _with_stall(self, failure: Failure, index: int, live: Liveness) -> Failure:
+        """``failure``, the exit of process ``index`` whose liveness was ``live``, saying that its launcher killed
+        it for its silence, if it did."""
+        if live is Liveness.STALLED:
+            failure.last_lines = [*failure.last_lines, f"(killed by its launcher: it had stalled, no word from it "
+                                                       f"for {self._limit(index):g} s)"]
+        return failure
 
     # -- what one node decides alone (CouncilGroup asks the nodes' majority instead) ---------------
 
@@ -396,10 +479,10 @@ class FaultTolerantGroup(WorkerGroup):
         """What the loop does before it waits for the next exit: go on (this launcher is the job's word)."""
         return GO
 
-    def _limit(self, member: int) -> float:
-        """How long ``member`` may be silent: the keep-alive's timeout; after its goodbye, the shutdown grace period
-        more (its teardown)."""
-        return self.keep_alive[1] + (self.launch.grace_period_s if member in self._leaving else 0.0)
+    def _limit(self, index: int) -> float:
+        """How long process ``index`` may be silent: the keep-alive's timeout; after its goodbye, the shutdown grace
+        period more (its teardown)."""
+        return self.keep_alive[1] + (self.launch.grace_period_s if self.liveness[index].leaving else 0.0)
 
     def _went_on(self) -> bool:
         """Whether the job went on from the deaths handled so far (one node: it did, since :meth:`_died` did not
@@ -430,6 +513,13 @@ class FaultTolerantGroup(WorkerGroup):
         with self._moving:
             check_move(WORKER_MOVES, self.phases[index], phase, f"member {self.member_of[index]}'s worker")
             self.phases[index] = phase
+
+    def _hear(self, index: int, liveness: Liveness) -> None:
+        """What process ``index``'s beats say now (the only place a liveness changes; :data:`LIVENESS_MOVES` says
+        which moves exist)."""
+        with self._moving:
+            check_move(LIVENESS_MOVES, self.liveness[index], liveness, f"process {index}'s liveness")
+            self.liveness[index] = liveness
 
     def _running(self) -> list[int]:
         """The workers whose exit has not been seen yet (dismissed ones too)."""

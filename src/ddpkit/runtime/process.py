@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ddpkit.runtime.discovery import LOOPBACK
@@ -196,6 +197,16 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger's stop), from Linux's ``/proc``; False
+    where that cannot be read (no such process, another system)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,9 @@ its request, if it had not arrived whole, is dropped, never half applied. A
 server that dies takes no update with it that a worker was answered for:
 the workers send their requests for its ranges to the next server of each
 chain, and the server before it in a chain hands its updates to the one
-after it.
+after it. Under ``--on-failure continue`` a server beats to its launcher as a
+worker does (:class:`~ddpkit.runtime.membership.Membership`), which kills one
+that stops beating (paused): its death is then survived as any other.
 
 Every reply to a push carries the version of the parameters sent, the
 gradient's staleness (versions applied between the parameters it was
@@ -53,7 +55,7 @@ from ddpkit.parallel.ps.channel import (
     workers_lost,
 )
 from ddpkit.parallel.ps.keyrange import KeyRange, Update, optimizer_class
-from ddpkit.runtime.membership import FD_ENV, Membership
+from ddpkit.runtime.membership import FD_ENV, REPLY_FD_ENV, Membership, keep_alive_of
 from ddpkit.runtime.process import exit_now, set_process_name
 
 __all__ = ["ParameterServer", "main", "optimizer_class"]
@@ -297,7 +299,9 @@ def main() -> int:
     set_process_name(f"ddpkit-server{place.index}")  # what ps and top show (the tests find it so, too)
     torch.set_num_threads(1)
     fd = os.environ.get(FD_ENV)
-    watch = Membership(int(fd), -1, None, 60.0) if fd else None
+    reply = os.environ.get(REPLY_FD_ENV)  # (its beats: a stalled server is killed, as a stalled worker is)
+    watch = (Membership(int(fd), -1, None, 60.0, int(reply) if reply else None, keep_alive=keep_alive_of(os.environ))
+             if fd else None)
     gone = (lambda: workers_lost(watch.left(range(place.workers)))) if watch is not None else None
     ParameterServer(connect(place, gone=gone), place, watch).serve()
     return 0
