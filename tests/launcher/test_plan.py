@@ -117,7 +117,13 @@ def test_torchrun_flags_no_python_role_shutdown_timeout_and_accepted_ones():
     assert noted[0].startswith("--monitor-interval 5: not needed") and noted[1].startswith("--start-method fork:")
     for kwargs, message in (({"no_python": True, "module": True}, "--no-python and -m cannot go together"),
                             ({"monitor_interval": 0}, "--monitor-interval 0 must be a positive"),
-                            ({"grace_period_s": -1}, "--shutdown-timeout -1 must be 0 or more"),
+                            ({"grace_period_s": -1}, "--shutdown-timeout -1 must be a finite number of seconds, 0 or "
+                                                     "more"),
+                            # infinite: accepted until 2026-12-02 (a keep-alive's beat thread then died of it)
+                            ({"monitor_interval": float("inf")}, "--monitor-interval inf must be a positive, finite"),
+                            ({"grace_period_s": float("inf")}, "--shutdown-timeout inf must be a finite number"),
+                            ({"rdzv_conf": "keep_alive_interval=inf"},
+                             "--rdzv-conf keep_alive_interval=inf must be a positive, finite number of seconds"),
                             ({"role": " "}, "--role is empty")):
         with pytest.raises(ConfigError, match=message):
             resolve(LaunchConfig(program=SCRIPT, **kwargs))

@@ -223,6 +223,23 @@ def test_a_ddp_script_under_the_mode_fails_at_once_instead_of_training_alone(tmp
            in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow("whole launches of two workers that fail")
+@pytest.mark.parametrize("call", ["torch.distributed.all_reduce(torch.ones(1))",
+                                  "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))"])
+def test_a_script_written_for_a_default_group_stops_the_job_at_once_saying_how_to_run_it(tmp_path: Path,
+                                                                                        call: str) -> None:
+    # Each worker died with torch's words alone ("Default process group has not been initialized"), and the
+    # launcher took them for deaths to survive (and replaced them while --max-restarts allowed).
+    program = tmp_path / "plain.py"
+    program.write_text(f"import torch, torch.distributed, ddpkit\nddpkit.init()\n{call}\n")
+    done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", "--max-restarts", "2",
+                  str(program), timeout=120)
+    assert done.returncode == 1
+    assert ("called torch.distributed before it held the training state: under --on-failure continue ddpkit.init() "
+            "builds no default process group") in done.stderr, done.stderr[-3000:]
+    assert "reduce through ddpkit.FaultTolerance" in done.stderr and "to replace it" not in done.stderr
+
+
 # ---------------------------------------------------------------- deaths
 
 

@@ -24,8 +24,10 @@ The job succeeds when the workers still alive at the end exit 0; when the
 last one dies, the first of the deaths that ended it is the job's failure
 (on one node, the deaths since the survivors last went on: one of them built
 the group of a view after a death), reported as today. A
-worker that exits with code 2 (a usage error) before it held the training
-state ends the job at once: a replacement would make the same mistake.
+worker that exits with code 2 (a usage error), or that called torch's
+collectives with no default process group (the mode builds none), before it
+held the training state ends the job at once: a replacement would make the
+same mistake.
 Parameter servers (``--num-servers``) are not members: the workers that are
 left keep pushing to them, a server's death is survived while every key
 range has a server left (``--ps-replication``), and they are stopped once
@@ -70,6 +72,13 @@ _POLL_S = 0.05
 USAGE_EXIT = 2
 """The exit code of a usage error (argparse's, ``ddpkit``'s command line): a worker that exits with it before it
 held the training state ends the job instead of being replaced."""
+_NO_GROUP = "Default process group has not been initialized"
+"""torch's words when a program calls its collectives (or builds torch's DDP) without a default process group."""
+_NO_GROUP_HELP = ("under --on-failure continue ddpkit.init() builds no default process group (the job's world changes "
+                  "with its membership), so torch.distributed's own collectives and torch's DDP cannot run: reduce "
+                  "through ddpkit.FaultTolerance (ft.steps(), ft.all_reduce(), ft.barrier(), or "
+                  "ddpkit.DistributedDataParallel inside ft.steps(); docs/failures.md), or launch without "
+                  "--on-failure continue")
 _TORCH_LOG = re.compile(r"\[[IWEF]\d{4} ")
 """A line of torch's C++ log (``[W1128 02:46:49.469 socket.cpp:207] ...``), not the worker's own words."""
 
@@ -374,20 +383,24 @@ class FaultTolerantGroup(WorkerGroup):
                     self._dismiss_joining()
                 self._leave(member)
                 continue
-            usage = code == USAGE_EXIT and self.phases[index] is WorkerPhase.STARTED
+            started = self.phases[index] is WorkerPhase.STARTED
             self._move(index, WorkerPhase.DIED)
             failure = self._with_stall(self.failure(index, code), index, live)
+            no_group = _NO_GROUP in failure.traceback
             if first is not None and self._went_on() and max(tuple(self._built.values()), default=-1) >= first_view:
                 first = None  # the job went on from the deaths before: not the cause of a failure to come
             if first is None:
                 failure.earlier, first_view = len(self.deaths), self.generation + 1
             first = first or failure
-            if usage:
+            if started and (code == USAGE_EXIT or no_group):
                 # Exit 2 before the worker held the training state: a usage error (a bad flag, a wrong launcher),
-                # which every replacement would make again. Not a death to survive.
+                # which every replacement would make again; so is a program written for a default process group.
+                # Not a death to survive.
                 say(f"member {member} (rank {failure.rank} at the start) exited with code {USAGE_EXIT} before it held "
                     "the training state: a usage error (its own line says which), not a death to survive; stopping "
-                    "the job")
+                    "the job" if not no_group else
+                    f"member {member} (rank {failure.rank} at the start) called torch.distributed before it held the "
+                    f"training state: {_NO_GROUP_HELP}; stopping the job (a replacement would fail the same way)")
                 self.stop()
                 return failure
             self._close(member)
@@ -397,7 +410,7 @@ class FaultTolerantGroup(WorkerGroup):
                 silence = f"no word from it for {self._limit(index):g} s"
                 why = f"{why}; then it stalled: {silence}" if failure.traceback else f"it had stalled: {silence}"
             died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
-                    + (f" ({why})" if why else ""))
+                    + (f" ({why})" if why else "") + (f"; {_NO_GROUP_HELP}" if no_group else ""))
             self.deaths.append(Death(member, code, time.time(), self.generation + 1))
             if not self._died(member, died):
                 break

@@ -10,6 +10,7 @@ environment, the file system and (for ``gpu``/``auto``) torch, is
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -312,10 +313,11 @@ class LaunchConfig:
             raise ConfigError(f"--max-restarts {self.max_restarts} must be 0 or more")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port: use 1..65535")
-        if self.grace_period_s is not None and self.grace_period_s < 0:
-            raise ConfigError(f"--shutdown-timeout {self.grace_period_s} must be 0 or more seconds")
-        if not self.monitor_interval > 0:
-            raise ConfigError(f"--monitor-interval {self.monitor_interval} must be a positive number of seconds")
+        if self.grace_period_s is not None and not 0 <= self.grace_period_s < math.inf:
+            raise ConfigError(f"--shutdown-timeout {self.grace_period_s} must be a finite number of seconds, 0 or more")
+        if not 0 < self.monitor_interval < math.inf:
+            raise ConfigError(f"--monitor-interval {self.monitor_interval} must be a positive, finite number of "
+                              "seconds")
 
 
 def node_range(nnodes: int | str) -> tuple[int, int]:
@@ -366,8 +368,8 @@ def rendezvous_conf(text: str) -> tuple[dict[str, object], list[str]]:
         raise ConfigError(f"--rdzv-conf store_type={conf['store_type']}: ddpkit's rendezvous is a TCP store; "
                           "leave store_type out")
     for key in ("join_timeout", "last_call_timeout", "read_timeout", "keep_alive_interval"):
-        if not conf[key] > 0:  # type: ignore[operator]
-            raise ConfigError(f"--rdzv-conf {key}={conf[key]} must be a positive number of seconds")
+        if not 0 < conf[key] < math.inf:  # type: ignore[operator]
+            raise ConfigError(f"--rdzv-conf {key}={conf[key]} must be a positive, finite number of seconds")
     if conf["keep_alive_max_attempt"] < 1:  # type: ignore[operator]
         raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']} must be 1 or more")
     silent = conf["keep_alive_interval"] * conf["keep_alive_max_attempt"]  # type: ignore[operator]
