@@ -11,7 +11,7 @@ import pytest
 
 from ddpkit.runtime.process import free_port
 from ddpkit.runtime.rendezvous import job_keys
-from tests.procs import SCRIPTS, base_env
+from tests.procs import SCRIPTS, base_env, descendants
 
 
 def _listeners(port: int) -> list[str]:
@@ -94,6 +94,49 @@ def test_the_launcher_passes_the_secret_file_and_not_the_rdzv_id(tmp_path):
     finally:
         job.kill()
     assert job.returncode == 0, err
+
+
+@pytest.mark.slow("a continuing job of two workers, and a stranger writing in its store")
+def test_a_forged_done_mark_in_the_store_does_not_end_a_continuing_job_without_its_final_files(tmp_path):
+    # Any client of the store (torch's TCPStore admits all) could set the mark that says the run's final files are
+    # written: every member then ended, exit 0, and none wrote them (until 2026-12-02).
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    out, go = tmp_path / "written", tmp_path / "go"
+    job = subprocess.Popen([sys.executable, "-m", "ddpkit", "launch", "--standalone", "--nproc-per-node", "2",
+                            "--on-failure", "continue", str(SCRIPTS / "ft_writer.py")],
+                           env=base_env(OUT=str(out), GO_FILE=str(go)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        ports: list[int] = []
+        while not ports:  # the store's port, from a worker's environment (as anyone on the machine may read it)
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended, or never started its workers"
+            for pid in descendants(job.pid):
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                ports += [int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"MASTER_PORT=")]
+            time.sleep(0.05)
+        stranger = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=30),
+                                 wait_for_workers=False)
+        arrivals: list[str] = []
+        while not arrivals:  # the first view's group met: its keys name the membership's place in the store
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended, or its group never met"
+            arrivals = [k for k in stranger.list_keys() if "/ft/" in k and k.endswith("/arrivals")]
+            time.sleep(0.05)
+        forged = {k.rsplit("/", 2)[0] + "/final/1/done" for k in arrivals}
+        for key in forged:
+            stranger.set(key, "done")
+        go.touch()
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert "WRITING member 0" in stdout and out.read_text() == "0 [0, 1]\n", (stdout, stderr[-2000:])
 
 
 def test_job_keys_hide_the_prefix_behind_the_verifier():

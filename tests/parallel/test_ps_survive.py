@@ -121,6 +121,17 @@ def test_a_worker_that_dies_before_the_channel_is_built_ends_the_job_at_once(tmp
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.parametrize("fault", ["--kill-server", "--stop-server"])
+def test_a_server_lost_before_the_channel_is_built_ends_the_job_at_once_naming_it(tmp_path: Path, fault: str) -> None:
+    # The launcher survives a server's death while every key range keeps a server, but the channel is one group of
+    # every process, made once: the others waited for the lost server until the channel's timeout (300 s).
+    start = time.monotonic()
+    done = _run(tmp_path / "run", fault, "0@-1", launch_flags=SHORT_KEEP_ALIVE if fault == "--stop-server" else ())
+    assert done.returncode != 0
+    assert "parameter server(s) 0 died before it was built" in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - start < 60
+
+
 def test_key_ranges_are_lost_only_when_a_whole_chain_died() -> None:
     assert lost_key_ranges({0}, 3, 2) == []
     assert lost_key_ranges({0, 1}, 3, 2) == [0]

@@ -3,7 +3,8 @@ of the view (``Membership.by_the_first``, as ``ddpkit train``'s loops write thei
 first member SIGKILLs itself where it would write (``raise``: it fails to write), so the next first member must
 write instead. Each writer adds its member id to the file ``OUT``, member 0 after ``WRITE_S`` seconds of writing.
 ``TEARDOWN_S``: each process's interpreter teardown takes that long (a module global whose destructor waits, as a
-large native object's may), after its beats have stopped."""
+large native object's may), after its beats have stopped. ``GO_FILE``: each member builds the first view's group,
+then waits for that file before it writes (what an intruder does meanwhile is the test's)."""
 
 import os
 import signal
@@ -38,5 +39,9 @@ def write(alive: list[int]) -> None:
 
 
 print(f"READY member {members.member}", flush=True)
+if os.environ.get("GO_FILE"):
+    members.barrier()  # the first view's group built: its keys are in the store
+    while not os.path.exists(os.environ["GO_FILE"]):
+        time.sleep(0.02)
 members.by_the_first(members.latest(), write)
 print(f"DONE member {members.member}", flush=True)

@@ -9,7 +9,7 @@ applied, tensor by tensor, and a partly applied one shows as unequal elements. E
 its steps were answered to ``OUT/acked{R}`` after each one.
 
 ``--kill-server K@STEP``: worker 0 SIGKILLs the job's server K before its step STEP (``--stop-server``: SIGSTOPs
-it, for good).
+it, for good; STEP -1: before the channel to the servers is built).
 ``--kill-self R@SECONDS``: worker R SIGKILLs itself that long after its first step, wherever it is.
 Every worker writes the wall time (``time.time()``) at which each of its steps was answered to
 ``OUT/times{R}.json``, and worker 0 the moment of its kill to ``OUT/killed_at``.
@@ -42,8 +42,20 @@ rank = int(os.environ["RANK"])
 out = Path(args.out)
 
 
-def server_pid(k: int) -> int:
-    """The job's server ``k``: the process that names itself ``ddpkit-server{k}``, a child of our launcher."""
+def server_pid(k: int, wait_s: float = 0.0) -> int:
+    """The job's server ``k``: the process that names itself ``ddpkit-server{k}``, a child of our launcher
+    (waiting up to ``wait_s`` for it to name itself)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _server_pid(k)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _server_pid(k: int) -> int:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -59,6 +71,11 @@ def server_pid(k: int) -> int:
 ddpkit.init()
 if rank == args.exit_early:
     raise SystemExit(3)
+fault = signal.SIGSTOP if args.stop_server else signal.SIGKILL
+server_fault = args.stop_server or args.kill_server
+kill_server = tuple(map(int, server_fault.split("@"))) if server_fault else None
+if kill_server and rank == 0 and kill_server[1] < 0:
+    os.kill(server_pid(kill_server[0], wait_s=30), fault)
 torch.manual_seed(0)
 if args.model == "mlp":
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -67,9 +84,6 @@ if args.model == "mlp":
 else:
     model = nn.ParameterList([nn.Parameter(torch.zeros(1 << 20)) for _ in range(4)])
     opt = ddpkit.ParameterServerOptimizer(model.parameters(), torch.optim.SGD, lr=1.0, mode=args.mode)
-fault = signal.SIGSTOP if args.stop_server else signal.SIGKILL
-server_fault = args.stop_server or args.kill_server
-kill_server = tuple(map(int, server_fault.split("@"))) if server_fault else None
 kill_self = args.kill_self.split("@") if args.kill_self else None
 g = torch.Generator().manual_seed(100 + rank)
 answered = []

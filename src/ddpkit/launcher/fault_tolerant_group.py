@@ -173,7 +173,7 @@ LIVENESS_MOVES: dict[Liveness, frozenset[Liveness]] = {
     Liveness.CUT_SHORT: frozenset({Liveness.EXITED}),
     Liveness.EXITED: frozenset(),
 }
-"""The moves of a member's :class:`Liveness`; any other is a bug (:meth:`FaultTolerantGroup._hear` raises)."""
+"""The moves of a process's :class:`Liveness`; any other is a bug (:meth:`FaultTolerantGroup._hear` raises)."""
 
 GO, HOLD = Go.GO, Go.HOLD
 
@@ -233,7 +233,7 @@ class FaultTolerantGroup(WorkerGroup):
         """worker index -> ``time.monotonic()`` of its last line on the pipe back (a replies' thread writes it)."""
         self._swept = time.monotonic()
         """When :meth:`_kill_stalled` last looked."""
-        self._stopped: dict[int, float] = {}
+        self._stopped_since: dict[int, float] = {}
         """worker index -> ``time.monotonic()`` since which the system has said it is stopped (unheard ones)."""
         self._built: dict[int, int] = {}
         """member id -> the newest generation whose group it built (a replies' thread writes it)."""
@@ -407,7 +407,7 @@ class FaultTolerantGroup(WorkerGroup):
             said = [line for line in failure.last_lines if not _TORCH_LOG.match(line)]  # not c10d's warnings
             why = (failure.traceback.splitlines() or said or [""])[-1].strip()
             if live is Liveness.STALLED:
-                silence = f"no word from it for {self._limit(index):g} s"
+                silence = self._silence(index)
                 why = f"{why}; then it stalled: {silence}" if failure.traceback else f"it had stalled: {silence}"
             died = (f"member {member} (rank {failure.rank} at the start) died: {describe_exit(code)}"
                     + (f" ({why})" if why else "") + (f"; {_NO_GROUP_HELP}" if no_group else ""))
@@ -437,7 +437,7 @@ class FaultTolerantGroup(WorkerGroup):
         interval, timeout = self.keep_alive
         if now - self._swept > timeout / 2:
             self._heard = dict.fromkeys(tuple(self._heard), now)  # (a replies' thread may add one meanwhile)
-            self._stopped = dict.fromkeys(self._stopped, now)
+            self._stopped_since = dict.fromkeys(self._stopped_since, now)
         self._swept = now
         servers = [i for i, spec in enumerate(self.specs) if spec.server is not None]
         for index in [*self._in_job(), *servers]:
@@ -454,7 +454,8 @@ class FaultTolerantGroup(WorkerGroup):
             who = (f"parameter server {spec.server}" if spec.server is not None
                    else f"member {self.member_of[index]} (rank {spec.rank} at the start)")
             if live is Liveness.UNHEARD:
-                say(f"{who} was stopped (a SIGSTOP) before its first beat and stayed so for {timeout:g} s: killing it "
+                say(f"{who} was stopped (a SIGSTOP, or a debugger's stop) before its first beat and stayed so for "
+                    f"{timeout:g} s: killing it "
                     "so that the job goes on without it (--rdzv-conf keep_alive_interval x keep_alive_max_attempt "
                     "sets how long)")
             elif leaving:
@@ -470,17 +471,23 @@ class FaultTolerantGroup(WorkerGroup):
         """Whether the system has said process ``index`` is stopped for longer than the keep-alive's timeout (one
         that has not beaten yet: its program may take any time to start, but a stopped one makes no progress)."""
         if not process_stopped(self.procs[index].pid):
-            self._stopped.pop(index, None)
+            self._stopped_since.pop(index, None)
             return False
-        return now - self._stopped.setdefault(index, now) > self.keep_alive[1]
+        return now - self._stopped_since.setdefault(index, now) > self.keep_alive[1]
 
     def _with_stall(self, failure: Failure, index: int, live: Liveness) -> Failure:
         """``failure``, the exit of process ``index`` whose liveness was ``live``, saying that its launcher killed
         it for its silence, if it did."""
         if live is Liveness.STALLED:
-            failure.last_lines = [*failure.last_lines, f"(killed by its launcher: it had stalled, no word from it "
-                                                       f"for {self._limit(index):g} s)"]
+            failure.last_lines = [*failure.last_lines,
+                                  f"(killed by its launcher: it had stalled, {self._silence(index)})"]
         return failure
+
+    def _silence(self, index: int) -> str:
+        """How process ``index``, killed as stalled, was silent."""
+        if index not in self._heard:
+            return f"stopped before its first beat for {self.keep_alive[1]:g} s"
+        return f"no word from it for {self._limit(index):g} s"
 
     # -- what one node decides alone (CouncilGroup asks the nodes' majority instead) ---------------
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.runtime import variables
+from ddpkit.runtime.sealed_store import ForgedValue
 
 __all__ = ["FD_ENV", "MEMBER_ENV", "REPLY_FD_ENV", "Membership", "MembershipChanged", "View", "current",
            "keep_alive_of"]
@@ -195,6 +196,11 @@ class Membership:
         with self._cond:
             return bool(self._views) and server in self._views[-1].servers_gone
 
+    def servers_lost(self, servers: int) -> list[int]:
+        """Which of the parameter servers ``0 .. servers - 1`` the launcher announced dead."""
+        with self._cond:
+            return [s for s in range(servers) if self._views and s in self._views[-1].servers_gone]
+
     def lost_since(self, view: View) -> tuple[int, ...]:
         """Members of ``view`` that a newer view no longer has."""
         with self._cond:
@@ -319,7 +325,7 @@ class Membership:
             try:
                 if newest.store not in stores:
                     stores[newest.store] = self._store_of(newest)
-                if stores[newest.store].check([done]):
+                if _marked(stores[newest.store], done):
                     return
                 if worked:  # (again when its mark was lost with a store)
                     stores[newest.store].set(done, str(self.member))
@@ -426,6 +432,19 @@ class Membership:
                 os.write(self._reply_fd, line)
             except OSError:
                 pass  # the launcher is gone: the membership pipe says so too
+
+
+def _marked(store: dist.Store, key: str) -> bool:
+    """Whether ``key`` holds a mark the job wrote: a value sealed by its secret. One that a process without the
+    secret wrote is none (it reached the store, which admits any client: a forged "done" would have every member
+    end without the run's final files); the member that does the work overwrites it with its own."""
+    if not store.check([key]):
+        return False
+    try:
+        store.get(key)
+    except ForgedValue:
+        return False
+    return True
 
 
 _membership: Membership | None = None

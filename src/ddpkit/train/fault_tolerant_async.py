@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ddpkit.data.sampler import DistributedSampler
 from ddpkit.integrations.tensorboard import MemberBoard
@@ -59,6 +58,7 @@ from ddpkit.train.checkpoint import save_weights
 from ddpkit.train.curves import write_curves
 from ddpkit.train.train_config import TrainConfig
 from ddpkit.train.evaluate import evaluate_alone
+from ddpkit.train.records import epoch_line, epoch_record, micro_batch_loss, result_line, summary_of
 from ddpkit.train.recipe import autocast_for, build_state, lr_scale, set_lr, start_survivor, warmup_lr
 from ddpkit.train.strategy import async_momentum
 
@@ -116,9 +116,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
                 set_lr(opt, warmup_lr(config, scale, epoch * steps_per_epoch + at // config.batch_size,
                                       steps_per_epoch))
             opt.zero_grad(set_to_none=True)
-            with autocast():
-                logits = forward(x[b])
-            loss = F.cross_entropy(logits.float().flatten(0, -2), y[b].flatten())
+            loss = micro_batch_loss(forward, x[b], y[b], autocast)
             loss.backward()
             opt.step()
             if outer is not None:
@@ -133,20 +131,17 @@ def worker(config: TrainConfig) -> dict[str, Any]:
             outer.sync()  # the inner steps since the last outer step, in one more: every member holds the model
             said = _say_changes(outer, members, said)
         with _global_model(outer):
-            test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
+            evaluation = evaluate_alone(model, data.test, ctx.device, autocast)
         view = members.latest()
-        elapsed = time.perf_counter() - began
-        record = {"epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch, "train_loss": loss_sum / max(count, 1),
-                  "test_loss": test_loss, "test_accuracy": accuracy, "lr": opt.param_groups[0]["lr"],
-                  "epoch_time_s": round(elapsed, 4), "samples_per_s": round(count / elapsed, 1) if elapsed else None,
-                  "workers": view.size, "servers_gone": list(view.servers_gone), "samples": count, "rank": rank}
+        record = epoch_record(epoch=epoch + 1, step=(epoch + 1) * steps_per_epoch, train_loss=loss_sum / max(count, 1),
+                              evaluation=evaluation, lr=opt.param_groups[0]["lr"],
+                              elapsed=time.perf_counter() - began, trained=count, workers=view.size,
+                              servers_gone=list(view.servers_gone), samples=count, rank=rank)
         history.append(record)
         board.write(view.members[0] == members.member, history)
         if view.members[0] == members.member:
             left = "" if ssp or diloco else f", {config.num_servers - len(view.servers_gone)} server(s)"
-            print(f"epoch {epoch + 1}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss "
-                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% (rank {rank}; {view.size} worker(s)"
-                  f"{left})", flush=True)
+            print(f"{epoch_line(record, config.epochs)} (rank {rank}; {view.size} worker(s){left})", flush=True)
             rundir.write_metrics(out, history, warn=True)
     if outer is not None:  # the last epoch's outer step made the final model, evaluated above
         outer.agree()  # (not members.barrier(): a member may still be in an agreement on the same group)
@@ -155,16 +150,13 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     else:
         view = members.barrier()  # every worker still alive has pushed its last gradient
         settle()
-        test_loss, accuracy, n = evaluate_alone(model, data.test, ctx.device, autocast)
+        evaluation = evaluate_alone(model, data.test, ctx.device, autocast)
     wall = time.perf_counter() - start
-    summary = {"test_accuracy": accuracy, "test_loss": test_loss, "test_samples": n, "epochs": config.epochs,
-               "world_size": view.size, "global_batch_size": config.batch_size * world, "replicas": world,
-               "lr": config.lr * scale, "base_lr": config.lr, "wall_time_s": round(wall, 3),
-               "engine": config.engine, "strategy": config.strategy, "model": config.model,
-               "dataset": config.dataset, "amp": config.amp, "grad_accum": config.grad_accum,
-               "resumed_from_epoch": 0, "steps": config.epochs * steps_per_epoch,  # (each worker's)
-               "started_with": world, "servers": config.num_servers, "servers_gone": list(view.servers_gone),
-               "ps_replication": config.ps_replication, "on_failure": "continue"}
+    summary = summary_of(config, evaluation=evaluation, world=view.size, global_batch=config.batch_size * world,
+                         wall=wall, steps=config.epochs * steps_per_epoch,  # (each worker's)
+                         replicas=world, lr=config.lr * scale, base_lr=config.lr, resumed_from_epoch=0,
+                         started_with=world, servers=config.num_servers, servers_gone=list(view.servers_gone),
+                         ps_replication=config.ps_replication, on_failure="continue")
     if outer is not None:
         planned = len(sampler) * world * config.epochs
         summary.update(servers=0, diloco={
@@ -185,8 +177,8 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         write_curves(out, history)
         left = "" if ssp or diloco else (f" and {config.num_servers - len(view.servers_gone)} of "
                                          f"{config.num_servers} server(s)")
-        print(f"test accuracy: {100 * accuracy:.2f}% on {n} images (test loss {test_loss:.4f}), {config.epochs} "
-              f"epoch(s) in {wall:.1f} s, {len(alive)} of {world} worker(s){left} at the end; weights in "
+        print(f"{result_line(config, evaluation[1], evaluation[0], evaluation[2])}, {config.epochs} epoch(s) in "
+              f"{wall:.1f} s, {len(alive)} of {world} worker(s){left} at the end; weights in "
               f"{out / 'model.safetensors'}", flush=True)
         if outer is not None:
             d = summary["diloco"]

@@ -26,8 +26,9 @@ shows). ``membership.jsonl`` lists every change as the worker that wrote it
 lived it: when the launcher's word arrived, when the group was rebuilt, when
 the first step after it was applied, the state received. At the end the
 first member writes ``model.safetensors`` and ``summary.json``. The epoch's
-record holds the default mode's keys (``lr``; ``epoch_time_s`` and
-``samples_per_s`` as the writer timed them) and the world size; with
+record holds the default mode's keys, made by the default mode's code
+(:mod:`ddpkit.train.records`: ``lr``; ``epoch_time_s`` and ``samples_per_s``
+as the writer timed them), and the world size; with
 ``--tensorboard`` the first member writes the default mode's points, and one
 that becomes first after a death takes over
 (:class:`~ddpkit.integrations.tensorboard.MemberBoard`).
@@ -56,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ddpkit.integrations.tensorboard import MemberBoard
 from ddpkit.parallel.ddp.wrapper import DistributedDataParallel
@@ -72,6 +72,7 @@ from ddpkit.train.train_config import SERVER_STRATEGIES, TrainConfig
 from ddpkit.train.preload import FAULT_TOLERANT_PRELOAD
 from ddpkit.train.curves import write_curves
 from ddpkit.train.evaluate import evaluate_alone
+from ddpkit.train.records import epoch_line, epoch_record, micro_batch_loss, result_line, summary_of
 from ddpkit.train.recipe import autocast_for, build_state, set_lr, start_survivor, warmup_lr
 from ddpkit.train.state import checkpoint_name, newest_valid_checkpoint, prune_checkpoints
 from ddpkit.parallel.fault_tolerance.steps import FaultTolerance, Step
@@ -213,9 +214,7 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         loss_sum = torch.zeros(1, dtype=torch.float64)
         mine = 0
         for xb, yb in step:
-            with autocast():
-                logits = forward(xb)
-            loss = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten())
+            loss = micro_batch_loss(forward, xb, yb, autocast)
             loss.backward()
             loss_sum += loss.detach().double().cpu() * len(yb)
             mine += len(yb)
@@ -305,15 +304,12 @@ def _end_epoch(config: TrainConfig, ft: FaultTolerance, step: Step, progress: Pr
     meanwhile (a replacement's first epoch: since it started)."""
     epoch = step.epoch + 1
     # Every member evaluates (the replicas are equal), so that every one holds the same history to hand on.
-    loss, accuracy, _ = evaluate_alone(ft.model, test, ft.device, autocast)
-    record: dict[str, Any] = {
-        "epoch": epoch, "step": step.index + 1, "train_loss": progress.loss_sum / max(progress.count, 1),
-        "test_loss": loss, "test_accuracy": accuracy, "lr": ft.optimizer.param_groups[0]["lr"],
-        "epoch_time_s": round(elapsed, 4), "samples_per_s": round(samples / elapsed, 1) if elapsed > 0 else None,
-        "min_seen": int(progress.seen.min()), "max_seen": int(progress.seen.max()), "world_size": ft.world_size}
+    evaluation = evaluate_alone(ft.model, test, ft.device, autocast)
+    record = epoch_record(epoch=epoch, step=step.index + 1, train_loss=progress.loss_sum / max(progress.count, 1),
+                          evaluation=evaluation, lr=ft.optimizer.param_groups[0]["lr"], elapsed=elapsed,
+                          trained=samples, seen=progress.seen, world_size=ft.world_size)
     if ft.rank == 0:
-        print(f"epoch {epoch}/{config.epochs}: train loss {record['train_loss']:.4f}, test loss {loss:.4f}, test "
-              f"accuracy {100 * accuracy:.2f}%, {ft.world_size} worker(s)", flush=True)
+        print(f"{epoch_line(record, config.epochs)}, {ft.world_size} worker(s)", flush=True)
     progress.history.append(record)
     progress.seen.zero_()
     progress.loss_sum, progress.count = 0.0, 0
@@ -337,7 +333,7 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
     members it counts are the last step's that are still in the job, and each one lost after that step is one more
     membership change."""
     last = progress.history[-1]  # the last step ends the last epoch, which evaluated the final weights
-    loss, accuracy = last["test_loss"], last["test_accuracy"]
+    evaluation = (last["test_loss"], last["test_accuracy"], n)
 
     def write(alive: list[int]) -> None:
         # Again: the member first at the last epoch's end may have died before it wrote them.
@@ -347,18 +343,13 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
         save_weights(out / "model.safetensors", ft.model.state_dict())
         write_or_warn(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_curves(out, progress.history)
-        what = "symbols" if config.dataset == "shakespeare" else "images"
-        print(f"test accuracy: {100 * accuracy:.2f}% on {n} {what} (test loss {loss:.4f}), {config.epochs} epoch(s) "
-              f"in {wall:.1f} s, {len(alive)} worker(s) at the end after {changes} membership change(s); weights "
-              f"in {out / 'model.safetensors'}", flush=True)
+        print(f"{result_line(config, evaluation[1], evaluation[0], n)}, {config.epochs} epoch(s) in {wall:.1f} s, "
+              f"{len(alive)} worker(s) at the end after {changes} membership change(s); weights in "
+              f"{out / 'model.safetensors'}", flush=True)
 
-    summary = {"test_accuracy": accuracy, "test_loss": loss, "test_samples": n, "epochs": config.epochs,
-               "world_size": ft.world_size, "global_batch_size": ft.shards.batch_size,
-               "wall_time_s": round(wall, 3), "engine": config.engine, "strategy": config.strategy,
-               "model": config.model, "dataset": config.dataset, "amp": config.amp, "grad_accum": config.grad_accum,
-               "steps": ft.committed, **timing,
-               "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
-               "membership_changes": len(ft.changes), "on_failure": "continue"}
+    summary = summary_of(config, evaluation=evaluation, world=ft.world_size, global_batch=ft.shards.batch_size,
+                         wall=wall, steps=ft.committed, **timing, virtual_shards=ft.shards.virtual_shards,
+                         deterministic=ft.deterministic, membership_changes=len(ft.changes), on_failure="continue")
     if ft.membership is None:
         if ft.rank == 0:
             write(list(range(ft.world_size)))

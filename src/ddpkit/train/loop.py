@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ddpkit.data.datasets import load_dataset
 from ddpkit.integrations.tensorboard import STEP_EVERY, EpochBoard
@@ -79,6 +78,7 @@ from ddpkit.train.recipe import (
     steps_left,
     wrap,
 )
+from ddpkit.train.records import epoch_line, epoch_record, micro_batch_loss, result_line, summary_of
 from ddpkit.train.run import Run
 from ddpkit.train.strategy import make_strategy
 
@@ -156,9 +156,7 @@ def _train_epoch(run: Run, bar: Any) -> tuple[float, int, int]:
                 with tracer.phase("data"):
                     xb, yb = x[b], y[b]
                 with tracer.phase("forward"):
-                    with autocast():
-                        logits = run.forward(xb)
-                    loss = F.cross_entropy(logits.float().flatten(0, -2), yb.flatten())
+                    loss = micro_batch_loss(run.forward, xb, yb, autocast)
                 tracer.backward(state.scaler.scale(loss / len(group)).backward)
             loss_sum += loss.detach().double() * len(b)
             step_sum += loss.detach().double() * len(b)
@@ -201,12 +199,9 @@ def _end_epoch(run: Run, loss_sum: float, samples: int, trained: int, epoch_time
     progress = run.progress
     run.sum_seen()
     seen = progress["seen"]
-    record = {
-        "epoch": progress["epoch"] + 1, "step": run.state.step, "train_loss": loss_sum / samples,
-        "test_loss": run.evaluation[0], "test_accuracy": run.evaluation[1], "lr": run.lr_at(run.state.step - 1),
-        "epoch_time_s": round(epoch_time, 4), "samples_per_s": round(trained / epoch_time, 1),
-        "min_seen": int(seen.min()), "max_seen": int(seen.max()),
-    }
+    record = epoch_record(epoch=progress["epoch"] + 1, step=run.state.step, train_loss=loss_sum / samples,
+                          evaluation=run.evaluation, lr=run.lr_at(run.state.step - 1), elapsed=epoch_time,
+                          trained=trained, seen=seen)
     progress["history"].append(record)
     progress["epoch"] += 1
     progress["batches_done"] = 0
@@ -322,10 +317,7 @@ def _train(config: TrainConfig, claim: rundir.Claim | None, attempt: int) -> dic
             record = _end_epoch(run, loss_sum, samples, trained, time.perf_counter() - t0)
         bar.set_postfix(epoch=record["epoch"], loss=f"{record['train_loss']:.4f}", refresh=False)
         if dist.get_rank() == 0:
-            bar.write(
-                f"epoch {record['epoch']}/{config.epochs}: train loss {record['train_loss']:.4f}, "
-                f"test loss {record['test_loss']:.4f}, test accuracy {100 * record['test_accuracy']:.2f}%"
-            )
+            bar.write(epoch_line(record, config.epochs))
     bar.close()
     if run.recorder is not None:
         write(config.trace, [run.recorder])
@@ -356,19 +348,11 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
         last = run.progress["history"][-1]
         run.evaluation = (last["test_loss"], last["test_accuracy"], run.test.labels.numel())
     test_loss, test_acc, n_test = run.evaluation
-    summary = {
-        "test_accuracy": test_acc, "test_loss": test_loss, "test_samples": n_test,
-        "epochs": config.epochs, "world_size": world,
-        "global_batch_size": run.batch * world * config.grad_accum, "replicas": run.scale,
-        "lr": run.lr, "base_lr": config.lr, "wall_time_s": round(wall, 3),
-        "samples_per_s": round(run.trained / wall, 1) if wall > 0 else None,
-        "engine": config.engine, "strategy": config.strategy if config.engine == "ddpkit" else None,
-        "model": config.model, "dataset": config.dataset,
-        "amp": config.amp, "grad_accum": config.grad_accum, "resumed_from_epoch": first_epoch,
-        "steps": run.state.step,
-        "sent_mb_per_step": None if sent_per_step is None else round(sent_per_step / 1e6, 6),
-        **run.strategy.summary(),
-    }
+    summary = summary_of(
+        config, evaluation=run.evaluation, world=world, global_batch=run.batch * world * config.grad_accum,
+        wall=wall, steps=run.state.step, replicas=run.scale, lr=run.lr, base_lr=config.lr,
+        samples_per_s=round(run.trained / wall, 1) if wall > 0 else None, resumed_from_epoch=first_epoch,
+        sent_mb_per_step=None if sent_per_step is None else round(sent_per_step / 1e6, 6), **run.strategy.summary())
     try:
         save_json(run.out / "summary.json", summary)  # a collective: a failure raises on every rank
     except CheckpointError as e:
@@ -379,9 +363,8 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
         ran = config.epochs - first_epoch
         epochs = f"{ran} epoch{'s' if ran != 1 else ''}" + (
             f" (epochs {first_epoch + 1}-{config.epochs}, resumed)" if first_epoch else "")
-        what = "symbols" if config.dataset == "shakespeare" else "images"
-        print(f"test accuracy: {100 * test_acc:.2f}% on {n_test} {what} (test loss {test_loss:.4f}), {epochs} in "
-              f"{wall:.1f} s on {world} process(es); weights in {run.out / 'model.safetensors'}", flush=True)
+        print(f"{result_line(config, test_acc, test_loss, n_test)}, {epochs} in {wall:.1f} s on {world} process(es); "
+              f"weights in {run.out / 'model.safetensors'}", flush=True)
     barrier()
     if dist.get_rank() == 0:  # after the others' last wait: drawing (a first matplotlib import) holds no one up
         write_curves(run.out, run.progress["history"])

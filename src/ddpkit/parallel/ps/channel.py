@@ -40,7 +40,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -259,12 +259,16 @@ _STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.Store] = weakref.Weak
 """Each channel's store while its group lives (a sealed store is Python's to keep: runtime/sealed_store.py)."""
 
 
-def workers_lost(left: list[int]) -> str | None:
-    """Why the channel cannot be built once the workers ``left`` died (None when none did)."""
-    if not left:
+def workers_lost(left: list[int], servers: Sequence[int] = ()) -> str | None:
+    """Why the channel cannot be built once the workers ``left`` or the parameter servers ``servers`` died (None
+    when none did): it is one group of every worker and server, made once, so no replica of a server's key
+    ranges stands in for it there."""
+    lost = ([f"worker(s) {', '.join(map(str, left))}"] if left else []) + (
+        [f"parameter server(s) {', '.join(map(str, servers))}"] if servers else [])
+    if not lost:
         return None
-    return (f"worker(s) {', '.join(map(str, left))} died before it was built (the channel is one group of every "
-            "worker and server, made once), so this job cannot go on; see the first failure above")
+    return (f"{' and '.join(lost)} died before it was built (the channel is one group of every worker and server, "
+            "made once), so this job cannot go on; see the first failure above")
 
 
 def header(op: int, *fields: int) -> torch.Tensor:

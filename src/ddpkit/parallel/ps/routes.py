@@ -62,7 +62,8 @@ def join() -> tuple[PSPlace, dist.ProcessGroup, membership.Membership | None]:
             watch = membership.current()
         except RuntimeError:  # ddpkit.init() did not run: nobody tells this process of a death
             watch = None
-        gone = (lambda: workers_lost(watch.left(range(place.workers)))) if watch is not None else None
+        gone = None if watch is None else (
+            lambda: workers_lost(watch.left(range(place.workers)), watch.servers_lost(place.servers)))
         _channel = (place, connect(place, gone=gone), watch)
     return _channel
 

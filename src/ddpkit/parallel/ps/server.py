@@ -302,7 +302,8 @@ def main() -> int:
     reply = os.environ.get(REPLY_FD_ENV)  # (its beats: a stalled server is killed, as a stalled worker is)
     watch = (Membership(int(fd), -1, None, 60.0, int(reply) if reply else None, keep_alive=keep_alive_of(os.environ))
              if fd else None)
-    gone = (lambda: workers_lost(watch.left(range(place.workers)))) if watch is not None else None
+    gone = None if watch is None else (
+        lambda: workers_lost(watch.left(range(place.workers)), watch.servers_lost(place.servers)))
     ParameterServer(connect(place, gone=gone), place, watch).serve()
     return 0
 
