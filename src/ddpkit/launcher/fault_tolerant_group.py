@@ -234,6 +234,11 @@ class FaultTolerantGroup(WorkerGroup):
         self._swept = time.monotonic()
         """When :meth:`_kill_stalled` last looked."""
         self._stopped_since: dict[int, float] = {}
+        self.channel_built = False
+        """Whether the parameter servers' channel (one group of every worker and server, made once) is built: a
+        server said so. A server lost before then cannot be stood in for."""
+        self._readers: dict[int, threading.Thread] = {}
+        """worker index -> the thread reading its pipe back."""
         """worker index -> ``time.monotonic()`` since which the system has said it is stopped (unheard ones)."""
         self._built: dict[int, int] = {}
         """member id -> the newest generation whose group it built (a replies' thread writes it)."""
@@ -288,7 +293,8 @@ class FaultTolerantGroup(WorkerGroup):
         os.close(up_w)
         self.server_pipes.append(down_w)
         self.liveness[index] = Liveness.UNHEARD
-        threading.Thread(target=self._read_replies, args=(up_r, index), daemon=True).start()
+        self._readers[index] = threading.Thread(target=self._read_replies, args=(up_r, index), daemon=True)
+        self._readers[index].start()
 
     def _member_id(self, spec: WorkerSpec, replacing: bool) -> int:
         """A worker's member id: its first rank; a replacement's, the next one unused."""
@@ -308,7 +314,9 @@ class FaultTolerantGroup(WorkerGroup):
                         self._hear(index, Liveness.LEAVING)
                     elif not bye and self.liveness[index] is Liveness.UNHEARD:
                         self._hear(index, Liveness.BEATING)
-                if line.startswith(b"built "):  # it built a view's group: the job went on past that change
+                if line.strip() == b"channel":
+                    self.channel_built = True
+                elif line.startswith(b"built "):  # it built a view's group: the job went on past that change
                     self._built[member] = int(line.split()[1])
                 elif line.strip() == b"ready":
                     self._ready.put(member)
@@ -364,6 +372,12 @@ class FaultTolerantGroup(WorkerGroup):
             live = self.liveness[index]
             self._hear(index, Liveness.EXITED)
             if self.specs[index].server is not None:
+                if code != 0 and not self._channel_was_built(index):
+                    say(f"parameter server {self.specs[index].server} died before the channel to the servers was "
+                        f"built ({describe_exit(code)}): it is one group of every worker and server, made once, so no "
+                        "replica stands in for it there; stopping the job")
+                    self.stop()
+                    return self._with_stall(self.failure(index, code), index, live)
                 if code != 0:
                     if not self.server_replaced(index, code):
                         self.stop()
@@ -474,6 +488,13 @@ class FaultTolerantGroup(WorkerGroup):
             self._stopped_since.pop(index, None)
             return False
         return now - self._stopped_since.setdefault(index, now) > self.keep_alive[1]
+
+    def _channel_was_built(self, index: int) -> bool:
+        """Whether the servers' channel was built before process ``index`` (a server) exited: its own pipe back is
+        read to its end first (a last line may be on its way)."""
+        if not self.channel_built:
+            self._readers[index].join(timeout=1.0)
+        return self.channel_built
 
     def _with_stall(self, failure: Failure, index: int, live: Liveness) -> Failure:
         """``failure``, the exit of process ``index`` whose liveness was ``live``, saying that its launcher killed

@@ -367,10 +367,19 @@ class Membership:
         def build() -> None:  # on a thread: the store itself may die with its node (or hang, cut off)
             try:
                 store = built["store"] = self._store_of(view)
-                store.set(f"{prefix}arrived/{self.member}", "1")
+                mine = f"{prefix}arrived/{self.member}"
+                store.set(mine, "1")
                 store.add(f"{prefix}arrivals", 1)  # for members still in an older group (_gone_ahead)
                 keys = [f"{prefix}arrived/{m}" for m in view.members]
+                deadline = time.monotonic() + self.timeout.total_seconds()
                 while not store.check(keys):
+                    if not store.check([mine]):  # deleted by a client of the store (it admits any): again
+                        store.set(mine, "1")
+                    if time.monotonic() > deadline:  # (one deleted after its member went on: bounded)
+                        missing = [m for m in view.members if not store.check([f"{prefix}arrived/{m}"])]
+                        raise RuntimeError(f"membership generation {view.generation}: member(s) "
+                                           f"{', '.join(map(str, missing))} did not arrive within "
+                                           f"{self.timeout.total_seconds():g} s")
                     if abandoned.wait(_POLL_S):
                         return
                 built["group"] = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}group/", store),
@@ -425,6 +434,11 @@ class Membership:
     def holds_state(self) -> None:
         """Tell the launcher this worker holds the training state (a replacement stopped before that has none)."""
         self._reply(b"holding\n")
+
+    def channel_built(self) -> None:
+        """Tell the launcher this parameter server's channel to the workers is built (one group of every worker
+        and server, made once: a server lost before that ends the job)."""
+        self._reply(b"channel\n")
 
     def _reply(self, line: bytes) -> None:
         if self._reply_fd is not None:

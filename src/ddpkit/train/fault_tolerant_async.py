@@ -152,11 +152,11 @@ def worker(config: TrainConfig) -> dict[str, Any]:
         settle()
         evaluation = evaluate_alone(model, data.test, ctx.device, autocast)
     wall = time.perf_counter() - start
-    summary = summary_of(config, evaluation=evaluation, world=view.size, global_batch=config.batch_size * world,
-                         wall=wall, steps=config.epochs * steps_per_epoch,  # (each worker's)
-                         replicas=world, lr=config.lr * scale, base_lr=config.lr, resumed_from_epoch=0,
-                         started_with=world, servers=config.num_servers, servers_gone=list(view.servers_gone),
-                         ps_replication=config.ps_replication, on_failure="continue")
+    summary = {**summary_of(config, evaluation=evaluation, world=view.size, global_batch=config.batch_size * world,
+                            wall=wall, steps=config.epochs * steps_per_epoch),  # (steps: each worker's)
+               "replicas": world, "lr": config.lr * scale, "base_lr": config.lr, "resumed_from_epoch": 0,
+               "started_with": world, "servers": config.num_servers, "servers_gone": list(view.servers_gone),
+               "ps_replication": config.ps_replication, "on_failure": "continue"}
     if outer is not None:
         planned = len(sampler) * world * config.epochs
         summary.update(servers=0, diloco={

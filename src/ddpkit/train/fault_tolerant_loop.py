@@ -347,9 +347,10 @@ def _finish(config: TrainConfig, ft: FaultTolerance, progress: Progress, n: int,
               f"{len(alive)} worker(s) at the end after {changes} membership change(s); weights in "
               f"{out / 'model.safetensors'}", flush=True)
 
-    summary = summary_of(config, evaluation=evaluation, world=ft.world_size, global_batch=ft.shards.batch_size,
-                         wall=wall, steps=ft.committed, **timing, virtual_shards=ft.shards.virtual_shards,
-                         deterministic=ft.deterministic, membership_changes=len(ft.changes), on_failure="continue")
+    summary = {**summary_of(config, evaluation=evaluation, world=ft.world_size, global_batch=ft.shards.batch_size,
+                            wall=wall, steps=ft.committed), **timing,
+               "virtual_shards": ft.shards.virtual_shards, "deterministic": ft.deterministic,
+               "membership_changes": len(ft.changes), "on_failure": "continue"}
     if ft.membership is None:
         if ft.rank == 0:
             write(list(range(ft.world_size)))

@@ -348,11 +348,14 @@ def _finish(run: Run, wall: float, first_epoch: int, sent_per_step: float | None
         last = run.progress["history"][-1]
         run.evaluation = (last["test_loss"], last["test_accuracy"], run.test.labels.numel())
     test_loss, test_acc, n_test = run.evaluation
-    summary = summary_of(
-        config, evaluation=run.evaluation, world=world, global_batch=run.batch * world * config.grad_accum,
-        wall=wall, steps=run.state.step, replicas=run.scale, lr=run.lr, base_lr=config.lr,
-        samples_per_s=round(run.trained / wall, 1) if wall > 0 else None, resumed_from_epoch=first_epoch,
-        sent_mb_per_step=None if sent_per_step is None else round(sent_per_step / 1e6, 6), **run.strategy.summary())
+    summary = {
+        **summary_of(config, evaluation=run.evaluation, world=world, global_batch=run.batch * world * config.grad_accum,
+                     wall=wall, steps=run.state.step),
+        "replicas": run.scale, "lr": run.lr, "base_lr": config.lr,
+        "samples_per_s": round(run.trained / wall, 1) if wall > 0 else None, "resumed_from_epoch": first_epoch,
+        "sent_mb_per_step": None if sent_per_step is None else round(sent_per_step / 1e6, 6),
+        **run.strategy.summary(),
+    }
     try:
         save_json(run.out / "summary.json", summary)  # a collective: a failure raises on every rank
     except CheckpointError as e:

@@ -58,14 +58,13 @@ def result_line(config: TrainConfig, accuracy: float, loss: float, samples: int)
 
 
 def summary_of(config: TrainConfig, *, evaluation: tuple[float, float, int], world: int, global_batch: int,
-               wall: float, steps: int, **more: Any) -> dict[str, Any]:
+               wall: float, steps: int) -> dict[str, Any]:
     """``summary.json``'s keys that every mode writes: the final test loss and accuracy (``evaluation``), the
-    world at the end, the global batch, the run's seconds and steps and its settings; then the loop's own
-    (``more``)."""
+    world at the end, the global batch, the run's seconds and steps and its settings (a loop adds its own)."""
     test_loss, accuracy, samples = evaluation
     return {
         "test_accuracy": accuracy, "test_loss": test_loss, "test_samples": samples, "epochs": config.epochs,
         "world_size": world, "global_batch_size": global_batch, "wall_time_s": round(wall, 3),
         "engine": config.engine, "strategy": config.strategy if config.engine == "ddpkit" else None,
         "model": config.model, "dataset": config.dataset, "amp": config.amp, "grad_accum": config.grad_accum,
-        "steps": steps, **more}
+        "steps": steps}

@@ -205,7 +205,7 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
     """The channel's Gloo group (see the module notes); worker 0 serves its store.
 
     ``gone`` (under ``ddpkit launch --on-failure continue``) says why the channel can no longer be built (a
-    worker died before it was), and the wait stops then instead of at the timeout.
+    worker or a server died before it was), and the wait stops then instead of at the timeout.
 
     Raises:
         RuntimeError: the channel's members did not meet within ``timeout`` s (naming the address), or ``gone``

@@ -304,7 +304,10 @@ def main() -> int:
              if fd else None)
     gone = None if watch is None else (
         lambda: workers_lost(watch.left(range(place.workers)), watch.servers_lost(place.servers)))
-    ParameterServer(connect(place, gone=gone), place, watch).serve()
+    channel = connect(place, gone=gone)
+    if watch is not None:
+        watch.channel_built()
+    ParameterServer(channel, place, watch).serve()
     return 0
 
 
