@@ -123,12 +123,12 @@ def test_a_forged_done_mark_in_the_store_does_not_end_a_continuing_job_without_i
             time.sleep(0.05)
         stranger = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=30),
                                  wait_for_workers=False)
-        arrivals: list[str] = []
-        while not arrivals:  # the first view's group met: its keys name the membership's place in the store
+        arrived: list[str] = []
+        while not arrived:  # the first view's group met: its keys name the membership's place in the store
             assert job.poll() is None and time.monotonic() < deadline, "the job ended, or its group never met"
-            arrivals = [k for k in stranger.list_keys() if "/ft/" in k and k.endswith("/arrivals")]
+            arrived = [k for k in stranger.list_keys() if "/ft/" in k and k.rsplit("/", 2)[-2] == "arrived"]
             time.sleep(0.05)
-        forged = {k.rsplit("/", 2)[0] + "/final/1/done" for k in arrivals}
+        forged = {k.rsplit("/", 3)[0] + "/final/1/done" for k in arrived}
         for key in forged:
             stranger.set(key, "done")
         go.touch()

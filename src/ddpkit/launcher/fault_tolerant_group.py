@@ -234,12 +234,12 @@ class FaultTolerantGroup(WorkerGroup):
         self._swept = time.monotonic()
         """When :meth:`_kill_stalled` last looked."""
         self._stopped_since: dict[int, float] = {}
+        """worker index -> ``time.monotonic()`` since which the system has said it is stopped (unheard ones)."""
         self.channel_built = False
         """Whether the parameter servers' channel (one group of every worker and server, made once) is built: a
         server said so. A server lost before then cannot be stood in for."""
         self._readers: dict[int, threading.Thread] = {}
-        """worker index -> the thread reading its pipe back."""
-        """worker index -> ``time.monotonic()`` since which the system has said it is stopped (unheard ones)."""
+        """server index -> the thread reading its pipe back."""
         self._built: dict[int, int] = {}
         """member id -> the newest generation whose group it built (a replies' thread writes it)."""
 
@@ -444,9 +444,9 @@ class FaultTolerantGroup(WorkerGroup):
 
     def _kill_stalled(self) -> None:
         """Kill the workers in the job and the parameter servers that beat once and then fell silent for the
-        keep-alive's timeout (the module notes); their exits come as deaths. A launcher held up for half that
-        timeout itself (paused, or starved) judges nobody this turn: the beats may be waiting unread in their
-        pipes."""
+        keep-alive's timeout, or that the system says were stopped that long before their first beat (the module
+        notes); their exits come as deaths. A launcher held up for half that timeout itself (paused, or starved)
+        judges nobody this turn: the beats may be waiting unread in their pipes."""
         now = time.monotonic()
         interval, timeout = self.keep_alive
         if now - self._swept > timeout / 2:

@@ -283,8 +283,9 @@ class Membership:
         for v in later:
             if v.store not in self._lookouts:  # one connection per store, this thread's own
                 self._lookouts[v.store] = self._store_of(v)
-            newcomers = len(set(v.members) - set(view.members))
-            if self._lookouts[v.store].add(f"ft/{v.generation}/arrivals", 0) > newcomers:
+            # (each arrival mark sealed: a store client cannot make one up, as it could raise a counter)
+            if any(_marked(self._lookouts[v.store], f"ft/{v.generation}/arrived/{m}")
+                   for m in v.members if m in view.members):
                 return True
         return False
 
@@ -368,8 +369,7 @@ class Membership:
             try:
                 store = built["store"] = self._store_of(view)
                 mine = f"{prefix}arrived/{self.member}"
-                store.set(mine, "1")
-                store.add(f"{prefix}arrivals", 1)  # for members still in an older group (_gone_ahead)
+                store.set(mine, "1")  # (also what members still in an older group look for: _gone_ahead)
                 keys = [f"{prefix}arrived/{m}" for m in view.members]
                 deadline = time.monotonic() + self.timeout.total_seconds()
                 while not store.check(keys):
