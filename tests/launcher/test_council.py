@@ -172,12 +172,17 @@ def test_a_spare_with_another_secret_or_after_training_is_never_admitted() -> No
 
 
 class _Rendezvous:
-    """What ``take_seat`` uses of a launcher's rendezvous: its store."""
+    """What ``take_seat`` uses of a launcher's rendezvous: its store, and its reading of a mark."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
         self.store = dist.HashStore()
+
+    def marked(self, key: str) -> bool:
+        from ddpkit.runtime.sealed_store import marked
+
+        return marked(self.store, key)
 
 
 def test_a_node_with_another_worker_count_or_a_taken_rank_is_refused_before_it_sits() -> None:

@@ -292,3 +292,66 @@ def test_a_secret_file_other_users_can_read_is_said_in_one_line(tmp_path, capsys
     err = capsys.readouterr().err
     assert (f"--job-secret-file {secret} can be read by other users of this machine (mode {mode:04o}): whoever of "
             f"them reaches it and the job's ports can join the job; chmod 600 {secret}" in err) is said, err
+
+
+@pytest.mark.slow("two launchers and their workers, a stranger writing in their store, a crash")
+def test_a_stranger_raising_the_failure_counter_does_not_hide_the_first_failure_from_the_other_nodes(tmp_path):
+    # The first failure of a round was claimed by a counter, which any client of the store could raise: the node
+    # that failed then took another's claim for granted, wrote nothing, and the other node named its own worker's
+    # broken connection as the root cause (until 2026-12-02).
+    from tests.launcher.test_node_failures import _finish, _node
+
+    port, go = free_port(), tmp_path / "go"
+    procs = [_node(n, port, "crash", CRASH_RANK="1", GO_FILE=str(go)) for n in (0, 1)]
+    try:
+        stranger, place = _launchers_store(port, procs)
+        stranger.add(place + "failed/0/count", 1)
+        stranger.add(place + "failed/0/count", 1)
+        go.touch()
+    finally:
+        outs = _finish(procs, timeout=90)
+    (_, err0), (_, err1) = outs
+    assert "RuntimeError: deliberate failure on rank 1" in err1 and "Root cause: rank 1" in err1, err1[-2000:]
+    assert "node 1, rank 1, failed first: exit code 1" in err0, err0[-3000:]
+
+
+@pytest.mark.slow("two launchers and their workers, a stranger writing in their store, a node killed")
+def test_a_forged_done_mark_does_not_hide_a_killed_node_from_the_others(tmp_path):
+    # A node that said it was done is not judged silent: any client of the store could make that mark (its key
+    # existing sufficed), and the killed node's silence then went unnoticed (until 2026-12-02).
+    import os
+    import signal
+
+    from tests.launcher.test_node_failures import _finish, _node
+
+    port = free_port()
+    procs = [_node(n, port, "long", DDPKIT_TIMEOUT="60") for n in (0, 1)]
+    try:
+        procs[0].wait_for("TRAINING 0 round 0")
+        stranger, place = _launchers_store(port, procs)
+        stranger.set(place + "done/0/1", "ok")
+        worker = int(subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "nodes.py"], capture_output=True,
+                                    text=True).stdout.split()[0])
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        os.killpg(worker, signal.SIGKILL)
+        _, err0 = procs[0].communicate(timeout=60)
+    finally:
+        _finish(procs, timeout=1)
+    assert procs[0].returncode == 1
+    assert "node 1 failed first: its launcher stopped answering" in err0, err0[-3000:]
+
+
+def _launchers_store(port: int, procs: list) -> tuple[object, str]:
+    """A client of the launchers' store at ``port`` (as any process that reaches it), and the launchers' place in it
+    (read from the keys of the first round, as anyone may list them)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    deadline, joined = time.monotonic() + 60, []
+    while not joined:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "the job never met"
+        joined = [k for k in stranger.list_keys() if k.endswith("joined/0/0")]
+        time.sleep(0.05)
+    return stranger, joined[0][: -len("joined/0/0")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.runtime.sealed_store import ForgedValue, SealedStore, seal
+from ddpkit.runtime.sealed_store import ForgedValue, SealedStore, marked, seal
 
 SECRET = "a" * 32
 SCOPE = "ddpkit/0123/0/"
@@ -78,3 +78,14 @@ def test_gloo_meets_through_the_seal_and_a_forged_value_under_its_prefix_is_refu
     raw.set("g//0", b"forged")
     with pytest.raises(ForgedValue):
         dist.PrefixStore("g/", sealed).get("0")
+
+
+def test_a_mark_is_one_the_secret_sealed_and_a_forged_one_is_none() -> None:
+    raw = dist.HashStore()
+    store = _sealed(raw)
+    assert not marked(store, "done/0/1")
+    raw.set("done/0/1", "ok")  # a store client's: the key exists, its value opens under no secret
+    assert store.check(["done/0/1"]) and not marked(store, "done/0/1")
+    store.set("done/0/1", "ok")  # the launcher whose mark it is writes its own over it
+    assert marked(store, "done/0/1")
+    assert marked(raw, "done/0/1")  # a job without a secret: its keys as they are

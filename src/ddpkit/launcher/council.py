@@ -757,7 +757,7 @@ def take_seat(rdzv: Any, *, node: int, nnodes: int, nproc: int, master_addr: str
     rdzv.store.set(f"council/{node}", json.dumps([host, listener.getsockname()[1], store]))
     _wait_keys(rdzv.store, [f"council/{n}" for n in range(nnodes)], deadline,
                "node(s) {missing} did not publish their council seat")
-    seats = [n for n in range(most) if n < nnodes or n == node or rdzv.store.check([f"council/{n}"])]
+    seats = [n for n in range(most) if n < nnodes or n == node or rdzv.marked(f"council/{n}")]
     places = {n: tuple(json.loads(rdzv.store.get(f"council/{n}"))) for n in seats}
     world = nnodes * nproc
 

@@ -168,7 +168,7 @@ class DynamicRendezvous(NodeRendezvous):
             if not self.store.check([f"r/{round_ - 1}/closed"]):
                 return 0
             before = json.loads(self.store.get(f"r/{round_ - 1}/closed")).get("restarts", 0)
-            failed = self.store.check([f"failed/{round_ - 1}"])
+            failed = self.marked(f"failed/{round_ - 1}")
         return int(before) + int(failed)
 
     def _wait_closed(self, round_: int) -> dict:

@@ -171,22 +171,28 @@ class NodeRendezvous:
 
     def record(self, round_: int, failure: RemoteFailure) -> RemoteFailure:
         """Record ``failure`` unless another node's came first; return the first."""
-        with self._lock:
-            if self.store.add(f"failed/{round_}/count", 1) == 1:
-                self.store.set(f"failed/{round_}", json.dumps(failure.__dict__))
-                return failure
-        return self.first_failure(round_, wait=True) or failure
+        from ddpkit.runtime.sealed_store import ForgedValue
 
-    def first_failure(self, round_: int, wait: bool = False) -> RemoteFailure | None:
-        """The round's first failure, if any node recorded one (``wait``: it is being written)."""
-        deadline = time.monotonic() + (2.0 if wait else 0.0)
-        while True:
-            with self._lock:
-                if self.store.check([f"failed/{round_}"]):
-                    return RemoteFailure(**json.loads(self.store.get(f"failed/{round_}")))
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
+        mine = json.dumps(failure.__dict__)
+        try:
+            with self._lock:  # set where absent, in one step: a counter would be any store client's to raise
+                first = self.store.compare_set(f"failed/{round_}", "", mine)
+        except ForgedValue:  # a process without the secret wrote there first: this node's failure is the first
+            return failure
+        return failure if first.decode() == mine else RemoteFailure(**json.loads(first))
+
+    def marked(self, key: str) -> bool:
+        """Whether ``key`` holds a mark a launcher of the job wrote (one a store client forged is none)."""
+        from ddpkit.runtime.sealed_store import marked  # (torch's, imported once a launcher needs it)
+
+        return marked(self.store, key)
+
+    def first_failure(self, round_: int) -> RemoteFailure | None:
+        """The round's first failure, if any node recorded one."""
+        with self._lock:
+            if self.store.check([f"failed/{round_}"]):
+                return RemoteFailure(**json.loads(self.store.get(f"failed/{round_}")))
+        return None
 
     def watch(self, round_: int) -> RemoteFailure | None:
         """One look: another node's failure, a node gone silent (node 0), or node 0 gone (the others)."""
@@ -223,7 +229,7 @@ class NodeRendezvous:
     def members(self, round_: int) -> dict[int, str]:
         """Node rank -> node id of the nodes in ``round_`` (static: those that joined it)."""
         with self._lock:
-            return {n: str(n) for n in range(self.nnodes) if self.store.check([f"joined/{round_}/{n}"])}
+            return {n: str(n) for n in range(self.nnodes) if self.marked(f"joined/{round_}/{n}")}
 
     def silent_nodes(self, round_: int) -> list[tuple[int, float]]:
         """Nodes of ``round_`` that have written no heartbeat for :attr:`stale_s`."""
@@ -232,7 +238,7 @@ class NodeRendezvous:
         with self._lock:
             # A node whose workers all finished may exit before the others do: done, not silent.
             present = {n: i for n, i in others.items()
-                       if self.store.check([f"alive/{i}"]) and not self.store.check([f"done/{round_}/{i}"])}
+                       if self.store.check([f"alive/{i}"]) and not self.marked(f"done/{round_}/{i}")}
             beats = self.store.multi_get([f"alive/{i}" for i in present.values()]) if present else []
         return [(n, now - float(b)) for n, b in zip(present, beats) if now - float(b) > self.stale_s]
 
@@ -254,7 +260,7 @@ class NodeRendezvous:
                 if failure := self.watch(round_):
                     return failure
                 with self._lock:
-                    if self.store.check(keys):
+                    if all(self.marked(key) for key in keys):
                         return None
                 time.sleep(POLL_S)
         except Exception:  # noqa: BLE001 - the job is over; the store may be gone

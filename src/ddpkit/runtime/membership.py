@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.runtime import variables
-from ddpkit.runtime.sealed_store import ForgedValue
+from ddpkit.runtime.sealed_store import marked
 
 __all__ = ["FD_ENV", "MEMBER_ENV", "REPLY_FD_ENV", "Membership", "MembershipChanged", "View", "current",
            "keep_alive_of"]
@@ -284,7 +284,7 @@ class Membership:
             if v.store not in self._lookouts:  # one connection per store, this thread's own
                 self._lookouts[v.store] = self._store_of(v)
             # (each arrival mark sealed: a store client cannot make one up, as it could raise a counter)
-            if any(_marked(self._lookouts[v.store], f"ft/{v.generation}/arrived/{m}")
+            if any(marked(self._lookouts[v.store], f"ft/{v.generation}/arrived/{m}")
                    for m in v.members if m in view.members):
                 return True
         return False
@@ -326,7 +326,7 @@ class Membership:
             try:
                 if newest.store not in stores:
                     stores[newest.store] = self._store_of(newest)
-                if _marked(stores[newest.store], done):
+                if marked(stores[newest.store], done):
                     return
                 if worked:  # (again when its mark was lost with a store)
                     stores[newest.store].set(done, str(self.member))
@@ -446,19 +446,6 @@ class Membership:
                 os.write(self._reply_fd, line)
             except OSError:
                 pass  # the launcher is gone: the membership pipe says so too
-
-
-def _marked(store: dist.Store, key: str) -> bool:
-    """Whether ``key`` holds a mark the job wrote: a value sealed by its secret. One that a process without the
-    secret wrote is none (it reached the store, which admits any client: a forged "done" would have every member
-    end without the run's final files); the member that does the work overwrites it with its own."""
-    if not store.check([key]):
-        return False
-    try:
-        store.get(key)
-    except ForgedValue:
-        return False
-    return True
 
 
 _membership: Membership | None = None

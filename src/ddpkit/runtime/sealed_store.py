@@ -13,7 +13,8 @@ the council's, or a value into the census. It can still read what the ranks publ
 or the training state) and stop the job by writing or deleting keys. What this does not cover: a value sealed in
 another run under the same secret (give each run its own), counters (``add``: plain integers, which a MAC cannot
 cover; one bumped makes the census pass a rank short or fail, and the job then fails at gloo's rendezvous) and
-which keys exist (``check``, ``wait``: a forged one ends a wait early, and the read that follows fails), and gloo's
+which keys exist (``check``, ``wait``: a forged one ends a wait early, and the read that follows fails; a mark the
+job believes on its existence alone is read through :func:`marked`, which opens it), and gloo's
 own connections, which are not authenticated: a job across machines belongs on a network its owner trusts (as
 torch's documentation says of c10d).
 """
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from ddpkit.runtime.discovery import job_key
 
-__all__ = ["ForgedValue", "SealedStore", "seal"]
+__all__ = ["ForgedValue", "SealedStore", "marked", "seal"]
 
 _MAC_BYTES = 32
 
@@ -137,3 +138,17 @@ def seal(store: dist.Store, token: str | None, scope: str) -> dist.Store:
     if not token:
         return store
     return SealedStore(store, _seal_key(token), scope)
+
+
+def marked(store: dist.Store, key: str) -> bool:
+    """Whether ``key`` holds a mark the job wrote: a value that opens under the job's secret (``store`` sealed, or
+    a wrapper of a sealed one). One that a process without the secret wrote counts as none: its key exists, which
+    ``check`` alone would believe (a forged "done" would have a launcher take a dead node for a finished one, or a
+    member end without the run's final files), and the one whose mark it is writes its own over it."""
+    if not store.check([key]):
+        return False
+    try:
+        store.get(key)
+    except ForgedValue:
+        return False
+    return True
