@@ -365,3 +365,19 @@ def _interface_addresses() -> set[str]:
 
     done = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True)
     return {line.split()[3].split("/")[0] for line in done.stdout.splitlines() if len(line.split()) > 3}
+
+
+def test_a_channel_whose_member_never_comes_says_so_not_to_check_the_port() -> None:
+    # The store answered and the server never came: the error said to check that the port was free (until
+    # 2026-12-02), whatever had failed.
+    from ddpkit.parallel.ps.channel import PSPlace, connect
+    from ddpkit.runtime.process import free_port
+
+    port = free_port()
+    alone = PSPlace(role="worker", index=0, workers=1, servers=1, master_addr="127.0.0.1", port=port)
+    with pytest.raises(RuntimeError) as caught:
+        connect(alone, timeout=1)
+    said = str(caught.value)
+    assert f"worker 0 reached the parameter servers' channel at 127.0.0.1:{port}, but its 1 worker(s) and 1 " \
+           "server(s) did not all meet there within 1 s" in said, said
+    assert "died, was stopped or never started" in said and "port is free" not in said

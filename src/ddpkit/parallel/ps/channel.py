@@ -221,6 +221,7 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
     serving = place.role == "worker" and place.index == 0
 
     def build() -> None:
+        built["stage"] = "store"
         try:
             fd = loopback_listener(place.master_addr, place.port) if serving else None
             if not serving and (unreachable := wait_for_listener(place.master_addr, place.port,
@@ -230,6 +231,7 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False,
                                   **({"master_listen_fd": fd} if fd is not None else {}))
             sealed = seal(dist.PrefixStore(prefix, store), token, prefix)
+            built["stage"] = "group"
             built["group"] = dist.ProcessGroupGloo(sealed, place.rank, place.workers + place.servers,
                                                    timedelta(seconds=timeout))
             _STORES[built["group"]] = sealed
@@ -246,6 +248,13 @@ def connect(place: PSPlace, timeout: float = 300.0, gone: Callable[[], str | Non
             if thread.is_alive() and (why := gone()):
                 raise RuntimeError(f"{place.role} {place.index} could not join the parameter servers' channel: "
                                    f"{why}")
+    if "error" in built and built["stage"] == "group":  # the store answered: a member did not come
+        raise RuntimeError(
+            f"{place.role} {place.index} reached the parameter servers' channel at {place.master_addr}:{place.port}, "
+            f"but its {place.workers} worker(s) and {place.servers} server(s) did not all meet there within "
+            f"{timeout:g} s ({built['error']}): one of them died, was stopped or never started (the lines of the "
+            "others say which)"
+        ) from None
     if "error" in built:
         raise RuntimeError(
             f"{place.role} {place.index} could not join the parameter servers' channel at "
