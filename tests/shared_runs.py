@@ -55,9 +55,11 @@ class SharedRuns:
 
 
 def ft_run(folder: Path, name: str, *, kill: str = "", det: bool = True, nproc: int = 3, replacements: int = 0,
-           epochs: int = 2, grow: int = 0, launch_flags: tuple[str, ...] = (), **extra: str) -> tuple[dict, dict, str]:
-    """``tests/scripts/ft_train.py`` under ``ddpkit launch --on-failure continue`` on one node (with
-    ``launch_flags`` too): its weights, its account (world sizes, changes) and the launcher's standard error."""
+           epochs: int = 2, grow: int = 0, launch_flags: tuple[str, ...] = (), program: str = "ft_train.py",
+           **extra: str) -> tuple[dict, dict, str]:
+    """``tests/scripts/ft_train.py`` (or ``program`` of ``tests/scripts``, which runs it) under ``ddpkit launch
+    --on-failure continue`` on one node (with ``launch_flags`` too): its weights, its account (world sizes,
+    changes) and the launcher's standard error."""
     import json
 
     from procs import base_env, launch, script
@@ -65,7 +67,7 @@ def ft_run(folder: Path, name: str, *, kill: str = "", det: bool = True, nproc: 
     out = folder / name
     env = base_env(OUT=str(out), KILL=kill, DET="1" if det else "0", EPOCHS=str(epochs), GROW=str(grow), **extra)
     done = launch("--standalone", "--nproc-per-node", str(nproc), "--on-failure", "continue", "--max-restarts",
-                  str(replacements), *launch_flags, script("ft_train.py"), env=env, timeout=120)
+                  str(replacements), *launch_flags, script(program), env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(f"{out}.pt"), json.loads(Path(f"{out}.json").read_text()), done.stderr
 

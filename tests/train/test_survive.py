@@ -287,6 +287,21 @@ def test_a_worker_stopped_before_its_first_beat_is_killed_and_the_run_ends_bitwi
 
 @FAULTS
 @pytest.mark.slow("a whole job of three workers through a stop, against the run without (shared)")
+def test_a_wrapper_scripts_program_stopped_before_its_first_beat_is_killed_and_the_run_ends_bitwise_equal(
+        tmp_path: Path, shared_runs) -> None:
+    # The launcher looked at its own child alone: a shell script running the program (--no-python) sleeps in a
+    # wait while the program below it is the one stopped, and the job hung.
+    reference, plain, _ = _reference(shared_runs)
+    weights, account, stderr = ft_run(tmp_path, "wrapped", STOP_AT_START="1", PYTHON=sys.executable,
+                                      program="ft_wrapper.sh", launch_flags=(*SHORT_KEEP_ALIVE, "--no-python"))
+    assert ("member 1 (rank 1 at the start) was stopped (a SIGSTOP, or a debugger's stop) before its first beat and "
+            "stayed so for 2 s: killing it") in stderr, stderr[-3000:]
+    assert account["world_size"] == 2 and account["committed"] == plain["committed"]
+    assert all(weights[k].equal(reference[k]) for k in reference)
+
+
+@FAULTS
+@pytest.mark.slow("a whole job of three workers through a stop, against the run without (shared)")
 def test_a_worker_stopped_mid_step_is_killed_after_the_keep_alive_and_the_run_ends_bitwise_equal(
         tmp_path: Path, shared_runs) -> None:
     # A SIGSTOPped worker held every survivor in the step's reduction until DDPKIT_TIMEOUT (1,800 s), then the

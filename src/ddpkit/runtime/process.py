@@ -199,14 +199,51 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def process_stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger's stop), from Linux's ``/proc``; False
-    where that cannot be read (no such process, another system)."""
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (Linux's ``/proc``: each thread's list of them, or, on a kernel
+    built without those lists, every process's parent); none where that cannot be read."""
+    found: list[int] = []
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+        return found
+    for thread in threads:
+        try:
+            found += [int(child) for child in (thread / "children").read_text().split()]
+        except FileNotFoundError:
+            return _children_by_parent(pid)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _children_by_parent(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid``, or one it started, is stopped (SIGSTOP, SIGTSTP, a debugger's stop), from Linux's
+    ``/proc``: a wrapper script waits in a sleep while the program it runs is the one stopped. False where that
+    cannot be read (no such process, another system)."""
+    todo = [pid]
+    while todo:
+        at = todo.pop()
+        try:
+            stat = Path(f"/proc/{at}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] in ("T", "t"):
+            return True
+        todo += children(at)
+    return False
 
 
 @contextlib.contextmanager

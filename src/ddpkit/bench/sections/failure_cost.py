@@ -60,6 +60,7 @@ from typing import Any
 
 from ddpkit.bench.report.table import note_lines
 from ddpkit.runtime.options import ConfigError, option, plain, writable_file
+from ddpkit.runtime.process import children
 
 __all__ = ["FailuresBenchConfig", "format_rows", "run"]
 
@@ -124,18 +125,6 @@ class Outcome:
         return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return found
-
-
 def _tree_cpu(root: int) -> dict[int, float]:
     """User and system CPU seconds so far of ``root`` and each of its descendants, each its own (not its
     children's), from one pass over ``/proc``."""
@@ -171,9 +160,9 @@ def _workers(pid: int) -> list[int]:
     failure modes fork them from; not the other helpers (the resource tracker, a compiler's workers, a parameter
     server: ``ddpkit-server0``)."""
     found = []
-    for child in _children(pid):
+    for child in children(pid):
         if "forkserver" in _cmdline(child):
-            found += [w for w in _children(child) if not _comm(w).startswith("ddpkit-server")]
+            found += [w for w in children(child) if not _comm(w).startswith("ddpkit-server")]
     return found
 
 
