@@ -100,10 +100,13 @@ class CpuGroup:
     Counting a process tree by its parents' records misses every process whose parent exits first: re-parented
     to init, it and all it reaped leave the tree uncounted (a launcher's forkserver outlives the launcher, and the
     workers it reaped go with it: a test of two ``ddpkit train`` runs of five processes read 5 CPU-seconds where
-    the machine was busy for 60). A process stays in its control group whoever its parent is. The group is made
+    the machine was busy for 59). A process stays in its control group whoever its parent is. The group is made
     under this process's own (so a nested pytest's counts in the outer one's, the account being hierarchical),
-    with cgroup v1's ``cpuacct`` controller or cgroup v2's ``cpu.stat``, where the machine has one and lets this
-    process make groups (root); elsewhere :func:`cpu_seconds` counts by parents as before.
+    with cgroup v1's ``cpuacct`` controller or cgroup v2's ``cpu.stat``, where the machine has one that only
+    counts (a ``cpuacct`` mounted with ``cpu``, or a v2 parent that hands its children the ``cpu`` controller,
+    would make the group one share of the CPU against the other processes: timing the suite changed) and lets
+    this process make groups (root); elsewhere :func:`cpu_seconds` counts by parents as before. Groups a run left
+    (a process of a test still in it at the end) are removed by the next run once empty.
     """
 
     def __init__(self, folder: Path, usage: Path, scale: float) -> None:
@@ -118,8 +121,8 @@ class CpuGroup:
         except OSError:
             return None
         for _, where, kind, options, *_ in mounts:
-            if kind == "cgroup" and "cpuacct" in options.split(","):
-                mine = next((g[2] for g in groups if "cpuacct" in g[1].split(",")), None)
+            if kind == "cgroup" and "cpuacct" in options.split(",") and "cpu" not in options.split(","):
+                mine = next((g[2] for g in groups if g[1].split(",") == ["cpuacct"]), None)
                 usage, scale = "cpuacct.usage", 1e-9  # nanoseconds
             elif kind == "cgroup2":
                 mine = next((g[2] for g in groups if g[0] == "0" and not g[1]), None)
@@ -128,16 +131,28 @@ class CpuGroup:
                 continue
             if mine is None:
                 continue
-            folder = Path(where) / mine.lstrip("/") / f"ddpkit-tests-{os.getpid()}"
+            parent = Path(where) / mine.lstrip("/")
             try:
-                folder.mkdir(exist_ok=True)
-                (folder / "cgroup.procs").write_text(str(os.getpid()))
+                if kind == "cgroup2" and "cpu" in (parent / "cgroup.subtree_control").read_text().split():
+                    continue
             except OSError:
                 continue
-            group = cls(folder, folder / usage, scale)
+            for old in parent.glob("ddpkit-tests-*"):
+                try:
+                    old.rmdir()  # an earlier run's, empty now (one still holding a process stays)
+                except OSError:
+                    pass
+            group = cls(parent / f"ddpkit-tests-{os.getpid()}-{time.time_ns()}", parent / "x", scale)
+            group.usage = group.folder / usage
             try:
+                group.folder.mkdir()
+            except OSError:
+                continue
+            try:
+                (group.folder / "cgroup.procs").write_text(str(os.getpid()))
                 group.seconds()
-            except (OSError, ValueError):
+            except (OSError, ValueError, StopIteration):
+                group.leave()
                 continue
             return group
         return None
@@ -153,9 +168,16 @@ class CpuGroup:
         """This process back in the group it came from; the group removed once no process is left in it."""
         try:
             (self.folder.parent / "cgroup.procs").write_text(str(os.getpid()))
-            self.folder.rmdir()
         except OSError:
-            pass  # a process a test left behind still runs in it (the machine removes nothing then)
+            pass
+        for _ in range(10):
+            try:
+                self.folder.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.05)  # a process of the last test still exiting; one left running keeps it (see above)
 
 
 _GROUP: list[CpuGroup | None] = []

@@ -133,3 +133,33 @@ def test_a_killed_node_leaves_and_a_new_one_joins_while_ddpkit_train_continues(t
     assert [h["epoch"] for h in history] == list(range(1, 11))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["test_accuracy"] > 0.9
+
+
+def test_a_stranger_raising_the_waiting_counter_is_no_node_waiting_for_room():
+    # A node waiting for room was counted by a counter any client of the store could raise: one raise ended every
+    # round for a membership change that no node made, and cost no restart, round after round (until 2026-12-02).
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddpkit.launcher.elastic import DynamicRendezvous
+    from ddpkit.launcher.launch_config import LaunchConfig
+    from ddpkit.launcher.settings import resolve
+
+    port = free_port()
+    config = LaunchConfig(program=str(SCRIPTS / "sleeper.py"), nnodes="1:2", nproc_per_node="1", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_conf="last_call_timeout=0.1")
+    rdzv = DynamicRendezvous(resolve(config), NODES_SECRET)
+    try:
+        rdzv.join(0)
+        assert rdzv.membership_change(0) is None
+        stranger = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10), wait_for_workers=False)
+        [counter] = [k for k in stranger.list_keys() if k.endswith("/count")]
+        waiting = counter[: -len("r/0/count")] + "waiting/0"
+        stranger.add(waiting, 1_000_000_000)  # (a launcher reads a bounded number of tickets' marks)
+        stranger.set(waiting + "/1", "a node")
+        assert rdzv.membership_change(0) is None
+        rdzv.store.set("waiting/0/2", "a node")  # a launcher's own mark, sealed
+        assert rdzv.membership_change(0) == "1 node(s) arrived and the job has room (--nnodes 1:2)"
+    finally:
+        rdzv.close()

@@ -355,3 +355,31 @@ def _launchers_store(port: int, procs: list) -> tuple[object, str]:
         joined = [k for k in stranger.list_keys() if k.endswith("joined/0/0")]
         time.sleep(0.05)
     return stranger, joined[0][: -len("joined/0/0")]
+
+
+def test_a_heartbeat_deleted_or_put_back_older_is_not_believed():
+    # A node was judged by the heartbeat the store held: a store client that deleted a dead node's hid it (never
+    # judged silent), and one that put back an older sealed beat had a live node judged silent (until 2026-12-02).
+    from ddpkit.launcher.node_rendezvous import NodeRendezvous
+
+    port = free_port()
+    common = {"host": "127.0.0.1", "port": port, "nnodes": 2, "token": SECRET, "timeout_s": 10.0, "beat_s": 60.0}
+    node0 = NodeRendezvous(node=0, stale_s=0.5, **common)
+    node1 = NodeRendezvous(node=1, **common)
+    try:
+        node0.begin(0)
+        node1.begin(0)
+        stranger, place = _launchers_store(port, [])
+        old = stranger.get(place + "alive/1")  # sealed, as the store holds it
+        assert node0.silent_nodes(0) == []
+        time.sleep(0.6)
+        node1.begin(0)  # a beat newer than the old one, as a live node's (its thread beats once a minute here)
+        assert node0.silent_nodes(0) == []
+        stranger.set(place + "alive/1", old)  # put back: it opens under the secret, but node 0 read a newer one
+        assert node0.silent_nodes(0) == []
+        stranger.delete_key(place + "alive/1")  # node 1 beats no more: dead, and its heartbeat hidden
+        time.sleep(0.6)
+        assert [n for n, _ in node0.silent_nodes(0)] == [1]
+    finally:
+        node1.close()
+        node0.close()

@@ -47,6 +47,11 @@ from ddpkit.runtime.network import is_local
 from ddpkit.runtime.options import ConfigError
 
 
+_TICKETS_READ = 64
+"""The waiting nodes' tickets of a round whose marks a launcher reads (a counter a stranger raised to billions
+would have it read forever; a round with more waiting nodes than that is no job's)."""
+
+
 class RendezvousClosed(Exception):
     """The job ended (or cannot go on) while this launcher waited to join a round."""
 
@@ -94,6 +99,10 @@ class DynamicRendezvous(NodeRendezvous):
         return True  # every node watches every other node's heartbeat
 
     def store_lost(self, error: Exception) -> RemoteFailure:
+        from ddpkit.runtime.sealed_store import ForgedValue
+
+        if isinstance(error, ForgedValue):  # the store answers, with a value the job's secret did not seal
+            return super().store_lost(error)
         return RemoteFailure(-1, None, f"the rendezvous at {self.where} stopped answering ({type(error).__name__})",
                              "the node serving it is down, its launcher was killed, or the network to it is cut; "
                              "the job cannot go on without it")
@@ -193,8 +202,9 @@ class DynamicRendezvous(NodeRendezvous):
 
     def _wait_for_next(self, round_: int) -> None:
         """Wait (heartbeating) while ``round_`` runs without this node; return when the next round opens."""
-        with self._lock:
-            self.store.add(f"waiting/{round_}", 1)
+        with self._lock:  # a ticket, and under it this node's sealed mark: a stranger's bump of the counter is none
+            ticket = self.store.add(f"waiting/{round_}", 1)
+            self.store.set(f"waiting/{round_}/{ticket}", self.node_id)
         while True:
             try:
                 with self._lock:
@@ -241,7 +251,8 @@ class DynamicRendezvous(NodeRendezvous):
         if change := self.declared_change(round_):
             return change
         with self._lock:
-            waiting = int(self.store.add(f"waiting/{round_}", 0))
+            tickets = min(int(self.store.add(f"waiting/{round_}", 0)), _TICKETS_READ)
+            waiting = sum(self.marked(f"waiting/{round_}/{t}") for t in range(1, tickets + 1))
             if waiting and len(self.members(round_)) < self.launch.max_nodes:
                 why = (f"{waiting} node(s) arrived and the job has room "
                        f"(--nnodes {self.launch.min_nodes}:{self.launch.max_nodes})")

@@ -86,6 +86,8 @@ class NodeRendezvous:
         from ddpkit.runtime.rendezvous import job_keys, wait_for_listener
 
         self.where = f"{host}:{port}"
+        self._beats: dict[str, float] = {}
+        """Each other node's newest heartbeat this launcher has read (:meth:`silent_nodes`)."""
         for serving in ([serve, False] if serve and fall_back else [serve]):
             try:
                 listen = {}
@@ -174,11 +176,12 @@ class NodeRendezvous:
         from ddpkit.runtime.sealed_store import ForgedValue
 
         mine = json.dumps(failure.__dict__)
-        try:
-            with self._lock:  # set where absent, in one step: a counter would be any store client's to raise
+        with self._lock:
+            try:  # set where absent, in one step: a counter would be any store client's to raise
                 first = self.store.compare_set(f"failed/{round_}", "", mine)
-        except ForgedValue:  # a process without the secret wrote there first: this node's failure is the first
-            return failure
+            except ForgedValue:  # a process without the secret wrote there first: the real first failure over it
+                self.store.set(f"failed/{round_}", mine)
+                return failure
         return failure if first.decode() == mine else RemoteFailure(**json.loads(first))
 
     def marked(self, key: str) -> bool:
@@ -186,6 +189,12 @@ class NodeRendezvous:
         from ddpkit.runtime.sealed_store import marked  # (torch's, imported once a launcher needs it)
 
         return marked(self.store, key)
+
+    def peek(self, key: str) -> bytes | None:
+        """``key``'s value, or None where it has none (one look, never a wait; a forged one raises ForgedValue)."""
+        from ddpkit.runtime.sealed_store import peek
+
+        return peek(self.store, key)
 
     def first_failure(self, round_: int) -> RemoteFailure | None:
         """The round's first failure, if any node recorded one."""
@@ -237,10 +246,19 @@ class NodeRendezvous:
         others = {n: i for n, i in self.members(round_).items() if i != self.node_id}
         with self._lock:
             # A node whose workers all finished may exit before the others do: done, not silent.
-            present = {n: i for n, i in others.items()
-                       if self.store.check([f"alive/{i}"]) and not self.marked(f"done/{round_}/{i}")}
-            beats = self.store.multi_get([f"alive/{i}" for i in present.values()]) if present else []
-        return [(n, now - float(b)) for n, b in zip(present, beats) if now - float(b) > self.stale_s]
+            present = {n: i for n, i in others.items() if not self.marked(f"done/{round_}/{i}")}
+            beats = {i: self.peek(f"alive/{i}") for i in present.values()}
+        silent = []
+        for n, i in present.items():
+            # Each node's newest beat seen so far: a store client may delete its heartbeat (which a dead node
+            # would not write again) or put back an older one (a seal binds a value to its key, not its moment).
+            seen = self._beats.get(i)
+            if beats[i] is not None:
+                seen = float(beats[i]) if seen is None else max(seen, float(beats[i]))
+            self._beats[i] = now if seen is None else seen
+            if now - self._beats[i] > self.stale_s:
+                silent.append((n, now - self._beats[i]))
+        return silent
 
     # -- the end -----------------------------------------------------------
 
@@ -252,8 +270,11 @@ class NodeRendezvous:
         try:
             with self._lock:
                 self.store.set(f"done/{round_}/{self.node_id}", "ok" if ok else "failed")
-            if not self.serving:
-                return None
+        except Exception:  # noqa: BLE001 - the job is over; node 0's store may be gone with it
+            return None
+        if not self.serving:
+            return None
+        try:  # (this node's own store: an error here is no end of the job, and the others still use it)
             deadline = time.monotonic() + timeout_s
             keys = [f"done/{round_}/{i}" for i in self.finishers(round_)]
             while time.monotonic() < deadline:
@@ -263,8 +284,8 @@ class NodeRendezvous:
                     if all(self.marked(key) for key in keys):
                         return None
                 time.sleep(POLL_S)
-        except Exception:  # noqa: BLE001 - the job is over; the store may be gone
-            return None
+        except Exception as e:  # noqa: BLE001 - a key of the end deleted or forged meanwhile, or the store broken
+            return self.store_lost(e)
         return None
 
     def finishers(self, round_: int) -> list[str]:

@@ -372,11 +372,12 @@ class Membership:
                 store.set(mine, "1")  # (also what members still in an older group look for: _gone_ahead)
                 keys = [f"{prefix}arrived/{m}" for m in view.members]
                 deadline = time.monotonic() + self.timeout.total_seconds()
-                while not store.check(keys):
-                    if not store.check([mine]):  # deleted by a client of the store (it admits any): again
-                        store.set(mine, "1")
+                # (each mark opened: one a client of the store forged, or wrote over a member's, is none)
+                while not all(marked(store, key) for key in keys):
+                    if not marked(store, mine):  # deleted or overwritten by a client of the store (it admits
+                        store.set(mine, "1")  # any): again
                     if time.monotonic() > deadline:  # (one deleted after its member went on: bounded)
-                        missing = [m for m in view.members if not store.check([f"{prefix}arrived/{m}"])]
+                        missing = [m for m in view.members if not marked(store, f"{prefix}arrived/{m}")]
                         raise RuntimeError(f"membership generation {view.generation}: member(s) "
                                            f"{', '.join(map(str, missing))} did not arrive within "
                                            f"{self.timeout.total_seconds():g} s")

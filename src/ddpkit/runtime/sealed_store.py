@@ -13,8 +13,9 @@ the council's, or a value into the census. It can still read what the ranks publ
 or the training state) and stop the job by writing or deleting keys. What this does not cover: a value sealed in
 another run under the same secret (give each run its own), counters (``add``: plain integers, which a MAC cannot
 cover; one bumped makes the census pass a rank short or fail, and the job then fails at gloo's rendezvous) and
-which keys exist (``check``, ``wait``: a forged one ends a wait early, and the read that follows fails; a mark the
-job believes on its existence alone is read through :func:`marked`, which opens it), and gloo's
+which keys exist (``check``, ``wait``: a forged one ends a wait early, and the read that follows fails; a mark that
+would be believed for existing is read through :func:`marked`, which opens it), a key deleted or given back a value
+the job sealed in it earlier (a seal binds a value to its place, not to its moment), and gloo's
 own connections, which are not authenticated: a job across machines belongs on a network its owner trusts (as
 torch's documentation says of c10d).
 """
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from ddpkit.runtime.discovery import job_key
 
-__all__ = ["ForgedValue", "SealedStore", "marked", "seal"]
+__all__ = ["ForgedValue", "SealedStore", "marked", "peek", "seal"]
 
 _MAC_BYTES = 32
 
@@ -144,11 +145,26 @@ def marked(store: dist.Store, key: str) -> bool:
     """Whether ``key`` holds a mark the job wrote: a value that opens under the job's secret (``store`` sealed, or
     a wrapper of a sealed one). One that a process without the secret wrote counts as none: its key exists, which
     ``check`` alone would believe (a forged "done" would have a launcher take a dead node for a finished one, or a
-    member end without the run's final files), and the one whose mark it is writes its own over it."""
-    if not store.check([key]):
-        return False
+    member end without the run's final files), and the one whose mark it is writes its own over it.
+
+    One look, which never waits (:func:`peek`)."""
     try:
-        store.get(key)
+        return peek(store, key) is not None
     except ForgedValue:
         return False
-    return True
+
+
+def peek(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value (opened, where ``store`` is sealed), or None where it has none, in one look that never waits:
+    a compare-and-set that sets nothing (``get`` after ``check`` would wait out the store's timeout for a key
+    deleted in between).
+
+    Raises:
+        ForgedValue: the value was not sealed by the job's secret.
+    """
+    value = store.compare_set(key, _NO_MARK, _NO_MARK)
+    return None if value == _NO_MARK else value
+
+
+_NO_MARK = b"\0ddpkit: no mark here\0"
+"""What :func:`marked`'s look returns for an absent key (a value no mark holds)."""
