@@ -373,7 +373,7 @@ class Membership:
                 keys = [f"{prefix}arrived/{m}" for m in view.members]
                 deadline = time.monotonic() + self.timeout.total_seconds()
                 # (each mark opened: one a client of the store forged, or wrote over a member's, is none)
-                while not all(marked(store, key) for key in keys):
+                while not (store.check(keys) and all(marked(store, key) for key in keys)):  # (the cheap look first)
                     if not marked(store, mine):  # deleted or overwritten by a client of the store (it admits
                         store.set(mine, "1")  # any): again
                     if time.monotonic() > deadline:  # (one deleted after its member went on: bounded)

@@ -202,6 +202,8 @@ def pid_alive(pid: int) -> bool:
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started that still run (Linux's ``/proc``: each thread's list of them, or, on a kernel
     built without those lists, every process's parent); none where that cannot be read."""
+    if not _LISTS_CHILDREN:
+        return _children_by_parent(pid)
     found: list[int] = []
     try:
         threads = list(Path(f"/proc/{pid}/task").iterdir())
@@ -210,11 +212,13 @@ def children(pid: int) -> list[int]:
     for thread in threads:
         try:
             found += [int(child) for child in (thread / "children").read_text().split()]
-        except FileNotFoundError:
-            return _children_by_parent(pid)
         except (OSError, ValueError):
-            continue
+            continue  # (a thread that ended meanwhile)
     return found
+
+
+_LISTS_CHILDREN = Path(f"/proc/self/task/{os.getpid()}/children").exists()
+"""Whether this kernel lists each thread's children in ``/proc`` (``CONFIG_PROC_CHILDREN``)."""
 
 
 def _children_by_parent(pid: int) -> list[int]:
