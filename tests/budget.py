@@ -142,8 +142,8 @@ class CpuGroup:
                     old.rmdir()  # an earlier run's, empty now (one still holding a process stays)
                 except OSError:
                     pass
-            group = cls(parent / f"ddpkit-tests-{os.getpid()}-{time.time_ns()}", parent / "x", scale)
-            group.usage = group.folder / usage
+            folder = parent / f"ddpkit-tests-{os.getpid()}-{time.time_ns()}"
+            group = cls(folder, folder / usage, scale)
             try:
                 group.folder.mkdir()
             except OSError:
