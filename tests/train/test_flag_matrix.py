@@ -64,7 +64,7 @@ def refusal(argv: list[str]) -> str | None:
     args = _parser().parse_args(["train", *argv])
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
-        TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+        TrainConfig(**{k: v for k, v in vars(args).items() if k in names}).check_world(2)  # (the default world)
     except ConfigError as e:
         return str(e)
     return None
@@ -108,7 +108,8 @@ def test_the_modes_take_what_they_can_train() -> None:
     assert FAST_CONTINUE <= set(RUNS)  # a run the fast tier keeps is one of the matrix's (not a typo)
     taken = {flag for flag, mode in RUNS if mode == "continue"}
     assert taken == {"ddp", "ps-sync", "ps-async", "ssp", "diloco", "compile", "bf16", "deterministic", "adamw",
-                     "fp16-hook"}
+                     "fp16-hook", "accum"}
+    # (--grad-accum 2 with --deterministic-shards 2 at two workers: shards of two micro-batches, refused)
     assert {flag for flag, mode in RUNS if mode == "continue-ordered"} == {"ddp", "compile", "bf16", "deterministic",
                                                                           "adamw", "fp16-hook"}
     assert {flag for flag, mode in RUNS if mode == "restart"} == set(FLAGS)

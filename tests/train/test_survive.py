@@ -97,7 +97,8 @@ def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) 
     ({"strategy": "ssp", "deterministic_shards": 2}, "no shards to order"),
     ({"strategy": "ps-async", "max_restarts": 1}, "cannot take a seat in the parameter servers"),
     ({"strategy": "ps-sync", "deterministic_shards": 2}, "no shards to order"),
-    ({"grad_accum": 2}, "the step's shards are its micro-batches"),
+    ({"grad_accum": 2, "strategy": "ssp"}, "--grad-accum 2 .* each worker steps after each of its batches"),
+    ({"grad_accum": 2, "strategy": "diloco"}, "drop --grad-accum, or use --strategy ddp"),
     ({"strategy": "ssp", "resume": True, "output_dir": "x"}, "the state lives in the surviving processes only"),
     ({"strategy": "diloco", "max_restarts": 1}, "a replacement would need another worker's data and inner state"),
     ({"strategy": "diloco", "fragments": 2}, "streaming DiLoCo .* keeps exchanges in flight across a death"),
@@ -190,11 +191,11 @@ def test_ddpkit_train_under_the_modes_launcher_takes_the_mode(tmp_path: Path) ->
 
 
 def test_a_workers_usage_error_before_it_holds_the_state_ends_the_job_without_replacements(tmp_path: Path) -> None:
-    # --grad-accum is a flag the mode refuses: each worker exits 2 with one line; a replacement would too.
+    # --sync-bn is a flag the mode refuses: each worker exits 2 with one line; a replacement would too.
     done = launch("--standalone", "--nproc-per-node", "2", "--on-failure", "continue", "--max-restarts", "2",
-                  *TRAIN_SMALL, "--grad-accum", "2", "--output-dir", str(tmp_path / "run"), timeout=180)
+                  *TRAIN_SMALL, "--sync-bn", "--output-dir", str(tmp_path / "run"), timeout=180)
     assert done.returncode != 0
-    assert "ddpkit train: error: " in done.stderr and "the step's shards are its micro-batches" in done.stderr
+    assert "ddpkit train: error: --sync-bn does not fit --on-failure continue" in done.stderr
     assert "exited with code 2 before it held the training state: a usage error" in done.stderr, done.stderr[-3000:]
     assert "to replace it" not in done.stderr and "Traceback" not in done.stderr
 
@@ -509,6 +510,47 @@ def test_buffers_are_every_members_or_the_option_is_refused(broadcast_buffers: b
     else:
         with pytest.raises(ValueError, match=r"broadcast_buffers=False\) with a model that has buffers"):
             make()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_accumulation_trains_a_workers_share_in_that_many_micro_batches_to_the_whole_steps_gradient(
+        deterministic: bool) -> None:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    data = TensorDataset(torch.randn(48, 4), torch.randn(48, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=3, deterministic=deterministic)
+    assert ft.shards.virtual_shards == 3 and ft.configuration["accumulation"] == 3  # (the default V: n x 3)
+    for step in ft.steps(epochs=1):
+        sizes = []
+        for x, y in step:
+            sizes.append(len(y))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        assert step.sync()
+        assert sizes == [8, 8, 8]  # DDP's gradient accumulation at --batch-size 8: three micro-batches of 8
+        x, y = data[ft.shards.step(step.index)]
+        whole = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(model.parameters()))
+        for p, g in zip(model.parameters(), whole):
+            torch.testing.assert_close(p.grad, g)
+        optimizer.step()
+        optimizer.zero_grad()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"accumulation={bad!r} is not a whole number of micro-batches"):
+            ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=bad)
+
+
+def test_grad_accum_in_the_mode_keeps_the_deterministic_shards_no_larger_than_the_batch() -> None:
+    config = TrainConfig(on_failure="continue", grad_accum=2, batch_size=16, deterministic_shards=2)
+    with pytest.raises(ConfigError, match=r"--deterministic-shards 2 with --grad-accum 2: .* here 32 samples, more "
+                                          r"than --batch-size 16; give --deterministic-shards 4"):
+        config.check_world(2)
+    with pytest.raises(ConfigError, match=r"divide the global batch \(16 x 2 x 2 = 64\); e.g. --deterministic-sh"):
+        TrainConfig(on_failure="continue", grad_accum=2, batch_size=16, deterministic_shards=3).check_world(2)
+    TrainConfig(on_failure="continue", grad_accum=2, batch_size=16, deterministic_shards=8).check_world(2)
 
 
 def _ft_epochs(ft: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -1036,6 +1078,28 @@ def test_a_users_call_sequences_on_the_engine_alone(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", SEQUENCES], env=base_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.slow("two ddpkit train runs in the mode, of one worker and of two")
+def test_grad_accum_in_the_mode_trains_the_same_bits_at_any_world_in_the_deterministic_mode(tmp_path: Path) -> None:
+    # The global batch is --batch-size x world x --grad-accum (as in the default mode), each shard a micro-batch:
+    # one worker at --batch-size 32 and two at 16 (the learning rate scaled by the world: halved by hand) train
+    # the same 64 samples a step, cut into the same four shards, to the same bits.
+    def run(nproc: int, batch: int, lr: str) -> dict[str, Any]:
+        out = tmp_path / str(nproc)
+        done = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", "synthetic", "--synthetic-samples",
+                               "256", "--epochs", "2", "--no-progress", "--on-failure", "continue", "--grad-accum", "2",
+                               "--deterministic-shards", "4", "--nproc-per-node", str(nproc), "--batch-size",
+                               str(batch), "--lr", lr, "--output-dir", str(out)], env=base_env(), capture_output=True,
+                              text=True, timeout=180, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "global batch 64 in 4 shards (deterministic)" in done.stdout
+        return {**json.loads((out / "summary.json").read_text()), "weights": (out / "model.safetensors").read_bytes()}
+
+    one, two = run(1, 32, "0.02"), run(2, 16, "0.01")
+    assert one["weights"] == two["weights"]
+    assert one["global_batch_size"] == two["global_batch_size"] == 64 and one["steps"] == two["steps"] == 8
+    assert two["grad_accum"] == 2
 
 
 # ---------------------------------------------------------------- the floor: checkpoints and --resume

@@ -185,18 +185,20 @@ def worker(config: TrainConfig) -> dict[str, Any]:
     # --comm-hook fp16|bf16: the hook rides on a DDP wrapper built with no group (as a DDP script's is under the
     # mode); FaultTolerance hands it each step's gradients. The forwards below go to the plain module.
     engine = model if config.comm_hook == "none" else DistributedDataParallel(model, comm=config.comm_hook)
-    ft = FaultTolerance(engine, optimizer, data.train, config.batch_size * world,
-                        virtual_shards=config.deterministic_shards or world,
+    # --grad-accum N: the default mode's global batch, each worker's share of a step in N micro-batches of
+    # --batch-size (the summed mode; the deterministic mode's micro-batches are its shards).
+    ft = FaultTolerance(engine, optimizer, data.train, config.batch_size * world * config.grad_accum,
+                        virtual_shards=config.deterministic_shards or world * config.grad_accum,
                         deterministic=config.deterministic_shards is not None, seed=config.seed,
                         fetch=lambda idx: (x[idx], y[idx]), state={"progress": progress},
-                        resume=resumed[1]["ft"] if resumed else None)
+                        resume=resumed[1]["ft"] if resumed else None, accumulation=config.grad_accum)
     if ft.committed > config.epochs * ft.steps_per_epoch:
         raise ConfigError(f"--resume --epochs {config.epochs}: the run is at step {ft.committed}, past the end of "
                           f"epoch {config.epochs} (step {config.epochs * ft.steps_per_epoch}): give --epochs "
                           f"{-(-ft.committed // ft.steps_per_epoch)} or more")
     if ft.rank == 0 and not ft.changes:
         print(f"ddpkit train: {config.model} on {config.dataset} ({len(data.train)} train / {len(data.test)} test), "
-              f"--on-failure continue with {ctx.world_size} worker(s), global batch {config.batch_size * world} in "
+              f"--on-failure continue with {ctx.world_size} worker(s), global batch {ft.shards.batch_size} in "
               f"{ft.shards.virtual_shards} shards ({'deterministic' if ft.deterministic else 'all-reduced'}"
               f"{'' if config.comm_hook == 'none' else ' in ' + config.comm_hook}), "
               f"lr {config.lr:g} x {world} = {config.lr * world:g}, output {out}"

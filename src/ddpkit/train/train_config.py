@@ -91,7 +91,8 @@ class TrainConfig:
     weight_decay: float = option(0.0, "weight decay")
     seed: int = option(0, "seed of the model's initialisation and of the data order")
     amp: str = option("off", "autocast: bf16 (CPU or CUDA), fp16 (CUDA, loss scaling)", choices=AMP_MODES)
-    grad_accum: int = option(1, "micro-batches per optimizer step (no_sync on all but the last)")
+    grad_accum: int = option(1, "micro-batches per optimizer step (no_sync on all but the last; --on-failure "
+                             "continue: each worker's share of a step in that many micro-batches)")
     sync_bn: bool = option(False, "convert the model's BatchNorm layers to ddpkit.SyncBatchNorm (global-batch "
                            "statistics)")
     engine: str = option(
@@ -205,7 +206,7 @@ class TrainConfig:
     deterministic_shards: int | None = option(
         None, "--on-failure continue: cut every step's global batch into V shards reduced in a fixed order, so a "
         "run with any deaths ends bitwise equal to the run without (default: V = the world size, reduced by an "
-        "all-reduce: equal within float rounding)", metavar="V",
+        "all-reduce: equal within float rounding; with --grad-accum N, N times the world size)", metavar="V",
     )
     resume: bool = option(False, "continue the run in --output-dir from its newest checkpoint")
     progress: bool = option(True, "show a progress bar on rank 0", negate="--no-progress", negate_only=False)
@@ -432,8 +433,8 @@ class TrainConfig:
         need(not self.sync_bn, "sync_bn", f"{why}: SyncBatchNorm all-gathers each forward's batch statistics over "
              f"the process group, which the mode replaces at each death (a death in a forward would cut that "
              f"collective); drop --sync-bn (BatchNorm then {kept})")
-        need(self.grad_accum == 1, "grad_accum", f"{why}: the step's shards are its micro-batches (see "
-             "--deterministic-shards)")
+        need(self.grad_accum == 1 or self.strategy == "ddp", "grad_accum", f"{why} with --strategy {self.strategy}: "
+             "each worker steps after each of its batches; drop --grad-accum, or use --strategy ddp")
         need(self.amp != "fp16", "amp", f"{why}: fp16 needs a loss scale (torch's GradScaler), which the mode's "
              "training loops do not keep; use --amp bf16 (no loss scale needed) or off")
         need(self.trace is None, "trace", f"{why}: there are no DDP buckets to trace")
@@ -471,11 +472,17 @@ class TrainConfig:
         """
         first = world if start is None else start
         if self.deterministic_shards is not None:
-            v, batch = self.deterministic_shards, self.batch_size * first
+            v, batch = self.deterministic_shards, self.batch_size * first * self.grad_accum
             if v < world or batch % v:
+                accum = f" x {self.grad_accum}" if self.grad_accum > 1 else ""
                 raise ConfigError(f"--deterministic-shards {v} at {world} process(es): V must be at least the world "
-                                  f"size and divide the global batch ({self.batch_size} x {first} = {batch}); e.g. "
-                                  f"--deterministic-shards {first}")
+                                  f"size and divide the global batch ({self.batch_size} x {first}{accum} = {batch}); "
+                                  f"e.g. --deterministic-shards {first * self.grad_accum}")
+            if v < first * self.grad_accum:
+                raise ConfigError(f"--deterministic-shards {v} with --grad-accum {self.grad_accum}: each shard is a "
+                                  f"micro-batch of the deterministic mode, here {batch // v} samples, more than "
+                                  f"--batch-size {self.batch_size}; give --deterministic-shards "
+                                  f"{first * self.grad_accum} or a multiple of it that divides {batch}")
         elif first < world:
             raise ConfigError(f"--resume with {world} workers: the run started with {first}, and each step of it is "
                               f"cut into {first} shards, one worker's work each: resume with --nproc-per-node {first} "

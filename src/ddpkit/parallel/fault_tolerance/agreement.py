@@ -30,12 +30,13 @@ Wait = Callable[[Any], None]
 
 def configuration(model: torch.nn.Module, *, virtual_shards: int, batch_size: int, seed: int, shuffle: bool,
                   drop_last: bool, samples: int, deterministic: bool, hook_name: str,
-                  overlap: bool = True) -> dict[str, int]:
+                  overlap: bool = True, accumulation: int = 1) -> dict[str, int]:
     """What every member must share to train the same samples into the same model and issue the same
     collectives, as numbers an int64 tensor carries (the model's layout and the hook's name as digests)."""
     return {"virtual_shards": int(virtual_shards), "batch_size": int(batch_size), "seed": int(seed),
             "shuffle": int(shuffle), "drop_last": int(drop_last), "samples": int(samples),
             "deterministic": int(deterministic), "overlap": int(overlap),
+            "accumulation": int(accumulation),
             "parameters": _layout_hash((n, p) for n, p in model.named_parameters()),
             "buffers": _layout_hash(model.named_buffers()),
             "comm_hook": _name_hash(hook_name)}

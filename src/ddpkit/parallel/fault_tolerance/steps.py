@@ -302,6 +302,11 @@ class FaultTolerance:
         overlap: the summed mode's buckets go out during each step's last backward (default True,
             :mod:`.overlap`); False: after the loop body, for a body that changes gradients in place through
             ``.data``, which the check for changed gradients cannot see. Every member must pass the same.
+        accumulation: micro-batches each rank trains a step at the starting world, as DDP's gradient
+            accumulation: ``virtual_shards`` defaults to the starting world size times it, and the summed mode
+            trains ``ceil(V / (n * accumulation))`` shards together (``n`` the starting world), so that each
+            micro-batch holds ``batch_size / (n * accumulation)`` samples (the deterministic mode's micro-batches
+            are its shards either way). Every member must pass the same.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -312,7 +317,7 @@ class FaultTolerance:
                  seed: int = 0, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
                  fetch: Callable[[list[int]], Any] | None = None, device: torch.device | str | None = None,
                  state: Mapping[str, Any] | None = None, broadcast_buffers: bool = True,
-                 resume: Mapping[str, Any] | None = None, overlap: bool = True) -> None:
+                 resume: Mapping[str, Any] | None = None, overlap: bool = True, accumulation: int = 1) -> None:
         ctx = init()
         self.wrapper = wrapper_of(model, deterministic)
         """The ``ddpkit.DistributedDataParallel`` the script trains through, or None (a plain module)."""
@@ -342,9 +347,14 @@ class FaultTolerance:
                                            or virtual_shards < 1):
             raise ValueError(f"virtual_shards={virtual_shards!r} is not a whole number of shards of at least 1: give "
                              "at least the largest world size the job may have, or None for the starting world size")
+        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"accumulation={accumulation!r} is not a whole number of micro-batches of at least 1 "
+                             "(each rank's micro-batches a step, as DDP's gradient accumulation)")
+        self.accumulation = accumulation
         saved = (resume or {}).get("configuration") or {}
-        if virtual_shards is None:  # a resumed state's shards, else the starting world (the same for a replacement)
-            virtual_shards = int(saved.get("virtual_shards", ctx.world_size))
+        if virtual_shards is None:  # a resumed state's shards, else the starting world's micro-batches (a replacement:
+            # the same)
+            virtual_shards = int(saved.get("virtual_shards", ctx.world_size * accumulation))
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
                              "needs at least one shard of each step; give at least the largest world size")
@@ -376,7 +386,7 @@ class FaultTolerance:
         self.configuration = agreement.configuration(
             model, virtual_shards=virtual_shards, batch_size=batch_size, seed=seed, shuffle=shuffle,
             drop_last=drop_last, samples=len(dataset), deterministic=deterministic, hook_name=hook_name(self.wrapper),
-            overlap=overlap)
+            overlap=overlap, accumulation=accumulation)
         """What every member must share to train the same samples into the same model (compared at each
         agreement: a member started otherwise is refused by name)."""
         self._step: Step | None = None
@@ -618,13 +628,14 @@ class FaultTolerance:
         """This rank's ``shards`` of a step, as the micro-batches it trains: one shard each in the deterministic
         mode (each shard's gradient has its own slot) and for a model with batch normalisation (a shard's batch
         statistics then stay the same whoever trains it, so a death changes only the order of additions); else
-        up to ``ceil(V / n)`` together, ``n`` the world the job first started with (:attr:`first_world`), so
-        that until a death each rank trains one micro-batch (where ``n`` divides ``V``: the batch a
-        ``DistributedSampler`` job gives it) at DDP's cost, and after one, or resumed at fewer workers, the
-        micro-batches keep that size (their memory too)."""
+        up to ``ceil(V / (n * a))`` together, ``n`` the world the job first started with (:attr:`first_world`)
+        and ``a`` the :attr:`accumulation`, so that until a death each rank trains ``a`` micro-batches (where
+        ``n * a`` divides ``V``: the batches a ``DistributedSampler`` job with DDP's gradient accumulation gives it)
+        at DDP's cost, and after one, or resumed at fewer workers, the micro-batches keep that size (their memory
+        too)."""
         if self.deterministic or self.batch_statistics:
             return [[shard] for shard in shards]
-        size = -(-self.shards.virtual_shards // self.first_world)
+        size = -(-self.shards.virtual_shards // (self.first_world * self.accumulation))
         return [list(shards[i : i + size]) for i in range(0, len(shards), size)]
 
     def harvest(self, buffer: torch.Tensor, k: int, samples: Mapping[int, int], total: int) -> None:
