@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ddpkit.runtime.process import describe_exit, terminate, worker_env
+from ddpkit.runtime.process import describe_exit, free_ports, terminate, worker_env
 from ddpkit.runtime.spawn import _env as spawn_env
 
 CONTRACT = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -119,3 +119,14 @@ def test_a_killed_ranks_progress_bar_leaves_no_semaphore_behind(tmp_path) -> Non
                                 cwd=tmp_path).stderr for how in ("tqdm", "rank_bar")}
     assert "leaked semaphore" in said["tqdm"], said  # what the job's one-line error got beneath it
     assert said["rank_bar"] == "", said
+
+
+def test_ports_found_together_are_all_different_and_free() -> None:
+    # spawn's rendezvous and the parameter servers' channel: two calls of free_port may give one port twice.
+    import socket
+
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))  # free once returned

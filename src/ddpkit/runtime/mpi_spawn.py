@@ -36,7 +36,7 @@ from ddpkit.runtime.process import (
     SignalCatcher,
     exit_now,
     finish_as_interpreter,
-    free_port,
+    free_ports,
     torn_down,
     worker_env,
 )
@@ -64,13 +64,13 @@ def spawn_mpi(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], num_serv
     """
     launcher = mpirun.find()
     mpirun.check(launcher, mpirun.library_of_mpi4py())
-    port = free_port()
+    port, ps_port = free_ports(2)  # (two calls could return one port twice)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DDPKIT_BACKEND": "mpi",
            JOB_TOKEN_ENV: mint_job_token(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     if nprocs > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     if num_servers:
-        env.update({NUM_SERVERS_ENV: str(num_servers), PS_PORT_ENV: str(free_port())})
+        env.update({NUM_SERVERS_ENV: str(num_servers), PS_PORT_ENV: str(ps_port)})
     with tempfile.TemporaryDirectory(prefix="ddpkit-mpi-") as folder:
         with open(Path(folder) / _JOB, "wb") as f:
             # What multiprocessing's spawn gives a child (sys.path, the main module by path), so that a function

@@ -45,9 +45,17 @@ _NOT_INHERITED = ("TORCHELASTIC_USE_AGENT_STORE",)
 
 def free_port(host: str = LOOPBACK) -> int:
     """An unused TCP port on ``host`` (the OS picks it; free at the time of the call)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` unused TCP ports on ``host``, all different (held open together while the OS picks them: two
+    calls of :func:`free_port` may return the same port, free again once the first call closed it)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 NUM_SERVERS_ENV = "DDPKIT_NUM_SERVERS"

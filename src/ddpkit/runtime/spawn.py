@@ -42,7 +42,7 @@ from ddpkit.runtime.process import (
     die_with_parent,
     exit_now,
     finish_as_interpreter,
-    free_port,
+    free_ports,
     pid_alive,
     server_env,
     torn_down,
@@ -223,11 +223,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend
     if backend == "mpi":
         return _spawn_mpi(fn, nprocs, args, num_servers)
     ctx = mp.get_context(start_method)
-    port = free_port()
+    # The parameter servers' channel (rank 0's, without servers) on a port found free too, another than the
+    # rendezvous': its default, the rendezvous port + 1, may be any other process's (a client's ephemeral port,
+    # another job's store).
+    port, ps = free_ports(2)
+    ps_port = str(ps)
     token = mint_job_token()  # only these children may join (see ddpkit.init)
-    # The parameter servers' channel (rank 0's, without servers) on a port found free too: its default, the
-    # rendezvous port + 1, may be any other process's (a client's ephemeral port, another job's store).
-    ps_port = str(free_port())
     procs: list[mp.process.BaseProcess] = []
     conns: dict[int, tuple[int, Connection]] = {}
     signals = SignalCatcher()
