@@ -541,6 +541,9 @@ def test_accumulation_trains_a_workers_share_in_that_many_micro_batches_to_the_w
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"accumulation={bad!r} is not a whole number of micro-batches"):
             ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=bad)
+    with pytest.raises(ValueError, match=r"virtual_shards 2 with accumulation=3 at 1 worker\(s\): .* give "
+                                         r"virtual_shards 3 or a multiple of it"):
+        ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=3, virtual_shards=2)
 
 
 def test_grad_accum_in_the_mode_keeps_the_deterministic_shards_no_larger_than_the_batch() -> None:

@@ -355,6 +355,11 @@ class FaultTolerance:
         if virtual_shards is None:  # a resumed state's shards, else the starting world's micro-batches (a replacement:
             # the same)
             virtual_shards = int(saved.get("virtual_shards", ctx.world_size * accumulation))
+        if accumulation > 1 and virtual_shards < self.view.size * accumulation:
+            raise ValueError(f"virtual_shards {virtual_shards} with accumulation={accumulation} at {self.view.size} "
+                             f"worker(s): a worker's share of a step would be fewer than {accumulation} shards, so "
+                             f"fewer micro-batches than asked; give virtual_shards {self.view.size * accumulation} or "
+                             "a multiple of it (or leave it out: that is its default)")
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
                              "needs at least one shard of each step; give at least the largest world size")
