@@ -8,7 +8,7 @@
   outlives one grace period. Every worker leads its own process group, so its
   children (DataLoader workers, a shell's children) go with it.
 * :func:`describe_exit`: an exit status in words.
-* :func:`free_port`.
+* :func:`free_port`, :func:`free_ports` (several, all different).
 * :func:`rank_bar`: a rank's progress bar, whose lock leaves nothing behind when the rank is killed.
 * :class:`SignalCatcher`: SIGINT/SIGTERM become :class:`Interrupted`, held
   back while workers are being started so that none escapes the teardown.
