@@ -1,6 +1,8 @@
 """A script that calls ``ft.steps()`` twice (a phase of one epoch, then the rest), as users write warm-up phases;
-``KILL=member:step`` SIGKILLs that member in that step's first micro-batch, ``SLEEP`` paces the steps (so that a
-replacement joins during the second loop). Prints each member's final weights' digest."""
+``KILL=member:step`` SIGKILLs that member in that step's first micro-batch; ``GROW=N``: in the second loop, after a
+step applied by fewer than N workers, the members wait (at most 120 s, once) for the next membership, a
+replacement's admission, so that it joins during the second loop however long its interpreter takes to start.
+Prints each member's final weights' digest."""
 
 import hashlib
 import os
@@ -25,7 +27,19 @@ kill = tuple(map(int, os.environ["KILL"].split(":"))) if os.environ.get("KILL") 
 ft = ddpkit.FaultTolerance(net, opt, TensorDataset(x, y), batch_size=48, virtual_shards=6, deterministic=True)
 
 
-def train(steps) -> None:
+grow = int(os.environ.get("GROW", "0"))
+waited = False
+
+
+def wait_for_a_join() -> None:
+    global waited
+    waited = True
+    deadline = time.monotonic() + 120
+    while ft.membership.latest().generation == ft.view.generation and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def train(steps, wait: bool) -> None:
     for step in steps:
         for i, (xb, yb) in enumerate(step):
             F.cross_entropy(net(xb), yb).backward()
@@ -34,10 +48,11 @@ def train(steps) -> None:
         if step.sync():
             opt.step()
         opt.zero_grad()
-        time.sleep(float(os.environ.get("SLEEP", "0")))
+        if wait and step.synced and ft.world_size < grow and not waited and ft.committed < 2 * ft.steps_per_epoch:
+            wait_for_a_join()
 
 
-train(ft.steps(epochs=1))
-train(ft.steps(epochs=2))
+train(ft.steps(epochs=1), wait=False)
+train(ft.steps(epochs=2), wait=True)
 digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values())).hexdigest()
 print(f"DONE member {member} committed {ft.committed} loops {ft.loops_done} weights {digest[:16]}", flush=True)

@@ -755,10 +755,11 @@ def test_a_join_during_a_step_lets_the_step_finish_and_switches_at_a_boundary(tm
 def test_a_replacement_skips_the_loops_the_members_finished(tmp_path: Path) -> None:
     # A script with two ft.steps() loops: a replacement that joined during the second ran its first loop's end
     # (a collective) against the members' steps: the job hung until the collective timeout, then died. It now
-    # takes from the state transfer how many loops the members finished, and its first loop gives no step.
+    # takes from the state transfer how many loops the members finished, and its first loop gives no step. The
+    # members wait for its admission (GROW): with a pace in seconds it came after the last step on a loaded machine.
     def run(kill: str) -> Any:
         return launch("--standalone", "--nproc-per-node", "3", "--on-failure", "continue", "--max-restarts", "1",
-                      script("ft_two_loops.py"), env=base_env(KILL=kill, SLEEP="0.3", DDPKIT_TIMEOUT="60"),
+                      script("ft_two_loops.py"), env=base_env(KILL=kill, GROW="3", DDPKIT_TIMEOUT="60"),
                       timeout=240)
 
     plain, killed = run(""), run("1:14")
@@ -775,7 +776,7 @@ def test_a_replacement_skips_the_loops_the_members_finished(tmp_path: Path) -> N
 def test_replacements_that_never_joined_are_stopped_when_training_ends(tmp_path: Path) -> None:
     # Two deaths in a short run: the last worker finishes before the replacements' interpreters are up.
     _, account, stderr = ft_run(tmp_path, "short", kill="1:2,2:3", replacements=2)
-    assert "training is over: stopping 2 replacement(s) that had not joined yet" in stderr
+    assert "training is over: stopping 2 replacement(s) that had not received the training state yet" in stderr
     assert account["world_size"] == 1 and account["committed"] == 26
 
 
@@ -861,7 +862,8 @@ def test_a_replacement_never_trains_from_scratch_when_every_holder_of_the_state_
                   script("ft_train.py"), env=base_env(KILL="1:2,0:4"), timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "started member 2 to replace it" in done.stderr
-    assert "no worker holding the training state is left (stopping 1 replacement(s) that had not joined)" in done.stderr
+    assert ("no worker holding the training state is left (stopping 1 replacement(s) that had not received it)"
+            in done.stderr)
 
 
 def _train(out: Path, *args: str) -> dict:

@@ -607,7 +607,7 @@ class FaultTolerantGroup(WorkerGroup):
         if not self._holders(self.members, joined):
             waiting = self._in_job()
             say(f"{died}; no worker holding the training state is left"
-                + (f" (stopping {len(waiting)} replacement(s) that had not joined)" if waiting else ""))
+                + (f" (stopping {len(waiting)} replacement(s) that had not received it)" if waiting else ""))
             self._dismiss(waiting)
             return False
         say(f"{died}; the job goes on with {len(self.members)} worker(s), membership generation {self.generation}")
@@ -623,7 +623,8 @@ class FaultTolerantGroup(WorkerGroup):
         joining = [i for i, phase in self.phases.items()
                    if phase is WorkerPhase.STARTED and self.member_of[i] >= self.launch.world_size]
         if joining:
-            say(f"training is over: stopping {len(joining)} replacement(s) that had not joined yet")
+            say(f"training is over: stopping {len(joining)} replacement(s) that had not received the training "
+                "state yet")
             self._dismiss(joining)
             # The next view must not name them (no one waits for them): here it comes with the next change.
             self._left_unannounced([self.member_of[i] for i in joining])
