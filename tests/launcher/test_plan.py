@@ -180,3 +180,17 @@ def test_a_module_is_found_without_running_its_package_in_the_launcher(tmp_path,
                                            ("no", False), ("n", False), ("F", False), ("0", False)])
 def test_is_host_takes_torchs_spellings(value, serves):
     assert resolve(LaunchConfig(program=SCRIPT, rdzv_conf=f"is_host={value}")).conf["is_host"] is serves
+
+
+def test_the_servers_channel_port_on_one_node_is_never_the_rendezvous_port(monkeypatch: pytest.MonkeyPatch):
+    # The rendezvous port is found free before rank 0 serves it: a second search may return it again (the OS
+    # picks from the free ones). The plan takes two ports at once and keeps one that is not the rendezvous'.
+    from ddpkit.launcher import plan
+
+    cfg = LaunchConfig(program=SCRIPT, nproc_per_node=2, num_servers=1)
+    monkeypatch.setattr(plan, "free_ports", lambda count: [4321, 4322][:count])
+    for master_port, channel in ((4321, "4322"), (4322, "4321"), (5000, "4321")):
+        envs = [w.env for w in plan_workers(resolve(cfg), master_port=master_port, restart_count=0, base_env={})]
+        assert {env["DDPKIT_PS_PORT"] for env in envs} == {channel}, master_port
+    given = plan_workers(resolve(cfg), master_port=4321, restart_count=0, base_env={"DDPKIT_PS_PORT": "4321"})
+    assert given[0].env["DDPKIT_PS_PORT"] == "4321"  # the user's word stands (and their error is theirs to see)

@@ -17,7 +17,7 @@ from ddpkit.runtime.process import (
     PS_PORT_ENV,
     PS_REPLICATION_ENV,
     SERVER_MODULE,
-    free_port,
+    free_ports,
     server_env,
     worker_env,
 )
@@ -112,7 +112,10 @@ def plan_workers(
     slot = slot or NodeSlot.static(launch, master_port)
     # On one node the servers' channel gets a port of its own that is free now (MASTER_PORT + 1 may not be);
     # across nodes every node must name the same one, so MASTER_PORT + 1 stays the rule there.
-    ps_port = str(free_port()) if cfg.num_servers and slot.nnodes == 1 and not base_env.get(PS_PORT_ENV) else None
+    # (Found beside the rendezvous port, which rank 0 may not serve yet: one call alone could return it again.)
+    ps_port = None
+    if cfg.num_servers and slot.nnodes == 1 and not base_env.get(PS_PORT_ENV):
+        ps_port = str(next(p for p in free_ports(2) if p != slot.master_port))
     workers = []
     for local_rank in range(nproc):
         rank = slot.rank_base + local_rank
