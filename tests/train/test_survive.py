@@ -546,6 +546,56 @@ def test_accumulation_trains_a_workers_share_in_that_many_micro_batches_to_the_w
         ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=3, virtual_shards=2)
 
 
+def test_accumulation_refuses_shards_that_split_a_workers_share_unevenly_in_the_summed_mode() -> None:
+    # V = 4 at one worker with accumulation=3: the summed mode would train micro-batches of 2 shards, two of them
+    # (12 samples of 24 in each), not three of 8; the deterministic mode trains its 4 shards one by one.
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    model = torch.nn.Linear(4, 1)
+    data, optimizer = TensorDataset(torch.randn(48, 4), torch.randn(48, 1)), torch.optim.SGD(model.parameters())
+    with pytest.raises(ValueError, match=r"virtual_shards 4 with accumulation=3 at 1 worker\(s\): a worker's share "
+                                         r"of a step would not be 3 micro-batches of batch_size / 3 samples"):
+        ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=3, virtual_shards=4)
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=3, virtual_shards=4,
+                               deterministic=True)
+    assert [len(y) for x, y in next(iter(ft.steps(epochs=1)))] == [6, 6, 6, 6]
+    with pytest.raises(ValueError, match=r"batch_size 20 does not split into 1 worker\(s\) x accumulation=3 "
+                                         r"micro-batches of one size: give a batch_size that 3 divides"):
+        ddpkit.FaultTolerance(model, optimizer, data, batch_size=20, accumulation=3)
+
+
+def _resumed_at_two_with_accumulation(state: dict) -> list[int]:
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data, optimizer = TensorDataset(torch.randn(48, 4), torch.randn(48, 1)), torch.optim.SGD(model.parameters())
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=2, virtual_shards=2,
+                               resume=state)
+    step = next(iter(ft.steps(epochs=1)))
+    sizes = [len(y) for x, y in step]
+    assert step.sync()
+    return sizes
+
+
+def test_a_run_with_accumulation_resumes_at_more_workers_with_its_micro_batches(dist2) -> None:
+    # Started at one worker with accumulation=2 (V = 2), resumed at two: the check of V against the workers x
+    # accumulation took the world of the resume (2 x 2 > 2) and refused it, though the docs resume at any world.
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data, optimizer = TensorDataset(torch.randn(48, 4), torch.randn(48, 1)), torch.optim.SGD(model.parameters())
+    ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=2)
+    assert dist2.run(_resumed_at_two_with_accumulation, ft.state_dict()) == [[12], [12]]
+
+
 def test_grad_accum_in_the_mode_keeps_the_deterministic_shards_no_larger_than_the_batch() -> None:
     config = TrainConfig(on_failure="continue", grad_accum=2, batch_size=16, deterministic_shards=2)
     with pytest.raises(ConfigError, match=r"--deterministic-shards 2 with --grad-accum 2: .* here 32 samples, more "

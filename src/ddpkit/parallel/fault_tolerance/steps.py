@@ -303,10 +303,11 @@ class FaultTolerance:
             :mod:`.overlap`); False: after the loop body, for a body that changes gradients in place through
             ``.data``, which the check for changed gradients cannot see. Every member must pass the same.
         accumulation: micro-batches each rank trains a step at the starting world, as DDP's gradient
-            accumulation: ``virtual_shards`` defaults to the starting world size times it, and the summed mode
-            trains ``ceil(V / (n * accumulation))`` shards together (``n`` the starting world), so that each
-            micro-batch holds ``batch_size / (n * accumulation)`` samples (the deterministic mode's micro-batches
-            are its shards either way). Every member must pass the same.
+            accumulation: ``virtual_shards`` defaults to the starting world size ``n`` times it (at least that;
+            in the summed mode a multiple of it), and the summed mode trains ``V / (n * accumulation)`` shards
+            together, so that each micro-batch holds ``batch_size / (n * accumulation)`` samples, at any world
+            (the deterministic mode's micro-batches are its shards either way: with a larger ``V``, more of them).
+            Every member must pass the same.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -340,7 +341,7 @@ class FaultTolerance:
         self.view = self.membership.latest() if self.membership else View(0, tuple(range(ctx.world_size)))
         self.started_with = ctx.world_size
         """The world size the job started with (member ids from it on are replacements)."""
-        self.first_world = ctx.world_size
+        self.first_world = int((resume or {}).get("first_world", ctx.world_size))
         """The world the job first started with (a resumed run's: its checkpoint's), which sizes the default
         mode's micro-batches (:meth:`micro_batches`)."""
         if virtual_shards is not None and (isinstance(virtual_shards, bool) or not isinstance(virtual_shards, int)
@@ -352,17 +353,29 @@ class FaultTolerance:
                              "(each rank's micro-batches a step, as DDP's gradient accumulation)")
         self.accumulation = accumulation
         saved = (resume or {}).get("configuration") or {}
-        if virtual_shards is None:  # a resumed state's shards, else the starting world's micro-batches (a replacement:
-            # the same)
-            virtual_shards = int(saved.get("virtual_shards", ctx.world_size * accumulation))
-        if accumulation > 1 and virtual_shards < self.view.size * accumulation:
-            raise ValueError(f"virtual_shards {virtual_shards} with accumulation={accumulation} at {self.view.size} "
-                             f"worker(s): a worker's share of a step would be fewer than {accumulation} shards, so "
-                             f"fewer micro-batches than asked; give virtual_shards {self.view.size * accumulation} or "
-                             "a multiple of it (or leave it out: that is its default)")
+        # The world that sizes the micro-batches: a resumed state's first one, else this start's (a replacement's
+        # WORLD_SIZE is the job's starting world too). Not the current view: a run resumed at more workers, or a
+        # replacement after a spare node joined, trains with the micro-batches the job began with.
+        first = int((resume or {}).get("first_world", ctx.world_size))
+        defaulted = virtual_shards is None
+        if virtual_shards is None:  # a resumed state's shards, else the starting world's micro-batches
+            virtual_shards = int(saved.get("virtual_shards", first * accumulation))
+        # Checked where the job starts: a resumed run's state, a replacement's or a spare's were the starting
+        # members' (and the agreement compares V and the accumulation with theirs).
+        starting = resume is None and self._member < self.started_with
+        if starting and accumulation > 1 and (virtual_shards < first * accumulation
+                                              or (not deterministic and virtual_shards % (first * accumulation))):
+            raise ValueError(f"virtual_shards {virtual_shards} with accumulation={accumulation} at {first} "
+                             f"worker(s): a worker's share of a step would not be {accumulation} micro-batches of "
+                             f"batch_size / {first * accumulation} samples; give virtual_shards "
+                             f"{first * accumulation} or a multiple of it (or leave it out: that is its default)")
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
                              "needs at least one shard of each step; give at least the largest world size")
+        if defaulted and starting and batch_size % virtual_shards:
+            raise ValueError(f"batch_size {batch_size} does not split into {first} worker(s) x accumulation="
+                             f"{accumulation} micro-batches of one size: give a batch_size that {virtual_shards} "
+                             "divides, or another accumulation")
         self.shards = VirtualShards(len(dataset), batch_size, virtual_shards, shuffle=shuffle, seed=seed,
                                     drop_last=drop_last)
         self.dataset = dataset
