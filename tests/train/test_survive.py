@@ -97,7 +97,7 @@ def test_a_shard_count_below_one_is_refused_not_replaced_by_the_default(shards) 
     ({"strategy": "ssp", "deterministic_shards": 2}, "no shards to order"),
     ({"strategy": "ps-async", "max_restarts": 1}, "cannot take a seat in the parameter servers"),
     ({"strategy": "ps-sync", "deterministic_shards": 2}, "no shards to order"),
-    ({"grad_accum": 2, "strategy": "ssp"}, "--grad-accum 2 .* each worker steps after each of its batches"),
+    ({"grad_accum": 2, "strategy": "ssp"}, "--grad-accum 2 .* each of a worker.s batches is a step of its own"),
     ({"grad_accum": 2, "strategy": "diloco"}, "drop --grad-accum, or use --strategy ddp"),
     ({"strategy": "ssp", "resume": True, "output_dir": "x"}, "the state lives in the surviving processes only"),
     ({"strategy": "diloco", "max_restarts": 1}, "a replacement would need another worker's data and inner state"),

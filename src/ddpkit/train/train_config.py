@@ -434,7 +434,8 @@ class TrainConfig:
              f"the process group, which the mode replaces at each death (a death in a forward would cut that "
              f"collective); drop --sync-bn (BatchNorm then {kept})")
         need(self.grad_accum == 1 or self.strategy == "ddp", "grad_accum", f"{why} with --strategy {self.strategy}: "
-             "each worker steps after each of its batches; drop --grad-accum, or use --strategy ddp")
+             "each of a worker's batches is a step of its own (sent to the servers, or a local step), which the mode's "
+             "loops for this strategy do not accumulate; drop --grad-accum, or use --strategy ddp")
         need(self.amp != "fp16", "amp", f"{why}: fp16 needs a loss scale (torch's GradScaler), which the mode's "
              "training loops do not keep; use --amp bf16 (no loss scale needed) or off")
         need(self.trace is None, "trace", f"{why}: there are no DDP buckets to trace")
