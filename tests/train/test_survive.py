@@ -561,6 +561,10 @@ def test_accumulation_refuses_shards_that_split_a_workers_share_unevenly_in_the_
     ft = ddpkit.FaultTolerance(model, optimizer, data, batch_size=24, accumulation=3, virtual_shards=4,
                                deterministic=True)
     assert [len(y) for x, y in next(iter(ft.steps(epochs=1)))] == [6, 6, 6, 6]
+    normalised = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    ft = ddpkit.FaultTolerance(normalised, torch.optim.SGD(normalised.parameters()), data, batch_size=24,
+                               accumulation=3, virtual_shards=4)  # one shard a micro-batch, as deterministic
+    assert [len(y) for x, y in next(iter(ft.steps(epochs=1)))] == [6, 6, 6, 6]
     with pytest.raises(ValueError, match=r"batch_size 20 does not split into 1 worker\(s\) x accumulation=3 "
                                          r"micro-batches of one size: give a batch_size that 3 divides"):
         ddpkit.FaultTolerance(model, optimizer, data, batch_size=20, accumulation=3)

@@ -204,7 +204,7 @@ class CouncilGroup(FaultTolerantGroup):
         if self.members and not self._holders(self.members, set(entry.holders)):
             waiting = self._in_job()
             say(f"no worker holding the training state is left (stopping {len(waiting)} replacement(s) of this "
-                "node that had not joined)")
+                "node that had not received it)")
             self._dismiss(waiting)
         return GO
 

@@ -50,7 +50,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST = 10000  # below: the well-known services' neighbourhood
+_DRAWN_FROM = ((10000, 29999), (32768, 65000))
+"""Where :func:`free_ports` draws, less the kernel's ephemeral range: not below 10000 (well-known services), not
+Kubernetes' node ports (30000-32767: forwarded by the node's rules, with no socket a bind would meet), not above
+65000 (a port + 1 must stay a port: the parameter servers' channel's default is ``MASTER_PORT + 1``)."""
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
@@ -60,21 +63,26 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     Found outside the range the kernel hands out to outgoing connections (``ip_local_port_range``): a port from
     that range, as the OS picks for ``bind(("", 0))``, is free when found but may be taken by any process's next
     connection before the rank that serves it binds it (measured: a parameter servers' channel failed with its
-    port in use in a suite of 2,000 tests). Ports are drawn at random there, so that two jobs starting together
-    rarely try the same; where the kernel's range leaves no room, the OS picks as before."""
+    port in use in a suite of 2,000 tests). Ports are drawn uniformly at random there (see :data:`_DRAWN_FROM`),
+    so that two jobs starting together rarely try the same; where the kernel's range leaves fewer than 1,000
+    ports there, or ``host`` does not resolve to an IPv4 address, the OS picks as before."""
     draw = _draw_outside_ephemeral()
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):
+        draw = None  # (the OS's pick below meets the same error, as before)
     with contextlib.ExitStack() as held:
         socks: list[socket.socket] = []
         for _ in range(64 * count):
             if draw is None or len(socks) == count:
                 break
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
-                sock.bind((host, draw()))
+                sock.bind((address, draw()))
             except OSError:  # in use (or lingering): draw again
                 sock.close()
                 continue
-            socks.append(held.enter_context(sock))
+            socks.append(sock)
         while len(socks) < count:
             sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             sock.bind((host, 0))
@@ -83,17 +91,30 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 
 def _draw_outside_ephemeral() -> Callable[[], int] | None:
-    """A function drawing a port outside the kernel's ephemeral range at random (a generator of its own: the
-    user's ``random`` state is not touched), or ``None`` where that range leaves fewer than 1,000 ports."""
+    """A function drawing a port of :data:`_DRAWN_FROM` outside the kernel's ephemeral range, uniformly at random
+    (a generator of its own: the user's ``random`` state is not touched), or ``None`` where that leaves fewer
+    than 1,000 ports."""
     try:
         low, high = map(int, _EPHEMERAL_RANGE.read_text().split())
     except (OSError, ValueError):
         return None
-    ranges = [(a, b) for a, b in ((_LOWEST, low - 1), (high + 1, 65535)) if b - a >= 1000]
-    if not ranges:
+    ranges = []
+    for a, b in _DRAWN_FROM:
+        ranges += [(x, y) for x, y in ((a, min(b, low - 1)), (max(a, high + 1), b)) if x <= y]
+    total = sum(b - a + 1 for a, b in ranges)
+    if total < 1000:
         return None
     pick = random.Random(os.urandom(16))
-    return lambda: pick.randint(*pick.choice(ranges))
+
+    def draw() -> int:
+        n = pick.randrange(total)
+        for a, b in ranges:
+            if n <= b - a:
+                return a + n
+            n -= b - a + 1
+        raise AssertionError("unreachable: n < total")
+
+    return draw
 
 
 NUM_SERVERS_ENV = "DDPKIT_NUM_SERVERS"

@@ -305,9 +305,9 @@ class FaultTolerance:
         accumulation: micro-batches each rank trains a step at the starting world, as DDP's gradient
             accumulation: ``virtual_shards`` defaults to the starting world size ``n`` times it (at least that;
             in the summed mode a multiple of it), and the summed mode trains ``V / (n * accumulation)`` shards
-            together, so that each micro-batch holds ``batch_size / (n * accumulation)`` samples, at any world
-            (the deterministic mode's micro-batches are its shards either way: with a larger ``V``, more of them).
-            Every member must pass the same.
+            together, so that each micro-batch holds at most ``batch_size / (n * accumulation)`` samples, at any
+            world (the deterministic mode's micro-batches, and those of a model with batch normalisation, are
+            its shards either way: with a larger ``V``, more of them). Every member must pass the same.
 
     Raises:
         ValueError: a setting the mode cannot run (with the fix).
@@ -363,8 +363,13 @@ class FaultTolerance:
         # Checked where the job starts: a resumed run's state, a replacement's or a spare's were the starting
         # members' (and the agreement compares V and the accumulation with theirs).
         starting = resume is None and self._member < self.started_with
+        # (In the deterministic mode, and for a model that normalises over the batch, a micro-batch is one shard:
+        # V at least the workers x N gives each at least N of them.)
+        self.batch_statistics = any(isinstance(m, _BatchNorm) for m in model.modules())
+        """The model normalises over the batch: its micro-batches are one shard each (:meth:`micro_batches`)."""
+        one_shard_each = deterministic or self.batch_statistics
         if starting and accumulation > 1 and (virtual_shards < first * accumulation
-                                              or (not deterministic and virtual_shards % (first * accumulation))):
+                                              or (not one_shard_each and virtual_shards % (first * accumulation))):
             raise ValueError(f"virtual_shards {virtual_shards} with accumulation={accumulation} at {first} "
                              f"worker(s): a worker's share of a step would not be {accumulation} micro-batches of "
                              f"batch_size / {first * accumulation} samples; give virtual_shards "
@@ -372,10 +377,11 @@ class FaultTolerance:
         if virtual_shards < self.view.size:
             raise ValueError(f"virtual_shards {virtual_shards} is below the world size {self.view.size}: every rank "
                              "needs at least one shard of each step; give at least the largest world size")
-        if defaulted and starting and batch_size % virtual_shards:
+        if defaulted and starting and accumulation > 1 and batch_size % virtual_shards:
+            fit = -(-batch_size // virtual_shards) * virtual_shards
             raise ValueError(f"batch_size {batch_size} does not split into {first} worker(s) x accumulation="
                              f"{accumulation} micro-batches of one size: give a batch_size that {virtual_shards} "
-                             "divides, or another accumulation")
+                             f"divides (e.g. {fit}), or another accumulation")
         self.shards = VirtualShards(len(dataset), batch_size, virtual_shards, shuffle=shuffle, seed=seed,
                                     drop_last=drop_last)
         self.dataset = dataset
@@ -384,8 +390,6 @@ class FaultTolerance:
         self._trainable = [p.requires_grad for _, p in self._every_param]
         """Which parameters required grad when the engine was built (its layout): :meth:`_check_trainable`."""
         self.buffers = ModelBuffers(model, self.device)
-        self.batch_statistics = any(isinstance(m, _BatchNorm) for m in model.modules())
-        """The model normalises over the batch: its micro-batches are one shard each (:meth:`micro_batches`)."""
         if self.buffers and not broadcast_buffers:
             raise ValueError("FaultTolerance(broadcast_buffers=False) with a model that has buffers (batch-norm "
                              "statistics): every member must hold the same buffers, since any of them may hand the "
