@@ -356,7 +356,7 @@ class FaultTolerance:
         # The world that sizes the micro-batches: a resumed state's first one, else this start's (a replacement's
         # WORLD_SIZE is the job's starting world too). Not the current view: a run resumed at more workers, or a
         # replacement after a spare node joined, trains with the micro-batches the job began with.
-        first = int((resume or {}).get("first_world", ctx.world_size))
+        first = self.first_world
         defaulted = virtual_shards is None
         if virtual_shards is None:  # a resumed state's shards, else the starting world's micro-batches
             virtual_shards = int(saved.get("virtual_shards", first * accumulation))
